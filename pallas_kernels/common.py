@@ -1,0 +1,76 @@
+"""Helpers shared by the kernel families: interpret-mode resolution, the
+Triton deprecation filter and deviceless lowering for an abstract H100."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from typing import Any, Callable
+
+import jax
+
+# jax >= 0.11 warns that the Triton lowering is deprecated in favour of Mosaic
+# GPU. We target Triton deliberately (SPEC section 2), so the warning is noise.
+_TRITON_DEPRECATION = r".*[Tt]riton.*"
+
+
+def filter_triton_deprecation() -> None:
+  """Silences the expected Triton-lowering DeprecationWarning process-wide."""
+  warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+filter_triton_deprecation()
+
+
+@functools.cache
+def has_gpu() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+  """`None` means: interpret when no GPU is present."""
+  return (not has_gpu()) if interpret is None else bool(interpret)
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+  """Smallest power of two >= n (and >= 1)."""
+  return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def abstract_h100_mesh():
+  from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  return mesh_lib.AbstractMesh(
+      (1,), ("x",), (mesh_lib.AxisType.Explicit,),
+      abstract_device=mesh_lib.AbstractDevice("NVIDIA H100", 1, "cuda"))
+
+
+def lower_for_h100(fn: Callable[..., Any], *avals: Any, **static_kwargs: Any) -> str:
+  """Lowers `fn(*avals, **static_kwargs)` for CUDA without a GPU; returns the
+  StableHLO text. Raises if the Pallas kernel cannot be lowered (bad block
+  shapes, unsupported casts or primitives)."""
+  f = functools.partial(fn, **static_kwargs)
+  with jax.sharding.use_abstract_mesh(abstract_h100_mesh()):
+    lowered = jax.jit(f).trace(*avals).lower(lowering_platforms=("cuda",))
+  return lowered.as_text()
+
+
+def assert_lowers_to_triton(fn: Callable[..., Any], *avals: Any, **static_kwargs: Any) -> str:
+  txt = lower_for_h100(fn, *avals, **static_kwargs)
+  if "__gpu$xla.gpu.triton" not in txt:
+    raise AssertionError("lowering produced no Triton custom call")
+  return txt
+
+
+@contextlib.contextmanager
+def quiet():
+  with warnings.catch_warnings():
+    filter_triton_deprecation()
+    yield

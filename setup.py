@@ -1,0 +1,24 @@
+"""jaxkern: Pallas GPU kernels for recorded serving workloads, and their replay."""
+
+import setuptools
+
+setuptools.setup(
+    name="jaxkern",
+    version="0.1.0",
+    description="JAX/Pallas kernels replaying recorded serving workloads against jnp references",
+    packages=setuptools.find_packages(include=["jaxkern", "jaxkern.*", "pallas_kernels", "pallas_kernels.*"]),
+    python_requires=">=3.12",
+    install_requires=[
+        "jax>=0.11.2,<0.13",
+        "jaxlib>=0.11.2,<0.13",
+        "chex>=0.1.90,<0.2",
+        "absl-py>=2.1,<3",
+        "ml_collections>=1.0,<2",
+        "safetensors>=0.4,<1",
+        "numpy>=2.0,<3",
+        "ml_dtypes>=0.5,<1",
+        "tqdm>=4.66,<5",
+        "tabulate>=0.9,<1",
+    ],
+    extras_require={"test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4"]},
+)
