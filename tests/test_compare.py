@@ -1,0 +1,158 @@
+"""The comparison policy (SPEC section 5) on crafted cases: each rule, each failure."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkern import compare
+from jaxkern.dataset import TensorSpec
+
+
+def spec(name, dtype, shape=("R", "C")):
+  return {name: TensorSpec(name=name, shape=shape, dtype=dtype)}
+
+
+def run(specs, out, ref, **kw):
+  return compare.compare(specs, out, ref, **kw)
+
+
+def test_bf16_fib_rule_needs_both_bounds_exceeded():
+  y = jnp.array([[1.0, 100.0, 0.0, -2.0]], jnp.bfloat16)
+  # 100 -> 101: |d|=1 > atol but < rtol*100 = 1.6: passes. 0 -> 0.004: < atol: passes.
+  x = jnp.array([[1.0, 101.0, 0.004, -2.0]], jnp.bfloat16)
+  r = run(spec("o", "bfloat16"), {"o": x}, {"o": y})
+  assert r.passed and r.outputs["o"].matched_ratio == 1.0
+  assert r.outputs["o"].max_abs_error == pytest.approx(1.0)
+  # 1 -> 1.03: |d|=0.03 > atol and > 0.016: fails.
+  x2 = x.at[0, 0].set(1.03125)
+  r2 = run(spec("o", "bfloat16"), {"o": x2}, {"o": y})
+  assert r2.status == "incorrect_numerical" and r2.outputs["o"].matched_ratio == 0.75
+  assert r2.outputs["o"].max_rel_error == pytest.approx(0.03125)
+
+
+def test_f32_tolerance_is_tighter():
+  y = jnp.ones((2, 2), jnp.float32)
+  ok = run(spec("o", "float32"), {"o": y + 5e-5}, {"o": y})  # rtol 1e-4 * 1 = 1e-4 covers it
+  bad = run(spec("o", "float32"), {"o": y + 5e-4}, {"o": y})
+  assert ok.passed and not bad.passed
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_where_reference_is_finite_fails(bad):
+  y = jnp.zeros((1, 4), jnp.float32)
+  r = run(spec("o", "float32"), {"o": y.at[0, 1].set(bad)}, {"o": y})
+  assert r.status == "incorrect_numerical" and r.outputs["o"].max_abs_error == float("inf")
+  assert r.outputs["o"].matched_ratio == 0.75
+
+
+def test_nonfinite_reference_matches_only_the_same_value():
+  # Lonely attention rows report lse = +inf.
+  y = jnp.array([[1.0, jnp.inf]], jnp.float32)
+  assert run(spec("lse", "float32"), {"lse": y}, {"lse": y}).passed
+  assert not run(spec("lse", "float32"), {"lse": y.at[0, 1].set(3.0)}, {"lse": y}).passed
+  assert not run(spec("lse", "float32"), {"lse": y.at[0, 1].set(-jnp.inf)}, {"lse": y}).passed
+
+
+def test_shape_and_dtype_mismatch_fail_outright():
+  y = jnp.zeros((2, 3), jnp.bfloat16)
+  assert run(spec("o", "bfloat16"), {"o": jnp.zeros((3, 2), jnp.bfloat16)}, {"o": y}).status == "incorrect_shape"
+  assert run(spec("o", "bfloat16"), {"o": jnp.zeros((2, 3), jnp.float32)}, {"o": y}).status == "incorrect_dtype"
+  assert run(spec("o", "bfloat16"), {}, {"o": y}).status == "incorrect_shape"
+
+
+def test_integer_outputs_are_exact():
+  y = jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
+  assert run(spec("i", "int32"), {"i": y}, {"i": y}).passed
+  r = run(spec("i", "int32"), {"i": y.at[1, 2].add(1)}, {"i": y})
+  assert r.status == "incorrect_numerical" and r.outputs["i"].matched_ratio == pytest.approx(5 / 6)
+
+
+def test_empty_outputs_pass():
+  y = jnp.zeros((0, 4), jnp.bfloat16)
+  assert run(spec("o", "bfloat16"), {"o": y}, {"o": y}).passed
+
+
+# Top-k: scores over 6 candidates; ids 1 and 4 tie.
+SCORES = np.array([[0.1, 0.9, 0.5, 0.2, 0.9, 0.3]], np.float32)
+TOPK_SPECS = {**spec("ids", "int32"), **spec("w", "float32")}
+
+
+def topk(out_ids, ref_ids, out_w=None, ref_w=None, with_inputs=True):
+  out = {"ids": jnp.array([out_ids], jnp.int32)}
+  ref = {"ids": jnp.array([ref_ids], jnp.int32)}
+  if out_w is not None:
+    out["w"], ref["w"] = jnp.array([out_w], jnp.float32), jnp.array([ref_w], jnp.float32)
+    specs = TOPK_SPECS
+  else:
+    specs = spec("ids", "int32")
+  return run(specs, out, ref, inputs={"s": SCORES} if with_inputs else None,
+             topk_scores={"ids": lambda inputs: inputs["s"]}, paired_outputs={"w": "ids"})
+
+
+def test_topk_tie_is_accepted_and_reported():
+  r = topk([2, 4], [1, 2])  # 1 and 4 both score 0.9
+  assert r.passed and r.tie_accepted_rows == 1 and r.outputs["ids"].tie_accepted_rows == 1
+
+
+def test_topk_without_inputs_is_exact():
+  assert topk([2, 4], [1, 2], with_inputs=False).status == "incorrect_numerical"
+
+
+@pytest.mark.parametrize("ids,why", [
+    ([2, 3], "a lower score"),
+    ([4, 4], "duplicate ids"),
+    ([4, 7], "id out of range"),
+    ([4, -1], "different -1 padding"),
+    ([4, -2], "invalid negative id"),
+])
+def test_topk_rejections(ids, why):
+  assert topk(ids, [1, 2]).status == "incorrect_numerical", why
+
+
+def test_topk_same_padding_accepted():
+  assert topk([4, -1], [1, -1]).passed
+
+
+def test_topk_same_set_wrong_order_fails():
+  assert not topk([2, 1], [1, 2]).passed
+
+
+def test_paired_weights_compared_on_common_ids():
+  # Tie row: kernel picked 4 instead of 1; the weight of id 2 must still match.
+  assert topk([2, 4], [1, 2], out_w=[0.4, 0.6], ref_w=[0.6, 0.4]).passed
+  r = topk([2, 4], [1, 2], out_w=[0.5, 0.6], ref_w=[0.6, 0.4])
+  assert r.outputs["w"].status == "incorrect_numerical"
+  # Exact rows compare positionally.
+  assert not topk([1, 2], [1, 2], out_w=[0.4, 0.6], ref_w=[0.6, 0.4]).passed
+  assert topk([1, 2], [1, 2], out_w=[0.6, 0.4], ref_w=[0.6, 0.4]).passed
+
+
+def test_gdn_state_metric():
+  rng = np.random.default_rng(0)
+  y = rng.standard_normal((2, 8, 16, 16)).astype(np.float32)
+  specs = spec("new_state", "float32", ("N", "H", "K", "V"))
+  pol = {"new_state": "gdn_prefill_state"}
+  small = y * (1 + 0.004 * rng.standard_normal(y.shape).astype(np.float32))
+  assert run(specs, {"new_state": jnp.asarray(small)}, {"new_state": jnp.asarray(y)}, output_policies=pol).passed
+  # Elementwise rtol would fail this, the state metric does not.
+  assert not run(specs, {"new_state": jnp.asarray(small)}, {"new_state": jnp.asarray(y)}).passed
+  # One bad head fails the per-(sequence, head) bound.
+  bad = y.copy()
+  bad[1, 3] *= 1.05
+  r = run(specs, {"new_state": jnp.asarray(bad)}, {"new_state": jnp.asarray(y)}, output_policies=pol)
+  assert r.status == "incorrect_numerical" and "max_head_relative_rms" in r.outputs["new_state"].message
+  # A zero state (an empty sequence) must stay zero.
+  z = np.zeros_like(y)
+  assert run(specs, {"new_state": jnp.asarray(z)}, {"new_state": jnp.asarray(z)}, output_policies=pol).passed
+  z2 = z.copy()
+  z2[0, 0, 0, 0] = 1e-3
+  assert not run(specs, {"new_state": jnp.asarray(z2)}, {"new_state": jnp.asarray(z)}, output_policies=pol).passed
+
+
+def test_first_failing_output_sets_status_and_json():
+  specs = {**spec("a", "bfloat16"), **spec("b", "int32")}
+  y = {"a": jnp.zeros((1, 2), jnp.bfloat16), "b": jnp.zeros((1, 2), jnp.int32)}
+  r = run(specs, {"a": y["a"], "b": jnp.ones((1, 2), jnp.int32)}, y)
+  assert r.status == "incorrect_numerical" and r.outputs["a"].status == "passed"
+  js = r.to_json()
+  assert js["b"]["status"] == "incorrect_numerical" and js["b"]["matched_ratio"] == 0.0
