@@ -1,0 +1,31 @@
+"""The replay config schema: every field, its default and meaning.
+
+Config files in `configs/` start from `default_config()` and change values;
+any field is overridable on the command line as `--config.FIELD=VALUE`.
+(Kept apart from `jaxkern.replay` so config files do not import the app and
+its flags.)
+"""
+
+from ml_collections import config_dict
+
+
+def default_config() -> config_dict.ConfigDict:
+  """Every replay config field, with its default."""
+  c = config_dict.ConfigDict()
+  c.dataset_dir = "datasets"
+  c.definitions = ""  # comma-separated names or name prefixes; empty = all
+  c.variants = ""  # comma-separated recorded variants; empty = all ("none" = records without one)
+  c.uuids = ""  # comma-separated uuids; empty = all
+  c.max_workloads_per_definition = 0  # 0 = no cap
+  c.max_workloads_per_variant = 0  # 0 = no cap; records without a variant form one group
+  c.seed = 0  # mixed with each record's uuid
+  c.scale = "auto"  # auto: recorded sizes on a GPU, CPU budget without one | full | smoke
+  c.interpret = config_dict.placeholder(bool)  # None: interpret mode when no GPU is present
+  c.blob_root = ""  # directory holding the records' blob/... safetensors, if any
+  c.output = "results/replay.jsonl"
+  c.resume = False  # keep `output` and skip uuids already in it
+  c.warmup = 1
+  c.iters = 3
+  c.timeout_s = 600.0  # per workload, compile included
+  c.progress = True
+  return c
