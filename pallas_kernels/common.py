@@ -45,6 +45,23 @@ def next_pow2(n: int) -> int:
   return 1 << max(int(n) - 1, 0).bit_length()
 
 
+# `jnp.dot` on the Triton lowering needs every dot dimension >= 16.
+MIN_DOT_DIM = 16
+
+
+def check_dot_blocks(config: Any, *names: str) -> None:
+  """Raises unless each named block size of `config` is a power of two >= 16."""
+  for name in names:
+    value = getattr(config, name)
+    if value < MIN_DOT_DIM or value & (value - 1):
+      raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT_DIM}")
+
+
+def fit_block(block: int, size: int) -> int:
+  """Shrinks `block` to the smallest power of two covering `size` (>= 16)."""
+  return max(MIN_DOT_DIM, min(block, next_pow2(size)))
+
+
 def abstract_h100_mesh():
   from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   return mesh_lib.AbstractMesh(

@@ -1,0 +1,373 @@
+"""DeepSeek-V4 MoE router on the Pallas Triton lowering: router GEMM + top-k.
+
+Math (per token row):
+  logits  = hidden @ weight^T                       fp32 accumulation
+  scores  = sqrt(softplus(logits))                  "sqrtsoftplus", fp32
+  chosen  = top_k(scores + bias), ties to the lower expert id
+  weights = scores[chosen] / sum(scores[chosen]) * routed_scaling_factor
+Outputs are the chosen ids in ascending order (int32 [M, top_k]) and their
+weights permuted alongside (f32 [M, top_k]).
+
+Design. E = 384 experts are held as one 512-wide fp32 row tile per token
+(padded experts never selectable), so the routing decision is made in
+registers straight from the GEMM accumulator: there is no XLA matmul and no
+logits array handed to a separate op. Top-k is k argmax passes over that tile
+(lowest id among equal maxima, which gives exact ties to the lower id); a
+second k-pass sweep reads the chosen set back in ascending id order, which is
+the output order, so no sort is needed. TOPK = 6 is held 8 wide and stored
+masked.
+
+Two forms, picked by `MoeRouterConfig.split_d`:
+* `split_d == 1`: one fused kernel; each program owns `block_m` tokens, walks
+  all of D, routes, and stores ids/weights. Nothing but the outputs reaches
+  HBM. The heuristic uses it once there are enough token blocks to fill the
+  GPU (M > 4096 with 64-row blocks).
+* `split_d > 1`: a two-stage design, chosen on purpose for decode and the
+  recorded prefill sizes (M <= 4096). With one program per token block, M=1
+  would stream the whole 3.9 MB weight through one SM and M=4096 would use
+  64 of 132 SMs, each doing 335 MFLOP serially. Splitting D over `split_d`
+  programs spreads that work; each program writes its fp32 partial logits
+  for real tokens only ([split, M, 512]: 2 KiB per token and split, 160 KiB
+  at M=1 against the 3.9 MB weight read), and a small second Pallas kernel
+  sums the partials and runs the same routing epilogue. That is the one HBM
+  round trip of (partial) logits, taken only where it buys parallelism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.common import cdiv, check_dot_blocks, fit_block, next_pow2, resolve_interpret
+
+# Programs that fill an H100/H200 (132 SMs) roughly once; the split heuristic
+# aims for this many (token block, D split) programs.
+_TARGET_PROGRAMS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeRouterConfig:
+  """Tiling of the router. `split_d` > 1 selects the two-stage split-D form."""
+  block_m: int = 64         # tokens per program (power of two >= 16)
+  block_d: int = 64         # hidden columns per GEMM step (power of two >= 16)
+  split_d: int = 1          # requested number of D splits (1 = fused kernel)
+  num_warps: int = 8        # GEMM (stage-1 or fused) kernel
+  num_stages: int = 2
+  # Split-D reduce + routing kernel: a short row tile keeps its several
+  # [rows, 512] fp32/bool temporaries in registers.
+  epilogue_block_m: int = 16
+  epilogue_num_warps: int = 4
+
+  def __post_init__(self):
+    check_dot_blocks(self, "block_m", "block_d", "epilogue_block_m")
+    if self.split_d < 1:
+      raise ValueError(f"split_d={self.split_d} must be >= 1")
+
+
+def _d_blocks_per_split(config: MoeRouterConfig, d: int) -> int:
+  return cdiv(cdiv(d, config.block_d), config.split_d)
+
+
+def _fit(config: MoeRouterConfig, m: int, d: int) -> MoeRouterConfig:
+  """Clamps blocks to the problem and `split_d` to the splits it yields."""
+  block_m = fit_block(config.block_m, m)
+  block_d = fit_block(config.block_d, d)
+  epilogue_block_m = fit_block(config.epilogue_block_m, m)
+  config = dataclasses.replace(config, block_m=block_m, block_d=block_d,
+                               epilogue_block_m=epilogue_block_m)
+  num_d_blocks = cdiv(d, block_d)
+  split_d = cdiv(num_d_blocks, _d_blocks_per_split(config, d))
+  return dataclasses.replace(config, split_d=split_d)
+
+
+def choose_config(m: int, d: int, e: int) -> MoeRouterConfig:
+  """Heuristic: token tile from M, then enough D splits to fill the GPU.
+
+  The fp32 logit tile is block_m x next_pow2(E); 64 x 512 is the largest that
+  keeps the accumulator in registers with 8 warps. For M <= 16 (decode) the
+  tile is 16 rows and D splits reach one 64-column block per program.
+  """
+  del e  # The expert tile is always next_pow2(E) wide.
+  block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+  num_m_blocks = cdiv(m, block_m)
+  split_d = 1
+  while num_m_blocks * split_d * 2 <= _TARGET_PROGRAMS:
+    split_d *= 2
+  base = MoeRouterConfig(block_m=block_m, block_d=64, split_d=split_d,
+                         num_warps=8 if block_m == 64 else 4, num_stages=2)
+  return _fit(base, m, d)
+
+
+def candidate_configs(m: int, d: int, e: int) -> list[MoeRouterConfig]:
+  """Configs a sweep may try; includes `choose_config(m, d, e)`."""
+  out = [choose_config(m, d, e)]
+  for block_m, num_warps in ((16, 4), (32, 4), (64, 8)):
+    for block_d, num_stages in ((32, 3), (64, 2)):
+      for split_d in (1, 2, 4, 8, 16, 32, 64, 128):
+        config = _fit(MoeRouterConfig(block_m, block_d, split_d, num_warps,
+                                      num_stages), m, d)
+        if config not in out:
+          out.append(config)
+  return out
+
+
+def _accumulate_logits(hidden_ref, weight_ref, first_d_block, num_d_blocks, *,
+                       m: int, d: int, e: int, block_m: int, block_d: int,
+                       experts_padded: int, row_start):
+  """fp32 [block_m, experts_padded] = hidden rows @ weight^T over a D range."""
+  rows = row_start + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
+  experts = lax.broadcasted_iota(jnp.int32, (experts_padded, 1), 0)
+  row_ok = rows < m if m % block_m else None
+  expert_ok = experts < e if e != experts_padded else None
+  nt = (((1,), (1,)), ((), ()))
+
+  def load(ref, start, lines: int, line_ok):
+    mask = line_ok
+    if d % block_d:  # D tail: zero the columns past D.
+      col_ok = (start + lax.broadcasted_iota(jnp.int32, (1, block_d), 1)) < d
+      mask = col_ok if mask is None else mask & col_ok
+    if mask is None:
+      return ref[pl.ds(0, lines), pl.ds(start, block_d)]
+    # A traced row start: the padded expert tile overhangs the weight ref,
+    # which a static slice rejects at trace time; the mask covers it.
+    return plgpu.load(ref.at[pl.ds(jnp.int32(0), lines), pl.ds(start, block_d)],
+                      mask=mask, other=0.0)
+
+  def step(i, acc):
+    start = (first_d_block + i) * block_d
+    x = load(hidden_ref, start, block_m, row_ok)
+    w = load(weight_ref, start, experts_padded, expert_ok)
+    return acc + lax.dot_general(x, w, nt, preferred_element_type=jnp.float32)
+
+  acc = jnp.zeros((block_m, experts_padded), jnp.float32)
+  return lax.fori_loop(0, num_d_blocks, step, acc)
+
+
+def _route(logits, bias, scale, *, e: int, top_k: int, top_k_padded: int):
+  """Routing epilogue on an fp32 [rows, experts_padded] logit tile.
+
+  Returns ids int32 [rows, top_k_padded] ascending and their weights f32;
+  columns >= top_k are filler the caller masks out on store.
+  """
+  experts_padded = logits.shape[1]
+  expert_ids = lax.broadcasted_iota(jnp.int32, (1, experts_padded), 1)
+  valid = expert_ids < e
+  # Stable softplus: max(x, 0) + log1p(exp(-|x|)) never overflows.
+  softplus = jnp.maximum(logits, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(logits)))
+  scores = jnp.sqrt(softplus)
+  ranking = scores + bias
+  neg_inf = jnp.float32(-jnp.inf)
+
+  # Top-k as k argmax passes; among equal maxima the lowest id wins.
+  chosen = jnp.zeros(logits.shape, jnp.bool_)
+  for _ in range(top_k):
+    available = valid & jnp.logical_not(chosen)
+    best = jnp.max(jnp.where(available, ranking, neg_inf), axis=1)[:, None]
+    at_best = available & (ranking == best)
+    pick = jnp.min(jnp.where(at_best, expert_ids, experts_padded), axis=1)[:, None]
+    chosen = chosen | (expert_ids == pick)
+
+  total = jnp.sum(jnp.where(chosen, scores, 0.0), axis=1)[:, None]
+  # Read the chosen set back in ascending id order (the output order).
+  slots = lax.broadcasted_iota(jnp.int32, (1, top_k_padded), 1)
+  ids = jnp.zeros((logits.shape[0], top_k_padded), jnp.int32)
+  weights = jnp.zeros((logits.shape[0], top_k_padded), jnp.float32)
+  remaining = chosen
+  for slot in range(top_k):
+    lowest = jnp.min(jnp.where(remaining, expert_ids, experts_padded), axis=1)[:, None]
+    hit = expert_ids == lowest
+    score = jnp.sum(jnp.where(hit, scores, 0.0), axis=1)[:, None]
+    remaining = remaining & jnp.logical_not(hit)
+    ids = jnp.where(slots == slot, lowest, ids)
+    weights = jnp.where(slots == slot, score / total * scale, weights)
+  return ids, weights
+
+
+def _load_bias(bias_ref, *, e: int, experts_padded: int):
+  experts = lax.broadcasted_iota(jnp.int32, (experts_padded,), 0)
+  bias = plgpu.load(bias_ref.at[pl.ds(jnp.int32(0), experts_padded)],
+                    mask=experts < e, other=0.0)
+  return bias[None, :]
+
+
+def _store_routes(ids_ref, weights_ref, ids, weights, *, m: int, row_start,
+                  top_k: int):
+  rows, top_k_padded = ids.shape
+  row_ok = (row_start + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)) < m
+  mask = row_ok & (lax.broadcasted_iota(jnp.int32, (1, top_k_padded), 1) < top_k)
+  # Traced start: the padded slot range overhangs the top_k-wide refs.
+  cols = pl.ds(jnp.int32(0), top_k_padded)
+  plgpu.store(ids_ref.at[:, cols], ids, mask=mask)
+  plgpu.store(weights_ref.at[:, cols], weights, mask=mask)
+
+
+def _fused_router_kernel(hidden_ref, weight_ref, bias_ref, scale_ref,
+                         ids_ref, weights_ref, *, m, d, e, top_k, block_m,
+                         block_d, experts_padded, top_k_padded):
+  row_start = pl.program_id(0) * block_m
+  logits = _accumulate_logits(
+      hidden_ref, weight_ref, 0, cdiv(d, block_d), m=m, d=d, e=e,
+      block_m=block_m, block_d=block_d, experts_padded=experts_padded,
+      row_start=row_start)
+  bias = _load_bias(bias_ref, e=e, experts_padded=experts_padded)
+  ids, weights = _route(logits, bias, scale_ref[0], e=e, top_k=top_k,
+                        top_k_padded=top_k_padded)
+  _store_routes(ids_ref, weights_ref, ids, weights, m=m, row_start=row_start,
+                top_k=top_k)
+
+
+def _partial_logits_kernel(hidden_ref, weight_ref, partial_ref, *, m, d, e,
+                           block_m, block_d, experts_padded, d_blocks_per_split):
+  split = pl.program_id(1)
+  first = split * d_blocks_per_split
+  count = jnp.minimum(d_blocks_per_split, cdiv(d, block_d) - first)
+  row_start = pl.program_id(0) * block_m
+  partial = _accumulate_logits(
+      hidden_ref, weight_ref, first, count, m=m, d=d, e=e, block_m=block_m,
+      block_d=block_d, experts_padded=experts_padded, row_start=row_start)
+  if m % block_m:
+    # Only real tokens are written: for decode (M=1 in a 16-row tile) this
+    # keeps the partials at 2 KiB per split instead of 32 KiB.
+    row_ok = (row_start + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < m
+    plgpu.store(partial_ref, partial, mask=row_ok)
+  else:
+    partial_ref[...] = partial
+
+
+def _reduce_and_route_kernel(partial_ref, bias_ref, scale_ref, ids_ref,
+                             weights_ref, *, m, e, top_k, top_k_padded,
+                             num_splits):
+  # partial_ref: [num_splits, block_m, experts_padded] fp32 rows of M.
+  _, block_m, experts_padded = partial_ref.shape
+  row_start = pl.program_id(0) * block_m
+  if m % block_m:
+    row_ok = (row_start + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < m
+    load_split = lambda s: plgpu.load(partial_ref.at[s], mask=row_ok, other=0.0)
+  else:
+    load_split = lambda s: partial_ref[s]
+  logits = lax.fori_loop(0, num_splits, lambda s, acc: acc + load_split(s),
+                         jnp.zeros((block_m, experts_padded), jnp.float32))
+  bias = _load_bias(bias_ref, e=e, experts_padded=experts_padded)
+  ids, weights = _route(logits, bias, scale_ref[0], e=e, top_k=top_k,
+                        top_k_padded=top_k_padded)
+  _store_routes(ids_ref, weights_ref, ids, weights, m=m, row_start=row_start,
+                top_k=top_k)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "config", "interpret"))
+def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
+                    routed_scaling_factor: jax.Array | float, *, top_k: int = 6,
+                    config: MoeRouterConfig | None = None,
+                    interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+  """Router GEMM + sqrtsoftplus + biased top-k in Pallas.
+
+  hidden [M,D] and weight [E,D] share a dtype (bf16); bias [E] f32;
+  routed_scaling_factor a scalar (traced, not static). Returns
+  (expert_ids int32 [M,top_k] ascending, expert_weights f32 [M,top_k]).
+  """
+  if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
+    raise ValueError(f"expected hidden [M,D], weight [E,D]; got {hidden.shape}, {weight.shape}")
+  if hidden.dtype != weight.dtype:
+    raise ValueError(f"hidden and weight must share a dtype: {hidden.dtype} vs {weight.dtype}")
+  m, d = hidden.shape
+  e = weight.shape[0]
+  if bias.shape != (e,):
+    raise ValueError(f"bias must be [{e}], got {bias.shape}")
+  if not 1 <= top_k <= e:
+    raise ValueError(f"top_k={top_k} must be in [1, {e}]")
+  if m == 0:
+    return jnp.zeros((0, top_k), jnp.int32), jnp.zeros((0, top_k), jnp.float32)
+  config = _fit(config or choose_config(m, d, e), m, d)
+  interpret = resolve_interpret(interpret)
+  block_m = config.block_m
+  num_m_blocks = cdiv(m, block_m)
+  experts_padded = next_pow2(e)
+  top_k_padded = next_pow2(top_k)
+  bias = bias.astype(jnp.float32)
+  scale = jnp.reshape(jnp.asarray(routed_scaling_factor, jnp.float32), (1,))
+  out_shape = (jax.ShapeDtypeStruct((m, top_k), jnp.int32),
+               jax.ShapeDtypeStruct((m, top_k), jnp.float32))
+  dims = dict(m=m, d=d, e=e, block_m=block_m, block_d=config.block_d,
+              experts_padded=experts_padded)
+
+  if config.split_d == 1:
+    return pl.pallas_call(
+        functools.partial(_fused_router_kernel, top_k=top_k,
+                          top_k_padded=top_k_padded, **dims),
+        out_shape=out_shape,
+        grid=(num_m_blocks,),
+        in_specs=[
+            pl.BlockSpec((block_m, d), lambda i: (i, 0)),
+            pl.BlockSpec((e, d), lambda i: (0, 0)),
+            pl.BlockSpec((e,), lambda i: (0,)),
+            pl.BlockSpec((1,), lambda i: (0,)),
+        ],
+        out_specs=[pl.BlockSpec((block_m, top_k), lambda i: (i, 0))] * 2,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="moe_router_fused",
+    )(hidden, weight, bias, scale)
+
+  num_splits = config.split_d
+  partial = pl.pallas_call(
+      functools.partial(_partial_logits_kernel,
+                        d_blocks_per_split=_d_blocks_per_split(config, d), **dims),
+      out_shape=jax.ShapeDtypeStruct((num_splits, m, experts_padded), jnp.float32),
+      grid=(num_m_blocks, num_splits),
+      in_specs=[
+          pl.BlockSpec((block_m, d), lambda i, s: (i, 0)),
+          pl.BlockSpec((e, d), lambda i, s: (0, 0)),
+      ],
+      out_specs=pl.BlockSpec((None, block_m, experts_padded),
+                             lambda i, s: (s, i, 0)),
+      compiler_params=plgpu.CompilerParams(
+          num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret,
+      name="moe_router_partial_logits",
+  )(hidden, weight)
+  epilogue_block_m = config.epilogue_block_m
+  return pl.pallas_call(
+      functools.partial(_reduce_and_route_kernel, m=m, e=e, top_k=top_k,
+                        top_k_padded=top_k_padded, num_splits=num_splits),
+      out_shape=out_shape,
+      grid=(cdiv(m, epilogue_block_m),),
+      in_specs=[
+          pl.BlockSpec((num_splits, epilogue_block_m, experts_padded),
+                       lambda i: (0, i, 0)),
+          pl.BlockSpec((e,), lambda i: (0,)),
+          pl.BlockSpec((1,), lambda i: (0,)),
+      ],
+      out_specs=[pl.BlockSpec((epilogue_block_m, top_k), lambda i: (i, 0))] * 2,
+      compiler_params=plgpu.CompilerParams(
+          num_warps=config.epilogue_num_warps, num_stages=1),
+      interpret=interpret,
+      name="moe_router_reduce_route",
+  )(partial, bias, scale)
+
+
+def router_scores(hidden: jax.Array, weight: jax.Array) -> jax.Array:
+  """fp32 sqrt(softplus(hidden @ weight^T)), [M, E]."""
+  logits = lax.dot_general(hidden, weight, (((1,), (1,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+  return jnp.sqrt(jax.nn.softplus(logits))
+
+
+def moe_router_topk_reference(hidden, weight, bias, routed_scaling_factor, *,
+                              top_k: int = 6):
+  """Plain-jnp router. `lax.top_k` returns equal values in index order, so
+  exact ties go to the lower expert id. The [M, E] fp32 scores are small
+  (6 MiB at M=4096, E=384), so no chunking is needed."""
+  scores = router_scores(hidden, weight)
+  _, ids = lax.top_k(scores + bias.astype(jnp.float32)[None, :], top_k)
+  ids = jnp.sort(ids, axis=1)
+  chosen = jnp.take_along_axis(scores, ids, axis=1)
+  weights = chosen / jnp.sum(chosen, axis=1, keepdims=True) * jnp.asarray(
+      routed_scaling_factor, jnp.float32)
+  return ids.astype(jnp.int32), weights

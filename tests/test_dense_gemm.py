@@ -1,0 +1,201 @@
+"""Dense BF16 NT GEMM: Pallas kernel (interpret mode) vs reference, the
+reference vs float64 numpy, deviceless H100 lowering, input synthesis."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkern.families import gemm
+from pallas_kernels import dense_gemm as dg
+from pallas_kernels.common import assert_lowers_to_triton
+
+# The Triton-lowering DeprecationWarning is expected (SPEC 2); pytest resets
+# the process-wide filter per test.
+
+DEFINITIONS = sorted(gemm.IMPLS)
+RECORDED_M = (4096, 4125, 6144, 8192, 12288, 16384, 24576)
+LARGEST_M = max(RECORDED_M)
+DATASETS = pathlib.Path(__file__).resolve().parent.parent / "datasets"
+
+
+def nk(name):
+  _, n, k = name.rsplit("_", 2)
+  return int(n[1:]), int(k[1:])
+
+
+def assert_bf16_close(x, y):
+  """SPEC 5 bf16 rule: fails only if |x-y| > 0.005 and |x-y| > 0.016*|y|."""
+  x = np.asarray(x, np.float32)
+  y = np.asarray(y, np.float32)
+  assert x.shape == y.shape
+  assert np.isfinite(x).all(), "non-finite output (unmasked edge?)"
+  diff = np.abs(x - y)
+  bad = (diff > 0.005) & (diff > 0.016 * np.abs(y))
+  assert not bad.any(), f"{bad.sum()} elements differ; max abs diff {diff.max()}"
+
+
+def operands(m, n, k, seed=0):
+  key_a, key_b = jax.random.split(jax.random.key(seed))
+  a = jax.random.normal(key_a, (m, k), jnp.bfloat16)
+  b = (jax.random.normal(key_b, (n, k)) / np.sqrt(k)).astype(jnp.bfloat16)
+  return a, b
+
+
+# A config with tiny blocks puts many tiles, several groups (one of them
+# short) and a K tail into a small problem.
+SMALL_BLOCKS = dg.DenseGemmConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("m,n,k,config", [
+    (1, 24, 40, None),            # decode row; N, K not block multiples
+    (7, 64, 64, None),
+    (33, 100, 130, None),         # ragged M, N and K
+    (130, 300, 96, None),         # two M tiles with a ragged second one
+    (33, 100, 130, SMALL_BLOCKS),
+    (40, 72, 72, SMALL_BLOCKS),   # 3x5 tiles: groups of 2 and 1 M-tiles
+    (1, 16, 16, SMALL_BLOCKS),    # one tile exactly
+])
+def test_kernel_matches_reference(m, n, k, config):
+  a, b = operands(m, n, k)
+  c = dg.dense_gemm_nt(a, b, config=config, interpret=True)
+  assert c.shape == (m, n) and c.dtype == jnp.bfloat16
+  assert_bf16_close(c, gemm.dense_gemm_reference(a, b)["C"])
+
+
+def test_kernel_at_cpu_axes_of_each_definition():
+  # One definition's CPU-scale workload end to end through the family adapter
+  # (ragged M=4125 -> 93); the other two only differ in N, K constants.
+  axes = gemm.cpu_axes({"M": 4125, "N": 4096, "K": 12288})
+  inputs = gemm.make_inputs(axes, jax.random.key(1), None)
+  out = gemm.kernel(**inputs, interpret=True, config=None)
+  assert_bf16_close(out["C"], gemm.dense_gemm_reference(**inputs)["C"])
+
+
+def test_reference_matches_float64():
+  a, b = operands(5, 24, 40, seed=3)
+  c = gemm.dense_gemm_reference(a, b)["C"]
+  expected = np.asarray(a, np.float64) @ np.asarray(b, np.float64).T
+  assert c.dtype == jnp.bfloat16
+  # fp32 accumulation then one bf16 rounding: within half a bf16 ulp + fp32 noise.
+  np.testing.assert_allclose(np.asarray(c, np.float64), expected, rtol=2**-8, atol=1e-5)
+
+
+def test_reference_row_chunks_match_one_product(monkeypatch):
+  a, b = operands(37, 24, 32, seed=4)
+  whole = gemm.dense_gemm_reference(a, b)["C"]
+  # 5 chunks of 8 rows: the last starts at row 29 and overlaps its neighbour.
+  monkeypatch.setattr(gemm, "_REFERENCE_F32_BYTES", 37 * 24 * 4 // 5 + 1)
+  chunked = gemm.dense_gemm_reference(a, b)["C"]
+  np.testing.assert_array_equal(np.asarray(chunked, np.float32), np.asarray(whole, np.float32))
+
+
+@pytest.mark.parametrize("num_pid_m,num_pid_n,group_m", [(9, 19, 2), (5, 3, 8), (1, 7, 8), (8, 4, 4)])
+def test_grouped_order_visits_every_tile_once(num_pid_m, num_pid_n, group_m):
+  pids = jnp.arange(num_pid_m * num_pid_n)
+  tile_m, tile_n = dg._tile_coords(pids, num_pid_m, num_pid_n, min(group_m, num_pid_m))
+  tiles = set(zip(np.asarray(tile_m).tolist(), np.asarray(tile_n).tolist()))
+  assert tiles == {(i, j) for i in range(num_pid_m) for j in range(num_pid_n)}
+
+
+@pytest.mark.parametrize("m", RECORDED_M + (1, 7, 33))
+def test_heuristic_choice_is_a_candidate(m):
+  for n, k in map(nk, DEFINITIONS):
+    assert dg.choose_config(m, n, k) in dg.candidate_configs(m, n, k)
+
+
+def test_config_rejects_bad_blocks():
+  with pytest.raises(ValueError):
+    dg.DenseGemmConfig(block_m=96)
+  with pytest.raises(ValueError):
+    dg.DenseGemmConfig(block_k=8)
+  with pytest.raises(ValueError):
+    dg.DenseGemmConfig(group_m=0)
+
+
+def _lower(m, n, k, config):
+  a = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  b = jax.ShapeDtypeStruct((n, k), jnp.bfloat16)
+  assert_lowers_to_triton(dg.dense_gemm_nt, a, b, config=config, interpret=False)
+
+
+@pytest.mark.parametrize("name", DEFINITIONS)
+def test_lowers_for_h100_at_largest_recorded_m_every_candidate(name):
+  n, k = nk(name)
+  candidates = dg.candidate_configs(LARGEST_M, n, k)
+  assert len(candidates) >= 4
+  for config in candidates:
+    _lower(LARGEST_M, n, k, config)
+
+
+@pytest.mark.parametrize("m,n,k", [(4125, 4096, 4096), (1, 4096, 12288), (4125, 1000, 4100)])
+def test_lowers_for_h100_ragged(m, n, k):
+  _lower(m, n, k, None)
+
+
+def _record(name):
+  with open(DATASETS / "workloads" / f"{name}.jsonl", encoding="utf-8") as f:
+    return json.loads(f.readline())
+
+
+@pytest.mark.parametrize("name", DEFINITIONS)
+def test_make_inputs_deterministic_and_valid(name):
+  n, k = nk(name)
+  # Full recorded size: shapes and dtypes only (abstract, no synthesis).
+  full = jax.eval_shape(lambda key: gemm.make_inputs({"M": LARGEST_M, "N": n, "K": k}, key, None),
+                        jax.random.key(0))
+  assert full["A"].shape == (LARGEST_M, k) and full["B"].shape == (n, k)
+  # Values at the CPU scale the replay uses.
+  axes = gemm.cpu_axes({"M": 4125, "N": n, "K": k})
+  x = gemm.make_inputs(axes, jax.random.key(0), None)
+  y = gemm.make_inputs(axes, jax.random.key(0), None)
+  z = gemm.make_inputs(axes, jax.random.key(1), None)
+  assert set(x) == {"A", "B"}
+  assert x["A"].shape == (axes["M"], axes["K"]) and x["B"].shape == (axes["N"], axes["K"])
+  assert x["A"].dtype == x["B"].dtype == jnp.bfloat16
+  for key in x:
+    np.testing.assert_array_equal(np.asarray(x[key], np.float32), np.asarray(y[key], np.float32))
+    assert not np.array_equal(np.asarray(x[key], np.float32), np.asarray(z[key], np.float32))
+  # Realistic scales: unit activations, weights ~ 1/sqrt(K) so C is O(1).
+  a_std = float(jnp.std(x["A"].astype(jnp.float32)))
+  b_std = float(jnp.std(x["B"].astype(jnp.float32)))
+  assert abs(a_std - 1) < 0.05 and abs(b_std * np.sqrt(axes["K"]) - 1) < 0.05
+  c_std = float(jnp.std(gemm.dense_gemm_reference(**x)["C"].astype(jnp.float32)))
+  assert 0.8 < c_std < 1.2
+  # A record (whose axes are larger than the run's) does not change the sizes.
+  record = _record(name)
+  assert record["axes"]["M"] > axes["M"]
+  w = gemm.make_inputs(axes, jax.random.key(0), record)
+  for key in x:
+    np.testing.assert_array_equal(np.asarray(w[key], np.float32), np.asarray(x[key], np.float32))
+
+
+def test_cpu_axes_shrinks_m_and_keeps_raggedness():
+  for name in DEFINITIONS:
+    n, k = nk(name)
+    for m in RECORDED_M:
+      small = gemm.cpu_axes({"M": m, "N": n, "K": k})
+      assert small["M"] <= 128
+      assert (small["M"] % 64 == 0) == (m % 64 == 0)
+      assert small["M"] * small["N"] * small["K"] <= gemm._CPU_MAC_BUDGET
+  # Under budget, the constant axes stay as defined.
+  assert gemm.cpu_axes({"M": 4096, "N": 4096, "K": 4096}) == {"M": 64, "N": 4096, "K": 4096}
+  assert gemm.cpu_axes({"M": 5, "N": 24, "K": 40}) == {"M": 5, "N": 24, "K": 40}
+
+
+def test_public_dense_gemm_batched_under_jit():
+  a, b = operands(2 * 3, 40, 48, seed=5)
+  c = jax.jit(gemm.dense_gemm)(a.reshape(2, 3, 48), b)
+  assert c.shape == (2, 3, 40) and c.dtype == jnp.bfloat16
+  assert_bf16_close(c.reshape(6, 40), gemm.dense_gemm_reference(a, b)["C"])
+
+
+def test_impls_match_definition_files():
+  for name, impl in gemm.IMPLS.items():
+    spec = json.loads((DATASETS / "definitions" / f"{name}.json").read_text(encoding="utf-8"))
+    assert spec["reference"] == "jaxkern.families.gemm:dense_gemm_reference"
+    assert impl.reference is gemm.dense_gemm_reference
+    assert (spec["axes"]["N"]["value"], spec["axes"]["K"]["value"]) == nk(name)
