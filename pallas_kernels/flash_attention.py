@@ -1,0 +1,442 @@
+"""Flash attention (forward) on the Pallas Triton lowering.
+
+One kernel serves three attention shapes through masks and key sources:
+
+* dense non-causal attention, optionally with a per-key visibility mask
+  (`key_valid [B, Nk]`: text cross-attention pads its keys);
+* prefix-cached attention: the keys are `concat(k_prefix, k)` along the
+  sequence, read from the two tensors in turn, never concatenated in HBM;
+* block-causal attention over segments: `segment_ids [B, N]` on tokens that are
+  both the queries and the keys; key j is visible to query i iff
+  `segment_ids[j] <= segment_ids[i]`.
+
+Layout is `[B, N, H, D]` (heads not transposed in HBM). A program owns
+`block_q` query rows of one (batch row, head) and walks the keys in `block_k`
+steps with the online softmax of FlashAttention-2, in fp32 and base 2 (the
+scale is folded into one multiply by `sm_scale * log2(e)`). The probabilities
+are rounded to the value dtype for the second dot, as every flash kernel does;
+the output is rounded once at the end.
+
+Key blocks are visited in two loops: the leading blocks every query row of the
+program sees are processed without any mask; the remaining blocks, up to the
+last one some row sees, apply bounds, `key_valid` and segment masks. Blocks
+past that are skipped. With masks present, the two limits come from a small
+per-(batch row, query block) table computed by XLA before the launch; for
+nondecreasing segment ids (the recorded case) the skipped blocks are exactly
+the later segments' keys.
+
+A query row that sees no key at all (a lonely row) outputs exactly 0.
+
+Grid: `(query blocks, B, H)`; the query-block index varies fastest, so the
+programs running together share the same head's K/V in L2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.common import MIN_DOT_DIM, cdiv, check_dot_blocks, fit_block, resolve_interpret
+
+_LOG2_E = math.log2(math.e)
+# Padded key rows get this segment id so that no query sees them.
+_INVISIBLE_SEGMENT = jnp.iinfo(jnp.int32).max
+# SMs on an H100 SXM / H200; used only to judge grid occupancy.
+_NUM_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashAttentionConfig:
+  """Tiling of the forward kernel. Block sizes are powers of two >= 16."""
+  block_q: int = 128
+  block_k: int = 64
+  num_warps: int = 8
+  num_stages: int = 3
+
+  def __post_init__(self):
+    check_dot_blocks(self, "block_q", "block_k")
+    if self.num_warps < 1 or self.num_stages < 1:
+      raise ValueError(f"bad num_warps/num_stages in {self}")
+
+
+def _fit(config: FlashAttentionConfig, q_len: int, kv_len: int) -> FlashAttentionConfig:
+  """Shrinks the blocks of `config` to the problem (tiny Nq or Nk)."""
+  return dataclasses.replace(
+      config, block_q=fit_block(config.block_q, q_len),
+      block_k=fit_block(config.block_k, kv_len))
+
+
+# What a sweep explores, before fitting to the problem. Shared memory per
+# pipeline stage is 2 * block_k * D * 2 bytes (a K and a V tile) on top of the
+# resident Q tile; at D=128 every entry stays under the 227 KiB of an H100 SM.
+_SWEEP_CONFIGS = (
+    FlashAttentionConfig(128, 64, num_warps=8, num_stages=3),
+    FlashAttentionConfig(128, 64, num_warps=4, num_stages=3),
+    FlashAttentionConfig(128, 128, num_warps=8, num_stages=2),
+    FlashAttentionConfig(128, 32, num_warps=4, num_stages=4),
+    FlashAttentionConfig(64, 64, num_warps=4, num_stages=3),
+    FlashAttentionConfig(64, 128, num_warps=4, num_stages=2),
+)
+
+
+def choose_config(batch: int, num_heads: int, q_len: int, kv_len: int,
+                  head_dim: int) -> FlashAttentionConfig:
+  """Heuristic tiling.
+
+  128-row query tiles with 64-key steps is the FlashAttention-2 shape for
+  Hopper-class tensor cores (the Q tile stays in registers, K/V tiles stream
+  through a 3-stage pipeline). When 128-row tiles would leave fewer than two
+  programs per SM (short query sequences, B=1), 64-row tiles double the grid.
+  `kv_len` is the longer key source (max of Nk and the prefix's Np): it only
+  caps `block_k` for tiny problems.
+  """
+  programs_at_128 = batch * num_heads * cdiv(q_len, 128)
+  block_q = 128 if programs_at_128 >= 2 * _NUM_SMS else 64
+  if block_q == 128:
+    config = FlashAttentionConfig(128, 64, num_warps=8 if head_dim >= 128 else 4, num_stages=3)
+  else:
+    config = FlashAttentionConfig(64, 64, num_warps=4, num_stages=3)
+  return _fit(config, q_len, kv_len)
+
+
+def candidate_configs(batch: int, num_heads: int, q_len: int, kv_len: int,
+                      head_dim: int) -> list[FlashAttentionConfig]:
+  """The sweep's configurations fitted to the problem, heuristic choice first,
+  without duplicates."""
+  chosen = choose_config(batch, num_heads, q_len, kv_len, head_dim)
+  fitted = [_fit(c, q_len, kv_len) for c in _SWEEP_CONFIGS]
+  return list(dict.fromkeys([chosen, *fitted]))
+
+
+def _online_softmax_step(q, k, v, visible, carry, *, qk_scale):
+  """Folds one key block into the running (output, row max, row sum).
+
+  Scores are in base 2: `exp2(s * qk_scale)` equals `exp(s * sm_scale)`.
+  `visible` is None for blocks every row sees entirely; otherwise masked
+  scores are -inf and a row whose max is still -inf (nothing seen yet)
+  subtracts 0 instead, so its probabilities are 0 rather than NaN.
+  """
+  o_prev, m_prev, l_prev = carry
+  s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
+  if visible is not None:
+    s = jnp.where(visible, s, -jnp.inf)
+  m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
+  if visible is not None:
+    m_next_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+  else:
+    m_next_safe = m_next  # Finite: this block has a finite score in every row.
+  correction = jnp.exp2(m_prev - m_next_safe)
+  p = jnp.exp2(s - m_next_safe[:, None])
+  l_next = correction * l_prev + jnp.sum(p, axis=-1)
+  o_next = correction[:, None] * o_prev + jnp.dot(
+      p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return o_next, m_next, l_next
+
+
+def _flash_attention_kernel(*refs, has_prefix: bool, has_key_valid: bool,
+                            has_segments: bool, has_block_limits: bool,
+                            qk_scale: float, block_q: int, block_k: int,
+                            q_len: int, kv_len: int, prefix_len: int):
+  refs = iter(refs)
+  q_ref, k_ref, v_ref = next(refs), next(refs), next(refs)  # [bq, D], [Nk, D]
+  k_prefix_ref, v_prefix_ref = (next(refs), next(refs)) if has_prefix else (None, None)
+  key_valid_ref = next(refs) if has_key_valid else None      # [Nk] int8
+  segment_ids_ref = next(refs) if has_segments else None     # [Nq] int32
+  block_limits_ref = next(refs) if has_block_limits else None  # [2] int32
+  o_ref = next(refs)                                         # [bq, D]
+  head_dim = q_ref.shape[-1]
+
+  q_start = pl.program_id(0) * block_q
+  q_rows_valid = q_start + jnp.arange(block_q) < q_len
+  if q_len % block_q:
+    q = plgpu.load(q_ref, mask=q_rows_valid[:, None], other=0.0)
+  else:
+    q = q_ref[...]
+
+  step = functools.partial(_online_softmax_step, qk_scale=qk_scale)
+  carry = (jnp.zeros((block_q, head_dim), jnp.float32),
+           jnp.full((block_q,), -jnp.inf, jnp.float32),
+           jnp.zeros((block_q,), jnp.float32))
+
+  def unmasked_body(kk_ref, vv_ref):
+    def body(block, carry):
+      keys = pl.ds(block * block_k, block_k)
+      return step(q, kk_ref[keys, :], vv_ref[keys, :], None, carry)
+    return body
+
+  def load_key_block(kk_ref, vv_ref, start, length):
+    in_bounds = start + jnp.arange(block_k) < length
+    keys = pl.ds(start, block_k)
+    k = plgpu.load(kk_ref.at[keys, :], mask=in_bounds[:, None], other=0.0)
+    # Zeros, not garbage: a 0 probability times a NaN value would be NaN.
+    v = plgpu.load(vv_ref.at[keys, :], mask=in_bounds[:, None], other=0.0)
+    return k, v, in_bounds
+
+  # Prefix keys: visible to every query; only the ragged last block is masked.
+  # (Edge blocks run as loops with a traced index: their slices may extend
+  # past the ref, which a static index would reject; the mask covers it.)
+  if has_prefix:
+    if prefix_len >= block_k:
+      carry = lax.fori_loop(0, prefix_len // block_k,
+                            unmasked_body(k_prefix_ref, v_prefix_ref), carry)
+
+    def prefix_edge_body(block, carry):
+      k, v, in_bounds = load_key_block(k_prefix_ref, v_prefix_ref, block * block_k, prefix_len)
+      return step(q, k, v, in_bounds[None, :], carry)
+
+    carry = lax.fori_loop(prefix_len // block_k, cdiv(prefix_len, block_k),
+                          prefix_edge_body, carry)
+
+  # Main keys: blocks [0, n_unmasked) are seen whole by every row of this
+  # program; blocks [n_unmasked, n_blocks) are masked; the rest are skipped.
+  if has_block_limits:
+    n_unmasked, n_blocks = block_limits_ref[0], block_limits_ref[1]
+  else:
+    n_unmasked, n_blocks = kv_len // block_k, cdiv(kv_len, block_k)
+
+  if has_segments:
+    q_segments = plgpu.load(segment_ids_ref.at[pl.ds(q_start, block_q)],
+                            mask=q_rows_valid, other=0)
+
+  def masked_body(block, carry):
+    k_start = block * block_k
+    k, v, in_bounds = load_key_block(k_ref, v_ref, k_start, kv_len)
+    keys = pl.ds(k_start, block_k)
+    visible = in_bounds
+    if has_key_valid:
+      visible &= plgpu.load(key_valid_ref.at[keys], mask=in_bounds, other=0) != 0
+    visible = visible[None, :]
+    if has_segments:
+      k_segments = plgpu.load(segment_ids_ref.at[keys], mask=in_bounds,
+                              other=_INVISIBLE_SEGMENT)
+      visible = visible & (k_segments[None, :] <= q_segments[:, None])
+    return step(q, k, v, visible, carry)
+
+  if kv_len >= block_k:  # Otherwise no whole block exists (n_unmasked = 0).
+    carry = lax.fori_loop(0, n_unmasked, unmasked_body(k_ref, v_ref), carry)
+  o, _, l = lax.fori_loop(n_unmasked, n_blocks, masked_body, carry)
+
+  # Lonely rows (l == 0) output exactly 0.
+  o = o * jnp.where(l > 0.0, 1.0 / l, 0.0)[:, None]
+  if q_len % block_q:
+    plgpu.store(o_ref, o.astype(o_ref.dtype), mask=q_rows_valid[:, None])
+  else:
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
+def key_block_limits(key_valid: jax.Array | None, segment_ids: jax.Array | None,
+                     *, batch: int, q_len: int, kv_len: int, block_q: int,
+                     block_k: int) -> jax.Array:
+  """Per (batch row, query block): `[n_unmasked, n_blocks]` key blocks.
+
+  Keys `[0, full)` are visible to every query row of the block and keys from
+  `end` on to none of them; `n_unmasked = full // block_k` and
+  `n_blocks = cdiv(end, block_k)`. Exact for any mask, tight for the recorded
+  ones (a valid prefix of padded text keys, nondecreasing segment ids).
+  Returns int32 `[B, cdiv(q_len, block_q), 2]`.
+  """
+  num_q_blocks = cdiv(q_len, block_q)
+  full = jnp.full((batch, num_q_blocks), kv_len, jnp.int32)
+  end = jnp.full((batch, num_q_blocks), kv_len, jnp.int32)
+  if key_valid is not None:
+    valid = key_valid.astype(bool)
+    first_invalid = jnp.where(jnp.all(valid, axis=1), kv_len, jnp.argmin(valid, axis=1))
+    last_valid_end = jnp.where(jnp.any(valid, axis=1),
+                               kv_len - jnp.argmax(valid[:, ::-1], axis=1), 0)
+    full = jnp.minimum(full, first_invalid.astype(jnp.int32)[:, None])
+    end = jnp.minimum(end, last_valid_end.astype(jnp.int32)[:, None])
+  if segment_ids is not None:
+    seg = segment_ids.astype(jnp.int32)
+    # Per query block: the smallest and largest segment among its valid rows
+    # (edge padding repeats the last row).
+    padded = jnp.pad(seg, ((0, 0), (0, num_q_blocks * block_q - q_len)), mode="edge")
+    blocks = padded.reshape(batch, num_q_blocks, block_q)
+    seg_lo, seg_hi = blocks.min(axis=2), blocks.max(axis=2)
+    # Key j is visible to all rows iff seg[j] <= seg_lo; the leading run of
+    # such keys ends where the running max first exceeds seg_lo. The last key
+    # some row sees is the last j with seg[j] <= seg_hi, found on the suffix
+    # minimum. Both helper sequences are nondecreasing.
+    running_max = lax.cummax(seg, axis=1)
+    suffix_min = lax.cummin(seg, axis=1, reverse=True)
+    search = jax.vmap(functools.partial(jnp.searchsorted, side="right"))
+    full = jnp.minimum(full, search(running_max, seg_lo).astype(jnp.int32))
+    end = jnp.minimum(end, search(suffix_min, seg_hi).astype(jnp.int32))
+  n_blocks = (end + block_k - 1) // block_k
+  n_unmasked = jnp.minimum(full // block_k, n_blocks)
+  return jnp.stack([n_unmasked, n_blocks], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    key_valid: jax.Array | None = None,
+    k_prefix: jax.Array | None = None,
+    v_prefix: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    sm_scale: float | None = None,
+    config: FlashAttentionConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+  """Softmax attention `softmax(q k^T * sm_scale) v` over the visible keys.
+
+  Args:
+    q: `[B, Nq, H, D]`; `D` a power of two >= 16.
+    k, v: `[B, Nk, H, D]`, same dtype as `q`.
+    key_valid: optional `[B, Nk]` bool; False hides key j of batch row b.
+    k_prefix, v_prefix: optional `[B, Np, H, D]`; keys become
+      `concat(k_prefix, k)`, every prefix key visible to every query.
+      `Np = 0` is the same as no prefix.
+    segment_ids: optional `[B, Nq]` int32 (requires `Nk == Nq`: queries and
+      keys are the same tokens); key j visible to query i iff
+      `segment_ids[j] <= segment_ids[i]`. Exact for any ids; key blocks are
+      skipped when the ids are nondecreasing.
+    sm_scale: defaults to `D ** -0.5`.
+    config: tiling; None = `choose_config`. Blocks larger than the problem
+      are shrunk to it.
+    interpret: None = interpret when no GPU is present.
+
+  Returns:
+    `[B, Nq, H, D]` in `q.dtype`; rows that see no key are 0.
+  """
+  batch, q_len, num_heads, head_dim = q.shape
+  kv_len = k.shape[1]
+  if k.shape != (batch, kv_len, num_heads, head_dim) or v.shape != k.shape:
+    raise ValueError(f"k {k.shape} / v {v.shape} do not match q {q.shape}")
+  if not (k.dtype == v.dtype == q.dtype):
+    raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+  if head_dim < MIN_DOT_DIM or head_dim & (head_dim - 1):
+    raise ValueError(f"head dim {head_dim} must be a power of two >= {MIN_DOT_DIM}")
+  if q_len < 1 or kv_len < 1:
+    raise ValueError(f"empty sequence: Nq={q_len}, Nk={kv_len}")
+  if (k_prefix is None) != (v_prefix is None):
+    raise ValueError("k_prefix and v_prefix go together")
+  prefix_len = 0 if k_prefix is None else k_prefix.shape[1]
+  has_prefix = prefix_len > 0
+  if has_prefix:
+    expected = (batch, prefix_len, num_heads, head_dim)
+    if k_prefix.shape != expected or v_prefix.shape != expected:
+      raise ValueError(f"prefix shapes {k_prefix.shape}/{v_prefix.shape} != {expected}")
+    if not (k_prefix.dtype == v_prefix.dtype == q.dtype):
+      raise ValueError("prefix dtype differs from q")
+  if key_valid is not None and key_valid.shape != (batch, kv_len):
+    raise ValueError(f"key_valid {key_valid.shape} != {(batch, kv_len)}")
+  if segment_ids is not None:
+    if kv_len != q_len or segment_ids.shape != (batch, q_len):
+      raise ValueError(f"segment_ids {segment_ids.shape} need Nk == Nq == {q_len}")
+
+  if sm_scale is None:
+    sm_scale = head_dim ** -0.5
+  if config is None:
+    config = choose_config(batch, num_heads, q_len, max(kv_len, prefix_len), head_dim)
+  config = _fit(config, q_len, max(kv_len, prefix_len))
+  block_q, block_k = config.block_q, config.block_k
+  num_q_blocks = cdiv(q_len, block_q)
+
+  q_spec = pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, i, h, 0))
+  # K/V blocks span the whole sequence of one (batch row, head); the kernel
+  # slices them with masked loads, so their length need not be a power of two.
+  kv_spec = pl.BlockSpec((None, kv_len, None, head_dim), lambda i, b, h: (b, 0, h, 0))
+  inputs, in_specs = [q, k, v], [q_spec, kv_spec, kv_spec]
+  if has_prefix:
+    prefix_spec = pl.BlockSpec((None, prefix_len, None, head_dim),
+                               lambda i, b, h: (b, 0, h, 0))
+    inputs += [k_prefix, v_prefix]
+    in_specs += [prefix_spec, prefix_spec]
+  if key_valid is not None:
+    inputs.append(key_valid.astype(jnp.int8))
+    in_specs.append(pl.BlockSpec((None, kv_len), lambda i, b, h: (b, 0)))
+  if segment_ids is not None:
+    inputs.append(segment_ids.astype(jnp.int32))
+    in_specs.append(pl.BlockSpec((None, q_len), lambda i, b, h: (b, 0)))
+  has_block_limits = key_valid is not None or segment_ids is not None
+  if has_block_limits:
+    inputs.append(key_block_limits(key_valid, segment_ids, batch=batch, q_len=q_len,
+                                   kv_len=kv_len, block_q=block_q, block_k=block_k))
+    in_specs.append(pl.BlockSpec((None, None, 2), lambda i, b, h: (b, i, 0)))
+
+  kernel = functools.partial(
+      _flash_attention_kernel, has_prefix=has_prefix,
+      has_key_valid=key_valid is not None, has_segments=segment_ids is not None,
+      has_block_limits=has_block_limits, qk_scale=float(sm_scale) * _LOG2_E,
+      block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len,
+      prefix_len=prefix_len)
+  return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(num_q_blocks, batch, num_heads),
+      in_specs=in_specs,
+      out_specs=q_spec,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
+      interpret=resolve_interpret(interpret),
+      name="flash_attention",
+  )(*inputs)
+
+
+def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None,
+                        segment_ids=None, sm_scale=None, q_chunk: int = 1024):
+  """Plain jnp attention with the kernel's semantics (same arguments).
+
+  fp32 scores and softmax at HIGHEST matmul precision, one rounding at the
+  end, lonely rows 0. Memory stays bounded: one head and `q_chunk` query rows
+  at a time, i.e. `[B, q_chunk, Np + Nk]` fp32 scores (42 MiB at B=1,
+  Np+Nk=10269), via `lax.map` over heads and over query chunks.
+  """
+  batch, q_len, num_heads, head_dim = q.shape
+  kv_len = k.shape[1]
+  sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  key_visible = (jnp.ones((batch, kv_len), bool) if key_valid is None
+                 else key_valid.astype(bool))
+  q_segments = (jnp.zeros((batch, q_len), jnp.int32) if segment_ids is None
+                else segment_ids.astype(jnp.int32))
+  k_segments = q_segments if segment_ids is not None else jnp.zeros((batch, kv_len), jnp.int32)
+  if k_prefix is not None and k_prefix.shape[1]:
+    prefix_len = k_prefix.shape[1]
+    k = jnp.concatenate([k_prefix, k], axis=1)
+    v = jnp.concatenate([v_prefix, v], axis=1)
+    key_visible = jnp.concatenate([jnp.ones((batch, prefix_len), bool), key_visible], axis=1)
+    # The smallest segment id: every query sees the prefix.
+    k_segments = jnp.concatenate(
+        [jnp.full((batch, prefix_len), jnp.iinfo(jnp.int32).min, jnp.int32), k_segments], axis=1)
+
+  chunk = min(q_chunk, q_len)
+  num_chunks = cdiv(q_len, chunk)
+  pad = num_chunks * chunk - q_len
+  # [H, chunks, B, chunk, D] queries, [chunks, B, chunk] segment ids.
+  q_chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  q_chunks = q_chunks.reshape(batch, num_chunks, chunk, num_heads, head_dim).transpose(3, 1, 0, 2, 4)
+  q_segment_chunks = jnp.pad(q_segments, ((0, 0), (0, pad))).reshape(
+      batch, num_chunks, chunk).transpose(1, 0, 2)
+  visible_keys = key_visible[:, None, :]                 # [B, 1, Nk]
+
+  def one_head(args):
+    q_h, k_h, v_h = args                                 # [chunks, B, c, D], [B, Nk, D] x2
+    k_h, v_h = k_h.astype(jnp.float32), v_h.astype(jnp.float32)
+
+    def one_chunk(args):
+      q_c, seg_c = args                                  # [B, c, D], [B, c]
+      s = jnp.einsum("bqd,bkd->bqk", q_c.astype(jnp.float32), k_h,
+                     precision=lax.Precision.HIGHEST) * sm_scale
+      visible = visible_keys & (k_segments[:, None, :] <= seg_c[:, :, None])
+      s = jnp.where(visible, s, -jnp.inf)
+      m = jnp.max(s, axis=-1, keepdims=True)
+      p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))   # 0 where not visible
+      l = jnp.sum(p, axis=-1, keepdims=True)
+      o = jnp.einsum("bqk,bkd->bqd", p, v_h, precision=lax.Precision.HIGHEST)
+      return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(q.dtype)
+
+    return lax.map(one_chunk, (q_h, q_segment_chunks))   # [chunks, B, c, D]
+
+  o = lax.map(one_head, (q_chunks, k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)))
+  o = o.transpose(2, 1, 3, 0, 4).reshape(batch, num_chunks * chunk, num_heads, head_dim)
+  return o[:, :q_len]

@@ -1,0 +1,476 @@
+"""Tests of the dense attention family (SPEC 4.4-4.6): the flash kernel in
+interpret mode against the jnp reference, the reference against float64
+numpy, deviceless H100 lowering at the recorded sizes, and input synthesis."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkern.families import attention as fam
+from pallas_kernels import flash_attention as fa
+from pallas_kernels.common import assert_lowers_to_triton
+
+# The Triton lowering's deprecation notice is expected (SPEC 2).
+
+NONCAUSAL_D64 = "noncausal_dense_attention_h32_d64"
+NONCAUSAL_D128 = "noncausal_dense_attention_h32_d128"
+PREFIX = "prefix_cached_block_causal_h32_d128"
+PREFIX0 = "prefix_cached_block_causal_h32_d128_prefix0"
+CONST_AXES = {NONCAUSAL_D64: {"H": 32, "D": 64}, NONCAUSAL_D128: {"H": 32, "D": 128},
+              PREFIX: {"H": 32, "D": 128}, PREFIX0: {"H": 32, "D": 128}}
+
+# The recorded var axes (shared/seed/workloads.jsonl), per definition.
+RECORDED_AXES = {
+    NONCAUSAL_D64: [dict(B=b, Nq=nq, Nk=nk) for b in (1, 2, 4) for nq, nk in (
+        (51, 51), (51, 1024), (51, 1120), (51, 2352), (1120, 51), (2352, 51),
+        (126, 126), (126, 1024), (126, 2560), (2560, 126))],
+    NONCAUSAL_D128: [dict(B=b, Nq=nq, Nk=nk) for b in (1, 2, 4) for nq, nk in (
+        (1120, 1120), (1120, 1024), (2352, 2352), (2352, 1024), (2560, 2560), (2560, 1024))],
+    PREFIX: [dict(B=1, Nq=nq, Np=np_) for nq, np_ in ((4096, 25), (6144, 30), (4096, 32), (4096, 4125))],
+    PREFIX0: [dict(B=1, Nq=nq) for nq in (25, 30, 32, 4125)],
+}
+# The largest of them, where lowering is checked with every candidate config.
+LOWERING_AXES = {
+    NONCAUSAL_D64: [dict(B=4, Nq=2560, Nk=126), dict(B=4, Nq=126, Nk=2560),
+                    dict(B=4, Nq=2352, Nk=51), dict(B=4, Nq=51, Nk=2352)],
+    NONCAUSAL_D128: [dict(B=4, Nq=2560, Nk=2560), dict(B=4, Nq=2352, Nk=1024)],
+    PREFIX: [dict(B=1, Nq=6144, Np=30), dict(B=1, Nq=4096, Np=4125)],
+    PREFIX0: [dict(B=1, Nq=4125)],
+}
+SEGMENTS_4125 = [[0, 8, False], [8, 4104, True], [4104, 4125, False]]
+
+# Small tilings for interpret-mode tests: several key and query blocks.
+SMALL = fa.FlashAttentionConfig(block_q=32, block_k=16, num_warps=4, num_stages=2)
+
+
+def assert_bf16_close(actual, desired):
+  """SPEC 5 bf16 rule: fails where |x-y| > 0.005 and |x-y| > 0.016*|y|."""
+  x = np.asarray(actual, np.float32)
+  y = np.asarray(desired, np.float32)
+  assert x.shape == y.shape
+  assert np.all(np.isfinite(x)), "non-finite kernel output"
+  err = np.abs(x - y)
+  bad = (err > 0.005) & (err > 0.016 * np.abs(y))
+  assert not bad.any(), f"{bad.sum()} elements off, max abs err {err.max()}"
+
+
+def normal(seed, shape, dtype=jnp.bfloat16):
+  # numpy, not jax.random: no compilation per shape.
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32), dtype)
+
+
+def qkv(batch, q_len, kv_len, heads=2, head_dim=64, seed=0, dtype=jnp.bfloat16):
+  return (normal(seed, (batch, q_len, heads, head_dim), dtype),
+          normal(seed + 1, (batch, kv_len, heads, head_dim), dtype),
+          normal(seed + 2, (batch, kv_len, heads, head_dim), dtype))
+
+
+def ids_from_ends(ends, batch=1):
+  return fam.segment_ids_from_ends(list(ends), batch, ends[-1])
+
+
+# ---------------------------------------------------------------------------
+# Kernel (interpret mode) vs reference.
+
+
+@pytest.mark.parametrize("batch,q_len,kv_len,head_dim", [
+    (1, 51, 51, 64),     # audio self-attention, ragged
+    (2, 70, 9, 64),      # audio-to-video-like cross shape, scaled down
+    (2, 9, 70, 128),     # video-to-audio-like
+    (1, 1, 1, 64),       # one query, one key
+    (2, 37, 1, 128),     # one key
+    (1, 64, 96, 64),     # block multiples: the unmasked path only
+])
+def test_noncausal_kernel_matches_reference(batch, q_len, kv_len, head_dim):
+  q, k, v = qkv(batch, q_len, kv_len, head_dim=head_dim)
+  out = fa.flash_attention(q, k, v, config=SMALL, interpret=True)
+  assert out.shape == q.shape and out.dtype == jnp.bfloat16
+  assert_bf16_close(out, fa.attention_reference(q, k, v))
+
+
+def test_key_valid_with_all_masked_batch_row():
+  batch, q_len, kv_len = 4, 33, 40
+  q, k, v = qkv(batch, q_len, kv_len)
+  lengths = jnp.array([40, 0, 17, 1])  # row 1 sees nothing: lonely rows
+  key_valid = jnp.arange(kv_len)[None] < lengths[:, None]
+  # A hole inside the valid prefix too: masks need not be prefixes.
+  key_valid = key_valid.at[2, 5].set(False)
+  out = fa.flash_attention(q, k, v, key_valid=key_valid, config=SMALL, interpret=True)
+  ref = fa.attention_reference(q, k, v, key_valid=key_valid)
+  assert_bf16_close(out, ref)
+  assert np.all(np.asarray(out[1], np.float32) == 0.0)
+  assert np.all(np.asarray(ref[1], np.float32) == 0.0)
+  assert np.all(np.abs(np.asarray(out[0], np.float32)).max(axis=(1, 2)) > 0)
+
+
+def test_key_valid_leading_blocks_invisible():
+  """Rows see nothing in the first masked blocks (-inf running max) before
+  reaching their visible keys: no NaN may leak into the result."""
+  q, k, v = qkv(2, 20, 50)
+  key_valid = jnp.stack([jnp.arange(50) >= 37, (jnp.arange(50) % 7) == 3])
+  out = fa.flash_attention(q, k, v, key_valid=key_valid, config=SMALL, interpret=True)
+  assert_bf16_close(out, fa.attention_reference(q, k, v, key_valid=key_valid))
+
+
+@pytest.mark.parametrize("q_len,prefix_len", [(40, 37), (9, 70), (1, 1), (48, 32)])
+def test_prefix_kernel_matches_reference(q_len, prefix_len):
+  q, k, v = qkv(1, q_len, q_len, head_dim=128)
+  k_prefix, v_prefix = normal(7, (1, prefix_len, 2, 128)), normal(8, (1, prefix_len, 2, 128))
+  out = fa.flash_attention(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, config=SMALL,
+                           interpret=True)
+  assert_bf16_close(out, fa.attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix))
+
+
+def test_empty_prefix_is_plain_attention():
+  q, k, v = qkv(1, 20, 20)
+  empty = jnp.zeros((1, 0, 2, 64), jnp.bfloat16)
+  out = fa.flash_attention(q, k, v, k_prefix=empty, v_prefix=empty, config=SMALL, interpret=True)
+  plain = fa.flash_attention(q, k, v, config=SMALL, interpret=True)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
+
+
+@pytest.mark.parametrize("ends", [(8, 104, 125), (125,), (1, 2, 3), (30, 31, 64, 100)])
+def test_block_causal_kernel_matches_reference(ends):
+  n = ends[-1]
+  q, k, v = qkv(1, n, n, head_dim=128)
+  segment_ids = ids_from_ends(ends)
+  out = fa.flash_attention(q, k, v, segment_ids=segment_ids, config=SMALL, interpret=True)
+  assert_bf16_close(out, fa.attention_reference(q, k, v, segment_ids=segment_ids))
+
+
+def test_block_causal_first_segment_ignores_later_keys():
+  ends = (8, 104, 125)
+  q, k, v = qkv(1, 125, 125, head_dim=128)
+  segment_ids = ids_from_ends(ends)
+  out = fa.flash_attention(q, k, v, segment_ids=segment_ids, config=SMALL, interpret=True)
+  first = fa.flash_attention(q[:, :8], k[:, :8], v[:, :8], config=SMALL, interpret=True)
+  np.testing.assert_array_equal(np.asarray(out[:, :8], np.float32), np.asarray(first, np.float32))
+
+
+def test_unsorted_segment_ids_are_exact():
+  """Block skipping is an optimization; any ids give the exact mask."""
+  n = 50
+  q, k, v = qkv(2, n, n)
+  segment_ids = jnp.asarray(np.random.default_rng(3).integers(0, 4, (2, n)), jnp.int32)
+  out = fa.flash_attention(q, k, v, segment_ids=segment_ids, config=SMALL, interpret=True)
+  assert_bf16_close(out, fa.attention_reference(q, k, v, segment_ids=segment_ids))
+
+
+def test_all_masks_and_prefix_together():
+  n = 45
+  q, k, v = qkv(2, n, n)
+  k_prefix, v_prefix = normal(7, (2, 11, 2, 64)), normal(8, (2, 11, 2, 64))
+  key_valid = jnp.arange(n)[None] < jnp.array([[n], [30]])
+  segment_ids = ids_from_ends((10, 33, n), batch=2)
+  kwargs = dict(key_valid=key_valid, k_prefix=k_prefix, v_prefix=v_prefix,
+                segment_ids=segment_ids, sm_scale=0.3)
+  out = fa.flash_attention(q, k, v, config=SMALL, interpret=True, **kwargs)
+  assert_bf16_close(out, fa.attention_reference(q, k, v, **kwargs))
+
+
+def test_sm_scale_override():
+  q, k, v = qkv(1, 20, 30)
+  out = fa.flash_attention(q, k, v, sm_scale=0.5, config=SMALL, interpret=True)
+  assert_bf16_close(out, fa.attention_reference(q, k, v, sm_scale=0.5))
+  default = fa.attention_reference(q, k, v)
+  assert np.abs(np.asarray(out, np.float32) - np.asarray(default, np.float32)).max() > 0.05
+
+
+def test_every_candidate_config_in_interpret_mode():
+  q, k, v = qkv(1, 70, 200, heads=1)
+  shapes = {"q": q, "k": k, "v": v}
+  ref = fa.attention_reference(q, k, v)
+  configs = fam.candidate_configs(shapes)
+  assert len(configs) >= 4
+  for config in configs:
+    assert_bf16_close(fa.flash_attention(q, k, v, config=config, interpret=True), ref)
+
+
+def test_key_block_limits():
+  # Segments [0, 8), [8, 104), [104, 125); query blocks of 32, key blocks of 16.
+  limits = fa.key_block_limits(None, ids_from_ends((8, 104, 125)), batch=1, q_len=125,
+                               kv_len=125, block_q=32, block_k=16)
+  # Block 0 (rows 0-31) sees keys [0, 104) and all of them fully only up to 8.
+  np.testing.assert_array_equal(limits[0], [[0, 7], [6, 7], [6, 7], [6, 8]])
+  key_valid = jnp.arange(100)[None] < jnp.array([[100], [40], [0]])
+  limits = fa.key_block_limits(key_valid, None, batch=3, q_len=10, kv_len=100,
+                               block_q=16, block_k=32)
+  np.testing.assert_array_equal(limits[:, 0], [[3, 4], [1, 2], [0, 0]])
+
+
+# ---------------------------------------------------------------------------
+# Reference vs float64 numpy.
+
+
+def numpy_attention(q, k, v, visible, scale):
+  """Naive float64 attention; visible [B, Nq, Nk]; lonely rows 0."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+  s = np.where(visible[:, None], s, -np.inf)
+  m = s.max(axis=-1, keepdims=True)
+  p = np.where(visible[:, None], np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
+  l = p.sum(axis=-1, keepdims=True)
+  return np.einsum("bhqk,bkhd->bqhd", p / np.where(l > 0, l, 1), v)
+
+
+def test_reference_matches_float64_noncausal():
+  q, k, v = qkv(2, 7, 5, heads=3, head_dim=8, dtype=jnp.float32)
+  key_valid = np.array([[1, 0, 1, 1, 0], [0, 0, 0, 0, 0]], bool)
+  ref = fa.attention_reference(q, k, v, key_valid=jnp.asarray(key_valid))
+  want = numpy_attention(q, k, v, np.broadcast_to(key_valid[:, None], (2, 7, 5)), 8 ** -0.5)
+  np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=1e-4)
+  assert np.all(np.asarray(ref[1]) == 0.0)
+
+
+def test_reference_matches_float64_prefix_and_chunks():
+  q, k, v = qkv(1, 9, 9, heads=2, head_dim=8, dtype=jnp.float32)
+  k_prefix, v_prefix = normal(5, (1, 4, 2, 8), jnp.float32), normal(6, (1, 4, 2, 8), jnp.float32)
+  # q_chunk=4 exercises the chunked (and padded) query path.
+  ref = fa.attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, q_chunk=4)
+  want = numpy_attention(q, np.concatenate([k_prefix, k], 1), np.concatenate([v_prefix, v], 1),
+                         np.ones((1, 9, 13), bool), 8 ** -0.5)
+  np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=1e-4)
+
+
+def test_reference_matches_float64_segments():
+  q, k, v = qkv(1, 10, 10, heads=2, head_dim=8, dtype=jnp.float32)
+  ids = np.array([[0, 0, 1, 1, 1, 1, 1, 2, 2, 2]], np.int32)
+  ref = fa.attention_reference(q, k, v, segment_ids=jnp.asarray(ids), q_chunk=3)
+  want = numpy_attention(q, k, v, ids[:, None, :] <= ids[:, :, None], 8 ** -0.5)
+  np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=1e-4)
+
+
+def test_family_references_bf16():
+  q, k, v = qkv(1, 6, 5, heads=2, head_dim=16)
+  key_valid = jnp.array([[True, True, False, True, True]])
+  out = fam.noncausal_attention_reference(q, k, v, key_valid)["o"]
+  assert out.dtype == jnp.bfloat16 and out.shape == q.shape
+  want = numpy_attention(q, k, v, np.broadcast_to(np.asarray(key_valid)[:, None], (1, 6, 5)), 0.25)
+  assert_bf16_close(out, want)
+  kp, vp = normal(9, (1, 3, 2, 16)), normal(10, (1, 3, 2, 16))
+  out = fam.prefix_cached_attention_reference(q, k[:, :1], v[:, :1], kp, vp)["o"]
+  want = numpy_attention(q, np.concatenate([kp, k[:, :1]], 1), np.concatenate([vp, v[:, :1]], 1),
+                         np.ones((1, 6, 4), bool), 0.25)
+  assert_bf16_close(out, want)
+  ids = jnp.array([[0, 0, 1, 2, 2, 2]], jnp.int32)
+  q6, k6, v6 = qkv(1, 6, 6, heads=2, head_dim=16)
+  out = fam.block_causal_attention_reference(q6, k6, v6, ids)["o"]
+  want = numpy_attention(q6, k6, v6, np.asarray(ids)[:, None, :] <= np.asarray(ids)[:, :, None], 0.25)
+  assert_bf16_close(out, want)
+
+
+# ---------------------------------------------------------------------------
+# Family: the definitions end to end at CPU scale, public functions.
+
+
+def recorded_like(name, axes):
+  if name == PREFIX0:
+    return {"definition": name, "axes": dict(axes), "prefix_segments": SEGMENTS_4125}
+  if name == PREFIX:
+    return {"definition": name, "axes": dict(axes), "prefix_segments": SEGMENTS_4125}
+  return {"definition": name, "axes": dict(axes), "variant": "attn2"}
+
+
+@pytest.mark.parametrize("name,axes", [
+    (NONCAUSAL_D64, dict(B=4, Nq=126, Nk=1024)),
+    (NONCAUSAL_D128, dict(B=2, Nq=2352, Nk=1024)),
+    (PREFIX, dict(B=1, Nq=4096, Np=4125)),
+    (PREFIX0, dict(B=1, Nq=4125)),
+])
+def test_definition_at_cpu_scale(name, axes):
+  impl = fam.IMPLS[name]
+  run_axes = impl.cpu_axes({**axes, **CONST_AXES[name]})
+  inputs = impl.make_inputs(run_axes, jax.random.key(1), recorded_like(name, axes))
+  out = impl.kernel(**inputs, interpret=True, config=None)
+  ref = impl.reference(**inputs)
+  assert set(out) == set(ref) == {"o"}
+  assert_bf16_close(out["o"], ref["o"])
+
+
+def test_public_functions_jit():
+  q, k, v = qkv(2, 20, 20)
+  key_valid = jnp.arange(20)[None] < jnp.array([[20], [7]])
+  ids = ids_from_ends((5, 12, 20), batch=2)
+  kp, vp = normal(4, (2, 6, 2, 64)), normal(5, (2, 6, 2, 64))
+  got = jax.jit(lambda *a: fam.attention(*a, key_valid=key_valid, interpret=True))(q, k, v)
+  assert_bf16_close(got, fa.attention_reference(q, k, v, key_valid=key_valid))
+  got = jax.jit(lambda *a: fam.prefix_cached_attention(*a, interpret=True))(q, k, v, kp, vp)
+  assert_bf16_close(got, fa.attention_reference(q, k, v, k_prefix=kp, v_prefix=vp))
+  got = jax.jit(lambda *a: fam.block_causal_attention(*a, interpret=True))(q, k, v, ids)
+  assert_bf16_close(got, fa.attention_reference(q, k, v, segment_ids=ids))
+
+
+def test_bad_arguments_raise():
+  q, k, v = qkv(1, 8, 8)
+  with pytest.raises(ValueError):
+    fa.FlashAttentionConfig(block_q=48)
+  with pytest.raises(ValueError):
+    fa.flash_attention(q, k[:, :, :1], v, interpret=True)
+  with pytest.raises(ValueError):
+    fa.flash_attention(q, k, v, segment_ids=jnp.zeros((1, 9), jnp.int32), interpret=True)
+  with pytest.raises(ValueError):
+    fa.flash_attention(q[..., :24], k[..., :24], v[..., :24], interpret=True)
+
+
+# ---------------------------------------------------------------------------
+# Deviceless lowering for an H100.
+
+
+def input_avals(name, axes):
+  a = {**axes, **CONST_AXES[name]}
+  bf16 = lambda *dims: jax.ShapeDtypeStruct(tuple(a[d] for d in dims), jnp.bfloat16)
+  if name in (NONCAUSAL_D64, NONCAUSAL_D128):
+    return {"q": bf16("B", "Nq", "H", "D"), "k": bf16("B", "Nk", "H", "D"),
+            "v": bf16("B", "Nk", "H", "D"),
+            "key_valid": jax.ShapeDtypeStruct((a["B"], a["Nk"]), jnp.bool_)}
+  if name == PREFIX:
+    return {"q": bf16("B", "Nq", "H", "D"), "k": bf16("B", "Nq", "H", "D"),
+            "v": bf16("B", "Nq", "H", "D"), "k_prefix": bf16("B", "Np", "H", "D"),
+            "v_prefix": bf16("B", "Np", "H", "D")}
+  return {"q": bf16("B", "Nq", "H", "D"), "k": bf16("B", "Nq", "H", "D"),
+          "v": bf16("B", "Nq", "H", "D"),
+          "segment_ids": jax.ShapeDtypeStruct((a["B"], a["Nq"]), jnp.int32)}
+
+
+@pytest.mark.parametrize("name,axes", [(n, a) for n, axes in LOWERING_AXES.items() for a in axes])
+def test_lowers_for_h100_with_every_candidate_config(name, axes):
+  impl = fam.IMPLS[name]
+  avals = input_avals(name, axes)
+  configs = impl.candidate_configs(avals)
+  assert impl.choose_config(avals) in configs
+  names = list(avals)
+  for config in configs:
+    def run(*args, config=config):
+      return impl.kernel(**dict(zip(names, args)), interpret=False, config=config)["o"]
+    assert_lowers_to_triton(run, *avals.values())
+
+
+def test_lowers_without_key_mask():
+  sds = jax.ShapeDtypeStruct((4, 2352, 32, 128), jnp.bfloat16)
+  assert_lowers_to_triton(fam.attention, sds, sds, sds, interpret=False)
+
+
+@pytest.mark.parametrize("name", list(RECORDED_AXES))
+def test_heuristic_config_at_every_recorded_size(name):
+  impl = fam.IMPLS[name]
+  for axes in RECORDED_AXES[name]:
+    avals = input_avals(name, axes)
+    config = impl.choose_config(avals)
+    candidates = impl.candidate_configs(avals)
+    assert config == candidates[0] and len(candidates) == len(set(candidates)) >= 3
+    # Query tiles no larger than the query count needs (51 -> 64), and 128-row
+    # tiles only where they still give at least two programs per SM.
+    q_len = axes["Nq"]
+    programs = axes["B"] * 32 * -(-q_len // config.block_q)
+    assert config.block_q <= max(16, 1 << (q_len - 1).bit_length())
+    assert config.block_q == 64 or programs >= 2 * 132 or q_len <= 64, (axes, config)
+
+
+# ---------------------------------------------------------------------------
+# Input synthesis and CPU scale.
+
+
+def test_make_inputs_match_definition_files():
+  root = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "definitions")
+  for name, impl in fam.IMPLS.items():
+    with open(os.path.join(root, f"{name}.json")) as f:
+      definition = json.load(f)
+    axes = {"B": 2, "Nq": 5, "Nk": 7, "Np": 3, **CONST_AXES[name]}
+    inputs = impl.make_inputs(axes, jax.random.key(0), None)
+    assert list(inputs) == list(definition["inputs"])
+    assert list(inspect.signature(impl.reference).parameters) == list(definition["inputs"])
+    for input_name, spec in definition["inputs"].items():
+      assert inputs[input_name].shape == tuple(axes[d] for d in spec["shape"]), input_name
+      assert inputs[input_name].dtype == jnp.dtype(spec["dtype"]), input_name
+
+
+@pytest.mark.parametrize("name", list(fam.IMPLS))
+def test_make_inputs_deterministic(name):
+  impl = fam.IMPLS[name]
+  axes = {**impl.cpu_axes({**RECORDED_AXES[name][-1], **CONST_AXES[name]})}
+  record = recorded_like(name, RECORDED_AXES[name][-1])
+  a = impl.make_inputs(axes, jax.random.key(5), record)
+  b = impl.make_inputs(axes, jax.random.key(5), record)
+  c = impl.make_inputs(axes, jax.random.key(6), record)
+  for key in a:
+    np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]))
+  assert not np.array_equal(np.asarray(a["q"], np.float32), np.asarray(c["q"], np.float32))
+  q = np.asarray(a["q"], np.float32)
+  assert 0.9 < q.std() < 1.1 and abs(q.mean()) < 0.05
+
+
+def test_key_valid_for_padded_text_variants():
+  # Small H and D: the mask does not depend on them.
+  axes = {"B": 4, "Nq": 51, "Nk": 1024, "H": 1, "D": 16}
+  impl = fam.IMPLS[NONCAUSAL_D64]
+  for variant in ("audio_attn2", "attn2"):
+    kv = np.asarray(impl.make_inputs(axes, jax.random.key(0), {"variant": variant})["key_valid"])
+    lengths = kv.sum(axis=1)
+    # A valid prefix per batch row, of length in [Nk/8, Nk].
+    np.testing.assert_array_equal(kv, np.arange(1024)[None] < lengths[:, None])
+    assert np.all(lengths >= 128) and np.all(lengths <= 1024)
+    assert len(set(lengths.tolist())) > 1
+  for record in (None, {"variant": "audio_attn1"}, {"variant": "video_to_audio_attn"}):
+    assert np.asarray(impl.make_inputs(axes, jax.random.key(0), record)["key_valid"]).all()
+  # A record with larger axes than the run's: the mask follows the run's Nk.
+  small = {"B": 2, "Nq": 51, "Nk": 100, "H": 1, "D": 16}
+  kv = np.asarray(impl.make_inputs(small, jax.random.key(0),
+                                   {"variant": "attn2", "axes": {"B": 4, "Nq": 51, "Nk": 1024}})["key_valid"])
+  assert kv.shape == (2, 100) and np.all(kv.sum(axis=1) >= 13)
+
+
+def test_segment_ids_from_record():
+  impl = fam.IMPLS[PREFIX0]
+  axes = {"B": 1, "Nq": 4125, "H": 1, "D": 16}  # The ids do not depend on H, D.
+  ids = np.asarray(impl.make_inputs(axes, jax.random.key(0), recorded_like(PREFIX0, axes))["segment_ids"])
+  want = np.concatenate([np.zeros(8), np.ones(4096), np.full(21, 2)]).astype(np.int32)
+  np.testing.assert_array_equal(ids[0], want)
+  ids = np.asarray(impl.make_inputs(axes, jax.random.key(0), None)["segment_ids"])
+  assert ids.shape == (1, 4125) and not ids.any()  # No record: one segment.
+
+
+@pytest.mark.parametrize("q_len", [349, 125, 40, 4, 3, 2, 1])
+def test_segment_ids_rescaled_record(q_len):
+  impl = fam.IMPLS[PREFIX0]
+  axes = {"B": 2, "Nq": q_len, "H": 1, "D": 16}
+  record = {"axes": {"B": 1, "Nq": 4125}, "prefix_segments": SEGMENTS_4125}
+  ids = np.asarray(impl.make_inputs(axes, jax.random.key(0), record)["segment_ids"])
+  assert ids.shape == (2, q_len) and ids.dtype == np.int32
+  np.testing.assert_array_equal(ids[0], ids[1])
+  assert np.all(np.diff(ids[0]) >= 0)
+  # Every segment non-empty: ids are exactly 0..count-1.
+  np.testing.assert_array_equal(np.unique(ids[0]), np.arange(min(3, q_len)))
+  if q_len == 349:  # Proportional: 8/4125 of the tokens, then 4096/4125, then 21/4125.
+    np.testing.assert_array_equal(np.bincount(ids[0]), [1, 346, 2])
+  if q_len == 125:
+    np.testing.assert_array_equal(fam.segment_ends(SEGMENTS_4125, 125), [1, 124, 125])
+
+
+@pytest.mark.parametrize("name", list(RECORDED_AXES))
+def test_cpu_axes_keep_structure(name):
+  impl = fam.IMPLS[name]
+  for axes in RECORDED_AXES[name]:
+    full = {**axes, **CONST_AXES[name]}
+    small = impl.cpu_axes(full)
+    assert set(small) == set(full)
+    assert small["H"] == full["H"] and small["D"] == full["D"]
+    assert 1 <= small["B"] <= min(full["B"], 2)
+    keys = small.get("Nk", small["Nq"] + small.get("Np", 0))
+    assert small["B"] * small["Nq"] * keys <= fam._CPU_PAIR_BUDGET
+    for n in ("Nq", "Nk", "Np"):
+      if n in full:
+        assert 1 <= small[n] <= full[n]
+        assert (small[n] % 64 == 0) == (full[n] % 64 == 0), (n, full, small)
+        assert small[n] % 128 == 0 or full[n] % 128 != 0
+    if "Nk" in full:
+      assert (small["Nq"] < small["Nk"]) == (full["Nq"] < full["Nk"])
+      assert (small["Nq"] == small["Nk"]) == (full["Nq"] == full["Nk"])
+    if name == PREFIX0:
+      assert small["Nq"] >= 3
