@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import collections
-import dataclasses
 import difflib
 import json
 import os
@@ -268,30 +267,43 @@ def _raise(e: DatasetError) -> None:
   raise e
 
 
-def iter_jsonl(path: str | os.PathLike, definitions: Mapping[str, Definition], *,
-               on_error: ErrorSink = _raise, seen_uuids: set[str] | None = None,
-               expect_definition: str | None = None) -> Iterator[Workload]:
-  """Yields valid workloads of a JSONL file; each bad line goes to `on_error`
-  (raise by default) and the rest of the file still loads."""
-  seen = set() if seen_uuids is None else seen_uuids
+def _read_records(path: str | os.PathLike, definitions: Mapping[str, Definition], *,
+                  on_error: ErrorSink, seen_uuids: set[str], expect_definition: str | None = None,
+                  to_record: Callable[[Any], Any] = lambda obj: obj) -> Iterator[tuple[Workload, str, bool]]:
+  """Yields (workload, line text, whether `to_record` changed the object) per
+  valid line of a JSONL file; each bad line goes to `on_error` and the rest of
+  the file still loads."""
   with open(path, encoding="utf-8") as f:
     for lineno, text in enumerate(f, 1):
       if not text.strip():
         continue
       try:
         try:
-          rec = json.loads(text)
+          obj = json.loads(text)
         except json.JSONDecodeError as e:
           raise DatasetError(f"invalid JSON: {e.msg} at column {e.colno}", file=path, line=lineno) from None
-        w = validate_record(rec, definitions, file=str(path), line=lineno, expect_definition=expect_definition)
-        if w.uuid in seen:
+        rec = to_record(obj)
+        w = validate_record(rec, definitions, file=str(path), line=lineno,
+                            expect_definition=expect_definition)
+        if w.uuid in seen_uuids:
           raise DatasetError("duplicate uuid", file=path, line=lineno, field="uuid",
                              expected="unique in the dataset", got=w.uuid)
-        seen.add(w.uuid)
+        seen_uuids.add(w.uuid)
       except DatasetError as e:
         on_error(e)
         continue
-      yield w
+      yield w, text.rstrip("\r\n"), rec is not obj
+
+
+def iter_jsonl(path: str | os.PathLike, definitions: Mapping[str, Definition], *,
+               on_error: ErrorSink = _raise, seen_uuids: set[str] | None = None,
+               expect_definition: str | None = None) -> Iterator[Workload]:
+  """Yields the valid workloads of a JSONL file; each bad line goes to
+  `on_error` (raise by default) and the rest of the file still loads."""
+  seen = set() if seen_uuids is None else seen_uuids
+  for w, _, _ in _read_records(path, definitions, on_error=on_error, seen_uuids=seen,
+                            expect_definition=expect_definition):
+    yield w
 
 
 def workloads_path(name: str, dataset_dir: str | os.PathLike | None = None) -> pathlib.Path:
@@ -338,27 +350,10 @@ def convert(input_path: str | os.PathLike, output_dir: str | os.PathLike, *,
   with records in the input are replaced; returns counts per definition."""
   defs = definitions if definitions is not None else load_definitions()
   out: dict[str, list[str]] = collections.defaultdict(list)
-  seen: set[str] = set()
-  with open(input_path, encoding="utf-8") as f:
-    for lineno, text in enumerate(f, 1):
-      if not text.strip():
-        continue
-      try:
-        try:
-          obj = json.loads(text)
-        except json.JSONDecodeError as e:
-          raise DatasetError(f"invalid JSON: {e.msg} at column {e.colno}", file=input_path, line=lineno) from None
-        rec = record_from_line(obj)
-        w = validate_record(rec, defs, file=str(input_path), line=lineno)
-        if w.uuid in seen:
-          raise DatasetError("duplicate uuid", file=input_path, line=lineno, field="uuid",
-                             expected="unique in the input", got=w.uuid)
-        seen.add(w.uuid)
-      except DatasetError as e:
-        on_error(e)
-        continue
-      line = text.rstrip("\r\n") if rec is obj else json.dumps(rec, sort_keys=True)
-      out[w.definition].append(line)
+  for w, text, converted in _read_records(input_path, defs, on_error=on_error, seen_uuids=set(),
+                                          to_record=record_from_line):
+    # Seed records verbatim; records made from FIB traces in a canonical form.
+    out[w.definition].append(json.dumps(w.record, sort_keys=True) if converted else text)
   wdir = pathlib.Path(output_dir) / "workloads"
   wdir.mkdir(parents=True, exist_ok=True)
   for name, lines in out.items():

@@ -8,7 +8,6 @@ import json
 import pathlib
 import subprocess
 import sys
-import textwrap
 
 from absl import flags
 from ml_collections import config_flags
@@ -251,3 +250,35 @@ def test_smoke_replay_of_real_definitions(tmp_path):
   assert {r["definition"] for r in results} == set(implemented)
   assert all(r["evaluation"]["status"] == "passed" for r in results), "\n".join(logs)
   assert code == 0
+
+
+def test_blob_root_loads_recorded_tensors_and_compares_expected_output(toy, tmp_path):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+
+  blobs = tmp_path / "blobs"
+  (blobs / "blob").mkdir(parents=True)
+  x = np.arange(24, dtype=np.float32).reshape(3, 8) / 7
+  save_file({"tensor": x}, str(blobs / "blob" / "x.safetensors"))
+  save_file({"tensor": (x * 2).astype(ml_dtypes.bfloat16)}, str(blobs / "blob" / "y.safetensors"))
+  save_file({"tensor": (x * 2 + 1).astype(ml_dtypes.bfloat16)}, str(blobs / "blob" / "y_bad.safetensors"))
+  save_file({"tensor": x[:2]}, str(blobs / "blob" / "x_short.safetensors"))
+  st = lambda name: {"type": "safetensors", "path": f"blob/{name}.safetensors", "tensor_key": "tensor"}  # noqa: E731
+  inputs = {"x": st("x"), "s": {"type": "scalar", "value": 2.0}}
+  records = [
+      {**rec("b-ok", 3, "blob"), "inputs": inputs, "expected_output": st("y")},
+      {**rec("b-engine-differs", 3, "blob"), "inputs": inputs, "expected_output": st("y_bad")},
+      {**rec("b-wrong-shape", 3, "blob"), "inputs": {**inputs, "x": st("x_short")}},
+      {**rec("b-absent", 3, "blob"), "inputs": {**inputs, "x": st("nowhere")}},
+  ]
+  with open(toy / "workloads" / "toy_scale.jsonl", "a") as f:
+    f.write("".join(json.dumps(r) + "\n" for r in records))
+  replay.replay(make_config(toy, tmp_path, variants="blob", blob_root=str(blobs), scale="full"), log=lambda s: None)
+  res = {r["workload"]["uuid"]: r["evaluation"] for r in read(tmp_path / "out.jsonl")}
+  assert res["b-ok"]["status"] == "passed" and res["b-ok"]["expected_output"]["status"] == "passed"
+  assert res["b-engine-differs"]["expected_output"]["status"] == "incorrect_numerical"
+  assert res["b-wrong-shape"]["status"] == "runtime_error"
+  assert "field 'inputs.x'" in res["b-wrong-shape"]["log"] and "(3, 8)" in res["b-wrong-shape"]["log"]
+  # Tensors not under the blob root: synthesized inputs, no expected-output check.
+  assert res["b-absent"]["status"] == "passed" and res["b-absent"]["expected_output"] is None
