@@ -1,0 +1,111 @@
+"""Sweeps kernel configs (block sizes, num_warps, num_stages, splits) of one
+definition at given axes: each candidate is compiled, checked against the
+reference, and timed; the table ends with the fastest correct config.
+
+  python -m jaxkern.sweep --definition=dense_gemm_bf16_nt_n4096_k4096 --axes=M=4125
+  python -m jaxkern.sweep --definition=noncausal_dense_attention_h32_d64 \
+      --axes=B=1,Nq=2352,Nk=51 --max_configs=8 --output=/tmp/sweep.jsonl
+
+Without a GPU the kernels run in interpret mode: correctness holds, timings
+do not predict GPU performance. `--lower_only` checks that every candidate
+lowers for an abstract H100 instead of running it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+from absl import app
+from absl import flags
+import jax
+
+from jaxkern import registry
+from jaxkern import replay
+from pallas_kernels.common import has_gpu
+from pallas_kernels.common import lower_for_h100
+
+_DEFINITION = flags.DEFINE_string("definition", None, "Definition name.", required=True)
+_AXES = flags.DEFINE_string("axes", "", "Variable axes, e.g. 'M=4125' or 'B=1,Nq=2352,Nk=51'.")
+_SEED = flags.DEFINE_integer("seed", 0, "Input synthesis seed.")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed runs per config.")
+_ITERS = flags.DEFINE_integer("iters", 5, "Timed runs per config (median reported).")
+_MAX_CONFIGS = flags.DEFINE_integer("max_configs", 0, "Try at most this many candidates (0 = all).")
+_INTERPRET = flags.DEFINE_bool("interpret", None, "Interpret mode (default: when no GPU is present).")
+_LOWER_ONLY = flags.DEFINE_bool("lower_only", False, "Only check deviceless H100 lowering of each candidate.")
+_OUTPUT = flags.DEFINE_string("output", "", "Optional JSONL file, one line per config.")
+
+
+def parse_axes(text: str) -> dict[str, int]:
+  axes = {}
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    name, sep, value = part.partition("=")
+    if not sep or not value.strip().isdigit():
+      raise app.UsageError(f"--axes: expected NAME=INT pairs, got {part!r}")
+    axes[name.strip()] = int(value)
+  return axes
+
+
+def sweep(op: registry.Op, axes: dict[str, int], *, seed: int, warmup: int, iters: int, interpret: bool,
+          max_configs: int, lower_only: bool) -> list[dict]:
+  inputs = op.make_inputs(axes, seed=seed)
+  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in inputs.items()}
+  configs = op.candidate_configs(inputs)
+  if max_configs:
+    configs = configs[:max_configs]
+  chosen = op.choose_config(inputs)
+  ref = None if lower_only else jax.block_until_ready(jax.jit(op.reference)(inputs))
+  rows = []
+  for i, config in enumerate(configs, 1):
+    row = {"config": dataclasses.asdict(config), "heuristic": config == chosen, "status": None,
+           "latency_ms": None, "log": ""}
+    t0 = time.perf_counter()
+    try:
+      if lower_only:
+        lower_for_h100(lambda x, config=config: op.kernel(x, interpret=False, config=config), shapes)
+        row["status"] = "lowered"
+      else:
+        fn = jax.jit(lambda x, config=config: op.kernel(x, interpret=interpret, config=config))
+        out = jax.block_until_ready(fn(inputs))
+        cmp = op.compare(out, ref, inputs=inputs)
+        row["status"] = cmp.status
+        row["latency_ms"] = replay.median_time_ms(lambda: fn(inputs), warmup, iters, float("inf"))
+    except Exception as e:  # pylint: disable=broad-except
+      row["status"], row["log"] = "error", replay._short_error(e)  # pylint: disable=protected-access
+    row["seconds"] = time.perf_counter() - t0
+    rows.append(row)
+    print(f"[{i}/{len(configs)}] {config} -> {row['status']}"
+          + (f" {row['latency_ms']:.3f} ms" if row["latency_ms"] is not None else ""), flush=True)
+  return rows
+
+
+def main(argv: list[str]) -> None:
+  import tabulate  # pylint: disable=g-import-not-at-top
+
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  op = registry.get(_DEFINITION.value)
+  axes = op.full_axes(parse_axes(_AXES.value))
+  interpret = (not has_gpu()) if _INTERPRET.value is None else _INTERPRET.value
+  rows = sweep(op, axes, seed=_SEED.value, warmup=_WARMUP.value, iters=_ITERS.value, interpret=interpret,
+               max_configs=_MAX_CONFIGS.value, lower_only=_LOWER_ONLY.value)
+  if _OUTPUT.value:
+    with open(_OUTPUT.value, "w", encoding="utf-8") as f:
+      for r in rows:
+        f.write(json.dumps({"definition": op.name, "axes": axes, "interpret": interpret, **r}) + "\n")
+  table = [[json.dumps(r["config"]), "*" if r["heuristic"] else "", r["status"],
+            "-" if r["latency_ms"] is None else f"{r['latency_ms']:.3f}"] for r in rows]
+  print(tabulate.tabulate(table, headers=["config", "heuristic", "status", "ms"]))
+  good = [r for r in rows if r["status"] in ("passed", "lowered")]
+  timed = [r for r in good if r["latency_ms"] is not None]
+  if timed:
+    best = min(timed, key=lambda r: r["latency_ms"])
+    print(f"fastest correct: {best['config']} at {best['latency_ms']:.3f} ms"
+          + (" (interpret mode: not a GPU timing)" if interpret else ""))
+  sys.exit(0 if len(good) == len(rows) else 1)
+
+
+if __name__ == "__main__":
+  app.run(main)

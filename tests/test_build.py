@@ -1,0 +1,37 @@
+"""BUILD stays in sync with the tree: every module in a py_library, every
+test file in a py_test of the same name, and nothing listed that is gone."""
+
+import pathlib
+import re
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def build_text():
+  return (REPO / "BUILD").read_text()
+
+
+def test_every_module_and_config_is_in_build():
+  listed = set(re.findall(r'"([\w/]+\.py)"', build_text()))
+  on_disk = {str(p.relative_to(REPO)) for d in ("jaxkern", "pallas_kernels", "configs", "tests")
+             for p in (REPO / d).rglob("*.py") if "__pycache__" not in p.parts}
+  assert on_disk - listed == set(), "missing from BUILD"
+  assert listed - on_disk == set(), "listed in BUILD but not on disk"
+
+
+def test_every_test_file_has_its_py_test():
+  text = build_text()
+  tests = re.findall(r'py_test\(\s*name = "(\w+)",\s*srcs = \["tests/(\w+)\.py"\]', text)
+  assert all(name == stem for name, stem in tests)
+  assert {stem for _, stem in tests} == {p.stem for p in (REPO / "tests").glob("test_*.py")}
+
+
+def test_libraries_mirror_the_packages():
+  text = build_text()
+  for lib in ("pallas_kernels", "jaxkern", "configs"):
+    assert re.search(rf'py_library\(\s*name = "{lib}"', text), lib
+  # The import graph is one-way: pallas_kernels depends on nothing of ours.
+  block = re.search(r'py_library\(\s*name = "pallas_kernels".*?\n\)', text, re.S).group(0)
+  assert ':jaxkern' not in block
+  for p in (REPO / "pallas_kernels").glob("*.py"):
+    assert not re.search(r"^\s*(from|import) jaxkern", p.read_text(), re.M), p.name
