@@ -281,7 +281,7 @@ def _read_records(path: str | os.PathLike, definitions: Mapping[str, Definition]
         try:
           obj = json.loads(text)
         except json.JSONDecodeError as e:
-          raise DatasetError(f"invalid JSON: {e.msg} at column {e.colno}", file=path, line=lineno) from None
+          raise DatasetError(f"invalid JSON: {e.msg} (column {e.colno})", file=path, line=lineno) from None
         rec = to_record(obj)
         w = validate_record(rec, definitions, file=str(path), line=lineno,
                             expect_definition=expect_definition)

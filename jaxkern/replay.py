@@ -29,7 +29,10 @@ import traceback
 from typing import Any, Callable, Iterable, Mapping
 
 from absl import app
+from absl import flags
+from absl import logging
 import jax
+import jaxlib
 from ml_collections import config_dict
 from ml_collections import config_flags
 import numpy as np
@@ -240,8 +243,7 @@ def _short_error(e: BaseException) -> str:
 def environment(interpret: bool) -> dict[str, Any]:
   dev = jax.devices()[0]
   return {"hardware": getattr(dev, "device_kind", str(dev)), "backend": jax.default_backend(),
-          "libs": {"jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__")
-                   else __import__("jaxlib").__version__},
+          "libs": {"jax": jax.__version__, "jaxlib": jaxlib.__version__},
           "interpret": interpret}
 
 
@@ -331,6 +333,11 @@ def _correctness(cmp: compare_lib.Comparison) -> dict[str, Any]:
           "outputs": cmp.to_json()}
 
 
+# Worker threads of `run_isolated`; one left running (a timeout or Ctrl-C
+# mid-call) means the process must exit without finalizing the runtime.
+_WORKERS: list[threading.Thread] = []
+
+
 def run_isolated(fn: Callable[[], dict], timeout_s: float, timed_out: Callable[[], dict]) -> dict:
   """Runs `fn` in a worker thread; past `timeout_s` (+ grace) returns
   `timed_out()` and leaves the stuck call behind (XLA calls cannot be
@@ -344,6 +351,7 @@ def run_isolated(fn: Callable[[], dict], timeout_s: float, timed_out: Callable[[
       box["error"] = e
 
   t = threading.Thread(target=target, daemon=True)
+  _WORKERS[:] = [w for w in _WORKERS if w.is_alive()] + [t]
   t.start()
   t.join(timeout_s * 1.1 + 5)
   if t.is_alive():
@@ -454,8 +462,18 @@ def _ends_with_newline(path: pathlib.Path) -> bool:
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # jax's backend probing is noise here
   cfg = _CONFIG.value if _CONFIG.value is not None else default_config()
-  sys.exit(replay(cfg))
+  code = replay(cfg)
+  if code == 130 or any(t.is_alive() for t in _WORKERS):
+    # After Ctrl-C or a timeout, XLA's runtime can abort during interpreter
+    # shutdown (an abandoned or interrupted call); results are already on
+    # disk, so leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  sys.exit(code)
 
 
 if __name__ == "__main__":

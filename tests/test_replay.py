@@ -282,3 +282,27 @@ def test_blob_root_loads_recorded_tensors_and_compares_expected_output(toy, tmp_
   assert "field 'inputs.x'" in res["b-wrong-shape"]["log"] and "(3, 8)" in res["b-wrong-shape"]["log"]
   # Tensors not under the blob root: synthesized inputs, no expected-output check.
   assert res["b-absent"]["status"] == "passed" and res["b-absent"]["expected_output"] is None
+
+
+def test_command_line_ctrl_c_exits_130_with_results_on_disk(toy, tmp_path):
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+
+  with open(toy / "workloads" / "toy_scale.jsonl", "a") as f:
+    for r in (rec("i0", 3, "i"), rec("i1", 23, "i"), rec("i2", 23, "i"), rec("i3", 4, "i")):
+      f.write(json.dumps(r) + "\n")
+  out = tmp_path / "int.jsonl"
+  cmd = [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/replay.py", f"--config.dataset_dir={toy}",
+         f"--config.output={out}", "--config.variants=i", "--config.scale=full", "--config.max_workloads_per_variant=0",
+         "--config.progress=False"]
+  p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                       env={"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+  deadline = time.monotonic() + 120
+  while not (out.exists() and out.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  p.send_signal(signal.SIGINT)  # i1 (a slow one) is running now
+  stdout, _ = p.communicate(timeout=120)
+  assert p.returncode == 130, stdout
+  assert "resume=True" in stdout and "Fatal" not in stdout
+  done = [r["workload"]["uuid"] for r in read(out)]
+  assert done[0] == "i0" and len(done) < 4
