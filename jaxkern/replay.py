@@ -247,11 +247,9 @@ def environment(interpret: bool) -> dict[str, Any]:
           "interpret": interpret}
 
 
-def run_workload(op: registry.Op, w: dataset.Workload, cfg: config_dict.ConfigDict, cache: CompileCache,
-                 on_gpu: bool) -> dict[str, Any]:
-  """One workload, isolated: every failure becomes its status."""
-  interpret = (not on_gpu) if cfg.interpret is None else bool(cfg.interpret)
-  result: dict[str, Any] = {
+def new_result(w: dataset.Workload, cfg: config_dict.ConfigDict, interpret: bool) -> dict[str, Any]:
+  """A result line with nothing evaluated yet (status None)."""
+  return {
       "definition": w.definition,
       "workload": {"uuid": w.uuid, "variant": w.variant, "axes": dict(w.axes), "axes_run": None, "scaled": False,
                    "seed": derive_seed(w.uuid, cfg.seed), "source": f"{w.file}:{w.line}"},
@@ -260,6 +258,12 @@ def run_workload(op: registry.Op, w: dataset.Workload, cfg: config_dict.ConfigDi
                      "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      "correctness": None, "performance": None, "config": None, "expected_output": None},
   }
+
+
+def run_workload(op: registry.Op, w: dataset.Workload, cfg: config_dict.ConfigDict, cache: CompileCache,
+                 interpret: bool, on_gpu: bool) -> dict[str, Any]:
+  """One workload, isolated: every failure becomes its status."""
+  result = new_result(w, cfg, interpret)
   ev = result["evaluation"]
   if not op.implemented:
     ev["status"], ev["log"] = "skipped", f"no kernel yet: {op.missing}"
@@ -404,10 +408,11 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
     log(f"error: {e}")
     return 2
   on_gpu = has_gpu()
+  interpret = (not on_gpu) if cfg.interpret is None else bool(cfg.interpret)
   if done:
     log(f"resume: {len(done)} workloads already in {out_path}, {len(workloads)} to go")
   log(f"replaying {len(workloads)} workloads on {jax.default_backend()} "
-      f"(scale={cfg.scale}, interpret={'auto' if cfg.interpret is None else cfg.interpret}) -> {out_path}")
+      f"(scale={cfg.scale}, interpret={interpret}) -> {out_path}")
   cache = CompileCache()
   results: list[dict] = []
   mode = "a" if cfg.resume else "w"
@@ -422,13 +427,12 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
         bar.set_description(w.definition[:40])
 
         def timed_out(w=w):
-          return {"definition": w.definition, "workload": {"uuid": w.uuid, "variant": w.variant, "axes": w.axes},
-                  "solution": f"jaxkern.pallas:{w.definition}",
-                  "evaluation": {"status": "timeout", "log": f"no result within {cfg.timeout_s}s",
-                                 "environment": environment(cfg.interpret is not False and not on_gpu),
-                                 "correctness": None, "performance": None, "config": None}}
+          r = new_result(w, cfg, interpret)
+          r["evaluation"].update(status="timeout", log=f"no result within {cfg.timeout_s}s")
+          return r
 
-        r = run_isolated(lambda w=w, op=op: run_workload(op, w, cfg, cache, on_gpu), cfg.timeout_s, timed_out)
+        r = run_isolated(lambda w=w, op=op: run_workload(op, w, cfg, cache, interpret, on_gpu),
+                         cfg.timeout_s, timed_out)
         f.write(json.dumps(r) + "\n")
         f.flush()
         os.fsync(f.fileno())

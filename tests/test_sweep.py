@@ -1,0 +1,43 @@
+"""The config sweep tool."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+from absl import app
+import pytest
+
+from jaxkern import registry
+from jaxkern import sweep
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_parse_axes():
+  assert sweep.parse_axes("B=1, Nq=2352,Nk=51") == {"B": 1, "Nq": 2352, "Nk": 51}
+  assert sweep.parse_axes("") == {}
+  for bad in ("M", "M=x", "M=-1"):
+    with pytest.raises(app.UsageError, match="NAME=INT"):
+      sweep.parse_axes(bad)
+
+
+def test_sweep_runs_checks_and_times_candidates():
+  op = registry.get("moe_router_gemm_topk_deepseek41_d5120_e384_topk6")
+  rows = sweep.sweep(op, op.full_axes({"M": 3}), seed=0, warmup=0, iters=1, interpret=True, max_configs=2,
+                     lower_only=False)
+  assert len(rows) == 2
+  assert all(r["status"] == "passed" and r["latency_ms"] > 0 for r in rows)
+  assert any(r["heuristic"] for r in rows)  # the heuristic's choice is among the first candidates
+
+
+def test_sweep_command_line_lower_only(tmp_path):
+  out = tmp_path / "sweep.jsonl"
+  p = subprocess.run([sys.executable, "-m", "jaxkern.sweep", "--definition=noncausal_dense_attention_h32_d64",
+                      "--axes=B=1,Nq=2352,Nk=51", "--lower_only", f"--output={out}"],
+                     capture_output=True, text=True, timeout=300, cwd=REPO)
+  assert p.returncode == 0, p.stderr
+  rows = [json.loads(l) for l in out.read_text().splitlines()]
+  op = registry.get("noncausal_dense_attention_h32_d64")
+  assert len(rows) == len(op.candidate_configs(op.make_inputs({"B": 1, "Nq": 2352, "Nk": 51})))
+  assert all(r["status"] == "lowered" for r in rows) and "heuristic" in p.stdout
