@@ -78,11 +78,6 @@ def _json_float(v: Any) -> Any:
   return v
 
 
-def _spec_dtype(spec: Any) -> np.dtype:
-  from jaxkern.registry import jnp_dtype  # pylint: disable=g-import-not-at-top
-  return np.dtype(jnp_dtype(spec.dtype))
-
-
 @jax.jit
 def _float_stats(x, y, atol, rtol):
   """(max_abs, max_rel, matched) under the FIB rule with non-finite handling."""
@@ -244,7 +239,7 @@ def compare(specs: Mapping[str, Any], out: Mapping[str, jax.Array], ref: Mapping
       results[name] = OutputComparison(name, INCORRECT_SHAPE,
                                        message=f"shape {tuple(np.shape(x))}, expected {tuple(want)}")
       continue
-    if np.dtype(x.dtype) != _spec_dtype(spec):
+    if np.dtype(x.dtype) != spec.np_dtype:
       results[name] = OutputComparison(name, INCORRECT_DTYPE, message=f"dtype {x.dtype}, expected {spec.dtype}")
       continue
     policy = output_policies.get(name)

@@ -23,8 +23,15 @@ import sys
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import chex
+import ml_dtypes
+import numpy as np
 
-DTYPES = ("bfloat16", "float32", "float8_e4m3fn", "uint8", "int32", "bool")
+NP_DTYPES = {
+    "bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn), "uint8": np.dtype(np.uint8),
+    "int32": np.dtype(np.int32), "bool": np.dtype(np.bool_),
+}
+DTYPES = tuple(NP_DTYPES)
 # Fields every workload record must carry; everything else is provenance.
 CORE_FIELDS = ("uuid", "definition", "axes")
 
@@ -81,6 +88,10 @@ class TensorSpec:
   shape: tuple[str, ...] | None  # None: a Python scalar
   dtype: str
   description: str = ""
+
+  @property
+  def np_dtype(self) -> np.dtype:
+    return NP_DTYPES[self.dtype]
 
   def concrete_shape(self, axes: Mapping[str, int]) -> tuple[int, ...]:
     return () if self.shape is None else tuple(int(axes[a]) for a in self.shape)

@@ -16,23 +16,12 @@ import os
 from typing import Any, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxkern import compare as compare_lib
 from jaxkern import dataset
 from jaxkern.op import OpImpl
 from pallas_kernels.common import resolve_interpret
-
-_JNP_DTYPES = {
-    "bfloat16": jnp.bfloat16, "float32": jnp.float32, "float8_e4m3fn": jnp.float8_e4m3fn,
-    "uint8": jnp.uint8, "int32": jnp.int32, "bool": jnp.bool_,
-}
-
-
-def jnp_dtype(name: str):
-  return _JNP_DTYPES[name]
-
 
 @dataclasses.dataclass(frozen=True)
 class Op:
@@ -61,8 +50,9 @@ class Op:
     return self.definition.full_axes(w.axes)
 
   def input_shapes(self, axes: Mapping[str, int]) -> dict[str, jax.ShapeDtypeStruct]:
+    """Abstract inputs at `axes`: enough for configs and lowering, no data."""
     full = self.full_axes(axes)
-    return {n: jax.ShapeDtypeStruct(t.concrete_shape(full), jnp_dtype(t.dtype))
+    return {n: jax.ShapeDtypeStruct(t.concrete_shape(full), t.np_dtype)
             for n, t in self.definition.inputs.items()}
 
   def make_inputs(self, axes: Mapping[str, int], seed: int = 0, record: dict | None = None, *,
@@ -110,7 +100,7 @@ class Op:
 
 
 def _shapes(inputs: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
-  return {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype) for k, v in inputs.items()}
+  return {k: jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for k, v in inputs.items()}
 
 
 def check_tensors(definition: dataset.Definition, tensors: Mapping[str, Any], axes: Mapping[str, int],
@@ -128,7 +118,7 @@ def check_tensors(definition: dataset.Definition, tensors: Mapping[str, Any], ax
     if tuple(np.shape(x)) != shape:
       raise dataset.DatasetError("wrong shape", file=where, field=f"{kind}.{name}", expected=shape,
                                  got=tuple(np.shape(x)))
-    if np.dtype(x.dtype) != np.dtype(jnp_dtype(spec.dtype)):
+    if np.dtype(x.dtype) != spec.np_dtype:
       raise dataset.DatasetError("wrong dtype", file=where, field=f"{kind}.{name}", expected=spec.dtype,
                                  got=str(x.dtype))
 
