@@ -6,6 +6,7 @@ from jaxkern.replay_config import default_config
 def get_config():
   c = default_config()
   c.scale = "full"
+  c.max_workloads_per_variant = 0
   c.interpret = False
   c.warmup = 3
   c.iters = 10

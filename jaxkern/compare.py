@@ -5,14 +5,14 @@
   non-finite reference element matches only the same non-finite value (lonely
   rows report lse = +inf). Pass needs every element to match.
 * Integer and bool outputs: exact.
-* Top-k selections (outputs listed in `topk_scores`): a row whose ids differ
+* Top-k selections (outputs with a `TopK` policy): a row whose ids differ
   from the reference still passes ("tie-accepted") when the kernel's ids are
   valid and unique, carry the same number of -1 pads, and their reference
   scores, sorted descending, match the reference selection's sorted scores
   within the float32 tolerance. Outputs permuted with a selection
-  (`paired_outputs`) are compared on the ids both selected. For these outputs
+  (`PairedWith`) are compared on the ids both selected. For these outputs
   matched_ratio counts rows.
-* "gdn_prefill_state": relative RMS, relative max and worst per-(sequence,
+* `StateMetric` ("gdn_prefill_state"): relative RMS, relative max and worst per-(sequence,
   head) relative RMS error against thresholds.
 * A shape or dtype mismatch fails outright.
 
@@ -23,6 +23,7 @@ the host; top-k rows (small) are checked on the host.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, Callable, Mapping
 
 import jax
@@ -35,10 +36,31 @@ DEFAULT_TOLERANCES: dict[str, Any] = {
     "gdn_prefill_state": {"relative_rms": 0.01, "relative_max": 0.015, "max_head_relative_rms": 0.02},
 }
 
-PASSED = "passed"
-INCORRECT_NUMERICAL = "incorrect_numerical"
-INCORRECT_SHAPE = "incorrect_shape"
-INCORRECT_DTYPE = "incorrect_dtype"
+
+class Status(str, enum.Enum):
+  """Every workload outcome (SPEC 7); the first four come from comparison.
+  A `str` enum: it compares equal to, and serializes as, its value."""
+  PASSED = "passed"
+  INCORRECT_NUMERICAL = "incorrect_numerical"
+  INCORRECT_SHAPE = "incorrect_shape"
+  INCORRECT_DTYPE = "incorrect_dtype"
+  RUNTIME_ERROR = "runtime_error"
+  COMPILE_ERROR = "compile_error"
+  TIMEOUT = "timeout"
+  SKIPPED = "skipped"
+
+  def __str__(self) -> str:
+    return self.value
+
+  @property
+  def failed(self) -> bool:
+    return self not in (Status.PASSED, Status.SKIPPED)
+
+
+PASSED = Status.PASSED
+INCORRECT_NUMERICAL = Status.INCORRECT_NUMERICAL
+INCORRECT_SHAPE = Status.INCORRECT_SHAPE
+INCORRECT_DTYPE = Status.INCORRECT_DTYPE
 
 
 @dataclasses.dataclass
@@ -211,51 +233,124 @@ def compare_state(name: str, x: jax.Array, y: jax.Array, tol: Mapping[str, float
   return OutputComparison(name, PASSED if ok else INCORRECT_NUMERICAL, max_abs, rel_max, ratio, message=msg)
 
 
+# ---------------------------------------------------------------------------
+# Policies: a family declares one per output that is not compared by its dtype.
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What a policy may look at besides its own output pair."""
+  out: Mapping[str, jax.Array]
+  ref: Mapping[str, jax.Array]
+  inputs: Mapping[str, jax.Array] | None
+  tolerances: Mapping[str, Any]
+  # Per-row verdicts of selections compared so far (output name -> bool rows).
+  rows_ok: dict[str, np.ndarray]
+
+  def tolerance(self, dtype: str) -> tuple[float, float]:
+    t = self.tolerances.get(dtype, self.tolerances["float32"])
+    return t["atol"], t["rtol"]
+
+
+class Policy:
+  """How one output is compared. `after` names an output whose comparison
+  must run first (its per-row verdicts land in `Context.rows_ok`)."""
+  after: str | None = None
+
+  def compare(self, name: str, x: jax.Array, y: jax.Array, spec: Any, ctx: Context) -> OutputComparison:
+    raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Float(Policy):
+  """The FIB rule with the dtype's tolerances, or explicit ones."""
+  atol: float | None = None
+  rtol: float | None = None
+
+  def compare(self, name, x, y, spec, ctx):
+    atol, rtol = ctx.tolerance(spec.dtype if spec.dtype in ctx.tolerances else "bfloat16")
+    return compare_float(name, x, y, self.atol if self.atol is not None else atol,
+                         self.rtol if self.rtol is not None else rtol)
+
+
+@dataclasses.dataclass(frozen=True)
+class Exact(Policy):
+  def compare(self, name, x, y, spec, ctx):
+    return compare_exact(name, x, y)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK(Policy):
+  """A top-k selection of candidate ids (-1 = padding). `scores(inputs)` gives
+  what the selection ranks, `[rows, candidates]` f32. Tie-aware (SPEC 5) when
+  the inputs are known, exact otherwise."""
+  scores: Callable[[Mapping[str, jax.Array]], jax.Array]
+
+  def compare(self, name, x, y, spec, ctx):
+    if ctx.inputs is None:
+      return compare_exact(name, x, y)
+    atol, rtol = ctx.tolerance("float32")
+    result, ctx.rows_ok[name] = compare_topk(name, x, y, self.scores(ctx.inputs), atol, rtol)
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedWith(Policy):
+  """Values permuted with the selection `ids`: compared on the ids both sides
+  selected (falls back to the dtype rule when the selection was exact-only)."""
+  ids: str
+
+  @property
+  def after(self) -> str:
+    return self.ids
+
+  def compare(self, name, x, y, spec, ctx):
+    atol, rtol = ctx.tolerance(spec.dtype)
+    if self.ids not in ctx.rows_ok:
+      return compare_float(name, x, y, atol, rtol)
+    return compare_paired(name, x, y, ctx.out[self.ids], ctx.ref[self.ids], atol, rtol, ctx.rows_ok[self.ids])
+
+
+@dataclasses.dataclass(frozen=True)
+class StateMetric(Policy):
+  """The `gdn_prefill_state` metric: relative RMS, relative max and worst
+  per-(sequence, head) relative RMS against thresholds."""
+  key: str = "gdn_prefill_state"
+
+  def compare(self, name, x, y, spec, ctx):
+    return compare_state(name, x, y, ctx.tolerances[self.key])
+
+
+def default_policy(dtype: str) -> Policy:
+  return Float() if dtype in ("bfloat16", "float32", "float8_e4m3fn") else Exact()
+
+
 def compare(specs: Mapping[str, Any], out: Mapping[str, jax.Array], ref: Mapping[str, jax.Array], *,
             inputs: Mapping[str, jax.Array] | None = None,
-            topk_scores: Mapping[str, Callable[[Mapping[str, jax.Array]], jax.Array]] | None = None,
-            paired_outputs: Mapping[str, str] | None = None,
-            output_policies: Mapping[str, str] | None = None,
+            policies: Mapping[str, Policy] | None = None,
             tolerances: Mapping[str, Any] | None = None) -> Comparison:
   """Compares kernel outputs `out` with reference outputs `ref`, per output
-  spec (`Definition.outputs`). The first failing output sets the status."""
-  tol = {**DEFAULT_TOLERANCES, **(tolerances or {})}
-  topk_scores = topk_scores or {}
-  paired_outputs = paired_outputs or {}
-  output_policies = output_policies or {}
-  f32 = tol["float32"]
+  spec (`Definition.outputs`), each by its policy (default: by dtype). The
+  first failing output in definition order sets the status."""
+  policies = policies or {}
+  ctx = Context(out=out, ref=ref, inputs=inputs, tolerances={**DEFAULT_TOLERANCES, **(tolerances or {})},
+                rows_ok={})
   results: dict[str, OutputComparison] = {}
-  ids_ok: dict[str, np.ndarray] = {}
-  # Selections first: their outcome decides how paired values are compared.
-  order = sorted(specs, key=lambda n: n not in topk_scores)
+  order = sorted(specs, key=lambda n: getattr(policies.get(n), "after", None) is not None)
   for name in order:
     spec = specs[name]
     if name not in out:
       results[name] = OutputComparison(name, INCORRECT_SHAPE, message="output missing")
       continue
     x, y = out[name], ref[name]
-    want = np.shape(y)
-    if tuple(np.shape(x)) != tuple(want):
+    if tuple(np.shape(x)) != tuple(np.shape(y)):
       results[name] = OutputComparison(name, INCORRECT_SHAPE,
-                                       message=f"shape {tuple(np.shape(x))}, expected {tuple(want)}")
+                                       message=f"shape {tuple(np.shape(x))}, expected {tuple(np.shape(y))}")
       continue
     if np.dtype(x.dtype) != spec.np_dtype:
       results[name] = OutputComparison(name, INCORRECT_DTYPE, message=f"dtype {x.dtype}, expected {spec.dtype}")
       continue
-    policy = output_policies.get(name)
-    if policy == "gdn_prefill_state":
-      results[name] = compare_state(name, x, y, tol["gdn_prefill_state"])
-    elif name in topk_scores and inputs is not None:
-      results[name], ids_ok[name] = compare_topk(name, x, y, topk_scores[name](inputs), f32["atol"], f32["rtol"])
-    elif name in paired_outputs and paired_outputs[name] in ids_ok:
-      ids = paired_outputs[name]
-      t = tol.get(spec.dtype, f32)
-      results[name] = compare_paired(name, x, y, out[ids], ref[ids], t["atol"], t["rtol"], ids_ok[ids])
-    elif spec.dtype in ("bfloat16", "float32", "float8_e4m3fn"):
-      t = tol.get(spec.dtype, tol["bfloat16"])
-      results[name] = compare_float(name, x, y, t["atol"], t["rtol"])
-    else:
-      results[name] = compare_exact(name, x, y)
+    results[name] = policies.get(name, default_policy(spec.dtype)).compare(name, x, y, spec, ctx)
   results = {name: results[name] for name in specs}
   status = next((r.status for r in results.values() if r.status != PASSED), PASSED)
   return Comparison(status, results)

@@ -17,6 +17,7 @@ import ast
 import collections
 import difflib
 import json
+import operator
 import os
 import pathlib
 import sys
@@ -128,8 +129,64 @@ class Definition:
     return [c for c in self.constraints if not _eval_constraint(c, axes)]
 
 
+# Constraints are data from definition files (which users import from
+# elsewhere), so they are never `eval`ed: they are parsed into this small
+# arithmetic-and-comparison language and interpreted here.
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+            ast.Gt: operator.gt, ast.GtE: operator.ge}
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Not: operator.not_}
+
+
+def parse_constraint(expr: Any) -> ast.Expression:
+  """`expr` as a syntax tree of integer literals, names, + - * // %,
+  comparisons, and/or/not; ValueError naming the first other construct."""
+  if not isinstance(expr, str):
+    raise ValueError(f"a constraint must be a string, got {type(expr).__name__}")
+  try:
+    tree = ast.parse(expr, mode="eval")
+  except SyntaxError as e:
+    raise ValueError(f"does not parse: {e.msg}") from None
+  for node in ast.walk(tree):
+    ok = (isinstance(node, (ast.Expression, ast.Name, ast.Load, ast.BoolOp, ast.And, ast.Or, ast.Compare,
+                            ast.BinOp, ast.UnaryOp))
+          or type(node) in _BINARY or type(node) in _COMPARE or type(node) in _UNARY
+          or (isinstance(node, ast.Constant) and type(node.value) is int))
+    if not ok:
+      raise ValueError(f"{type(node).__name__} is not allowed (integers, axis names, + - * // %, "
+                       "comparisons, and/or/not only)")
+  return tree
+
+
+def _evaluate(node: ast.AST, axes: Mapping[str, int]) -> Any:
+  if isinstance(node, ast.Expression):
+    return _evaluate(node.body, axes)
+  if isinstance(node, ast.Constant):
+    return node.value
+  if isinstance(node, ast.Name):
+    return axes[node.id]
+  if isinstance(node, ast.UnaryOp):
+    return _UNARY[type(node.op)](_evaluate(node.operand, axes))
+  if isinstance(node, ast.BinOp):
+    return _BINARY[type(node.op)](_evaluate(node.left, axes), _evaluate(node.right, axes))
+  if isinstance(node, ast.BoolOp):
+    values = (_evaluate(v, axes) for v in node.values)
+    return all(values) if isinstance(node.op, ast.And) else any(values)
+  left = _evaluate(node.left, axes)
+  for op, right_node in zip(node.ops, node.comparators):
+    right = _evaluate(right_node, axes)
+    if not _COMPARE[type(op)](left, right):
+      return False
+    left = right
+  return True
+
+
 def _eval_constraint(expr: str, axes: Mapping[str, int]) -> bool:
-  return bool(eval(compile(expr, "<constraint>", "eval"), {"__builtins__": {}}, dict(axes)))  # pylint: disable=eval-used
+  try:
+    return bool(_evaluate(parse_constraint(expr), axes))
+  except ZeroDivisionError:
+    return False
 
 
 def _tensor_specs(raw: Mapping[str, Any], path: pathlib.Path, kind: str,
@@ -167,10 +224,10 @@ def parse_definition(raw: Mapping[str, Any], path: pathlib.Path | str = "<defini
     axes[name] = AxisSpec(name=name, type=a["type"], value=a.get("value"), description=a.get("description", ""))
   for expr in raw.get("constraints", []):
     try:
-      names = {n.id for n in ast.walk(ast.parse(expr, mode="eval")) if isinstance(n, ast.Name)}
-    except SyntaxError as e:
-      raise DatasetError(f"constraint does not parse: {e.msg}", file=path, field="constraints",
-                         expected="a Python expression", got=expr) from None
+      names = {n.id for n in ast.walk(parse_constraint(expr)) if isinstance(n, ast.Name)}
+    except ValueError as e:
+      raise DatasetError(f"bad constraint: {e}", file=path, field="constraints",
+                         expected="an arithmetic comparison over axis names", got=expr) from None
     if names - set(axes):
       raise DatasetError("constraint names unknown axes", file=path, field="constraints",
                          expected=f"names among {list(axes)}", got=expr)

@@ -1,49 +1,88 @@
-"""The contract between a definition and its implementations.
+"""The contract between a definition and its implementation (one per family
+shape), and the shared helpers families use.
 
-A kernel family module in `jaxkern.families` exports `IMPLS`, a dict from
-definition name to `OpImpl`. The registry pairs each `OpImpl` with the
-definition's JSON to form the user-facing `Op`.
+A family module in `jaxkern.families` exports `IMPLS`, a tuple of `OpImpl`.
+A definition's `reference` field (`"jaxkern.families.<module>:<function>"`)
+names the reference function; the registry pairs the definition with the
+`OpImpl` whose `reference` is that function. So a new shape of an existing
+family (another GEMM N/K, another head count) is a definition JSON plus its
+records, and no code.
 
-Conventions every family follows:
-* `reference(**inputs) -> dict[str, Array]`: plain `jax.numpy`, bounded memory.
-* `make_inputs(axes, key, record) -> dict[str, Array]`: `axes` holds every axis
-  (var and const); `record` is the raw workload dict or None. The record's own
-  `axes` may be larger than `axes` (a scaled run): provenance such as sequence
-  lengths is then rescaled to fit. Scalars are 0-d arrays.
-* `kernel(**inputs, interpret: bool | None, config) -> dict[str, Array]`: the
-  Pallas implementation; `config=None` means the heuristic's choice.
-* `choose_config(shapes) -> config` and `candidate_configs(shapes) -> list`:
-  `shapes` maps input name to `jax.ShapeDtypeStruct`; candidates are what a
-  sweep explores and what the lowering tests check.
-* `cpu_axes(axes) -> axes`: a shrunk copy of `axes` that keeps the definition's
-  structure but fits an interpret-mode CPU budget (about a second of work).
-* `output_policies`: output name -> a comparison policy other than the dtype
-  default (today only "gdn_prefill_state", SPEC section 5).
-* `topk_scores`: for outputs that are top-k selections, a function of the inputs
-  returning the scores the selection ranks, shaped like the output's rows by
-  candidate ids (`[rows, n_candidates]`); `paired_outputs` names the outputs
-  permuted together with a selection (compared on the ids both selected).
+Conventions:
+* `reference(**inputs)` and `kernel(**inputs, config=, interpret=)` take the
+  definition's input names and return one array or a tuple in the
+  definition's output order. Scalars arrive as 0-d arrays.
+* Constant axes reach functions as keyword-only parameters: a parameter named
+  like a constant axis (`KT`), or mapped to one by `axis_params`
+  (`{"top_k": "TOPK"}`), receives the definition's value. This holds for
+  `reference`, `kernel`, `choose_config` and `candidate_configs`.
+* `make_inputs(axes, key, record) -> dict`: `axes` holds every axis (var and
+  const); `record` is the raw workload dict or None. The record's own axes may
+  be larger than `axes` (a scaled run): provenance is rescaled to fit.
+* `choose_config(shapes)` / `candidate_configs(shapes)`: `shapes` maps input
+  name to `jax.ShapeDtypeStruct` (arrays work too); candidates start with the
+  heuristic's choice.
+* `cpu_axes(axes) -> axes`: a shrunk copy that keeps the structure but fits an
+  interpret-mode CPU budget (`shrink_rows` and `shrink_until` help).
+* `policies`: output name -> `jaxkern.compare.Policy` for outputs not
+  compared by their dtype alone (top-k selections, paired values, states).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from typing import Any, Callable, Mapping
 
 import jax
 
 Inputs = Mapping[str, jax.Array]
-Outputs = dict[str, jax.Array]
+Shapes = Mapping[str, jax.ShapeDtypeStruct]
 
 
 @dataclasses.dataclass(frozen=True)
 class OpImpl:
-  reference: Callable[..., Outputs]
-  make_inputs: Callable[[dict[str, int], jax.Array, dict | None], dict[str, jax.Array]]
-  kernel: Callable[..., Outputs]
-  choose_config: Callable[[Mapping[str, jax.ShapeDtypeStruct]], Any]
-  candidate_configs: Callable[[Mapping[str, jax.ShapeDtypeStruct]], list[Any]]
-  cpu_axes: Callable[[dict[str, int]], dict[str, int]]
-  topk_scores: Mapping[str, Callable[[Inputs], jax.Array]] = dataclasses.field(default_factory=dict)
-  paired_outputs: Mapping[str, str] = dataclasses.field(default_factory=dict)
-  output_policies: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  reference: Callable[..., Any]
+  kernel: Callable[..., Any]
+  make_inputs: Callable[[Mapping[str, int], jax.Array, dict | None], dict[str, jax.Array]]
+  choose_config: Callable[..., Any]
+  candidate_configs: Callable[..., list[Any]]
+  cpu_axes: Callable[[Mapping[str, int]], dict[str, int]]
+  policies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  axis_params: Mapping[str, str] = dataclasses.field(default_factory=dict)  # parameter -> const axis
+
+
+def bind_axes(fn: Callable[..., Any], const_axes: Mapping[str, int],
+              axis_params: Mapping[str, str]) -> Callable[..., Any]:
+  """`fn` with its keyword-only constant-axis parameters filled in."""
+  params = inspect.signature(fn).parameters
+  bound = {}
+  for name, p in params.items():
+    if p.kind is not inspect.Parameter.KEYWORD_ONLY:
+      continue
+    axis = axis_params.get(name, name)
+    if axis in const_axes:
+      bound[name] = const_axes[axis]
+  return functools.partial(fn, **bound) if bound else fn
+
+
+def shrink_rows(n: int, base: int = 64) -> int:
+  """A row count at CPU scale: `base + n % base` above `base` (ragged counts
+  stay ragged: 4125 -> 93), `n` itself at or below it."""
+  return n if n <= base else base + n % base
+
+
+def shrink_until(axes: Mapping[str, int], fits: Callable[[dict[str, int]], bool],
+                 shrink: Callable[[dict[str, int]], dict[str, int]], *, max_steps: int = 64) -> dict[str, int]:
+  """Applies `shrink` to a copy of `axes` until `fits` holds (or nothing
+  changes any more)."""
+  out = dict(axes)
+  for _ in range(max_steps):
+    if fits(out):
+      break
+    smaller = shrink(dict(out))
+    if smaller == out:
+      break
+    out = smaller
+  return out

@@ -1,17 +1,18 @@
-"""Model-friendly, jit-compatible entry points.
+"""Model-friendly, jit-compatible entry points: plain arrays in, arrays out.
 
-Each op takes plain arrays (no input dicts) and a `backend`:
+Each op takes a `backend`:
   None         the Pallas kernel on a GPU, the XLA path otherwise (default)
   "pallas"     the Pallas kernel (interpret mode when no GPU is present)
   "xla"        the plain-jnp path (the definitions' references): correct
                everywhere, fast on CPU
-`config` picks a kernel config (see `pallas_kernels.<family>`); None lets the
-heuristic choose.
+and a `config` (see `pallas_kernels.<family>`). Without one, the tuned table
+of the current device kind is consulted for the definition whose constant
+axes match the call (`jaxkern.tuning`), else the kernel's heuristic decides.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from jaxkern.families import attention as _attention
 from jaxkern.families import gemm as _gemm
 from jaxkern.families import moe_router as _router
+from pallas_kernels import dense_gemm as _gemm_kernel
 from pallas_kernels import flash_attention as _flash
 from pallas_kernels import moe_router as _router_kernel
 from pallas_kernels.common import has_gpu
@@ -34,12 +36,31 @@ def _pallas(backend: Backend) -> bool:
   return backend == "pallas"
 
 
+def _config(reference: Callable[..., Any], shapes: Mapping[str, Any], config: Any) -> Any:
+  """The caller's config, else the tuned one for the matching definition,
+  else None (the kernel's heuristic)."""
+  if config is not None:
+    return config
+  shapes = {k: v for k, v in shapes.items() if v is not None}
+  from jaxkern import registry  # pylint: disable=g-import-not-at-top  (loads definitions lazily)
+  op = registry.find(reference, shapes)
+  if op is None:
+    return None
+  choice = op.config_for(shapes)
+  return choice.config if choice.source == "tuned" else None
+
+
 def dense_gemm(a: jax.Array, b: jax.Array, *, config: Any = None, backend: Backend = None) -> jax.Array:
   """`a @ b.T`: activations a [..., K], weight b [N, K] (torch Linear layout);
   fp32 accumulation, output in a's dtype."""
+  *batch, k = a.shape
+  a2 = a.reshape(-1, k)
   if _pallas(backend):
-    return _gemm.dense_gemm(a, b, config=config)
-  return jnp.einsum("...k,nk->...n", a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+    config = _config(_gemm.dense_gemm_reference, {"A": a2, "B": b}, config)
+    c = _gemm_kernel.dense_gemm_nt(a2, b, config=config, out_dtype=a.dtype)
+  else:
+    c = jnp.einsum("mk,nk->mn", a2, b, preferred_element_type=jnp.float32).astype(a.dtype)
+  return c.reshape(*batch, b.shape[0])
 
 
 def moe_router(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
@@ -47,21 +68,30 @@ def moe_router(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
                backend: Backend = None) -> tuple[jax.Array, jax.Array]:
   """DeepSeek-V4 sqrtsoftplus router: hidden [..., D], weight [E, D], bias [E]
   -> (expert_ids int32 [..., top_k] ascending, expert_weights f32 [..., top_k])."""
-  if _pallas(backend):
-    return _router.moe_router(hidden, weight, bias, routed_scaling_factor, top_k=top_k, config=config)
   *batch, d = hidden.shape
-  ids, weights = _router_kernel.moe_router_topk_reference(hidden.reshape(-1, d), weight, bias,
-                                                          routed_scaling_factor, top_k=top_k)
+  h2 = hidden.reshape(-1, d)
+  if _pallas(backend):
+    config = _config(_router.moe_router_reference, {"hidden": h2, "weight": weight, "bias": bias}, config)
+    ids, weights = _router_kernel.moe_router_topk(h2, weight, bias, routed_scaling_factor, top_k=top_k,
+                                                  config=config)
+  else:
+    ids, weights = _router_kernel.moe_router_topk_reference(h2, weight, bias, routed_scaling_factor, top_k=top_k)
   return ids.reshape(*batch, top_k), weights.reshape(*batch, top_k)
+
+
+def _flash_attention(reference, q, k, v, *, sm_scale, config, backend, **extra) -> jax.Array:
+  if _pallas(backend):
+    config = _config(reference, {"q": q, "k": k, "v": v, **extra}, config)
+    return _flash.flash_attention(q, k, v, sm_scale=sm_scale, config=config, **extra)
+  return _flash.attention_reference(q, k, v, sm_scale=sm_scale, **extra)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.Array | None = None,
               sm_scale: float | None = None, config: Any = None, backend: Backend = None) -> jax.Array:
   """Non-causal attention, [B, N, H, D] layout; `key_valid [B, Nk]` hides
   keys, rows with no visible key are 0; scale defaults to D**-0.5."""
-  if _pallas(backend):
-    return _attention.attention(q, k, v, key_valid=key_valid, sm_scale=sm_scale, config=config)
-  return _flash.attention_reference(q, k, v, key_valid=key_valid, sm_scale=sm_scale)
+  return _flash_attention(_attention.noncausal_attention_reference, q, k, v, key_valid=key_valid,
+                          sm_scale=sm_scale, config=config, backend=backend)
 
 
 def prefix_cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_prefix: jax.Array,
@@ -69,15 +99,13 @@ def prefix_cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_prefix: 
                             backend: Backend = None) -> jax.Array:
   """Attention of q over keys concat(k_prefix, k), all visible; the
   concatenation is never materialized by the kernel."""
-  if _pallas(backend):
-    return _attention.prefix_cached_attention(q, k, v, k_prefix, v_prefix, sm_scale=sm_scale, config=config)
-  return _flash.attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, sm_scale=sm_scale)
+  return _flash_attention(_attention.prefix_cached_attention_reference, q, k, v, k_prefix=k_prefix,
+                          v_prefix=v_prefix, sm_scale=sm_scale, config=config, backend=backend)
 
 
 def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                            sm_scale: float | None = None, config: Any = None, backend: Backend = None) -> jax.Array:
   """Self-attention where token j is visible to token i iff
   segment_ids[b, j] <= segment_ids[b, i] (nondecreasing int32 ids)."""
-  if _pallas(backend):
-    return _attention.block_causal_attention(q, k, v, segment_ids, sm_scale=sm_scale, config=config)
-  return _flash.attention_reference(q, k, v, segment_ids=segment_ids, sm_scale=sm_scale)
+  return _flash_attention(_attention.block_causal_attention_reference, q, k, v, segment_ids=segment_ids,
+                          sm_scale=sm_scale, config=config, backend=backend)

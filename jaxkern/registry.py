@@ -1,10 +1,16 @@
 """The definition registry: one `Op` per definition.
 
 An `Op` joins a definition (data, from `datasets/definitions`) with its
-implementation (`jaxkern.op.OpImpl`, found through the module named by the
-definition's `reference` field). Definitions whose family is not implemented
-yet still have an `Op`; its `reference`, `kernel` and `make_inputs` raise
-NotImplementedError naming the missing module.
+implementation (`jaxkern.op.OpImpl`), found through the function its
+`reference` field names; only modules inside `jaxkern.families` are imported.
+Definitions whose family module does not exist yet still have an `Op`; its
+`reference`, `kernel` and `make_inputs` raise NotImplementedError naming the
+missing module.
+
+Configs: `Op.config_for(inputs, config)` is the one place a kernel config is
+chosen: the caller's, else the tuned table of the current device kind (see
+`jaxkern.tuning`), else the family's heuristic. Replay, sweep and
+`jaxkern.ops` all go through it.
 """
 
 from __future__ import annotations
@@ -18,10 +24,35 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from jaxkern import blobs
 from jaxkern import compare as compare_lib
 from jaxkern import dataset
-from jaxkern.op import OpImpl
-from pallas_kernels.common import resolve_interpret
+from jaxkern import tuning
+from jaxkern.op import OpImpl, bind_axes
+from pallas_kernels.common import has_gpu, resolve_interpret
+
+FAMILIES_PACKAGE = "jaxkern.families"
+
+
+def family_packages() -> tuple[str, ...]:
+  """Packages a definition's `reference` may import from: `jaxkern.families`,
+  plus out-of-tree ones named in JAXKERN_FAMILY_PACKAGES (comma-separated)."""
+  extra = [p.strip() for p in os.environ.get("JAXKERN_FAMILY_PACKAGES", "").split(",") if p.strip()]
+  return (FAMILIES_PACKAGE, *extra)
+SCALES = ("auto", "full", "smoke")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+  """How one workload runs: at which axes, on which inputs, with which config."""
+  axes: dict[str, int]           # every axis the run uses
+  axes_run: dict[str, int]       # the var axes, and const axes that differ from the definition
+  scaled: bool                   # axes differ from the recorded ones
+  inputs: dict[str, jax.Array]
+  inputs_source: str             # "blobs" | "synthesized"
+  expected: dict[str, jax.Array] | None  # recorded outputs, only at recorded sizes
+  choice: tuning.Choice
+
 
 @dataclasses.dataclass(frozen=True)
 class Op:
@@ -42,65 +73,139 @@ class Op:
       raise NotImplementedError(f"{self.name}: no implementation yet ({self.missing})")
     return self.impl
 
-  def full_axes(self, axes: Mapping[str, int]) -> dict[str, int]:
+  def _bound(self, fn_name: str):
+    impl = self._require()
+    return bind_axes(getattr(impl, fn_name), self.definition.const_axes, impl.axis_params)
+
+  # -- axes and inputs -----------------------------------------------------
+
+  def validated_axes(self, axes: Mapping[str, int]) -> dict[str, int]:
     """`axes` validated like a record's (types, constants, constraints) and
     completed with the constant axes; raises DatasetError naming the axis."""
     rec = {"uuid": "<axes>", "definition": self.name, "axes": dict(axes)}
     w = dataset.validate_record(rec, {self.name: self.definition}, file=f"{self.name} axes")
     return self.definition.full_axes(w.axes)
 
+  full_axes = validated_axes  # the name the README and older callers use
+
   def input_shapes(self, axes: Mapping[str, int]) -> dict[str, jax.ShapeDtypeStruct]:
     """Abstract inputs at `axes`: enough for configs and lowering, no data."""
-    full = self.full_axes(axes)
+    full = self.validated_axes(axes)
     return {n: jax.ShapeDtypeStruct(t.concrete_shape(full), t.np_dtype)
             for n, t in self.definition.inputs.items()}
 
   def make_inputs(self, axes: Mapping[str, int], seed: int = 0, record: dict | None = None, *,
-                  scaled: bool = False) -> dict[str, jax.Array]:
+                  allow_shrunk_constants: bool = False) -> dict[str, jax.Array]:
     """Deterministic, structurally valid inputs for `axes` (var axes suffice).
 
-    `scaled=True` accepts constant axes that differ from the definition (the
-    output of `cpu_axes`, which may shrink a constant to fit a CPU budget)."""
+    `allow_shrunk_constants=True` accepts constant axes smaller than the
+    definition's (the output of `cpu_axes`, which may shrink a constant that
+    would otherwise allocate gigabytes)."""
     impl = self._require()
-    if scaled:
-      full = self.definition.full_axes(axes)
-    else:
-      full = self.full_axes(axes)
+    full = self.definition.full_axes(axes) if allow_shrunk_constants else self.validated_axes(axes)
     inputs = impl.make_inputs(full, jax.random.key(seed), record)
     check_tensors(self.definition, inputs, full, kind="inputs")
     return inputs
 
-  def reference(self, inputs: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    return self._require().reference(**inputs)
+  def cpu_axes(self, axes: Mapping[str, int]) -> dict[str, int]:
+    return self._require().cpu_axes(self.validated_axes(axes))
 
-  def kernel(self, inputs: Mapping[str, jax.Array], interpret: bool | None = None, config: Any = None):
-    return self._require().kernel(**inputs, interpret=resolve_interpret(interpret), config=config)
+  # -- running -------------------------------------------------------------
+
+  def name_outputs(self, result: Any) -> dict[str, jax.Array]:
+    """A kernel's or reference's return value (one array or a tuple in the
+    definition's output order) as a dict by output name."""
+    names = list(self.definition.outputs)
+    values = tuple(result) if isinstance(result, (tuple, list)) else (result,)
+    if len(values) != len(names):
+      raise ValueError(f"{self.name}: expected {len(names)} outputs {names}, got {len(values)}")
+    return dict(zip(names, values))
+
+  def reference(self, inputs: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    return self.name_outputs(self._bound("reference")(**inputs))
+
+  def kernel(self, inputs: Mapping[str, jax.Array], interpret: bool | None = None,
+             config: Any = None) -> dict[str, jax.Array]:
+    """The Pallas kernel; `config=None` takes `config_for`'s choice."""
+    config = self.config_for(inputs, config).config
+    return self.name_outputs(self._bound("kernel")(**inputs, config=config,
+                                                   interpret=resolve_interpret(interpret)))
+
+  # -- configs -------------------------------------------------------------
 
   def choose_config(self, inputs: Mapping[str, Any]) -> Any:
-    return self._require().choose_config(_shapes(inputs))
+    """The family's heuristic config for these inputs (or shapes)."""
+    return self._bound("choose_config")(_shapes(inputs))
 
   def candidate_configs(self, inputs: Mapping[str, Any]) -> list[Any]:
-    return self._require().candidate_configs(_shapes(inputs))
+    return self._bound("candidate_configs")(_shapes(inputs))
 
-  def cpu_axes(self, axes: Mapping[str, int]) -> dict[str, int]:
-    return self._require().cpu_axes(self.full_axes(axes))
+  def var_axes_of(self, inputs: Mapping[str, Any]) -> dict[str, int]:
+    """The variable axes that input shapes imply."""
+    found: dict[str, int] = {}
+    for name, spec in self.definition.inputs.items():
+      if spec.shape is None or name not in inputs:
+        continue
+      for axis, size in zip(spec.shape, np.shape(inputs[name])):
+        found.setdefault(axis, int(size))
+    return {a: found[a] for a in self.definition.var_axes if a in found}
+
+  def config_for(self, inputs: Mapping[str, Any], config: Any = None, *, tuned: bool = True,
+                 device_kind: str | None = None) -> tuning.Choice:
+    """The caller's config, else (with `tuned`) the tuned table's for the
+    current device kind and this shape bucket, else the heuristic's."""
+    if config is not None:
+      return tuning.Choice(config, tuning.EXPLICIT)
+    heuristic = self.choose_config(inputs)
+    entry = tuning.lookup(self.name, self.var_axes_of(inputs), device_kind) if tuned else None
+    if entry is not None:
+      return tuning.Choice(tuning.config_from_json(entry["config"], heuristic), tuning.TUNED)
+    return tuning.Choice(heuristic, tuning.HEURISTIC)
+
+  # -- one workload --------------------------------------------------------
+
+  def run_axes(self, w: dataset.Workload, scale: str, on_gpu: bool) -> dict[str, int]:
+    """Axes a workload runs at: recorded on a GPU (`auto`) or with `full`,
+    the family's CPU budget otherwise."""
+    if scale not in SCALES:
+      raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    full = self.validated_axes(w.axes)
+    if scale == "full" or (scale == "auto" and on_gpu):
+      return full
+    return self._require().cpu_axes(full)
+
+  def plan(self, w: dataset.Workload, *, scale: str = "auto", seed: int = 0, blob_root: str = "",
+           on_gpu: bool | None = None, config: Any = None, tuned: bool = True) -> RunPlan:
+    """Everything needed to run one workload: recorded tensors when the blob
+    root has them (always at recorded sizes), else synthesized inputs at the
+    scale's axes; and the config with its source."""
+    on_gpu = has_gpu() if on_gpu is None else on_gpu
+    recorded_axes = self.validated_axes(w.axes)
+    inputs, expected = blobs.load_recorded(self.definition, w, blob_root, recorded_axes)
+    if inputs is not None:
+      axes, source = recorded_axes, "blobs"
+    else:
+      axes, source = self.run_axes(w, scale, on_gpu), "synthesized"
+      inputs = jax.block_until_ready(
+          self.make_inputs(axes, seed=seed, record=w.record, allow_shrunk_constants=True))
+    scaled = axes != recorded_axes
+    const = self.definition.const_axes
+    axes_run = {k: v for k, v in axes.items() if k not in const or v != const[k]}
+    return RunPlan(axes=axes, axes_run=axes_run, scaled=scaled, inputs=inputs, inputs_source=source,
+                   expected=None if scaled else expected,
+                   choice=self.config_for(inputs, config, tuned=tuned))
 
   def compare(self, out: Mapping[str, jax.Array], ref: Mapping[str, jax.Array], *,
               inputs: Mapping[str, jax.Array] | None = None,
               tolerances: Mapping[str, Any] | None = None) -> compare_lib.Comparison:
-    """SPEC section 5. Top-k outputs are tie-aware only when `inputs` is given
-    (the scores of the kernel's selection come from them); otherwise exact."""
-    impl = self.impl
-    return compare_lib.compare(
-        self.definition.outputs, out, ref, inputs=inputs,
-        topk_scores=impl.topk_scores if impl else {},
-        paired_outputs=impl.paired_outputs if impl else {},
-        output_policies=impl.output_policies if impl else {},
-        tolerances=tolerances)
+    """SPEC section 5 with the family's per-output policies. Top-k outputs are
+    tie-aware only when `inputs` is given; otherwise exact."""
+    return compare_lib.compare(self.definition.outputs, out, ref, inputs=inputs,
+                               policies=self.impl.policies if self.impl else {}, tolerances=tolerances)
 
 
 def _shapes(inputs: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
-  return {k: jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for k, v in inputs.items()}
+  return {k: jax.ShapeDtypeStruct(tuple(np.shape(v)), v.dtype) for k, v in inputs.items()}
 
 
 def check_tensors(definition: dataset.Definition, tensors: Mapping[str, Any], axes: Mapping[str, int],
@@ -124,20 +229,28 @@ def check_tensors(definition: dataset.Definition, tensors: Mapping[str, Any], ax
 
 
 def _load_impl(definition: dataset.Definition) -> tuple[OpImpl | None, str]:
-  module_name, _, func = definition.reference.partition(":")
+  """The OpImpl whose reference is the function the definition names."""
+  module_name, sep, func = definition.reference.partition(":")
+  allowed = family_packages()
+  inside = any(module_name == p or module_name.startswith(p + ".") for p in allowed)
+  if not (sep and func.isidentifier() and inside and all(part.isidentifier() for part in module_name.split("."))):
+    raise dataset.DatasetError("reference must name a function of a family module", file=definition.name,
+                               field="reference", expected=f"'<module>:<function>' with the module inside {allowed}",
+                               got=definition.reference)
   try:
     module = importlib.import_module(module_name)
   except ModuleNotFoundError as e:
     if e.name and module_name.startswith(e.name):
       return None, f"module {module_name} does not exist"
     raise
-  impl = getattr(module, "IMPLS", {}).get(definition.name)
-  if impl is None:
-    return None, f"{module_name}.IMPLS has no entry for {definition.name}"
-  if getattr(module, func, None) is not impl.reference:
-    raise RuntimeError(f"{definition.name}: reference field names {definition.reference}, "
-                       f"but IMPLS registers a different function")
-  return impl, ""
+  fn = getattr(module, func, None)
+  if fn is None:
+    raise dataset.DatasetError(f"{module_name} has no function {func}", file=definition.name, field="reference",
+                               expected="an existing function", got=definition.reference)
+  for impl in getattr(module, "IMPLS", ()):
+    if impl.reference is fn:
+      return impl, ""
+  return None, f"{module_name}.IMPLS has no OpImpl for {func}"
 
 
 @functools.cache
@@ -163,3 +276,24 @@ def get(name: str, dataset_dir: str | os.PathLike | None = None) -> Op:
   if name not in ops:
     raise KeyError(f"unknown definition {name!r}; close matches: {dataset.close_matches(name, ops)}")
   return ops[name]
+
+
+def find(reference: Any, shapes: Mapping[str, Any], dataset_dir: str | os.PathLike | None = None) -> Op | None:
+  """The definition implemented by `reference` whose constant axes agree with
+  `shapes` (input name -> shape-like), or None: how `jaxkern.ops` finds the
+  tuned table entry for a call."""
+  for op in _all(dataset_dir).values():
+    if op.impl is None or op.impl.reference is not reference:
+      continue
+    const = op.definition.const_axes
+    ok = True
+    for name, spec in op.definition.inputs.items():
+      if name not in shapes or spec.shape is None:
+        continue
+      shape = np.shape(shapes[name])
+      if len(shape) != len(spec.shape) or any(a in const and const[a] != s for a, s in zip(spec.shape, shape)):
+        ok = False
+        break
+    if ok:
+      return op
+  return None

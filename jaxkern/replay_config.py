@@ -12,17 +12,21 @@ from ml_collections import config_dict
 def default_config() -> config_dict.ConfigDict:
   """Every replay config field, with its default."""
   c = config_dict.ConfigDict()
-  c.dataset_dir = "datasets"
+  c.dataset_dir = ""  # empty: the dataset shipped with the package (repository's datasets/)
   c.definitions = ""  # comma-separated names or name prefixes; empty = all
   c.variants = ""  # comma-separated recorded variants; empty = all ("none" = records without one)
   c.uuids = ""  # comma-separated uuids; empty = all
   c.max_workloads_per_definition = 0  # 0 = no cap
-  c.max_workloads_per_variant = 0  # 0 = no cap; records without a variant form one group
+  # 0 = no cap; records without a variant form one group. None: no cap on a
+  # GPU, 1 without one (interpret mode is slow; one per variant keeps every
+  # recorded structure).
+  c.max_workloads_per_variant = config_dict.placeholder(int)
   c.seed = 0  # mixed with each record's uuid
   c.scale = "auto"  # auto: recorded sizes on a GPU, CPU budget without one | full | smoke
   c.interpret = config_dict.placeholder(bool)  # None: interpret mode when no GPU is present
   c.blob_root = ""  # directory holding the records' blob/... safetensors, if any
   c.output = "results/replay.jsonl"
+  c.tuned = True  # consult configs/tuned/<device kind>.json before the heuristic
   c.resume = False  # keep `output` and skip uuids already in it
   c.warmup = 1
   c.iters = 3

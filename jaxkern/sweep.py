@@ -8,12 +8,14 @@ reference, and timed; the table ends with the fastest correct config.
 
 Without a GPU the kernels run in interpret mode: correctness holds, timings
 do not predict GPU performance. `--lower_only` checks that every candidate
-lowers for an abstract H100 instead of running it.
+lowers for an abstract H100 instead of running it. `--write_tuned` records
+the fastest correct config in `configs/tuned/<device kind>.json` for the
+axes' shape bucket (see `jaxkern.tuning`); replay, sweep and `jaxkern.ops`
+use it from then on for that device kind.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
@@ -22,9 +24,10 @@ from absl import app
 from absl import flags
 import jax
 
+from jaxkern import bench
 from jaxkern import registry
-from jaxkern import replay
-from pallas_kernels.common import has_gpu
+from jaxkern import tuning
+from pallas_kernels.common import resolve_interpret
 from pallas_kernels.common import lower_for_h100
 
 _DEFINITION = flags.DEFINE_string("definition", None, "Definition name.", required=True)
@@ -36,6 +39,8 @@ _MAX_CONFIGS = flags.DEFINE_integer("max_configs", 0, "Try at most this many can
 _INTERPRET = flags.DEFINE_bool("interpret", None, "Interpret mode (default: when no GPU is present).")
 _LOWER_ONLY = flags.DEFINE_bool("lower_only", False, "Only check deviceless H100 lowering of each candidate.")
 _OUTPUT = flags.DEFINE_string("output", "", "Optional JSONL file, one line per config.")
+_WRITE_TUNED = flags.DEFINE_bool("write_tuned", False,
+                                 "Record the fastest correct config in configs/tuned/<device kind>.json.")
 
 
 def parse_axes(text: str) -> dict[str, int]:
@@ -55,11 +60,13 @@ def sweep(op: registry.Op, axes: dict[str, int], *, seed: int, warmup: int, iter
   configs = op.candidate_configs(inputs)
   if max_configs:
     configs = configs[:max_configs]
-  chosen = op.choose_config(inputs)
+  heuristic = op.choose_config(inputs)
+  current = op.config_for(inputs)  # what replay and ops use today (tuned or heuristic)
   ref = None if lower_only else jax.block_until_ready(jax.jit(op.reference)(inputs))
   rows = []
   for i, config in enumerate(configs, 1):
-    row = {"config": dataclasses.asdict(config), "heuristic": config == chosen, "status": None,
+    row = {"config": tuning.config_to_json(config), "heuristic": config == heuristic,
+           "current": config == current.config, "current_source": current.source, "status": None,
            "latency_ms": None, "log": ""}
     t0 = time.perf_counter()
     try:
@@ -71,10 +78,11 @@ def sweep(op: registry.Op, axes: dict[str, int], *, seed: int, warmup: int, iter
         out = jax.block_until_ready(fn(inputs))
         cmp = op.compare(out, ref, inputs=inputs)
         row["status"] = cmp.status
-        row["latency_ms"] = replay.median_time_ms(lambda: fn(inputs), warmup, iters, float("inf"))
+        row["latency_ms"] = bench.median_time_ms(lambda: fn(inputs), warmup, iters)
     except Exception as e:  # pylint: disable=broad-except
-      row["status"], row["log"] = "error", replay._short_error(e)  # pylint: disable=protected-access
+      row["status"], row["log"] = "error", bench.short_error(e)
     row["seconds"] = time.perf_counter() - t0
+    row["_config"] = config
     rows.append(row)
     print(f"[{i}/{len(configs)}] {config} -> {row['status']}"
           + (f" {row['latency_ms']:.3f} ms" if row["latency_ms"] is not None else ""), flush=True)
@@ -88,22 +96,29 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   op = registry.get(_DEFINITION.value)
   axes = op.full_axes(parse_axes(_AXES.value))
-  interpret = (not has_gpu()) if _INTERPRET.value is None else _INTERPRET.value
+  interpret = resolve_interpret(_INTERPRET.value)
   rows = sweep(op, axes, seed=_SEED.value, warmup=_WARMUP.value, iters=_ITERS.value, interpret=interpret,
                max_configs=_MAX_CONFIGS.value, lower_only=_LOWER_ONLY.value)
   if _OUTPUT.value:
     with open(_OUTPUT.value, "w", encoding="utf-8") as f:
       for r in rows:
-        f.write(json.dumps({"definition": op.name, "axes": axes, "interpret": interpret, **r}) + "\n")
-  table = [[json.dumps(r["config"]), "*" if r["heuristic"] else "", r["status"],
-            "-" if r["latency_ms"] is None else f"{r['latency_ms']:.3f}"] for r in rows]
-  print(tabulate.tabulate(table, headers=["config", "heuristic", "status", "ms"]))
+        f.write(json.dumps({"definition": op.name, "axes": axes, "interpret": interpret,
+                            **{k: v for k, v in r.items() if k != "_config"}}) + "\n")
+  table = [[json.dumps(r["config"]), "*" if r["heuristic"] else "", r["current_source"] if r["current"] else "",
+            r["status"], "-" if r["latency_ms"] is None else f"{r['latency_ms']:.3f}"] for r in rows]
+  print(tabulate.tabulate(table, headers=["config", "heuristic", "in use", "status", "ms"]))
   good = [r for r in rows if r["status"] in ("passed", "lowered")]
   timed = [r for r in good if r["latency_ms"] is not None]
   if timed:
     best = min(timed, key=lambda r: r["latency_ms"])
     print(f"fastest correct: {best['config']} at {best['latency_ms']:.3f} ms"
           + (" (interpret mode: not a GPU timing)" if interpret else ""))
+    if _WRITE_TUNED.value:
+      var_axes = {a: axes[a] for a in op.definition.var_axes}
+      path = tuning.record(op.name, var_axes, best["_config"], latency_ms=best["latency_ms"])
+      print(f"tuned: {op.name} [{tuning.shape_bucket(var_axes)}] -> {path}")
+  elif _WRITE_TUNED.value:
+    print("tuned: nothing written (no correct, timed config)")
   sys.exit(0 if len(good) == len(rows) else 1)
 
 

@@ -3,7 +3,6 @@ Triton deprecation filter and deviceless lowering for an abstract H100."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 from typing import Any, Callable
@@ -84,10 +83,3 @@ def assert_lowers_to_triton(fn: Callable[..., Any], *avals: Any, **static_kwargs
   if "__gpu$xla.gpu.triton" not in txt:
     raise AssertionError("lowering produced no Triton custom call")
   return txt
-
-
-@contextlib.contextmanager
-def quiet():
-  with warnings.catch_warnings():
-    filter_triton_deprecation()
-    yield

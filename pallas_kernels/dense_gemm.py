@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, Mapping
 
 import jax
 from jax import lax
@@ -64,7 +65,12 @@ _SWEEP_CONFIGS = (
 )
 
 
-def choose_config(m: int, n: int, k: int) -> DenseGemmConfig:
+def _mnk(shapes: Mapping[str, Any]) -> tuple[int, int, int]:
+  m, k = shapes["A"].shape
+  return int(m), int(shapes["B"].shape[0]), int(k)
+
+
+def choose_config(shapes: Mapping[str, Any]) -> DenseGemmConfig:
   """Heuristic tile choice.
 
   Large problems (all recorded ones: M >= 4096, N >= 4096) use 128x256x64 with
@@ -72,6 +78,7 @@ def choose_config(m: int, n: int, k: int) -> DenseGemmConfig:
   lowering. Short M (decode-like) uses a 64-row tile, clamped down to the
   problem so tiny shapes do not compute mostly padding.
   """
+  m, n, k = _mnk(shapes)
   if m <= 64:
     base = DenseGemmConfig(64, 128, 64, 8, num_warps=4, num_stages=4)
   else:
@@ -79,9 +86,10 @@ def choose_config(m: int, n: int, k: int) -> DenseGemmConfig:
   return _fit(base, m, n, k)
 
 
-def candidate_configs(m: int, n: int, k: int) -> list[DenseGemmConfig]:
-  """Configs a sweep may try; includes `choose_config(m, n, k)`."""
-  out = [choose_config(m, n, k)]
+def candidate_configs(shapes: Mapping[str, Any]) -> list[DenseGemmConfig]:
+  """Configs a sweep may try, the heuristic's first."""
+  m, n, k = _mnk(shapes)
+  out = [choose_config(shapes)]
   for config in _SWEEP_CONFIGS:
     fitted = _fit(config, m, n, k)
     if fitted not in out:
@@ -155,16 +163,18 @@ def _dense_gemm_nt_kernel(a_ref, b_ref, c_ref, *, m: int, n: int, k: int,
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "out_dtype"))
-def dense_gemm_nt(a: jax.Array, b: jax.Array, *,
+def dense_gemm_nt(A: jax.Array, B: jax.Array, *,  # pylint: disable=invalid-name
+
                   config: DenseGemmConfig | None = None,
                   interpret: bool | None = None,
                   out_dtype=jnp.bfloat16) -> jax.Array:
   """C = A @ B^T with A [M,K], B [N,K] (both bf16); fp32 accumulation.
 
-  `config=None` picks `choose_config(M, N, K)`; a given config is clamped to
+  `config=None` picks `choose_config`; a given config is clamped to
   the problem (blocks never exceed the next power of two of a dimension).
   `interpret=None` interprets when no GPU is present.
   """
+  a, b = A, B
   if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
     raise ValueError(f"expected A [M,K] and B [N,K], got {a.shape} and {b.shape}")
   if a.dtype != b.dtype:
@@ -173,7 +183,7 @@ def dense_gemm_nt(a: jax.Array, b: jax.Array, *,
   n = b.shape[0]
   if m == 0 or n == 0:
     return jnp.zeros((m, n), out_dtype)
-  config = _fit(config or choose_config(m, n, k), m, n, k)
+  config = _fit(config or choose_config({"A": a, "B": b}), m, n, k)
   num_pid_m = cdiv(m, config.block_m)
   num_pid_n = cdiv(n, config.block_n)
   group_m = min(config.group_m, num_pid_m)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, Mapping
 
 import jax
 from jax import lax
@@ -86,8 +87,16 @@ _SWEEP_CONFIGS = (
 )
 
 
-def choose_config(batch: int, num_heads: int, q_len: int, kv_len: int,
-                  head_dim: int) -> FlashAttentionConfig:
+def _problem(shapes: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
+  """(B, H, Nq, longer key source, D) from the input shapes."""
+  batch, q_len, num_heads, head_dim = shapes["q"].shape
+  kv_len = shapes["k"].shape[1]
+  if shapes.get("k_prefix") is not None:
+    kv_len = max(kv_len, shapes["k_prefix"].shape[1])
+  return int(batch), int(num_heads), int(q_len), int(kv_len), int(head_dim)
+
+
+def choose_config(shapes: Mapping[str, Any]) -> FlashAttentionConfig:
   """Heuristic tiling.
 
   128-row query tiles with 64-key steps is the FlashAttention-2 shape for
@@ -97,6 +106,7 @@ def choose_config(batch: int, num_heads: int, q_len: int, kv_len: int,
   `kv_len` is the longer key source (max of Nk and the prefix's Np): it only
   caps `block_k` for tiny problems.
   """
+  batch, num_heads, q_len, kv_len, head_dim = _problem(shapes)
   programs_at_128 = batch * num_heads * cdiv(q_len, 128)
   block_q = 128 if programs_at_128 >= 2 * _NUM_SMS else 64
   if block_q == 128:
@@ -106,11 +116,11 @@ def choose_config(batch: int, num_heads: int, q_len: int, kv_len: int,
   return _fit(config, q_len, kv_len)
 
 
-def candidate_configs(batch: int, num_heads: int, q_len: int, kv_len: int,
-                      head_dim: int) -> list[FlashAttentionConfig]:
+def candidate_configs(shapes: Mapping[str, Any]) -> list[FlashAttentionConfig]:
   """The sweep's configurations fitted to the problem, heuristic choice first,
   without duplicates."""
-  chosen = choose_config(batch, num_heads, q_len, kv_len, head_dim)
+  _, _, q_len, kv_len, _ = _problem(shapes)
+  chosen = choose_config(shapes)
   fitted = [_fit(c, q_len, kv_len) for c in _SWEEP_CONFIGS]
   return list(dict.fromkeys([chosen, *fitted]))
 
@@ -337,7 +347,7 @@ def flash_attention(
   if sm_scale is None:
     sm_scale = head_dim ** -0.5
   if config is None:
-    config = choose_config(batch, num_heads, q_len, max(kv_len, prefix_len), head_dim)
+    config = choose_config({"q": q, "k": k, "k_prefix": k_prefix})
   config = _fit(config, q_len, max(kv_len, prefix_len))
   block_q, block_k = config.block_q, config.block_k
   num_q_blocks = cdiv(q_len, block_q)

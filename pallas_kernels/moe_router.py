@@ -17,7 +17,7 @@ second k-pass sweep reads the chosen set back in ascending id order, which is
 the output order, so no sort is needed. TOPK = 6 is held 8 wide and stored
 masked.
 
-Two forms, picked by `MoeRouterConfig.split_d`:
+Two forms, picked by `MoeRouterConfig.gemm.split_d`:
 * `split_d == 1`: one fused kernel; each program owns `block_m` tokens, walks
   all of D, routes, and stores ids/weights. Nothing but the outputs reaches
   HBM. The heuristic uses it once there are enough token blocks to fill the
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, Mapping
 
 import jax
 from jax import lax
@@ -52,68 +53,93 @@ _TARGET_PROGRAMS = 128
 
 
 @dataclasses.dataclass(frozen=True)
-class MoeRouterConfig:
-  """Tiling of the router. `split_d` > 1 selects the two-stage split-D form."""
+class RouterGemmStage:
+  """The GEMM kernel (fused, or stage 1 of split-D)."""
   block_m: int = 64         # tokens per program (power of two >= 16)
   block_d: int = 64         # hidden columns per GEMM step (power of two >= 16)
   split_d: int = 1          # requested number of D splits (1 = fused kernel)
-  num_warps: int = 8        # GEMM (stage-1 or fused) kernel
+  num_warps: int = 8
   num_stages: int = 2
-  # Split-D reduce + routing kernel: a short row tile keeps its several
-  # [rows, 512] fp32/bool temporaries in registers.
-  epilogue_block_m: int = 16
-  epilogue_num_warps: int = 4
 
   def __post_init__(self):
-    check_dot_blocks(self, "block_m", "block_d", "epilogue_block_m")
+    check_dot_blocks(self, "block_m", "block_d")
     if self.split_d < 1:
       raise ValueError(f"split_d={self.split_d} must be >= 1")
 
 
-def _d_blocks_per_split(config: MoeRouterConfig, d: int) -> int:
-  return cdiv(cdiv(d, config.block_d), config.split_d)
+@dataclasses.dataclass(frozen=True)
+class RouterEpilogueStage:
+  """The split-D reduce + routing kernel: a short row tile keeps its several
+  [rows, 512] fp32/bool temporaries in registers."""
+  block_m: int = 16
+  num_warps: int = 4
+
+  def __post_init__(self):
+    check_dot_blocks(self, "block_m")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeRouterConfig:
+  """Tiling of the router, one part per stage. `gemm.split_d` > 1 selects the
+  two-stage split-D form, which also runs `epilogue`."""
+  gemm: RouterGemmStage = RouterGemmStage()
+  epilogue: RouterEpilogueStage = RouterEpilogueStage()
+
+
+def _d_blocks_per_split(gemm: RouterGemmStage, d: int) -> int:
+  return cdiv(cdiv(d, gemm.block_d), gemm.split_d)
 
 
 def _fit(config: MoeRouterConfig, m: int, d: int) -> MoeRouterConfig:
-  """Clamps blocks to the problem and `split_d` to the splits it yields."""
-  block_m = fit_block(config.block_m, m)
-  block_d = fit_block(config.block_d, d)
-  epilogue_block_m = fit_block(config.epilogue_block_m, m)
-  config = dataclasses.replace(config, block_m=block_m, block_d=block_d,
-                               epilogue_block_m=epilogue_block_m)
-  num_d_blocks = cdiv(d, block_d)
-  split_d = cdiv(num_d_blocks, _d_blocks_per_split(config, d))
-  return dataclasses.replace(config, split_d=split_d)
+  """Clamps blocks to the problem and `split_d` to the splits it yields; the
+  fused form has no epilogue stage (its fields are reset to the defaults so
+  equal kernels compare equal)."""
+  gemm = dataclasses.replace(config.gemm, block_m=fit_block(config.gemm.block_m, m),
+                             block_d=fit_block(config.gemm.block_d, d))
+  gemm = dataclasses.replace(gemm, split_d=cdiv(cdiv(d, gemm.block_d), _d_blocks_per_split(gemm, d)))
+  if gemm.split_d == 1:
+    epilogue = RouterEpilogueStage()
+  else:
+    epilogue = dataclasses.replace(config.epilogue, block_m=fit_block(config.epilogue.block_m, m))
+  return MoeRouterConfig(gemm=gemm, epilogue=epilogue)
 
 
-def choose_config(m: int, d: int, e: int) -> MoeRouterConfig:
+def _mde(shapes: Mapping[str, Any]) -> tuple[int, int, int]:
+  m, d = shapes["hidden"].shape
+  return int(m), int(d), int(shapes["weight"].shape[0])
+
+
+def choose_config(shapes: Mapping[str, Any]) -> MoeRouterConfig:
   """Heuristic: token tile from M, then enough D splits to fill the GPU.
 
   The fp32 logit tile is block_m x next_pow2(E); 64 x 512 is the largest that
   keeps the accumulator in registers with 8 warps. For M <= 16 (decode) the
   tile is 16 rows and D splits reach one 64-column block per program.
   """
-  del e  # The expert tile is always next_pow2(E) wide.
+  m, d, _ = _mde(shapes)  # the expert tile is always next_pow2(E) wide
   block_m = 16 if m <= 16 else 32 if m <= 32 else 64
   num_m_blocks = cdiv(m, block_m)
   split_d = 1
   while num_m_blocks * split_d * 2 <= _TARGET_PROGRAMS:
     split_d *= 2
-  base = MoeRouterConfig(block_m=block_m, block_d=64, split_d=split_d,
+  gemm = RouterGemmStage(block_m=block_m, block_d=64, split_d=split_d,
                          num_warps=8 if block_m == 64 else 4, num_stages=2)
-  return _fit(base, m, d)
+  return _fit(MoeRouterConfig(gemm=gemm), m, d)
 
 
-def candidate_configs(m: int, d: int, e: int) -> list[MoeRouterConfig]:
-  """Configs a sweep may try; includes `choose_config(m, d, e)`."""
-  out = [choose_config(m, d, e)]
+def candidate_configs(shapes: Mapping[str, Any]) -> list[MoeRouterConfig]:
+  """Configs a sweep may try, the heuristic's first."""
+  m, d, _ = _mde(shapes)
+  out = [choose_config(shapes)]
+  epilogues = [RouterEpilogueStage(16, 4), RouterEpilogueStage(16, 8), RouterEpilogueStage(32, 8)]
   for block_m, num_warps in ((16, 4), (32, 4), (64, 8)):
     for block_d, num_stages in ((32, 3), (64, 2)):
       for split_d in (1, 2, 4, 8, 16, 32, 64, 128):
-        config = _fit(MoeRouterConfig(block_m, block_d, split_d, num_warps,
-                                      num_stages), m, d)
-        if config not in out:
-          out.append(config)
+        gemm = RouterGemmStage(block_m, block_d, split_d, num_warps, num_stages)
+        for epilogue in epilogues:
+          config = _fit(MoeRouterConfig(gemm, epilogue), m, d)
+          if config not in out:
+            out.append(config)
   return out
 
 
@@ -283,9 +309,10 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
     raise ValueError(f"top_k={top_k} must be in [1, {e}]")
   if m == 0:
     return jnp.zeros((0, top_k), jnp.int32), jnp.zeros((0, top_k), jnp.float32)
-  config = _fit(config or choose_config(m, d, e), m, d)
+  config = _fit(config or choose_config({"hidden": hidden, "weight": weight}), m, d)
   interpret = resolve_interpret(interpret)
-  block_m = config.block_m
+  gemm = config.gemm
+  block_m = gemm.block_m
   num_m_blocks = cdiv(m, block_m)
   experts_padded = next_pow2(e)
   top_k_padded = next_pow2(top_k)
@@ -293,10 +320,10 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
   scale = jnp.reshape(jnp.asarray(routed_scaling_factor, jnp.float32), (1,))
   out_shape = (jax.ShapeDtypeStruct((m, top_k), jnp.int32),
                jax.ShapeDtypeStruct((m, top_k), jnp.float32))
-  dims = dict(m=m, d=d, e=e, block_m=block_m, block_d=config.block_d,
+  dims = dict(m=m, d=d, e=e, block_m=block_m, block_d=gemm.block_d,
               experts_padded=experts_padded)
 
-  if config.split_d == 1:
+  if gemm.split_d == 1:
     return pl.pallas_call(
         functools.partial(_fused_router_kernel, top_k=top_k,
                           top_k_padded=top_k_padded, **dims),
@@ -310,15 +337,15 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
         ],
         out_specs=[pl.BlockSpec((block_m, top_k), lambda i: (i, 0))] * 2,
         compiler_params=plgpu.CompilerParams(
-            num_warps=config.num_warps, num_stages=config.num_stages),
+            num_warps=gemm.num_warps, num_stages=gemm.num_stages),
         interpret=interpret,
         name="moe_router_fused",
     )(hidden, weight, bias, scale)
 
-  num_splits = config.split_d
+  num_splits = gemm.split_d
   partial = pl.pallas_call(
       functools.partial(_partial_logits_kernel,
-                        d_blocks_per_split=_d_blocks_per_split(config, d), **dims),
+                        d_blocks_per_split=_d_blocks_per_split(gemm, d), **dims),
       out_shape=jax.ShapeDtypeStruct((num_splits, m, experts_padded), jnp.float32),
       grid=(num_m_blocks, num_splits),
       in_specs=[
@@ -328,11 +355,11 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
       out_specs=pl.BlockSpec((None, block_m, experts_padded),
                              lambda i, s: (s, i, 0)),
       compiler_params=plgpu.CompilerParams(
-          num_warps=config.num_warps, num_stages=config.num_stages),
+          num_warps=gemm.num_warps, num_stages=gemm.num_stages),
       interpret=interpret,
       name="moe_router_partial_logits",
   )(hidden, weight)
-  epilogue_block_m = config.epilogue_block_m
+  epilogue_block_m = config.epilogue.block_m
   return pl.pallas_call(
       functools.partial(_reduce_and_route_kernel, m=m, e=e, top_k=top_k,
                         top_k_padded=top_k_padded, num_splits=num_splits),
@@ -346,7 +373,7 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
       ],
       out_specs=[pl.BlockSpec((epilogue_block_m, top_k), lambda i: (i, 0))] * 2,
       compiler_params=plgpu.CompilerParams(
-          num_warps=config.epilogue_num_warps, num_stages=1),
+          num_warps=config.epilogue.num_warps, num_stages=1),
       interpret=interpret,
       name="moe_router_reduce_route",
   )(partial, bias, scale)

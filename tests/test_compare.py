@@ -86,7 +86,7 @@ def topk(out_ids, ref_ids, out_w=None, ref_w=None, with_inputs=True):
   else:
     specs = spec("ids", "int32")
   return run(specs, out, ref, inputs={"s": SCORES} if with_inputs else None,
-             topk_scores={"ids": lambda inputs: inputs["s"]}, paired_outputs={"w": "ids"})
+             policies={"ids": compare.TopK(scores=lambda inputs: inputs["s"]), "w": compare.PairedWith("ids")})
 
 
 def test_topk_tie_is_accepted_and_reported():
@@ -131,22 +131,22 @@ def test_gdn_state_metric():
   rng = np.random.default_rng(0)
   y = rng.standard_normal((2, 8, 16, 16)).astype(np.float32)
   specs = spec("new_state", "float32", ("N", "H", "K", "V"))
-  pol = {"new_state": "gdn_prefill_state"}
+  pol = {"new_state": compare.StateMetric()}
   small = y * (1 + 0.004 * rng.standard_normal(y.shape).astype(np.float32))
-  assert run(specs, {"new_state": jnp.asarray(small)}, {"new_state": jnp.asarray(y)}, output_policies=pol).passed
+  assert run(specs, {"new_state": jnp.asarray(small)}, {"new_state": jnp.asarray(y)}, policies=pol).passed
   # Elementwise rtol would fail this, the state metric does not.
   assert not run(specs, {"new_state": jnp.asarray(small)}, {"new_state": jnp.asarray(y)}).passed
   # One bad head fails the per-(sequence, head) bound.
   bad = y.copy()
   bad[1, 3] *= 1.05
-  r = run(specs, {"new_state": jnp.asarray(bad)}, {"new_state": jnp.asarray(y)}, output_policies=pol)
+  r = run(specs, {"new_state": jnp.asarray(bad)}, {"new_state": jnp.asarray(y)}, policies=pol)
   assert r.status == "incorrect_numerical" and "max_head_relative_rms" in r.outputs["new_state"].message
   # A zero state (an empty sequence) must stay zero.
   z = np.zeros_like(y)
-  assert run(specs, {"new_state": jnp.asarray(z)}, {"new_state": jnp.asarray(z)}, output_policies=pol).passed
+  assert run(specs, {"new_state": jnp.asarray(z)}, {"new_state": jnp.asarray(z)}, policies=pol).passed
   z2 = z.copy()
   z2[0, 0, 0, 0] = 1e-3
-  assert not run(specs, {"new_state": jnp.asarray(z2)}, {"new_state": jnp.asarray(z)}, output_policies=pol).passed
+  assert not run(specs, {"new_state": jnp.asarray(z2)}, {"new_state": jnp.asarray(z)}, policies=pol).passed
 
 
 def test_first_failing_output_sets_status_and_json():
@@ -156,3 +156,23 @@ def test_first_failing_output_sets_status_and_json():
   assert r.status == "incorrect_numerical" and r.outputs["a"].status == "passed"
   js = r.to_json()
   assert js["b"]["status"] == "incorrect_numerical" and js["b"]["matched_ratio"] == 0.0
+
+
+def test_a_new_policy_needs_no_change_to_compare():
+  """A family-defined policy (here: every element within 1.0) plugs in."""
+  class Loose(compare.Policy):
+    def compare(self, name, x, y, spec, ctx):
+      ok = bool(jnp.all(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)) <= 1.0))
+      return compare.OutputComparison(name, compare.PASSED if ok else compare.INCORRECT_NUMERICAL)
+
+  specs = {"o": TensorSpec(name="o", shape=("N",), dtype="float32")}
+  x, y = {"o": jnp.asarray([1.0, 2.5])}, {"o": jnp.asarray([1.0, 2.0])}
+  assert not run(specs, x, y).passed
+  assert run(specs, x, y, policies={"o": Loose()}).passed
+
+
+def test_status_is_one_enum_that_serializes_as_its_value():
+  import json  # pylint: disable=g-import-not-at-top
+  assert compare.Status("passed") is compare.PASSED
+  assert json.dumps({"s": compare.Status.TIMEOUT}) == '{"s": "timeout"}'
+  assert compare.Status.TIMEOUT.failed and not compare.Status.SKIPPED.failed and not compare.PASSED.failed

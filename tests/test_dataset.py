@@ -154,6 +154,28 @@ def test_constraint_violation_names_the_constraint(definitions):
     dataset.validate_record(rec, definitions, file="f.jsonl", line=9)
 
 
+@pytest.mark.parametrize("expr", [
+    "__import__('os').system('true')", "().__class__.__bases__[0].__subclasses__()", "M.real > 0",
+    "(lambda: 1)()", "[M][0] > 0", "M if M else N", "'a' < 'b'", "M ** 99999 > 0", "1.5 < M", "True",
+    "M >", "{M} == {M}",
+])
+def test_hostile_constraints_are_rejected_not_run(tmp_path, expr):
+  ddir = tmp_path / "definitions"
+  ddir.mkdir()
+  raw = json.loads((DATASETS / "definitions" / "dense_gemm_bf16_nt_n4096_k4096.json").read_text())
+  (ddir / "dense_gemm_bf16_nt_n4096_k4096.json").write_text(json.dumps({**raw, "constraints": [expr]}))
+  with pytest.raises(dataset.DatasetError, match="bad constraint") as e:
+    dataset.load_definitions(tmp_path)
+  assert e.value.field == "constraints" and "dense_gemm_bf16_nt_n4096_k4096.json" in str(e.value)
+
+
+def test_constraint_language():
+  axes = {"M": 6, "N": 4, "K": 3}
+  for expr, want in [("M >= N and not N > M", True), ("M // N * N + M % N == M", True), ("0 < N < M < 5", False),
+                     ("M - N == 2 or K == 0", True), ("-M + N < 0", True), ("M % (N - 4) == 0", False)]:
+    assert dataset._eval_constraint(expr, axes) is want, expr  # pylint: disable=protected-access
+
+
 def test_duplicate_uuid_and_misfiled_record(tmp_path, definitions):
   path = tmp_path / "dense_gemm_bf16_nt_n4096_k4096.jsonl"
   other = {**GOOD, "uuid": "u-3", "definition": "dense_gemm_bf16_nt_n4096_k12288"}

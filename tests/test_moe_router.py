@@ -1,30 +1,31 @@
-"""MoE router GEMM + top-k: Pallas kernel (interpret mode) vs reference, the
-reference vs float64 numpy, exact ties, biased selection, deviceless H100
-lowering, input synthesis."""
-
-import json
-import pathlib
+"""MoE router GEMM + top-k edge cases: both kernel forms, uneven splits,
+ragged D, small E, exact ties, biased selection, the reference vs float64
+numpy, the heuristic, synthesis scales. (Generic per-definition checks:
+test_definitions.py.)"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkern import compare
+from jaxkern import registry
 from jaxkern.families import moe_router as fam
 from pallas_kernels import moe_router as mr
 from pallas_kernels.common import assert_lowers_to_triton
 
-# The Triton-lowering DeprecationWarning is expected (SPEC 2); pytest resets
-# the process-wide filter per test.
-
+NAME = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"
 D, E, TOPK = 5120, 384, 6
 RECORDED_M = (1, 2, 3, 128, 448, 1984, 2432, 2944, 3456, 4032, 4096)
-LARGEST_M = max(RECORDED_M)
-DATASETS = pathlib.Path(__file__).resolve().parent.parent / "datasets"
 
-FUSED = mr.MoeRouterConfig(block_m=16, block_d=64, split_d=1, num_warps=4, num_stages=2)
+FUSED = mr.MoeRouterConfig(mr.RouterGemmStage(block_m=16, block_d=64, split_d=1, num_warps=4, num_stages=2))
 # 7 requested splits of 80 D-blocks: 12 blocks each, a short last split.
-ODD_SPLIT = mr.MoeRouterConfig(block_m=32, block_d=64, split_d=7, num_warps=4, num_stages=2)
+ODD_SPLIT = mr.MoeRouterConfig(mr.RouterGemmStage(block_m=32, block_d=64, split_d=7, num_warps=4, num_stages=2),
+                               mr.RouterEpilogueStage(block_m=16, num_warps=8))
+
+
+def shapes(m, d=D, e=E):
+  return {"hidden": jax.ShapeDtypeStruct((m, d), jnp.bfloat16), "weight": jax.ShapeDtypeStruct((e, d), jnp.bfloat16)}
 
 
 def inputs_for(m, d=D, e=E, seed=0):
@@ -53,6 +54,10 @@ def assert_routes_match(ids, weights, inputs, ref, top_k=TOPK):
   return int((ids != ref_ids).any(axis=1).sum())
 
 
+def reference(inputs, top_k=TOPK):
+  return dict(zip(("expert_ids", "expert_weights"), fam.moe_router_reference(**inputs, top_k=top_k)))
+
+
 def run_kernel(inputs, config=None, top_k=TOPK):
   return mr.moe_router_topk(inputs["hidden"], inputs["weight"], inputs["bias"],
                             inputs["routed_scaling_factor"], top_k=top_k, config=config, interpret=True)
@@ -67,7 +72,7 @@ def run_kernel(inputs, config=None, top_k=TOPK):
 ])
 def test_kernel_matches_reference(m, config):
   inputs = inputs_for(m, seed=m)
-  ref = fam.moe_router_reference(**inputs)
+  ref = reference(inputs)
   ids, weights = run_kernel(inputs, config)
   differing = assert_routes_match(ids, weights, inputs, ref)
   assert differing <= 1  # random inputs: near-ties are rare
@@ -84,17 +89,10 @@ def test_generic_shapes_ragged_d_and_small_e(config):
   np.testing.assert_allclose(np.asarray(weights), np.asarray(ref_w), rtol=1e-4, atol=2e-5)
 
 
-def test_kernel_at_cpu_axes_through_family_adapter():
-  axes = fam.cpu_axes({"M": 4096, "D": D, "E": E, "TOPK": TOPK})
-  inputs = fam.make_inputs(axes, jax.random.key(11), None)
-  out = fam.kernel(**inputs, interpret=True, config=None)
-  assert_routes_match(out["expert_ids"], out["expert_weights"], inputs, fam.moe_router_reference(**inputs))
-
-
 def test_reference_matches_float64():
   m, d, e = 5, 32, 20
   inputs = inputs_for(m, d=d, e=e, seed=3)
-  ref = fam.moe_router_reference(**inputs)
+  ref = reference(inputs)
   h = np.asarray(inputs["hidden"], np.float64)
   w = np.asarray(inputs["weight"], np.float64)
   logits = h @ w.T
@@ -133,7 +131,7 @@ def _tied_inputs():
 def test_exact_ties_go_to_lower_expert_id(config):
   inputs = _tied_inputs()
   expected = np.array([[0, 1, 2, 3, 7, 300], [5, 10, 50, 100, 150, 383]], np.int32)
-  ref = fam.moe_router_reference(**inputs)
+  ref = reference(inputs)
   np.testing.assert_array_equal(np.asarray(ref["expert_ids"]), expected)
   ids, weights = run_kernel(inputs, config)
   np.testing.assert_array_equal(np.asarray(ids), expected)
@@ -142,12 +140,12 @@ def test_exact_ties_go_to_lower_expert_id(config):
 
 def test_large_negative_bias_excludes_experts_but_not_from_weights():
   inputs = inputs_for(4, seed=5)
-  unbiased = fam.moe_router_reference(**inputs)["expert_ids"]
+  unbiased = reference(inputs)["expert_ids"]
   banned = np.unique(np.asarray(unbiased)[:, :3])  # some experts each row would pick
   bias = inputs["bias"].at[banned].set(-1e4)
   bias = bias.at[0].set(-1e30)
   inputs = {**inputs, "bias": bias}
-  ref = fam.moe_router_reference(**inputs)
+  ref = reference(inputs)
   ids, weights = run_kernel(inputs)
   assert not np.isin(np.asarray(ids), np.append(banned, 0)).any()
   assert_routes_match(ids, weights, inputs, ref)
@@ -159,7 +157,7 @@ def test_large_negative_bias_excludes_experts_but_not_from_weights():
   inputs = {**inputs, "bias": jnp.full((E,), -1e4, jnp.float32).at[:4].set(0.0)}
   ids, weights = run_kernel(inputs)
   assert (np.asarray(ids)[:, :4] == np.arange(4)).all()
-  assert_routes_match(ids, weights, inputs, fam.moe_router_reference(**inputs))
+  assert_routes_match(ids, weights, inputs, reference(inputs))
 
 
 def test_routed_scaling_factor_is_a_runtime_value():
@@ -168,69 +166,41 @@ def test_routed_scaling_factor_is_a_runtime_value():
   np.testing.assert_allclose(np.asarray(f(jnp.float32(3.0))), 2 * np.asarray(f(jnp.float32(1.5))), rtol=1e-6)
 
 
-def _lower(m, config, d=D, e=E):
-  avals = (jax.ShapeDtypeStruct((m, d), jnp.bfloat16), jax.ShapeDtypeStruct((e, d), jnp.bfloat16),
-           jax.ShapeDtypeStruct((e,), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
-  assert_lowers_to_triton(mr.moe_router_topk, *avals, config=config, interpret=False)
-
-
-@pytest.mark.parametrize("m", [LARGEST_M, 1])
-def test_lowers_for_h100_every_candidate(m):
-  candidates = mr.candidate_configs(m, D, E)
-  assert any(c.split_d == 1 for c in candidates) and any(c.split_d > 1 for c in candidates)
-  for config in candidates:
-    _lower(m, config)
-
-
-def test_lowers_for_h100_recorded_sizes_and_ragged_d():
-  for m in RECORDED_M:
-    _lower(m, None)
-  _lower(19, None, d=200, e=40)
-  _lower(19, FUSED, d=200, e=40)
+def test_lowers_for_h100_ragged_d_and_small_e():
+  avals = (jax.ShapeDtypeStruct((19, 200), jnp.bfloat16), jax.ShapeDtypeStruct((40, 200), jnp.bfloat16),
+           jax.ShapeDtypeStruct((40,), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
+  for config in (None, FUSED, ODD_SPLIT):
+    assert_lowers_to_triton(mr.moe_router_topk, *avals, config=config, interpret=False)
 
 
 @pytest.mark.parametrize("m", RECORDED_M + (7, 33))
-def test_heuristic_choice_is_a_candidate(m):
-  assert mr.choose_config(m, D, E) in mr.candidate_configs(m, D, E)
+def test_heuristic_choice_comes_first_and_every_stage_is_swept(m):
+  candidates = mr.candidate_configs(shapes(m))
+  assert candidates[0] == mr.choose_config(shapes(m))
+  split = [c for c in candidates if c.gemm.split_d > 1]
+  assert any(c.gemm.split_d == 1 for c in candidates) and split
+  assert len({c.epilogue for c in split}) > 1  # the epilogue stage's fields are swept too
 
 
 def test_heuristic_fills_the_gpu_for_decode():
-  config = mr.choose_config(1, D, E)
-  assert config.block_m == 16 and config.split_d >= 64
-  assert mr.choose_config(8192, D, E).split_d == 1  # enough token blocks: fused
+  config = mr.choose_config(shapes(1))
+  assert config.gemm.block_m == 16 and config.gemm.split_d >= 64
+  assert mr.choose_config(shapes(8192)).gemm.split_d == 1  # enough token blocks: fused
 
 
 def test_config_rejects_bad_values():
   with pytest.raises(ValueError):
-    mr.MoeRouterConfig(block_m=48)
+    mr.RouterGemmStage(block_m=48)
   with pytest.raises(ValueError):
-    mr.MoeRouterConfig(split_d=0)
+    mr.RouterGemmStage(split_d=0)
+  with pytest.raises(ValueError):
+    mr.RouterEpilogueStage(block_m=8)
 
 
-def _record():
-  path = DATASETS / "workloads" / f"{fam.DEFINITION}.jsonl"
-  for line in path.read_text(encoding="utf-8").splitlines():
-    rec = json.loads(line)
-    if rec["axes"]["M"] > 64:
-      return rec
-  raise AssertionError("no prefill record")
-
-
-def test_make_inputs_deterministic_and_valid():
+def test_synthesis_scales():
   axes = {"M": 7, "D": D, "E": E, "TOPK": TOPK}
   x = fam.make_inputs(axes, jax.random.key(0), None)
-  y = fam.make_inputs(axes, jax.random.key(0), None)
-  z = fam.make_inputs(axes, jax.random.key(1), None)
-  assert set(x) == {"hidden", "weight", "bias", "routed_scaling_factor"}
-  assert x["hidden"].shape == (7, D) and x["hidden"].dtype == jnp.bfloat16
-  assert x["weight"].shape == (E, D) and x["weight"].dtype == jnp.bfloat16
-  assert x["bias"].shape == (E,) and x["bias"].dtype == jnp.float32
-  assert x["routed_scaling_factor"].shape == () and x["routed_scaling_factor"].dtype == jnp.float32
   assert float(x["routed_scaling_factor"]) == 1.5
-  for key in x:
-    np.testing.assert_array_equal(np.asarray(x[key], np.float32), np.asarray(y[key], np.float32))
-    if key != "routed_scaling_factor":
-      assert not np.array_equal(np.asarray(x[key], np.float32), np.asarray(z[key], np.float32))
   # Realistic: RMS-normed hidden (times gains around 1), weight ~ N(0, 1/D),
   # O(1) logits, small bias.
   rms = np.sqrt(np.mean(np.asarray(x["hidden"], np.float32) ** 2, axis=1))
@@ -239,13 +209,6 @@ def test_make_inputs_deterministic_and_valid():
   logits_std = float(jnp.std(jnp.dot(x["hidden"], x["weight"].T, preferred_element_type=jnp.float32)))
   assert 0.5 < logits_std < 2.0
   assert float(jnp.max(jnp.abs(x["bias"]))) < 0.5
-  # A record (whose axes are larger than the run's) does not change the sizes.
-  record = _record()
-  w = fam.make_inputs(axes, jax.random.key(0), record)
-  for key in x:
-    np.testing.assert_array_equal(np.asarray(w[key], np.float32), np.asarray(x[key], np.float32))
-  full = jax.eval_shape(lambda k: fam.make_inputs({**axes, "M": LARGEST_M}, k, record), jax.random.key(0))
-  assert full["hidden"].shape == (LARGEST_M, D)
 
 
 def test_cpu_axes():
@@ -255,29 +218,13 @@ def test_cpu_axes():
   assert fam.cpu_axes({"M": 100, "D": D, "E": E, "TOPK": TOPK})["M"] == 100  # 64 + 36: ragged kept
 
 
-def test_topk_scores_and_pairing():
-  impl = fam.IMPLS[fam.DEFINITION]
+def test_policies_are_tie_aware_and_paired():
+  impl = registry.get(NAME).impl
   inputs = inputs_for(3, seed=2)
-  scores = impl.topk_scores["expert_ids"](inputs)
+  assert impl.policies["expert_weights"] == compare.PairedWith("expert_ids")
+  scores = impl.policies["expert_ids"].scores(inputs)
   assert scores.shape == (3, E) and scores.dtype == jnp.float32
-  assert impl.paired_outputs == {"expert_weights": "expert_ids"}
-  ref = impl.reference(**inputs)
+  ids, _ = fam.moe_router_reference(**inputs)
   top = np.sort(np.asarray(scores), axis=1)[:, ::-1][:, :TOPK]
-  np.testing.assert_allclose(np.sort(np.take_along_axis(np.asarray(scores), np.asarray(ref["expert_ids"]), 1),
-                                     axis=1)[:, ::-1], top)
-
-
-def test_public_moe_router_batched_under_jit():
-  inputs = inputs_for(6, seed=8)
-  f = jax.jit(lambda h, w, b: fam.moe_router(h, w, b))  # default scale 1.5
-  ids, weights = f(inputs["hidden"].reshape(2, 3, D), inputs["weight"], inputs["bias"])
-  assert ids.shape == weights.shape == (2, 3, TOPK)
-  ref = fam.moe_router_reference(**inputs)
-  assert_routes_match(ids.reshape(6, TOPK), weights.reshape(6, TOPK), inputs, ref)
-
-
-def test_definition_file_names_the_reference():
-  spec = json.loads((DATASETS / "definitions" / f"{fam.DEFINITION}.json").read_text(encoding="utf-8"))
-  assert spec["reference"] == "jaxkern.families.moe_router:moe_router_reference"
-  assert fam.IMPLS[fam.DEFINITION].reference is fam.moe_router_reference
-  assert {k: v.get("value") for k, v in spec["axes"].items() if v["type"] == "const"} == {"D": D, "E": E, "TOPK": TOPK}
+  np.testing.assert_allclose(np.sort(np.take_along_axis(np.asarray(scores), np.asarray(ids), 1), axis=1)[:, ::-1],
+                             top)

@@ -18,16 +18,20 @@ from jaxkern import replay
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 TOY_FAMILY = '''
-import dataclasses, time
+import dataclasses, threading
 import jax, jax.numpy as jnp
 from jaxkern.op import OpImpl
+
+# M=23 blocks (while tracing the kernel) until a test releases it: a workload
+# that cannot finish, whatever the machine's load.
+RELEASE = threading.Event()
 
 @dataclasses.dataclass(frozen=True)
 class ToyConfig:
   block: int = 8
 
 def toy_reference(x, s):
-  return {"y": (x * s).astype(jnp.bfloat16)}
+  return (x * s).astype(jnp.bfloat16)
 
 def make_inputs(axes, key, record):
   if axes["M"] == 19:
@@ -40,14 +44,14 @@ def kernel(x, s, *, interpret, config):
   if m == 17:
     raise RuntimeError("toy kernel cannot lower M=17")
   if m == 23:
-    time.sleep(1.5)  # slower than the test's timeout
+    RELEASE.wait()
   y = x * s + (1.0 if m == 13 else 0.0)
-  return {"y": y.astype(jnp.bfloat16)}
+  return y.astype(jnp.bfloat16)
 
-IMPLS = {"toy_scale": OpImpl(
+IMPLS = (OpImpl(
     reference=toy_reference, make_inputs=make_inputs, kernel=kernel,
     choose_config=lambda shapes: ToyConfig(), candidate_configs=lambda shapes: [ToyConfig()],
-    cpu_axes=lambda axes: {**axes, "M": min(axes["M"], 11)})}
+    cpu_axes=lambda axes: {**axes, "M": min(axes["M"], 11)}),)
 '''
 
 TOY_DEFINITION = {
@@ -63,11 +67,18 @@ def rec(uuid, m, variant="a"):
   return {"uuid": uuid, "definition": "toy_scale", "axes": {"M": m}, "variant": variant}
 
 
+def toy_env(tmp_path):
+  """The environment a replay subprocess needs to find the toy family."""
+  return {"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu",
+          "JAXKERN_FAMILY_PACKAGES": "toy_family"}
+
+
 @pytest.fixture
 def toy(tmp_path, monkeypatch):
   """A dataset with the toy definition; its workload file has a corrupted line 3."""
   (tmp_path / "toy_family.py").write_text(TOY_FAMILY)
   monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setenv("JAXKERN_FAMILY_PACKAGES", "toy_family")
   ds = tmp_path / "ds"
   (ds / "definitions").mkdir(parents=True)
   (ds / "workloads").mkdir()
@@ -83,6 +94,7 @@ def make_config(ds, tmp_path, **overrides):
   cfg.dataset_dir = str(ds)
   cfg.output = str(tmp_path / "out.jsonl")
   cfg.warmup, cfg.iters, cfg.progress = 0, 2, False
+  cfg.max_workloads_per_variant = 0
   cfg.update(overrides)
   return cfg
 
@@ -105,7 +117,9 @@ def test_config_files_define_every_field_and_accept_overrides():
   full = parse_config(f"--config={REPO}/configs/full.py")
   assert full.scale == "full" and full.interpret is False and full.max_workloads_per_variant == 0
   default = parse_config(f"--config={REPO}/configs/replay.py")
-  assert default.scale == "auto" and default.interpret is None and default.max_workloads_per_variant == 1
+  # None: every record on a GPU, one per variant on a CPU (the run's first line says which).
+  assert default.scale == "auto" and default.interpret is None and default.max_workloads_per_variant is None
+  assert default.dataset_dir == ""  # the package's own dataset, wherever the command runs
 
 
 def parse_config(*args):
@@ -135,7 +149,7 @@ def test_statuses_results_and_bad_line(toy, tmp_path):
   r = results["u0"]
   assert r["definition"] == "toy_scale" and r["workload"]["axes"] == {"M": 4}
   ev = r["evaluation"]
-  assert ev["config"] == {"name": "ToyConfig", "block": 8}
+  assert ev["config"] == {"block": 8} and ev["config_source"] == "heuristic"
   assert ev["correctness"]["outputs"]["y"]["matched_ratio"] == 1.0
   assert ev["performance"]["latency_ms"] > 0 and ev["performance"]["reference_latency_ms"] > 0
   assert ev["environment"]["interpret"] is True and "jax" in ev["environment"]["libs"]
@@ -146,23 +160,47 @@ def test_statuses_results_and_bad_line(toy, tmp_path):
 
 
 def test_timeout_is_a_status_and_the_run_goes_on(toy, tmp_path):
+  """Both timeout paths, deterministic on any load. u23 never finishes (its
+  kernel blocks until released): the worker-thread timeout of `run_isolated`
+  reports it and the run goes on. u24 finishes but, with a budget of 0 s, is
+  past its deadline when it checks before timing."""
+  import sys as _sys  # pylint: disable=g-import-not-at-top
   with open(toy / "workloads" / "toy_scale.jsonl", "a") as f:
     f.write(json.dumps(rec("u23", 23, "t")) + "\n" + json.dumps(rec("u24", 3, "t")) + "\n")
-  cfg = make_config(toy, tmp_path, variants="t", timeout_s=1.0, scale="full")
-  code = replay.replay(cfg, log=lambda s: None)
-  status = {r["workload"]["uuid"]: r["evaluation"]["status"] for r in read(tmp_path / "out.jsonl")}
-  assert status == {"u23": "timeout", "u24": "passed"} and code == 1
+  cfg = make_config(toy, tmp_path, variants="t", timeout_s=0.0, scale="full")
+  try:
+    code = replay.replay(cfg, log=lambda s: None)
+  finally:
+    _sys.modules["toy_family"].RELEASE.set()
+  results = {r["workload"]["uuid"]: r["evaluation"] for r in read(tmp_path / "out.jsonl")}
+  assert {u: e["status"] for u, e in results.items()} == {"u23": "timeout", "u24": "timeout"} and code == 1
+  assert "no result within 0.0s" in results["u23"]["log"]
+  assert "before timing" in results["u24"]["log"] and results["u24"]["correctness"]["matched_ratio"] == 1.0
 
 
-def test_selection_filters_and_caps(toy, tmp_path):
-  sel = lambda **kw: [w.uuid for w in replay.select_workloads(make_config(toy, tmp_path, **kw), lambda e: None)[0]]
+def test_run_isolated_paths():
+  from jaxkern import bench  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  assert bench.run_isolated(lambda: 5, 1.0, lambda: "late") == 5
+  with pytest.raises(ZeroDivisionError):
+    bench.run_isolated(lambda: 1 / 0, 1.0, lambda: "late")
+  gate = threading.Event()
+  assert bench.run_isolated(gate.wait, 0.0, lambda: "late", grace_s=0.05) == "late"
+  gate.set()
+
+
+def test_selection_filters_and_caps(toy):
+  from jaxkern import selection  # pylint: disable=g-import-not-at-top
+  sel = lambda **kw: [w.uuid for w in selection.select_workloads(toy, selection.Selection(**kw), lambda e: None)]  # noqa: E731
   assert sel() == ["u0", "u1", "u3", "u4"]
-  assert sel(variants="b") == ["u3", "u4"]
-  assert sel(uuids="u1,u4") == ["u1", "u4"]
-  assert sel(max_workloads_per_definition=3) == ["u0", "u1", "u3"]
-  assert sel(max_workloads_per_variant=1) == ["u0", "u3"]
+  assert sel(variants=("b",)) == ["u3", "u4"]
+  assert sel(uuids=("u1", "u4")) == ["u1", "u4"]
+  assert sel(max_per_definition=3) == ["u0", "u1", "u3"]
+  assert sel(max_per_variant=1) == ["u0", "u3"]
   with pytest.raises(ValueError, match="close matches"):
-    sel(definitions="tox")
+    sel(definitions=("tox",))
+  with pytest.raises(ValueError, match="no definitions/ folder"):
+    selection.select_workloads(toy / "nowhere", selection.Selection(), lambda e: None)
 
 
 def test_scale_shrinks_and_records_both_axes(toy, tmp_path):
@@ -211,15 +249,36 @@ def test_resume_after_interrupt_gives_every_workload_once(toy, tmp_path, monkeyp
   assert sorted(uuids) == ["u0", "u1", "u3", "u4"]
 
 
-def test_unimplemented_definitions_are_skipped_not_failed(tmp_path):
-  """The real dataset: a definition without an implementation yields `skipped` lines."""
-  from jaxkern import registry  # pylint: disable=g-import-not-at-top
-  missing = [n for n in registry.names() if not registry.get(n).implemented]
-  if not missing:
-    pytest.skip("every definition is implemented")
-  cfg = make_config(REPO / "datasets", tmp_path, definitions=missing[0], max_workloads_per_definition=2)
-  assert replay.replay(cfg, log=lambda s: None) == 0
-  assert [r["evaluation"]["status"] for r in read(tmp_path / "out.jsonl")] == ["skipped", "skipped"]
+def test_definitions_without_a_family_are_skipped_not_failed(toy, tmp_path):
+  raw = {**TOY_DEFINITION, "name": "toy_missing", "reference": "jaxkern.families.no_such_family:ref"}
+  (toy / "definitions" / "toy_missing.json").write_text(json.dumps(raw))
+  (toy / "workloads" / "toy_missing.jsonl").write_text(
+      "".join(json.dumps({**rec(f"m{i}", 4), "definition": "toy_missing"}) + "\n" for i in range(2)))
+  logs = []
+  assert replay.replay(make_config(toy, tmp_path, definitions="toy_missing"), log=logs.append) == 0
+  results = read(tmp_path / "out.jsonl")
+  assert [r["evaluation"]["status"] for r in results] == ["skipped", "skipped"]
+  assert "no_such_family" in results[0]["evaluation"]["log"] and "2 skipped" in logs[-1]
+
+
+def test_empty_selection_and_missing_dataset_exit_2(toy, tmp_path):
+  logs = []
+  assert replay.replay(make_config(toy, tmp_path, uuids="nobody"), log=logs.append) == 2
+  assert "matches no workload" in logs[-1]
+  assert replay.replay(make_config(tmp_path / "nowhere", tmp_path), log=logs.append) == 2
+  assert "no definitions/ folder" in logs[-1]
+  assert replay.replay(make_config(toy, tmp_path, scale="huge"), log=logs.append) == 2
+  assert "scale must be one of" in logs[-1]
+
+
+def test_first_line_says_how_many_per_variant(toy, tmp_path):
+  logs = []
+  cfg = make_config(toy, tmp_path)
+  cfg.max_workloads_per_variant = None
+  replay.replay(cfg, log=logs.append)
+  first = next(line for line in logs if line.startswith("replaying"))
+  assert "max per variant=1 (auto: one per variant)" in first  # no GPU here
+  assert len(read(tmp_path / "out.jsonl")) == 2  # u0 (variant a) and u3 (variant b)
 
 
 def test_command_line_app(toy, tmp_path):
@@ -228,8 +287,8 @@ def test_command_line_app(toy, tmp_path):
   cmd = [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/smoke.py",
          f"--config.dataset_dir={toy}", f"--config.output={tmp_path}/cli.jsonl", "--config.variants=a",
          "--config.progress=False"]
-  p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
-                     env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+  p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**toy_env(tmp_path),
+                                                                                      "PYTHONPATH": env_path})
   assert p.returncode == 1, p.stderr  # the corrupted line 3 makes the run fail
   assert "invalid JSON" in p.stdout and "1 passed, 0 failed" in p.stdout
   assert len(read(tmp_path / "cli.jsonl")) == 1
@@ -264,6 +323,8 @@ def test_blob_root_loads_recorded_tensors_and_compares_expected_output(toy, tmp_
   save_file({"tensor": (x * 2).astype(ml_dtypes.bfloat16)}, str(blobs / "blob" / "y.safetensors"))
   save_file({"tensor": (x * 2 + 1).astype(ml_dtypes.bfloat16)}, str(blobs / "blob" / "y_bad.safetensors"))
   save_file({"tensor": x[:2]}, str(blobs / "blob" / "x_short.safetensors"))
+  save_file({"tensor": np.zeros((3000, 8), np.float32)}, str(blobs / "blob" / "x_big.safetensors"))
+  save_file({"tensor": x}, str(tmp_path / "outside.safetensors"))
   st = lambda name: {"type": "safetensors", "path": f"blob/{name}.safetensors", "tensor_key": "tensor"}  # noqa: E731
   inputs = {"x": st("x"), "s": {"type": "scalar", "value": 2.0}}
   records = [
@@ -271,6 +332,8 @@ def test_blob_root_loads_recorded_tensors_and_compares_expected_output(toy, tmp_
       {**rec("b-engine-differs", 3, "blob"), "inputs": inputs, "expected_output": st("y_bad")},
       {**rec("b-wrong-shape", 3, "blob"), "inputs": {**inputs, "x": st("x_short")}},
       {**rec("b-absent", 3, "blob"), "inputs": {**inputs, "x": st("nowhere")}},
+      {**rec("b-escape", 3, "blob"), "inputs": {**inputs, "x": {**st("x"), "path": "../outside.safetensors"}}},
+      {**rec("b-too-big", 3, "blob"), "inputs": {**inputs, "x": st("x_big")}},
   ]
   with open(toy / "workloads" / "toy_scale.jsonl", "a") as f:
     f.write("".join(json.dumps(r) + "\n" for r in records))
@@ -280,6 +343,12 @@ def test_blob_root_loads_recorded_tensors_and_compares_expected_output(toy, tmp_
   assert res["b-engine-differs"]["expected_output"]["status"] == "incorrect_numerical"
   assert res["b-wrong-shape"]["status"] == "runtime_error"
   assert "field 'inputs.x'" in res["b-wrong-shape"]["log"] and "(3, 8)" in res["b-wrong-shape"]["log"]
+  # A path leaving the blob root is refused before anything is read.
+  assert res["b-escape"]["status"] == "runtime_error"
+  assert "toy_scale.jsonl" in res["b-escape"]["log"] and "field 'inputs.x.path'" in res["b-escape"]["log"]
+  assert "leaves the blob root" in res["b-escape"]["log"]
+  # A tensor larger than the definition allows is rejected from its header.
+  assert res["b-too-big"]["status"] == "runtime_error" and "(3, 8)" in res["b-too-big"]["log"]
   # Tensors not under the blob root: synthesized inputs, no expected-output check.
   assert res["b-absent"]["status"] == "passed" and res["b-absent"]["expected_output"] is None
 
@@ -296,7 +365,7 @@ def test_command_line_ctrl_c_exits_130_with_results_on_disk(toy, tmp_path):
          f"--config.output={out}", "--config.variants=i", "--config.scale=full", "--config.max_workloads_per_variant=0",
          "--config.progress=False"]
   p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                       env={"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+                       env=toy_env(tmp_path))
   deadline = time.monotonic() + 120
   while not (out.exists() and out.read_text().count("\n") >= 1) and time.monotonic() < deadline:
     time.sleep(0.1)
@@ -306,3 +375,23 @@ def test_command_line_ctrl_c_exits_130_with_results_on_disk(toy, tmp_path):
   assert "resume=True" in stdout and "Fatal" not in stdout
   done = [r["workload"]["uuid"] for r in read(out)]
   assert done[0] == "i0" and len(done) < 4
+
+
+def test_command_line_from_another_directory_uses_the_package_dataset(tmp_path):
+  """configs/smoke.py run from elsewhere still finds the shipped dataset."""
+  cmd = [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/smoke.py",
+         "--config.definitions=dense_gemm_bf16_nt_n4096_k4096", f"--config.output={tmp_path}/o.jsonl",
+         "--config.progress=False"]
+  p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                     env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+  assert p.returncode == 0, p.stdout + p.stderr
+  assert "1 passed, 0 failed" in p.stdout and str(REPO / "datasets") in p.stdout
+
+
+def test_command_line_misspelt_field_names_the_valid_ones(tmp_path):
+  cmd = [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/smoke.py", "--config.nosuchfield=1"]
+  p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                     env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+  assert p.returncode == 2
+  assert "nosuchfield" in p.stderr and "valid --config fields" in p.stderr and "dataset_dir" in p.stderr
+  assert "Traceback" not in p.stderr

@@ -41,3 +41,28 @@ def test_sweep_command_line_lower_only(tmp_path):
   op = registry.get("noncausal_dense_attention_h32_d64")
   assert len(rows) == len(op.candidate_configs(op.make_inputs({"B": 1, "Nq": 2352, "Nk": 51})))
   assert all(r["status"] == "lowered" for r in rows) and "heuristic" in p.stdout
+
+
+def test_write_tuned_then_replay_uses_it(tmp_path):
+  """`--write_tuned` records the fastest correct config for the shape bucket;
+  the next replay on this device kind runs it and says it came from there."""
+  from jaxkern import dataset, tuning  # pylint: disable=g-import-not-at-top
+  name = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"
+  env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu",
+         "JAXKERN_TUNED_DIR": str(tmp_path / "tuned")}
+  p = subprocess.run([sys.executable, "-m", "jaxkern.sweep", f"--definition={name}", "--axes=M=3", "--max_configs=3",
+                      "--warmup=0", "--iters=1", "--write_tuned"], capture_output=True, text=True, timeout=300,
+                     cwd=tmp_path, env=env)
+  assert p.returncode == 0, p.stdout + p.stderr
+  [table] = (tmp_path / "tuned").glob("*.json")
+  entry = json.loads(table.read_text())["entries"][name]["M=4"]
+  record = next(w for w in dataset.load_workloads(name) if w.axes["M"] == 3)
+  out = tmp_path / "r.jsonl"
+  p = subprocess.run([sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/smoke.py",
+                      f"--config.uuids={record.uuid}", f"--config.output={out}", "--config.progress=False"],
+                     capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+  assert p.returncode == 0, p.stdout + p.stderr
+  [line] = [json.loads(l) for l in out.read_text().splitlines()]
+  assert line["evaluation"]["config_source"] == "tuned"
+  assert line["evaluation"]["config"] == entry["config"]
+  assert line["evaluation"]["status"] == "passed"

@@ -23,8 +23,6 @@ from jaxkern.op import OpImpl
 from pallas_kernels import flash_attention as kernel_lib
 from pallas_kernels.common import cdiv
 
-FlashAttentionConfig = kernel_lib.FlashAttentionConfig
-
 # Variants whose keys are padded text tokens (cross-attention to the prompt).
 _PADDED_TEXT_VARIANTS = frozenset({"attn2", "audio_attn2"})
 
@@ -43,19 +41,19 @@ _CPU_KEEP_LEN = 64
 # References (plain jnp; bounded memory, see `kernel_lib.attention_reference`).
 
 
-def noncausal_attention_reference(q, k, v, key_valid) -> dict[str, jax.Array]:
+def noncausal_attention_reference(q, k, v, key_valid) -> jax.Array:
   """softmax(q k^T / sqrt(D)) v over the keys with key_valid, fp32."""
-  return {"o": kernel_lib.attention_reference(q, k, v, key_valid=key_valid)}
+  return kernel_lib.attention_reference(q, k, v, key_valid=key_valid)
 
 
-def prefix_cached_attention_reference(q, k, v, k_prefix, v_prefix) -> dict[str, jax.Array]:
+def prefix_cached_attention_reference(q, k, v, k_prefix, v_prefix) -> jax.Array:
   """Attention of q over the keys concat(k_prefix, k), all visible, fp32."""
-  return {"o": kernel_lib.attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix)}
+  return kernel_lib.attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix)
 
 
-def block_causal_attention_reference(q, k, v, segment_ids) -> dict[str, jax.Array]:
+def block_causal_attention_reference(q, k, v, segment_ids) -> jax.Array:
   """Key j visible to query i iff segment_ids[j] <= segment_ids[i], fp32."""
-  return {"o": kernel_lib.attention_reference(q, k, v, segment_ids=segment_ids)}
+  return kernel_lib.attention_reference(q, k, v, segment_ids=segment_ids)
 
 
 # ---------------------------------------------------------------------------
@@ -190,89 +188,18 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------
-# Kernels and configs.
+# One flash kernel serves all four definitions: its optional key sources and
+# masks are keyword arguments named like the definitions' inputs.
 
 
-def _problem(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> tuple[int, int, int, int, int]:
-  """(B, H, Nq, longer key source, D) of a definition's input shapes."""
-  batch, q_len, num_heads, head_dim = shapes["q"].shape
-  kv_len = shapes["k"].shape[1]
-  if "k_prefix" in shapes:
-    kv_len = max(kv_len, shapes["k_prefix"].shape[1])
-  return int(batch), int(num_heads), int(q_len), int(kv_len), int(head_dim)
+def _impl(reference, make_inputs) -> OpImpl:
+  return OpImpl(reference=reference, kernel=kernel_lib.flash_attention, make_inputs=make_inputs,
+                choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
+                cpu_axes=cpu_axes)
 
 
-def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> FlashAttentionConfig:
-  return kernel_lib.choose_config(*_problem(shapes))
-
-
-def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[FlashAttentionConfig]:
-  return kernel_lib.candidate_configs(*_problem(shapes))
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.Array | None = None,
-              sm_scale: float | None = None, config: FlashAttentionConfig | None = None,
-              interpret: bool | None = None) -> jax.Array:
-  """Non-causal attention, `[B, N, H, D]` layout; `key_valid [B, Nk]` bool
-  hides keys (rows with no visible key are 0). Scale defaults to D**-0.5.
-  jit-compatible; runs the Pallas kernel (interpreted when no GPU is present)."""
-  return kernel_lib.flash_attention(q, k, v, key_valid=key_valid, sm_scale=sm_scale,
-                                    config=config, interpret=interpret)
-
-
-def prefix_cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_prefix: jax.Array,
-                            v_prefix: jax.Array, *, sm_scale: float | None = None,
-                            config: FlashAttentionConfig | None = None,
-                            interpret: bool | None = None) -> jax.Array:
-  """Attention of q `[B, Nq, H, D]` over the keys `concat(k_prefix, k)`
-  (prefix `[B, Np, H, D]`, all visible), without materializing the
-  concatenation. jit-compatible; runs the Pallas kernel."""
-  return kernel_lib.flash_attention(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix,
-                                    sm_scale=sm_scale, config=config, interpret=interpret)
-
-
-def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                           sm_scale: float | None = None,
-                           config: FlashAttentionConfig | None = None,
-                           interpret: bool | None = None) -> jax.Array:
-  """Block-causal self-attention over segments: token j is visible to token i
-  iff `segment_ids[b, j] <= segment_ids[b, i]` (`[B, N]` int32; nondecreasing
-  ids let the kernel skip later segments' keys). jit-compatible; runs the
-  Pallas kernel."""
-  return kernel_lib.flash_attention(q, k, v, segment_ids=segment_ids, sm_scale=sm_scale,
-                                    config=config, interpret=interpret)
-
-
-def noncausal_kernel(q, k, v, key_valid, *, interpret: bool | None = None,
-                     config: FlashAttentionConfig | None = None) -> dict[str, jax.Array]:
-  return {"o": attention(q, k, v, key_valid=key_valid, config=config, interpret=interpret)}
-
-
-def prefix_cached_kernel(q, k, v, k_prefix, v_prefix, *, interpret: bool | None = None,
-                         config: FlashAttentionConfig | None = None) -> dict[str, jax.Array]:
-  return {"o": prefix_cached_attention(q, k, v, k_prefix, v_prefix, config=config,
-                                       interpret=interpret)}
-
-
-def block_causal_kernel(q, k, v, segment_ids, *, interpret: bool | None = None,
-                        config: FlashAttentionConfig | None = None) -> dict[str, jax.Array]:
-  return {"o": block_causal_attention(q, k, v, segment_ids, config=config, interpret=interpret)}
-
-
-_NONCAUSAL = OpImpl(
-    reference=noncausal_attention_reference, make_inputs=make_noncausal_inputs,
-    kernel=noncausal_kernel, choose_config=choose_config,
-    candidate_configs=candidate_configs, cpu_axes=cpu_axes)
-
-IMPLS: dict[str, OpImpl] = {
-    "noncausal_dense_attention_h32_d64": _NONCAUSAL,
-    "noncausal_dense_attention_h32_d128": _NONCAUSAL,
-    "prefix_cached_block_causal_h32_d128": OpImpl(
-        reference=prefix_cached_attention_reference, make_inputs=make_prefix_cached_inputs,
-        kernel=prefix_cached_kernel, choose_config=choose_config,
-        candidate_configs=candidate_configs, cpu_axes=cpu_axes),
-    "prefix_cached_block_causal_h32_d128_prefix0": OpImpl(
-        reference=block_causal_attention_reference, make_inputs=make_block_causal_inputs,
-        kernel=block_causal_kernel, choose_config=choose_config,
-        candidate_configs=candidate_configs, cpu_axes=cpu_axes),
-}
+IMPLS = (
+    _impl(noncausal_attention_reference, make_noncausal_inputs),
+    _impl(prefix_cached_attention_reference, make_prefix_cached_inputs),
+    _impl(block_causal_attention_reference, make_block_causal_inputs),
+)

@@ -14,14 +14,9 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxkern.op import OpImpl
+from jaxkern.op import OpImpl, shrink_rows, shrink_until
 from pallas_kernels import dense_gemm as kernel_lib
 from pallas_kernels.common import cdiv
-
-DenseGemmConfig = kernel_lib.DenseGemmConfig
-
-# (N, K) of the recorded definitions.
-_SHAPES = ((12288, 4096), (4096, 4096), (4096, 12288))
 
 # The reference materializes at most this many bytes of fp32 product at once
 # (M = 24576, N = 12288 would otherwise be a 1.2 GB fp32 temporary).
@@ -31,12 +26,11 @@ _REFERENCE_F32_BYTES = 512 * 2**20
 # a second on two cores (measured: M=93, N=4096, K=4096 runs in ~0.25 s,
 # M=93, N=12288, K=4096 in ~1.6 s).
 _CPU_MAC_BUDGET = 3 * 10**9
-_CPU_ROWS = 64  # M at CPU scale, plus M % 64 so ragged M stays ragged.
 
 _NT = (((1,), (1,)), ((), ()))
 
 
-def dense_gemm_reference(A: jax.Array, B: jax.Array) -> dict[str, jax.Array]:
+def dense_gemm_reference(A: jax.Array, B: jax.Array) -> jax.Array:  # pylint: disable=invalid-name
   """Plain-jnp reference: C = A @ B^T, fp32 accumulation, one bf16 rounding.
 
   Large products are computed in row chunks so the fp32 temporary stays
@@ -47,7 +41,7 @@ def dense_gemm_reference(A: jax.Array, B: jax.Array) -> dict[str, jax.Array]:
   m, n = A.shape[0], B.shape[0]
   num_chunks = cdiv(m * n * 4, _REFERENCE_F32_BYTES)
   if num_chunks <= 1:
-    return {"C": lax.dot_general(A, B, _NT, preferred_element_type=jnp.float32).astype(jnp.bfloat16)}
+    return lax.dot_general(A, B, _NT, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
   rows = cdiv(m, num_chunks)
 
   def chunk(i, c):
@@ -56,8 +50,7 @@ def dense_gemm_reference(A: jax.Array, B: jax.Array) -> dict[str, jax.Array]:
     part = lax.dot_general(a, B, _NT, preferred_element_type=jnp.float32)
     return lax.dynamic_update_slice_in_dim(c, part.astype(jnp.bfloat16), start, axis=0)
 
-  c = lax.fori_loop(0, num_chunks, chunk, jnp.zeros((m, n), jnp.bfloat16))
-  return {"C": c}
+  return lax.fori_loop(0, num_chunks, chunk, jnp.zeros((m, n), jnp.bfloat16))
 
 
 @functools.partial(jax.jit, static_argnames=("m", "n", "k"))
@@ -82,59 +75,18 @@ def make_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | None = N
   return {"A": a, "B": b}
 
 
-def _mnk(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> tuple[int, int, int]:
-  m, k = shapes["A"].shape
-  return int(m), int(shapes["B"].shape[0]), int(k)
-
-
-def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> DenseGemmConfig:
-  return kernel_lib.choose_config(*_mnk(shapes))
-
-
-def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[DenseGemmConfig]:
-  return kernel_lib.candidate_configs(*_mnk(shapes))
-
-
-def kernel(A: jax.Array, B: jax.Array, *, interpret: bool | None = None,
-           config: DenseGemmConfig | None = None) -> dict[str, jax.Array]:
-  return {"C": kernel_lib.dense_gemm_nt(A, B, config=config, interpret=interpret)}
-
-
 def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
-  """M shrunk to 64 (+ M % 64, so M = 4125 -> 93 stays ragged); N or K, the
+  """M shrunk to 64 + M % 64 (4125 -> 93 stays ragged); then N or K, the
   larger first, halved while M*N*K exceeds the interpret-mode budget."""
-  out = dict(axes)
-  m = int(axes["M"])
-  if m > _CPU_ROWS:
-    out["M"] = _CPU_ROWS + m % _CPU_ROWS
-  while out["M"] * out["N"] * out["K"] > _CPU_MAC_BUDGET:
-    larger = "N" if out["N"] >= out["K"] else "K"
-    out[larger] //= 2
-  return out
+  def halve_larger(a):
+    larger = "N" if a["N"] >= a["K"] else "K"
+    return {**a, larger: a[larger] // 2}
+  out = {**axes, "M": shrink_rows(int(axes["M"]))}
+  return shrink_until(out, lambda a: a["M"] * a["N"] * a["K"] <= _CPU_MAC_BUDGET, halve_larger)
 
 
-def dense_gemm(a: jax.Array, b: jax.Array, *, config: DenseGemmConfig | None = None,
-               interpret: bool | None = None) -> jax.Array:
-  """`a @ b.T` for activations a [..., K] and a weight b [N, K] (torch Linear
-  layout), fp32 accumulation, output in a's dtype; jit-compatible.
-
-  Runs the Pallas kernel (interpreted when no GPU is present, see
-  `pallas_kernels.common.resolve_interpret`).
-  """
-  *batch, k = a.shape
-  c = kernel_lib.dense_gemm_nt(a.reshape(-1, k), b, config=config, interpret=interpret,
-                               out_dtype=a.dtype)
-  return c.reshape(*batch, b.shape[0])
-
-
-IMPLS: dict[str, OpImpl] = {
-    f"dense_gemm_bf16_nt_n{n}_k{k}": OpImpl(
-        reference=dense_gemm_reference,
-        make_inputs=make_inputs,
-        kernel=kernel,
-        choose_config=choose_config,
-        candidate_configs=candidate_configs,
-        cpu_axes=cpu_axes,
-    )
-    for n, k in _SHAPES
-}
+IMPLS = (
+    OpImpl(reference=dense_gemm_reference, kernel=kernel_lib.dense_gemm_nt, make_inputs=make_inputs,
+           choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
+           cpu_axes=cpu_axes),
+)

@@ -17,13 +17,10 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxkern.op import OpImpl
+from jaxkern import compare
+from jaxkern.op import OpImpl, shrink_rows
 from pallas_kernels import moe_router as kernel_lib
 
-MoeRouterConfig = kernel_lib.MoeRouterConfig
-
-DEFINITION = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"
-TOP_K = 6
 ROUTED_SCALING_FACTOR = 1.5  # DeepSeek-V4.1-Flash
 
 # Synthesis scales (SPEC 6). RMSNorm gains of a trained model spread around 1;
@@ -34,14 +31,9 @@ _NORM_GAIN_LOG_STD = 0.3
 # load-balancing bias does, too small to override clear winners.
 _BIAS_STD = 0.05
 
-_CPU_ROWS = 64  # M at CPU scale, plus M % 64 so ragged M stays ragged.
-
-def moe_router_reference(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
-                         routed_scaling_factor: jax.Array) -> dict[str, jax.Array]:
-  """Plain-jnp reference (`pallas_kernels.moe_router.moe_router_topk_reference`)."""
-  ids, weights = kernel_lib.moe_router_topk_reference(hidden, weight, bias, routed_scaling_factor,
-                                                      top_k=TOP_K)
-  return {"expert_ids": ids, "expert_weights": weights}
+# The plain-jnp reference lives beside the kernel (`jaxkern.ops` uses it as
+# the XLA path too); the definition names it here.
+moe_router_reference = kernel_lib.moe_router_topk_reference
 
 
 def selection_scores(inputs: Mapping[str, jax.Array]) -> jax.Array:
@@ -78,59 +70,16 @@ def make_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | None = N
           "routed_scaling_factor": jnp.asarray(ROUTED_SCALING_FACTOR, jnp.float32)}
 
 
-def _mde(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> tuple[int, int, int]:
-  m, d = shapes["hidden"].shape
-  return int(m), int(d), int(shapes["weight"].shape[0])
-
-
-def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> MoeRouterConfig:
-  return kernel_lib.choose_config(*_mde(shapes))
-
-
-def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[MoeRouterConfig]:
-  return kernel_lib.candidate_configs(*_mde(shapes))
-
-
-def kernel(hidden: jax.Array, weight: jax.Array, bias: jax.Array, routed_scaling_factor: jax.Array, *,
-           interpret: bool | None = None, config: MoeRouterConfig | None = None) -> dict[str, jax.Array]:
-  ids, weights = kernel_lib.moe_router_topk(hidden, weight, bias, routed_scaling_factor, top_k=TOP_K,
-                                            config=config, interpret=interpret)
-  return {"expert_ids": ids, "expert_weights": weights}
-
-
 def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   """M shrunk to 64 (+ M % 64); decode sizes (M <= 64) stay as recorded.
   D, E and TOPK are kept: M=64 at D=5120 interprets in about a second."""
-  out = dict(axes)
-  m = int(axes["M"])
-  if m > _CPU_ROWS:
-    out["M"] = _CPU_ROWS + m % _CPU_ROWS
-  return out
+  return {**axes, "M": shrink_rows(int(axes["M"]))}
 
 
-def moe_router(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
-               routed_scaling_factor: jax.Array | float = ROUTED_SCALING_FACTOR, *,
-               top_k: int = TOP_K, config: MoeRouterConfig | None = None,
-               interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
-  """DeepSeek-V4 sqrtsoftplus router for hidden [..., D], weight [E, D],
-  bias [E]. Returns (expert_ids int32 [..., top_k] ascending, expert_weights
-  f32 [..., top_k]); jit-compatible. Runs the Pallas kernel (interpreted when
-  no GPU is present)."""
-  *batch, d = hidden.shape
-  ids, weights = kernel_lib.moe_router_topk(hidden.reshape(-1, d), weight, bias, routed_scaling_factor,
-                                            top_k=top_k, config=config, interpret=interpret)
-  return ids.reshape(*batch, top_k), weights.reshape(*batch, top_k)
-
-
-IMPLS: dict[str, OpImpl] = {
-    DEFINITION: OpImpl(
-        reference=moe_router_reference,
-        make_inputs=make_inputs,
-        kernel=kernel,
-        choose_config=choose_config,
-        candidate_configs=candidate_configs,
-        cpu_axes=cpu_axes,
-        topk_scores={"expert_ids": selection_scores},
-        paired_outputs={"expert_weights": "expert_ids"},
-    ),
-}
+IMPLS = (
+    OpImpl(reference=moe_router_reference, kernel=kernel_lib.moe_router_topk, make_inputs=make_inputs,
+           choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
+           cpu_axes=cpu_axes, axis_params={"top_k": "TOPK"},
+           policies={"expert_ids": compare.TopK(scores=selection_scores),
+                     "expert_weights": compare.PairedWith("expert_ids")}),
+)

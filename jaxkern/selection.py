@@ -1,0 +1,66 @@
+"""Which workloads a run covers: by definition (names or prefixes), variant,
+uuid, and caps per definition and per variant; in dataset order. Malformed
+records and files of unknown definitions go to an error sink and the rest
+still load."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Iterable
+
+from jaxkern import dataset
+
+
+def csv(text: str | None) -> list[str]:
+  return [x.strip() for x in str(text or "").split(",") if x.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+  definitions: tuple[str, ...] = ()  # names or prefixes; empty = all
+  variants: tuple[str, ...] = ()     # recorded variants ("none" = records without one); empty = all
+  uuids: tuple[str, ...] = ()
+  max_per_definition: int = 0        # 0 = no cap
+  max_per_variant: int = 0           # 0 = no cap; records without a variant form one group
+
+
+def select_workloads(dataset_dir: str | pathlib.Path, sel: Selection, on_error: dataset.ErrorSink,
+                     skip_uuids: Iterable[str] = ()) -> list[dataset.Workload]:
+  """The selected workloads. Raises ValueError for a missing dataset or a
+  definition filter that matches nothing."""
+  ddir = pathlib.Path(dataset_dir)
+  if not (ddir / "definitions").is_dir():
+    raise ValueError(f"dataset directory {ddir} has no definitions/ folder")
+  defs = dataset.load_definitions(ddir)
+  for w in sel.definitions:
+    if not any(n.startswith(w) for n in defs):
+      raise ValueError(f"definitions: no definition matches {w!r}; close matches: {dataset.close_matches(w, defs)}")
+  keep = lambda n: not sel.definitions or any(n.startswith(w) for w in sel.definitions)  # noqa: E731
+  variants, uuids, skip = set(sel.variants), set(sel.uuids), set(skip_uuids)
+  seen: set[str] = set()
+  selected = []
+  for path in sorted((ddir / "workloads").glob("*.jsonl")):
+    if not keep(path.stem):
+      continue
+    if path.stem not in defs:
+      on_error(dataset.DatasetError("workload file of an unknown definition", file=path,
+                                    expected=f"definitions/{path.stem}.json", got=path.name))
+      continue
+    per_variant: dict[str, int] = {}
+    n_def = 0
+    for w in dataset.iter_jsonl(path, defs, on_error=on_error, seen_uuids=seen, expect_definition=path.stem):
+      variant = str(w.variant).lower() if w.variant is not None else "none"
+      if variants and variant not in variants and str(w.variant) not in variants:
+        continue
+      if uuids and w.uuid not in uuids:
+        continue
+      if sel.max_per_definition and n_def >= sel.max_per_definition:
+        continue
+      if sel.max_per_variant and per_variant.get(variant, 0) >= sel.max_per_variant:
+        continue
+      per_variant[variant] = per_variant.get(variant, 0) + 1
+      n_def += 1
+      if w.uuid not in skip:
+        selected.append(w)
+  return selected
