@@ -1,12 +1,19 @@
 """Running kernels for measurement: compile cache, timing, isolation.
 
-Timing is wall clock around calls blocked until ready: `warmup` untimed runs,
-then the median of `iters` runs. On a CPU the kernels run in interpret mode,
-so those numbers check plumbing, not speed.
+Timing (`measure`): `warmup` untimed runs, then `iters` samples, reported as
+median and spread. On a CPU (interpret mode) a sample is one call blocked
+until ready: those numbers check plumbing, not speed. On a GPU a single
+blocked call of a microsecond kernel measures dispatch, so a sample keeps
+`calls` calls in flight and blocks once at the end (`calls` chosen so a
+sample lasts about `_SAMPLE_TARGET_MS`), and reports the time per call. With
+`cold_l2`, each sample is one call after a write of twice the L2's size, so
+the kernel starts from HBM (dispatch is then included: use it for kernels of
+tens of microseconds or more).
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
@@ -16,22 +23,57 @@ from typing import Any, Callable, Mapping
 import jax
 
 
-def median_time_ms(fn: Callable[[], Any], warmup: int, iters: int, deadline: float = float("inf")) -> float:
-  """Median wall time of `fn()` (blocked until ready) over `iters` runs after
-  `warmup` runs; stops early at `deadline` (time.monotonic) with at least one
-  timed run."""
+# A GPU sample should last this long so that dispatch is amortized.
+_SAMPLE_TARGET_MS = 2.0
+_MAX_CALLS_PER_SAMPLE = 200
+# Twice the 50-60 MB L2 of an H100/H200.
+_L2_FLUSH_BYTES = 128 * 2**20
+
+
+@functools.cache
+def _l2_flusher():
+  buf = jax.numpy.zeros((_L2_FLUSH_BYTES // 4,), jax.numpy.float32)
+  bump = jax.jit(lambda x: x + 1.0, donate_argnums=0)
+  state = {"buf": buf}
+
+  def flush():
+    state["buf"] = bump(state["buf"])
+    jax.block_until_ready(state["buf"])
+  return flush
+
+
+def measure(fn: Callable[[], Any], *, warmup: int, iters: int, on_gpu: bool, cold_l2: bool = False,
+            deadline: float = float("inf")) -> dict[str, Any]:
+  """Times `fn()`; returns {"median_ms", "min_ms", "max_ms", "samples",
+  "calls_per_sample", "method"} (see the module docstring)."""
   for _ in range(warmup):
     jax.block_until_ready(fn())
     if time.monotonic() > deadline:
       break
-  times = []
-  for _ in range(max(iters, 1)):
+  calls, method = 1, "wall clock, one blocked call per sample"
+  flush = None
+  if on_gpu and cold_l2:
+    flush, method = _l2_flusher(), "one call per sample after an L2 flush"
+  elif on_gpu:
     t0 = time.perf_counter()
     jax.block_until_ready(fn())
-    times.append((time.perf_counter() - t0) * 1e3)
+    one_ms = (time.perf_counter() - t0) * 1e3
+    calls = max(1, min(_MAX_CALLS_PER_SAMPLE, int(_SAMPLE_TARGET_MS / max(one_ms, 1e-3))))
+    method = f"{calls} calls in flight per sample, one block at the end"
+  times = []
+  for _ in range(max(iters, 1)):
+    if flush is not None:
+      flush()
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(calls):
+      out = fn()
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) * 1e3 / calls)
     if time.monotonic() > deadline:
       break
-  return statistics.median(times)
+  return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
+          "samples": len(times), "calls_per_sample": calls, "method": method}
 
 
 class CompileCache:

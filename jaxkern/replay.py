@@ -111,12 +111,15 @@ def run_workload(op: registry.Op, w: dataset.Workload, cfg: config_dict.ConfigDi
       ev.expected_output = {"status": exp_cmp.status.value, **correctness_json(exp_cmp)}
     if time.monotonic() > deadline:
       raise _Failed(Status.TIMEOUT, f"exceeded {cfg.timeout_s}s before timing")
-    kernel_ms = bench.median_time_ms(lambda: kernel(inputs), cfg.warmup, cfg.iters, deadline)
-    ref_ms = bench.median_time_ms(lambda: reference(inputs), cfg.warmup, cfg.iters, deadline)
-    ev.performance = {"latency_ms": kernel_ms, "reference_latency_ms": ref_ms,
-                      "speedup_factor": ref_ms / kernel_ms if kernel_ms > 0 else None,
+    timing = dict(warmup=cfg.warmup, iters=cfg.iters, on_gpu=on_gpu and not interpret, cold_l2=cfg.cold_l2,
+                  deadline=deadline)
+    k = bench.measure(lambda: kernel(inputs), **timing)
+    r = bench.measure(lambda: reference(inputs), **timing)
+    ev.performance = {"latency_ms": k["median_ms"], "reference_latency_ms": r["median_ms"],
+                      "speedup_factor": r["median_ms"] / k["median_ms"] if k["median_ms"] > 0 else None,
+                      "latency_min_ms": k["min_ms"], "latency_max_ms": k["max_ms"], "samples": k["samples"],
                       "warmup": cfg.warmup, "iters": cfg.iters,
-                      "timing": "interpret mode (CPU): checks plumbing, not speed" if interpret else "wall clock"}
+                      "timing": ("interpret mode: checks plumbing, not speed" if interpret else k["method"])}
   except _Failed as f:
     ev.status, ev.log = f.status, str(f)
   except Exception as e:  # pylint: disable=broad-except

@@ -30,6 +30,7 @@ def default_config() -> config_dict.ConfigDict:
   c.resume = False  # keep `output` and skip uuids already in it
   c.warmup = 1
   c.iters = 3
+  c.cold_l2 = False  # GPU: flush L2 before each timed call (see jaxkern.bench.measure)
   c.timeout_s = 600.0  # per workload, compile included
   c.progress = True
   return c

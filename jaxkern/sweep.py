@@ -78,7 +78,8 @@ def sweep(op: registry.Op, axes: dict[str, int], *, seed: int, warmup: int, iter
         out = jax.block_until_ready(fn(inputs))
         cmp = op.compare(out, ref, inputs=inputs)
         row["status"] = cmp.status
-        row["latency_ms"] = bench.median_time_ms(lambda: fn(inputs), warmup, iters)
+        row["latency_ms"] = bench.measure(lambda: fn(inputs), warmup=warmup, iters=iters,
+                                          on_gpu=not interpret)["median_ms"]
     except Exception as e:  # pylint: disable=broad-except
       row["status"], row["log"] = "error", bench.short_error(e)
     row["seconds"] = time.perf_counter() - t0

@@ -61,6 +61,15 @@ def fit_block(block: int, size: int) -> int:
   return max(MIN_DOT_DIM, min(block, next_pow2(size)))
 
 
+def check_nt_operands(x, w, x_name: str, w_name: str) -> None:
+  """Raises unless x [rows, K] and w [cols, K] are 2-D, share K and a dtype
+  (the operand pair of an NT matmul)."""
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+    raise ValueError(f"expected {x_name} [rows, K] and {w_name} [cols, K], got {x.shape} and {w.shape}")
+  if x.dtype != w.dtype:
+    raise ValueError(f"{x_name} and {w_name} must share a dtype, got {x.dtype} and {w.dtype}")
+
+
 def abstract_h100_mesh():
   from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   return mesh_lib.AbstractMesh(

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import cdiv, check_dot_blocks, fit_block, resolve_interpret
+from pallas_kernels.common import cdiv, check_dot_blocks, check_nt_operands, fit_block, resolve_interpret
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,10 +175,7 @@ def dense_gemm_nt(A: jax.Array, B: jax.Array, *,  # pylint: disable=invalid-name
   `interpret=None` interprets when no GPU is present.
   """
   a, b = A, B
-  if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
-    raise ValueError(f"expected A [M,K] and B [N,K], got {a.shape} and {b.shape}")
-  if a.dtype != b.dtype:
-    raise ValueError(f"A and B must share a dtype, got {a.dtype} and {b.dtype}")
+  check_nt_operands(a, b, "A", "B")
   m, k = a.shape
   n = b.shape[0]
   if m == 0 or n == 0:

@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import cdiv, check_dot_blocks, fit_block, next_pow2, resolve_interpret
+from pallas_kernels.common import cdiv, check_dot_blocks, check_nt_operands, fit_block, next_pow2, resolve_interpret
 
 # Programs that fill an H100/H200 (132 SMs) roughly once; the split heuristic
 # aims for this many (token block, D split) programs.
@@ -297,10 +297,7 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
   routed_scaling_factor a scalar (traced, not static). Returns
   (expert_ids int32 [M,top_k] ascending, expert_weights f32 [M,top_k]).
   """
-  if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
-    raise ValueError(f"expected hidden [M,D], weight [E,D]; got {hidden.shape}, {weight.shape}")
-  if hidden.dtype != weight.dtype:
-    raise ValueError(f"hidden and weight must share a dtype: {hidden.dtype} vs {weight.dtype}")
+  check_nt_operands(hidden, weight, "hidden", "weight")
   m, d = hidden.shape
   e = weight.shape[0]
   if bias.shape != (e,):

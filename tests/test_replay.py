@@ -178,6 +178,21 @@ def test_timeout_is_a_status_and_the_run_goes_on(toy, tmp_path):
   assert "before timing" in results["u24"]["log"] and results["u24"]["correctness"]["matched_ratio"] == 1.0
 
 
+def test_measure_reports_median_and_spread():
+  from jaxkern import bench  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  calls = []
+  fn = lambda: calls.append(1) or jnp.ones(3)  # noqa: E731
+  t = bench.measure(fn, warmup=2, iters=4, on_gpu=False)
+  assert t["samples"] == 4 and t["calls_per_sample"] == 1 and len(calls) == 6
+  assert t["min_ms"] <= t["median_ms"] <= t["max_ms"]
+  # The GPU path (amortized dispatch) also runs anywhere: calls in flight per sample.
+  t = bench.measure(fn, warmup=0, iters=3, on_gpu=True)
+  assert t["samples"] == 3 and t["calls_per_sample"] >= 1 and "in flight" in t["method"]
+  t = bench.measure(fn, warmup=0, iters=2, on_gpu=True, cold_l2=True)
+  assert t["calls_per_sample"] == 1 and "L2 flush" in t["method"]
+
+
 def test_run_isolated_paths():
   from jaxkern import bench  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
