@@ -19,6 +19,7 @@ import math
 import pathlib
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -36,6 +37,7 @@ from jaxkern import dataset
 from jaxkern import registry
 from jaxkern import results as results_lib
 from jaxkern import selection
+from jaxkern import shards
 from jaxkern import tuning
 from jaxkern.compare import Status
 from jaxkern.replay_config import default_config
@@ -144,9 +146,24 @@ def check_config(cfg: config_dict.ConfigDict) -> str | None:
   for name in ("warmup", "iters", "max_workloads_per_definition", "seed"):
     if int(cfg[name]) < 0:
       return f"--config.{name} must be >= 0, got {cfg[name]}"
+  if cfg.devices not in ("all", "first"):
+    return f"--config.devices must be all or first, got {cfg.devices!r}"
+  if cfg.num_processes and not (cfg.coordinator_address or 0 <= cfg.process_id < cfg.num_processes):
+    return f"--config.process_id must be in [0, {cfg.num_processes}) without a coordinator, got {cfg.process_id}"
   if cfg.max_workloads_per_variant is not None and cfg.max_workloads_per_variant < 0:
     return f"--config.max_workloads_per_variant must be >= 0 or None, got {cfg.max_workloads_per_variant}"
   return None
+
+
+def process_shard(cfg: config_dict.ConfigDict) -> shards.Shard:
+  """This process's share of the run: after `jax.distributed.initialize`
+  when a coordinator is configured, else the configured (or only) shard."""
+  if cfg.coordinator_address:
+    jax.distributed.initialize(coordinator_address=cfg.coordinator_address,
+                               num_processes=cfg.num_processes or None,
+                               process_id=None if cfg.process_id < 0 else cfg.process_id)
+    return shards.Shard(jax.process_index(), jax.process_count())
+  return shards.Shard(max(cfg.process_id, 0), max(cfg.num_processes, 1))
 
 
 def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -> int:
@@ -164,6 +181,11 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
     errors.append(e)
     log(f"skipped record: {e}")
 
+  try:
+    shard = process_shard(cfg)  # before anything initializes a JAX backend
+  except (ValueError, RuntimeError) as e:
+    log(f"error: {e}")
+    return 2
   on_gpu = has_gpu()
   interpret = resolve_interpret(cfg.interpret)
   per_variant = cfg.max_workloads_per_variant
@@ -171,50 +193,67 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
   if per_variant is None:
     per_variant = 0 if on_gpu else 1
   dataset_dir = cfg.dataset_dir or str(dataset.default_dataset_dir())
-  out_path = pathlib.Path(cfg.output)
-  done = results_lib.read_done_uuids(out_path) if cfg.resume else set()
   sel = selection.Selection(
       definitions=tuple(selection.csv(cfg.definitions)), variants=tuple(selection.csv(cfg.variants)),
       uuids=tuple(selection.csv(cfg.uuids)), max_per_definition=cfg.max_workloads_per_definition,
       max_per_variant=per_variant)
   try:
-    workloads = selection.select_workloads(dataset_dir, sel, report, skip_uuids=done)
+    selected = selection.select_workloads(dataset_dir, sel, report)
   except (ValueError, dataset.DatasetError) as e:
     log(f"error: {e}")
     return 2
-  if not workloads and not done:
+  if not selected:
     log(f"error: the selection matches no workload in {dataset_dir} "
         f"(definitions={cfg.definitions!r}, variants={cfg.variants!r}, uuids={cfg.uuids!r})")
     return 2
+  # Shard the whole selection before skipping finished work, so a resumed
+  # shard is assigned exactly what it was assigned before.
+  assigned = shard.take(selected)
+  out_path = shard.output(cfg.output)
+  out_path.parent.mkdir(parents=True, exist_ok=True)
+  if shard.count > 1:
+    shards.write_manifest(out_path, shard, [w.uuid for w in assigned], len(selected))
+  done = results_lib.read_done_uuids(out_path) if cfg.resume else set()
+  workloads = [w for w in assigned if w.uuid not in done]
+  devices = jax.local_devices() if cfg.devices == "all" else jax.local_devices()[:1]
   if done:
     log(f"resume: {len(done)} workloads already in {out_path}, {len(workloads)} to go")
+  where = f"shard {shard.index + 1} of {shard.count}, " if shard.count > 1 else ""
   log(f"replaying {len(workloads)} workloads from {dataset_dir} on {jax.default_backend()} "
-      f"(scale={cfg.scale}, interpret={interpret}, max per variant={per_variant or 'no cap'}{cap_note}) "
-      f"-> {out_path}")
-  cache = bench.CompileCache()
+      f"({where}{len(devices)} device worker(s), scale={cfg.scale}, interpret={interpret}, "
+      f"max per variant={per_variant or 'no cap'}{cap_note}) -> {out_path}")
   traces: list[results_lib.Trace] = []
-  interrupted = False
+  lock = threading.Lock()
+  stop = threading.Event()
   with results_lib.ResultsWriter(out_path, resume=cfg.resume) as writer, \
       tqdm.tqdm(total=len(workloads), disable=not cfg.progress, unit="wl", dynamic_ncols=True) as bar:
-    try:
-      for w in workloads:
+
+    def work(share: list[dataset.Workload], device: Any) -> None:
+      cache = bench.CompileCache()
+      for w in share:
+        if stop.is_set():
+          return
         op = registry.get(w.definition, dataset_dir)
-        bar.set_description(w.definition[:40])
 
         def timed_out(w=w):
           t = new_trace(w, cfg.seed, interpret)
           t.evaluation.status, t.evaluation.log = Status.TIMEOUT, f"no result within {cfg.timeout_s}s"
           return t
 
-        t = bench.run_isolated(lambda w=w, op=op: run_workload(op, w, cfg, cache, interpret, on_gpu),
-                               cfg.timeout_s, timed_out)
-        writer.write(t)
-        traces.append(t)
-        bar.update(1)
-        bar.set_postfix(passed=sum(x.status == Status.PASSED for x in traces),
-                        failed=sum(x.status.failed for x in traces))
-    except KeyboardInterrupt:
-      interrupted = True
+        def one(w=w, op=op):
+          with jax.default_device(device):
+            return run_workload(op, w, cfg, cache, interpret, on_gpu)
+
+        t = bench.run_isolated(one, cfg.timeout_s, timed_out)
+        with lock:
+          writer.write(t)
+          traces.append(t)
+          bar.set_description(w.definition[:40])
+          bar.update(1)
+          bar.set_postfix(passed=sum(x.status == Status.PASSED for x in traces),
+                          failed=sum(x.status.failed for x in traces))
+
+    interrupted = run_workers(work, shards.split_round_robin(workloads, len(devices)), devices, stop)
   log(tabulate.tabulate(results_lib.summarize(traces), headers=results_lib.SUMMARY_HEADERS))
   failed = [t for t in traces if t.status.failed]
   for t in failed[:20]:
@@ -225,6 +264,26 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
     log("interrupted: results so far are on disk; rerun with --config.resume=True to continue")
     return 130
   return 1 if failed or errors else 0
+
+
+def run_workers(work: Callable[[list, Any], None], shares: list[list], devices: list[Any],
+                stop: threading.Event) -> bool:
+  """Runs `work(share, device)` per local device (in this thread when there
+  is one); returns True after Ctrl-C, having asked the workers to stop."""
+  try:
+    if len(devices) == 1:
+      work(shares[0], devices[0])
+      return False
+    threads = [threading.Thread(target=work, args=(share, dev), daemon=True) for share, dev in zip(shares, devices)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      while t.is_alive():
+        t.join(0.2)
+    return False
+  except KeyboardInterrupt:
+    stop.set()
+    return True
 
 
 def main(argv: list[str]) -> None:

@@ -33,4 +33,13 @@ def default_config() -> config_dict.ConfigDict:
   c.cold_l2 = False  # GPU: flush L2 before each timed call (see jaxkern.bench.measure)
   c.timeout_s = 600.0  # per workload, compile included
   c.progress = True
+  # Several processes or hosts (see jaxkern.shards): with a coordinator,
+  # jax.distributed.initialize runs first and the process's index and count
+  # come from it (num_processes / process_id may stay 0 / -1 where the
+  # cluster environment provides them); without one, process_id and
+  # num_processes name this process's shard directly (e.g. to resume one).
+  c.coordinator_address = ""
+  c.num_processes = 0
+  c.process_id = -1
+  c.devices = "all"  # all: one worker per local device | first: device 0 only
   return c

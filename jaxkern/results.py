@@ -16,6 +16,7 @@ import json
 import os
 import pathlib
 import statistics
+import sys
 from typing import Any, Iterable
 
 from jaxkern.compare import Status
@@ -149,3 +150,26 @@ def summarize(traces: Iterable[Trace]) -> list[list[Any]]:
                  st.count(Status.SKIPPED), med("latency_ms"), med("reference_latency_ms"), med("speedup_factor"),
                  worst.value])
   return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+  """`python -m jaxkern.results merge --output OUT SHARD.jsonl ...`"""
+  import argparse  # pylint: disable=g-import-not-at-top
+  from jaxkern import shards  # pylint: disable=g-import-not-at-top
+  parser = argparse.ArgumentParser(prog="python -m jaxkern.results")
+  sub = parser.add_subparsers(dest="command", required=True)
+  merge = sub.add_parser("merge", help="join the result files of a sharded replay (checks every uuid once)")
+  merge.add_argument("--output", required=True)
+  merge.add_argument("inputs", nargs="+")
+  args = parser.parse_args(argv)
+  try:
+    n = shards.merge(args.inputs, args.output)
+  except shards.MergeError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  print(f"merged {n} results from {len(args.inputs)} files into {args.output}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -18,12 +18,12 @@ from jaxkern import replay
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 TOY_FAMILY = '''
-import dataclasses, threading
+import dataclasses, os, threading
 import jax, jax.numpy as jnp
 from jaxkern.op import OpImpl
 
 # M=23 blocks (while tracing the kernel) until a test releases it: a workload
-# that cannot finish, whatever the machine's load.
+# that cannot finish, whatever the machine's load (TOY_BLOCK=0 turns it off).
 RELEASE = threading.Event()
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,7 @@ def kernel(x, s, *, interpret, config):
   m = x.shape[0]
   if m == 17:
     raise RuntimeError("toy kernel cannot lower M=17")
-  if m == 23:
+  if m == 23 and os.environ.get("TOY_BLOCK", "1") == "1":
     RELEASE.wait()
   y = x * s + (1.0 if m == 13 else 0.0)
   return y.astype(jnp.bfloat16)
@@ -160,10 +160,10 @@ def test_statuses_results_and_bad_line(toy, tmp_path):
 
 
 def test_timeout_is_a_status_and_the_run_goes_on(toy, tmp_path):
-  """Both timeout paths, deterministic on any load. u23 never finishes (its
-  kernel blocks until released): the worker-thread timeout of `run_isolated`
-  reports it and the run goes on. u24 finishes but, with a budget of 0 s, is
-  past its deadline when it checks before timing."""
+  """u23 never finishes (its kernel blocks until released): the worker-thread
+  timeout of `run_isolated` reports it and the run goes on to u24, which
+  also times out (its budget is 0 s, by whichever path comes first).
+  Nothing depends on how fast a workload runs."""
   import sys as _sys  # pylint: disable=g-import-not-at-top
   with open(toy / "workloads" / "toy_scale.jsonl", "a") as f:
     f.write(json.dumps(rec("u23", 23, "t")) + "\n" + json.dumps(rec("u24", 3, "t")) + "\n")
@@ -175,7 +175,17 @@ def test_timeout_is_a_status_and_the_run_goes_on(toy, tmp_path):
   results = {r["workload"]["uuid"]: r["evaluation"] for r in read(tmp_path / "out.jsonl")}
   assert {u: e["status"] for u, e in results.items()} == {"u23": "timeout", "u24": "timeout"} and code == 1
   assert "no result within 0.0s" in results["u23"]["log"]
-  assert "before timing" in results["u24"]["log"] and results["u24"]["correctness"]["matched_ratio"] == 1.0
+
+
+def test_deadline_is_checked_before_timing(toy, tmp_path):
+  """A workload past its budget after comparison is a timeout, with its
+  correctness kept (run in this thread: no isolation timing involved)."""
+  from jaxkern import bench, dataset as dataset_lib, registry  # pylint: disable=g-import-not-at-top
+  [w] = [w for w in dataset_lib.load_workloads("toy_scale", toy, on_error=lambda e: None) if w.uuid == "u0"]
+  cfg = make_config(toy, tmp_path, timeout_s=0.0, scale="full")
+  t = replay.run_workload(registry.get("toy_scale", toy), w, cfg, bench.CompileCache(), True, False)
+  assert t.status == "timeout" and "before timing" in t.evaluation.log
+  assert t.evaluation.correctness["matched_ratio"] == 1.0 and t.evaluation.performance is None
 
 
 def test_measure_reports_median_and_spread():
@@ -410,3 +420,91 @@ def test_command_line_misspelt_field_names_the_valid_ones(tmp_path):
   assert p.returncode == 2
   assert "nosuchfield" in p.stderr and "valid --config fields" in p.stderr and "dataset_dir" in p.stderr
   assert "Traceback" not in p.stderr
+
+
+# --- several processes ------------------------------------------------------
+
+
+def free_port():
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
+
+
+def shard_cmd(toy, out, *extra):
+  return [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/replay.py", f"--config.dataset_dir={toy}",
+          f"--config.output={out}", "--config.variants=a,b,p", "--config.scale=full",
+          "--config.max_workloads_per_variant=0", "--config.progress=False", "--config.warmup=0",
+          "--config.iters=1", *extra]
+
+
+def statuses(path):
+  return {r["workload"]["uuid"]: r["evaluation"]["status"] for r in read(path)}
+
+
+@pytest.fixture
+def toy_many(toy):
+  with open(toy / "workloads" / "toy_scale.jsonl", "a") as f:
+    for i, m in enumerate((7, 8, 13, 9, 10)):
+      f.write(json.dumps(rec(f"p{i}", m, "p")) + "\n")
+  return toy
+
+
+def test_three_processes_with_a_coordinator_merge_to_the_single_process_run(toy_many, tmp_path):
+  single = tmp_path / "single.jsonl"
+  assert subprocess.run(shard_cmd(toy_many, single), capture_output=True, timeout=300, cwd=REPO,
+                        env=toy_env(tmp_path)).returncode == 1  # the corrupted line 3, and p2 (M=13) is wrong
+  port = free_port()
+  out = tmp_path / "multi.jsonl"
+  procs = [subprocess.Popen(shard_cmd(toy_many, out, f"--config.coordinator_address=localhost:{port}",
+                                      "--config.num_processes=3", f"--config.process_id={i}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=toy_env(tmp_path)) for i in range(3)]
+  logs = [p.communicate(timeout=300)[0] for p in procs]
+  files = [tmp_path / f"multi.{i}-of-3.jsonl" for i in range(3)]
+  assert all(f.exists() for f in files), logs
+  assert "shard 2 of 3" in logs[1]
+  assert sum(len(read(f)) for f in files) == len(read(single)) == 9
+  merged = tmp_path / "merged.jsonl"
+  p = subprocess.run([sys.executable, "-m", "jaxkern.results", "merge", f"--output={merged}", *map(str, files)],
+                     capture_output=True, text=True, timeout=120, cwd=REPO, env=toy_env(tmp_path))
+  assert p.returncode == 0, p.stderr
+  assert statuses(merged) == statuses(single)
+  # A shard left out, or given twice, is an error.
+  from jaxkern import shards  # pylint: disable=g-import-not-at-top
+  with pytest.raises(shards.MergeError, match=r"shards \[2\] of 3 are missing"):
+    shards.merge(files[:2], tmp_path / "x.jsonl")
+  with pytest.raises(shards.MergeError, match="given twice"):
+    shards.merge([files[0], files[0]], tmp_path / "x.jsonl")
+
+
+def test_a_killed_shard_resumes_and_the_merge_is_complete(toy_many, tmp_path):
+  """Shards without a coordinator (explicit process_id / num_processes); the
+  second is killed while stuck on u23, then resumed; merge checks that every
+  assigned workload has exactly one result."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  with open(toy_many / "workloads" / "toy_scale.jsonl", "a") as f:
+    f.write(json.dumps(rec("u23", 23, "p")) + "\n")  # selection index 9: shard 9 % 3 = 0
+  out = tmp_path / "k.jsonl"
+  shard = lambda i, *extra: shard_cmd(toy_many, out, "--config.num_processes=3", f"--config.process_id={i}", *extra)  # noqa: E731
+  procs = {i: subprocess.Popen(shard(i), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                               env=toy_env(tmp_path)) for i in range(3)}
+  for i in (1, 2):
+    procs[i].communicate(timeout=300)
+  first = tmp_path / "k.0-of-3.jsonl"
+  deadline = time.monotonic() + 300
+  while len(read(first)) < 3 and time.monotonic() < deadline:  # u0, u3, p1 done; u23 is stuck
+    time.sleep(0.2)
+  procs[0].send_signal(signal.SIGKILL)
+  procs[0].communicate(timeout=60)
+  from jaxkern import shards  # pylint: disable=g-import-not-at-top
+  files = [tmp_path / f"k.{i}-of-3.jsonl" for i in range(3)]
+  with pytest.raises(shards.MergeError, match="no result"):
+    shards.merge(files, tmp_path / "m.jsonl")
+  p = subprocess.run(shard(0, "--config.resume=True"), capture_output=True, text=True, timeout=300, cwd=REPO,
+                     env={**toy_env(tmp_path), "TOY_BLOCK": "0"})
+  assert "resume: 3 workloads already" in p.stdout, p.stdout + p.stderr
+  assert shards.merge(files, tmp_path / "m.jsonl") == 10
+  assert sorted(statuses(tmp_path / "m.jsonl")) == sorted(["u0", "u1", "u3", "u4", "u23"] + [f"p{i}" for i in range(5)])

@@ -1,0 +1,97 @@
+"""Splitting a replay across processes (and hosts), and joining the results.
+
+After `jax.distributed.initialize`, process `i` of `n` replays every n-th
+selected workload starting at the i-th (the selection order is the dataset's,
+identical in every process), writes its own results file
+(`<output stem>.<i>-of-<n>.jsonl`) and, beside it, a manifest naming the
+uuids it was assigned. `merge` joins the files of all shards and checks that
+every shard is present, no uuid is missing and none is doubled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Sequence, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+  index: int = 0
+  count: int = 1
+
+  def __post_init__(self):
+    if not 0 <= self.index < self.count:
+      raise ValueError(f"shard index {self.index} is not in [0, {self.count})")
+
+  def take(self, items: Sequence[T]) -> list[T]:
+    return list(items[self.index::self.count])
+
+  def output(self, path: str | pathlib.Path) -> pathlib.Path:
+    path = pathlib.Path(path)
+    if self.count == 1:
+      return path
+    return path.with_name(f"{path.stem}.{self.index}-of-{self.count}{path.suffix}")
+
+
+def manifest_path(results_path: str | pathlib.Path) -> pathlib.Path:
+  return pathlib.Path(str(results_path) + ".manifest.json")
+
+
+def write_manifest(results_path: str | pathlib.Path, shard: Shard, uuids: Sequence[str], selected: int) -> None:
+  manifest_path(results_path).write_text(json.dumps(
+      {"shard_index": shard.index, "shard_count": shard.count, "selected": selected, "uuids": list(uuids)}) + "\n")
+
+
+def split_round_robin(items: Sequence[T], parts: int) -> list[list[T]]:
+  """`parts` lists taking every `parts`-th item (one per local device)."""
+  return [list(items[i::parts]) for i in range(parts)]
+
+
+class MergeError(ValueError):
+  pass
+
+
+def merge(inputs: Sequence[str | pathlib.Path], output: str | pathlib.Path) -> int:
+  """Joins shard result files into `output` (lines in shard order, then
+  file order); returns the number of lines. Raises MergeError when a shard
+  is missing, a file has no manifest, a uuid is doubled or an assigned uuid
+  has no result."""
+  from jaxkern import results  # pylint: disable=g-import-not-at-top
+  seen: dict[str, str] = {}
+  manifests = {}
+  lines: list[tuple[int, str]] = []
+  for path in map(pathlib.Path, inputs):
+    mpath = manifest_path(path)
+    if not mpath.exists():
+      raise MergeError(f"{path}: no manifest {mpath.name} beside it (not written by a sharded replay?)")
+    m = json.loads(mpath.read_text())
+    if m["shard_index"] in manifests:
+      raise MergeError(f"{path}: shard {m['shard_index']} given twice")
+    manifests[m["shard_index"]] = m
+    got = set()
+    for trace in results.read_traces(path):
+      uuid = trace.workload.uuid
+      if uuid in seen:
+        raise MergeError(f"uuid {uuid} appears in {seen[uuid]} and {path}")
+      seen[uuid] = str(path)
+      got.add(uuid)
+      lines.append((m["shard_index"], json.dumps(trace.to_json())))
+    missing = [u for u in m["uuids"] if u not in got]
+    if missing:
+      raise MergeError(f"{path}: {len(missing)} assigned workloads have no result (resume that shard): "
+                       f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+  counts = {m["shard_count"] for m in manifests.values()}
+  if len(counts) != 1:
+    raise MergeError(f"files come from runs with different shard counts: {sorted(counts)}")
+  (count,) = counts
+  absent = sorted(set(range(count)) - set(manifests))
+  if absent:
+    raise MergeError(f"shards {absent} of {count} are missing")
+  out = pathlib.Path(output)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text("".join(line + "\n" for _, line in sorted(lines, key=lambda x: x[0])))
+  return len(lines)
