@@ -19,8 +19,10 @@ import jax.numpy as jnp
 from jaxkern.families import attention as _attention
 from jaxkern.families import gemm as _gemm
 from jaxkern.families import moe_router as _router
+from jaxkern.families import neighborhood_attention as _natten
 from pallas_kernels import flash_attention as _flash
 from pallas_kernels import moe_router as _router_kernel
+from pallas_kernels import neighborhood_attention as _natten_kernel
 from pallas_kernels.common import has_gpu
 
 Backend = Literal["pallas", "xla"] | None
@@ -81,3 +83,16 @@ def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
   if _pallas(backend):
     return _attention.block_causal_attention(q, k, v, segment_ids, sm_scale=sm_scale, config=config)
   return _flash.attention_reference(q, k, v, segment_ids=segment_ids, sm_scale=sm_scale)
+
+
+def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                              kernel_size: int | tuple[int, int, int], config: Any = None,
+                              backend: Backend = None) -> jax.Array:
+  """3-D neighborhood attention, NATTEN `na3d` semantics with `scale=1` (q
+  already scaled): q, k, v [B, T, Y, X, H, D]; each query attends to the
+  `kernel_size` (KT, KY, KX, or one int for all) window around it, shifted
+  inward at the borders. Returns o [B, T, Y, X, H, D] in q's dtype."""
+  kt, ky, kx = (kernel_size,) * 3 if isinstance(kernel_size, int) else kernel_size
+  if _pallas(backend):
+    return _natten_kernel.neighborhood_attention_3d(q, k, v, KT=kt, KY=ky, KX=kx, config=config)
+  return _natten.neighborhood_attention_3d_reference(q, k, v, KT=kt, KY=ky, KX=kx)
