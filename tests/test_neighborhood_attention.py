@@ -118,6 +118,7 @@ SMALL_TILE = na.NeighborhoodAttentionConfig(block_t=1, block_y=4, block_x=4, blo
     ((1, 12, 13, 11, 1, 64), (11, 11, 11)),  # just above on two axes
     ((2, 3, 20, 9, 1, 64), (3, 7, 7)),       # T == KT, long Y, X just above
     ((1, 4, 6, 9, 2, 32), (1, 3, 4)),        # KT = 1, an even window, D = 32
+    ((2, 1, 2, 3, 1, 16), (1, 2, 3)),        # 6 grid points: the tile mostly masked
 ])
 def test_kernel_matches_reference(shape, window):
   q, k, v = qkv(shape)
