@@ -202,7 +202,7 @@ def _neighborhood_attention_kernel(q_ref, k_ref, v_ref, o_ref, *, dims, window, 
   """One query tile of one (batch row, head). Refs are `[N, D]` rows of the
   flattened grid (`N = T * Y * X`)."""
   (t_len, y_len, x_len), (kt, ky, kx), (bt, by, bx) = dims, window, tile
-  tiles_t, tiles_y, tiles_x = (cdiv(n, b) for n, b in zip(dims, tile))
+  tiles_y, tiles_x = cdiv(y_len, by), cdiv(x_len, bx)
   head_dim = q_ref.shape[-1]
   num_q = bt * by * bx
 
@@ -305,8 +305,7 @@ def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *, KT: i
   # K/V (and Q) blocks span the grid of one (batch row, head): the kernel
   # gathers rows by index, so their length need not be a power of two.
   spec = pl.BlockSpec((None, n, None, head_dim), lambda i, b, h: (b, 0, h, 0))
-  tiles_t, tiles_y, tiles_x = (cdiv(d, b) for d, b in zip(dims, config.tile))
-  del tiles_t
+  tiles_y, tiles_x = cdiv(y_len, config.block_y), cdiv(x_len, config.block_x)
   out_spec = pl.BlockSpec(
       (None, *config.tile, None, head_dim),
       lambda i, b, h: (b, i // (tiles_y * tiles_x), (i // tiles_x) % tiles_y, i % tiles_x, h, 0))

@@ -152,6 +152,8 @@ def test_tiles_larger_than_the_grid():
   for tile in ((4, 4, 4), (16, 1, 4), (1, 1, 16)):
     config = na.NeighborhoodAttentionConfig(*tile, block_k=32)
     assert_bf16_close(kernel(q, k, v, (3, 7, 7), config=config), ref)
+    assert_lowers_to_triton(na.neighborhood_attention_3d, q, k, v, KT=3, KY=7, KX=7,
+                            config=config, interpret=False)
 
 
 def test_unaffected_by_values_outside_the_window():
