@@ -136,7 +136,7 @@ def _kernel_triples(axes: Mapping[str, int]) -> int:
 def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   """A shrunk copy for interpret mode: B at most 2; each extent above its
   window by more than 3 is cut to `k + 2` or `k + 3`, keeping the parity of
-  `L - k` (ragged for every tile, two border rows and an interior one),
+  `L - k` (both borders and an interior window position remain),
   then, while over `_CPU_TRIPLE_BUDGET`, B drops to 1 and the extents step
   down (the longest margin first) to `k + 1`; an extent equal to its window
   stays equal. H, D and the windows are kept."""
