@@ -20,9 +20,11 @@ import jax.numpy as jnp
 from jaxkern.families import attention as _attention
 from jaxkern.families import gemm as _gemm
 from jaxkern.families import moe_router as _router
+from jaxkern.families import neighborhood_attention as _natten
 from pallas_kernels import dense_gemm as _gemm_kernel
 from pallas_kernels import flash_attention as _flash
 from pallas_kernels import moe_router as _router_kernel
+from pallas_kernels import neighborhood_attention as _natten_kernel
 from pallas_kernels.common import has_gpu
 
 Backend = Literal["pallas", "xla"] | None
@@ -36,14 +38,16 @@ def _pallas(backend: Backend) -> bool:
   return backend == "pallas"
 
 
-def _config(reference: Callable[..., Any], shapes: Mapping[str, Any], config: Any) -> Any:
-  """The caller's config, else the tuned one for the matching definition,
-  else None (the kernel's heuristic)."""
+def _config(reference: Callable[..., Any], shapes: Mapping[str, Any], config: Any,
+            const_axes: Mapping[str, int] | None = None) -> Any:
+  """The caller's config, else the tuned one for the definition that matches
+  (shapes and `const_axes` such as a window size), else None (the kernel's
+  heuristic)."""
   if config is not None:
     return config
   shapes = {k: v for k, v in shapes.items() if v is not None}
   from jaxkern import registry  # pylint: disable=g-import-not-at-top  (loads definitions lazily)
-  op = registry.find(reference, shapes)
+  op = registry.find(reference, shapes, const_axes=const_axes)
   if op is None:
     return None
   choice = op.config_for(shapes)
@@ -109,3 +113,18 @@ def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
   segment_ids[b, j] <= segment_ids[b, i] (nondecreasing int32 ids)."""
   return _flash_attention(_attention.block_causal_attention_reference, q, k, v, segment_ids=segment_ids,
                           sm_scale=sm_scale, config=config, backend=backend)
+
+
+def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                              kernel_size: int | tuple[int, int, int], config: Any = None,
+                              backend: Backend = None) -> jax.Array:
+  """3-D neighborhood attention, NATTEN `na3d` semantics with `scale=1` (q
+  already scaled): q, k, v [B, T, Y, X, H, D]; each query attends to the
+  `kernel_size` (KT, KY, KX, or one int for all) window around it, shifted
+  inward at the borders. Returns o [B, T, Y, X, H, D] in q's dtype."""
+  kt, ky, kx = (kernel_size,) * 3 if isinstance(kernel_size, int) else kernel_size
+  window = {"KT": kt, "KY": ky, "KX": kx}
+  if _pallas(backend):
+    config = _config(_natten.neighborhood_attention_3d_reference, {"q": q, "k": k, "v": v}, config, window)
+    return _natten_kernel.neighborhood_attention_3d(q, k, v, **window, config=config)
+  return _natten.neighborhood_attention_3d_reference(q, k, v, **window)

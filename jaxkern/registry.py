@@ -278,15 +278,17 @@ def get(name: str, dataset_dir: str | os.PathLike | None = None) -> Op:
   return ops[name]
 
 
-def find(reference: Any, shapes: Mapping[str, Any], dataset_dir: str | os.PathLike | None = None) -> Op | None:
+def find(reference: Any, shapes: Mapping[str, Any], dataset_dir: str | os.PathLike | None = None, *,
+         const_axes: Mapping[str, int] | None = None) -> Op | None:
   """The definition implemented by `reference` whose constant axes agree with
-  `shapes` (input name -> shape-like), or None: how `jaxkern.ops` finds the
-  tuned table entry for a call."""
+  `shapes` (input name -> shape-like) and with `const_axes` (axes no shape
+  shows, such as a window size), or None: how `jaxkern.ops` finds the tuned
+  table entry for a call."""
   for op in _all(dataset_dir).values():
     if op.impl is None or op.impl.reference is not reference:
       continue
     const = op.definition.const_axes
-    ok = True
+    ok = all(const.get(a) == v for a, v in (const_axes or {}).items())
     for name, spec in op.definition.inputs.items():
       if name not in shapes or spec.shape is None:
         continue

@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import math
-import pathlib
 import os
 import sys
 import threading

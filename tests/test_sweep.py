@@ -46,7 +46,7 @@ def test_sweep_command_line_lower_only(tmp_path):
 def test_write_tuned_then_replay_uses_it(tmp_path):
   """`--write_tuned` records the fastest correct config for the shape bucket;
   the next replay on this device kind runs it and says it came from there."""
-  from jaxkern import dataset, tuning  # pylint: disable=g-import-not-at-top
+  from jaxkern import dataset  # pylint: disable=g-import-not-at-top
   name = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"
   env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu",
          "JAXKERN_TUNED_DIR": str(tmp_path / "tuned")}

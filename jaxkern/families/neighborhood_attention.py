@@ -1,0 +1,175 @@
+"""3-D neighborhood attention (SPEC 4.7): `neighborhood_attention_3d_h{H}_d64_kt{KT}_ky{KY}_kx{KX}`.
+
+NATTEN semantics (stride 1, dilation 1, non-causal): along each axis of
+length `L` with window `k`, query `i` sees keys `[s, s + k)` with
+`s = clamp(i - k // 2, 0, L - k)` (shifted inward at the borders, never
+padded); softmax over the Cartesian product of the three windows, in fp32,
+one rounding at the end. `q` is captured after query scaling: no extra scale.
+
+The window sizes are constant axes of the definitions, not inputs: the
+reference, the kernel launcher and the config functions take them as
+keyword-only parameters named like the axes (`KT`, `KY`, `KX`), which the
+registry fills from the definition. Kernel:
+`pallas_kernels.neighborhood_attention`.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from jaxkern.op import OpImpl
+from pallas_kernels import neighborhood_attention as kernel_lib
+from pallas_kernels.common import cdiv
+
+NeighborhoodAttentionConfig = kernel_lib.NeighborhoodAttentionConfig
+
+# The reference processes query t-planes in groups of at most this many
+# `[B, tc, Y, X, H, D]` elements (at least one plane): fp32 accumulator and
+# gathered K, V of that size are its temporaries (0.12 GiB at the largest
+# recorded grid, one plane of 4x80x128x4x64, by XLA:CPU's memory analysis).
+_REF_GROUP_ELEMENTS = 1 << 24
+
+# cpu_axes: scored (query, key, head) triples the kernel may compute in
+# interpret mode for one workload. Interpret mode runs ~4e7 triples a second
+# on two cores here; B shrinks to 1 and the extents towards `k + 1` until
+# the budget holds (see `cpu_axes`).
+_CPU_TRIPLE_BUDGET = 48_000_000
+
+
+# ---------------------------------------------------------------------------
+# Reference.
+
+
+def window_starts(length: int, k: int) -> jax.Array:
+  """int32 `[length]`: NATTEN's window start `clamp(i - k // 2, 0, length - k)`."""
+  return jnp.clip(jnp.arange(length, dtype=jnp.int32) - k // 2, 0, length - k)
+
+
+def neighborhood_attention_3d_reference(q, k, v, *, KT: int, KY: int, KX: int) -> jax.Array:
+  """`o[b,t,y,x,h] = sum_n softmax_n(q . k_n) v_n` over the `KT*KY*KX`
+  neighbours `n` of `(t, y, x)`, fp32, rounded once to `q.dtype`.
+
+  Memory stays bounded: query t-planes are processed in groups (a loop)
+  of at most `_REF_GROUP_ELEMENTS` query elements, and within a group the
+  neighbour offsets are visited one at a time (`fori_loop`) with a running
+  max and sum (exact softmax in fp32, up to rounding): one `[B, tc, Y, X, H, D]`
+  fp32 accumulator, never a `[queries, neighbours, D]` tensor.
+  """
+  batch, t_len, y_len, x_len, num_heads, head_dim = q.shape
+  starts_t, starts_y, starts_x = (window_starts(n, w) for n, w in
+                                  ((t_len, KT), (y_len, KY), (x_len, KX)))
+  plane = batch * y_len * x_len * num_heads * head_dim
+  group = max(1, min(t_len, _REF_GROUP_ELEMENTS // plane))
+  num_groups = cdiv(t_len, group)
+
+  def one_group(g):
+    t = jnp.minimum(g * group + jnp.arange(group, dtype=jnp.int32), t_len - 1)
+    q_g = q[:, t].astype(jnp.float32)                      # [B, tc, Y, X, H, D]
+
+    def neighbours(x, dt, dy, dx):
+      """x at each query's neighbour (dt, dy, dx) of its window."""
+      x = jnp.take(x, starts_t[t] + dt, axis=1)
+      x = jnp.take(x, starts_y + dy, axis=2)
+      return jnp.take(x, starts_x + dx, axis=3).astype(jnp.float32)
+
+    def step(n, carry):
+      o, m, l = carry
+      dt, dy, dx = n // (KY * KX), (n // KX) % KY, n % KX
+      s = jnp.sum(q_g * neighbours(k, dt, dy, dx), axis=-1)  # [B, tc, Y, X, H]
+      m_next = jnp.maximum(m, s)
+      correction = jnp.exp(m - m_next)
+      p = jnp.exp(s - m_next)
+      o = correction[..., None] * o + p[..., None] * neighbours(v, dt, dy, dx)
+      return o, m_next, correction * l + p
+
+    shape = q_g.shape[:-1]
+    o, _, l = lax.fori_loop(0, KT * KY * KX, step,
+                            (jnp.zeros(q_g.shape, jnp.float32),
+                             jnp.full(shape, -jnp.inf, jnp.float32),
+                             jnp.zeros(shape, jnp.float32)))
+    return (o / l[..., None]).astype(q.dtype)
+
+  # Groups write into the output in place (no stacked copy of the result).
+  out = jnp.zeros((batch, num_groups * group, y_len, x_len, num_heads, head_dim), q.dtype)
+  out = lax.fori_loop(0, num_groups, lambda g, out: lax.dynamic_update_slice_in_dim(
+      out, one_group(g), g * group, axis=1), out)
+  return out[:, :t_len]
+
+
+# ---------------------------------------------------------------------------
+# Input synthesis.
+
+
+def make_inputs(axes: Mapping[str, int], key: jax.Array,
+                record: dict | None = None) -> dict[str, jax.Array]:
+  """q, k, v `[B, T, Y, X, H, D]` bf16. k, v ~ N(0, 1) (post-norm, post-RoPE
+  activations); q ~ N(0, 1) * D**-0.5 (captured after query scaling), so
+  the logits q.k have unit variance: neither flat nor one-hot. The records
+  carry no structure beyond the axes (`variant` names the grid), so the
+  record is not needed."""
+  del record
+  shape = tuple(int(axes[n]) for n in ("B", "T", "Y", "X", "H", "D"))
+  key_q, key_k, key_v = jax.random.split(key, 3)
+  q = jax.random.normal(key_q, shape, jnp.float32) * shape[-1] ** -0.5
+  return {"q": q.astype(jnp.bfloat16),
+          "k": jax.random.normal(key_k, shape, jnp.bfloat16),
+          "v": jax.random.normal(key_v, shape, jnp.bfloat16)}
+
+
+# ---------------------------------------------------------------------------
+# CPU scale.
+
+
+def _kernel_triples(axes: Mapping[str, int]) -> int:
+  """(query, key, head) scores the heuristic's kernel computes at `axes`."""
+  dims = (axes["T"], axes["Y"], axes["X"])
+  window = (axes["KT"], axes["KY"], axes["KX"])
+  shape = jax.ShapeDtypeStruct((axes["B"], *dims, axes["H"], axes["D"]), jnp.bfloat16)
+  config = kernel_lib.choose_config({"q": shape}, KT=window[0], KY=window[1], KX=window[2])
+  return axes["B"] * axes["H"] * kernel_lib.scored_pairs(config, dims, window)
+
+
+def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
+  """A shrunk copy for interpret mode: B at most 2; each extent above its
+  window by more than 3 is cut to `k + 2` or `k + 3`, keeping the parity of
+  `L - k` (both borders and an interior window position remain),
+  then, while over `_CPU_TRIPLE_BUDGET`, B drops to 1 and the extents step
+  down (the longest margin first) to `k + 1`; an extent equal to its window
+  stays equal. H, D and the windows are kept."""
+  out = dict(axes)
+  out["B"] = min(int(axes["B"]), 2)
+  windows = {"T": axes["KT"], "Y": axes["KY"], "X": axes["KX"]}
+  for n, w in windows.items():
+    margin = int(axes[n]) - w
+    if margin > 3:
+      out[n] = w + 2 + margin % 2
+  while _kernel_triples(out) > _CPU_TRIPLE_BUDGET:
+    if out["B"] > 1:
+      out["B"] = 1
+      continue
+    margins = {n: out[n] - w for n, w in windows.items() if out[n] - w > 1}
+    if not margins:
+      break
+    longest = max(margins, key=margins.get)
+    out[longest] -= 1
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Registration.
+
+
+IMPLS = (
+    OpImpl(
+        reference=neighborhood_attention_3d_reference,
+        kernel=kernel_lib.neighborhood_attention_3d,
+        make_inputs=make_inputs,
+        choose_config=kernel_lib.choose_config,
+        candidate_configs=kernel_lib.candidate_configs,
+        cpu_axes=cpu_axes,
+    ),
+)

@@ -1,0 +1,324 @@
+"""3-D neighborhood attention (NATTEN semantics) on the Pallas Triton lowering.
+
+Semantics (stride 1, dilation 1, non-causal): along each axis of length `L`
+with window `k`, query index `i` attends to keys `[s, s + k)` with
+`s = clamp(i - k // 2, 0, L - k)`: windows shift inward at the borders and
+are never padded, so every query sees exactly `KT * KY * KX` keys. The
+softmax runs over the Cartesian product of the three windows. `q` arrives
+already scaled: no `D**-0.5` is applied.
+
+One kernel serves every window: `(KT, KY, KX)` are static parameters.
+
+Layout `[B, T, Y, X, H, D]`, viewed (free reshape) as `[B, N, H, D]` with
+`N = T * Y * X`; a program reads rows of one (batch row, head) by flat index.
+
+Grid `(query tiles, B, H)`, the tile index fastest so that neighbouring tiles
+run together and share their key halos in L2. A program:
+
+1. owns a query tile of `block_t x block_y x block_x` grid points (a power of
+   two `Q` in all, at least 16), gathered into a `[Q, D]` operand by row
+   index (coordinates past the grid are clamped for the address; those rows
+   are computed, but not stored);
+2. computes each query's window starts and the key box that covers the union
+   of the tile's windows (the halo): it starts at the first query's window
+   start on each axis and spans `block + k - 1` (every later window start is
+   at most `block - 1` further, since `s` grows by at most 1 per index);
+3. walks the halo box, flattened in (t, y, x) order, in chunks of `block_k`
+   keys (no per-row padding: only the last chunk is partial). Each chunk is
+   gathered by row index into `[block_k, D]` K and V operands (addresses
+   clamped into the grid), scored with one `[Q, D] x [D, block_k]` dot in
+   fp32, masked with the per-(query, key) window test
+   `0 <= key - start(query) < k` on each axis (from iotas; it also hides the
+   clamped duplicates and the padding of the last chunk, which lie outside
+   every window), and folded into an online softmax (FlashAttention-2, base
+   2, fp32); the probabilities are rounded to the value dtype for the second
+   dot, as every flash kernel does;
+4. divides by the row sums and stores the tile as a `[block_t, block_y,
+   block_x, D]` block of the output (masked at the grid's edges).
+
+Every query row has visible keys in the chunks that hold its window, but a
+chunk may hold none of a row's keys: such rows keep a -inf running max and
+subtract 0 instead (no NaN).
+
+Wasted work: each of the tile's `Q` queries is scored against the whole halo
+box, `prod(block + k - 1)` keys rounded up to `block_k`, of which its window
+is `KT * KY * KX`. The heuristic picks the tile shape that minimizes the
+scored pairs (including edge tiles) for the problem: at the recorded grids
+the useful fraction of the scored pairs is 46-47% (11x11x11, 4x4x4 tiles),
+19-26% (3x7x7, 2x4x8 or 1x8x8 tiles) and 18-19% (3x5x5, 2x4x8 tiles).
+Besides the two dots, each scored pair costs about 15 CUDA-core operations
+(three unsigned window tests, the select, the online-softmax update and one
+exp2), which bounds the small windows more than the tensor cores do.
+
+sm_90a (XLA's Triton and ptxas 12.9, compiled without a GPU): the heuristic
+config (4x4x4 or 2x4x8 tiles, 64-key chunks, 4 warps, 2 stages) uses 119-128
+registers, no spills, 40 KiB of shared memory, `wgmma m64n64k16` for both
+dots and `cp.async` for the gathered K/V chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Mapping
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.common import MIN_DOT_DIM, cdiv, next_pow2, resolve_interpret
+
+_LOG2_E = math.log2(math.e)
+
+
+def _is_pow2(n: int) -> bool:
+  return n >= 1 and not n & (n - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class NeighborhoodAttentionConfig:
+  """Tiling: a query tile of `block_t x block_y x block_x` grid points (each a
+  power of two, at least 16 in all: the rows of both dots), key chunks of
+  `block_k` halo keys (a power of two >= 16)."""
+  block_t: int = 1
+  block_y: int = 8
+  block_x: int = 8
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("block_t", "block_y", "block_x"):
+      if not _is_pow2(getattr(self, name)):
+        raise ValueError(f"{name}={getattr(self, name)} must be a power of two")
+    if self.block_queries < MIN_DOT_DIM:
+      raise ValueError(f"query tile {self.tile} has fewer than {MIN_DOT_DIM} points")
+    if self.block_k < MIN_DOT_DIM or not _is_pow2(self.block_k):
+      raise ValueError(f"block_k={self.block_k} must be a power of two >= {MIN_DOT_DIM}")
+    if self.num_warps < 1 or self.num_stages < 1:
+      raise ValueError(f"bad num_warps/num_stages in {self}")
+
+  @property
+  def tile(self) -> tuple[int, int, int]:
+    return (self.block_t, self.block_y, self.block_x)
+
+  @property
+  def block_queries(self) -> int:
+    return self.block_t * self.block_y * self.block_x
+
+
+# ---------------------------------------------------------------------------
+# Heuristic and sweep candidates.
+
+
+def _problem(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> tuple[int, ...]:
+  """(B, T, Y, X, H, D) of the inputs' shapes."""
+  return tuple(int(d) for d in shapes["q"].shape)
+
+
+def halo_size(tile: tuple[int, int, int], window: tuple[int, int, int]) -> int:
+  """Keys in the halo box of a query tile: `prod(block + k - 1)`."""
+  return math.prod(b + w - 1 for b, w in zip(tile, window))
+
+
+def scored_pairs(config: NeighborhoodAttentionConfig, dims: tuple[int, int, int],
+                 window: tuple[int, int, int]) -> int:
+  """(query, key) scores one (batch row, head) computes: tiles x tile queries
+  x halo keys rounded up to whole chunks (edge tiles count in full)."""
+  tiles = math.prod(cdiv(n, b) for n, b in zip(dims, config.tile))
+  chunks = cdiv(halo_size(config.tile, window), config.block_k)
+  return tiles * config.block_queries * chunks * config.block_k
+
+
+def _tiles(queries: int, dims: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+  """Power-of-two tiles of `queries` points, no side longer than its axis
+  needs (next power of two of the extent); for grids of fewer points than
+  that, every tile of `queries` points (the excess is masked)."""
+  sides = [1 << i for i in range(queries.bit_length())]
+  tiles = [(bt, by, queries // (bt * by)) for bt in sides for by in sides
+           if queries % (bt * by) == 0]
+  fitting = [t for t in tiles if all(b <= next_pow2(n) for b, n in zip(t, dims))]
+  return fitting or tiles
+
+
+def _best(queries: int, block_k: int, num_warps: int, num_stages: int,
+          dims: tuple[int, int, int], window: tuple[int, int, int]) -> NeighborhoodAttentionConfig:
+  configs = [NeighborhoodAttentionConfig(*tile, block_k=block_k, num_warps=num_warps,
+                                         num_stages=num_stages)
+             for tile in _tiles(queries, dims)]
+  # Fewest scored pairs; among equals, the flattest tile in t (shares K/V
+  # t-planes with the neighbouring programs), then the widest in x.
+  return min(configs, key=lambda c: (scored_pairs(c, dims, window), c.block_t, -c.block_x))
+
+
+def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct], *, KT: int, KY: int,
+                  KX: int) -> NeighborhoodAttentionConfig:
+  """Heuristic: 64-query tiles (one warpgroup: both dots are 64-row wgmma) of
+  the shape that scores the fewest (query, key) pairs for this grid and
+  window (`scored_pairs`), 64-key chunks, two pipeline stages (K and V
+  chunks of 8 KiB each per stage at D=64)."""
+  _, t, y, x, _, _ = _problem(shapes)
+  return _best(64, 64, 4, 2, (t, y, x), (KT, KY, KX))
+
+
+def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct], *, KT: int, KY: int,
+                      KX: int) -> list[NeighborhoodAttentionConfig]:
+  """The heuristic first, then the best tile shapes at 32, 64 and 128 queries
+  with 32- and 64-key chunks and a few warp / stage counts, no duplicates."""
+  _, t, y, x, _, _ = _problem(shapes)
+  dims, window = (t, y, x), (KT, KY, KX)
+  out = [choose_config(shapes, KT=KT, KY=KY, KX=KX)]
+  for queries, block_k, warps, stages in ((64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2),
+                                          (128, 32, 4, 2), (32, 64, 2, 2), (64, 64, 8, 2)):
+    out.append(_best(queries, block_k, warps, stages, dims, window))
+  return list(dict.fromkeys(out))
+
+
+# ---------------------------------------------------------------------------
+# Kernel.
+
+
+def _window_start(i, length: int, k: int):
+  """NATTEN's window start `clamp(i - k // 2, 0, length - k)`."""
+  return jnp.minimum(jnp.maximum(i - k // 2, 0), length - k)
+
+
+def _as_unsigned(x):
+  """int32 -> uint32 bits: negative values become >= 2**31."""
+  return lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _unravel(flat, dims: tuple[int, int, int]):
+  """C-order coordinates of nonnegative flat indices over static `dims`."""
+  _, ny, nx = dims
+  return lax.div(flat, ny * nx), lax.rem(lax.div(flat, nx), ny), lax.rem(flat, nx)
+
+
+def _neighborhood_attention_kernel(q_ref, k_ref, v_ref, o_ref, *, dims, window, tile,
+                                   block_k: int):
+  """One query tile of one (batch row, head). Refs are `[N, D]` rows of the
+  flattened grid (`N = T * Y * X`)."""
+  (t_len, y_len, x_len), (kt, ky, kx), (bt, by, bx) = dims, window, tile
+  tiles_y, tiles_x = cdiv(y_len, by), cdiv(x_len, bx)
+  head_dim = q_ref.shape[-1]
+  num_q = bt * by * bx
+
+  pid = pl.program_id(0)
+  t0 = lax.div(pid, tiles_y * tiles_x) * bt
+  y0 = lax.rem(lax.div(pid, tiles_x), tiles_y) * by
+  x0 = lax.rem(pid, tiles_x) * bx
+
+  # Query points of the tile; addresses clamped into the grid.
+  rt, ry, rx = _unravel(jnp.arange(num_q, dtype=jnp.int32), tile)
+  qt, qy, qx = t0 + rt, y0 + ry, x0 + rx
+  qt, qy, qx = jnp.minimum(qt, t_len - 1), jnp.minimum(qy, y_len - 1), jnp.minimum(qx, x_len - 1)
+  q_rows = (qt * y_len + qy) * x_len + qx
+  q = q_ref[q_rows, :]
+
+  # The halo box starts at the tile's first window start on each axis; each
+  # query's window starts `rel_*` into it, with rel in [0, block - 1].
+  box_t = _window_start(t0, t_len, kt)
+  box_y = _window_start(y0, y_len, ky)
+  box_x = _window_start(x0, x_len, kx)
+  rel_t = (_window_start(qt, t_len, kt) - box_t)[:, None]
+  rel_y = (_window_start(qy, y_len, ky) - box_y)[:, None]
+  rel_x = (_window_start(qx, x_len, kx) - box_x)[:, None]
+  halo = (bt + kt - 1, by + ky - 1, bx + kx - 1)
+  num_chunks = cdiv(math.prod(halo), block_k)
+
+  def body(chunk, carry):
+    o_prev, m_prev, l_prev = carry
+    jt, jy, jx = _unravel(chunk * block_k + jnp.arange(block_k, dtype=jnp.int32), halo)
+    key_t = jnp.minimum(box_t + jt, t_len - 1)
+    key_y = jnp.minimum(box_y + jy, y_len - 1)
+    key_x = jnp.minimum(box_x + jx, x_len - 1)
+    rows = (key_t * y_len + key_y) * x_len + key_x
+    k = k_ref[rows, :]
+    v = v_ref[rows, :]
+    # 0 <= j - rel < k per axis, as one unsigned compare each.
+    visible = ((_as_unsigned(jt[None, :] - rel_t) < kt)
+               & (_as_unsigned(jy[None, :] - rel_y) < ky)
+               & (_as_unsigned(jx[None, :] - rel_x) < kx))
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * _LOG2_E
+    s = jnp.where(visible, s, -jnp.inf)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    correction = jnp.exp2(m_prev - m_safe)
+    p = jnp.exp2(s - m_safe[:, None])
+    l_next = correction * l_prev + jnp.sum(p, axis=-1)
+    o_next = correction[:, None] * o_prev + jnp.dot(
+        p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o_next, m_next, l_next
+
+  carry = (jnp.zeros((num_q, head_dim), jnp.float32),
+           jnp.full((num_q,), -jnp.inf, jnp.float32),
+           jnp.zeros((num_q,), jnp.float32))
+  o, _, l = lax.fori_loop(0, num_chunks, body, carry)
+  o = (o / l[:, None]).astype(o_ref.dtype)  # l >= 1: each row sees its window's max.
+  o = o.reshape(bt, by, bx, head_dim)
+  if any(n % b for n, b in zip(dims, tile)):  # Edge tiles: store the grid's points only.
+    in_grid = ((t0 + jnp.arange(bt) < t_len)[:, None, None, None]
+               & (y0 + jnp.arange(by) < y_len)[None, :, None, None]
+               & (x0 + jnp.arange(bx) < x_len)[None, None, :, None])
+    plgpu.store(o_ref, o, mask=in_grid)
+  else:
+    o_ref[...] = o
+
+
+@functools.partial(jax.jit, static_argnames=("KT", "KY", "KX", "config", "interpret"))
+def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *, KT: int, KY: int,
+                              KX: int, config: NeighborhoodAttentionConfig | None = None,
+                              interpret: bool | None = None) -> jax.Array:
+  """3-D neighborhood attention, NATTEN semantics, no extra scale.
+
+  Args:
+    q, k, v: `[B, T, Y, X, H, D]`, one dtype; `D` a power of two >= 16; `q`
+      already scaled.
+    KT, KY, KX: window sizes along T, Y, X; `T >= KT`, `Y >= KY`, `X >= KX`.
+    config: tiling; None = `choose_config`.
+    interpret: None = interpret when no GPU is present.
+
+  Returns:
+    `o [B, T, Y, X, H, D]` in `q.dtype`.
+  """
+  batch, t_len, y_len, x_len, num_heads, head_dim = q.shape
+  if k.shape != q.shape or v.shape != q.shape:
+    raise ValueError(f"k {k.shape} / v {v.shape} do not match q {q.shape}")
+  if not (k.dtype == v.dtype == q.dtype):
+    raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+  if head_dim < MIN_DOT_DIM or not _is_pow2(head_dim):
+    raise ValueError(f"head dim {head_dim} must be a power of two >= {MIN_DOT_DIM}")
+  window = (int(KT), int(KY), int(KX))
+  dims = (t_len, y_len, x_len)
+  if any(w < 1 or n < w for n, w in zip(dims, window)):
+    raise ValueError(f"window {window} does not fit the grid {dims} (need 1 <= k <= extent)")
+  if config is None:
+    shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype)}
+    config = choose_config(shapes, KT=KT, KY=KY, KX=KX)
+  num_tiles = math.prod(cdiv(n, b) for n, b in zip(dims, config.tile))
+  n = t_len * y_len * x_len
+
+  flat = lambda a: a.reshape(batch, n, num_heads, head_dim)
+  # K/V (and Q) blocks span the grid of one (batch row, head): the kernel
+  # gathers rows by index, so their length need not be a power of two.
+  spec = pl.BlockSpec((None, n, None, head_dim), lambda i, b, h: (b, 0, h, 0))
+  tiles_y, tiles_x = cdiv(y_len, config.block_y), cdiv(x_len, config.block_x)
+  out_spec = pl.BlockSpec(
+      (None, *config.tile, None, head_dim),
+      lambda i, b, h: (b, i // (tiles_y * tiles_x), (i // tiles_x) % tiles_y, i % tiles_x, h, 0))
+  kernel = functools.partial(_neighborhood_attention_kernel, dims=dims, window=window,
+                             tile=config.tile, block_k=config.block_k)
+  return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(num_tiles, batch, num_heads),
+      in_specs=[spec, spec, spec],
+      out_specs=out_spec,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
+      interpret=resolve_interpret(interpret),
+      name="neighborhood_attention_3d",
+  )(flat(q), flat(k), flat(v))

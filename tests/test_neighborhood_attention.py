@@ -1,0 +1,339 @@
+"""Tests of 3-D neighborhood attention (SPEC 4.7): the Pallas kernel in
+interpret mode against the jnp reference (every recorded window, extents
+equal to and just above the window, ragged tiles, B > 1), the reference
+against a brute-force float64 NumPy NATTEN, bounded reference memory at the
+largest recorded grid, deviceless H100 lowering of every candidate config at
+the largest recorded axes, input synthesis and CPU scaling."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkern import ops
+from jaxkern.families import neighborhood_attention as fam
+from pallas_kernels import neighborhood_attention as na
+from pallas_kernels.common import assert_lowers_to_triton
+
+DEFINITIONS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "definitions")
+WORKLOADS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "workloads")
+NAMES = ("neighborhood_attention_3d_h32_d64_kt3_ky7_kx7",
+         "neighborhood_attention_3d_h16_d64_kt3_ky7_kx7",
+         "neighborhood_attention_3d_h8_d64_kt3_ky5_kx5",
+         "neighborhood_attention_3d_h4_d64_kt11_ky11_kx11")
+WINDOWS = {"kt3_ky7_kx7": (3, 7, 7), "kt3_ky5_kx5": (3, 5, 5), "kt11_ky11_kx11": (11, 11, 11)}
+
+
+@functools.cache
+def definition(name):
+  with open(os.path.join(DEFINITIONS_DIR, f"{name}.json")) as f:
+    return json.load(f)
+
+
+@functools.cache
+def records(name):
+  with open(os.path.join(WORKLOADS_DIR, f"{name}.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def const_axes(name):
+  return {a: spec["value"] for a, spec in definition(name)["axes"].items()
+          if spec["type"] == "const"}
+
+
+def window_of(name):
+  c = const_axes(name)
+  return c["KT"], c["KY"], c["KX"]
+
+
+def assert_bf16_close(actual, desired):
+  """SPEC 5 bf16 rule: fails where |x-y| > 0.005 and |x-y| > 0.016*|y|."""
+  x = np.asarray(actual, np.float32)
+  y = np.asarray(desired, np.float32)
+  assert x.shape == y.shape
+  assert np.all(np.isfinite(x)), "non-finite kernel output"
+  err = np.abs(x - y)
+  bad = (err > 0.005) & (err > 0.016 * np.abs(y))
+  assert not bad.any(), f"{bad.sum()} elements off, max abs err {err.max()}"
+
+
+def qkv(shape, seed=0, dtype=jnp.bfloat16):
+  """q ~ N(0, 1/D) (pre-scaled), k, v ~ N(0, 1); numpy, not jax.random (no
+  compilation per shape)."""
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal(shape, np.float32) * shape[-1] ** -0.5
+  k, v = rng.standard_normal((2, *shape), np.float32)
+  return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def natten_numpy(q, k, v, window):
+  """Brute-force float64 NATTEN na3d with scale 1: per query, gather its
+  window `[s, s + k)`, `s = clamp(i - k//2, 0, L - k)` per axis."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  batch, *dims, heads, head_dim = q.shape
+  start = lambda i, n, w: min(max(i - w // 2, 0), n - w)
+  o = np.zeros_like(q)
+  for t, y, x in np.ndindex(*dims):
+    box = tuple(slice(start(i, n, w), start(i, n, w) + w) for i, n, w in zip((t, y, x), dims, window))
+    keys = k[(slice(None), *box)].reshape(batch, -1, heads, head_dim)
+    values = v[(slice(None), *box)].reshape(batch, -1, heads, head_dim)
+    s = np.einsum("bhd,bnhd->bhn", q[:, t, y, x], keys)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    o[:, t, y, x] = np.einsum("bhn,bnhd->bhd", p / p.sum(-1, keepdims=True), values)
+  return o
+
+
+def kernel(q, k, v, window, config=None):
+  kt, ky, kx = window
+  return na.neighborhood_attention_3d(q, k, v, KT=kt, KY=ky, KX=kx, config=config, interpret=True)
+
+
+def reference(q, k, v, window):
+  kt, ky, kx = window
+  return fam.neighborhood_attention_3d_reference(q, k, v, KT=kt, KY=ky, KX=kx)
+
+
+SMALL_TILE = na.NeighborhoodAttentionConfig(block_t=1, block_y=4, block_x=4, block_k=16,
+                                            num_warps=1, num_stages=1)
+
+
+# ---------------------------------------------------------------------------
+# Kernel (interpret mode) vs reference.
+
+
+@pytest.mark.parametrize("shape,window", [
+    ((1, 3, 7, 7, 2, 64), (3, 7, 7)),        # every extent == window: nothing moves
+    ((2, 4, 8, 8, 2, 64), (3, 7, 7)),        # just above, B > 1
+    ((1, 5, 11, 13, 1, 64), (3, 7, 7)),      # odd, not multiples of any tile
+    ((1, 3, 5, 5, 2, 64), (3, 5, 5)),
+    ((3, 6, 9, 17, 1, 64), (3, 5, 5)),       # B = 3, ragged
+    ((1, 11, 11, 11, 1, 64), (11, 11, 11)),  # the whole grid is every window
+    ((1, 12, 13, 11, 1, 64), (11, 11, 11)),  # just above on two axes
+    ((2, 3, 20, 9, 1, 64), (3, 7, 7)),       # T == KT, long Y, X just above
+    ((1, 4, 6, 9, 2, 32), (1, 3, 4)),        # KT = 1, an even window, D = 32
+    ((2, 1, 2, 3, 1, 16), (1, 2, 3)),        # 6 grid points: the tile mostly masked
+])
+def test_kernel_matches_reference(shape, window):
+  q, k, v = qkv(shape)
+  out = kernel(q, k, v, window)
+  assert out.shape == q.shape and out.dtype == jnp.bfloat16
+  assert_bf16_close(out, reference(q, k, v, window))
+
+
+@pytest.mark.parametrize("window", list(WINDOWS.values()))
+def test_kernel_matches_float64_natten(window):
+  shape = (2, *(w + 2 for w in window[:2]), window[2] + 3, 1, 64)
+  q, k, v = qkv(shape, seed=1)
+  assert_bf16_close(kernel(q, k, v, window, config=SMALL_TILE), natten_numpy(q, k, v, window))
+
+
+def test_every_candidate_config_in_interpret_mode():
+  window = (3, 7, 7)
+  q, k, v = qkv((1, 4, 9, 11, 1, 64), seed=2)
+  ref = reference(q, k, v, window)
+  configs = na.candidate_configs({"q": q}, KT=3, KY=7, KX=7)
+  assert len(configs) >= 4
+  for config in configs:
+    assert_bf16_close(kernel(q, k, v, window, config=config), ref)
+
+
+def test_tiles_larger_than_the_grid():
+  """A 64-point tile on a 3x7x7 grid (and a 16x1x4 tile on a 3-plane grid):
+  most of the tile is off the grid and must not be stored."""
+  q, k, v = qkv((2, 3, 7, 7, 1, 64), seed=3)
+  ref = reference(q, k, v, (3, 7, 7))
+  for tile in ((4, 4, 4), (16, 1, 4), (1, 1, 16)):
+    config = na.NeighborhoodAttentionConfig(*tile, block_k=32)
+    assert_bf16_close(kernel(q, k, v, (3, 7, 7), config=config), ref)
+    assert_lowers_to_triton(na.neighborhood_attention_3d, q, k, v, KT=3, KY=7, KX=7,
+                            config=config, interpret=False)
+
+
+def test_unaffected_by_values_outside_the_window():
+  """Keys and values outside every window of a query do not change it:
+  poison everything but the first query's window."""
+  window = (3, 5, 5)
+  q, k, v = qkv((1, 6, 9, 9, 1, 64), seed=4)
+  out = kernel(q, k, v, window)
+  mask = np.zeros(q.shape, bool)
+  mask[:, :3, :5, :5] = True  # query (0, 0, 0) sees exactly this box
+  k2 = jnp.where(mask, k, jnp.bfloat16(30.0))
+  v2 = jnp.where(mask, v, jnp.bfloat16(-100.0))
+  out2 = kernel(q, k2, v2, window)
+  np.testing.assert_array_equal(np.asarray(out2[:, 0, 0, 0], np.float32),
+                                np.asarray(out[:, 0, 0, 0], np.float32))
+
+
+# ---------------------------------------------------------------------------
+# Reference vs float64 numpy.
+
+
+@pytest.mark.parametrize("shape,window", [
+    ((2, 3, 7, 7, 3, 8), (3, 7, 7)),
+    ((1, 5, 8, 10, 2, 8), (3, 5, 5)),
+    ((1, 11, 12, 11, 1, 4), (11, 11, 11)),
+    ((2, 4, 6, 9, 2, 8), (2, 3, 4)),
+])
+def test_reference_matches_float64(shape, window):
+  q, k, v = qkv(shape, seed=5, dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(reference(q, k, v, window)),
+                             natten_numpy(q, k, v, window), atol=2e-5, rtol=1e-4)
+
+
+def test_reference_groups_query_planes(monkeypatch):
+  """Grouping of query t-planes (with a partial last group) changes nothing."""
+  shape, window = (1, 7, 6, 6, 1, 8), (3, 5, 5)
+  q, k, v = qkv(shape, seed=6, dtype=jnp.float32)
+  monkeypatch.setattr(fam, "_REF_GROUP_ELEMENTS", 3 * 6 * 6 * 8)  # 3 planes: 3 + 3 + 1
+  np.testing.assert_allclose(np.asarray(reference(q, k, v, window)),
+                             natten_numpy(q, k, v, window), atol=2e-5, rtol=1e-4)
+
+
+def test_window_starts():
+  np.testing.assert_array_equal(fam.window_starts(9, 3), [0, 0, 1, 2, 3, 4, 5, 6, 6])
+  np.testing.assert_array_equal(fam.window_starts(13, 11), [0] * 6 + [1] + [2] * 6)
+  np.testing.assert_array_equal(fam.window_starts(7, 7), [0] * 7)
+  np.testing.assert_array_equal(fam.window_starts(6, 4), [0, 0, 0, 1, 2, 2])
+
+
+def test_reference_memory_is_bounded_at_the_largest_recorded_grid():
+  """B=4, T=121, 80x128, 11x11x11, H=4: inputs and output are 0.6 GiB
+  each; the reference's temporaries stay under 0.5 GiB (compiled, not run)."""
+  sds = jax.ShapeDtypeStruct((4, 121, 80, 128, 4, 64), jnp.bfloat16)
+  fn = jax.jit(functools.partial(fam.neighborhood_attention_3d_reference, KT=11, KY=11, KX=11))
+  stats = fn.lower(sds, sds, sds).compile().memory_analysis()
+  assert stats.temp_size_in_bytes < 1 << 29, stats.temp_size_in_bytes
+
+
+# ---------------------------------------------------------------------------
+# Deviceless lowering for an H100 and the heuristic.
+
+
+def largest_axes(name):
+  """The recorded axes with the most (query, neighbour) pairs."""
+  return max((r["axes"] for r in records(name)),
+             key=lambda a: a["B"] * a["T"] * a["Y"] * a["X"])
+
+
+def input_avals(name, axes):
+  a = {**axes, **const_axes(name)}
+  shape = tuple(a[d] for d in ("B", "T", "Y", "X", "H", "D"))
+  sds = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  return {"q": sds, "k": sds, "v": sds}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_heuristic_at_every_recorded_size(name):
+  window = window_of(name)
+  for axes in (r["axes"] for r in records(name)):
+    avals = input_avals(name, axes)
+    config = na.choose_config(avals, KT=window[0], KY=window[1], KX=window[2])
+    candidates = na.candidate_configs(avals, KT=window[0], KY=window[1], KX=window[2])
+    assert config == candidates[0] and len(candidates) == len(set(candidates)) >= 4
+    assert config.block_queries == 64 and config.num_warps == 4
+    dims = (axes["T"], axes["Y"], axes["X"])
+    useful = np.prod(window) * np.prod(dims) / na.scored_pairs(config, dims, window)
+    # The best 64-point tile's halo share, less edge tiles (kernel docstring).
+    assert useful > (0.45 if window == (11, 11, 11) else 0.18), (axes, config, useful)
+    # No 64-point tile scores fewer pairs.
+    for tile in na._tiles(64, dims):
+      other = na.NeighborhoodAttentionConfig(*tile, block_k=64)
+      assert na.scored_pairs(other, dims, window) >= na.scored_pairs(config, dims, window)
+
+
+def test_config_validation():
+  with pytest.raises(ValueError):
+    na.NeighborhoodAttentionConfig(block_t=3)
+  with pytest.raises(ValueError):
+    na.NeighborhoodAttentionConfig(block_t=1, block_y=2, block_x=4)  # 8 points
+  with pytest.raises(ValueError):
+    na.NeighborhoodAttentionConfig(block_k=8)
+  q, k, v = qkv((1, 3, 6, 7, 1, 64))
+  with pytest.raises(ValueError):  # Y < KY
+    kernel(q, k, v, (3, 7, 7))
+  with pytest.raises(ValueError):
+    kernel(q, k[..., :32], v, (3, 5, 5))
+  with pytest.raises(ValueError):
+    kernel(q[..., :24], k[..., :24], v[..., :24], (3, 5, 5))
+
+
+# ---------------------------------------------------------------------------
+# Family plumbing, input synthesis, CPU scale, the public op.
+
+
+def test_impl_signatures_follow_the_contract():
+  [impl] = fam.IMPLS
+  for name in NAMES:
+    assert definition(name)["reference"] == (
+        "jaxkern.families.neighborhood_attention:neighborhood_attention_3d_reference")
+  inputs = list(definition(NAMES[0])["inputs"])
+  for fn in (impl.reference, impl.kernel):
+    params = inspect.signature(fn).parameters
+    positional = [n for n, p in params.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    keyword_only = [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY]
+    assert positional == inputs
+    # Keyword-only parameters named like const axes receive their values.
+    assert {"KT", "KY", "KX"} <= set(keyword_only)
+  for fn in (impl.choose_config, impl.candidate_configs):
+    params = inspect.signature(fn).parameters
+    assert [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY] == ["KT", "KY", "KX"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_make_inputs_match_definition(name):
+  [impl] = fam.IMPLS
+  spec = definition(name)
+  axes = {**const_axes(name), "B": 2, "T": const_axes(name)["KT"] + 1,
+          "Y": const_axes(name)["KY"], "X": const_axes(name)["KX"] + 4}
+  a = impl.make_inputs(axes, jax.random.key(5), records(name)[0])
+  b = impl.make_inputs(axes, jax.random.key(5), None)
+  c = impl.make_inputs(axes, jax.random.key(6), None)
+  assert list(a) == list(spec["inputs"])
+  for input_name, tensor in spec["inputs"].items():
+    assert a[input_name].shape == tuple(axes[d] for d in tensor["shape"])
+    assert a[input_name].dtype == jnp.dtype(tensor["dtype"])
+    np.testing.assert_array_equal(np.asarray(a[input_name], np.float32),
+                                  np.asarray(b[input_name], np.float32))
+    assert not np.array_equal(np.asarray(a[input_name], np.float32),
+                              np.asarray(c[input_name], np.float32))
+  q, k = np.asarray(a["q"], np.float32), np.asarray(a["k"], np.float32)
+  assert 0.9 < q.std() * 8 < 1.1 and 0.9 < k.std() < 1.1  # q carries the D**-0.5
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cpu_axes_keep_structure(name):
+  [impl] = fam.IMPLS
+  window = dict(zip(("T", "Y", "X"), window_of(name)))
+  cases = [{**r["axes"], **const_axes(name)} for r in records(name)]
+  cases.append({**const_axes(name), "B": 3, **window})                         # extents == windows
+  cases.append({**const_axes(name), "B": 1, **{n: w + 1 for n, w in window.items()}})
+  for full in cases:
+    small = impl.cpu_axes(full)
+    assert set(small) == set(full)
+    assert all(small[n] == full[n] for n in ("H", "D", "KT", "KY", "KX"))
+    assert 1 <= small["B"] <= min(full["B"], 2)
+    for n, w in window.items():
+      assert w <= small[n] <= full[n]
+      assert (small[n] == w) == (full[n] == w)          # a still window stays still
+      if full[n] - w > 3:
+        assert small[n] - w >= 2                        # borders and an interior remain
+    assert fam._kernel_triples(small) <= fam._CPU_TRIPLE_BUDGET
+
+
+def test_public_op_jits_on_both_backends():
+  q, k, v = qkv((2, 4, 7, 9, 2, 64), seed=7)
+  want = reference(q, k, v, (3, 5, 5))
+  for backend in ("xla", "pallas"):
+    f = jax.jit(functools.partial(ops.neighborhood_attention_3d, kernel_size=(3, 5, 5),
+                                  backend=backend))
+    assert_bf16_close(f(q, k, v), want)
+  cube = ops.neighborhood_attention_3d(q[:, :3, :5, :5], k[:, :3, :5, :5], v[:, :3, :5, :5],
+                                       kernel_size=3, backend="xla")
+  assert_bf16_close(cube, reference(q[:, :3, :5, :5], k[:, :3, :5, :5], v[:, :3, :5, :5], (3, 3, 3)))
