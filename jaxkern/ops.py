@@ -81,3 +81,16 @@ def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
   if _pallas(backend):
     return _attention.block_causal_attention(q, k, v, segment_ids, sm_scale=sm_scale, config=config)
   return _flash.attention_reference(q, k, v, segment_ids=segment_ids, sm_scale=sm_scale)
+
+
+def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
+                         expert_ids: jax.Array, *, config: Any = None, backend: Backend = None) -> jax.Array:
+  """MoE expert GEMM, FP8 activations x MXFP4 weights (SPEC 4.3): a [M, K]
+  float8_e4m3fn with UE8M0 a_scale [M, K/32]; b [E, N, K/2] packed e2m1 with
+  UE8M0 b_scale [E, N, K/32]; rows grouped by expert_ids [M] (-1 = padding
+  row -> 0). Returns bf16 [M, N]. Quantizers: `jaxkern.quant`."""
+  if _pallas(backend):
+    from pallas_kernels import grouped_gemm as _grouped  # pylint: disable=g-import-not-at-top
+    return _grouped.grouped_gemm_fp8_fp4(a, a_scale, b, b_scale, expert_ids, config=config)
+  from jaxkern.families import grouped_gemm as _grouped_ref  # pylint: disable=g-import-not-at-top
+  return _grouped_ref.grouped_gemm_fp8_fp4_reference(a, a_scale, b, b_scale, expert_ids)

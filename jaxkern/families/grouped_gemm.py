@@ -44,7 +44,6 @@ from jaxkern import quant
 from jaxkern.op import OpImpl
 from pallas_kernels import grouped_gemm as kernel_lib
 from pallas_kernels.common import cdiv
-from pallas_kernels.fp_formats import ue8m0_to_f32
 
 GroupedGemmConfig = kernel_lib.GroupedGemmConfig
 
