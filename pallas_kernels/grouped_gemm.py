@@ -24,14 +24,16 @@ never loops over the 384 experts.
 Grid `(cdiv(N, block_n), work-list length)`, N-tiles fastest, so programs
 running together share one item's activation rows and consecutive items of
 one expert (a straddled tile) share its weight slab in L2. A program loads
-its item, then walks K in `block_k` steps:
-* activations: the tile's rows (indices clamped to M-1; rows past M are never
-  stored), even k and odd k columns as two `[block_m, block_k/2]` fp8 loads,
-  times their UE8M0 scales (one per 32 k, gathered per column), -> bf16;
-* weights: the expert's `[block_n, block_k/2]` packed bytes, low nibbles (even
-  k) and high nibbles (odd k) decoded to fp32 with integer ops
-  (`fp_formats.e2m1_to_f32`), times their scales, -> bf16;
-* `acc += even_a @ even_b^T + odd_a @ odd_b^T` (two dots, fp32 accumulation).
+its item, then walks K in `block_k` steps, each unrolled into its
+`block_k / 32` scale groups, so that within a group every operand row has a
+single scale (row vectors, no per-element scale gathers):
+* activations: the tile's `[block_m, 32]` fp8 bytes (row indices clamped to
+  M-1; rows past M are never stored), times 2^(a_scale - 127), -> bf16;
+* weights: the expert's `[block_n, 16]` packed bytes; low nibbles (even k)
+  and high nibbles (odd k) decoded to fp32 with integer ops
+  (`fp_formats.e2m1_to_f32`), times 2^(b_scale - 127), -> bf16, and
+  interleaved back into k order (`stack(..., -1).reshape`, Triton's join);
+* `acc += a @ b^T` (K = 32 per dot, fp32 accumulation).
 Scaling before the dot is exact: an e4m3 or e2m1 value times a power of two
 is a bf16 number (within bf16's exponent range, the fp32 range), and the
 products of two such numbers are exact in fp32, so only the fp32 summation
@@ -56,17 +58,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import MIN_DOT_DIM, cdiv, check_dot_blocks, fit_block, resolve_interpret
+from pallas_kernels.common import cdiv, check_dot_blocks, fit_block, resolve_interpret
 from pallas_kernels.fp_formats import e2m1_to_f32, ue8m0_to_f32, unpack_e2m1
 
 GROUP = 32  # k values per UE8M0 scale byte (both operands)
-MIN_BLOCK_K = 2 * MIN_DOT_DIM  # each step is two dots over block_k / 2
+MIN_BLOCK_K = GROUP  # a step is whole scale groups
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupedGemmConfig:
   """Tiling of the grouped GEMM. Block sizes are powers of two; block_m and
-  block_n >= 16, block_k >= 32 (the half-width k dots need >= 16)."""
+  block_n >= 16, block_k >= 32 (a multiple of the 32-k scale group)."""
   block_m: int = 64
   block_n: int = 128
   block_k: int = 128
@@ -107,8 +109,10 @@ def _heuristic(m: int, e: int) -> GroupedGemmConfig:
   block_m = min(128, max(16, 1 << max(rows_per_expert - 1, 0).bit_length()))
   if m <= 64:
     return GroupedGemmConfig(16, 64, 128, num_warps=4, num_stages=3)
-  if block_m <= 32:
-    return GroupedGemmConfig(block_m, 128, 128, num_warps=4, num_stages=3)
+  if block_m == 16:
+    return GroupedGemmConfig(16, 128, 128, num_warps=4, num_stages=3)
+  if block_m == 32:  # 4 warps would need > 128 registers and spill
+    return GroupedGemmConfig(32, 128, 128, num_warps=8, num_stages=3)
   return GroupedGemmConfig(block_m, 128, 128, num_warps=8, num_stages=3)
 
 
@@ -121,7 +125,7 @@ def choose_config(shapes) -> GroupedGemmConfig:
 _SWEEP_CONFIGS = (
     GroupedGemmConfig(16, 64, 128, num_warps=4, num_stages=3),
     GroupedGemmConfig(16, 128, 128, num_warps=4, num_stages=3),
-    GroupedGemmConfig(32, 128, 128, num_warps=4, num_stages=3),
+    GroupedGemmConfig(32, 128, 128, num_warps=8, num_stages=3),
     GroupedGemmConfig(64, 128, 128, num_warps=8, num_stages=3),
     GroupedGemmConfig(64, 128, 64, num_warps=4, num_stages=4),
     GroupedGemmConfig(128, 128, 128, num_warps=8, num_stages=3),
@@ -191,7 +195,6 @@ def _grouped_gemm_kernel(tile_ref, expert_ref, first_ref, ids_ref, a_ref, a_scal
   first = first_ref[item] != 0
   n0 = pl.program_id(0) * block_n
   row0 = tile * block_m
-  half = block_k // 2
 
   rows = row0 + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
   rows_c = jnp.minimum(rows, m - 1)            # clamped: loads need no mask
@@ -199,28 +202,31 @@ def _grouped_gemm_kernel(tile_ref, expert_ref, first_ref, ids_ref, a_ref, a_scal
   cols = n0 + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
   cols_c = jnp.minimum(cols, n - 1)
   col_ok = (cols < n)[None, :]
-  half_cols = lax.broadcasted_iota(jnp.int32, (1, half), 1)  # byte / pair index in the step
-  group_of = half_cols // (GROUP // 2)                         # scale group of each pair
+  a_rows = rows_c[:, None]                                        # [block_m, 1]
+  b_rows = cols_c[:, None]                                        # [block_n, 1]
+  k_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP), 1)       # [1, 32]
+  byte_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP // 2), 1)  # [1, 16]
   nt = (((1,), (1,)), ((), ()))
+  groups_per_step = block_k // GROUP
 
   def step(kk, acc):
-    k0 = kk * block_k
-    # Activations: even and odd k of the step, each [block_m, half], scaled.
-    a_rows = rows_c[:, None]
-    a_scale = ue8m0_to_f32(a_scale_ref[a_rows, kk * (block_k // GROUP) + group_of])
-    a_even = lax.bitcast_convert_type(a_ref[a_rows, k0 + 2 * half_cols], jnp.float8_e4m3fn)
-    a_odd = lax.bitcast_convert_type(a_ref[a_rows, k0 + 2 * half_cols + 1], jnp.float8_e4m3fn)
-    a_even = (a_even.astype(jnp.float32) * a_scale).astype(jnp.bfloat16)
-    a_odd = (a_odd.astype(jnp.float32) * a_scale).astype(jnp.bfloat16)
-    # Weights: packed bytes [block_n, half] of the item's expert.
-    b_rows = cols_c[:, None]
-    packed = b_ref[expert, b_rows, kk * half + half_cols]
-    b_scale = ue8m0_to_f32(b_scale_ref[expert, b_rows, kk * (block_k // GROUP) + group_of])
-    low, high = unpack_e2m1(packed)
-    b_even = (e2m1_to_f32(low) * b_scale).astype(jnp.bfloat16)
-    b_odd = (e2m1_to_f32(high) * b_scale).astype(jnp.bfloat16)
-    acc += lax.dot_general(a_even, b_even, nt, preferred_element_type=jnp.float32)
-    acc += lax.dot_general(a_odd, b_odd, nt, preferred_element_type=jnp.float32)
+    # One block_k step = block_k / 32 scale groups, unrolled: within a group
+    # both operands have one scale per row, so scales are row vectors.
+    for g in range(groups_per_step):
+      group = kk * groups_per_step + g
+      # Activations [block_m, 32]: fp8 bytes, times 2^(a_scale - 127), -> bf16.
+      a_raw = lax.bitcast_convert_type(a_ref[a_rows, group * GROUP + k_in_group], jnp.float8_e4m3fn)
+      a_scale = ue8m0_to_f32(a_scale_ref[a_rows, group])          # [block_m, 1]
+      a_op = (a_raw.astype(jnp.float32) * a_scale).astype(jnp.bfloat16)
+      # Weights [block_n, 16] packed bytes -> even k (low nibbles) and odd k
+      # (high nibbles), times 2^(b_scale - 127), interleaved back to k order.
+      packed = b_ref[expert, b_rows, group * (GROUP // 2) + byte_in_group]
+      b_scale = ue8m0_to_f32(b_scale_ref[expert, b_rows, group])  # [block_n, 1]
+      low, high = unpack_e2m1(packed)
+      b_even = (e2m1_to_f32(low) * b_scale).astype(jnp.bfloat16)
+      b_odd = (e2m1_to_f32(high) * b_scale).astype(jnp.bfloat16)
+      b_op = jnp.stack([b_even, b_odd], axis=-1).reshape(block_n, GROUP)
+      acc += lax.dot_general(a_op, b_op, nt, preferred_element_type=jnp.float32)
     return acc
 
   out_block = c_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)]
