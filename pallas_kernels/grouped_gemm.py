@@ -31,7 +31,8 @@ single scale (row vectors, no per-element scale gathers):
   M-1; rows past M are never stored), times 2^(a_scale - 127), -> bf16;
 * weights: the expert's `[block_n, 16]` packed bytes; low nibbles (even k)
   and high nibbles (odd k) decoded to fp32 with integer ops
-  (`fp_formats.e2m1_to_f32`), times 2^(b_scale - 127), -> bf16, and
+  (`e2m1_bytes_to_f32`: an fp16 bit trick, exactly `fp_formats.e2m1_to_f32`),
+  times 2^(b_scale - 127), -> bf16, and
   interleaved back into k order (`stack(..., -1).reshape`, Triton's join);
 * `acc += a @ b^T` (K = 32 per dot, fp32 accumulation).
 Scaling before the dot is exact: an e4m3 or e2m1 value times a power of two
@@ -59,7 +60,7 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.common import cdiv, check_dot_blocks, fit_block, resolve_interpret
-from pallas_kernels.fp_formats import e2m1_to_f32, ue8m0_to_f32, unpack_e2m1
+from pallas_kernels.fp_formats import ue8m0_to_f32
 
 GROUP = 32  # k values per UE8M0 scale byte (both operands)
 MIN_BLOCK_K = GROUP  # a step is whole scale groups
@@ -144,6 +145,29 @@ def candidate_configs(shapes) -> list[GroupedGemmConfig]:
   return out
 
 
+def e2m1_bytes_to_f32(packed):
+  """Packed e2m1 bytes -> (even, odd) element values as float32, exactly
+  `fp_formats.e2m1_to_f32` of the low / high nibbles, in fewer operations
+  (this decode is the kernel's inner-loop ALU cost).
+
+  An e2m1 code's three magnitude bits placed at bits 11..9 of an fp16 (sign
+  at bit 15) form an fp16 whose value is the e2m1 value times 2**-14, for the
+  normal codes (exponent field e, mantissa bit m) and the subnormal code 1
+  (fp16 subnormal 2**-15) alike. The fp16 -> fp32 conversion is exact, so a
+  multiplication by 2**14 restores the value: 2 masks, 2 shifts, an or, the
+  conversion and a multiply per element, no compare or select.
+  """
+  x = packed.astype(jnp.int32)
+  low = ((x & 0x7) << 9) | ((x & 0x8) << 12)
+  high = ((x & 0x70) << 5) | ((x & 0x80) << 8)
+
+  def value(bits):
+    f16 = lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
+    return f16.astype(jnp.float32) * jnp.float32(2.0**14)
+
+  return value(low), value(high)
+
+
 def work_list_length(m: int, e: int, block_m: int) -> int:
   """Static bound on the (tile, expert) items: every tile has one item, and
   each further item of a tile starts a new expert (experts increase along the
@@ -222,9 +246,9 @@ def _grouped_gemm_kernel(tile_ref, expert_ref, first_ref, ids_ref, a_ref, a_scal
       # (high nibbles), times 2^(b_scale - 127), interleaved back to k order.
       packed = b_ref[expert, b_rows, group * (GROUP // 2) + byte_in_group]
       b_scale = ue8m0_to_f32(b_scale_ref[expert, b_rows, group])  # [block_n, 1]
-      low, high = unpack_e2m1(packed)
-      b_even = (e2m1_to_f32(low) * b_scale).astype(jnp.bfloat16)
-      b_odd = (e2m1_to_f32(high) * b_scale).astype(jnp.bfloat16)
+      low, high = e2m1_bytes_to_f32(packed)
+      b_even = (low * b_scale).astype(jnp.bfloat16)
+      b_odd = (high * b_scale).astype(jnp.bfloat16)
       b_op = jnp.stack([b_even, b_odd], axis=-1).reshape(block_n, GROUP)
       acc += lax.dot_general(a_op, b_op, nt, preferred_element_type=jnp.float32)
     return acc

@@ -15,6 +15,7 @@ import pytest
 from jaxkern import ops
 from jaxkern import quant
 from jaxkern.families import grouped_gemm as fam
+from pallas_kernels import fp_formats
 from pallas_kernels import grouped_gemm as gg
 from pallas_kernels.common import assert_lowers_to_triton
 
@@ -101,6 +102,15 @@ def test_kernel_matches_reference(case):
   pad = np.asarray(ids) < 0
   assert (np.asarray(c, np.float32)[pad] == 0).all()
   assert (np.abs(np.asarray(ref, np.float32)[~pad]).max(initial=1) > 0.1)
+
+
+def test_kernel_e2m1_decode_is_fp_formats_exactly():
+  packed = jnp.arange(256, dtype=jnp.uint8)
+  even, odd = gg.e2m1_bytes_to_f32(packed)
+  for got, codes in zip((even, odd), fp_formats.unpack_e2m1(packed)):
+    want = np.asarray(fp_formats.e2m1_to_f32(codes))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.signbit(np.asarray(got)), np.signbit(want))  # -0.0 kept
 
 
 def work_items(ids, e, block_m):
