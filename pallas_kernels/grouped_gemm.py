@@ -36,15 +36,17 @@ single scale (row vectors, no per-element scale gathers):
   interleaved back into k order (`stack(..., -1).reshape`, Triton's join);
 * `acc += a @ b^T` (K = 32 per dot, fp32 accumulation).
 Scaling before the dot is exact: an e4m3 or e2m1 value times a power of two
-is a bf16 number (within bf16's exponent range, the fp32 range), and the
+is a bf16 number (while it stays in the normal range, as realistic scales
+do), and the
 products of two such numbers are exact in fp32, so only the fp32 summation
 order differs from the reference. The item's rows (`expert_ids == e`) are
 stored with a row mask; the first item of a tile also writes zeros to the
 tile's -1 rows. Every row of C is written by exactly one item.
 
-Preconditions (checked by the reference's semantics, not by the kernel):
-expert ids are < E and nondecreasing over the valid rows; otherwise the work
-list overflows its bound and rows are silently dropped. K is a multiple of 32
+Preconditions (the definition's; not checked by the kernel, while the
+reference accepts any row order): expert ids are < E and nondecreasing over
+the valid rows; otherwise the work list overflows its bound and rows are
+silently dropped. K is a multiple of 32
 (the definition's `G`); `block_k` is shrunk to divide K.
 """
 
