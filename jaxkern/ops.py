@@ -19,10 +19,12 @@ import jax.numpy as jnp
 
 from jaxkern.families import attention as _attention
 from jaxkern.families import gemm as _gemm
+from jaxkern.families import grouped_gemm as _grouped
 from jaxkern.families import moe_router as _router
 from jaxkern.families import neighborhood_attention as _natten
 from pallas_kernels import dense_gemm as _gemm_kernel
 from pallas_kernels import flash_attention as _flash
+from pallas_kernels import grouped_gemm as _grouped_kernel
 from pallas_kernels import moe_router as _router_kernel
 from pallas_kernels import neighborhood_attention as _natten_kernel
 from pallas_kernels.common import has_gpu
@@ -128,3 +130,16 @@ def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *,
     config = _config(_natten.neighborhood_attention_3d_reference, {"q": q, "k": k, "v": v}, config, window)
     return _natten_kernel.neighborhood_attention_3d(q, k, v, **window, config=config)
   return _natten.neighborhood_attention_3d_reference(q, k, v, **window)
+
+
+def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
+                         expert_ids: jax.Array, *, config: Any = None, backend: Backend = None) -> jax.Array:
+  """MoE expert GEMM, FP8 activations x MXFP4 weights (SPEC 4.3): a [M, K]
+  float8_e4m3fn with UE8M0 a_scale [M, K/32]; b [E, N, K/2] packed e2m1 with
+  UE8M0 b_scale [E, N, K/32]; rows grouped by expert_ids [M] (-1 = padding
+  row -> 0). Returns bf16 [M, N]. Quantizers: `jaxkern.quant`."""
+  if _pallas(backend):
+    shapes = {"a": a, "a_scale": a_scale, "b": b, "b_scale": b_scale, "expert_ids": expert_ids}
+    config = _config(_grouped.grouped_gemm_fp8_fp4_reference, shapes, config)
+    return _grouped_kernel.grouped_gemm_fp8_fp4(a, a_scale, b, b_scale, expert_ids, config=config)
+  return _grouped.grouped_gemm_fp8_fp4_reference(a, a_scale, b, b_scale, expert_ids)
