@@ -18,8 +18,10 @@ import jax.numpy as jnp
 
 from jaxkern.families import attention as _attention
 from jaxkern.families import gemm as _gemm
+from jaxkern.families import mixed_mla as _mixed_mla
 from jaxkern.families import moe_router as _router
 from pallas_kernels import flash_attention as _flash
+from pallas_kernels import mixed_mla as _mixed_mla_kernel
 from pallas_kernels import moe_router as _router_kernel
 from pallas_kernels.common import has_gpu
 
@@ -81,3 +83,26 @@ def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
   if _pallas(backend):
     return _attention.block_causal_attention(q, k, v, segment_ids, sm_scale=sm_scale, config=config)
   return _flash.attention_reference(q, k, v, segment_ids=segment_ids, sm_scale=sm_scale)
+
+
+def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv_fp4: jax.Array,
+                     indices_fp4: jax.Array, attn_sink: jax.Array,
+                     sm_scale: float | jax.Array | None = None, *, config: Any = None,
+                     backend: Backend = None) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek-V4 MLA decode over an FP8 window cache and an FP4 compressed cache.
+
+  q [B, H, D] bf16; kv_fp8 [N8, P8, 1, D + D/32] uint8 token records (see
+  `jaxkern.quant.quantize_mla_fp8_tokens`) read at flat rows indices_fp8
+  [B, K8]; kv_fp4 [N4, P4, 1, D/2 + D/16] uint8 (`quantize_mla_fp4_tokens`)
+  read at indices_fp4 [B, K4]; negative or out-of-range indices are skipped;
+  attn_sink [H] f32 joins the softmax denominator only; sm_scale defaults to
+  D**-0.5. Returns (out [B, H, D] bf16, lse [B, H] f32 natural log without
+  the sink; rows with no valid index: 0 and +inf)."""
+  if sm_scale is None:
+    sm_scale = q.shape[-1] ** -0.5
+  sm_scale = jnp.asarray(sm_scale, jnp.float32)
+  if _pallas(backend):
+    return _mixed_mla_kernel.mixed_mla_decode(q, kv_fp8, indices_fp8, kv_fp4, indices_fp4, sm_scale,
+                                              attn_sink, config=config)
+  return _mixed_mla.mixed_mla_decode_reference(q, kv_fp8, indices_fp8, kv_fp4, indices_fp4, sm_scale,
+                                               attn_sink)
