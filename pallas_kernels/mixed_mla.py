@@ -101,7 +101,7 @@ class SplitStage:
   block_h: int = 16
   block_k: int = 32
   keys_per_split: int = 64
-  num_warps: int = 4
+  num_warps: int = 8
   num_stages: int = 2
 
   def __post_init__(self):
@@ -173,16 +173,17 @@ def _split_programs(batch, heads, k8, k4, split: SplitStage) -> int:
 
 
 def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> MixedMlaDecodeConfig:
-  """Heuristic: 16 heads per program (the smallest dot tile: keeps the fp32
-  accumulator of 16 x 512 at 64 registers a thread with 4 warps), 32-key
-  steps, and the largest `keys_per_split` of 128, 64, 32 that still gives
+  """Heuristic: 16 heads per program (the smallest dot tile) and 32-key
+  steps with 8 warps: the 16 x 512 fp32 accumulator and the 32 x 512 bf16
+  dequantized key tile are 32 registers a thread each (sm_90a: 128-152
+  registers, no spills; 4 warps reach 255 registers and spill), and the largest `keys_per_split` of 128, 64, 32 that still gives
   `_TARGET_SPLIT_PROGRAMS` programs, so small batches (B = 1: 80 programs
   of 32 keys) spread over the SMs while large ones keep the partials few
   (each split writes and the combine reads `B x H x D` fp32). The combine
   uses 64-dim blocks unless 128 already gives a program per SM."""
   batch, heads, head_dim, k8, k4 = _problem(shapes)
   for keys_per_split in (128, 64, 32):
-    split = SplitStage(block_h=16, block_k=32, keys_per_split=keys_per_split, num_warps=4,
+    split = SplitStage(block_h=16, block_k=32, keys_per_split=keys_per_split, num_warps=8,
                        num_stages=2)
     if _split_programs(batch, heads, k8, k4, split) >= _TARGET_SPLIT_PROGRAMS:
       break
@@ -198,9 +199,12 @@ def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[MixedM
   chosen = choose_config(shapes)
   combine = chosen.combine
   configs = [chosen]
+  # (sm_90a registers per thread, measured with ptxas -v: 16/32/*/8 warps
+  # 128-152, 16/16/16/8 108, 16/16/32/4 188, 32-head blocks 255 without
+  # spills; 64-head blocks and 64-key steps spill and are left out.)
   for block_h, block_k, keys_per_split, num_warps in (
-      (16, 32, 32, 4), (16, 32, 64, 4), (16, 32, 128, 4), (16, 16, 16, 4), (16, 64, 128, 4),
-      (32, 32, 64, 8), (32, 32, 128, 8), (64, 16, 64, 8)):
+      (16, 32, 32, 8), (16, 32, 64, 8), (16, 32, 128, 8), (16, 16, 16, 8), (16, 16, 32, 4),
+      (32, 32, 64, 8), (32, 16, 128, 8)):
     split = SplitStage(block_h, block_k, keys_per_split, num_warps=num_warps, num_stages=2)
     configs.append(MixedMlaDecodeConfig(split=split, combine=combine))
   for block_d in (32, 64, 128):
@@ -312,8 +316,11 @@ def _split_kernel(q_ref, idx8_ref, idx4_ref, kv8_ref, kv4_ref, scale_ref, o_ref,
     k_parts = _fp4_tile(kv4_ref, rows, valid, head_dim)
     return _online_step(q_parts, k_parts, None, valid, carry, qk_scale)
 
-  carry = lax.fori_loop(0, jnp.where(is_fp8, lay.keys8 // block_k, 0), fp8_body, carry)
-  accs, m, l = lax.fori_loop(0, jnp.where(is_fp8, 0, lay.keys4 // block_k), fp4_body, carry)
+  # Trip counts from program_id. (Not `jnp.where(is_fp8, n, 0)`: XLA's
+  # Triton then rejects the loop, "scf.for ... bounds have same type".)
+  in_fp8 = is_fp8.astype(jnp.int32)
+  carry = lax.fori_loop(0, in_fp8 * (lay.keys8 // block_k), fp8_body, carry)
+  accs, m, l = lax.fori_loop(0, (1 - in_fp8) * (lay.keys4 // block_k), fp4_body, carry)
 
   inv_l = jnp.where(l > 0.0, 1.0 / l, 0.0)
   for i, acc in enumerate(accs):
