@@ -54,6 +54,24 @@ accumulation.
 
 Invalid slots read row 0 (clamped), their keys are zeroed and their scores
 masked to -inf, so no garbage (not even NaN bytes) reaches the sums.
+
+Compiled for sm_90a (XLA's Triton + ptxas 12.9, deviceless): the split stage
+uses mma.sync m16n8k16 bf16 tensor-core ops (16-row head tiles are below
+wgmma's 64), 128 registers a thread at the B = 1 heuristic and 152-154 at
+64-key splits, no spills; the combine 32-48 registers. With 4 warps the split
+stage reaches 255 registers and spills, hence 8 warps.
+
+Performance (per sequence): 4 * H * 640 * D = 84 MFLOP over ~0.35 MB of
+unique bytes (q, 128 x 528 + 512 x 288 record bytes, out): tiny; a decode
+step is latency-bound (two launches, the index -> gather -> dot chain).
+The fp32 partials (`B x splits x H x D`, 2.6 MB each way at B = 1 with 20
+splits) are the largest HBM traffic; bf16 partials or fewer splits would
+halve it (the sweep's `keys_per_split` trades it against parallelism).
+
+Limits: H a multiple of `block_h` (>= 16), D a multiple of 128, q bf16. Row
+offsets are 32-bit in the Triton lowering: caches over 2**31 bytes (the
+engine's whole allocated pool, rather than the referenced pages the
+records keep) would need 64-bit offsets.
 """
 
 from __future__ import annotations
