@@ -68,10 +68,9 @@ The fp32 partials (`B x splits x H x D`, 2.6 MB each way at B = 1 with 20
 splits) are the largest HBM traffic; bf16 partials or fewer splits would
 halve it (the sweep's `keys_per_split` trades it against parallelism).
 
-Limits: H a multiple of `block_h` (>= 16), D a multiple of 128, q bf16. Row
-offsets are 32-bit in the Triton lowering: caches over 2**31 bytes (the
-engine's whole allocated pool, rather than the referenced pages the
-records keep) would need 64-bit offsets.
+Limits: H a multiple of `block_h` (>= 16), D a multiple of 128, q bf16.
+(Whole engine pools work: the Triton lowering switches to 64-bit offsets for
+arrays over 4 GiB.)
 """
 
 from __future__ import annotations
