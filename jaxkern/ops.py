@@ -20,11 +20,13 @@ import jax.numpy as jnp
 from jaxkern.families import attention as _attention
 from jaxkern.families import gemm as _gemm
 from jaxkern.families import grouped_gemm as _grouped
+from jaxkern.families import mixed_mla as _mixed_mla
 from jaxkern.families import moe_router as _router
 from jaxkern.families import neighborhood_attention as _natten
 from pallas_kernels import dense_gemm as _gemm_kernel
 from pallas_kernels import flash_attention as _flash
 from pallas_kernels import grouped_gemm as _grouped_kernel
+from pallas_kernels import mixed_mla as _mixed_mla_kernel
 from pallas_kernels import moe_router as _router_kernel
 from pallas_kernels import neighborhood_attention as _natten_kernel
 from pallas_kernels.common import has_gpu
@@ -143,3 +145,27 @@ def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale
     config = _config(_grouped.grouped_gemm_fp8_fp4_reference, shapes, config)
     return _grouped_kernel.grouped_gemm_fp8_fp4(a, a_scale, b, b_scale, expert_ids, config=config)
   return _grouped.grouped_gemm_fp8_fp4_reference(a, a_scale, b, b_scale, expert_ids)
+
+
+def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv_fp4: jax.Array,
+                     indices_fp4: jax.Array, attn_sink: jax.Array,
+                     sm_scale: float | jax.Array | None = None, *, config: Any = None,
+                     backend: Backend = None) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek-V4 MLA decode over an FP8 window cache and an FP4 compressed cache.
+
+  q [B, H, D] bf16; kv_fp8 [N8, P8, 1, D + D/32] uint8 token records (see
+  `jaxkern.quant.quantize_mla_fp8_tokens`) read at flat rows indices_fp8
+  [B, K8]; kv_fp4 [N4, P4, 1, D/2 + D/16] uint8 (`quantize_mla_fp4_tokens`)
+  read at indices_fp4 [B, K4]; negative or out-of-range indices are skipped;
+  attn_sink [H] f32 joins the softmax denominator only; sm_scale defaults to
+  D**-0.5. Returns (out [B, H, D] bf16, lse [B, H] f32 natural log without
+  the sink; rows with no valid index: 0 and +inf)."""
+  if sm_scale is None:
+    sm_scale = q.shape[-1] ** -0.5
+  sm_scale = jnp.asarray(sm_scale, jnp.float32)
+  args = dict(q=q, kv_fp8=kv_fp8, indices_fp8=indices_fp8, kv_fp4=kv_fp4, indices_fp4=indices_fp4,
+              sm_scale=sm_scale, attn_sink=attn_sink)
+  if _pallas(backend):
+    config = _config(_mixed_mla.mixed_mla_decode_reference, args, config)
+    return _mixed_mla_kernel.mixed_mla_decode(**args, config=config)
+  return _mixed_mla.mixed_mla_decode_reference(**args)

@@ -19,6 +19,7 @@ kernels (`pallas_kernels.fp_formats`).
 from __future__ import annotations
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 
 from pallas_kernels.fp_formats import e2m1_to_f32, ue8m0_to_f32, unpack_e2m1
@@ -116,3 +117,63 @@ def dequantize_fp8_e4m3(values: jax.Array, scales: jax.Array, block_size: int = 
   else:
     scale = scales.astype(jnp.float32)
   return (_blocks(values, block_size) * scale[..., None]).reshape(values.shape)
+
+
+# ---------------------------------------------------------------------------
+# DeepSeek MLA KV-cache token records (SPEC 4.10).
+#
+# FP8 token, D + 4 * (D/128) bytes (528 at D=512): D float8_e4m3fn bytes, then
+# D/128 little-endian float32 scales, scale j multiplying dims 128j..128j+127.
+# FP4 token, D/2 + D/16 bytes (288 at D=512): D/2 bytes of packed e2m1 (low
+# nibble = even dim), then D/16 UE8M0 scale bytes, scale j multiplying dims
+# 16j..16j+15.
+
+MLA_FP8_GROUP = 128
+MLA_FP4_GROUP = 16
+
+
+def _f32_to_le_bytes(x: jax.Array) -> jax.Array:
+  """float32 [..., n] -> uint8 [..., 4n], each value little-endian."""
+  words = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  shifts = jnp.arange(4, dtype=jnp.uint32) * 8
+  b = ((words[..., None] >> shifts) & 0xFF).astype(jnp.uint8)
+  return b.reshape(*x.shape[:-1], 4 * x.shape[-1])
+
+
+def _le_bytes_to_f32(b: jax.Array) -> jax.Array:
+  """uint8 [..., 4n] (little-endian words) -> float32 [..., n]."""
+  w = b.reshape(*b.shape[:-1], b.shape[-1] // 4, 4).astype(jnp.uint32)
+  word = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)
+  return lax.bitcast_convert_type(word, jnp.float32)
+
+
+def quantize_mla_fp8_tokens(x: jax.Array, *, pow2_scales: bool = True) -> jax.Array:
+  """Tokens `[..., D]` -> FP8 token records uint8 `[..., D + 4 * D/128]`.
+
+  One scale per 128 dims, stored as float32: a power of two rounded up
+  (`pow2_scales=True`, the synthesis default, SPEC 6) or `amax / 448`."""
+  values, scales = quantize_fp8_e4m3(x, MLA_FP8_GROUP, "ue8m0" if pow2_scales else "f32")
+  if pow2_scales:
+    scales = ue8m0_to_f32(scales)
+  value_bytes = lax.bitcast_convert_type(values, jnp.uint8)
+  return jnp.concatenate([value_bytes, _f32_to_le_bytes(scales)], axis=-1)
+
+
+def dequantize_mla_fp8_tokens(records: jax.Array) -> jax.Array:
+  """FP8 token records uint8 `[..., D + 4 * D/128]` -> float32 `[..., D]`."""
+  d = records.shape[-1] * MLA_FP8_GROUP // (MLA_FP8_GROUP + 4)
+  values = lax.bitcast_convert_type(records[..., :d], jnp.float8_e4m3fn)
+  return dequantize_fp8_e4m3(values, _le_bytes_to_f32(records[..., d:]), MLA_FP8_GROUP)
+
+
+def quantize_mla_fp4_tokens(x: jax.Array) -> jax.Array:
+  """Tokens `[..., D]` -> FP4 token records uint8 `[..., D/2 + D/16]`
+  (e2m1, one UE8M0 scale per 16 dims, rounded up)."""
+  packed, scales = quantize_e2m1(x, MLA_FP4_GROUP)
+  return jnp.concatenate([packed, scales], axis=-1)
+
+
+def dequantize_mla_fp4_tokens(records: jax.Array) -> jax.Array:
+  """FP4 token records uint8 `[..., D/2 + D/16]` -> float32 `[..., D]`."""
+  d = records.shape[-1] * 16 // 9
+  return dequantize_e2m1(records[..., :d // 2], records[..., d // 2:], MLA_FP4_GROUP)

@@ -95,13 +95,17 @@ def test_implementation_matches_definition_file(name):
   op = registry.get(name)
   shapes = op.input_shapes(largest_recorded_axes(name))
   full = op.validated_axes(largest_recorded_axes(name))
-  for fn in (op.reference, lambda x: op.kernel(x, interpret=True)):
-    outs = jax.eval_shape(fn, shapes)
-    assert list(outs) == list(op.definition.outputs)
-    for out_name, spec in op.definition.outputs.items():
-      assert outs[out_name].shape == spec.concrete_shape(full), out_name
-      assert outs[out_name].dtype == spec.np_dtype, out_name
   config = op.choose_config(shapes)
+  reference = lambda x: op._bound("reference")(**x)  # pylint: disable=protected-access  # noqa: E731
+  kernel = lambda x: op._bound("kernel")(**x, config=config, interpret=True)  # pylint: disable=protected-access  # noqa: E731
+  for fn in (reference, kernel):
+    # One array, or a tuple in the definition's output order.
+    outs = jax.eval_shape(fn, shapes)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    assert len(outs) == len(op.definition.outputs)
+    for out, (out_name, spec) in zip(outs, op.definition.outputs.items()):
+      assert out.shape == spec.concrete_shape(full), out_name
+      assert out.dtype == spec.np_dtype, out_name
   assert tuning.config_from_json(tuning.config_to_json(config), config) == config
   module, _, func = op.definition.reference.partition(":")
   assert getattr(importlib.import_module(module), func) is op.impl.reference

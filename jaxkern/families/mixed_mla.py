@@ -1,0 +1,224 @@
+"""Mixed FP8/FP4 MLA decode (SPEC 4.10, inferred):
+`mixed_mla_decode_deepseek41_h64_d512_k8128_k4512`.
+
+DeepSeek-V4.1-Flash decode attention: a sliding window of 128 recent tokens
+in an FP8 paged cache (528-byte token records) plus 512 selected compressed
+tokens in an FP4 paged cache (288-byte records); one softmax over both with a
+per-head attention sink in the denominator only; natural-log lse without the
+sink; lonely rows give 0 and +inf. Record formats: `jaxkern.quant`
+(`quantize_mla_fp8_tokens`, `quantize_mla_fp4_tokens`). Kernel:
+`pallas_kernels.mixed_mla` (split-K over the 640 key slots + logsumexp
+combine).
+
+Synthesis (SPEC 6) from the record's `scheduler_sequence_lengths`:
+* window: sequence b of length L sees positions [max(0, L-128), L), stored at
+  FP8 page `t // 256`, offset `t % 256` (the recorded N8 is exactly the number
+  of 256-token pages the B windows span: N8 = 2 when a window straddles a
+  page boundary, 4 for the B=3 batch);
+* compressed: `L // 2` compressed tokens per sequence (*inferred*: the short
+  records' N4 equals `ceil((L // 2) / 128)`, e.g. L = 2945 -> 12 pages,
+  3850 -> 16, 4756 -> 19); each sequence selects `min(512, L // 2)` of them at
+  random; sequences of one batch share their common prefix pages (the
+  recorded B = 2, 3 batches are subagents of one session with a 34k-token
+  common prefix, and their N4 is far below the sum of their page counts);
+* the logical pages a batch references are mapped onto exactly N8 / N4
+  physical pages in a random order; when more pages are referenced than
+  exist (long sequences whose selections touch more pages than recorded, or
+  a CPU-scaled run) pages are folded onto each other (`rank % N`), i.e. more
+  sharing, when fewer, the rest exist unreferenced. Every page holds
+  quantized N(0, 1) bf16 tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkern import quant
+from jaxkern.op import OpImpl
+from pallas_kernels import mixed_mla as kernel_lib
+
+MixedMlaDecodeConfig = kernel_lib.MixedMlaDecodeConfig
+
+# Compressed tokens per sequence token (inferred from the records, see above).
+_COMPRESS_RATIO = 2
+# Attention sinks: per-head logits of the size of typical scores.
+_SINK_STD = 1.0
+# cpu_axes: pages kept at CPU scale (the interpret-mode kernel copies whole
+# caches per program; 64 FP4 pages are 2.4 MiB).
+_CPU_MAX_PAGES_FP4 = 64
+_CPU_MAX_PAGES_FP8 = 4
+
+
+# ---------------------------------------------------------------------------
+# Reference.
+
+
+def _gather_rows(cache: jax.Array, indices: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cache [N, P, 1, bytes], indices [K] -> (records [K, bytes], valid [K])."""
+  flat = cache.reshape(cache.shape[0] * cache.shape[1], cache.shape[-1])
+  valid = (indices >= 0) & (indices < flat.shape[0])
+  return flat[jnp.where(valid, indices, 0)], valid
+
+
+def mixed_mla_decode_reference(q, kv_fp8, indices_fp8, kv_fp4, indices_fp4, sm_scale,
+                               attn_sink) -> tuple[jax.Array, jax.Array]:
+  """SPEC 4.10 in plain jnp, fp32 after dequantization, one sequence at a
+  time (`lax.map`: a [640, 512] f32 key block per step).
+
+  Returns `(out [B, H, D] bf16, lse [B, H] f32)`."""
+  sink = attn_sink.astype(jnp.float32)
+
+  def one_sequence(args):
+    q_b, idx8, idx4 = args
+    rec8, valid8 = _gather_rows(kv_fp8, idx8)
+    rec4, valid4 = _gather_rows(kv_fp4, idx4)
+    keys = jnp.concatenate([quant.dequantize_mla_fp8_tokens(rec8),
+                            quant.dequantize_mla_fp4_tokens(rec4)], axis=0)   # [K8 + K4, D]
+    valid = jnp.concatenate([valid8, valid4])
+    keys = jnp.where(valid[:, None], keys, 0.0)
+    logits = jnp.einsum("hd,kd->hk", q_b.astype(jnp.float32), keys,
+                        precision=lax.Precision.HIGHEST) * sm_scale
+    logits = jnp.where(valid[None, :], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    p = jnp.exp(logits - m_safe[:, None])           # 0 at invalid slots
+    l = jnp.sum(p, axis=-1)
+    seen = l > 0
+    lse = jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+    o = jnp.einsum("hk,kd->hd", p, keys, precision=lax.Precision.HIGHEST)
+    o = o / (l + jnp.exp(sink - m_safe))[:, None]
+    return jnp.where(seen[:, None], o, 0.0).astype(q.dtype), lse
+
+  return lax.map(one_sequence, (q, indices_fp8.astype(jnp.int32), indices_fp4.astype(jnp.int32)))
+
+
+# ---------------------------------------------------------------------------
+# Input synthesis.
+
+
+def _sequence_lengths(axes: Mapping[str, int], record: dict | None,
+                      rng: np.random.Generator) -> list[int]:
+  """Per-sequence token counts: the record's `scheduler_sequence_lengths`
+  (the first B when a scaled run has fewer sequences), else random lengths
+  whose compressed pages roughly match N4."""
+  batch = int(axes["B"])
+  recorded = list((record or {}).get("scheduler_sequence_lengths") or [])
+  if len(recorded) >= batch:
+    return [max(1, int(n)) for n in recorded[:batch]]
+  pages4 = int(axes["N4"])
+  hi = max(2, _COMPRESS_RATIO * int(axes["P4"]) * pages4)
+  extra = [int(n) for n in rng.integers(1, hi + 1, size=batch - len(recorded))]
+  return [max(1, int(n)) for n in recorded] + extra
+
+
+def _physical_pages(logical: list[tuple], num_pages: int, rng: np.random.Generator) -> dict:
+  """Maps distinct logical page keys to physical pages: a random order, and
+  folded (`rank % num_pages`) when there are more keys than pages."""
+  order = rng.permutation(num_pages)
+  return {key: int(order[rank % num_pages]) for rank, key in enumerate(logical)}
+
+
+def _window_indices(lengths: list[int], axes: Mapping[str, int],
+                    rng: np.random.Generator) -> np.ndarray:
+  """[B, K8] flat FP8 rows of each sequence's last <= K8 tokens, -1 padded."""
+  k8, p8, n8 = int(axes["K8"]), int(axes["P8"]), int(axes["N8"])
+  positions = [np.arange(max(0, n - k8), n) for n in lengths]
+  logical = list(dict.fromkeys((b, int(t) // p8) for b, pos in enumerate(positions) for t in pos))
+  page = _physical_pages(logical, n8, rng)
+  out = np.full((len(lengths), k8), -1, np.int64)
+  for b, pos in enumerate(positions):
+    rows = [page[(b, int(t) // p8)] * p8 + int(t) % p8 for t in pos]
+    out[b, :len(rows)] = rows
+  return out
+
+
+def _compressed_indices(lengths: list[int], axes: Mapping[str, int],
+                        rng: np.random.Generator) -> np.ndarray:
+  """[B, K4] flat FP4 rows of each sequence's selected compressed tokens
+  (ascending), -1 padded. The pages of the batch's common prefix are shared."""
+  k4, p4, n4 = int(axes["K4"]), int(axes["P4"]), int(axes["N4"])
+  compressed = [n // _COMPRESS_RATIO for n in lengths]
+  # Whole pages of the shortest sequence, but its last, are the shared prefix.
+  shared_pages = max(0, -(-min(compressed) // p4) - 1) if len(lengths) > 1 else 0
+  selections = [np.sort(rng.choice(n, size=min(k4, n), replace=False)) if n else
+                np.zeros(0, np.int64) for n in compressed]
+
+  def logical_page(b, t):
+    lp = int(t) // p4
+    return ("shared", lp) if lp < shared_pages else (b, lp)
+
+  logical = list(dict.fromkeys(logical_page(b, t) for b, sel in enumerate(selections) for t in sel))
+  page = _physical_pages(logical, n4, rng)
+  out = np.full((len(lengths), k4), -1, np.int64)
+  for b, sel in enumerate(selections):
+    rows = [page[logical_page(b, t)] * p4 + int(t) % p4 for t in sel]
+    out[b, :len(rows)] = rows
+  return out
+
+
+def _synthesize(key: jax.Array, *, batch: int, heads: int, head_dim: int, pages8: int,
+                page8: int, pages4: int, page4: int):
+  key_q, key_k8, key_k4, key_sink = jax.random.split(key, 4)
+  q = jax.random.normal(key_q, (batch, heads, head_dim), jnp.bfloat16)
+  tokens8 = jax.random.normal(key_k8, (pages8, page8, 1, head_dim), jnp.bfloat16)
+  tokens4 = jax.random.normal(key_k4, (pages4, page4, 1, head_dim), jnp.bfloat16)
+  sink = _SINK_STD * jax.random.normal(key_sink, (heads,), jnp.float32)
+  return q, quant.quantize_mla_fp8_tokens(tokens8), quant.quantize_mla_fp4_tokens(tokens4), sink
+
+
+_synthesize_jit = jax.jit(_synthesize, static_argnames=(
+    "batch", "heads", "head_dim", "pages8", "page8", "pages4", "page4"))
+
+
+def make_inputs(axes: Mapping[str, int], key: jax.Array,
+                record: dict | None = None) -> dict[str, jax.Array]:
+  """Deterministic inputs for `axes` (see the module docstring); valid for
+  any B >= 1, N8 >= 1, N4 >= 1, with or without a record."""
+  batch, heads, head_dim = int(axes["B"]), int(axes["H"]), int(axes["D"])
+  seed = int(jax.random.randint(jax.random.fold_in(key, 1), (), 0, 2**31 - 1))
+  rng = np.random.default_rng(seed)
+  lengths = _sequence_lengths(axes, record, rng)
+  q, kv_fp8, kv_fp4, sink = _synthesize_jit(
+      key, batch=batch, heads=heads, head_dim=head_dim, pages8=int(axes["N8"]),
+      page8=int(axes["P8"]), pages4=int(axes["N4"]), page4=int(axes["P4"]))
+  return {
+      "q": q,
+      "kv_fp8": kv_fp8,
+      "indices_fp8": jnp.asarray(_window_indices(lengths, axes, rng), jnp.int32),
+      "kv_fp4": kv_fp4,
+      "indices_fp4": jnp.asarray(_compressed_indices(lengths, axes, rng), jnp.int32),
+      "sm_scale": jnp.asarray(head_dim ** -0.5, jnp.float32),
+      "attn_sink": sink,
+  }
+
+
+def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
+  """B, H, D and the 640 key slots are kept (the work per sequence is fixed:
+  an interpret-mode run of B = 3 takes a few seconds); only the page counts
+  are capped (N4 <= 64, N8 <= 4), which folds the selected pages onto each
+  other (more sharing) but keeps every index pattern: window length,
+  selection count, -1 padding."""
+  out = dict(axes)
+  out["N4"] = min(int(axes["N4"]), _CPU_MAX_PAGES_FP4)
+  out["N8"] = min(int(axes["N8"]), _CPU_MAX_PAGES_FP8)
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Kernel registration.
+
+IMPLS = (
+    OpImpl(
+        reference=mixed_mla_decode_reference,
+        kernel=kernel_lib.mixed_mla_decode,
+        make_inputs=make_inputs,
+        choose_config=kernel_lib.choose_config,
+        candidate_configs=kernel_lib.candidate_configs,
+        cpu_axes=cpu_axes,
+    ),
+)

@@ -1,0 +1,407 @@
+"""Tests of the mixed FP8/FP4 MLA decode family (SPEC 4.10): the FP4/FP8
+decoders and quantizers (bit layouts, rounding, round trips), the jnp
+reference against float64 NumPy, the split+combine kernel in interpret mode
+against the reference (edge cases: lonely rows, out-of-range indices, fewer
+valid indices than slots, shared pages, B = 1, ragged slot counts), input
+synthesis, and deviceless H100 lowering of every candidate config at the
+largest recorded axes."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxkern import quant
+from jaxkern.families import mixed_mla as fam
+from pallas_kernels import mixed_mla as mk
+from pallas_kernels.common import assert_lowers_to_triton
+
+DEFINITION = "mixed_mla_decode_deepseek41_h64_d512_k8128_k4512"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONST_AXES = dict(P8=256, P4=128, H=64, HKV=1, D=512, K8=128, K4=512, token_bytes_fp8=528,
+                  token_bytes_fp4=288)
+# The largest recorded axes (datasets/workloads/<DEFINITION>.jsonl).
+LOWERING_AXES = [dict(B=1, N8=2, N4=457), dict(B=3, N8=4, N4=146)]
+E2M1_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def load_definition():
+  with open(os.path.join(REPO, "datasets", "definitions", DEFINITION + ".json")) as f:
+    return json.load(f)
+
+
+def load_records():
+  with open(os.path.join(REPO, "datasets", "workloads", DEFINITION + ".jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def assert_bf16_close(actual, desired):
+  """SPEC 5 bf16 rule: fails where |x-y| > 0.005 and |x-y| > 0.016*|y|."""
+  x, y = np.asarray(actual, np.float32), np.asarray(desired, np.float32)
+  assert x.shape == y.shape
+  assert np.all(np.isfinite(x)), "non-finite kernel output"
+  err = np.abs(x - y)
+  bad = (err > 0.005) & (err > 0.016 * np.abs(y))
+  assert not bad.any(), f"{bad.sum()} elements off, max abs err {err.max()}"
+
+
+def assert_lse_close(actual, desired):
+  """SPEC 5 f32 rule; +inf must match +inf."""
+  x, y = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
+  assert x.shape == y.shape
+  np.testing.assert_array_equal(np.isposinf(x), np.isposinf(y))
+  finite = np.isfinite(y)
+  assert np.all(np.isfinite(x[finite]))
+  err = np.abs(x[finite] - y[finite])
+  bad = (err > 2e-5) & (err > 1e-4 * np.abs(y[finite]))
+  assert not bad.any(), f"lse off: max abs err {err.max()}"
+
+
+# ---------------------------------------------------------------------------
+# Independent float64 NumPy decoding and attention.
+
+
+def np_fp8_tokens(records):
+  records = np.asarray(records)
+  d = records.shape[-1] * 128 // 132
+  values = records[..., :d].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+  scales = np.ascontiguousarray(records[..., d:]).view("<f4").astype(np.float64)
+  return values * np.repeat(scales, 128, axis=-1)
+
+
+def np_fp4_tokens(records):
+  records = np.asarray(records)
+  d = records.shape[-1] * 16 // 9
+  packed = records[..., :d // 2]
+  codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], d)
+  scales = 2.0 ** (records[..., d // 2:].astype(np.float64) - 127)
+  return E2M1_VALUES[codes] * np.repeat(scales, 16, axis=-1)
+
+
+def np_reference(q, kv_fp8, indices_fp8, kv_fp4, indices_fp4, sm_scale, attn_sink):
+  q = np.asarray(q, np.float64)
+  flat8 = np.asarray(kv_fp8).reshape(-1, kv_fp8.shape[-1])
+  flat4 = np.asarray(kv_fp4).reshape(-1, kv_fp4.shape[-1])
+  sink = np.asarray(attn_sink, np.float64)
+  out = np.zeros(q.shape)
+  lse = np.full(q.shape[:2], np.inf)
+  for b in range(q.shape[0]):
+    keys = []
+    for idx, flat, decode in ((indices_fp8[b], flat8, np_fp8_tokens),
+                              (indices_fp4[b], flat4, np_fp4_tokens)):
+      idx = np.asarray(idx)
+      idx = idx[(idx >= 0) & (idx < flat.shape[0])]
+      keys.append(decode(flat[idx]))
+    keys = np.concatenate(keys)
+    if not len(keys):
+      continue
+    logits = q[b] @ keys.T * float(sm_scale)
+    m = logits.max(axis=-1, keepdims=True)
+    p = np.exp(logits - m)
+    lse[b] = (m[:, 0] + np.log(p.sum(-1)))
+    out[b] = (p @ keys) / (p.sum(-1) + np.exp(sink - m[:, 0]))[:, None]
+  return out, lse
+
+
+# ---------------------------------------------------------------------------
+# Inputs for kernel tests.
+
+
+def random_inputs(batch, heads=16, head_dim=256, pages8=2, page8=16, pages4=3, page4=8, k8=32,
+                  k4=64, seed=0, invalid_fraction=0.2, pow2_fp8=False):
+  """Quantized N(0, 1) tokens (f32 FP8 scales by default: not powers of two),
+  random indices with about `invalid_fraction` of them -1 or past the cache."""
+  rng = np.random.default_rng(seed)
+  tokens8 = rng.standard_normal((pages8, page8, 1, head_dim)).astype(np.float32)
+  tokens4 = rng.standard_normal((pages4, page4, 1, head_dim)).astype(np.float32)
+  rows8, rows4 = pages8 * page8, pages4 * page4
+
+  def indices(rows, k):
+    idx = rng.integers(0, rows, (batch, k))
+    bad = rng.random((batch, k)) < invalid_fraction
+    idx = np.where(bad, rng.choice([-1, -7, rows, rows + 5], (batch, k)), idx)
+    return jnp.asarray(idx, jnp.int32)
+
+  return dict(
+      q=jnp.asarray(rng.standard_normal((batch, heads, head_dim)), jnp.bfloat16),
+      kv_fp8=quant.quantize_mla_fp8_tokens(jnp.asarray(tokens8, jnp.bfloat16), pow2_scales=pow2_fp8),
+      indices_fp8=indices(rows8, k8),
+      kv_fp4=quant.quantize_mla_fp4_tokens(jnp.asarray(tokens4, jnp.bfloat16)),
+      indices_fp4=indices(rows4, k4),
+      sm_scale=jnp.asarray(head_dim ** -0.5, jnp.float32),
+      attn_sink=jnp.asarray(rng.standard_normal(heads), jnp.float32),
+  )
+
+
+SMALL = mk.MixedMlaDecodeConfig(split=mk.SplitStage(block_h=16, block_k=16, keys_per_split=32),
+                                combine=mk.CombineStage(block_h=16, block_d=64))
+
+
+def check_kernel(inputs, config=SMALL):
+  out, lse = mk.mixed_mla_decode(**inputs, config=config, interpret=True)
+  ref_out, ref_lse = fam.mixed_mla_decode_reference(**inputs)
+  assert out.shape == ref_out.shape and out.dtype == jnp.bfloat16
+  assert lse.shape == ref_lse.shape and lse.dtype == jnp.float32
+  assert_bf16_close(out, ref_out)
+  assert_lse_close(lse, ref_lse)
+  return out, lse
+
+
+# ---------------------------------------------------------------------------
+# Formats and quantizers.
+
+
+def test_mla_token_record_layouts():
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+  rec8 = np.asarray(quant.quantize_mla_fp8_tokens(x, pow2_scales=False))
+  assert rec8.shape == (3, 528) and rec8.dtype == np.uint8
+  scales = rec8[:, 512:].copy().view("<f4")   # little-endian f32, one per 128 dims
+  amax = np.abs(np.asarray(x, np.float32)).reshape(3, 4, 128).max(-1)
+  np.testing.assert_allclose(scales, amax / 448, rtol=1e-6)
+  np.testing.assert_allclose(np_fp8_tokens(rec8), np.asarray(quant.dequantize_mla_fp8_tokens(rec8)))
+  np.testing.assert_allclose(np_fp8_tokens(rec8), np.asarray(x, np.float64), rtol=2 ** -4, atol=1e-6)
+  rec8_pow2 = np.asarray(quant.quantize_mla_fp8_tokens(x))
+  s = rec8_pow2[:, 512:].copy().view("<f4")
+  assert np.all(np.log2(s) == np.round(np.log2(s))) and np.all(amax / s <= 448)
+
+  rec4 = np.asarray(quant.quantize_mla_fp4_tokens(x))
+  assert rec4.shape == (3, 288) and rec4.dtype == np.uint8
+  np.testing.assert_array_equal(np_fp4_tokens(rec4), np.asarray(quant.dequantize_mla_fp4_tokens(rec4)))
+  # Byte 0 holds dims 0 (low nibble) and 1 (high nibble); byte 256 scales dims 0..15.
+  xs = np.asarray(x, np.float64)
+  scale0 = 2.0 ** (int(rec4[0, 256]) - 127)
+  assert 3 < np.abs(xs[0, :16]).max() / scale0 <= 6
+  assert abs(E2M1_VALUES[rec4[0, 0] & 15] * scale0 - xs[0, 0]) <= scale0
+  assert abs(E2M1_VALUES[rec4[0, 0] >> 4] * scale0 - xs[0, 1]) <= scale0
+
+
+# ---------------------------------------------------------------------------
+# Reference vs float64 NumPy.
+
+
+def test_reference_matches_float64_numpy():
+  inputs = random_inputs(3, heads=16, head_dim=256, seed=3, invalid_fraction=0.3)
+  # Row 1: no valid index at all (a lonely row); row 2: window only.
+  inputs["indices_fp8"] = inputs["indices_fp8"].at[1].set(-1)
+  inputs["indices_fp4"] = inputs["indices_fp4"].at[1].set(10_000).at[2].set(-1)
+  out, lse = fam.mixed_mla_decode_reference(**inputs)
+  np_out, np_lse = np_reference(**inputs)
+  assert_bf16_close(out, np_out)
+  np.testing.assert_allclose(np.asarray(lse, np.float64), np_lse, rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(out[1], np.float32) == 0) and np.all(np.isposinf(np.asarray(lse[1])))
+
+
+def test_reference_sink_only_in_denominator():
+  inputs = random_inputs(1, heads=16, head_dim=128, seed=4, invalid_fraction=0.0)
+  plain = dict(inputs, attn_sink=jnp.full((16,), -1e4, jnp.float32))   # exp(sink) = 0
+  heavy = dict(inputs, attn_sink=jnp.full((16,), 3.0, jnp.float32))
+  out0, lse0 = fam.mixed_mla_decode_reference(**plain)
+  out1, lse1 = fam.mixed_mla_decode_reference(**heavy)
+  np.testing.assert_array_equal(np.asarray(lse0), np.asarray(lse1))   # lse excludes the sink
+  factor = 1.0 / (1.0 + np.exp(3.0 - np.asarray(lse0, np.float64)))
+  np.testing.assert_allclose(np.asarray(out1, np.float64),
+                             np.asarray(out0, np.float64) * factor[..., None], rtol=0.02, atol=0.005)
+
+
+# ---------------------------------------------------------------------------
+# Kernel (interpret mode) vs reference.
+
+
+def test_kernel_matches_reference_full_shape_synthesized_batch():
+  """The definition's shape (H=64, D=512, 128 + 512 slots), heuristic config;
+  B = 3 with different valid counts: a long sequence, one shorter than the
+  window (100 window tokens, 50 compressed), one with 750 compressed tokens."""
+  axes = dict(CONST_AXES, B=3, N8=4, N4=20)
+  inputs = fam.make_inputs(axes, jax.random.key(0),
+                           {"scheduler_sequence_lengths": [35009, 100, 1500]})
+  np.testing.assert_array_equal((np.asarray(inputs["indices_fp8"]) >= 0).sum(1), [128, 100, 128])
+  np.testing.assert_array_equal((np.asarray(inputs["indices_fp4"]) >= 0).sum(1), [512, 50, 512])
+  check_kernel(inputs, config=None)
+
+
+def test_kernel_b1_every_edge_case():
+  """B = 1 at H = 64: in-range, negative and past-the-end indices mixed,
+  duplicates (one token twice), fewer valid slots than the split."""
+  inputs = random_inputs(1, heads=64, head_dim=512, pages8=1, page8=64, pages4=2, page4=32,
+                         k8=128, k4=512, seed=5, invalid_fraction=0.5)
+  inputs["indices_fp4"] = inputs["indices_fp4"].at[0, :8].set(3)
+  config = mk.MixedMlaDecodeConfig(split=mk.SplitStage(16, 32, 128), combine=mk.CombineStage(16, 128))
+  check_kernel(inputs, config=config)
+
+
+def test_kernel_lonely_rows_and_one_sided_rows():
+  inputs = random_inputs(4, seed=6, invalid_fraction=0.3)
+  rows8 = inputs["kv_fp8"].shape[0] * inputs["kv_fp8"].shape[1]
+  # Row 0: nothing valid (-1 and >= N*P mixed); row 1: only FP8; row 2: only FP4.
+  inputs["indices_fp8"] = inputs["indices_fp8"].at[0].set(
+      jnp.where(jnp.arange(32) % 2 == 0, -1, rows8)).at[2].set(-1)
+  inputs["indices_fp4"] = inputs["indices_fp4"].at[0].set(-1).at[1].set(-1)
+  out, lse = check_kernel(inputs)
+  assert np.all(np.asarray(out[0], np.float32) == 0) and np.all(np.isposinf(np.asarray(lse[0])))
+  assert np.all(np.isfinite(np.asarray(lse[1:])))
+
+
+def test_kernel_ignores_garbage_bytes_behind_invalid_indices():
+  """Row 0 of both caches (where invalid slots are clamped) holds NaN e4m3
+  bytes and the invalid-in-UE8M0 scale 255: nothing of it may leak."""
+  inputs = random_inputs(2, seed=7, invalid_fraction=0.4)
+  inputs["kv_fp8"] = inputs["kv_fp8"].at[0, 0, 0, :].set(0x7F)
+  inputs["kv_fp4"] = inputs["kv_fp4"].at[0, 0, 0, :].set(0xFF)
+  for name in ("indices_fp8", "indices_fp4"):
+    idx = inputs[name]
+    inputs[name] = jnp.where(idx == 0, 1, idx)   # row 0 itself is never selected
+  check_kernel(inputs)
+
+
+def test_kernel_shared_pages_and_ragged_slot_counts():
+  """Slot counts that are not multiples of the key step (masked index
+  loads); two sequences reading the same tokens; extreme sinks."""
+  inputs = random_inputs(2, heads=32, seed=8, k8=24, k4=40, invalid_fraction=0.1)
+  inputs["indices_fp4"] = inputs["indices_fp4"].at[1].set(inputs["indices_fp4"][0])
+  inputs["indices_fp8"] = inputs["indices_fp8"].at[1, :12].set(inputs["indices_fp8"][0, :12])
+  inputs["attn_sink"] = inputs["attn_sink"].at[:4].set(30.0).at[4:8].set(-30.0)
+  check_kernel(inputs, config=mk.MixedMlaDecodeConfig(
+      split=mk.SplitStage(block_h=32, block_k=16, keys_per_split=16),
+      combine=mk.CombineStage(block_h=32, block_d=128)))
+
+
+def test_kernel_pow2_scales_and_traced_scale_under_jit():
+  inputs = random_inputs(1, seed=9, pow2_fp8=True)
+  scale = inputs.pop("sm_scale")
+  fn = jax.jit(lambda s, **kw: mk.mixed_mla_decode(**kw, sm_scale=s * 2, config=SMALL,
+                                                   interpret=True))
+  out, lse = fn(scale, **inputs)
+  ref_out, ref_lse = fam.mixed_mla_decode_reference(**inputs, sm_scale=scale * 2)
+  assert_bf16_close(out, ref_out)
+  assert_lse_close(lse, ref_lse)
+
+
+# ---------------------------------------------------------------------------
+# Configs and lowering.
+
+
+def abstract_inputs(B, N8, N4):
+  s = jax.ShapeDtypeStruct
+  return dict(q=s((B, 64, 512), jnp.bfloat16), kv_fp8=s((N8, 256, 1, 528), jnp.uint8),
+              indices_fp8=s((B, 128), jnp.int32), kv_fp4=s((N4, 128, 1, 288), jnp.uint8),
+              indices_fp4=s((B, 512), jnp.int32), sm_scale=s((), jnp.float32),
+              attn_sink=s((64,), jnp.float32))
+
+
+@pytest.mark.parametrize("axes", LOWERING_AXES, ids=lambda a: "B{B}_N8{N8}_N4{N4}".format(**a))
+def test_every_candidate_config_lowers_for_h100(axes):
+  shapes = abstract_inputs(**axes)
+  configs = mk.candidate_configs(shapes)
+  assert configs[0] == mk.choose_config(shapes) and len(configs) == len(set(configs))
+  for config in configs:
+    txt = assert_lowers_to_triton(
+        lambda *a, c=config: mk.mixed_mla_decode(*a, config=c, interpret=False), *shapes.values())
+    assert txt.count("__gpu$xla.gpu.triton") >= 2, config   # split and combine
+
+
+def test_heuristic_fills_the_gpu_at_b1():
+  config = mk.choose_config(abstract_inputs(1, 1, 1))
+  splits = mk._layout(512, 128, 512, 256, 128, config.split).splits
+  assert splits * 64 // config.split.block_h >= 80
+  large = mk.choose_config(abstract_inputs(24, 8, 400))
+  assert large.split.keys_per_split == 128
+
+
+def test_config_serializes_as_nested_plain_fields():
+  import dataclasses
+  d = dataclasses.asdict(mk.choose_config(abstract_inputs(3, 4, 146)))
+  assert set(d) == {"split", "combine"}
+  assert all(isinstance(v, int) for part in d.values() for v in part.values())
+  with pytest.raises(ValueError):
+    mk.SplitStage(block_h=16, block_k=32, keys_per_split=16)
+
+
+# ---------------------------------------------------------------------------
+# Synthesis and the contract.
+
+
+def test_impl_matches_the_definition():
+  definition = load_definition()
+  assert definition["reference"].endswith(":" + fam.mixed_mla_decode_reference.__name__)
+  (impl,) = fam.IMPLS
+  names = list(definition["inputs"])
+  assert list(inspect.signature(impl.reference).parameters) == names
+  assert list(inspect.signature(impl.kernel).parameters)[:len(names)] == names
+
+
+def test_synthesis_matches_definition_and_records_structure():
+  definition = load_definition()
+  record = next(r for r in load_records() if r["axes"]["B"] == 3)
+  axes = dict(CONST_AXES, **record["axes"])
+  inputs = fam.make_inputs(axes, jax.random.key(1), record)
+  for name, spec in definition["inputs"].items():
+    shape = tuple(axes[a] for a in spec["shape"]) if spec["shape"] else ()
+    assert inputs[name].shape == shape and inputs[name].dtype == jnp.dtype(spec["dtype"]), name
+  lengths = record["scheduler_sequence_lengths"]
+  idx8, idx4 = np.asarray(inputs["indices_fp8"]), np.asarray(inputs["indices_fp4"])
+  assert np.all(idx8 < axes["N8"] * 256) and np.all(idx4 < axes["N4"] * 128)
+  assert np.all((idx8 >= 0).sum(1) == 128) and np.all((idx4 >= 0).sum(1) == 512)
+  # Windows: consecutive positions, each sequence in its own pages, all N8 pages used.
+  for b, n in enumerate(lengths):
+    pos = idx8[b] % 256
+    assert np.all((np.diff(pos) == 1) | (np.diff(pos) == -255))
+    assert pos[-1] == (n - 1) % 256
+  assert len(set((idx8 // 256).ravel())) == axes["N8"]
+  # Compressed selections: distinct per sequence, pages shared between sequences.
+  assert all(len(set(row)) == 512 for row in idx4)
+  pages = [set(row // 128) for row in idx4]
+  assert pages[0] & pages[1] & pages[2]
+  assert len(set().union(*pages)) <= axes["N4"]
+  # Real quantized data: decodes finite, N(0, 1)-like.
+  keys = np_fp4_tokens(np.asarray(inputs["kv_fp4"])[:4])
+  assert np.all(np.isfinite(keys)) and 0.7 < keys.std() < 1.3
+  keys8 = np_fp8_tokens(np.asarray(inputs["kv_fp8"])[:1])
+  assert 0.8 < keys8.std() < 1.2
+  # Deterministic.
+  again = fam.make_inputs(axes, jax.random.key(1), record)
+  for name in inputs:
+    np.testing.assert_array_equal(np.asarray(inputs[name]), np.asarray(again[name]))
+
+
+@pytest.mark.parametrize("var_axes", [dict(B=1, N8=1, N4=1), dict(B=5, N8=3, N4=7),
+                                      dict(B=2, N8=1, N4=300)])
+def test_synthesis_from_axes_alone(var_axes):
+  axes = dict(CONST_AXES, **var_axes)
+  inputs = fam.make_inputs(axes, jax.random.key(2), None)
+  idx8, idx4 = np.asarray(inputs["indices_fp8"]), np.asarray(inputs["indices_fp4"])
+  assert idx8.shape == (axes["B"], 128) and idx4.shape == (axes["B"], 512)
+  assert np.all(idx8 < axes["N8"] * 256) and np.all(idx4 < axes["N4"] * 128)
+  assert np.all((idx8 >= 0).sum(1) >= 1)
+  # -1 padding only at the end of a row.
+  for idx in (idx8, idx4):
+    valid = idx >= 0
+    assert np.all(valid[:, :-1] >= valid[:, 1:])
+
+
+def test_cpu_axes_keep_structure():
+  for record in load_records():
+    axes = dict(CONST_AXES, **record["axes"])
+    small = fam.cpu_axes(axes)
+    assert {k: small[k] for k in ("B", "H", "D", "K8", "K4")} == {
+        k: axes[k] for k in ("B", "H", "D", "K8", "K4")}
+    assert 1 <= small["N4"] <= 64 and 1 <= small["N8"] <= 4
+
+
+def test_ops_entry_point():
+  from jaxkern import ops
+  inputs = random_inputs(2, heads=16, head_dim=128, seed=10)
+  args = [inputs[n] for n in ("q", "kv_fp8", "indices_fp8", "kv_fp4", "indices_fp4", "attn_sink")]
+  ref_out, ref_lse = fam.mixed_mla_decode_reference(**inputs)
+  out, lse = jax.jit(lambda *a: ops.mixed_mla_decode(*a, backend="xla"))(*args)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref_out, np.float32))
+  out, lse = ops.mixed_mla_decode(*args, sm_scale=inputs["sm_scale"], backend="pallas")
+  assert_bf16_close(out, ref_out)
+  assert_lse_close(lse, ref_lse)
