@@ -81,3 +81,23 @@ def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
   if _pallas(backend):
     return _attention.block_causal_attention(q, k, v, segment_ids, sm_scale=sm_scale, config=config)
   return _flash.attention_reference(q, k, v, segment_ids=segment_ids, sm_scale=sm_scale)
+
+
+def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, attn_sink: jax.Array, *,
+                       sm_scale: float | jax.Array | None = None, config: Any = None,
+                       backend: Backend = None) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek sparse MLA prefill (FlashMLA sparse semantics): q [M, H, D],
+  latent workspace kv [Nkv, D] or [Nkv, 1, D] (key and value), indices
+  [M, TOPK] or [M, 1, TOPK] int32 (negative or >= Nkv = invalid), per-head
+  sink logits attn_sink [H] (denominator only); sm_scale defaults to D**-0.5.
+  Returns (out [M, H, D] in q's dtype, lse [M, H] f32, natural log, sink
+  excluded); a row with no valid index gives 0 and +inf."""
+  from jaxkern.families import sparse_mla as _sparse_mla  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import sparse_mla as _sparse_mla_kernel  # pylint: disable=g-import-not-at-top
+  m, _, d = q.shape
+  kv = kv.reshape(kv.shape[0], 1, d)
+  indices = indices.reshape(m, 1, indices.shape[-1])
+  scale = jnp.asarray(d ** -0.5 if sm_scale is None else sm_scale, jnp.float32)
+  if _pallas(backend):
+    return _sparse_mla_kernel.sparse_mla_prefill(q, kv, indices, scale, attn_sink, config=config)
+  return _sparse_mla.sparse_mla_prefill_reference(q, kv, indices, scale, attn_sink)
