@@ -30,8 +30,9 @@ warps, before q, scores and the gathered tile). Two knobs bound it:
   computes the full-width scores (the QK contraction needs all 512 dims, so
   the QK work is repeated D / block_d times) but accumulates only `block_d`
   columns of V, gathered as a separate column slice.
-The heuristic takes `block_h = 32, block_k = 64, block_d = 512` (see
-`choose_config`; the fastest measured on an H200).
+The heuristic takes `block_h = 32, block_k = 64, block_d = 512` at 8 warps
+(the fastest measured on an H200; 225-237 registers, no spills for sm_90a),
+and 16 heads with 32-slot steps for M < 32 (see `choose_config`).
 
 Masks and skipping: invalid slots get score -inf (probability exactly 0) and
 gather row 0 in their place, zeroed after the load (a masked gather does not
@@ -104,12 +105,21 @@ def _problem(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> tuple[int, int, int,
 # (block_h * 512 * 2 B) plus the gathered tiles of the pipeline stages
 # (block_k * 512 * 2 B each) and a conversion buffer; 64 heads x 64 slots at
 # two stages asks for 256.5 KiB and fails on an H200 (227 KiB), so it is not
-# listed. Measured on one H200 (jax 0.11.2), k640 at M=4096, Nkv=277247 /
-# k128 at M=4096, Nkv=4223, ms: (32,64,512,8w,2s) 3.0-3.3 / 1.2-1.35;
+# listed.
+#
+# sm_90a compiles (XLA's Triton + ptxas 12.9, k640 at the largest recorded
+# axes): the 8-warp 32-head tilings use 225-237 registers without spills and
+# mma.sync (block_h = 32 is below wgmma's 64 rows per warpgroup); the
+# 64-head tilings use wgmma at 255 registers (no spills at 8 warps and 2
+# stages); the 4-warp tilings of 32 heads or 64-slot steps spill 64-620
+# bytes.
+#
+# Measured on one H200 (jax 0.11.2), ms, k640 at M=4096, Nkv=277247 / k128
+# at M=4096, Nkv=4223: (32,64,512,8w,2s) 3.0-3.3 / 1.2-1.35;
 # (32,64,512,8w,3s) 3.4 / 1.11; (32,64,512,4w,2s) 4.2 / 1.01;
 # (64,32,512,8w,1s) 4.6 / 1.15; (64,32,512,8w,2s) 3.5 / -;
-# (64,32,256,4w,2s) 3.9 / -; (16,64,512,4w,2s) 4.3 / -; block_k=128 and
-# 16-slot blocks were slower everywhere.
+# (64,32,256,4w,2s) 3.9 / -; (16,64,512,4w,2s) 4.3 / -; block_k = 128 and
+# 16-slot steps were slower everywhere.
 _SWEEP_CONFIGS = (
     SparseMlaPrefillConfig(block_h=32, block_k=64, block_d=512, num_warps=8, num_stages=2),
     SparseMlaPrefillConfig(block_h=32, block_k=64, block_d=512, num_warps=8, num_stages=3),
@@ -117,6 +127,7 @@ _SWEEP_CONFIGS = (
     SparseMlaPrefillConfig(block_h=64, block_k=32, block_d=512, num_warps=8, num_stages=2),
     SparseMlaPrefillConfig(block_h=64, block_k=32, block_d=512, num_warps=8, num_stages=1),
     SparseMlaPrefillConfig(block_h=32, block_k=32, block_d=512, num_warps=4, num_stages=2),
+    SparseMlaPrefillConfig(block_h=16, block_k=32, block_d=512, num_warps=4, num_stages=2),
     SparseMlaPrefillConfig(block_h=16, block_k=64, block_d=512, num_warps=4, num_stages=2),
     SparseMlaPrefillConfig(block_h=64, block_k=64, block_d=256, num_warps=8, num_stages=2),
     SparseMlaPrefillConfig(block_h=64, block_k=32, block_d=256, num_warps=4, num_stages=2),
@@ -125,17 +136,23 @@ _SWEEP_CONFIGS = (
 
 def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> SparseMlaPrefillConfig:
   """Heuristic: 32 heads x all 512 output columns per program, 64 gathered
-  rows a step, two pipeline stages (the fastest of the sweep on an H200 at
-  the recorded k640 sizes): 8 warps for TOPK > 128, 4 warps for TOPK <= 128
-  (measured 1.0 ms against 1.2-1.35 ms at k128, M=4096). The grid is
-  2 x M programs (256 at the smallest recorded M = 128); at M < 66 it
-  cannot fill the 132 SMs with 32-head programs, so 16-head programs
-  double it."""
+  rows a step, 8 warps (the fastest of the sweep on an H200 at the recorded
+  k640 sizes; 237 registers, no spills for sm_90a), two pipeline stages for
+  TOPK > 128 and three for TOPK <= 128 (two slot blocks, both prefetched:
+  0.98-1.14 ms against 1.2-1.35 ms at k128, M=4096; 225 registers, no
+  spills). The 4-warp 32-head variants spill.
+
+  Small M (< 32 rows, decode-like): the grid of 2 x M programs is far from
+  filling 132 SMs and each program's serial slot loop is the latency, so
+  16-head programs with 32-slot steps at 4 warps (204 registers, no spills)
+  double the grid and shorten each step: measured 159 / 170 us at M = 1 /
+  16 (TOPK 640) against 208 / 223 us for the default tiling; at M = 64 the
+  default is faster (202 against 228 us)."""
   m, h, d, topk = _problem(shapes)
-  if m * cdiv(h, 32) < 132:
-    config = SparseMlaPrefillConfig(block_h=16, block_k=64, block_d=512, num_warps=4, num_stages=2)
+  if m < 32:
+    config = SparseMlaPrefillConfig(block_h=16, block_k=32, block_d=512, num_warps=4, num_stages=2)
   else:
-    config = SparseMlaPrefillConfig(num_warps=8 if topk > 128 else 4)
+    config = SparseMlaPrefillConfig(num_warps=8, num_stages=2 if topk > 128 else 3)
   return _fit(config, h, d, topk)
 
 
