@@ -23,12 +23,14 @@ from jaxkern.families import grouped_gemm as _grouped
 from jaxkern.families import mixed_mla as _mixed_mla
 from jaxkern.families import moe_router as _router
 from jaxkern.families import neighborhood_attention as _natten
+from jaxkern.families import sparse_mla as _sparse_mla
 from pallas_kernels import dense_gemm as _gemm_kernel
 from pallas_kernels import flash_attention as _flash
 from pallas_kernels import grouped_gemm as _grouped_kernel
 from pallas_kernels import mixed_mla as _mixed_mla_kernel
 from pallas_kernels import moe_router as _router_kernel
 from pallas_kernels import neighborhood_attention as _natten_kernel
+from pallas_kernels import sparse_mla as _sparse_mla_kernel
 from pallas_kernels.common import has_gpu
 
 Backend = Literal["pallas", "xla"] | None
@@ -169,3 +171,21 @@ def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv
     config = _config(_mixed_mla.mixed_mla_decode_reference, args, config)
     return _mixed_mla_kernel.mixed_mla_decode(**args, config=config)
   return _mixed_mla.mixed_mla_decode_reference(**args)
+
+
+def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, attn_sink: jax.Array, *,
+                       sm_scale: float | jax.Array | None = None, config: Any = None,
+                       backend: Backend = None) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek sparse MLA prefill (FlashMLA sparse semantics): q [M, H, D],
+  latent workspace kv [Nkv, D] or [Nkv, 1, D] (key and value), indices
+  [M, TOPK] or [M, 1, TOPK] int32 (negative or >= Nkv = invalid), per-head
+  sink logits attn_sink [H] (denominator only); sm_scale defaults to D**-0.5.
+  Returns (out [M, H, D] in q's dtype, lse [M, H] f32, natural log, sink
+  excluded); a row with no valid index gives 0 and +inf."""
+  m, _, d = q.shape
+  args = dict(q=q, kv=kv.reshape(kv.shape[0], 1, d), indices=indices.reshape(m, 1, indices.shape[-1]),
+              sm_scale=jnp.asarray(d ** -0.5 if sm_scale is None else sm_scale, jnp.float32), attn_sink=attn_sink)
+  if _pallas(backend):
+    config = _config(_sparse_mla.sparse_mla_prefill_reference, args, config)
+    return _sparse_mla_kernel.sparse_mla_prefill(**args, config=config)
+  return _sparse_mla.sparse_mla_prefill_reference(**args)

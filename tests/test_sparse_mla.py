@@ -1,0 +1,357 @@
+"""Tests of the sparse MLA prefill family (SPEC 4.9): the Pallas kernel in
+interpret mode against the jnp reference (edge cases: lonely rows, indices
+>= Nkv, fewer valid slots than TOPK, M = 1, ragged slot blocks), the
+reference against float64 numpy, workspace/index synthesis against the
+recorded structure, and deviceless H100 lowering at the largest recorded
+axes with every candidate config."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkern.families import sparse_mla as fam
+from pallas_kernels import sparse_mla as sm
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+K128 = "sparse_mla_prefill_h64_d512_k128"
+K640 = "sparse_mla_prefill_h64_d512_k640"
+TOPK = {K128: 128, K640: 640}
+CONST = dict(H=64, HKV=1, D=512)
+
+# Small tilings for interpret mode: several slot blocks and head groups,
+# and the output-column split.
+SMALL = sm.SparseMlaPrefillConfig(block_h=32, block_k=32, block_d=512, num_warps=4)
+SPLIT_D = sm.SparseMlaPrefillConfig(block_h=16, block_k=16, block_d=128, num_warps=4)
+
+
+def records(name):
+  path = REPO / "datasets" / "workloads" / f"{name}.jsonl"
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def full_axes(name, axes):
+  return dict(axes, TOPK=TOPK[name], **CONST)
+
+
+def assert_close(out, lse, ref_out, ref_lse):
+  """SPEC 5: bf16 out (atol 5e-3, rtol 1.6e-2), f32 lse (2e-5, 1e-4) under the
+  FlashInfer-Bench rule; +inf lse must match +inf exactly."""
+  x, y = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
+  assert x.shape == y.shape and np.all(np.isfinite(x))
+  err = np.abs(x - y)
+  assert not np.any((err > 0.005) & (err > 0.016 * np.abs(y))), f"out max abs err {err.max()}"
+  a, b = np.asarray(lse), np.asarray(ref_lse)
+  assert a.shape == b.shape and lse.dtype == jnp.float32
+  np.testing.assert_array_equal(np.isinf(a), np.isinf(b))
+  fin = np.isfinite(b)
+  assert np.all(np.isfinite(a[fin]))
+  lerr = np.abs(a[fin] - b[fin])
+  assert not np.any((lerr > 2e-5) & (lerr > 1e-4 * np.abs(b[fin]))), f"lse max abs err {lerr.max()}"
+
+
+def random_problem(m, nkv, topk, *, heads=64, dim=512, seed=0, lo=-3, hi_extra=5):
+  """N(0,1) q/kv, random indices in [lo, Nkv + hi_extra): some negative, some
+  past the end, duplicates allowed."""
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((m, heads, dim), np.float32), jnp.bfloat16)
+  kv = jnp.asarray(rng.standard_normal((nkv, 1, dim), np.float32), jnp.bfloat16)
+  idx = rng.integers(lo, nkv + hi_extra, (m, 1, topk)).astype(np.int32)
+  sink = jnp.asarray(rng.uniform(-2, 4, heads), jnp.float32)
+  return q, kv, idx, jnp.float32(dim ** -0.5), sink
+
+
+def numpy_float64(q, kv, indices, sm_scale, attn_sink):
+  """Independent float64 computation, one row at a time (SPEC 4.9)."""
+  q = np.asarray(q, np.float64)
+  kv = np.asarray(kv, np.float64)[:, 0]
+  sink = np.asarray(attn_sink, np.float64)
+  m, heads, dim = q.shape
+  out = np.zeros((m, heads, dim))
+  lse = np.full((m, heads), np.inf)
+  for i in range(m):
+    rows = [j for j in np.asarray(indices)[i, 0] if 0 <= j < kv.shape[0]]
+    if not rows:
+      continue
+    k = kv[rows]
+    p = q[i] @ k.T * float(sm_scale)
+    mx = p.max(axis=1, keepdims=True)
+    e = np.exp(p - mx)
+    lse[i] = mx[:, 0] + np.log(e.sum(axis=1))
+    out[i] = (np.exp(p) @ k) / (np.exp(p).sum(axis=1) + np.exp(sink))[:, None]
+  return out, lse
+
+
+# ---------------------------------------------------------------------------
+# Reference vs float64 numpy.
+
+
+def test_reference_matches_float64():
+  q, kv, idx, scale, sink = random_problem(37, 90, 48, heads=16, dim=64, seed=1)
+  idx[3] = -1                      # lonely
+  idx[4] = 90 + np.arange(48)      # all >= Nkv: lonely
+  idx[5, 0, 1:] = -1               # one valid slot
+  out, lse = fam.sparse_mla_prefill_reference(q, kv, jnp.asarray(idx), scale, sink)
+  ref_out, ref_lse = numpy_float64(q, kv, idx, scale, sink)
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=4e-3, rtol=8e-3)
+  np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(ref_lse))
+  fin = np.isfinite(ref_lse)
+  np.testing.assert_allclose(np.asarray(lse)[fin], ref_lse[fin], rtol=1e-6, atol=1e-6)
+  assert np.all(np.asarray(out[3:5], np.float32) == 0) and np.all(np.isinf(np.asarray(lse[3:5])))
+
+
+def test_reference_sink_only_in_denominator():
+  """One valid slot: out = kv / (1 + exp(sink - P)), lse = P."""
+  q, kv, idx, scale, sink = random_problem(2, 8, 4, heads=16, dim=32, seed=2)
+  idx[:, 0, :] = -1
+  idx[:, 0, 2] = 5
+  out, lse = fam.sparse_mla_prefill_reference(q, kv, jnp.asarray(idx), scale, sink)
+  p = np.einsum("mhd,d->mh", np.asarray(q, np.float64), np.asarray(kv[5, 0], np.float64)) * float(scale)
+  np.testing.assert_allclose(np.asarray(lse), p, rtol=1e-5, atol=1e-5)
+  weight = 1.0 / (1.0 + np.exp(np.asarray(sink, np.float64)[None] - p))
+  expected = weight[..., None] * np.asarray(kv[5, 0], np.float64)[None, None]
+  np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=4e-3, rtol=8e-3)
+
+
+def test_reference_chunks_rows():
+  """More rows than one reference chunk, M not a multiple of it."""
+  q, kv, idx, scale, sink = random_problem(fam._REFERENCE_ROW_CHUNK * 2 + 3, 50, 16, heads=16,
+                                           dim=32, seed=3)
+  out, lse = fam.sparse_mla_prefill_reference(q, kv, jnp.asarray(idx), scale, sink)
+  ref_out, ref_lse = numpy_float64(q, kv, idx, scale, sink)
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=4e-3, rtol=8e-3)
+  fin = np.isfinite(ref_lse)
+  np.testing.assert_allclose(np.asarray(lse)[fin], ref_lse[fin], rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Kernel (interpret mode) vs reference.
+
+
+@pytest.mark.parametrize("m,nkv,topk,config", [
+    (6, 300, 80, SMALL),       # ragged last slot block (80 = 2.5 x 32)
+    (1, 40, 128, SMALL),       # M = 1
+    (3, 200, 640, None),       # the k640 shape, heuristic config
+    (4, 64, 24, SPLIT_D),      # TOPK < 32, output columns split over programs
+])
+def test_kernel_matches_reference(m, nkv, topk, config):
+  q, kv, idx, scale, sink = random_problem(m, nkv, topk, seed=m + topk)
+  idx = jnp.asarray(idx)
+  out, lse = sm.sparse_mla_prefill(q, kv, idx, scale, sink, config=config, interpret=True)
+  assert out.dtype == jnp.bfloat16 and out.shape == q.shape and lse.shape == (m, 64)
+  assert_close(out, lse, *fam.sparse_mla_prefill_reference(q, kv, idx, scale, sink))
+
+
+def test_kernel_edge_rows():
+  """Lonely rows (all -1; all >= Nkv), one valid slot at the very end, valid
+  slots only in the middle block, fewer valid than TOPK, duplicates."""
+  m, nkv, topk = 8, 100, 96
+  q, kv, idx, scale, sink = random_problem(m, nkv, topk, seed=5, lo=0, hi_extra=0)
+  idx[0] = -1
+  idx[1] = nkv + np.arange(topk)
+  idx[2] = -1
+  idx[2, 0, -1] = 7
+  idx[3] = -1
+  idx[3, 0, 40:50] = np.arange(10)
+  idx[4, 0, 60:] = -1
+  idx[5] = 3                         # one row gathered 96 times
+  idx[6, 0, ::2] = nkv               # every other slot invalid
+  idx = jnp.asarray(idx)
+  for config in (SMALL, SPLIT_D):
+    out, lse = sm.sparse_mla_prefill(q, kv, idx, scale, sink, config=config, interpret=True)
+    ref = fam.sparse_mla_prefill_reference(q, kv, idx, scale, sink)
+    assert_close(out, lse, *ref)
+    assert np.all(np.asarray(out[:2], np.float32) == 0) and np.all(np.isinf(np.asarray(lse[:2])))
+    assert np.all(np.isfinite(np.asarray(lse[2:])))
+
+
+def test_kernel_traced_scale_and_large_sink():
+  """sm_scale traced under jit; a sink that dominates the denominator."""
+  q, kv, idx, _, sink = random_problem(2, 50, 32, seed=6, lo=0, hi_extra=0)
+  sink = sink.at[:8].set(30.0).at[8:16].set(-30.0)
+  f = jax.jit(lambda s: sm.sparse_mla_prefill(q, kv, jnp.asarray(idx), s, sink, config=SMALL,
+                                              interpret=True))
+  out, lse = f(jnp.float32(0.07))
+  assert_close(out, lse, *fam.sparse_mla_prefill_reference(q, kv, jnp.asarray(idx), 0.07, sink))
+
+
+def test_slot_block_limits():
+  idx = jnp.asarray([[-1, -1, 5, -1, -1, -1, 9, -1], [-1] * 8, [1] * 8, [20] + [-1] * 7])
+  lim = np.asarray(sm.slot_block_limits(idx, 10, 2))
+  np.testing.assert_array_equal(lim, [[1, 4], [0, 0], [0, 4], [0, 0]])
+
+
+@pytest.mark.parametrize("name", [K128, K640])
+def test_definition_records_at_cpu_scale(name):
+  """The two structurally distinct records of each definition (the largest
+  workspace and an uncached one), shrunk by cpu_axes, kernel vs reference."""
+  recs = records(name)
+  picks = [max(recs, key=lambda r: r["axes"]["Nkv"]),
+           next(r for r in recs if r["variant"].endswith("cached_False"))]
+  for rec in picks:
+    axes = fam.cpu_axes(full_axes(name, rec["axes"]))
+    inputs = fam.make_inputs(axes, jax.random.key(0), rec)
+    out, lse = sm.sparse_mla_prefill(**inputs, interpret=True)
+    assert_close(out, lse, *fam.sparse_mla_prefill_reference(**inputs))
+
+
+# ---------------------------------------------------------------------------
+# Synthesis.
+
+
+@pytest.mark.parametrize("name", [K128, K640])
+def test_layout_reproduces_every_record(name):
+  """Nkv = window rows + compressed rows exactly (no spare) for every record,
+  from its scheduler_sequence_lengths and compression_ratio."""
+  for rec in records(name):
+    a = rec["axes"]
+    layout = fam.workspace_layout(a["M"], a["Nkv"], TOPK[name], rec)
+    assert layout.spare == 0 and layout.num_rows == a["Nkv"], (a, layout)
+    assert sum(layout.new) == a["M"]
+    assert layout.ratio == rec["compression_ratio"]
+    assert list(layout.seq_lens) == rec["scheduler_sequence_lengths"]
+
+
+def check_indices(layout, idx, topk, nkv):
+  idx = np.asarray(idx)[:, 0]
+  assert idx.shape == (sum(layout.new), topk) and idx.dtype == np.int32
+  assert np.all((idx == -1) | ((idx >= 0) & (idx < nkv - layout.spare)))
+  slots = min(128, topk)
+  window = idx[:, :slots]
+  comp = idx[:, slots:]
+  row = 0
+  for i, (new, cached) in enumerate(zip(layout.new, layout.cached)):
+    for j in range(new):
+      p = cached + j
+      w = window[row]
+      n = min(slots, p + 1)
+      assert np.all(w[n:] == -1) and np.all(np.diff(w[:n]) == 1)
+      # The last window slot is the query token itself.
+      assert w[n - 1] == sum(layout.new[:i]) + sum(layout.window_cached[:i]) + layout.window_cached[i] + j
+      if comp.shape[1]:
+        c = comp[row]
+        visible = (p + 1) // layout.ratio if layout.ratio else 0
+        count = min(visible, topk - slots)
+        assert np.all(c[count:] == -1) and np.all(np.diff(c[:count]) > 0)
+        base = layout.window_rows + sum(layout.compressed[:i])
+        assert np.all((c[:count] >= base) & (c[:count] < base + visible))
+      row += 1
+
+
+@pytest.mark.parametrize("name", [K128, K640])
+def test_synthesized_indices_structure_at_cpu_scale(name):
+  for rec in records(name):
+    axes = fam.cpu_axes(full_axes(name, rec["axes"]))
+    layout = fam.workspace_layout(axes["M"], axes["Nkv"], TOPK[name], rec)
+    assert layout.num_rows == axes["Nkv"]
+    idx = fam.layout_indices(layout, TOPK[name], np.random.default_rng(0))
+    check_indices(layout, idx, TOPK[name], axes["Nkv"])
+
+
+def test_synthesized_indices_structure_full_size():
+  """The largest recorded workspace: 512 of ~1M compressed rows selected."""
+  rec = max(records(K640), key=lambda r: r["axes"]["Nkv"])
+  a = rec["axes"]
+  layout = fam.workspace_layout(a["M"], a["Nkv"], 640, rec)
+  idx = fam.layout_indices(layout, 640, np.random.default_rng(0))
+  check_indices(layout, idx, 640, a["Nkv"])
+  assert np.all(np.asarray(idx)[:, 0, 128:] >= 0)   # every query sees >= 512
+
+
+@pytest.mark.parametrize("m,nkv,topk", [(1, 1, 128), (1, 1, 640), (5, 5, 640), (7, 300, 640),
+                                        (3, 1000, 128), (64, 70, 640), (2, 2000, 16)])
+def test_synthesis_from_axes_alone(m, nkv, topk):
+  layout = fam.workspace_layout(m, nkv, topk, None)
+  assert layout.num_rows == nkv and sum(layout.new) == m
+  idx = fam.layout_indices(layout, topk, np.random.default_rng(1))
+  check_indices(layout, idx, topk, nkv)
+
+
+def test_make_inputs_deterministic_and_typed():
+  rec = records(K640)[0]
+  axes = full_axes(K640, rec["axes"])
+  a = fam.make_inputs(axes, jax.random.key(3), rec)
+  b = fam.make_inputs(axes, jax.random.key(3), rec)
+  c = fam.make_inputs(axes, jax.random.key(4), rec)
+  spec = json.loads((REPO / "datasets" / "definitions" / f"{K640}.json").read_text())
+  assert list(a) == list(spec["inputs"])
+  for name, t in spec["inputs"].items():
+    shape = tuple(axes[d] for d in t["shape"]) if t["shape"] else ()
+    assert a[name].shape == shape and str(a[name].dtype) == t["dtype"], name
+    np.testing.assert_array_equal(np.asarray(a[name], np.float32), np.asarray(b[name], np.float32))
+  assert not np.array_equal(np.asarray(a["q"], np.float32), np.asarray(c["q"], np.float32))
+  assert float(a["sm_scale"]) == pytest.approx(512 ** -0.5)
+
+
+@pytest.mark.parametrize("name", [K128, K640])
+def test_cpu_axes(name):
+  for rec in records(name):
+    axes = full_axes(name, rec["axes"])
+    small = fam.cpu_axes(axes)
+    assert small["M"] == min(axes["M"], 16) and small["Nkv"] >= small["M"]
+    assert {k: small[k] for k in CONST} == CONST and small["TOPK"] == TOPK[name]
+    if axes["Nkv"] - axes["M"] <= 256:
+      assert small["Nkv"] - small["M"] == axes["Nkv"] - axes["M"]   # cached window kept
+
+
+# ---------------------------------------------------------------------------
+# Configs and lowering.
+
+
+def largest_shapes(name):
+  recs = records(name)
+  m = max(r["axes"]["M"] for r in recs)
+  nkv = max(r["axes"]["Nkv"] for r in recs)
+  return {"q": jax.ShapeDtypeStruct((m, 64, 512), jnp.bfloat16),
+          "kv": jax.ShapeDtypeStruct((nkv, 1, 512), jnp.bfloat16),
+          "indices": jax.ShapeDtypeStruct((m, 1, TOPK[name]), jnp.int32),
+          "sm_scale": jax.ShapeDtypeStruct((), jnp.float32),
+          "attn_sink": jax.ShapeDtypeStruct((64,), jnp.float32)}
+
+
+def test_heuristic_small_m_and_fit():
+  shapes = largest_shapes(K640)
+  shapes["q"] = jax.ShapeDtypeStruct((1, 64, 512), jnp.bfloat16)
+  shapes["indices"] = jax.ShapeDtypeStruct((1, 1, 640), jnp.int32)
+  assert sm.choose_config(shapes).block_h == 16
+  shapes["indices"] = jax.ShapeDtypeStruct((1, 1, 20), jnp.int32)
+  assert sm.choose_config(shapes).block_k == 32
+  with pytest.raises(ValueError):
+    sm.SparseMlaPrefillConfig(block_k=48)
+
+
+def test_every_candidate_in_interpret_mode():
+  """Each distinct tiling of the candidates (warps and stages do not change
+  interpret-mode semantics)."""
+  q, kv, idx, scale, sink = random_problem(1, 120, 640, seed=9)
+  idx = jnp.asarray(idx)
+  ref = fam.sparse_mla_prefill_reference(q, kv, idx, scale, sink)
+  tilings = {(c.block_h, c.block_k, c.block_d): c
+             for c in sm.candidate_configs({"q": q, "indices": idx})}
+  for config in tilings.values():
+    assert_close(*sm.sparse_mla_prefill(q, kv, idx, scale, sink, config=config, interpret=True), *ref)
+
+
+def test_ops_function_both_backends_under_jit():
+  from jaxkern import ops  # pylint: disable=g-import-not-at-top
+  q, kv, idx, _, sink = random_problem(3, 40, 64, seed=11)
+  ref = fam.sparse_mla_prefill_reference(q, kv, jnp.asarray(idx), 512 ** -0.5, sink)
+  for backend in ("xla", "pallas"):
+    f = jax.jit(lambda q, kv, i, s, b=backend: ops.sparse_mla_prefill(q, kv, i, s, backend=b))
+    out, lse = f(q, kv[:, 0], jnp.asarray(idx[:, 0]), sink)   # [Nkv, D] / [M, TOPK] forms
+    assert_close(out, lse, *ref)
+
+
+def test_bad_arguments_raise():
+  q, kv, idx, scale, sink = random_problem(2, 10, 16, seed=0)
+  with pytest.raises(ValueError):
+    sm.sparse_mla_prefill(q, kv[:, 0], jnp.asarray(idx), scale, sink, interpret=True)
+  with pytest.raises(ValueError):
+    sm.sparse_mla_prefill(q, kv, jnp.asarray(idx[:, 0]), scale, sink, interpret=True)
+  with pytest.raises(ValueError):
+    sm.sparse_mla_prefill(q, kv.astype(jnp.float32), jnp.asarray(idx), scale, sink, interpret=True)
