@@ -45,8 +45,11 @@ from jaxkern import dataset
 # Device peaks (data). TFLOP/s are dense (no structured sparsity); TB/s are
 # 10^12 bytes per second.
 
-_H100_SHEET = "NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (dense = half the with-sparsity figure)"
-_H200_SHEET = "NVIDIA H200 Tensor Core GPU datasheet, SXM column (dense = half the with-sparsity figure)"
+_H100_SHEET = ("NVIDIA H100 Tensor Core GPU Architecture whitepaper, H100 SXM5 column: dense BF16 989.4, FP8 "
+               "1978.9, FP32 (non-tensor) 66.9 TFLOP/s; HBM3 3.35 TB/s from the H100 datasheet (SXM), which "
+               "rounds the compute to 989 / 1979 / 67 (its BF16 1979 and FP8 3958 are with sparsity)")
+_H200_SHEET = ("NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: HBM3e 4.8 TB/s; compute as the H100 SXM "
+               "(BF16 1979 and FP8 3958 TFLOP/s with sparsity, half that dense; FP32 67)")
 _H200_MEASURED = ("measured on the project's H200 (figures given in the issue 14 work brief; "
                   "method and date not recorded in this repository)")
 
@@ -70,34 +73,34 @@ DTYPE_CLASSES = ("bf16", "fp8", "fp32")
 
 
 def device_key(device_kind: str | None) -> str:
-    """The `DEVICES` key of a jax `device_kind` (e.g. 'NVIDIA H100 80GB HBM3'
-    -> 'h100_sxm'); the H200 for anything not known (a CPU, another GPU)."""
-    kind = (device_kind or "").upper()
-    if "H200" in kind:
-        return "h200"
-    if "H100" in kind and "PCIE" not in kind and "NVL" not in kind:
-        return "h100_sxm"
-    return DEFAULT_DEVICE
+  """The `DEVICES` key of a jax `device_kind` (e.g. 'NVIDIA H100 80GB HBM3'
+  -> 'h100_sxm'); the H200 for anything not known (a CPU, another GPU)."""
+  kind = (device_kind or "").upper()
+  if "H200" in kind:
+    return "h200"
+  if "H100" in kind and "PCIE" not in kind and "NVL" not in kind:
+    return "h100_sxm"
+  return DEFAULT_DEVICE
 
 
 def peaks(device: str, basis: str = "datasheet") -> dict[str, float]:
-    """Peak figures of `device` (a `DEVICES` key); `basis='measured'` takes the
-    measured figures where there are any and the datasheet's otherwise."""
-    d = DEVICES[device]
-    if basis not in ("datasheet", "measured"):
-        raise ValueError(f"basis must be 'datasheet' or 'measured', got {basis!r}")
-    return {**d["datasheet"], **(d["measured"] if basis == "measured" else {})}
+  """Peak figures of `device` (a `DEVICES` key); `basis='measured'` takes the
+  measured figures where there are any and the datasheet's otherwise."""
+  d = DEVICES[device]
+  if basis not in ("datasheet", "measured"):
+    raise ValueError(f"basis must be 'datasheet' or 'measured', got {basis!r}")
+  return {**d["datasheet"], **(d["measured"] if basis == "measured" else {})}
 
 
-def speed_of_light_ms(flops: float, bytes_: float, device: str = DEFAULT_DEVICE, dtype_class: str = "bf16",
-                      basis: str = "datasheet") -> float:
-    """max(flops / peak of `dtype_class`, bytes / HBM bandwidth), in ms."""
-    if dtype_class not in DTYPE_CLASSES:
-        raise ValueError(f"dtype_class must be one of {DTYPE_CLASSES}, got {dtype_class!r}")
-    p = peaks(device, basis)
-    compute_s = flops / (p[f"{dtype_class}_tflops"] * 1e12)
-    memory_s = bytes_ / (p["hbm_tb_s"] * 1e12)
-    return max(compute_s, memory_s) * 1e3
+def speed_of_light_ms(flops: float, bytes: float, device: str = DEFAULT_DEVICE,  # pylint: disable=redefined-builtin
+                      dtype_class: str = "bf16", basis: str = "datasheet") -> float:
+  """max(flops / peak of `dtype_class`, bytes / HBM bandwidth), in ms."""
+  if dtype_class not in DTYPE_CLASSES:
+    raise ValueError(f"dtype_class must be one of {DTYPE_CLASSES}, got {dtype_class!r}")
+  p = peaks(device, basis)
+  compute_s = flops / (p[f"{dtype_class}_tflops"] * 1e12)
+  memory_s = bytes / (p["hbm_tb_s"] * 1e12)
+  return max(compute_s, memory_s) * 1e3
 
 
 # --------------------------------------------------------------------------
@@ -263,7 +266,8 @@ def mixed_mla_decode(d, a, record=None):
   lse written once; of the paged caches only gathered tokens, as stored
   (FP8: 512 e4m3 bytes + 4 f32 scales = 528; FP4: 256 packed bytes + 32
   UE8M0 scales = 288 per token), at most min(B*K8, N8*P8) and
-  min(B*K4, N4*P4) distinct tokens."""
+  min(B*K4, N4*P4) distinct tokens. The dequantized tokens meet the queries
+  on the BF16 peak."""
   n8, n4 = a["N8"] * a["P8"], a["N4"] * a["P4"]
   slots = min(a["K8"], n8) + min(a["K4"], n4)
   gathered = (min(a["B"] * a["K8"], n8) * (_size(d, "kv_fp8", a) // max(n8, 1))

@@ -4,7 +4,6 @@ the printed tables count right. With chromium on the machine, the page is
 also rendered headless to a screenshot."""
 
 import json
-import pathlib
 import shutil
 import subprocess
 

@@ -136,6 +136,7 @@ def test_qsa_sparse_gqa_counts_visible_tokens():
 def test_every_definition_has_a_formula_at_its_recorded_axes():
   assert len(DEFS) == 21
   for name, d in DEFS.items():
+    assert d.reference.partition(":")[2] in roofline.FORMULAS, name  # by function, not only by op_type
     for w in dataset.load_workloads(name):
       c = roofline.cost(d, w.axes, w.record)
       assert c.flops > 0 and c.bytes > 0, (name, w.uuid)
