@@ -41,8 +41,8 @@ from jaxkern.compare import Status
 
 HEADERS = ["definition", "n", "passed", "failed", "skipped", "worst err/tol", "kernel ms", "ref ms", "SOL ms",
            "SOL frac"]
-BASELINE_HEADERS = ["definition", "matched", "fixed", "broke", "other changes", "only here", "only in baseline",
-                    "latency ratio"]
+BASELINE_HEADERS = ["definition", "matched", "axes differ", "fixed", "broke", "other changes", "only here",
+                    "only in baseline", "latency ratio"]
 PNGS = ("errors.png", "latency.png", "sol_fraction.png")
 BASELINE_PNG = "baseline.png"
 
@@ -126,6 +126,7 @@ class Row:
   sol_fraction: float | None
   interpret: bool
   log: str
+  axes_run: dict[str, int] | None = None  # the axes the workload ran at
 
 
 def rows_of(traces: Iterable[results_lib.Trace], dataset_dir: str = "") -> list[Row]:
@@ -139,7 +140,8 @@ def rows_of(traces: Iterable[results_lib.Trace], dataset_dir: str = "") -> list[
                     worst_ratio=ratios[worst] if worst else None, worst_output=worst,
                     latency_ms=_num(perf.get("latency_ms")), reference_ms=_num(perf.get("reference_latency_ms")),
                     sol_ms=_num(perf.get("speed_of_light_ms")), sol_fraction=_num(perf.get("sol_fraction")),
-                    interpret=bool(t.evaluation.environment.get("interpret")), log=t.evaluation.log or ""))
+                    interpret=bool(t.evaluation.environment.get("interpret")), log=t.evaluation.log or "",
+                    axes_run=t.workload.axes_run or t.workload.axes))
   return rows
 
 
@@ -188,12 +190,14 @@ class Change:
   definition: str
   before: Status | None
   after: Status | None
-  latency_ratio: float | None  # this run / baseline
+  latency_ratio: float | None  # this run / baseline; None unless both ran at the same axes
+  same_axes: bool = True
 
 
 def compare_runs(rows: list[Row], base: list[Row]) -> tuple[list[Change], list[Row], list[Row]]:
-  """Workloads in both runs (by uuid) with their status and latency change;
-  then the rows only in this run and only in the baseline."""
+  """Workloads in both runs (by uuid) with their status and latency change
+  (only between runs at the same axes: a CPU run shrinks them); then the
+  rows only in this run and only in the baseline."""
   base_by = {r.uuid: r for r in base}
   here = {r.uuid for r in rows}
   changes = []
@@ -201,8 +205,9 @@ def compare_runs(rows: list[Row], base: list[Row]) -> tuple[list[Change], list[R
     b = base_by.get(r.uuid)
     if b is None:
       continue
-    ratio = (r.latency_ms / b.latency_ms if r.latency_ms is not None and b.latency_ms else None)
-    changes.append(Change(r.uuid, r.definition, b.status, r.status, ratio))
+    same = r.axes_run == b.axes_run
+    ratio = r.latency_ms / b.latency_ms if same and r.latency_ms is not None and b.latency_ms else None
+    changes.append(Change(r.uuid, r.definition, b.status, r.status, ratio, same))
   return changes, [r for r in rows if r.uuid not in base_by], [b for b in base if b.uuid not in here]
 
 
@@ -222,7 +227,8 @@ def baseline_table(changes: list[Change], only_here: list[Row], only_base: list[
   for name in names:
     cs = [c for c in changes if c.definition == name]
     kinds = [_kind(c) for c in cs]
-    table.append([name, len(cs), kinds.count("fixed"), kinds.count("broke"), kinds.count("other"),
+    table.append([name, len(cs), sum(not c.same_axes for c in cs), kinds.count("fixed"), kinds.count("broke"),
+                  kinds.count("other"),
                   sum(r.definition == name for r in only_here), sum(r.definition == name for r in only_base),
                   _fmt(_median(c.latency_ratio for c in cs))])
   return table
@@ -462,7 +468,8 @@ def build(results_path: str | os.PathLike, *, baseline: str | os.PathLike | None
                     f"{html.escape(c.after.value if c.after else '-')}</li>" for c in moved[:200])
     base_html = (f"<h2>Change against the baseline</h2><p class=note>baseline: <code>{html.escape(str(baseline))}"
                  f"</code> ({len(base_traces)} results; {len(changes)} workloads in both). fixed = failed before, "
-                 f"passed now; broke = the reverse; latency ratio = median of this run / baseline kernel time."
+                 f"passed now; broke = the reverse; latency ratio = median of this run / baseline kernel time, over "
+                 f"workloads run at the same axes in both (axes differ: not compared)."
                  f"</p>{_html_table(BASELINE_HEADERS, btable)}"
                  f"<ul>{items or '<li>no status changed</li>'}</ul>"
                  f'<img src="{BASELINE_PNG}" alt="status changes and latency ratio against the baseline">')

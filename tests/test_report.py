@@ -19,7 +19,7 @@ ATTN = "noncausal_dense_attention_h32_d64"     # output o bf16
 MLA = "sparse_mla_prefill_h64_d512_k128"
 
 
-def trace(uuid, definition, status, errors=None, latency=None, ref=None, sol=None, frac=None, log=""):
+def trace(uuid, definition, status, errors=None, latency=None, ref=None, sol=None, frac=None, log="", axes=None):
   """A result line; `errors`: output -> max abs error."""
   ev = results.Evaluation(status=status, environment={"hardware": "NVIDIA H200", "backend": "gpu",
                                                       "libs": {"jax": "0.11.2"}, "interpret": False},
@@ -33,7 +33,8 @@ def trace(uuid, definition, status, errors=None, latency=None, ref=None, sol=Non
     if frac is not None:
       ev.performance["sol_fraction"] = frac
   return results.Trace(definition=definition, evaluation=ev,
-                       workload=results.WorkloadInfo(uuid=uuid, variant=None, axes={}, seed=0, source="x"))
+                       workload=results.WorkloadInfo(uuid=uuid, variant=None, axes={"M": 8}, seed=0, source="x",
+                                                        axes_run=axes))
 
 
 def write(path, traces):
@@ -57,6 +58,7 @@ def runs(tmp_path):
       trace("g2", GEMM, Status.PASSED, {"C": 0.001}, 0.5, 2.0, 0.5, 1.0),             # broke, 2x slower
       trace("g3", GEMM, Status.PASSED, {"C": 0.0}, 2.0, 2.0, 0.5, 0.25),              # same
       trace("a1", ATTN, Status.TIMEOUT, log="slow"),                                   # other change
+      trace("r1", ROUTER, Status.PASSED, {"expert_weights": 0.0}, 0.2, 0.2, axes={"M": 2}),  # shrunk: no ratio
       trace("old", ATTN, Status.PASSED, {"o": 0.0}, 1.0, 1.0, 0.1, 0.1),              # only in the baseline
   ])
   return current, baseline
@@ -95,9 +97,10 @@ def test_page_and_plots_with_a_baseline(runs, capsys):
     assert f'src="{png}"' in page, png
   assert GEMM in page and "boom" in page and "C: 3 of 9 elements" in page
   changes = printed.split("against baseline")[1]
-  # matched, fixed, broke, other, only here, only in baseline, median latency ratio (0.5, 2, 1).
-  assert cells(changes, GEMM)[1:] == ["3", "1", "1", "0", "0", "0", "1"]
-  assert cells(changes, ATTN)[1:] == ["1", "0", "0", "1", "1", "1", "-"]
+  # matched, axes differ, fixed, broke, other, only here, only in baseline, median latency ratio (0.5, 2, 1).
+  assert cells(changes, GEMM)[1:] == ["3", "0", "1", "1", "0", "0", "0", "1"]
+  assert cells(changes, ATTN)[1:] == ["1", "0", "0", "0", "1", "1", "1", "-"]
+  assert cells(changes, ROUTER)[1:] == ["1", "1", "0", "0", "0", "0", "0", "-"]
   assert "g1: incorrect_numerical -> passed" in printed and "g2: passed -> incorrect_numerical" in printed
   assert f"report: {out / 'index.html'}" in printed
 
