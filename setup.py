@@ -19,6 +19,7 @@ setuptools.setup(
         "ml_dtypes>=0.5,<1",
         "tqdm>=4.66,<5",
         "tabulate>=0.9,<1",
+        "matplotlib>=3.8,<4",
     ],
     extras_require={"test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4"]},
 )

@@ -35,6 +35,7 @@ from jaxkern import compare as compare_lib
 from jaxkern import dataset
 from jaxkern import registry
 from jaxkern import results as results_lib
+from jaxkern import roofline
 from jaxkern import selection
 from jaxkern import shards
 from jaxkern import tuning
@@ -121,6 +122,9 @@ def run_workload(op: registry.Op, w: dataset.Workload, cfg: config_dict.ConfigDi
                       "latency_min_ms": k["min_ms"], "latency_max_ms": k["max_ms"], "samples": k["samples"],
                       "warmup": cfg.warmup, "iters": cfg.iters,
                       "timing": ("interpret mode: checks plumbing, not speed" if interpret else k["method"])}
+    ev.performance.update(roofline.performance_fields(  # speed_of_light_ms; sol_fraction on a GPU
+        op.definition, plan.axes, k["median_ms"], device_kind=ev.environment.get("hardware"),
+        measured_on_gpu=on_gpu and not interpret, record=w.record))
   except _Failed as f:
     ev.status, ev.log = f.status, str(f)
   except Exception as e:  # pylint: disable=broad-except

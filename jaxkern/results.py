@@ -128,11 +128,14 @@ def read_done_uuids(path: str | os.PathLike) -> set[str]:
 
 
 SUMMARY_HEADERS = ["definition", "n", "passed", "failed", "skipped", "kernel ms", "ref ms", "speedup",
-                   "worst status"]
+                   "SOL ms", "SOL frac", "worst status"]
 
 
 def summarize(traces: Iterable[Trace]) -> list[list[Any]]:
-  """One row per definition (see SUMMARY_HEADERS)."""
+  """One row per definition (see SUMMARY_HEADERS). Times and ratios are
+  medians over the definition's timed workloads; `SOL ms` is the roofline's
+  speed of light (`jaxkern.roofline`) and `SOL frac` speed of light / kernel
+  time, only where measured on a GPU ("-" otherwise)."""
   by_def: dict[str, list[Trace]] = {}
   for t in traces:
     by_def.setdefault(t.definition, []).append(t)
@@ -148,7 +151,7 @@ def summarize(traces: Iterable[Trace]) -> list[list[Any]]:
     worst = next((s for s in Status if s in st and s != Status.PASSED), Status.PASSED)
     rows.append([name, len(ts), st.count(Status.PASSED), sum(s is not None and s.failed for s in st),
                  st.count(Status.SKIPPED), med("latency_ms"), med("reference_latency_ms"), med("speedup_factor"),
-                 worst.value])
+                 med("speed_of_light_ms"), med("sol_fraction"), worst.value])
   return rows
 
 
