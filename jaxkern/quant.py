@@ -106,7 +106,10 @@ def quantize_fp8_e4m3(x: jax.Array, block_size: int = 32,
     scales = scale[..., 0]
   else:
     raise ValueError(f"scale_format must be 'ue8m0' or 'f32', got {scale_format!r}")
-  return values.reshape(x.shape).astype(jnp.float8_e4m3fn), scales
+  # The barrier keeps XLA from folding a later fp8 -> f32 convert into this
+  # one (its excess-precision simplification would otherwise drop the
+  # rounding when quantize and dequantize meet under one jit).
+  return lax.optimization_barrier(values.reshape(x.shape).astype(jnp.float8_e4m3fn)), scales
 
 
 def dequantize_fp8_e4m3(values: jax.Array, scales: jax.Array, block_size: int = 32) -> jax.Array:

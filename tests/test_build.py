@@ -14,7 +14,7 @@ def build_text():
 def test_every_module_and_config_is_in_build():
   """Library sources are listed file by file (tests: see the TESTS list)."""
   listed = set(re.findall(r'"([\w/]+\.py)"', build_text()))
-  on_disk = {str(p.relative_to(REPO)) for d in ("jaxkern", "pallas_kernels", "configs")
+  on_disk = {str(p.relative_to(REPO)) for d in ("jaxkern", "pallas_kernels", "configs", "examples")
              for p in (REPO / d).rglob("*.py") if "__pycache__" not in p.parts}
   assert on_disk - listed == set(), "missing from BUILD"
   assert listed - on_disk == set(), "listed in BUILD but not on disk"
@@ -32,7 +32,7 @@ def test_every_test_file_has_its_py_test():
 
 def test_libraries_mirror_the_packages():
   text = build_text()
-  for lib in ("pallas_kernels", "jaxkern", "configs"):
+  for lib in ("pallas_kernels", "jaxkern", "configs", "examples"):
     assert re.search(rf'py_library\(\s*name = "{lib}"', text), lib
   # The import graph is one-way: pallas_kernels depends on nothing of ours.
   block = re.search(r'py_library\(\s*name = "pallas_kernels".*?\n\)', text, re.S).group(0)

@@ -124,3 +124,14 @@ def test_block_size_must_divide():
     quant.quantize_e2m1(jnp.zeros((48,)), 32)
   with pytest.raises(ValueError):
     quant.quantize_fp8_e4m3(jnp.zeros((48,)), 32, "f16")
+
+
+def test_fp8_rounding_survives_jit():
+  """quantize -> dequantize under one jit still rounds (XLA's excess-precision
+  simplification must not fold the fp8 converts away)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  x = jnp.linspace(-3.0, 3.0, 64, dtype=jnp.float32).reshape(2, 32) * 1.013
+  eager = quant.dequantize_fp8_e4m3(*quant.quantize_fp8_e4m3(x, 32), 32)
+  jitted = jax.jit(lambda x: quant.dequantize_fp8_e4m3(*quant.quantize_fp8_e4m3(x, 32), 32))(x)
+  np.testing.assert_array_equal(np.asarray(jitted), np.asarray(eager))
+  assert not np.array_equal(np.asarray(jitted), np.asarray(x))
