@@ -13,7 +13,7 @@ Two stages (`QsaIndexConfig(score=ScoreStage, select=SelectStage)`):
 
 1. Scores (Pallas). Grid `(B, chunks)`: program (b, c) owns the `chunk_keys`
    logical ids `[c * chunk_keys, (c + 1) * chunk_keys)` of sequence b, so one
-   long sequence (B=1, n ~ 250k) still spreads over the whole GPU. It walks
+   long sequence (B=1, n ~ 62k at 249k tokens) still spreads over the whole GPU. It walks
    its chunk in `block_keys` steps; each step looks up the physical page of
    every key of the step in the page-table row (a vector gather; `block_keys`
    is a multiple of P, so a step covers whole pages), gathers the
@@ -27,13 +27,18 @@ Two stages (`QsaIndexConfig(score=ScoreStage, select=SelectStage)`):
 2. Selection (XLA). `lax.top_k` (or a stable `lax.sort`, `method="sort"`) on
    that score row: exact, ties to the lower index by XLA's definition of
    TopK; ids whose score is -inf (beyond n) become -1; then the ids are
-   sorted ascending with the -1 suffix last. Why not a Pallas select: the
-   score row is tiny (4 bytes per key, 1 MB at n = 250k, versus 256 bytes per
-   key read by stage 1), so the selection is bound by launch latency and one
-   or two passes over 1 MB, which XLA's sort/top-k kernels (cub radix sort
-   on GPU) already do; a Pallas radix select on the Triton lowering would
-   need atomics or a multi-kernel histogram for the same passes. The config
-   keeps the stage separate so a Pallas select can replace it.
+   sorted ascending with the -1 suffix last. Why XLA and not a Pallas
+   select: the score row is 64x smaller than what stage 1 reads (4 bytes per
+   id against 256: 250 KB per row at n = 62k), and an exact selection over it
+   needs all programs of a row to agree on a threshold, i.e. a grid-wide
+   reduction per radix digit. On the Triton lowering that means atomics or
+   one launch per digit, which is what XLA's sort already does (a CUB radix
+   sort when XLA compiles with a GPU present, a bitonic sort when compiled
+   deviceless). A one-program-per-row Pallas select would read the row ~30
+   times from one SM, slower than the sort at B=1. So the selection stays in
+   XLA, exact and tie-stable; its cost is a handful of launches over a
+   small row, not bandwidth. The config keeps it a separate stage so a
+   Pallas select can replace it if measurements show the launches matter.
 
 Masks come from `program_id` and iotas; page-table and cache gathers are
 masked (and their indices clamped) so nothing outside the inputs is read.
@@ -112,14 +117,15 @@ def _fit(score: ScoreStage, ids: int, page: int) -> ScoreStage:
 
 def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> QsaIndexConfig:
   """Heuristic: 128-id steps (8 pages, 32 KiB of keys per step, 2 stages in
-  flight), and the largest chunk in [1024, 8192] ids that still gives about
-  two programs per SM (B=1 at n = 250k: 1024-id chunks, 244 programs;
-  B=23 at MP=517: 2048-id chunks, 92 x... programs). Long chunks amortize the
-  query load and the program start; short ones fill the GPU."""
+  flight) and the longest chunk in [256, 8192] ids that still gives about two
+  programs per SM. Recorded extremes: B=1, MP=3895 (n up to 62k ids) gets
+  256-id chunks, 244 programs; B=23, MP=517 gets 512-id chunks, 391
+  programs. Long chunks amortize the query load and the program start;
+  short ones fill the GPU."""
   batch, max_pages, page = _dims(shapes)
   ids = max_pages * page
   chunk = 8192
-  while chunk > 1024 and batch * cdiv(ids, chunk) < 2 * _NUM_SMS:
+  while chunk > 256 and batch * cdiv(ids, chunk) < 2 * _NUM_SMS:
     chunk //= 2
   score = _fit(ScoreStage(block_keys=128, chunk_keys=chunk, num_warps=4, num_stages=2), ids, page)
   return QsaIndexConfig(score=score, select=SelectStage("top_k"))

@@ -112,18 +112,23 @@ def _fit(split: SplitStage, num_ids: int, compress: int) -> SplitStage:
 
 def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> QsaDecodeConfig:
   """Heuristic: the longest split (64, 32, 16 or 8 ids) that still gives about
-  one program per SM; 16-id steps (64 tokens, 2 x 32 KiB of K/V per step)
-  or 8-id steps for 8-id splits. B=1: 8-id splits, 65 splits x 2 kv heads =
-  130 programs of one step each; B=23: 64-id splits, 414 programs."""
+  one program per SM. B=1: 8-id splits (one 32-token step each), 65 splits x
+  2 kv heads = 130 programs; B=23: 64-id splits, 414 programs of four 64-token
+  steps. 64-token steps run 8 warps and 3 stages: at 4 warps the sm_90a
+  compile needs 204 registers (2 programs per SM), at 8 warps 128 with
+  76 KiB of shared memory, so more gathers are in flight per SM."""
   batch, kv_heads, topk, head_dim = _dims(shapes)
   num_ids = topk + 1
   per_split = 64
   while per_split > 8 and batch * kv_heads * cdiv(num_ids, per_split) < _NUM_SMS:
     per_split //= 2
   block = min(16, per_split)
-  split = _fit(SplitStage(block_ids=block, ids_per_split=per_split, num_warps=4, num_stages=2),
-               num_ids, 4)
-  return QsaDecodeConfig(split=split, combine=CombineStage(block_d=min(64, head_dim), num_warps=4))
+  if block >= 16:
+    split = SplitStage(block_ids=block, ids_per_split=per_split, num_warps=8, num_stages=3)
+  else:
+    split = SplitStage(block_ids=block, ids_per_split=per_split, num_warps=4, num_stages=2)
+  return QsaDecodeConfig(split=_fit(split, num_ids, 4),
+                         combine=CombineStage(block_d=min(64, head_dim), num_warps=4))
 
 
 _SWEEP = (
