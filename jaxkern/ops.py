@@ -184,7 +184,8 @@ def qsa_index_topk(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_
   page_table [B, MP], seq_lens [B] tokens -> int32 [B, 512] top-512 block ids
   (block = 4 tokens) by sum_h relu(q_h . k) / sqrt(128), ascending, -1 suffix."""
   if _pallas(backend):
-    config = _config(_qsa.qsa_index_topk_reference, {"q": q, "index_k": index_k}, config)
+    config = _config(_qsa.qsa_index_topk_reference,
+                     {"q": q, "index_k": index_k, "page_table": page_table, "seq_lens": seq_lens}, config)
     return _qsa_index.qsa_index_topk(q, index_k, page_table, seq_lens, config=config)
   return _qsa.qsa_index_topk_reference(q, index_k, page_table, seq_lens)
 
@@ -199,8 +200,9 @@ def qsa_sparse_gqa_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
   if _pallas(backend):
-    config = _config(_qsa.qsa_sparse_gqa_decode_reference, {"q": q, "k_cache": k_cache, "topk_ids": topk_ids},
-                     config)
+    config = _config(_qsa.qsa_sparse_gqa_decode_reference,
+                     {"q": q, "k_cache": k_cache, "v_cache": v_cache, "page_table": page_table,
+                      "seq_lens": seq_lens, "topk_ids": topk_ids}, config)
     return _qsa_gqa.qsa_sparse_gqa_decode(q, k_cache, v_cache, page_table, seq_lens, topk_ids, sm_scale,
                                           config=config)
   return _qsa.qsa_sparse_gqa_decode_reference(q, k_cache, v_cache, page_table, seq_lens, topk_ids,

@@ -110,7 +110,7 @@ def _fit(split: SplitStage, num_ids: int, compress: int) -> SplitStage:
   return dataclasses.replace(split, block_ids=block, ids_per_split=per_split)
 
 
-def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> QsaDecodeConfig:
+def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct], *, compress: int = 4) -> QsaDecodeConfig:
   """Heuristic: the longest split (64, 32, 16 or 8 ids) that still gives about
   one program per SM. B=1: 8-id splits (one 32-token step each), 65 splits x
   2 kv heads = 130 programs; B=23: 64-id splits, 414 programs of four 64-token
@@ -127,7 +127,7 @@ def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> QsaDecodeConfig
     split = SplitStage(block_ids=block, ids_per_split=per_split, num_warps=8, num_stages=3)
   else:
     split = SplitStage(block_ids=block, ids_per_split=per_split, num_warps=4, num_stages=2)
-  return QsaDecodeConfig(split=_fit(split, num_ids, 4),
+  return QsaDecodeConfig(split=_fit(split, num_ids, compress),
                          combine=CombineStage(block_d=min(64, head_dim), num_warps=4))
 
 
@@ -141,11 +141,12 @@ _SWEEP = (
 )
 
 
-def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[QsaDecodeConfig]:
+def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct], *,
+                      compress: int = 4) -> list[QsaDecodeConfig]:
   """Heuristic first, then the sweep's configurations fitted to the shapes."""
   _, _, topk, head_dim = _dims(shapes)
-  chosen = choose_config(shapes)
-  rest = [dataclasses.replace(c, split=_fit(c.split, topk + 1, 4),
+  chosen = choose_config(shapes, compress=compress)
+  rest = [dataclasses.replace(c, split=_fit(c.split, topk + 1, compress),
                               combine=dataclasses.replace(c.combine, block_d=min(c.combine.block_d, head_dim)))
           for c in _SWEEP]
   return list(dict.fromkeys([chosen, *rest]))
@@ -245,7 +246,7 @@ def qsa_sparse_gqa_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
   if head_dim < MIN_DOT_DIM or head_dim & (head_dim - 1):
     raise ValueError(f"head dim {head_dim} must be a power of two >= {MIN_DOT_DIM}")
   if config is None:
-    config = choose_config({"topk_ids": topk_ids, "k_cache": k_cache})
+    config = choose_config({"topk_ids": topk_ids, "k_cache": k_cache}, compress=compress)
   split = _fit(config.split, topk + 1, compress)
   block_d = min(config.combine.block_d, head_dim)
   num_ids = topk + 1

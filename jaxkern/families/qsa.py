@@ -25,6 +25,7 @@ Input synthesis (SPEC 6), shared by both definitions:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Mapping
 
@@ -38,8 +39,9 @@ from jaxkern.op import OpImpl
 from pallas_kernels import qsa_index as index_lib
 from pallas_kernels import qsa_sparse_gqa as gqa_lib
 
-# Constant axes the references need but cannot read from input shapes (the
-# output width and the block size); both Qwen3.8 definitions use these.
+# Defaults of the constant axes the functions cannot read from input shapes
+# (the selection width TOPK and the block size C); the registry passes each
+# definition's own values (`axis_params` below).
 TOPK = 512
 COMPRESS = 4
 INDEX_HEADS = 4  # indexer query heads (synthesis of topk_ids for 4.12)
@@ -55,9 +57,9 @@ _CPU_PAGES = 40
 # References (plain jnp, fp32).
 
 def qsa_index_scores(q: jax.Array, index_k: jax.Array, page_table: jax.Array,
-                     seq_lens: jax.Array) -> jax.Array:
+                     seq_lens: jax.Array, *, compress: int = COMPRESS) -> jax.Array:
   """score[b, j] = sum_h relu(q[b, h] . index_k[page_table[b, j // P], j % P]) / sqrt(D)
-  for every logical id j < MP * P, -inf where j >= seq_lens[b] // 4.
+  for every logical id j < MP * P, -inf where j >= seq_lens[b] // compress.
   f32 `[B, MP * P]`; one sequence at a time (`[MP * P, D]` f32 keys)."""
   _, page, _, head_dim = index_k.shape
   width = page_table.shape[1] * page
@@ -68,21 +70,21 @@ def qsa_index_scores(q: jax.Array, index_k: jax.Array, page_table: jax.Array,
     keys = index_k[pages_b[j // page], j % page, 0].astype(jnp.float32)  # [width, D]
     dots = jnp.einsum("hd,jd->jh", q_b.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST)
     score = jnp.sum(jnp.maximum(dots, 0.0), axis=-1) / math.sqrt(head_dim)
-    return jnp.where(j < len_b // COMPRESS, score, -jnp.inf)
+    return jnp.where(j < len_b // compress, score, -jnp.inf)
 
   return lax.map(row, (q, page_table, seq_lens))
 
 
 def qsa_index_topk_reference(q: jax.Array, index_k: jax.Array, page_table: jax.Array,
-                             seq_lens: jax.Array) -> jax.Array:
-  """SPEC 4.11: the top-512 logical ids by `qsa_index_scores` (ties to the
+                             seq_lens: jax.Array, *, topk: int = TOPK, compress: int = COMPRESS) -> jax.Array:
+  """SPEC 4.11: the top-`topk` logical ids by `qsa_index_scores` (ties to the
   lower id: `lax.top_k` orders equal values by index), ids >= n dropped,
-  sorted ascending with a -1 suffix. int32 `[B, 512]`."""
-  scores = qsa_index_scores(q, index_k, page_table, seq_lens)
-  if scores.shape[1] < TOPK:  # top_k needs at least TOPK candidates
-    scores = jnp.pad(scores, ((0, 0), (0, TOPK - scores.shape[1])), constant_values=-jnp.inf)
-  _, ids = lax.top_k(scores, TOPK)
-  n = (seq_lens // COMPRESS)[:, None]
+  sorted ascending with a -1 suffix. int32 `[B, topk]`."""
+  scores = qsa_index_scores(q, index_k, page_table, seq_lens, compress=compress)
+  if scores.shape[1] < topk:  # top_k needs at least topk candidates
+    scores = jnp.pad(scores, ((0, 0), (0, topk - scores.shape[1])), constant_values=-jnp.inf)
+  _, ids = lax.top_k(scores, topk)
+  n = (seq_lens // compress)[:, None]
   last = jnp.iinfo(jnp.int32).max  # sorts -1 slots after every real id
   ids = jnp.sort(jnp.where(ids < n, ids, last).astype(jnp.int32), axis=1)
   return jnp.where(ids == last, -1, ids)
@@ -90,27 +92,28 @@ def qsa_index_topk_reference(q: jax.Array, index_k: jax.Array, page_table: jax.A
 
 def qsa_sparse_gqa_decode_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                                     page_table: jax.Array, seq_lens: jax.Array, topk_ids: jax.Array,
-                                    sm_scale: jax.Array) -> jax.Array:
+                                    sm_scale: jax.Array, *, compress: int = COMPRESS) -> jax.Array:
   """SPEC 4.12: softmax attention of q over the visible tokens: t < seq_len
-  with t // 4 among topk_ids, plus the tail t >= 4 * (seq_len // 4). Query
-  head h reads kv head h // (HQ / HKV). fp32, rounded once; 0 when nothing
-  is visible. One sequence at a time over its (TOPK + 1) * 4 candidate
-  tokens (each listed block's 4 tokens and the tail block's)."""
+  with t // C among topk_ids, plus the tail t >= C * (seq_len // C) (C =
+  `compress`, 4). Query head h reads kv head h // (HQ / HKV). fp32, rounded
+  once; 0 when nothing is visible. One sequence at a time over its
+  (TOPK + 1) * C candidate
+  tokens (each listed block's C tokens and the tail block's)."""
   batch, q_heads, head_dim = q.shape
   _, page, kv_heads, _ = k_cache.shape
   group = q_heads // kv_heads
-  lane = jnp.arange(COMPRESS)
+  lane = jnp.arange(compress)
 
   def row(args):
     q_b, pages_b, len_b, ids_b = args
-    n = len_b // COMPRESS
+    n = len_b // compress
     # A listed id >= n has no token below seq_len outside the tail, which is
     # added anyway; a repeated id counts once (a set of blocks).
     ids_b = jnp.sort(jnp.where((ids_b >= 0) & (ids_b < n), ids_b, -1))
     ids_b = jnp.where(jnp.concatenate([jnp.array([False]), ids_b[1:] == ids_b[:-1]]), -1, ids_b)
     blocks = jnp.concatenate([ids_b, n[None]])                    # [TOPK + 1]
-    t = (blocks[:, None] * COMPRESS + lane).reshape(-1)          # candidate tokens
-    visible = (jnp.repeat(blocks, COMPRESS) >= 0) & (t < len_b)
+    t = (blocks[:, None] * compress + lane).reshape(-1)          # candidate tokens
+    visible = (jnp.repeat(blocks, compress) >= 0) & (t < len_b)
     t = jnp.where(visible, t, 0)
     phys = pages_b[t // page]
     k = k_cache[phys, t % page].astype(jnp.float32)              # [T, HKV, D]
@@ -130,7 +133,8 @@ def qsa_sparse_gqa_decode_reference(q: jax.Array, k_cache: jax.Array, v_cache: j
 
 def index_topk_scores(inputs: Mapping[str, jax.Array]) -> jax.Array:
   """What 4.11 ranks, per logical id: f32 `[B, MP * P]`, -inf beyond n (for the
-  tie-aware comparison of SPEC 5)."""
+  tie-aware comparison of SPEC 5). Policies see only the inputs, so C is the
+  Qwen3.8 value here."""
   return qsa_index_scores(inputs["q"], inputs["index_k"], inputs["page_table"], inputs["seq_lens"])
 
 
@@ -141,57 +145,59 @@ def _numpy_rng(key: jax.Array) -> np.random.Generator:
   return np.random.default_rng(np.asarray(jax.random.key_data(key)).astype(np.uint32).tolist())
 
 
-def _index_pages(lengths: np.ndarray) -> np.ndarray:
-  """Index pages of 16 compressed keys per sequence: cdiv(L // 4, 16)."""
-  return -(-(lengths // COMPRESS) // 16)
+class Paging:
+  """How tokens map to pages: `page` entries per page, each entry covering
+  `per_entry` tokens (4.11: 16 compressed keys of C tokens; 4.12: 64 tokens
+  of 1), where only complete C-token blocks get a compressed key."""
+
+  def __init__(self, page: int, compress: int, index: bool):
+    self.page, self.compress, self.index = page, compress, index
+
+  def pages(self, lengths):
+    entries = lengths // self.compress if self.index else lengths
+    return -(-entries // self.page)
+
+  def length_range(self, max_pages: int) -> tuple[int, int]:
+    """The lengths whose page count is exactly `max_pages` (>= 1)."""
+    if self.index:  # complete blocks only; up to C - 1 tail tokens extra
+      return (self.compress * (self.page * (max_pages - 1) + 1),
+              self.compress * (self.page * max_pages + 1) - 1)
+    return self.page * (max_pages - 1) + 1, self.page * max_pages
+
+  def clip(self, x, lo: int, hi: int):
+    """Clips into [lo, hi] (at least C wide) keeping x mod C (the tail)."""
+    c = self.compress
+    r = x % c
+    x = np.clip(x, lo, hi)
+    x = x - (x - r) % c
+    return np.where(x < lo, x + c, x)
 
 
-def _kv_pages(lengths: np.ndarray) -> np.ndarray:
-  """KV pages of 64 tokens per sequence."""
-  return -(-lengths // 64)
-
-
-def _length_range(max_pages: int, tokens_per_page: int, index: bool) -> tuple[int, int]:
-  """The lengths whose page count is exactly `max_pages`."""
-  if index:  # pages count complete blocks only; up to 3 tail tokens extra
-    return COMPRESS * (16 * (max_pages - 1) + 1), COMPRESS * 16 * max_pages + COMPRESS - 1
-  return tokens_per_page * (max_pages - 1) + 1, tokens_per_page * max_pages
-
-
-def _clip_keeping_residue(x, lo: int, hi: int):
-  """Clips into [lo, hi] (at least 4 wide) keeping x mod 4 (tail length)."""
-  r = x % COMPRESS
-  x = np.clip(x, lo, hi)
-  x = x - (x - r) % COMPRESS
-  return np.where(x < lo, x + COMPRESS, x)
-
-
-def sequence_lengths(batch: int, max_pages: int, rng: np.random.Generator, record: dict | None, *,
-                     index: bool) -> np.ndarray:
-  """int64 `[B]` token counts whose longest needs exactly `max_pages` pages
-  (16 compressed keys per index page, 64 tokens per KV page).
+def sequence_lengths(batch: int, max_pages: int, rng: np.random.Generator, record: dict | None,
+                     paging: Paging) -> np.ndarray:
+  """int64 `[B]` token counts whose longest needs exactly `max_pages` pages.
 
   From `record["scheduler_sequence_lengths"]` when present: the first B
   (cycled when the record has fewer), rescaled by MP / (the record's pages)
-  when those differ, each keeping its residue mod 4. Otherwise the longest is
+  when those differ, each keeping its residue mod C. Otherwise the longest is
   drawn among the lengths filling `max_pages` and the rest log-uniformly in
   [1, longest]."""
-  lo, hi = _length_range(max_pages, 64, index)
-  pages_fn = _index_pages if index else _kv_pages
+  lo, hi = paging.length_range(max_pages)
+  c = paging.compress
   recorded = (record or {}).get("scheduler_sequence_lengths")
   if recorded:
     lengths = np.resize(np.asarray(recorded, np.int64), batch)
-    rec_pages = int(pages_fn(lengths).max())
+    rec_pages = int(paging.pages(lengths).max())
     if rec_pages != max_pages and rec_pages > 0:
       scaled = np.floor(lengths * (max_pages / rec_pages)).astype(np.int64)
-      lengths = np.maximum(scaled // COMPRESS * COMPRESS + lengths % COMPRESS, 1)
+      lengths = np.maximum(scaled // c * c + lengths % c, 1)
   else:
     longest = int(rng.integers(lo, hi + 1))
     lengths = np.exp(rng.uniform(0.0, np.log(longest), batch)).astype(np.int64)
     lengths[int(rng.integers(batch))] = longest
-  lengths = _clip_keeping_residue(lengths, 1, hi)
+  lengths = paging.clip(lengths, 1, hi)
   i = int(np.argmax(lengths))
-  lengths[i] = _clip_keeping_residue(lengths[i], lo, hi)
+  lengths[i] = paging.clip(lengths[i], lo, hi)
   return lengths
 
 
@@ -234,13 +240,13 @@ def shared_prefix_page_table(pages: np.ndarray, max_pages: int, num_pages: int,
 
 def paged_structure(axes: Mapping[str, int], key: jax.Array, record: dict | None, *, index: bool):
   """(page_table int32 [B, MP], seq_lens int32 [B]) for `axes` (see the
-  module docstring); `index` selects 4.11's page size (16 compressed keys)
-  over 4.12's (64 tokens)."""
+  module docstring); `index` selects 4.11's paging (P compressed keys of C
+  tokens per page) over 4.12's (P tokens per page)."""
   rng = _numpy_rng(key)
   batch, max_pages, num_pages = int(axes["B"]), int(axes["MP"]), int(axes["NP"])
-  lengths = sequence_lengths(batch, max_pages, rng, record, index=index)
-  pages = _index_pages(lengths) if index else _kv_pages(lengths)
-  table = shared_prefix_page_table(pages, max_pages, num_pages, rng)
+  paging = Paging(int(axes["P"]), int(axes["C"]), index)
+  lengths = sequence_lengths(batch, max_pages, rng, record, paging)
+  table = shared_prefix_page_table(paging.pages(lengths), max_pages, num_pages, rng)
   return jnp.asarray(table), jnp.asarray(lengths.astype(np.int32))
 
 
@@ -272,9 +278,9 @@ def make_gqa_inputs(axes: Mapping[str, int], key: jax.Array,
   index_page = page // int(axes["C"])  # compressed keys per KV page
   index_q = jax.random.normal(key_iq, (b, INDEX_HEADS, 128), jnp.bfloat16)
   index_k = jax.random.normal(key_ik, (num_pages, index_page, 1, 128), jnp.bfloat16)
-  topk_ids = jax.jit(qsa_index_topk_reference)(index_q, index_k, page_table, seq_lens)
-  if topk_ids.shape[1] != int(axes["TOPK"]):
-    raise ValueError(f"TOPK={axes['TOPK']} but the indexer selects {TOPK}")
+  select = jax.jit(functools.partial(qsa_index_topk_reference, topk=int(axes["TOPK"]),
+                                     compress=int(axes["C"])))
+  topk_ids = select(index_q, index_k, page_table, seq_lens)
   cache_shape = (num_pages, page, kv_heads, d)
   return {"q": jax.random.normal(key_q, (b, hq, d), jnp.bfloat16),
           "k_cache": jax.random.normal(key_k, cache_shape, jnp.bfloat16),
@@ -296,6 +302,9 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   return out
 
 
+# Keyword-only parameters that receive the definition's constant axes.
+_AXIS_PARAMS = {"topk": "TOPK", "compress": "C"}
+
 IMPLS = (
     OpImpl(
         reference=qsa_index_topk_reference,
@@ -305,6 +314,7 @@ IMPLS = (
         candidate_configs=index_lib.candidate_configs,
         cpu_axes=cpu_axes,
         policies={"topk_ids": compare.TopK(scores=index_topk_scores)},
+        axis_params=_AXIS_PARAMS,
     ),
     OpImpl(
         reference=qsa_sparse_gqa_decode_reference,
@@ -313,5 +323,6 @@ IMPLS = (
         choose_config=gqa_lib.choose_config,
         candidate_configs=gqa_lib.candidate_configs,
         cpu_axes=cpu_axes,
+        axis_params=_AXIS_PARAMS,
     ),
 )
