@@ -23,6 +23,7 @@ from jaxkern.families import grouped_gemm as _grouped
 from jaxkern.families import mixed_mla as _mixed_mla
 from jaxkern.families import moe_router as _router
 from jaxkern.families import neighborhood_attention as _natten
+from jaxkern.families import qsa as _qsa
 from jaxkern.families import sparse_mla as _sparse_mla
 from pallas_kernels import dense_gemm as _gemm_kernel
 from pallas_kernels import flash_attention as _flash
@@ -30,6 +31,8 @@ from pallas_kernels import grouped_gemm as _grouped_kernel
 from pallas_kernels import mixed_mla as _mixed_mla_kernel
 from pallas_kernels import moe_router as _router_kernel
 from pallas_kernels import neighborhood_attention as _natten_kernel
+from pallas_kernels import qsa_index as _qsa_index
+from pallas_kernels import qsa_sparse_gqa as _qsa_gqa
 from pallas_kernels import sparse_mla as _sparse_mla_kernel
 from pallas_kernels.common import has_gpu
 
@@ -189,3 +192,34 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, attn_sin
     config = _config(_sparse_mla.sparse_mla_prefill_reference, args, config)
     return _sparse_mla_kernel.sparse_mla_prefill(**args, config=config)
   return _sparse_mla.sparse_mla_prefill_reference(**args)
+
+
+def qsa_index_topk(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_lens: jax.Array, *,
+                   config: Any = None, backend: Backend = None) -> jax.Array:
+  """QSA indexer: q [B, 4, 128], paged compressed keys index_k [NP, 16, 1, 128],
+  page_table [B, MP], seq_lens [B] tokens -> int32 [B, 512] top-512 block ids
+  (block = 4 tokens) by sum_h relu(q_h . k) / sqrt(128), ascending, -1 suffix."""
+  if _pallas(backend):
+    config = _config(_qsa.qsa_index_topk_reference,
+                     {"q": q, "index_k": index_k, "page_table": page_table, "seq_lens": seq_lens}, config)
+    return _qsa_index.qsa_index_topk(q, index_k, page_table, seq_lens, config=config)
+  return _qsa.qsa_index_topk_reference(q, index_k, page_table, seq_lens)
+
+
+def qsa_sparse_gqa_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_table: jax.Array,
+                          seq_lens: jax.Array, topk_ids: jax.Array, sm_scale: float | jax.Array | None = None,
+                          *, config: Any = None, backend: Backend = None) -> jax.Array:
+  """QSA sparse decode: q [B, 24, 256] over the 4-token blocks in topk_ids
+  [B, 512] (-1 = empty) plus the incomplete tail, paged k/v_cache
+  [NP, 64, 2, 256]; GQA (12 q heads per kv head); sm_scale defaults to
+  256**-0.5. Returns [B, 24, 256] in q's dtype."""
+  if sm_scale is None:
+    sm_scale = q.shape[-1] ** -0.5
+  if _pallas(backend):
+    config = _config(_qsa.qsa_sparse_gqa_decode_reference,
+                     {"q": q, "k_cache": k_cache, "v_cache": v_cache, "page_table": page_table,
+                      "seq_lens": seq_lens, "topk_ids": topk_ids}, config)
+    return _qsa_gqa.qsa_sparse_gqa_decode(q, k_cache, v_cache, page_table, seq_lens, topk_ids, sm_scale,
+                                          config=config)
+  return _qsa.qsa_sparse_gqa_decode_reference(q, k_cache, v_cache, page_table, seq_lens, topk_ids,
+                                              jnp.asarray(sm_scale, jnp.float32))

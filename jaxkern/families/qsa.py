@@ -1,0 +1,328 @@
+"""Qwen sparse attention (QSA) decode (SPEC 4.11, 4.12): the indexer's top-k
+block selection and the sparse GQA attention over the selected blocks.
+
+Definitions: `qsa_index_topk_decode_qwen38_h4_d128_topk512_c4` and
+`qsa_sparse_gqa_decode_qwen38_h24_kv2_d256_topk512_c4`. Kernels:
+`pallas_kernels.qsa_index` and `pallas_kernels.qsa_sparse_gqa`.
+
+Input synthesis (SPEC 6), shared by both definitions:
+* Sequence lengths come from the record's `scheduler_sequence_lengths`
+  (rescaled when the run's `MP` is smaller than the record's, keeping each
+  length's residue mod 4 so tails and blockless sequences stay); from axes
+  alone, the longest sequence fills exactly `MP` pages and the others are
+  log-uniform below it. Either way the longest needs exactly `MP` pages.
+* Pages: the cache has exactly `NP` pages. When the sequences need more than
+  `NP` pages together, sequences share prefix pages with the longest one
+  (each shares a share of its pages proportional to its length, as a common
+  prompt prefix does), so that exactly `NP` distinct pages are used, as the
+  records show (e.g. B=3, MP=554, NP=580). Physical ids are a random
+  permutation; page-table entries past a sequence's pages are 0.
+* The GQA definition's `topk_ids` come from the index definition itself:
+  random indexer queries and compressed keys on the same page table (an
+  index page of 16 compressed keys covers exactly one 64-token KV page) go
+  through `qsa_index_topk_reference`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Mapping
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkern import compare
+from jaxkern.op import OpImpl
+from pallas_kernels import qsa_index as index_lib
+from pallas_kernels import qsa_sparse_gqa as gqa_lib
+
+# Defaults of the constant axes the functions cannot read from input shapes
+# (the selection width TOPK and the block size C); the registry passes each
+# definition's own values (`axis_params` below).
+TOPK = 512
+COMPRESS = 4
+INDEX_HEADS = 4  # indexer query heads (synthesis of topk_ids for 4.12)
+
+# CPU scale: at most this many sequences and pages per sequence. 40 pages
+# keep n > TOPK (640 blocks per index page table, 2560 tokens = 640 blocks per
+# KV page table), so the selection stays a real choice.
+_CPU_BATCH = 4
+_CPU_PAGES = 40
+
+
+# ---------------------------------------------------------------------------
+# References (plain jnp, fp32).
+
+def qsa_index_scores(q: jax.Array, index_k: jax.Array, page_table: jax.Array,
+                     seq_lens: jax.Array, *, compress: int = COMPRESS) -> jax.Array:
+  """score[b, j] = sum_h relu(q[b, h] . index_k[page_table[b, j // P], j % P]) / sqrt(D)
+  for every logical id j < MP * P, -inf where j >= seq_lens[b] // compress.
+  f32 `[B, MP * P]`; one sequence at a time (`[MP * P, D]` f32 keys)."""
+  _, page, _, head_dim = index_k.shape
+  width = page_table.shape[1] * page
+  j = jnp.arange(width)
+
+  def row(args):
+    q_b, pages_b, len_b = args
+    keys = index_k[pages_b[j // page], j % page, 0].astype(jnp.float32)  # [width, D]
+    dots = jnp.einsum("hd,jd->jh", q_b.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST)
+    score = jnp.sum(jnp.maximum(dots, 0.0), axis=-1) / math.sqrt(head_dim)
+    return jnp.where(j < len_b // compress, score, -jnp.inf)
+
+  return lax.map(row, (q, page_table, seq_lens))
+
+
+def qsa_index_topk_reference(q: jax.Array, index_k: jax.Array, page_table: jax.Array,
+                             seq_lens: jax.Array, *, topk: int = TOPK, compress: int = COMPRESS) -> jax.Array:
+  """SPEC 4.11: the top-`topk` logical ids by `qsa_index_scores` (ties to the
+  lower id: `lax.top_k` orders equal values by index), ids >= n dropped,
+  sorted ascending with a -1 suffix. int32 `[B, topk]`."""
+  scores = qsa_index_scores(q, index_k, page_table, seq_lens, compress=compress)
+  if scores.shape[1] < topk:  # top_k needs at least topk candidates
+    scores = jnp.pad(scores, ((0, 0), (0, topk - scores.shape[1])), constant_values=-jnp.inf)
+  _, ids = lax.top_k(scores, topk)
+  n = (seq_lens // compress)[:, None]
+  last = jnp.iinfo(jnp.int32).max  # sorts -1 slots after every real id
+  ids = jnp.sort(jnp.where(ids < n, ids, last).astype(jnp.int32), axis=1)
+  return jnp.where(ids == last, -1, ids)
+
+
+def qsa_sparse_gqa_decode_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                                    page_table: jax.Array, seq_lens: jax.Array, topk_ids: jax.Array,
+                                    sm_scale: jax.Array, *, compress: int = COMPRESS) -> jax.Array:
+  """SPEC 4.12: softmax attention of q over the visible tokens: t < seq_len
+  with t // C among topk_ids, plus the tail t >= C * (seq_len // C) (C =
+  `compress`, 4). Query head h reads kv head h // (HQ / HKV). fp32, rounded
+  once; 0 when nothing is visible. One sequence at a time over its
+  (TOPK + 1) * C candidate
+  tokens (each listed block's C tokens and the tail block's)."""
+  batch, q_heads, head_dim = q.shape
+  _, page, kv_heads, _ = k_cache.shape
+  group = q_heads // kv_heads
+  lane = jnp.arange(compress)
+
+  def row(args):
+    q_b, pages_b, len_b, ids_b = args
+    n = len_b // compress
+    # A listed id >= n has no token below seq_len outside the tail, which is
+    # added anyway; a repeated id counts once (a set of blocks).
+    ids_b = jnp.sort(jnp.where((ids_b >= 0) & (ids_b < n), ids_b, -1))
+    ids_b = jnp.where(jnp.concatenate([jnp.array([False]), ids_b[1:] == ids_b[:-1]]), -1, ids_b)
+    blocks = jnp.concatenate([ids_b, n[None]])                    # [TOPK + 1]
+    t = (blocks[:, None] * compress + lane).reshape(-1)          # candidate tokens
+    visible = (jnp.repeat(blocks, compress) >= 0) & (t < len_b)
+    t = jnp.where(visible, t, 0)
+    phys = pages_b[t // page]
+    k = k_cache[phys, t % page].astype(jnp.float32)              # [T, HKV, D]
+    v = v_cache[phys, t % page].astype(jnp.float32)
+    qg = q_b.astype(jnp.float32).reshape(kv_heads, group, head_dim)
+    s = jnp.einsum("gid,tgd->git", qg, k, precision=lax.Precision.HIGHEST) * sm_scale
+    s = jnp.where(visible, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("git,tgd->gid", p, v, precision=lax.Precision.HIGHEST)
+    o = o * jnp.where(l > 0.0, 1.0 / l, 0.0)
+    return o.reshape(q_heads, head_dim).astype(q.dtype)
+
+  return lax.map(row, (q, page_table, seq_lens.astype(jnp.int32), topk_ids.astype(jnp.int32)))
+
+
+def index_topk_scores(inputs: Mapping[str, jax.Array]) -> jax.Array:
+  """What 4.11 ranks, per logical id: f32 `[B, MP * P]`, -inf beyond n (for the
+  tie-aware comparison of SPEC 5). Policies see only the inputs, so C is the
+  Qwen3.8 value here."""
+  return qsa_index_scores(inputs["q"], inputs["index_k"], inputs["page_table"], inputs["seq_lens"])
+
+
+# ---------------------------------------------------------------------------
+# Input synthesis.
+
+def _numpy_rng(key: jax.Array) -> np.random.Generator:
+  return np.random.default_rng(np.asarray(jax.random.key_data(key)).astype(np.uint32).tolist())
+
+
+class Paging:
+  """How tokens map to pages: `page` entries per page, each entry covering
+  `per_entry` tokens (4.11: 16 compressed keys of C tokens; 4.12: 64 tokens
+  of 1), where only complete C-token blocks get a compressed key."""
+
+  def __init__(self, page: int, compress: int, index: bool):
+    self.page, self.compress, self.index = page, compress, index
+
+  def pages(self, lengths):
+    entries = lengths // self.compress if self.index else lengths
+    return -(-entries // self.page)
+
+  def length_range(self, max_pages: int) -> tuple[int, int]:
+    """The lengths whose page count is exactly `max_pages` (>= 1)."""
+    if self.index:  # complete blocks only; up to C - 1 tail tokens extra
+      return (self.compress * (self.page * (max_pages - 1) + 1),
+              self.compress * (self.page * max_pages + 1) - 1)
+    return self.page * (max_pages - 1) + 1, self.page * max_pages
+
+  def clip(self, x, lo: int, hi: int):
+    """Clips into [lo, hi] (at least C wide) keeping x mod C (the tail)."""
+    c = self.compress
+    r = x % c
+    x = np.clip(x, lo, hi)
+    x = x - (x - r) % c
+    return np.where(x < lo, x + c, x)
+
+
+def sequence_lengths(batch: int, max_pages: int, rng: np.random.Generator, record: dict | None,
+                     paging: Paging) -> np.ndarray:
+  """int64 `[B]` token counts whose longest needs exactly `max_pages` pages.
+
+  From `record["scheduler_sequence_lengths"]` when present: the first B
+  (cycled when the record has fewer), rescaled by MP / (the record's pages)
+  when those differ, each keeping its residue mod C. Otherwise the longest is
+  drawn among the lengths filling `max_pages` and the rest log-uniformly in
+  [1, longest]."""
+  lo, hi = paging.length_range(max_pages)
+  c = paging.compress
+  recorded = (record or {}).get("scheduler_sequence_lengths")
+  if recorded:
+    lengths = np.resize(np.asarray(recorded, np.int64), batch)
+    rec_pages = int(paging.pages(lengths).max())
+    if rec_pages != max_pages and rec_pages > 0:
+      scaled = np.floor(lengths * (max_pages / rec_pages)).astype(np.int64)
+      lengths = np.maximum(scaled // c * c + lengths % c, 1)
+  else:
+    longest = int(rng.integers(lo, hi + 1))
+    lengths = np.exp(rng.uniform(0.0, np.log(longest), batch)).astype(np.int64)
+    lengths[int(rng.integers(batch))] = longest
+  lengths = paging.clip(lengths, 1, hi)
+  i = int(np.argmax(lengths))
+  lengths[i] = paging.clip(lengths[i], lo, hi)
+  return lengths
+
+
+def shared_prefix_page_table(pages: np.ndarray, max_pages: int, num_pages: int,
+                             rng: np.random.Generator) -> np.ndarray:
+  """int32 `[B, MP]` page table over exactly `num_pages` physical pages.
+
+  Sequence i needs `pages[i]` pages. When they need more than `num_pages`
+  together, sequences share the first pages of the longest one (prefix
+  sharing), proportionally to their own page counts, so that exactly
+  `num_pages` distinct pages are used; otherwise all pages are private and
+  the surplus pages are allocated but unreferenced. Needs
+  `max(pages) <= min(max_pages, num_pages)`."""
+  batch = len(pages)
+  donor = int(np.argmax(pages))
+  if pages[donor] > min(max_pages, num_pages):
+    raise ValueError(f"a sequence needs {pages[donor]} pages; MP={max_pages}, NP={num_pages}")
+  others = np.array([i for i in range(batch) if i != donor], np.int64)
+  shared = np.zeros(batch, np.int64)
+  excess = int(pages.sum()) - num_pages
+  if excess > 0:
+    cap = pages[others]  # a sequence shares at most all of its pages
+    share = np.floor(excess * cap / cap.sum()).astype(np.int64)
+    for j in np.argsort(-(cap - share), kind="stable"):  # hand out the rounding remainder
+      if share.sum() == excess:
+        break
+      share[j] += min(cap[j] - share[j], excess - share.sum())
+    shared[others] = share
+  perm = rng.permutation(num_pages).astype(np.int32)
+  table = np.zeros((batch, max_pages), np.int32)
+  table[donor, :pages[donor]] = perm[:pages[donor]]
+  used = int(pages[donor])
+  for i in others:
+    s, p = int(shared[i]), int(pages[i])
+    table[i, :s] = table[donor, :s]
+    table[i, s:p] = perm[used:used + p - s]
+    used += p - s
+  return table
+
+
+def paged_structure(axes: Mapping[str, int], key: jax.Array, record: dict | None, *, index: bool):
+  """(page_table int32 [B, MP], seq_lens int32 [B]) for `axes` (see the
+  module docstring); `index` selects 4.11's paging (P compressed keys of C
+  tokens per page) over 4.12's (P tokens per page)."""
+  rng = _numpy_rng(key)
+  batch, max_pages, num_pages = int(axes["B"]), int(axes["MP"]), int(axes["NP"])
+  paging = Paging(int(axes["P"]), int(axes["C"]), index)
+  lengths = sequence_lengths(batch, max_pages, rng, record, paging)
+  table = shared_prefix_page_table(paging.pages(lengths), max_pages, num_pages, rng)
+  return jnp.asarray(table), jnp.asarray(lengths.astype(np.int32))
+
+
+def make_index_inputs(axes: Mapping[str, int], key: jax.Array,
+                      record: dict | None = None) -> dict[str, jax.Array]:
+  """4.11 inputs: bf16 N(0, 1) queries and compressed keys (scores then spread
+  like a trained indexer's, with exact zeros where every head's dot is
+  negative, about 1 key in 16), page table and lengths as in the module
+  docstring."""
+  key_struct, key_q, key_k = jax.random.split(key, 3)
+  page_table, seq_lens = paged_structure(axes, key_struct, record, index=True)
+  b, h, d = int(axes["B"]), int(axes["H"]), int(axes["D"])
+  shape_k = (int(axes["NP"]), int(axes["P"]), int(axes["HKV"]), d)
+  return {"q": jax.random.normal(key_q, (b, h, d), jnp.bfloat16),
+          "index_k": jax.random.normal(key_k, shape_k, jnp.bfloat16),
+          "page_table": page_table, "seq_lens": seq_lens}
+
+
+def make_gqa_inputs(axes: Mapping[str, int], key: jax.Array,
+                    record: dict | None = None) -> dict[str, jax.Array]:
+  """4.12 inputs: bf16 N(0, 1) q, K and V (scores q.k * D^-0.5 ~ N(0, 1)),
+  sm_scale = D^-0.5, page table and lengths as in the module docstring, and
+  topk_ids from `qsa_index_topk_reference` on synthetic indexer inputs over
+  the same page table."""
+  key_struct, key_q, key_k, key_v, key_iq, key_ik = jax.random.split(key, 6)
+  page_table, seq_lens = paged_structure(axes, key_struct, record, index=False)
+  b, hq, d = int(axes["B"]), int(axes["HQ"]), int(axes["D"])
+  num_pages, page, kv_heads = int(axes["NP"]), int(axes["P"]), int(axes["HKV"])
+  index_page = page // int(axes["C"])  # compressed keys per KV page
+  index_q = jax.random.normal(key_iq, (b, INDEX_HEADS, 128), jnp.bfloat16)
+  index_k = jax.random.normal(key_ik, (num_pages, index_page, 1, 128), jnp.bfloat16)
+  select = jax.jit(functools.partial(qsa_index_topk_reference, topk=int(axes["TOPK"]),
+                                     compress=int(axes["C"])))
+  topk_ids = select(index_q, index_k, page_table, seq_lens)
+  cache_shape = (num_pages, page, kv_heads, d)
+  return {"q": jax.random.normal(key_q, (b, hq, d), jnp.bfloat16),
+          "k_cache": jax.random.normal(key_k, cache_shape, jnp.bfloat16),
+          "v_cache": jax.random.normal(key_v, cache_shape, jnp.bfloat16),
+          "page_table": page_table, "seq_lens": seq_lens, "topk_ids": topk_ids,
+          "sm_scale": jnp.asarray(d ** -0.5, jnp.float32)}
+
+
+def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
+  """At most 4 sequences of at most 40 pages (n up to 640 > TOPK blocks);
+  NP shrunk in proportion to B * MP (so prefix sharing stays) and >= MP.
+  Constants kept."""
+  out = dict(axes)
+  batch, max_pages, num_pages = int(axes["B"]), int(axes["MP"]), int(axes["NP"])
+  out["B"] = min(batch, _CPU_BATCH)
+  out["MP"] = min(max_pages, _CPU_PAGES)
+  ratio = (out["B"] * out["MP"]) / (batch * max_pages)
+  out["NP"] = max(out["MP"], min(num_pages, round(num_pages * ratio)))
+  return out
+
+
+# Keyword-only parameters that receive the definition's constant axes.
+_AXIS_PARAMS = {"topk": "TOPK", "compress": "C"}
+
+IMPLS = (
+    OpImpl(
+        reference=qsa_index_topk_reference,
+        kernel=index_lib.qsa_index_topk,
+        make_inputs=make_index_inputs,
+        choose_config=index_lib.choose_config,
+        candidate_configs=index_lib.candidate_configs,
+        cpu_axes=cpu_axes,
+        policies={"topk_ids": compare.TopK(scores=index_topk_scores)},
+        axis_params=_AXIS_PARAMS,
+    ),
+    OpImpl(
+        reference=qsa_sparse_gqa_decode_reference,
+        kernel=gqa_lib.qsa_sparse_gqa_decode,
+        make_inputs=make_gqa_inputs,
+        choose_config=gqa_lib.choose_config,
+        candidate_configs=gqa_lib.candidate_configs,
+        cpu_axes=cpu_axes,
+        axis_params=_AXIS_PARAMS,
+    ),
+)
