@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxkern.families import attention as _attention
+from jaxkern.families import gdn as _gdn
 from jaxkern.families import gemm as _gemm
 from jaxkern.families import moe_router as _router
 from pallas_kernels import flash_attention as _flash
+from pallas_kernels import gdn as _gdn_kernels
 from pallas_kernels import moe_router as _router_kernel
 from pallas_kernels.common import has_gpu
 
@@ -81,3 +83,29 @@ def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
   if _pallas(backend):
     return _attention.block_causal_attention(q, k, v, segment_ids, sm_scale=sm_scale, config=config)
   return _flash.attention_reference(q, k, v, segment_ids=segment_ids, sm_scale=sm_scale)
+
+
+def gdn_decode(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log: jax.Array,
+               a: jax.Array, dt_bias: jax.Array, b: jax.Array, scale: float | jax.Array | None = None, *,
+               config: Any = None, backend: Backend = None) -> tuple[jax.Array, jax.Array]:
+  """Gated delta net decode step (Qwen3-Next): q, k [B, 1, HQ, D], v [B, 1, HV, D],
+  k-last state [B, HV, V, K] f32, a, b [B, 1, HV], A_log, dt_bias [HV];
+  scale None/0 -> D**-0.5. Returns (output [B, 1, HV, D] bf16, new_state f32)."""
+  scale = 0.0 if scale is None else scale
+  if _pallas(backend):
+    return _gdn_kernels.gdn_decode(q, k, v, state, A_log, a, dt_bias, b, scale, config=config)
+  return _gdn.gdn_decode_reference(q, k, v, state, A_log, a, dt_bias, b, scale)
+
+
+def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log: jax.Array,
+                a: jax.Array, dt_bias: jax.Array, b: jax.Array, cu_seqlens: jax.Array,
+                scale: float | jax.Array | None = None, *, config: Any = None,
+                backend: Backend = None) -> tuple[jax.Array, jax.Array]:
+  """Gated delta net over packed sequences (chunked on the Pallas path): q, k [T, HQ, D],
+  v [T, HV, D], a, b [T, HV], initial k-last states [N, HV, V, K] f32, cu_seqlens
+  [N + 1]. Returns (output [T, HV, D] bf16, final states f32; empty sequences 0)."""
+  scale = 0.0 if scale is None else scale
+  if _pallas(backend):
+    return _gdn_kernels.gdn_prefill(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale,
+                                    config=config)
+  return _gdn.gdn_prefill_reference(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale)

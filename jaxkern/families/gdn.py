@@ -68,7 +68,9 @@ def gdn_prefill_reference(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scal
   [T, HV, V] and fp32 per-v-head copies of q, k, v (about 30 + 4*32 MiB at
   N=57, T=8192)."""
   total = q.shape[0]
-  num_seqs, hv, d = state.shape[0], state.shape[1], state.shape[-1]
+  hv, d = state.shape[1], state.shape[-1]
+  if total == 0:  # No tokens: every sequence is empty.
+    return jnp.zeros(v.shape, jnp.bfloat16), jnp.zeros(state.shape, jnp.float32)
   cu = cu_seqlens.astype(jnp.int32)
   starts, lengths = cu[:-1], cu[1:] - cu[:-1]
   qh, kh = _per_v_head(q, hv), _per_v_head(k, hv)                 # [T, HV, D]
@@ -88,7 +90,6 @@ def gdn_prefill_reference(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scal
   s, out = lax.fori_loop(0, jnp.max(lengths, initial=0), step,
                          (state.astype(jnp.float32), jnp.zeros((total, hv, d), jnp.float32)))
   s = jnp.where((lengths > 0)[:, None, None, None], s, 0.0)
-  del num_seqs
   return out.astype(jnp.bfloat16), s
 
 
