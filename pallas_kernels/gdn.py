@@ -21,7 +21,9 @@ work only: the kernel is bound by reading and writing the state.
 Prefill (`gdn_prefill`): grid `(N, HV, V / block_v)`: a program owns one
 sequence n, one v-head and `block_v` columns of V, i.e. a `[block_v, K]` fp32
 state tile carried in registers through a loop over the sequence's chunks of
-`chunk` (64) tokens, starting at the sequence's own offset `cu_seqlens[n]`.
+`chunk` tokens (64 in the UT/WY literature and the SPEC; 32 by default here,
+see `prefill_choose_config`: chunk 64 spills registers on sm_90a), starting
+at the sequence's own offset `cu_seqlens[n]`.
 Rows past the sequence's end (its last chunk may be partial, and never reaches
 into the next sequence) load as zeros with `beta = 0` and log-decay 0, so they
 change nothing. Per chunk, with `Gam` the inclusive cumulative log-decay,
@@ -31,14 +33,16 @@ entering the chunk (the UT / WY form of flash-linear-attention's
 
     A    = strictly_lower(diag(beta) D * (K K^T))              [C, C]
     T    = (I + A)^-1                                         forward substitution
-    W    = T diag(beta exp(Gam)) K                            [C, K]
-    U    = T diag(beta) V  -  W S0                            [C, V] new values
+    U    = T diag(beta) (V - diag(exp(Gam)) K S0)             [C, V] new values
     O    = scale (diag(exp(Gam)) Q S0 + (D * Q K^T) U)        [C, V]
-    S1   = exp(Gam_C) S0 + (diag(exp(Gam_C - Gam)) K)^T U     [K, V]
+    S1   = exp(Gam_C) S0 + K^T diag(exp(Gam_C - Gam)) U       [K, V]
 
-Every product is a tensor-core dot with fp32 accumulation. `Q K^T` and `K K^T`
+(U = U~ - W S0 with W = T diag(beta exp(Gam)) K is the same thing; applying T
+to the residual instead needs no fp32 [C, K] tile.)
+
+Every product is a tensor-core dot with fp32 accumulation. `Q K^T`, `K K^T`
 take the bf16 inputs as they are (exact products). Dots with an fp32 operand
-(T, W, U, the state) split it into a bf16 high part and a bf16 low part and sum
+(T, the residuals, U, the state) split it into a bf16 high part and a bf16 low part and sum
 the partial products (`dot_precision="bf16x3"`: about 16 mantissa bits, the
 default) or use only the high part (`"bf16"`: cheaper, ~0.3% relative error per
 dot). The triangular solve is a 64-step masked forward substitution on fp32
@@ -91,8 +95,8 @@ class GdnPrefillConfig:
   """`chunk`: tokens per WY chunk; `block_v`: V columns of the state per
   program (the chunk's triangular solve is repeated per V block);
   `dot_precision`: how dots with an fp32 operand are split into bf16 dots."""
-  chunk: int = 64
-  block_v: int = 64
+  chunk: int = 32
+  block_v: int = 32
   num_warps: int = 4
   num_stages: int = 1
   dot_precision: str = "bf16x3"
@@ -301,33 +305,41 @@ def _prefill_kernel(scale_ref, a_log_ref, dt_bias_ref, cu_ref, q_ref, k_ref, v_r
   strict = cols < rows
   mm = functools.partial(_mm, precision=precision)
 
+  def decay_matrix(cum):
+    """D_ij = exp(Gam_i - Gam_j) for j <= i, else 0 (entries <= 1)."""
+    diff = cum[:, None] - cum[None, :]
+    return jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+
+  # The body is ordered to keep few tiles live at once (registers): the
+  # solve sees only k and the gates; v, then q are loaded when needed, and D
+  # is recomputed rather than kept.
   def body(c, s):  # s: [block_v, K] fp32, the state S0^T entering the chunk
     t0 = start + c * chunk
     tokens = pl.ds(t0, chunk)
     valid = t0 + jnp.arange(chunk) < end
-    q = plgpu.load(q_ref.at[tokens, :], mask=valid[:, None], other=0.0)
-    k = plgpu.load(k_ref.at[tokens, :], mask=valid[:, None], other=0.0)
-    v = plgpu.load(v_ref.at[tokens, :], mask=valid[:, None], other=0.0).astype(jnp.float32)
     gate_a = plgpu.load(a_ref.at[tokens], mask=valid, other=0.0)
     gate_b = plgpu.load(b_ref.at[tokens], mask=valid, other=0.0)
     gamma = jnp.where(valid, log_decay(gate_a, a_log, dt_bias), 0.0)   # [C] <= 0
     beta = jnp.where(valid, sigmoid(gate_b), 0.0)
     cum = jnp.cumsum(gamma)                                            # Gam, nonincreasing
     total = jnp.sum(gamma)                                             # Gam at the chunk end
-    diff = cum[:, None] - cum[None, :]
-    decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)  # D, entries <= 1
 
+    k = plgpu.load(k_ref.at[tokens, :], mask=valid[:, None], other=0.0)
     kk = mm(k, k, (1, 1))                                              # K K^T, exact products
-    a_mat = jnp.where(strict, beta[:, None] * decay * kk, 0.0)
+    a_mat = jnp.where(strict, beta[:, None] * decay_matrix(cum) * kk, 0.0)
     t_inv = _unit_lower_inverse(a_mat, chunk)
-    k32 = k.astype(jnp.float32)
-    w = mm(t_inv, (beta * jnp.exp(cum))[:, None] * k32, (1, 0))        # [C, K]
-    u = mm(t_inv, beta[:, None] * v, (1, 0)) - mm(w, s, (1, 1))        # [C, block_v]
+    # Residuals against the decayed entering state, then the new values:
+    # U = T diag(beta) (V - diag(exp(Gam)) K S0).
+    v = plgpu.load(v_ref.at[tokens, :], mask=valid[:, None], other=0.0).astype(jnp.float32)
+    ks = mm(k, s, (1, 1))                                              # K S0   [C, block_v]
+    r = beta[:, None] * (v - jnp.exp(cum)[:, None] * ks)
+    u = mm(t_inv, r, (1, 0))                                           # [C, block_v]
+    q = plgpu.load(q_ref.at[tokens, :], mask=valid[:, None], other=0.0)
     qk = mm(q, k, (1, 1))                                              # [C, C]
-    o = jnp.exp(cum)[:, None] * mm(q, s, (1, 1)) + mm(decay * qk, u, (1, 0))
+    o = jnp.exp(cum)[:, None] * mm(q, s, (1, 1)) + mm(decay_matrix(cum) * qk, u, (1, 0))
     plgpu.store(o_ref.at[tokens, :], (o * scale).astype(o_ref.dtype), mask=valid[:, None])
-    k_tail = jnp.exp(total - cum)[:, None] * k32                       # [C, K]
-    return jnp.exp(total) * s + mm(u, k_tail, (0, 0))                  # [block_v, K]
+    u_tail = jnp.exp(total - cum)[:, None] * u                         # decay to the chunk end
+    return jnp.exp(total) * s + mm(u_tail, k, (0, 0))                  # [block_v, K]
 
   s = lax.fori_loop(0, num_chunks, body, state_ref[...])
   # An empty sequence gets a zero row (the definition's rule), not its input.
@@ -341,24 +353,37 @@ def _prefill_problem(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> tuple[int, i
 
 
 def prefill_choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> GdnPrefillConfig:
-  """Chunk 64 (the WY form's usual size); `block_v` 64 halves the carried state
-  tile (32 KiB fp32) and doubles the programs; with few sequences (one long
-  sequence gives only HV programs per V block) 32 columns spread the work
-  further at the cost of repeating the chunk's triangular solve."""
+  """Chunks of 32 tokens: on sm_90a (XLA's Triton, ptxas 12.9) every chunk-64
+  tiling spills registers (the [64, 64] fp32 tiles of the intra-chunk
+  products and the solve next to the carried state), while chunk 32 with
+  `block_v` 64 / 8 warps (251 registers) or 32 / 4 warps (254) does not. Chunk
+  32 also does a quarter of the solve's work per token (its cost grows as C^2
+  per token); the price is twice as many sequential chunk steps. `block_v` 64
+  when that still gives two programs per SM, else 32 (more programs for few,
+  long sequences, each repeating the chunk's solve)."""
   _, num_seqs, hv, v_dim = _prefill_problem(shapes)
-  block_v = min(64, v_dim)
-  if num_seqs * hv * (v_dim // block_v) < _NUM_SMS and v_dim >= 32:
-    block_v = 32
-  return GdnPrefillConfig(chunk=64, block_v=max(16, block_v), num_warps=4, num_stages=1)
+  if v_dim >= 64 and num_seqs * hv * (v_dim // 64) >= 2 * _NUM_SMS:
+    return GdnPrefillConfig(chunk=32, block_v=64, num_warps=8)
+  return GdnPrefillConfig(chunk=32, block_v=min(32, max(16, v_dim)), num_warps=4)
 
 
 def prefill_candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[GdnPrefillConfig]:
+  """The heuristic's choice first, then the other spill-free chunk-32 and
+  chunk-16 tilings, then chunk 64 (spills on sm_90a, kept for the sweep to
+  measure) and the cheaper single-bf16 dots."""
   _, _, _, v_dim = _prefill_problem(shapes)
-  chosen = prefill_choose_config(shapes)
-  sweep = [GdnPrefillConfig(chunk=c, block_v=bv, num_warps=w)
-           for c in (64, 32) for bv in (32, 64, 128) if bv <= v_dim for w in (4, 8)]
-  sweep.append(dataclasses.replace(chosen, dot_precision="bf16"))
-  return list(dict.fromkeys([chosen, *sweep]))
+  sweep = [GdnPrefillConfig(chunk=32, block_v=32, num_warps=4),
+           GdnPrefillConfig(chunk=32, block_v=32, num_warps=8),
+           GdnPrefillConfig(chunk=32, block_v=64, num_warps=8),
+           GdnPrefillConfig(chunk=32, block_v=16, num_warps=4),
+           GdnPrefillConfig(chunk=16, block_v=32, num_warps=4),
+           GdnPrefillConfig(chunk=16, block_v=64, num_warps=4),
+           GdnPrefillConfig(chunk=64, block_v=32, num_warps=8),
+           GdnPrefillConfig(chunk=64, block_v=64, num_warps=8),
+           GdnPrefillConfig(chunk=32, block_v=64, num_warps=8, dot_precision="bf16"),
+           GdnPrefillConfig(chunk=64, block_v=32, num_warps=8, dot_precision="bf16")]
+  sweep = [c for c in sweep if c.block_v <= v_dim]
+  return list(dict.fromkeys([prefill_choose_config(shapes), *sweep]))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
