@@ -45,7 +45,7 @@ take the bf16 inputs as they are (exact products). Dots with an fp32 operand
 (T, the residuals, U, the state) split it into a bf16 high part and a bf16 low part and sum
 the partial products (`dot_precision="bf16x3"`: about 16 mantissa bits, the
 default) or use only the high part (`"bf16"`: cheaper, ~0.3% relative error per
-dot). The triangular solve is a 64-step masked forward substitution on fp32
+dot). The triangular solve is a `chunk`-step masked forward substitution on fp32
 values (CUDA cores), the decay factors never exceed 1 (`Gam` is
 nonincreasing), and the carried state stays fp32 throughout.
 
@@ -66,7 +66,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import cdiv, resolve_interpret
+from pallas_kernels.common import resolve_interpret
 
 _NUM_SMS = 132  # H100 SXM / H200
 _DOT_PRECISIONS = ("bf16x3", "bf16")

@@ -237,6 +237,7 @@ def test_prefill_sequences_are_independent():
 
 @pytest.mark.parametrize("config", [
     gk.GdnPrefillConfig(chunk=32, block_v=64),
+    gk.GdnPrefillConfig(chunk=16, block_v=32),
     gk.GdnPrefillConfig(chunk=64, block_v=32, dot_precision="bf16"),
 ])
 def test_prefill_configs(config):
