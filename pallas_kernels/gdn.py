@@ -94,7 +94,11 @@ class GdnDecodeConfig:
 class GdnPrefillConfig:
   """`chunk`: tokens per WY chunk; `block_v`: V columns of the state per
   program (the chunk's triangular solve is repeated per V block);
-  `dot_precision`: how dots with an fp32 operand are split into bf16 dots."""
+  `dot_precision`: how dots with an fp32 operand are split into bf16 dots.
+  "bf16" (one dot, ~0.3% relative error per product) keeps new_state within
+  the SPEC 5 state metric on the synthesized inputs but misses the bf16
+  output tolerance on correlated keys with beta ~ 1 and decay ~ 1 (149 of
+  76800 elements, max error 0.008); "bf16x3" is the safe default."""
   chunk: int = 32
   block_v: int = 32
   num_warps: int = 4
@@ -370,7 +374,8 @@ def prefill_choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> GdnPref
 def prefill_candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[GdnPrefillConfig]:
   """The heuristic's choice first, then the other spill-free chunk-32 and
   chunk-16 tilings, then chunk 64 (spills on sm_90a, kept for the sweep to
-  measure) and the cheaper single-bf16 dots."""
+  measure). The single-bf16 dots are left out: they pass on the synthesized
+  inputs but not on correlated keys (see `GdnPrefillConfig`)."""
   _, _, _, v_dim = _prefill_problem(shapes)
   sweep = [GdnPrefillConfig(chunk=32, block_v=32, num_warps=4),
            GdnPrefillConfig(chunk=32, block_v=32, num_warps=8),
@@ -379,9 +384,7 @@ def prefill_candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> lis
            GdnPrefillConfig(chunk=16, block_v=32, num_warps=4),
            GdnPrefillConfig(chunk=16, block_v=64, num_warps=4),
            GdnPrefillConfig(chunk=64, block_v=32, num_warps=8),
-           GdnPrefillConfig(chunk=64, block_v=64, num_warps=8),
-           GdnPrefillConfig(chunk=32, block_v=64, num_warps=8, dot_precision="bf16"),
-           GdnPrefillConfig(chunk=64, block_v=32, num_warps=8, dot_precision="bf16")]
+           GdnPrefillConfig(chunk=64, block_v=64, num_warps=8)]
   sweep = [c for c in sweep if c.block_v <= v_dim]
   return list(dict.fromkeys([prefill_choose_config(shapes), *sweep]))
 

@@ -248,6 +248,23 @@ def test_prefill_configs(config):
   assert_state_metric(new_state, want_state)
 
 
+def test_prefill_correlated_keys():
+  """Near-duplicate keys, beta ~ 1, no decay: the hardest case for the WY
+  solve and for the split dots (single-bf16 dots fail the output tolerance
+  here)."""
+  x = prefill_inputs((200,), seed=12, scale=1.0)
+  base = jax.random.normal(jax.random.key(1), (1, 4, 128))
+  keys = base + 0.15 * jax.random.normal(jax.random.key(2), (200, 4, 128))
+  x["k"] = x["q"] = (keys / jnp.linalg.norm(keys, axis=-1, keepdims=True)).astype(jnp.bfloat16)
+  x["b"] = jnp.full((200, 8), 4.0, jnp.bfloat16)
+  x["a"] = jnp.full((200, 8), -8.0, jnp.bfloat16)
+  out, new_state = gk.gdn_prefill(**x, config=gk.GdnPrefillConfig(chunk=32, block_v=128),
+                                  interpret=True)
+  want_out, want_state = fam.gdn_prefill_reference(**x)
+  assert_bf16_close(out, want_out)
+  assert state_errors(new_state, want_state)[0] < 1e-4
+
+
 def test_prefill_single_token_matches_decode():
   x = prefill_inputs((1, 1, 1), seed=11)
   out, new_state = gk.gdn_prefill(**x, config=SMALL_PREFILL, interpret=True)
