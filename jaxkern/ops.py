@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkern.families import attention as _attention
+from jaxkern.families import gdn as _gdn
 from jaxkern.families import gemm as _gemm
 from jaxkern.families import grouped_gemm as _grouped
 from jaxkern.families import mixed_mla as _mixed_mla
@@ -27,6 +28,7 @@ from jaxkern.families import qsa as _qsa
 from jaxkern.families import sparse_mla as _sparse_mla
 from pallas_kernels import dense_gemm as _gemm_kernel
 from pallas_kernels import flash_attention as _flash
+from pallas_kernels import gdn as _gdn_kernels
 from pallas_kernels import grouped_gemm as _grouped_kernel
 from pallas_kernels import mixed_mla as _mixed_mla_kernel
 from pallas_kernels import moe_router as _router_kernel
@@ -223,3 +225,32 @@ def qsa_sparse_gqa_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
                                           config=config)
   return _qsa.qsa_sparse_gqa_decode_reference(q, k_cache, v_cache, page_table, seq_lens, topk_ids,
                                               jnp.asarray(sm_scale, jnp.float32))
+
+
+def gdn_decode(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log: jax.Array,  # pylint: disable=invalid-name
+               a: jax.Array, dt_bias: jax.Array, b: jax.Array, scale: float | jax.Array | None = None, *,
+               config: Any = None, backend: Backend = None) -> tuple[jax.Array, jax.Array]:
+  """Gated delta net decode step (Qwen3-Next): q, k [B, 1, HQ, D], v [B, 1, HV, D],
+  k-last state [B, HV, V, K] f32, a, b [B, 1, HV], A_log, dt_bias [HV];
+  scale None/0 -> D**-0.5. Returns (output [B, 1, HV, D] bf16, new_state f32)."""
+  args = dict(q=q, k=k, v=v, state=state, A_log=A_log, a=a, dt_bias=dt_bias, b=b,
+              scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32))
+  if _pallas(backend):
+    config = _config(_gdn.gdn_decode_reference, args, config)
+    return _gdn_kernels.gdn_decode(**args, config=config)
+  return _gdn.gdn_decode_reference(**args)
+
+
+def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log: jax.Array,  # pylint: disable=invalid-name
+                a: jax.Array, dt_bias: jax.Array, b: jax.Array, cu_seqlens: jax.Array,
+                scale: float | jax.Array | None = None, *, config: Any = None,
+                backend: Backend = None) -> tuple[jax.Array, jax.Array]:
+  """Gated delta net over packed sequences (chunked on the Pallas path): q, k [T, HQ, D],
+  v [T, HV, D], a, b [T, HV], initial k-last states [N, HV, V, K] f32, cu_seqlens
+  [N + 1]. Returns (output [T, HV, D] bf16, final states f32; empty sequences 0)."""
+  args = dict(q=q, k=k, v=v, state=state, A_log=A_log, a=a, dt_bias=dt_bias, b=b, cu_seqlens=cu_seqlens,
+              scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32))
+  if _pallas(backend):
+    config = _config(_gdn.gdn_prefill_reference, args, config)
+    return _gdn_kernels.gdn_prefill(**args, config=config)
+  return _gdn.gdn_prefill_reference(**args)
