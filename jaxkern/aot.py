@@ -595,9 +595,8 @@ def main(argv: list[str]) -> None:
   for op in ops:
     axes = op.full_axes(parse_axes(_AXES.value) if _AXES.value else largest_axes(op))
     configs = op.candidate_configs(op.input_shapes(axes)) if _ALL_CANDIDATES.value else None
-    rows += check_op(compiler, op, axes, configs, progress=None if _JSON.value else (
-        lambda r: print(f"{r['definition']} {r['config']}: {r['status']} ({r['compile_seconds']:.1f} s)",
-                        file=sys.stderr, flush=True)))
+    rows += check_op(compiler, op, axes, configs, progress=lambda r: print(
+        f"{r['definition']} {r['config']}: {r['status']} ({r['compile_seconds']:.1f} s)", file=sys.stderr, flush=True))
   if _JSON.value:
     print(json.dumps({"target": compiler.target, "limits": dataclasses.asdict(compiler.limits), "rows": rows},
                      indent=1))
