@@ -46,9 +46,12 @@ import tempfile
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-# The CUDA plugin checks for a CUDA runtime/cuDNN when jax initializes it; a
-# compile-only target needs neither.
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+def skip_cuda_checks() -> None:
+  """The CUDA plugin looks for a CUDA runtime and cuDNN when jax initializes
+  its backends (and prints a traceback on a machine without them); a
+  compile-only target needs neither. Call before the first jax.devices()."""
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 DEFAULT_TARGET = "NVIDIA H200 141GB HBM3e"
 OK, SPILLS, SMEM_OVERFLOW, ERROR = "ok", "spills", "smem_overflow", "error"
@@ -397,6 +400,7 @@ class Compiler:
     reason = available()
     if reason:
       raise RuntimeError(reason)
+    skip_cuda_checks()
     import jax  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
     from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
@@ -579,6 +583,7 @@ def main(argv: list[str]) -> None:
   from absl import logging  # pylint: disable=g-import-not-at-top
 
   logging.set_verbosity(logging.WARNING)  # jax's backend probing is noise here
+  skip_cuda_checks()
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   reason = available()

@@ -125,12 +125,14 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   op = registry.get(_DEFINITION.value)
   axes = op.full_axes(parse_axes(_AXES.value))
-  interpret = resolve_interpret(_INTERPRET.value)
   compiler = None
   use_aot = _AOT.value if _AOT.value is not None else aot_lib.available() is None
   if use_aot:
     if aot_lib.available():
       raise app.UsageError(f"--aot: {aot_lib.available()}")
+    aot_lib.skip_cuda_checks()  # before jax initializes its backends
+  interpret = resolve_interpret(_INTERPRET.value)
+  if use_aot:
     compiler = aot_lib.Compiler(_AOT_TARGET.value)
     print(f"sm_90a compile check on: {compiler.target}", flush=True)
   rows = sweep(op, axes, seed=_SEED.value, warmup=_WARMUP.value, iters=_ITERS.value, interpret=interpret,
