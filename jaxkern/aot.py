@@ -226,7 +226,9 @@ class CompileReport:
   def status(self) -> str:
     """The worst status: error > smem_overflow > spills > ok."""
     order = (ERROR, SMEM_OVERFLOW, SPILLS, OK)
-    found = {k.status for k in self.kernels} | ({ERROR} if self.error and not self.kernels else set())
+    found = {k.status for k in self.kernels}
+    if self.error and found <= {OK}:  # an error no kernel accounts for
+      found.add(ERROR)
     return next((s for s in order if s in found), OK)
 
   def summary(self) -> str:

@@ -157,7 +157,7 @@ def choose_config(shapes: Mapping[str, Any]) -> MoeRouterConfig:
 def candidate_configs(shapes: Mapping[str, Any]) -> list[MoeRouterConfig]:
   """Configs a sweep may try, the heuristic's first. Only forms that compile
   without spills on sm_90a (checked with `python -m jaxkern.aot
-  --all_candidates` at M = 1, 2, 3, 16, 128, 4096 and 8192): GEMM tiles on 8
+  --all_candidates` at M = 1, 3, 128, 4096 and 8192): GEMM tiles on 8
   warps, the fused form only with 16-row tiles, at most `_MAX_SPLITS` splits."""
   m, d, _ = _mde(shapes)
   out = [choose_config(shapes)]
@@ -303,12 +303,12 @@ def _partial_logits_kernel(hidden_ref, weight_ref, partial_ref, *, m, d, e,
     plgpu.store(partial_ref.at[:, pl.ds(jnp.int32(0), experts_padded)], partial, mask=mask)
 
 
-def _splits_per_load(block_m: int, num_warps: int, num_splits: int) -> int:
+def _splits_per_load(block_m: int, num_warps: int, num_splits: int, experts_padded: int = 512) -> int:
   """Splits the reduce kernel loads at once: as many as keep one load's
-  [splits, block_m, 512] fp32 tile at <= 64 registers per thread (decode: all
-  16 splits of its one row in one go, so their loads are in flight together
-  instead of one L2 round trip each)."""
-  budget = max(1, (64 * 32 * num_warps) // (block_m * 512))
+  [splits, block_m, experts_padded] fp32 tile at <= 64 registers per thread
+  (decode: all 16 splits of its one row in one go, so their loads are in
+  flight together instead of one L2 round trip each)."""
+  budget = max(1, (64 * 32 * num_warps) // (block_m * experts_padded))
   return min(next_pow2(num_splits), 1 << (budget.bit_length() - 1))
 
 
@@ -408,7 +408,8 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
       name="moe_router_partial_logits",
   )(hidden, weight)
   epilogue_block_m = config.epilogue.block_m
-  splits_per_load = _splits_per_load(epilogue_block_m, config.epilogue.num_warps, num_splits)
+  splits_per_load = _splits_per_load(epilogue_block_m, config.epilogue.num_warps, num_splits,
+                                     experts_padded)
   return pl.pallas_call(
       functools.partial(_reduce_and_route_kernel, m=m, e=e, top_k=top_k,
                         top_k_padded=top_k_padded, num_splits=num_splits,

@@ -129,6 +129,9 @@ def test_build_reports_errors_and_overflow():
   [k] = aot.build_reports(calls, big, stats, {}, limits)
   assert k.status == aot.SMEM_OVERFLOW and k.ctas_per_sm == 0
   assert aot.CompileReport([], 0.5, "no kernel").status == aot.ERROR
+  clean = aot.KernelReport("k", registers=32, spill_stores=0, spill_loads=0)
+  assert aot.CompileReport([clean], 0.5, "XLA failed after the kernels").status == aot.ERROR
+  assert aot.CompileReport([clean], 0.5).status == aot.OK
 
 
 def test_parse_axes():
