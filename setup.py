@@ -21,5 +21,11 @@ setuptools.setup(
         "tabulate>=0.9,<1",
         "matplotlib>=3.8,<4",
     ],
-    extras_require={"test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4"]},
+    extras_require={
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4"],
+        # `python -m jaxkern.aot`: compile for sm_90a without a GPU (README). The
+        # plugin without its `with-cuda` extra pulls no CUDA runtime libraries.
+        "aot": ["jax-cuda12-plugin>=0.11.2,<0.13", "jax-cuda12-pjrt>=0.11.2,<0.13",
+                "nvidia-cuda-nvcc-cu12>=12.6,<13"],
+    },
 )

@@ -7,7 +7,12 @@ reference, and timed; the table ends with the fastest correct config.
       --axes=B=1,Nq=2352,Nk=51 --max_configs=8 --output=/tmp/sweep.jsonl
 
 Without a GPU the kernels run in interpret mode: correctness holds, timings
-do not predict GPU performance. `--lower_only` checks that every candidate
+do not predict GPU performance. With `--aot` (the default when the `aot`
+extra is installed, see `jaxkern.aot`) every candidate is first compiled for
+sm_90a with XLA's GPU compiler and ptxas; a config that spills registers,
+overflows shared memory or fails to compile is reported (status `spills`,
+`smem_overflow`, `aot_error`) and not run, so `--write_tuned` never records
+one. `--lower_only` checks that every candidate
 lowers for an abstract H100 instead of running it. `--write_tuned` records
 the fastest correct config in `configs/tuned/<device kind>.json` for the
 axes' shape bucket (see `jaxkern.tuning`); replay, sweep and `jaxkern.ops`
@@ -24,6 +29,7 @@ from absl import app
 from absl import flags
 import jax
 
+from jaxkern import aot as aot_lib
 from jaxkern import bench
 from jaxkern import registry
 from jaxkern import tuning
@@ -39,6 +45,9 @@ _MAX_CONFIGS = flags.DEFINE_integer("max_configs", 0, "Try at most this many can
 _INTERPRET = flags.DEFINE_bool("interpret", None, "Interpret mode (default: when no GPU is present).")
 _LOWER_ONLY = flags.DEFINE_bool("lower_only", False, "Only check deviceless H100 lowering of each candidate.")
 _OUTPUT = flags.DEFINE_string("output", "", "Optional JSONL file, one line per config.")
+_AOT = flags.DEFINE_bool("aot", None, "Compile each candidate for sm_90a first and skip those that spill or "
+                         "overflow shared memory (default: when the aot extra is installed).")
+_AOT_TARGET = flags.DEFINE_string("aot_target", aot_lib.DEFAULT_TARGET, "GPU target of --aot.")
 _WRITE_TUNED = flags.DEFINE_bool("write_tuned", False,
                                  "Record the fastest correct config in configs/tuned/<device kind>.json.")
 
@@ -53,8 +62,14 @@ def parse_axes(text: str) -> dict[str, int]:
   return axes
 
 
+# Row statuses of configs the sm_90a compile rejected (never run, never tuned).
+AOT_REJECTED = {aot_lib.SPILLS: "spills", aot_lib.SMEM_OVERFLOW: "smem_overflow", aot_lib.ERROR: "aot_error"}
+
+
 def sweep(op: registry.Op, axes: dict[str, int], *, seed: int, warmup: int, iters: int, interpret: bool,
-          max_configs: int, lower_only: bool) -> list[dict]:
+          max_configs: int, lower_only: bool, compiler: "aot_lib.Compiler | None" = None) -> list[dict]:
+  """One row per candidate. With `compiler` (a `jaxkern.aot.Compiler`), each
+  candidate is compiled for sm_90a first; rejected ones are not run."""
   # Lowering needs shapes only: no inputs are synthesized for it.
   inputs = op.input_shapes(axes) if lower_only else op.make_inputs(axes, seed=seed)
   configs = op.candidate_configs(inputs)
@@ -69,6 +84,19 @@ def sweep(op: registry.Op, axes: dict[str, int], *, seed: int, warmup: int, iter
            "current": config == current.config, "current_source": current.source, "status": None,
            "latency_ms": None, "log": ""}
     t0 = time.perf_counter()
+    if compiler is not None:
+      rep = compiler.compile(lambda x, config=config: op.kernel(x, interpret=False, config=config),
+                             op.input_shapes(axes))
+      row["aot"] = {"status": rep.status, "summary": rep.summary(), "error": rep.error,
+                    "kernels": [{k: getattr(kr, k) for k in ("name", "registers", "smem_bytes", "spill_stores",
+                                                             "spill_loads", "matrix_ops", "ctas_per_sm")}
+                                for kr in rep.kernels]}
+      if not rep.ok:
+        row["status"], row["log"] = AOT_REJECTED.get(rep.status, "aot_error"), rep.summary()
+        row["seconds"], row["_config"] = time.perf_counter() - t0, config
+        rows.append(row)
+        print(f"[{i}/{len(configs)}] {config} -> {row['status']} (sm_90a: {rep.summary()}); skipped", flush=True)
+        continue
     try:
       if lower_only:
         lower_for_h100(lambda x, config=config: op.kernel(x, interpret=False, config=config), inputs)
@@ -97,17 +125,31 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   op = registry.get(_DEFINITION.value)
   axes = op.full_axes(parse_axes(_AXES.value))
+  compiler = None
+  use_aot = _AOT.value if _AOT.value is not None else aot_lib.available() is None
+  if use_aot:
+    if aot_lib.available():
+      raise app.UsageError(f"--aot: {aot_lib.available()}")
+    aot_lib.skip_cuda_checks()  # before jax initializes its backends
   interpret = resolve_interpret(_INTERPRET.value)
+  if use_aot:
+    compiler = aot_lib.Compiler(_AOT_TARGET.value)
+    print(f"sm_90a compile check on: {compiler.target}", flush=True)
   rows = sweep(op, axes, seed=_SEED.value, warmup=_WARMUP.value, iters=_ITERS.value, interpret=interpret,
-               max_configs=_MAX_CONFIGS.value, lower_only=_LOWER_ONLY.value)
+               max_configs=_MAX_CONFIGS.value, lower_only=_LOWER_ONLY.value, compiler=compiler)
   if _OUTPUT.value:
     with open(_OUTPUT.value, "w", encoding="utf-8") as f:
       for r in rows:
         f.write(json.dumps({"definition": op.name, "axes": axes, "interpret": interpret,
                             **{k: v for k, v in r.items() if k != "_config"}}) + "\n")
   table = [[json.dumps(r["config"]), "*" if r["heuristic"] else "", r["current_source"] if r["current"] else "",
-            r["status"], "-" if r["latency_ms"] is None else f"{r['latency_ms']:.3f}"] for r in rows]
-  print(tabulate.tabulate(table, headers=["config", "heuristic", "in use", "status", "ms"]))
+            r["status"], "-" if r["latency_ms"] is None else f"{r['latency_ms']:.3f}"]
+           + ([r["aot"]["summary"] if "aot" in r else "-"] if compiler else []) for r in rows]
+  print(tabulate.tabulate(table, headers=["config", "heuristic", "in use", "status", "ms"]
+                          + (["sm_90a"] if compiler else [])))
+  rejected = [r for r in rows if r["status"] in AOT_REJECTED.values()]
+  if rejected:
+    print(f"{len(rejected)} config(s) rejected by the sm_90a compile (not run, never tuned)")
   good = [r for r in rows if r["status"] in ("passed", "lowered")]
   timed = [r for r in good if r["latency_ms"] is not None]
   if timed:
@@ -120,7 +162,8 @@ def main(argv: list[str]) -> None:
       print(f"tuned: {op.name} [{tuning.shape_bucket(var_axes)}] -> {path}")
   elif _WRITE_TUNED.value:
     print("tuned: nothing written (no correct, timed config)")
-  sys.exit(0 if len(good) == len(rows) else 1)
+  # Configs the sm_90a compile rejected are an answer, not a failure.
+  sys.exit(0 if good and len(good) + len(rejected) == len(rows) else 1)
 
 
 if __name__ == "__main__":

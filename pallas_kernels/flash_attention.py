@@ -76,15 +76,37 @@ def _fit(config: FlashAttentionConfig, q_len: int, kv_len: int) -> FlashAttentio
 
 # What a sweep explores, before fitting to the problem. Shared memory per
 # pipeline stage is 2 * block_k * D * 2 bytes (a K and a V tile) on top of the
-# resident Q tile; at D=128 every entry stays under the 227 KiB of an H100 SM.
+# resident Q tile.
 _SWEEP_CONFIGS = (
     FlashAttentionConfig(128, 64, num_warps=8, num_stages=3),
+    FlashAttentionConfig(128, 128, num_warps=8, num_stages=3),
     FlashAttentionConfig(128, 64, num_warps=4, num_stages=3),
     FlashAttentionConfig(128, 128, num_warps=8, num_stages=2),
     FlashAttentionConfig(128, 32, num_warps=4, num_stages=4),
     FlashAttentionConfig(64, 64, num_warps=4, num_stages=3),
     FlashAttentionConfig(64, 128, num_warps=4, num_stages=2),
 )
+
+# Compiled for sm_90a with XLA's Triton and ptxas 12.9 (`python -m jaxkern.aot
+# --definition <attention definitions> --all_candidates`, largest recorded
+# axes), these spill registers at D >= 128 and are left out of the sweep there:
+# 128x64 on 4 warps spills 52 bytes (dense), 204-508 (segments, prefix); with
+# prefix keys also 128x32 on 4 warps (48 bytes) and 64x128 on 4 warps (84).
+_SPILL_AT_D128 = (FlashAttentionConfig(128, 64, num_warps=4, num_stages=3),)
+_SPILL_AT_D128_WITH_PREFIX = (FlashAttentionConfig(128, 32, num_warps=4, num_stages=4),
+                              FlashAttentionConfig(64, 128, num_warps=4, num_stages=2))
+# Usable shared memory per CTA on an H100/H200 (227 KiB).
+_SMEM_PER_BLOCK = 232448
+
+
+def shared_memory_bytes(config: FlashAttentionConfig, head_dim: int, itemsize: int = 2, *,
+                        has_prefix: bool = False) -> int:
+  """Triton's shared memory for this kernel, as measured on sm_90a: the Q
+  tile plus one K and one V tile per pipeline stage, and one stage more when
+  prefix keys add a second pipelined loop (128x128, 3 stages, D=128: 224 KiB
+  without a prefix, 288 KiB with one, which does not fit)."""
+  stages = config.num_stages + (1 if has_prefix else 0)
+  return itemsize * head_dim * (config.block_q + stages * 2 * config.block_k)
 
 
 def _problem(shapes: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
@@ -96,21 +118,33 @@ def _problem(shapes: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
   return int(batch), int(num_heads), int(q_len), int(kv_len), int(head_dim)
 
 
+def _has_prefix(shapes: Mapping[str, Any]) -> bool:
+  return shapes.get("k_prefix") is not None and shapes["k_prefix"].shape[1] > 0
+
+
 def choose_config(shapes: Mapping[str, Any]) -> FlashAttentionConfig:
   """Heuristic tiling.
 
-  128-row query tiles with 64-key steps is the FlashAttention-2 shape for
-  Hopper-class tensor cores (the Q tile stays in registers, K/V tiles stream
-  through a 3-stage pipeline). When 128-row tiles would leave fewer than two
-  programs per SM (short query sequences, B=1), 64-row tiles double the grid.
-  `kv_len` is the longer key source (max of Nk and the prefix's Np): it only
-  caps `block_k` for tiny problems.
+  128-row query tiles are the FlashAttention-2 shape for Hopper-class tensor
+  cores (the Q tile stays in registers, K/V tiles stream through a 3-stage
+  pipeline). At D >= 128 the key step is 128 on 8 warps (tokamax's tuning of
+  Pallas-Triton flash attention on H100 picks 128x128, 8 warps, 3 stages for
+  non-causal d128; on sm_90a it compiles to about 254 registers, no spills,
+  224 KiB shared memory); with prefix keys the second pipelined loop would
+  need 288 KiB, so those keep 64-key steps. At D = 64 the key step is 64 on
+  4 warps. When 128-row tiles would leave fewer than two programs per SM
+  (short query sequences, B=1), 64-row tiles double the grid. `kv_len` is
+  the longer key source (max of Nk and the prefix's Np): it only caps
+  `block_k` for tiny problems.
   """
   batch, num_heads, q_len, kv_len, head_dim = _problem(shapes)
   programs_at_128 = batch * num_heads * cdiv(q_len, 128)
   block_q = 128 if programs_at_128 >= 2 * _NUM_SMS else 64
-  if block_q == 128:
-    config = FlashAttentionConfig(128, 64, num_warps=8 if head_dim >= 128 else 4, num_stages=3)
+  if block_q == 128 and head_dim >= 128:
+    block_k = 64 if _has_prefix(shapes) else 128
+    config = FlashAttentionConfig(128, block_k, num_warps=8, num_stages=3)
+  elif block_q == 128:
+    config = FlashAttentionConfig(128, 64, num_warps=4, num_stages=3)
   else:
     config = FlashAttentionConfig(64, 64, num_warps=4, num_stages=3)
   return _fit(config, q_len, kv_len)
@@ -118,10 +152,20 @@ def choose_config(shapes: Mapping[str, Any]) -> FlashAttentionConfig:
 
 def candidate_configs(shapes: Mapping[str, Any]) -> list[FlashAttentionConfig]:
   """The sweep's configurations fitted to the problem, heuristic choice first,
-  without duplicates."""
-  _, _, q_len, kv_len, _ = _problem(shapes)
+  without duplicates, without those that spill or overflow shared memory on
+  sm_90a at this head dim."""
+  _, _, q_len, kv_len, head_dim = _problem(shapes)
+  has_prefix = _has_prefix(shapes)
+  itemsize = jnp.dtype(shapes["q"].dtype).itemsize
+  excluded = set()
+  if head_dim >= 128:
+    excluded.update(_SPILL_AT_D128)
+    if has_prefix:
+      excluded.update(_SPILL_AT_D128_WITH_PREFIX)
   chosen = choose_config(shapes)
-  fitted = [_fit(c, q_len, kv_len) for c in _SWEEP_CONFIGS]
+  fitted = [_fit(c, q_len, kv_len) for c in _SWEEP_CONFIGS
+            if c not in excluded
+            and shared_memory_bytes(c, head_dim, itemsize, has_prefix=has_prefix) <= _SMEM_PER_BLOCK]
   return list(dict.fromkeys([chosen, *fitted]))
 
 
@@ -275,9 +319,13 @@ def key_block_limits(key_valid: jax.Array | None, segment_ids: jax.Array | None,
     # minimum. Both helper sequences are nondecreasing.
     running_max = lax.cummax(seg, axis=1)
     suffix_min = lax.cummin(seg, axis=1, reverse=True)
-    search = jax.vmap(functools.partial(jnp.searchsorted, side="right"))
-    full = jnp.minimum(full, search(running_max, seg_lo).astype(jnp.int32))
-    end = jnp.minimum(end, search(suffix_min, seg_hi).astype(jnp.int32))
+    # Searching a nondecreasing sequence (side="right") is counting the
+    # entries <= the value: one fused compare-and-sum per (batch row, query
+    # block), where jnp.searchsorted lowers to a while loop before the launch.
+    def count_le(sorted_seq, values):  # [B, N], [B, Q] -> [B, Q]
+      return jnp.sum(sorted_seq[:, None, :] <= values[:, :, None], axis=2, dtype=jnp.int32)
+    full = jnp.minimum(full, count_le(running_max, seg_lo))
+    end = jnp.minimum(end, count_le(suffix_min, seg_hi))
   n_blocks = (end + block_k - 1) // block_k
   n_unmasked = jnp.minimum(full // block_k, n_blocks)
   return jnp.stack([n_unmasked, n_blocks], axis=-1)

@@ -20,17 +20,22 @@ masked.
 Two forms, picked by `MoeRouterConfig.gemm.split_d`:
 * `split_d == 1`: one fused kernel; each program owns `block_m` tokens, walks
   all of D, routes, and stores ids/weights. Nothing but the outputs reaches
-  HBM. The heuristic uses it once there are enough token blocks to fill the
-  GPU (M > 4096 with 64-row blocks).
-* `split_d > 1`: a two-stage design, chosen on purpose for decode and the
-  recorded prefill sizes (M <= 4096). With one program per token block, M=1
-  would stream the whole 3.9 MB weight through one SM and M=4096 would use
-  64 of 132 SMs, each doing 335 MFLOP serially. Splitting D over `split_d`
-  programs spreads that work; each program writes its fp32 partial logits
-  for real tokens only ([split, M, 512]: 2 KiB per token and split, 160 KiB
-  at M=1 against the 3.9 MB weight read), and a small second Pallas kernel
-  sums the partials and runs the same routing epilogue. That is the one HBM
-  round trip of (partial) logits, taken only where it buys parallelism.
+  HBM. It holds the accumulator and the routing temporaries at once: on
+  sm_90a (XLA's Triton, ptxas 12.9) it spills kilobytes at 64 rows and tens
+  of bytes at 32, so it is a sweep candidate with 16-row tiles only and the
+  heuristic never picks it.
+* `split_d > 1`: a two-stage design, used for every M. With one program per
+  token block, M=1 would stream the whole 3.9 MB weight through one SM and
+  M=4096 would use 64 of 132 SMs, each doing 335 MFLOP serially. Splitting D
+  over `split_d` programs (at most 16) spreads that work; each program writes
+  its fp32 partial logits for real tokens and real experts only
+  ([split, M, E]: 1.5 KiB per token and split, 24 KiB at M=1 against the
+  3.9 MB weight read), and a small second Pallas kernel sums the partials,
+  several splits per (vector) load, and runs the same routing epilogue on a
+  short row tile. That is the one HBM round trip of (partial) logits.
+
+`python -m jaxkern.aot --definition moe_router --all_candidates` checks that
+every candidate compiles without spills for sm_90a.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ from pallas_kernels.common import cdiv, check_dot_blocks, check_nt_operands, fit
 # Programs that fill an H100/H200 (132 SMs) roughly once; the split heuristic
 # aims for this many (token block, D split) programs.
 _TARGET_PROGRAMS = 128
+# The most D splits the heuristic and the sweep use: past this the partials'
+# traffic and the reduce kernel's loads grow while the GEMM stage gains little.
+_MAX_SPLITS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +78,18 @@ class RouterGemmStage:
 @dataclasses.dataclass(frozen=True)
 class RouterEpilogueStage:
   """The split-D reduce + routing kernel: a short row tile keeps its several
-  [rows, 512] fp32/bool temporaries in registers."""
+  [rows, 512] fp32/bool temporaries in registers. 16 rows need 8 warps to stay
+  spill-free on sm_90a (4 warps: 255 registers and 200 bytes of spills); 8
+  rows fit 4 warps. There is no dot here, so any power of two works (decode
+  uses 1 row)."""
   block_m: int = 16
-  num_warps: int = 4
+  num_warps: int = 8
 
   def __post_init__(self):
-    check_dot_blocks(self, "block_m")
+    if self.block_m < 1 or self.block_m & (self.block_m - 1):
+      raise ValueError(f"block_m={self.block_m} must be a power of two")
+    if self.num_warps < 1:
+      raise ValueError(f"num_warps={self.num_warps} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +114,7 @@ def _fit(config: MoeRouterConfig, m: int, d: int) -> MoeRouterConfig:
   if gemm.split_d == 1:
     epilogue = RouterEpilogueStage()
   else:
-    epilogue = dataclasses.replace(config.epilogue, block_m=fit_block(config.epilogue.block_m, m))
+    epilogue = dataclasses.replace(config.epilogue, block_m=min(config.epilogue.block_m, next_pow2(m)))
   return MoeRouterConfig(gemm=gemm, epilogue=epilogue)
 
 
@@ -109,34 +123,51 @@ def _mde(shapes: Mapping[str, Any]) -> tuple[int, int, int]:
   return int(m), int(d), int(shapes["weight"].shape[0])
 
 
+def _epilogues(m: int) -> list[RouterEpilogueStage]:
+  """Epilogue tiles that compile spill-free on sm_90a: 8 rows on 4 warps
+  (about 170 registers, 3 CTAs per SM) or 16 on 8; a tiny M in one tile on
+  8 or 2 warps (1 row on 4 warps spills 32 bytes, oddly, at 40 registers)."""
+  if m <= 8:
+    return [RouterEpilogueStage(next_pow2(m), 8), RouterEpilogueStage(next_pow2(m), 2)]
+  return [RouterEpilogueStage(8, 4), RouterEpilogueStage(16, 8)]
+
+
 def choose_config(shapes: Mapping[str, Any]) -> MoeRouterConfig:
   """Heuristic: token tile from M, then enough D splits to fill the GPU.
 
   The fp32 logit tile is block_m x next_pow2(E); 64 x 512 is the largest that
-  keeps the accumulator in registers with 8 warps. For M <= 16 (decode) the
-  tile is 16 rows and D splits reach one 64-column block per program.
+  keeps the accumulator in registers with 8 warps; every GEMM tile uses 8
+  warps (on 4, 32 rows spill and 16 rows reach 250 registers). Always two
+  stages: the fused kernel holds the accumulator and the routing
+  temporaries at once and spills kilobytes at 64 rows on sm_90a. D splits
+  aim at `_TARGET_PROGRAMS` programs, at least 2 and at most `_MAX_SPLITS`:
+  decode (M <= 16) gets 16 splits of 5 column blocks, whose partials the
+  reduce kernel loads in one go.
   """
   m, d, _ = _mde(shapes)  # the expert tile is always next_pow2(E) wide
   block_m = 16 if m <= 16 else 32 if m <= 32 else 64
   num_m_blocks = cdiv(m, block_m)
-  split_d = 1
-  while num_m_blocks * split_d * 2 <= _TARGET_PROGRAMS:
+  split_d = 2
+  while num_m_blocks * split_d * 2 <= _TARGET_PROGRAMS and split_d < _MAX_SPLITS:
     split_d *= 2
-  gemm = RouterGemmStage(block_m=block_m, block_d=64, split_d=split_d,
-                         num_warps=8 if block_m == 64 else 4, num_stages=2)
-  return _fit(MoeRouterConfig(gemm=gemm), m, d)
+  gemm = RouterGemmStage(block_m=block_m, block_d=64, split_d=split_d, num_warps=8, num_stages=2)
+  return _fit(MoeRouterConfig(gemm=gemm, epilogue=_epilogues(m)[0]), m, d)
 
 
 def candidate_configs(shapes: Mapping[str, Any]) -> list[MoeRouterConfig]:
-  """Configs a sweep may try, the heuristic's first."""
+  """Configs a sweep may try, the heuristic's first. Only forms that compile
+  without spills on sm_90a (checked with `python -m jaxkern.aot
+  --all_candidates` at M = 1, 3, 128, 4096 and 8192): GEMM tiles on 8
+  warps, the fused form only with 16-row tiles, at most `_MAX_SPLITS` splits."""
   m, d, _ = _mde(shapes)
   out = [choose_config(shapes)]
-  epilogues = [RouterEpilogueStage(16, 4), RouterEpilogueStage(16, 8), RouterEpilogueStage(32, 8)]
-  for block_m, num_warps in ((16, 4), (32, 4), (64, 8)):
-    for block_d, num_stages in ((32, 3), (64, 2)):
-      for split_d in (1, 2, 4, 8, 16, 32, 64, 128):
-        gemm = RouterGemmStage(block_m, block_d, split_d, num_warps, num_stages)
-        for epilogue in epilogues:
+  for block_m in (16, 32, 64):
+    for block_d, num_stages in ((64, 2), (32, 3)):
+      for split_d in (1, 2, 4, 8, _MAX_SPLITS):
+        if split_d == 1 and block_m > 16:
+          continue  # fused with 32+ rows: the accumulator and routing spill
+        gemm = RouterGemmStage(block_m, block_d, split_d, 8, num_stages)
+        for epilogue in _epilogues(m):
           config = _fit(MoeRouterConfig(gemm, epilogue), m, d)
           if config not in out:
             out.append(config)
@@ -257,27 +288,48 @@ def _partial_logits_kernel(hidden_ref, weight_ref, partial_ref, *, m, d, e,
   partial = _accumulate_logits(
       hidden_ref, weight_ref, first, count, m=m, d=d, e=e, block_m=block_m,
       block_d=block_d, experts_padded=experts_padded, row_start=row_start)
+  # Only real tokens and real experts are written: [split, M, E], so decode
+  # (M=1 in a 16-row tile) writes 1.5 KiB per split, not 32 KiB.
+  mask = None
   if m % block_m:
-    # Only real tokens are written: for decode (M=1 in a 16-row tile) this
-    # keeps the partials at 2 KiB per split instead of 32 KiB.
-    row_ok = (row_start + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < m
-    plgpu.store(partial_ref, partial, mask=row_ok)
-  else:
+    mask = (row_start + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < m
+  if e != experts_padded:
+    col_ok = lax.broadcasted_iota(jnp.int32, (1, experts_padded), 1) < e
+    mask = col_ok if mask is None else mask & col_ok
+  if mask is None:
     partial_ref[...] = partial
+  else:
+    # Traced start: the padded expert tile overhangs the E-wide ref.
+    plgpu.store(partial_ref.at[:, pl.ds(jnp.int32(0), experts_padded)], partial, mask=mask)
+
+
+def _splits_per_load(block_m: int, num_warps: int, num_splits: int, experts_padded: int = 512) -> int:
+  """Splits the reduce kernel loads at once: as many as keep one load's
+  [splits, block_m, experts_padded] fp32 tile at <= 64 registers per thread
+  (decode: all 16 splits of its one row in one go, so their loads are in
+  flight together instead of one L2 round trip each)."""
+  budget = max(1, (64 * 32 * num_warps) // (block_m * experts_padded))
+  return min(next_pow2(num_splits), 1 << (budget.bit_length() - 1))
 
 
 def _reduce_and_route_kernel(partial_ref, bias_ref, scale_ref, ids_ref,
                              weights_ref, *, m, e, top_k, top_k_padded,
-                             num_splits):
-  # partial_ref: [num_splits, block_m, experts_padded] fp32 rows of M.
-  _, block_m, experts_padded = partial_ref.shape
+                             num_splits, block_m, experts_padded, splits_per_load):
+  # partial_ref: [num_splits, block_m, E] fp32 rows of M.
   row_start = pl.program_id(0) * block_m
-  if m % block_m:
-    row_ok = (row_start + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < m
-    load_split = lambda s: plgpu.load(partial_ref.at[s], mask=row_ok, other=0.0)
-  else:
-    load_split = lambda s: partial_ref[s]
-  logits = lax.fori_loop(0, num_splits, lambda s, acc: acc + load_split(s),
+  split_ids = lax.broadcasted_iota(jnp.int32, (splits_per_load, 1, 1), 0)
+  rows = row_start + lax.broadcasted_iota(jnp.int32, (1, block_m, 1), 1)
+  cols = lax.broadcasted_iota(jnp.int32, (1, 1, experts_padded), 2)
+  row_col_ok = (rows < m) & (cols < e)
+
+  def add_splits(chunk, acc):
+    first = chunk * splits_per_load
+    tile = plgpu.load(
+        partial_ref.at[pl.ds(first, splits_per_load), :, pl.ds(jnp.int32(0), experts_padded)],
+        mask=row_col_ok & (first + split_ids < num_splits), other=0.0)
+    return acc + jnp.sum(tile, axis=0)
+
+  logits = lax.fori_loop(0, cdiv(num_splits, splits_per_load), add_splits,
                          jnp.zeros((block_m, experts_padded), jnp.float32))
   bias = _load_bias(bias_ref, e=e, experts_padded=experts_padded)
   ids, weights = _route(logits, bias, scale_ref[0], e=e, top_k=top_k,
@@ -343,28 +395,30 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
   partial = pl.pallas_call(
       functools.partial(_partial_logits_kernel,
                         d_blocks_per_split=_d_blocks_per_split(gemm, d), **dims),
-      out_shape=jax.ShapeDtypeStruct((num_splits, m, experts_padded), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((num_splits, m, e), jnp.float32),
       grid=(num_m_blocks, num_splits),
       in_specs=[
           pl.BlockSpec((block_m, d), lambda i, s: (i, 0)),
           pl.BlockSpec((e, d), lambda i, s: (0, 0)),
       ],
-      out_specs=pl.BlockSpec((None, block_m, experts_padded),
-                             lambda i, s: (s, i, 0)),
+      out_specs=pl.BlockSpec((None, block_m, e), lambda i, s: (s, i, 0)),
       compiler_params=plgpu.CompilerParams(
           num_warps=gemm.num_warps, num_stages=gemm.num_stages),
       interpret=interpret,
       name="moe_router_partial_logits",
   )(hidden, weight)
   epilogue_block_m = config.epilogue.block_m
+  splits_per_load = _splits_per_load(epilogue_block_m, config.epilogue.num_warps, num_splits,
+                                     experts_padded)
   return pl.pallas_call(
       functools.partial(_reduce_and_route_kernel, m=m, e=e, top_k=top_k,
-                        top_k_padded=top_k_padded, num_splits=num_splits),
+                        top_k_padded=top_k_padded, num_splits=num_splits,
+                        block_m=epilogue_block_m, experts_padded=experts_padded,
+                        splits_per_load=splits_per_load),
       out_shape=out_shape,
       grid=(cdiv(m, epilogue_block_m),),
       in_specs=[
-          pl.BlockSpec((num_splits, epilogue_block_m, experts_padded),
-                       lambda i: (0, i, 0)),
+          pl.BlockSpec((num_splits, epilogue_block_m, e), lambda i: (0, i, 0)),
           pl.BlockSpec((e,), lambda i: (0,)),
           pl.BlockSpec((1,), lambda i: (0,)),
       ],

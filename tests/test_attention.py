@@ -6,6 +6,8 @@ recorded extreme, the heuristic, and input synthesis structure.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -203,6 +205,27 @@ def test_key_block_limits():
   limits = fa.key_block_limits(key_valid, None, batch=3, q_len=10, kv_len=100,
                                block_q=16, block_k=32)
   np.testing.assert_array_equal(limits[:, 0], [[3, 4], [1, 2], [0, 0]])
+
+
+def test_key_block_limits_count_instead_of_search():
+  """The segment limits are counts over the nondecreasing helper sequences
+  (what a right-sided search returns), without a while loop before launch."""
+  rng = np.random.default_rng(0)
+  n, bq, bk = 77, 16, 8
+  for seg in (np.sort(rng.integers(0, 6, size=(2, n)), axis=1), rng.integers(0, 6, size=(2, n))):
+    seg = seg.astype(np.int32)
+    limits = np.asarray(fa.key_block_limits(None, jnp.asarray(seg), batch=2, q_len=n, kv_len=n,
+                                            block_q=bq, block_k=bk))
+    padded = np.pad(seg, ((0, 0), (0, -n % bq)), mode="edge").reshape(2, -1, bq)
+    for b in range(2):
+      running_max = np.maximum.accumulate(seg[b])
+      suffix_min = np.minimum.accumulate(seg[b][::-1])[::-1]
+      full = np.searchsorted(running_max, padded[b].min(1), side="right")
+      end = np.searchsorted(suffix_min, padded[b].max(1), side="right")
+      n_blocks = -(-end // bk)
+      np.testing.assert_array_equal(limits[b], np.stack([np.minimum(full // bk, n_blocks), n_blocks], -1))
+  fn = functools.partial(fa.key_block_limits, None, batch=2, q_len=n, kv_len=n, block_q=bq, block_k=bk)
+  assert "while" not in jax.jit(fn).lower(jnp.asarray(seg)).as_text()
 
 
 # ---------------------------------------------------------------------------
@@ -436,3 +459,28 @@ def test_cpu_axes_keep_structure(name):
       assert (small["Nq"] == small["Nk"]) == (full["Nq"] == full["Nk"])
     if name == PREFIX0:
       assert small["Nq"] >= 3
+
+
+def test_d128_heuristic_and_candidates_follow_the_sm90a_compile():
+  """At D=128: 128x128 tiles, 8 warps, 3 stages unless prefix keys need a
+  second pipeline (288 KiB); no 128x64 / 4-warp candidate (it spills); no
+  candidate over 227 KiB of shared memory. Byte counts as XLA's Triton
+  allocated them for sm_90a (`python -m jaxkern.aot`)."""
+  def shapes(d, prefix=0, b=4, n=2560):
+    s = {"q": jax.ShapeDtypeStruct((b, n, 32, d), jnp.bfloat16), "k": jax.ShapeDtypeStruct((b, n, 32, d), jnp.bfloat16)}
+    if prefix:
+      s["k_prefix"] = jax.ShapeDtypeStruct((b, prefix, 32, d), jnp.bfloat16)
+    return s
+  F = fa.FlashAttentionConfig
+  assert fa.choose_config(shapes(128)) == F(128, 128, num_warps=8, num_stages=3)
+  assert fa.choose_config(shapes(128, prefix=4125, b=1, n=4096)) == F(128, 64, num_warps=8, num_stages=3)
+  assert fa.choose_config(shapes(64)) == F(128, 64, num_warps=4, num_stages=3)
+  assert fa.shared_memory_bytes(F(128, 128, 8, 3), 128) == 229376
+  assert fa.shared_memory_bytes(F(128, 128, 8, 3), 128, has_prefix=True) == 294912
+  assert fa.shared_memory_bytes(F(128, 64, 8, 3), 128, has_prefix=True) == 163840
+  for s in (shapes(128), shapes(128, prefix=4125, b=1, n=4096)):
+    candidates = fa.candidate_configs(s)
+    assert F(128, 64, num_warps=4, num_stages=3) not in candidates
+    assert all(fa.shared_memory_bytes(c, 128, has_prefix="k_prefix" in s) <= 232448 for c in candidates)
+  assert F(128, 128, num_warps=8, num_stages=3) in fa.candidate_configs(shapes(128))
+  assert F(128, 64, num_warps=4, num_stages=3) in fa.candidate_configs(shapes(64))

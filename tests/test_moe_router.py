@@ -64,7 +64,8 @@ def run_kernel(inputs, config=None, top_k=TOPK):
 
 
 @pytest.mark.parametrize("m,config", [
-    (1, None),          # decode: split-D over 80 programs + routing kernel
+    (1, None),          # decode: 16 D splits + a one-row routing kernel loading all 16 at once
+    (5, None),          # 5 rows in an 8-row epilogue tile
     (3, FUSED),         # decode rows through the single fused kernel
     (33, None),         # ragged M, 64-row block
     (33, FUSED),        # three 16-row blocks, the last ragged
@@ -182,10 +183,23 @@ def test_heuristic_choice_comes_first_and_every_stage_is_swept(m):
   assert len({c.epilogue for c in split}) > 1  # the epilogue stage's fields are swept too
 
 
-def test_heuristic_fills_the_gpu_for_decode():
+def test_heuristic_caps_splits_and_stays_two_stage():
+  """Decode: 16 splits of 5 column blocks (not 80 of one), a one-row
+  epilogue; every M uses the two-stage form on 8-warp GEMM tiles (the fused
+  kernel and 4-warp tiles spill on sm_90a)."""
   config = mr.choose_config(shapes(1))
-  assert config.gemm.block_m == 16 and config.gemm.split_d >= 64
-  assert mr.choose_config(shapes(8192)).gemm.split_d == 1  # enough token blocks: fused
+  assert config.gemm == mr.RouterGemmStage(block_m=16, block_d=64, split_d=16, num_warps=8, num_stages=2)
+  assert config.epilogue == mr.RouterEpilogueStage(block_m=1, num_warps=8)
+  assert mr._splits_per_load(1, 8, 16) == 16  # all partials of the row in one load
+  for m in RECORDED_M + (8192, 100_000):
+    c = mr.choose_config(shapes(m))
+    assert 2 <= c.gemm.split_d <= 16 and c.gemm.num_warps == 8, (m, c)
+  assert mr.choose_config(shapes(4096)).epilogue == mr.RouterEpilogueStage(8, 4)
+  assert mr.choose_config(shapes(8192)).gemm.split_d == 2
+  for m in (1, 3, 4096):
+    for c in mr.candidate_configs(shapes(m)):
+      assert c.gemm.num_warps == 8 and c.gemm.split_d <= 16
+      assert c.gemm.split_d > 1 or c.gemm.block_m == 16
 
 
 def test_config_rejects_bad_values():
@@ -194,7 +208,10 @@ def test_config_rejects_bad_values():
   with pytest.raises(ValueError):
     mr.RouterGemmStage(split_d=0)
   with pytest.raises(ValueError):
-    mr.RouterEpilogueStage(block_m=8)
+    mr.RouterEpilogueStage(block_m=12)
+  with pytest.raises(ValueError):
+    mr.RouterEpilogueStage(block_m=0)
+  assert mr.RouterEpilogueStage(block_m=1).block_m == 1  # no dot in the epilogue: any power of two
 
 
 def test_synthesis_scales():

@@ -66,3 +66,33 @@ def test_write_tuned_then_replay_uses_it(tmp_path):
   assert line["evaluation"]["config_source"] == "tuned"
   assert line["evaluation"]["config"] == entry["config"]
   assert line["evaluation"]["status"] == "passed"
+
+
+class _FakeCompiler:
+  """Stands in for `jaxkern.aot.Compiler`: rejects the first config it sees."""
+
+  def __init__(self):
+    self.calls = 0
+
+  def compile(self, fn, shapes):
+    from jaxkern import aot  # pylint: disable=g-import-not-at-top
+    self.calls += 1
+    assert set(shapes) == {"hidden", "weight", "bias", "routed_scaling_factor"}
+    k = aot.KernelReport("moe_router_reduce_route", registers=255, smem_bytes=512, spill_stores=200,
+                         spill_loads=200, matrix_ops="none", ctas_per_sm=2)
+    if self.calls == 1:
+      k.status = aot.SPILLS
+    else:
+      k.spill_stores = k.spill_loads = 0
+    return aot.CompileReport([k], 0.1)
+
+
+def test_sweep_skips_configs_the_sm90a_compile_rejects():
+  op = registry.get("moe_router_gemm_topk_deepseek41_d5120_e384_topk6")
+  compiler = _FakeCompiler()
+  rows = sweep.sweep(op, op.full_axes({"M": 3}), seed=0, warmup=0, iters=1, interpret=True, max_configs=2,
+                     lower_only=False, compiler=compiler)
+  assert compiler.calls == 2
+  assert rows[0]["status"] == "spills" and rows[0]["latency_ms"] is None and "200/200" in rows[0]["log"]
+  assert rows[0]["aot"]["kernels"][0]["spill_stores"] == 200
+  assert rows[1]["status"] == "passed" and rows[1]["aot"]["status"] == "ok"
