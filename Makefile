@@ -21,7 +21,7 @@ $(AOT_STAMP): $(STAMP)
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,aot]'
 	touch $(AOT_STAMP)
 
-.PHONY: install replay test aot test-aot
+.PHONY: install replay test aot test-aot gpu-run gpu-run-dry bazel
 install: $(STAMP)
 
 replay: $(STAMP)
@@ -35,3 +35,22 @@ aot: $(AOT_STAMP)
 
 test-aot: $(AOT_STAMP)
 	$(VENV)/bin/python -m pytest -q -n 0 tests/test_aot.py
+
+# The one prepared device run (see scripts/gpu_run.sh); -dry checks it on a CPU.
+gpu-run: $(STAMP)
+	PYTHON=$(VENV)/bin/python scripts/gpu_run.sh $(OUT)
+
+gpu-run-dry: $(STAMP)
+	DRY_RUN=1 PYTHON=$(VENV)/bin/python scripts/gpu_run.sh $(or $(OUT),results/gpu_run_dry)
+
+# Bazel (Debian's bazel-bootstrap 4.2, installed with apt if missing) builds
+# every target and runs a fast test subset offline, on the .venv interpreter.
+BAZEL_FLAGS := --override_repository=rules_cc=$(CURDIR)/tools/bazel/stubs/rules_cc \
+	--override_repository=rules_java=$(CURDIR)/tools/bazel/stubs/rules_java \
+	--override_repository=remote_coverage_tools=$(CURDIR)/tools/bazel/stubs/remote_coverage_tools
+BAZEL_TESTS ?= //:test_build //:test_compare //:test_dataset
+
+bazel: $(STAMP)
+	command -v bazel >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bazel-bootstrap)
+	bazel --batch build $(BAZEL_FLAGS) //...
+	bazel --batch test $(BAZEL_FLAGS) $(BAZEL_TESTS)

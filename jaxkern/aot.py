@@ -486,28 +486,6 @@ def _short(e: BaseException, limit: int = 600) -> str:
 
 # -- definitions --------------------------------------------------------------
 
-def input_bytes(op, axes: Mapping[str, int]) -> int:
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  return sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in op.input_shapes(axes).values())
-
-
-def largest_axes(op) -> dict[str, int]:
-  """The recorded var axes with the most input bytes (ties: the first record)."""
-  from jaxkern import dataset  # pylint: disable=g-import-not-at-top
-  best, best_bytes, seen = None, -1, set()
-  for w in dataset.load_workloads(op.name):
-    key = tuple(sorted(w.axes.items()))
-    if key in seen:
-      continue
-    seen.add(key)
-    n = input_bytes(op, w.axes)
-    if n > best_bytes:
-      best, best_bytes = dict(w.axes), n
-  if best is None:
-    raise ValueError(f"{op.name}: no recorded workload")
-  return {a: best[a] for a in op.definition.var_axes if a in best}
-
-
 def select_ops(patterns: Sequence[str]) -> list:
   """Implemented ops whose names equal or start with one of `patterns` (all
   implemented ones when empty); raises on a pattern that matches nothing."""
@@ -569,20 +547,10 @@ def _n(x) -> str:
   return "-" if x is None else str(x)
 
 
-def parse_axes(text: str) -> dict[str, int]:
-  """'M=4096,N=8' -> {'M': 4096, 'N': 8} (the sweep's syntax)."""
-  axes = {}
-  for part in filter(None, (p.strip() for p in text.split(","))):
-    name, sep, value = part.partition("=")
-    if not sep or not value.strip().isdigit():
-      raise ValueError(f"--axes: expected NAME=INT pairs, got {part!r}")
-    axes[name.strip()] = int(value)
-  return axes
-
-
 def main(argv: list[str]) -> None:
   from absl import app  # pylint: disable=g-import-not-at-top
   from absl import logging  # pylint: disable=g-import-not-at-top
+  from jaxkern import selection  # pylint: disable=g-import-not-at-top
 
   logging.set_verbosity(logging.WARNING)  # jax's backend probing is noise here
   skip_cuda_checks()
@@ -600,7 +568,7 @@ def main(argv: list[str]) -> None:
   print(f"target: {compiler.target} (sm_90a), ptxas {ptxas_binary()}", file=sys.stderr)
   rows = []
   for op in ops:
-    axes = op.full_axes(parse_axes(_AXES.value) if _AXES.value else largest_axes(op))
+    axes = op.full_axes(selection.parse_axes(_AXES.value) if _AXES.value else op.largest_recorded_axes())
     configs = op.candidate_configs(op.input_shapes(axes)) if _ALL_CANDIDATES.value else None
     rows += check_op(compiler, op, axes, configs, progress=lambda r: print(
         f"{r['definition']} {r['config']}: {r['status']} ({r['compile_seconds']:.1f} s)", file=sys.stderr, flush=True))

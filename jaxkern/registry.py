@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 import os
 from typing import Any, Mapping
 
@@ -87,6 +88,22 @@ class Op:
     return self.definition.full_axes(w.axes)
 
   full_axes = validated_axes  # the name the README and older callers use
+
+  def input_bytes(self, axes: Mapping[str, int]) -> int:
+    """Bytes of all inputs at `axes`."""
+    return sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in self.input_shapes(axes).values())
+
+  def largest_recorded_axes(self, dataset_dir: str | os.PathLike | None = None) -> dict[str, int]:
+    """The recorded var axes with the most input bytes (ties: the first
+    record): where lowering, compile reports and sweeps look by default."""
+    best, best_bytes = None, -1
+    for w in dataset.load_workloads(self.name, dataset_dir, definitions={self.name: self.definition}):
+      n = self.input_bytes(w.axes)
+      if n > best_bytes:
+        best, best_bytes = dict(w.axes), n
+    if best is None:
+      raise ValueError(f"{self.name}: no recorded workload")
+    return best
 
   def input_shapes(self, axes: Mapping[str, int]) -> dict[str, jax.ShapeDtypeStruct]:
     """Abstract inputs at `axes`: enough for configs and lowering, no data."""

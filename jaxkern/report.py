@@ -298,7 +298,11 @@ def plot_errors(rows: list[Row], path: pathlib.Path) -> None:
                   f"0 drawn at {floor:.0e})", fontsize=8)
   else:
     _no_data(ax, "no floating-point output errors in these results")
-  ax.set_title("Error vs tolerance per workload (green passed, red failed)", fontsize=10)
+  _save(plt, fig, ax, "Error vs tolerance per workload (green passed, red failed)", path)
+
+
+def _save(plt, fig, ax, title: str, path: pathlib.Path) -> None:
+  ax.set_title(title, fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110, bbox_inches="tight")
   plt.close(fig)
@@ -327,10 +331,7 @@ def plot_latency(rows: list[Row], path: pathlib.Path) -> None:
   else:
     _no_data(ax, "no timed workloads")
   note = "\n(interpret mode: these times check plumbing, not speed)" if any(r.interpret for r in timed) else ""
-  ax.set_title(f"Kernel vs reference time per workload (below the line: kernel faster){note}", fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110, bbox_inches="tight")
-  plt.close(fig)
+  _save(plt, fig, ax, f"Kernel vs reference time per workload (below the line: kernel faster){note}", path)
 
 
 def plot_sol(rows: list[Row], path: pathlib.Path) -> None:
@@ -347,10 +348,7 @@ def plot_sol(rows: list[Row], path: pathlib.Path) -> None:
   else:
     _no_data(ax, "no SOL fraction measured: no workload was timed on a GPU\n"
              "(speed of light ms is in the table; the fraction needs GPU timings)")
-  ax.set_title("Speed-of-light fraction per workload", fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110, bbox_inches="tight")
-  plt.close(fig)
+  _save(plt, fig, ax, "Speed-of-light fraction per workload", path)
 
 
 def plot_baseline(changes: list[Change], path: pathlib.Path) -> None:

@@ -16,6 +16,17 @@ def csv(text: str | None) -> list[str]:
   return [x.strip() for x in str(text or "").split(",") if x.strip()]
 
 
+def parse_axes(text: str) -> dict[str, int]:
+  """'M=4096,N=8' -> {'M': 4096, 'N': 8}; ValueError naming the bad part."""
+  axes = {}
+  for part in csv(text):
+    name, sep, value = part.partition("=")
+    if not sep or not value.strip().isdigit():
+      raise ValueError(f"--axes: expected NAME=INT pairs, got {part!r}")
+    axes[name.strip()] = int(value)
+  return axes
+
+
 @dataclasses.dataclass(frozen=True)
 class Selection:
   definitions: tuple[str, ...] = ()  # names or prefixes; empty = all

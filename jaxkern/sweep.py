@@ -32,6 +32,7 @@ import jax
 from jaxkern import aot as aot_lib
 from jaxkern import bench
 from jaxkern import registry
+from jaxkern import selection
 from jaxkern import tuning
 from pallas_kernels.common import resolve_interpret
 from pallas_kernels.common import lower_for_h100
@@ -53,13 +54,10 @@ _WRITE_TUNED = flags.DEFINE_bool("write_tuned", False,
 
 
 def parse_axes(text: str) -> dict[str, int]:
-  axes = {}
-  for part in filter(None, (p.strip() for p in text.split(","))):
-    name, sep, value = part.partition("=")
-    if not sep or not value.strip().isdigit():
-      raise app.UsageError(f"--axes: expected NAME=INT pairs, got {part!r}")
-    axes[name.strip()] = int(value)
-  return axes
+  try:
+    return selection.parse_axes(text)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
 
 
 # Row statuses of configs the sm_90a compile rejected (never run, never tuned).

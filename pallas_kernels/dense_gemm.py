@@ -25,7 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import cdiv, check_dot_blocks, check_nt_operands, fit_block, resolve_interpret
+from pallas_kernels.common import (cdiv, check_dot_blocks, check_nt_operands, fit_block, fitted_candidates,
+                                   resolve_interpret)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +90,7 @@ def choose_config(shapes: Mapping[str, Any]) -> DenseGemmConfig:
 def candidate_configs(shapes: Mapping[str, Any]) -> list[DenseGemmConfig]:
   """Configs a sweep may try, the heuristic's first."""
   m, n, k = _mnk(shapes)
-  out = [choose_config(shapes)]
-  for config in _SWEEP_CONFIGS:
-    fitted = _fit(config, m, n, k)
-    if fitted not in out:
-      out.append(fitted)
-  return out
+  return fitted_candidates(choose_config(shapes), _SWEEP_CONFIGS, lambda c: _fit(c, m, n, k))
 
 
 def _tile_coords(pid, num_pid_m: int, num_pid_n: int, group_m: int):

@@ -44,7 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import MIN_DOT_DIM, cdiv, check_dot_blocks, fit_block, resolve_interpret
+from pallas_kernels.common import (MIN_DOT_DIM, cdiv, check_dot_blocks, fit_block, fitted_candidates,
+                                   online_softmax_weights, resolve_interpret)
 
 _LOG2_E = math.log2(math.e)
 # Padded key rows get this segment id so that no query sees them.
@@ -162,11 +163,9 @@ def candidate_configs(shapes: Mapping[str, Any]) -> list[FlashAttentionConfig]:
     excluded.update(_SPILL_AT_D128)
     if has_prefix:
       excluded.update(_SPILL_AT_D128_WITH_PREFIX)
-  chosen = choose_config(shapes)
-  fitted = [_fit(c, q_len, kv_len) for c in _SWEEP_CONFIGS
-            if c not in excluded
-            and shared_memory_bytes(c, head_dim, itemsize, has_prefix=has_prefix) <= _SMEM_PER_BLOCK]
-  return list(dict.fromkeys([chosen, *fitted]))
+  kept = [c for c in _SWEEP_CONFIGS
+          if c not in excluded and shared_memory_bytes(c, head_dim, itemsize, has_prefix=has_prefix) <= _SMEM_PER_BLOCK]
+  return fitted_candidates(choose_config(shapes), kept, lambda c: _fit(c, q_len, kv_len))
 
 
 def _online_softmax_step(q, k, v, visible, carry, *, qk_scale):
@@ -181,14 +180,8 @@ def _online_softmax_step(q, k, v, visible, carry, *, qk_scale):
   s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
   if visible is not None:
     s = jnp.where(visible, s, -jnp.inf)
-  m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-  if visible is not None:
-    m_next_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-  else:
-    m_next_safe = m_next  # Finite: this block has a finite score in every row.
-  correction = jnp.exp2(m_prev - m_next_safe)
-  p = jnp.exp2(s - m_next_safe[:, None])
-  l_next = correction * l_prev + jnp.sum(p, axis=-1)
+  # Unmasked blocks have a finite score in every row.
+  p, correction, m_next, l_next = online_softmax_weights(s, m_prev, l_prev, may_be_empty=visible is not None)
   o_next = correction[:, None] * o_prev + jnp.dot(
       p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   return o_next, m_next, l_next

@@ -61,7 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import cdiv, check_dot_blocks, fit_block, resolve_interpret
+from pallas_kernels.common import cdiv, check_dot_blocks, fit_block, fitted_candidates, resolve_interpret
 from pallas_kernels.fp_formats import ue8m0_to_f32
 
 GROUP = 32  # k values per UE8M0 scale byte (both operands)
@@ -139,12 +139,7 @@ _SWEEP_CONFIGS = (
 def candidate_configs(shapes) -> list[GroupedGemmConfig]:
   """Configs a sweep may try, the heuristic's first."""
   m, n, k, _ = _problem(shapes)
-  out = [choose_config(shapes)]
-  for config in _SWEEP_CONFIGS:
-    fitted = _fit(config, m, n, k)
-    if fitted not in out:
-      out.append(fitted)
-  return out
+  return fitted_candidates(choose_config(shapes), _SWEEP_CONFIGS, lambda c: _fit(c, m, n, k))
 
 
 def e2m1_bytes_to_f32(packed):

@@ -87,7 +87,7 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import fp_formats
-from pallas_kernels.common import MIN_DOT_DIM, cdiv, resolve_interpret
+from pallas_kernels.common import MIN_DOT_DIM, cdiv, check_pow2, online_softmax_weights, resolve_interpret
 
 _LOG2_E = math.log2(math.e)
 _LN_2 = math.log(2.0)
@@ -101,11 +101,8 @@ _HALF = _CHUNK // 2
 _FP4_GROUP = 16
 
 
-def _check_pow2(stage, *names, minimum=1):
-  for name in names:
-    value = getattr(stage, name)
-    if value < minimum or value & (value - 1):
-      raise ValueError(f"{type(stage).__name__}.{name}={value} must be a power of two >= {minimum}")
+def _check_stage(stage, *names, minimum=1):
+  check_pow2(stage, *names, minimum=minimum)
   if stage.num_warps < 1 or stage.num_stages < 1:
     raise ValueError(f"bad num_warps/num_stages in {stage}")
 
@@ -122,7 +119,7 @@ class SplitStage:
   num_stages: int = 2
 
   def __post_init__(self):
-    _check_pow2(self, "block_h", "block_k", "keys_per_split", minimum=MIN_DOT_DIM)
+    _check_stage(self, "block_h", "block_k", "keys_per_split", minimum=MIN_DOT_DIM)
     if self.keys_per_split % self.block_k:
       raise ValueError(f"keys_per_split must be a multiple of block_k: {self}")
 
@@ -137,7 +134,7 @@ class CombineStage:
   num_stages: int = 1
 
   def __post_init__(self):
-    _check_pow2(self, "block_h", "block_d")
+    _check_stage(self, "block_h", "block_d")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,11 +288,7 @@ def _online_step(q_parts, k_parts, scales, valid, carry, qk_scale):
       part = part * scales[c][None, :]
     s = part if s is None else s + part
   s = jnp.where(valid[None, :], s * qk_scale, -jnp.inf)
-  m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-  m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)   # nothing seen yet: p = 0, not NaN
-  correction = jnp.exp2(m_prev - m_safe)
-  p = jnp.exp2(s - m_safe[:, None])
-  l_next = correction * l_prev + jnp.sum(p, axis=-1)
+  p, correction, m_next, l_next = online_softmax_weights(s, m_prev, l_prev)
   new_accs = []
   for i, (acc, k) in enumerate(zip(accs, k_parts)):
     pw = p if scales is None else p * scales[i // 2][None, :]

@@ -69,7 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import MIN_DOT_DIM, cdiv, next_pow2, resolve_interpret
+from pallas_kernels.common import MIN_DOT_DIM, cdiv, next_pow2, online_softmax_weights, resolve_interpret
 
 _LOG2_E = math.log2(math.e)
 
@@ -244,11 +244,7 @@ def _neighborhood_attention_kernel(q_ref, k_ref, v_ref, o_ref, *, dims, window, 
                & (_as_unsigned(jx[None, :] - rel_x) < kx))
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * _LOG2_E
     s = jnp.where(visible, s, -jnp.inf)
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-    correction = jnp.exp2(m_prev - m_safe)
-    p = jnp.exp2(s - m_safe[:, None])
-    l_next = correction * l_prev + jnp.sum(p, axis=-1)
+    p, correction, m_next, l_next = online_softmax_weights(s, m_prev, l_prev)
     o_next = correction[:, None] * o_prev + jnp.dot(
         p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o_next, m_next, l_next

@@ -48,17 +48,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import MIN_DOT_DIM, cdiv, next_pow2, resolve_interpret
+from pallas_kernels.common import MIN_DOT_DIM, cdiv, check_pow2, next_pow2, online_softmax_weights, resolve_interpret
 
 _LOG2_E = math.log2(math.e)
 _NUM_SMS = 132
-
-
-def _check_pow2(obj, *names, minimum=1):
-  for name in names:
-    v = getattr(obj, name)
-    if v < minimum or v & (v - 1):
-      raise ValueError(f"{name}={v} must be a power of two >= {minimum}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +64,10 @@ class SplitStage:
   num_stages: int = 2
 
   def __post_init__(self):
-    _check_pow2(self, "block_ids", "ids_per_split", minimum=4)
+    check_pow2(self, "block_ids", "ids_per_split", minimum=4)
     if self.ids_per_split < self.block_ids:
       raise ValueError(f"ids_per_split={self.ids_per_split} < block_ids={self.block_ids}")
-    _check_pow2(self, "num_warps")
+    check_pow2(self, "num_warps")
     if self.num_stages < 1:
       raise ValueError(f"num_stages={self.num_stages} < 1")
 
@@ -86,8 +79,8 @@ class CombineStage:
   num_warps: int = 4
 
   def __post_init__(self):
-    _check_pow2(self, "block_d", minimum=16)
-    _check_pow2(self, "num_warps")
+    check_pow2(self, "block_d", minimum=16)
+    check_pow2(self, "num_warps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,11 +172,7 @@ def _split_kernel(q_ref, k_ref, v_ref, pt_ref, ids_ref, len_ref, scale_ref, o_re
     v = plgpu.load(v_ref.at[at], mask=visible[:, None], other=0.0)
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale  # [Gp, block_t]
     s = jnp.where(visible[None, :], s, -jnp.inf)
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-    correction = jnp.exp2(m_prev - m_safe)
-    p = jnp.exp2(s - m_safe[:, None])
-    l_next = correction * l_prev + jnp.sum(p, axis=-1)
+    p, correction, m_next, l_next = online_softmax_weights(s, m_prev, l_prev)
     o_next = correction[:, None] * o_prev + jnp.dot(p.astype(v.dtype), v,
                                                     preferred_element_type=jnp.float32)
     return o_next, m_next, l_next

@@ -59,7 +59,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import MIN_DOT_DIM, cdiv, check_dot_blocks, resolve_interpret
+from pallas_kernels.common import MIN_DOT_DIM, check_dot_blocks, fitted_candidates, online_softmax_weights, resolve_interpret
 
 _LOG2_E = math.log2(math.e)
 _LN_2 = math.log(2.0)
@@ -159,9 +159,7 @@ def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> SparseMlaPrefil
 def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[SparseMlaPrefillConfig]:
   """The sweep's configurations fitted to the problem, heuristic first."""
   _, h, d, topk = _problem(shapes)
-  chosen = choose_config(shapes)
-  fitted = [_fit(c, h, d, topk) for c in _SWEEP_CONFIGS]
-  return list(dict.fromkeys([chosen, *fitted]))
+  return fitted_candidates(choose_config(shapes), _SWEEP_CONFIGS, lambda c: _fit(c, h, d, topk))
 
 
 def slot_block_limits(indices: jax.Array, num_kv: int, block_k: int) -> jax.Array:
@@ -200,11 +198,7 @@ def _sparse_mla_prefill_kernel(q_ref, kv_ref, idx_ref, limits_ref, sink_ref, sca
     k = jnp.where(valid[:, None], kv_ref[rows, :], 0.0).astype(kv_ref.dtype)  # [bk, D]
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale[:, None]
     s = jnp.where(valid[None, :], s, -jnp.inf)
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)   # nothing seen yet
-    correction = jnp.exp2(m_prev - m_safe)
-    p = jnp.exp2(s - m_safe[:, None])
-    l_next = correction * l_prev + jnp.sum(p, axis=-1)
+    p, correction, m_next, l_next = online_softmax_weights(s, m_prev, l_prev)
     if split_d:
       v = jnp.where(valid[:, None], kv_ref[rows, d_cols], 0.0).astype(kv_ref.dtype)  # [bk, bd]
     else:

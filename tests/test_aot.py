@@ -134,16 +134,10 @@ def test_build_reports_errors_and_overflow():
   assert aot.CompileReport([clean], 0.5).status == aot.OK
 
 
-def test_parse_axes():
-  assert aot.parse_axes("B=1, Nq=2352") == {"B": 1, "Nq": 2352}
-  with pytest.raises(ValueError):
-    aot.parse_axes("M")
-
-
 def test_largest_axes_by_input_bytes():
   from jaxkern import registry  # pylint: disable=g-import-not-at-top
   op = registry.get("moe_router_gemm_topk_deepseek41_d5120_e384_topk6")
-  assert aot.largest_axes(op) == {"M": 4096}
+  assert op.largest_recorded_axes() == {"M": 4096}
   assert [o.name for o in aot.select_ops(["moe_router"])] == [op.name]
   with pytest.raises(ValueError, match="matches no definition"):
     aot.select_ops(["no_such_definition"])
@@ -191,7 +185,7 @@ def test_shipped_heuristic_configs_compile_clean(compiler, name, axes):
   GEMM and attention keep their wgmma."""
   from jaxkern import registry  # pylint: disable=g-import-not-at-top
   op = registry.get(name)
-  [row] = aot.check_op(compiler, op, op.full_axes(axes or aot.largest_axes(op)))
+  [row] = aot.check_op(compiler, op, op.full_axes(axes or op.largest_recorded_axes()))
   assert row["status"] == aot.OK, (row["error"], row["kernels"])
   for k in row["kernels"]:
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["ctas_per_sm"] >= 1, k

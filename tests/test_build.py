@@ -27,7 +27,7 @@ def test_every_test_file_has_its_py_test():
   tests = re.findall(r'"(\w+)"', listed)
   assert tests == sorted(set(tests))
   assert set(tests) == {p.stem for p in (REPO / "tests").glob("test_*.py")}
-  assert re.search(r'srcs = \["tests/%s\.py" % test\].*\) for test in TESTS\]', text, re.S)
+  assert re.search(r'srcs = \["tests/%s\.py" % test.*\) for test in TESTS\]', text, re.S)
 
 
 def test_libraries_mirror_the_packages():

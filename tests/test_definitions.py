@@ -13,7 +13,6 @@ Family test files keep only their family's edge cases.
 
 import functools
 import importlib
-import math
 
 import jax
 import numpy as np
@@ -27,15 +26,9 @@ from pallas_kernels.common import assert_lowers_to_triton
 IMPLEMENTED = [n for n in registry.names() if registry.get(n).implemented]
 
 
-def input_bytes(op: registry.Op, axes) -> int:
-  full = op.validated_axes(axes)
-  return sum(math.prod(t.concrete_shape(full)) * t.np_dtype.itemsize for t in op.definition.inputs.values())
-
-
 @functools.cache
 def largest_recorded_axes(name: str) -> dict[str, int]:
-  op = registry.get(name)
-  return max((w.axes for w in dataset.load_workloads(name)), key=lambda a: input_bytes(op, a))
+  return registry.get(name).largest_recorded_axes()
 
 
 @functools.cache

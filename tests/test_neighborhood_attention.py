@@ -216,12 +216,6 @@ def test_reference_memory_is_bounded_at_the_largest_recorded_grid():
 # Deviceless lowering for an H100 and the heuristic.
 
 
-def largest_axes(name):
-  """The recorded axes with the most (query, neighbour) pairs."""
-  return max((r["axes"] for r in records(name)),
-             key=lambda a: a["B"] * a["T"] * a["Y"] * a["X"])
-
-
 def input_avals(name, axes):
   a = {**axes, **const_axes(name)}
   shape = tuple(a[d] for d in ("B", "T", "Y", "X", "H", "D"))

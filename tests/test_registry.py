@@ -118,6 +118,16 @@ def test_constant_axes_bind_to_keyword_only_parameters():
   assert bind_axes(len, {"KT": 3}, {}) is len
 
 
+def test_parse_axes_and_largest_recorded_axes():
+  from jaxkern import selection  # pylint: disable=g-import-not-at-top
+  assert selection.parse_axes("B=1, Nq=2352") == {"B": 1, "Nq": 2352}
+  with pytest.raises(ValueError, match="NAME=INT"):
+    selection.parse_axes("M")
+  op = registry.get(GEMM)
+  assert op.largest_recorded_axes() == {"M": 24576}
+  assert op.input_bytes({"M": 2}) == (2 * 4096 + 4096 * 4096) * 2
+
+
 def test_shrink_helpers():
   assert [shrink_rows(n) for n in (1, 64, 65, 4125, 8192)] == [1, 64, 65, 93, 64]
   out = shrink_until({"N": 64, "K": 16}, lambda a: a["N"] * a["K"] <= 100, lambda a: {**a, "N": a["N"] // 2})
