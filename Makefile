@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine (see README):
 #   make replay   install, then run the replay (ARGS='--config.definitions=...' to narrow it)
-#   make test     install, then run the whole test suite
+#   make test     install, then run the whole test suite (the Bazel build and its test subset, then pytest)
 #   make aot      install the optional aot extra, then compile every kernel for sm_90a (ARGS='--definition=...')
 # The interpreter is `python` as resolved by pyenv through .python-version (3.12).
 
@@ -27,7 +27,9 @@ install: $(STAMP)
 replay: $(STAMP)
 	$(VENV)/bin/python -m jaxkern.replay --config configs/replay.py $(ARGS)
 
+# The Bazel check runs first so that pytest's summary closes the output.
 test: $(STAMP)
+	$(MAKE) --no-print-directory bazel
 	$(VENV)/bin/python -m pytest -q -n 2 --durations=15 tests
 
 aot: $(AOT_STAMP)
