@@ -87,8 +87,6 @@ class Op:
     w = dataset.validate_record(rec, {self.name: self.definition}, file=f"{self.name} axes")
     return self.definition.full_axes(w.axes)
 
-  full_axes = validated_axes  # the name the README and older callers use
-
   def input_bytes(self, axes: Mapping[str, int]) -> int:
     """Bytes of all inputs at `axes`."""
     return sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in self.input_shapes(axes).values())

@@ -122,7 +122,7 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   op = registry.get(_DEFINITION.value)
-  axes = op.full_axes(parse_axes(_AXES.value))
+  axes = op.validated_axes(parse_axes(_AXES.value))
   compiler = None
   use_aot = _AOT.value if _AOT.value is not None else aot_lib.available() is None
   if use_aot:

@@ -185,7 +185,7 @@ def test_shipped_heuristic_configs_compile_clean(compiler, name, axes):
   GEMM and attention keep their wgmma."""
   from jaxkern import registry  # pylint: disable=g-import-not-at-top
   op = registry.get(name)
-  [row] = aot.check_op(compiler, op, op.full_axes(axes or op.largest_recorded_axes()))
+  [row] = aot.check_op(compiler, op, op.validated_axes(axes or op.largest_recorded_axes()))
   assert row["status"] == aot.OK, (row["error"], row["kernels"])
   for k in row["kernels"]:
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["ctas_per_sm"] >= 1, k

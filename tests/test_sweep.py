@@ -24,7 +24,7 @@ def test_parse_axes():
 
 def test_sweep_runs_checks_and_times_candidates():
   op = registry.get("moe_router_gemm_topk_deepseek41_d5120_e384_topk6")
-  rows = sweep.sweep(op, op.full_axes({"M": 3}), seed=0, warmup=0, iters=1, interpret=True, max_configs=2,
+  rows = sweep.sweep(op, op.validated_axes({"M": 3}), seed=0, warmup=0, iters=1, interpret=True, max_configs=2,
                      lower_only=False)
   assert len(rows) == 2
   assert all(r["status"] == "passed" and r["latency_ms"] > 0 for r in rows)
@@ -90,7 +90,7 @@ class _FakeCompiler:
 def test_sweep_skips_configs_the_sm90a_compile_rejects():
   op = registry.get("moe_router_gemm_topk_deepseek41_d5120_e384_topk6")
   compiler = _FakeCompiler()
-  rows = sweep.sweep(op, op.full_axes({"M": 3}), seed=0, warmup=0, iters=1, interpret=True, max_configs=2,
+  rows = sweep.sweep(op, op.validated_axes({"M": 3}), seed=0, warmup=0, iters=1, interpret=True, max_configs=2,
                      lower_only=False, compiler=compiler)
   assert compiler.calls == 2
   assert rows[0]["status"] == "spills" and rows[0]["latency_ms"] is None and "200/200" in rows[0]["log"]
