@@ -39,3 +39,13 @@ def test_libraries_mirror_the_packages():
   assert ':jaxkern' not in block
   for p in (REPO / "pallas_kernels").glob("*.py"):
     assert not re.search(r"^\s*(from|import) jaxkern", p.read_text(), re.M), p.name
+
+
+def test_bazel_needs_no_download():
+  """Native rules on the .venv interpreter: no pip or rules_python repository
+  (the Bazel run is offline), and pytest files run through the pytest entry
+  point (run directly they would pass without testing anything)."""
+  text = build_text()
+  assert "@rules_python" not in text and "requirement(" not in text
+  assert 'main = "//tools/bazel:pytest_main.py"' in text
+  assert "register_toolchains" in (REPO / "WORKSPACE").read_text()
