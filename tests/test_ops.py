@@ -92,3 +92,47 @@ def test_tuned_config_is_used_for_a_matching_definition(tmp_path, monkeypatch):
   jax.eval_shape(lambda a, b: ops.dense_gemm(a, b, backend="pallas"), a, b)
   jax.eval_shape(lambda a, b: ops.dense_gemm(a[:, :64], b[:, :64], backend="pallas"), a, b)  # no definition
   assert seen == [tuned, None]
+
+
+# --- vmap: a leading axis of independent problems --------------------------
+
+
+def _vmapped_both_backends(fn, *args):
+  """fn under jax.vmap on the Pallas and XLA paths."""
+  return [jax.jit(jax.vmap(lambda *a, backend=backend: fn(*a, backend=backend)))(*args)
+          for backend in ("pallas", "xla")]
+
+
+def test_dense_gemm_under_vmap_over_weights_and_activations():
+  a = normal(10, (2, 5, 32))
+  b = normal(11, (2, 24, 32), 32 ** -0.5)
+  pallas, xla = _vmapped_both_backends(ops.dense_gemm, a, b)
+  assert pallas.shape == (2, 5, 24)
+  assert_bf16_close(pallas, xla)
+
+
+def test_moe_router_under_vmap_over_layers():
+  """Two layers' routers (weights and biases stacked) on their own tokens."""
+  x = [router_family.make_inputs({"M": 3, "D": 128, "E": 24, "TOPK": 6}, jax.random.key(s), None) for s in (4, 5)]
+  stack = lambda k: jnp.stack([i[k] for i in x])  # noqa: E731
+  (ids_p, w_p), (ids_x, w_x) = _vmapped_both_backends(ops.moe_router, stack("hidden"), stack("weight"), stack("bias"))
+  np.testing.assert_array_equal(np.asarray(ids_p), np.asarray(ids_x))
+  np.testing.assert_allclose(np.asarray(w_p), np.asarray(w_x), rtol=1e-4, atol=2e-5)
+
+
+def test_grouped_gemm_under_vmap_over_two_problems():
+  from jaxkern import quant  # pylint: disable=g-import-not-at-top
+  ka, kb = jax.random.split(jax.random.key(6))
+  a, a_scale = quant.quantize_fp8_e4m3(jax.random.normal(ka, (2, 6, 64)), 32)
+  b, b_scale = quant.quantize_e2m1(jax.random.normal(kb, (2, 4, 32, 64)) / 8, 32)
+  ids = jnp.asarray([[0, 0, 1, 2, 3, -1], [1, 1, 1, 3, 3, 3]], jnp.int32)
+  pallas, xla = _vmapped_both_backends(ops.grouped_gemm_fp8_fp4, a, a_scale, b, b_scale, ids)
+  assert pallas.shape == (2, 6, 32)
+  assert_bf16_close(pallas, xla)
+
+
+def test_neighborhood_attention_under_vmap():
+  q, k, v = (normal(s, (2, 1, 3, 5, 6, 1, 64), 0.5) for s in (12, 13, 14))
+  f = lambda q, k, v, backend: ops.neighborhood_attention_3d(q, k, v, kernel_size=(3, 3, 3), backend=backend)  # noqa: E731
+  pallas, xla = _vmapped_both_backends(f, q, k, v)
+  assert_bf16_close(pallas, xla)
