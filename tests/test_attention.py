@@ -18,6 +18,7 @@ from jaxkern import registry
 from jaxkern.families import attention as fam
 from pallas_kernels import flash_attention as fa
 from pallas_kernels.common import assert_lowers_to_triton
+from numerics import assert_bf16_close
 
 # The Triton lowering's deprecation notice is expected (SPEC 2).
 
@@ -50,17 +51,6 @@ SEGMENTS_4125 = [[0, 8, False], [8, 4104, True], [4104, 4125, False]]
 
 # Small tilings for interpret-mode tests: several key and query blocks.
 SMALL = fa.FlashAttentionConfig(block_q=32, block_k=16, num_warps=4, num_stages=2)
-
-
-def assert_bf16_close(actual, desired):
-  """SPEC 5 bf16 rule: fails where |x-y| > 0.005 and |x-y| > 0.016*|y|."""
-  x = np.asarray(actual, np.float32)
-  y = np.asarray(desired, np.float32)
-  assert x.shape == y.shape
-  assert np.all(np.isfinite(x)), "non-finite kernel output"
-  err = np.abs(x - y)
-  bad = (err > 0.005) & (err > 0.016 * np.abs(y))
-  assert not bad.any(), f"{bad.sum()} elements off, max abs err {err.max()}"
 
 
 def normal(seed, shape, dtype=jnp.bfloat16):

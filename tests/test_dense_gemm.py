@@ -14,6 +14,7 @@ from jaxkern import registry
 from jaxkern.families import gemm
 from pallas_kernels import dense_gemm as dg
 from pallas_kernels.common import assert_lowers_to_triton
+from numerics import assert_bf16_close
 
 DEFINITIONS = [n for n in registry.names() if n.startswith("dense_gemm")]
 RECORDED_M = (4096, 4125, 6144, 8192, 12288, 16384, 24576)
@@ -27,17 +28,6 @@ def nk(name):
 
 def shapes(m, n, k):
   return {"A": jax.ShapeDtypeStruct((m, k), jnp.bfloat16), "B": jax.ShapeDtypeStruct((n, k), jnp.bfloat16)}
-
-
-def assert_bf16_close(x, y):
-  """SPEC 5 bf16 rule: fails only if |x-y| > 0.005 and |x-y| > 0.016*|y|."""
-  x = np.asarray(x, np.float32)
-  y = np.asarray(y, np.float32)
-  assert x.shape == y.shape
-  assert np.isfinite(x).all(), "non-finite output (unmasked edge?)"
-  diff = np.abs(x - y)
-  bad = (diff > 0.005) & (diff > 0.016 * np.abs(y))
-  assert not bad.any(), f"{bad.sum()} elements differ; max abs diff {diff.max()}"
 
 
 def operands(m, n, k, seed=0):

@@ -17,6 +17,7 @@ import pytest
 from jaxkern.families import gdn as fam
 from pallas_kernels import gdn as gk
 from pallas_kernels.common import assert_lowers_to_triton
+from numerics import assert_bf16_close
 
 DECODE = "gdn_decode_qk4_v8_d128_k_last"
 PREFILL = "gdn_prefill_qk4_v8_d128_k_last"
@@ -46,15 +47,6 @@ def prefill_inputs(lengths, seed=0, scale=0.0):
   x["cu_seqlens"] = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
   x["scale"] = jnp.float32(scale)
   return x
-
-
-def assert_bf16_close(actual, desired):
-  """SPEC 5 bf16 rule: fails where |x-y| > 0.005 and |x-y| > 0.016*|y|."""
-  x, y = np.asarray(actual, np.float32), np.asarray(desired, np.float32)
-  assert x.shape == y.shape and np.all(np.isfinite(x))
-  err = np.abs(x - y)
-  bad = (err > 0.005) & (err > 0.016 * np.abs(y))
-  assert not bad.any(), f"{bad.sum()} bf16 mismatches, max abs err {err.max()}"
 
 
 def assert_f32_close(actual, desired):

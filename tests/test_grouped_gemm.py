@@ -18,6 +18,7 @@ from jaxkern.families import grouped_gemm as fam
 from pallas_kernels import fp_formats
 from pallas_kernels import grouped_gemm as gg
 from pallas_kernels.common import assert_lowers_to_triton
+from numerics import assert_bf16_close
 
 # The Triton-lowering DeprecationWarning is expected (SPEC 2); pytest resets
 # the process-wide filter per test.
@@ -47,17 +48,6 @@ def operands(ids, n, k, e, seed=0):
   w = jax.random.normal(kb, (e, n, k)) * jnp.exp(jax.random.normal(kb, (e, n, 1))) / np.sqrt(k)
   b, b_scale = quant.quantize_e2m1(w, 32)
   return dict(a=a, a_scale=a_scale, b=b, b_scale=b_scale, expert_ids=jnp.asarray(ids, jnp.int32))
-
-
-def assert_bf16_close(x, y):
-  """SPEC 5 bf16 rule: fails only if |x-y| > 0.005 and |x-y| > 0.016*|y|."""
-  x = np.asarray(x, np.float32)
-  y = np.asarray(y, np.float32)
-  assert x.shape == y.shape
-  assert np.isfinite(x).all(), "non-finite output (unmasked edge?)"
-  diff = np.abs(x - y)
-  bad = (diff > 0.005) & (diff > 0.016 * np.abs(y))
-  assert not bad.any(), f"{bad.sum()} elements differ; max abs diff {diff.max()}"
 
 
 def grouped(sizes, pad_to=1):

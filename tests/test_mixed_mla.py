@@ -22,6 +22,7 @@ from jaxkern import quant
 from jaxkern.families import mixed_mla as fam
 from pallas_kernels import mixed_mla as mk
 from pallas_kernels.common import assert_lowers_to_triton
+from numerics import assert_bf16_close
 
 DEFINITION = "mixed_mla_decode_deepseek41_h64_d512_k8128_k4512"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,16 +41,6 @@ def load_definition():
 def load_records():
   with open(os.path.join(REPO, "datasets", "workloads", DEFINITION + ".jsonl")) as f:
     return [json.loads(line) for line in f if line.strip()]
-
-
-def assert_bf16_close(actual, desired):
-  """SPEC 5 bf16 rule: fails where |x-y| > 0.005 and |x-y| > 0.016*|y|."""
-  x, y = np.asarray(actual, np.float32), np.asarray(desired, np.float32)
-  assert x.shape == y.shape
-  assert np.all(np.isfinite(x)), "non-finite kernel output"
-  err = np.abs(x - y)
-  bad = (err > 0.005) & (err > 0.016 * np.abs(y))
-  assert not bad.any(), f"{bad.sum()} elements off, max abs err {err.max()}"
 
 
 def assert_lse_close(actual, desired):

@@ -21,6 +21,7 @@ from jaxkern import ops
 from jaxkern.families import neighborhood_attention as fam
 from pallas_kernels import neighborhood_attention as na
 from pallas_kernels.common import assert_lowers_to_triton
+from numerics import assert_bf16_close
 
 DEFINITIONS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "definitions")
 WORKLOADS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "workloads")
@@ -51,17 +52,6 @@ def const_axes(name):
 def window_of(name):
   c = const_axes(name)
   return c["KT"], c["KY"], c["KX"]
-
-
-def assert_bf16_close(actual, desired):
-  """SPEC 5 bf16 rule: fails where |x-y| > 0.005 and |x-y| > 0.016*|y|."""
-  x = np.asarray(actual, np.float32)
-  y = np.asarray(desired, np.float32)
-  assert x.shape == y.shape
-  assert np.all(np.isfinite(x)), "non-finite kernel output"
-  err = np.abs(x - y)
-  bad = (err > 0.005) & (err > 0.016 * np.abs(y))
-  assert not bad.any(), f"{bad.sum()} elements off, max abs err {err.max()}"
 
 
 def qkv(shape, seed=0, dtype=jnp.bfloat16):

@@ -13,19 +13,13 @@ from jaxkern.families import attention as attention_family
 from jaxkern.families import gemm as gemm_family
 from jaxkern.families import moe_router as router_family
 from pallas_kernels import dense_gemm
+from numerics import assert_bf16_close
 
 BACKENDS = ["pallas", "xla", None]  # None: XLA here (no GPU)
 
 
 def normal(seed, shape, scale=1.0):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32) * scale, jnp.bfloat16)
-
-
-def assert_bf16_close(x, y):
-  x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
-  assert x.shape == y.shape and np.isfinite(x).all()
-  err = np.abs(x - y)
-  assert not ((err > 0.005) & (err > 0.016 * np.abs(y))).any(), err.max()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -23,6 +23,7 @@ from jaxkern.families import qsa as fam
 from pallas_kernels import qsa_index as qi
 from pallas_kernels import qsa_sparse_gqa as qg
 from pallas_kernels.common import assert_lowers_to_triton
+from numerics import assert_bf16_close
 
 INDEX = "qsa_index_topk_decode_qwen38_h4_d128_topk512_c4"
 GQA = "qsa_sparse_gqa_decode_qwen38_h24_kv2_d256_topk512_c4"
@@ -143,15 +144,6 @@ def gqa_case(seq_lens, max_pages, seed=0, num_pages=None, shared=(), topk_ids=No
               page_table=page_table_for(rng, pages, max_pages, num_pages, shared),
               seq_lens=jnp.asarray(seq_lens, jnp.int32), topk_ids=jnp.asarray(topk_ids, jnp.int32),
               sm_scale=jnp.asarray(256 ** -0.5, jnp.float32))
-
-
-def assert_bf16_close(actual, desired):
-  """SPEC 5 bf16 rule: fails where |x-y| > 0.005 and |x-y| > 0.016*|y|."""
-  x, y = np.asarray(actual, np.float32), np.asarray(desired, np.float32)
-  assert x.shape == y.shape and np.isfinite(x).all()
-  err = np.abs(x - y)
-  bad = (err > 0.005) & (err > 0.016 * np.abs(y))
-  assert not bad.any(), f"{bad.sum()} elements off, max abs err {err.max()}"
 
 
 @pytest.mark.parametrize("seq_lens,max_pages,config", [
