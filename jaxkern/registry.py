@@ -179,15 +179,14 @@ class Op:
 
   # -- one workload --------------------------------------------------------
 
-  def run_axes(self, w: dataset.Workload, scale: str, on_gpu: bool) -> dict[str, int]:
-    """Axes a workload runs at: recorded on a GPU (`auto`) or with `full`,
-    the family's CPU budget otherwise."""
+  def run_axes(self, recorded_axes: Mapping[str, int], scale: str, on_gpu: bool) -> dict[str, int]:
+    """Axes a workload runs at, from its validated recorded axes: as recorded
+    on a GPU (`auto`) or with `full`, the family's CPU budget otherwise."""
     if scale not in SCALES:
       raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
-    full = self.validated_axes(w.axes)
     if scale == "full" or (scale == "auto" and on_gpu):
-      return full
-    return self._require().cpu_axes(full)
+      return dict(recorded_axes)
+    return self._require().cpu_axes(recorded_axes)
 
   def plan(self, w: dataset.Workload, *, scale: str = "auto", seed: int = 0, blob_root: str = "",
            on_gpu: bool | None = None, config: Any = None, tuned: bool = True) -> RunPlan:
@@ -200,7 +199,7 @@ class Op:
     if inputs is not None:
       axes, source = recorded_axes, "blobs"
     else:
-      axes, source = self.run_axes(w, scale, on_gpu), "synthesized"
+      axes, source = self.run_axes(recorded_axes, scale, on_gpu), "synthesized"
       inputs = jax.block_until_ready(
           self.make_inputs(axes, seed=seed, record=w.record, allow_shrunk_constants=True))
     scaled = axes != recorded_axes
