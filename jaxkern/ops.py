@@ -17,18 +17,21 @@ from typing import Any, Callable, Literal, Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxkern.families import attention as _attention
-from jaxkern.families import gdn as _gdn
-from jaxkern.families import gemm as _gemm
+from jaxkern.families import dense_gemm as _gemm
+from jaxkern.families import flash_attention as _attention
+from jaxkern.families import gdn_decode as _gdn_decode
+from jaxkern.families import gdn_prefill as _gdn_prefill
 from jaxkern.families import grouped_gemm as _grouped
 from jaxkern.families import mixed_mla as _mixed_mla
 from jaxkern.families import moe_router as _router
 from jaxkern.families import neighborhood_attention as _natten
-from jaxkern.families import qsa as _qsa
+from jaxkern.families import qsa_index as _qsa_index_family
+from jaxkern.families import qsa_sparse_gqa as _qsa_gqa_family
 from jaxkern.families import sparse_mla as _sparse_mla
 from pallas_kernels import dense_gemm as _gemm_kernel
 from pallas_kernels import flash_attention as _flash
-from pallas_kernels import gdn as _gdn_kernels
+from pallas_kernels import gdn_decode as _gdn_decode_kernel
+from pallas_kernels import gdn_prefill as _gdn_prefill_kernel
 from pallas_kernels import grouped_gemm as _grouped_kernel
 from pallas_kernels import mixed_mla as _mixed_mla_kernel
 from pallas_kernels import moe_router as _router_kernel
@@ -202,10 +205,10 @@ def qsa_index_topk(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_
   page_table [B, MP], seq_lens [B] tokens -> int32 [B, 512] top-512 block ids
   (block = 4 tokens) by sum_h relu(q_h . k) / sqrt(128), ascending, -1 suffix."""
   if _pallas(backend):
-    config = _config(_qsa.qsa_index_topk_reference,
+    config = _config(_qsa_index_family.qsa_index_topk_reference,
                      {"q": q, "index_k": index_k, "page_table": page_table, "seq_lens": seq_lens}, config)
     return _qsa_index.qsa_index_topk(q, index_k, page_table, seq_lens, config=config)
-  return _qsa.qsa_index_topk_reference(q, index_k, page_table, seq_lens)
+  return _qsa_index_family.qsa_index_topk_reference(q, index_k, page_table, seq_lens)
 
 
 def qsa_sparse_gqa_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_table: jax.Array,
@@ -218,12 +221,12 @@ def qsa_sparse_gqa_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
   if sm_scale is None:
     sm_scale = q.shape[-1] ** -0.5
   if _pallas(backend):
-    config = _config(_qsa.qsa_sparse_gqa_decode_reference,
+    config = _config(_qsa_gqa_family.qsa_sparse_gqa_decode_reference,
                      {"q": q, "k_cache": k_cache, "v_cache": v_cache, "page_table": page_table,
                       "seq_lens": seq_lens, "topk_ids": topk_ids}, config)
     return _qsa_gqa.qsa_sparse_gqa_decode(q, k_cache, v_cache, page_table, seq_lens, topk_ids, sm_scale,
                                           config=config)
-  return _qsa.qsa_sparse_gqa_decode_reference(q, k_cache, v_cache, page_table, seq_lens, topk_ids,
+  return _qsa_gqa_family.qsa_sparse_gqa_decode_reference(q, k_cache, v_cache, page_table, seq_lens, topk_ids,
                                               jnp.asarray(sm_scale, jnp.float32))
 
 
@@ -236,9 +239,9 @@ def gdn_decode(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log
   args = dict(q=q, k=k, v=v, state=state, A_log=A_log, a=a, dt_bias=dt_bias, b=b,
               scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32))
   if _pallas(backend):
-    config = _config(_gdn.gdn_decode_reference, args, config)
-    return _gdn_kernels.gdn_decode(**args, config=config)
-  return _gdn.gdn_decode_reference(**args)
+    config = _config(_gdn_decode.gdn_decode_reference, args, config)
+    return _gdn_decode_kernel.gdn_decode(**args, config=config)
+  return _gdn_decode.gdn_decode_reference(**args)
 
 
 def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log: jax.Array,  # pylint: disable=invalid-name
@@ -251,6 +254,6 @@ def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_lo
   args = dict(q=q, k=k, v=v, state=state, A_log=A_log, a=a, dt_bias=dt_bias, b=b, cu_seqlens=cu_seqlens,
               scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32))
   if _pallas(backend):
-    config = _config(_gdn.gdn_prefill_reference, args, config)
-    return _gdn_kernels.gdn_prefill(**args, config=config)
-  return _gdn.gdn_prefill_reference(**args)
+    config = _config(_gdn_prefill.gdn_prefill_reference, args, config)
+    return _gdn_prefill_kernel.gdn_prefill(**args, config=config)
+  return _gdn_prefill.gdn_prefill_reference(**args)

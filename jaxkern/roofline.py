@@ -209,7 +209,7 @@ def block_causal_attention(d, a, record=None):
   ends = [nq]
   segments = (record or {}).get("prefix_segments")
   if segments:
-    from jaxkern.families.attention import segment_ends  # pylint: disable=g-import-not-at-top
+    from jaxkern.families.flash_attention import segment_ends  # pylint: disable=g-import-not-at-top
     ends = segment_ends(segments, nq)
   return 4 * a["B"] * a["H"] * a["D"] * block_causal_pairs(ends), _io_bytes(d, a), "bf16"
 

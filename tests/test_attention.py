@@ -15,7 +15,7 @@ import pytest
 
 from jaxkern import ops
 from jaxkern import registry
-from jaxkern.families import attention as fam
+from jaxkern.families import flash_attention as fam
 from pallas_kernels import flash_attention as fa
 from pallas_kernels.common import assert_lowers_to_triton
 from numerics import assert_bf16_close

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxkern import registry
-from jaxkern.families import gemm
+from jaxkern.families import dense_gemm as gemm
 from pallas_kernels import dense_gemm as dg
 from pallas_kernels.common import assert_lowers_to_triton
 from numerics import assert_bf16_close

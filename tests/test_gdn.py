@@ -14,8 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkern.families import gdn as fam
-from pallas_kernels import gdn as gk
+from jaxkern.families import gdn_decode as fam_decode
+from jaxkern.families import gdn_prefill as fam_prefill
+from pallas_kernels import gdn_decode as gk_decode
+from pallas_kernels import gdn_prefill as gk_prefill
 from pallas_kernels.common import assert_lowers_to_triton
 from numerics import assert_bf16_close
 
@@ -36,13 +38,13 @@ def recorded_axes(name):
 
 
 def decode_inputs(batch, seed=0):
-  return fam.make_decode_inputs(dict(batch_size=batch, seq_len=1, **CONST), jax.random.key(seed))
+  return fam_decode.make_decode_inputs(dict(batch_size=batch, seq_len=1, **CONST), jax.random.key(seed))
 
 
 def prefill_inputs(lengths, seed=0, scale=0.0):
   """Synthesized inputs with the given sequence lengths."""
   total, n = int(sum(lengths)), len(lengths)
-  x = fam.make_prefill_inputs(dict(total_seq_len=total, num_seqs=n, len_cu_seqlens=n + 1, **CONST),
+  x = fam_prefill.make_prefill_inputs(dict(total_seq_len=total, num_seqs=n, len_cu_seqlens=n + 1, **CONST),
                               jax.random.key(seed))
   x["cu_seqlens"] = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
   x["scale"] = jnp.float32(scale)
@@ -112,7 +114,7 @@ def numpy_gdn(x, lengths):
 
 def test_decode_reference_matches_float64():
   x = decode_inputs(3, seed=4)
-  out, new_state = fam.gdn_decode_reference(**x)
+  out, new_state = fam_decode.gdn_decode_reference(**x)
   flat = {n: (v[:, 0] if n in ("q", "k", "v", "a", "b") else v) for n, v in x.items()}
   want_out, want_state = numpy_gdn(flat, [1, 1, 1])
   assert_bf16_close(out[:, 0], want_out)
@@ -122,7 +124,7 @@ def test_decode_reference_matches_float64():
 @pytest.mark.parametrize("lengths,scale", [((3, 0, 5, 1), 0.0), ((0, 7), 0.7)])
 def test_prefill_reference_matches_float64(lengths, scale):
   x = prefill_inputs(lengths, seed=5, scale=scale)
-  out, new_state = fam.gdn_prefill_reference(**x)
+  out, new_state = fam_prefill.gdn_prefill_reference(**x)
   want_out, want_state = numpy_gdn(x, lengths)
   assert_bf16_close(out, want_out)
   np.testing.assert_allclose(np.asarray(new_state), want_state, rtol=1e-5, atol=1e-5)
@@ -132,13 +134,13 @@ def test_prefill_reference_matches_float64(lengths, scale):
 
 
 def test_references_follow_the_definitions():
-  assert definition(DECODE)["reference"] == "jaxkern.families.gdn:gdn_decode_reference"
-  assert definition(PREFILL)["reference"] == "jaxkern.families.gdn:gdn_prefill_reference"
+  assert definition(DECODE)["reference"] == "jaxkern.families.gdn_decode:gdn_decode_reference"
+  assert definition(PREFILL)["reference"] == "jaxkern.families.gdn_prefill:gdn_prefill_reference"
   for name in (DECODE, PREFILL):
     d = definition(name)
-    fn = getattr(fam, d["reference"].split(":")[1])
+    fn = getattr(fam_decode if name == DECODE else fam_prefill, d["reference"].split(":")[1])
     assert list(fn.__code__.co_varnames[:fn.__code__.co_argcount]) == list(d["inputs"])
-    kernel = gk.gdn_decode if name == DECODE else gk.gdn_prefill
+    kernel = gk_decode.gdn_decode if name == DECODE else gk_prefill.gdn_prefill
     params = list(kernel.__wrapped__.__code__.co_varnames[:len(d["inputs"])])
     assert params == list(d["inputs"])
 
@@ -149,39 +151,39 @@ def test_references_follow_the_definitions():
 @pytest.mark.parametrize("batch,block_v", [(1, 16), (3, 32), (64, 128)])
 def test_decode_kernel_matches_reference(batch, block_v):
   x = decode_inputs(batch, seed=batch)
-  out, new_state = gk.gdn_decode(**x, config=gk.GdnDecodeConfig(block_v=block_v), interpret=True)
-  want_out, want_state = fam.gdn_decode_reference(**x)
+  out, new_state = gk_decode.gdn_decode(**x, config=gk_decode.GdnDecodeConfig(block_v=block_v), interpret=True)
+  want_out, want_state = fam_decode.gdn_decode_reference(**x)
   assert out.dtype == jnp.bfloat16 and new_state.dtype == jnp.float32
   assert_bf16_close(out, want_out)
   assert_f32_close(new_state, want_state)
 
 
-WHOLE_HEAD = gk.GdnDecodeConfig(block_v=128)
+WHOLE_HEAD = gk_decode.GdnDecodeConfig(block_v=128)
 
 
 def test_decode_scale():
   x = decode_inputs(2, seed=9)
-  default = gk.gdn_decode(**x, config=WHOLE_HEAD, interpret=True)[0]
-  explicit = gk.gdn_decode(**{**x, "scale": jnp.float32(128 ** -0.5)}, config=WHOLE_HEAD,
+  default = gk_decode.gdn_decode(**x, config=WHOLE_HEAD, interpret=True)[0]
+  explicit = gk_decode.gdn_decode(**{**x, "scale": jnp.float32(128 ** -0.5)}, config=WHOLE_HEAD,
                            interpret=True)[0]
   np.testing.assert_array_equal(np.asarray(default, np.float32), np.asarray(explicit, np.float32))
   x["scale"] = jnp.float32(1.0)
-  out = gk.gdn_decode(**x, config=WHOLE_HEAD, interpret=True)[0]
-  assert_bf16_close(out, fam.gdn_decode_reference(**x)[0])
+  out = gk_decode.gdn_decode(**x, config=WHOLE_HEAD, interpret=True)[0]
+  assert_bf16_close(out, fam_decode.gdn_decode_reference(**x)[0])
   assert np.abs(np.asarray(out, np.float32)).max() > 4 * np.abs(np.asarray(default, np.float32)).max()
 
 
 def test_decode_scale_traced_under_jit():
   x = decode_inputs(2, seed=10)
-  f = jax.jit(lambda s: gk.gdn_decode(**{**x, "scale": s}, config=WHOLE_HEAD, interpret=True)[0])
-  assert_bf16_close(f(jnp.float32(0.5)), fam.gdn_decode_reference(**{**x, "scale": 0.5})[0])
+  f = jax.jit(lambda s: gk_decode.gdn_decode(**{**x, "scale": s}, config=WHOLE_HEAD, interpret=True)[0])
+  assert_bf16_close(f(jnp.float32(0.5)), fam_decode.gdn_decode_reference(**{**x, "scale": 0.5})[0])
 
 
 # ------------------------------------------------------------------ prefill
 
 # One V block per head: fewest programs in interpret mode (each copies the
 # state buffer); other blockings are covered by test_prefill_configs.
-SMALL_PREFILL = gk.GdnPrefillConfig(chunk=64, block_v=128)
+SMALL_PREFILL = gk_prefill.GdnPrefillConfig(chunk=64, block_v=128)
 
 
 @pytest.mark.parametrize("lengths", [
@@ -192,8 +194,8 @@ SMALL_PREFILL = gk.GdnPrefillConfig(chunk=64, block_v=128)
 ])
 def test_prefill_kernel_matches_reference(lengths):
   x = prefill_inputs(lengths, seed=len(lengths), scale=1.0)  # scale 1: outputs O(1)
-  out, new_state = gk.gdn_prefill(**x, config=SMALL_PREFILL, interpret=True)
-  want_out, want_state = fam.gdn_prefill_reference(**x)
+  out, new_state = gk_prefill.gdn_prefill(**x, config=SMALL_PREFILL, interpret=True)
+  want_out, want_state = fam_prefill.gdn_prefill_reference(**x)
   assert out.dtype == jnp.bfloat16 and new_state.dtype == jnp.float32
   assert np.abs(np.asarray(want_out, np.float32)).max() > 0.5
   assert_bf16_close(out, want_out)
@@ -209,8 +211,8 @@ def test_prefill_64_sequences():
   lengths = np.random.default_rng(0).integers(0, 4, 64)
   lengths[5] = 0
   x = prefill_inputs(lengths, seed=64)
-  out, new_state = gk.gdn_prefill(**x, config=gk.GdnPrefillConfig(block_v=128), interpret=True)
-  want_out, want_state = fam.gdn_prefill_reference(**x)
+  out, new_state = gk_prefill.gdn_prefill(**x, config=gk_prefill.GdnPrefillConfig(block_v=128), interpret=True)
+  want_out, want_state = fam_prefill.gdn_prefill_reference(**x)
   assert_bf16_close(out, want_out)
   assert_state_metric(new_state, want_state)
 
@@ -219,23 +221,23 @@ def test_prefill_sequences_are_independent():
   """A packed sequence sees neither its neighbours' tokens nor their states."""
   lengths = (50, 70)
   x = prefill_inputs(lengths, seed=3, scale=1.0)
-  out, new_state = gk.gdn_prefill(**x, config=SMALL_PREFILL, interpret=True)
+  out, new_state = gk_prefill.gdn_prefill(**x, config=SMALL_PREFILL, interpret=True)
   second = {**x, "q": x["q"][50:], "k": x["k"][50:], "v": x["v"][50:], "a": x["a"][50:],
             "b": x["b"][50:], "state": x["state"][1:], "cu_seqlens": jnp.array([0, 70], jnp.int32)}
-  out2, state2 = gk.gdn_prefill(**second, config=SMALL_PREFILL, interpret=True)
+  out2, state2 = gk_prefill.gdn_prefill(**second, config=SMALL_PREFILL, interpret=True)
   np.testing.assert_array_equal(np.asarray(out[50:], np.float32), np.asarray(out2, np.float32))
   np.testing.assert_array_equal(np.asarray(new_state[1]), np.asarray(state2[0]))
 
 
 @pytest.mark.parametrize("config", [
-    gk.GdnPrefillConfig(chunk=32, block_v=64),
-    gk.GdnPrefillConfig(chunk=16, block_v=32),
-    gk.GdnPrefillConfig(chunk=64, block_v=32, dot_precision="bf16"),
+    gk_prefill.GdnPrefillConfig(chunk=32, block_v=64),
+    gk_prefill.GdnPrefillConfig(chunk=16, block_v=32),
+    gk_prefill.GdnPrefillConfig(chunk=64, block_v=32, dot_precision="bf16"),
 ])
 def test_prefill_configs(config):
   x = prefill_inputs((70, 1, 33), seed=8, scale=1.0)
-  out, new_state = gk.gdn_prefill(**x, config=config, interpret=True)
-  want_out, want_state = fam.gdn_prefill_reference(**x)
+  out, new_state = gk_prefill.gdn_prefill(**x, config=config, interpret=True)
+  want_out, want_state = fam_prefill.gdn_prefill_reference(**x)
   assert_bf16_close(out, want_out)
   assert_state_metric(new_state, want_state)
 
@@ -250,28 +252,28 @@ def test_prefill_correlated_keys():
   x["k"] = x["q"] = (keys / jnp.linalg.norm(keys, axis=-1, keepdims=True)).astype(jnp.bfloat16)
   x["b"] = jnp.full((200, 8), 4.0, jnp.bfloat16)
   x["a"] = jnp.full((200, 8), -8.0, jnp.bfloat16)
-  out, new_state = gk.gdn_prefill(**x, config=gk.GdnPrefillConfig(chunk=32, block_v=128),
+  out, new_state = gk_prefill.gdn_prefill(**x, config=gk_prefill.GdnPrefillConfig(chunk=32, block_v=128),
                                   interpret=True)
-  want_out, want_state = fam.gdn_prefill_reference(**x)
+  want_out, want_state = fam_prefill.gdn_prefill_reference(**x)
   assert_bf16_close(out, want_out)
   assert state_errors(new_state, want_state)[0] < 1e-4
 
 
 def test_prefill_single_token_matches_decode():
   x = prefill_inputs((1, 1, 1), seed=11)
-  out, new_state = gk.gdn_prefill(**x, config=SMALL_PREFILL, interpret=True)
+  out, new_state = gk_prefill.gdn_prefill(**x, config=SMALL_PREFILL, interpret=True)
   dec = {n: x[n][:, None] if n in ("q", "k", "v", "a", "b") else x[n]
          for n in ("q", "k", "v", "state", "A_log", "a", "dt_bias", "b", "scale")}
-  dec_out, dec_state = gk.gdn_decode(**dec, config=WHOLE_HEAD, interpret=True)
+  dec_out, dec_state = gk_decode.gdn_decode(**dec, config=WHOLE_HEAD, interpret=True)
   assert_bf16_close(out, dec_out[:, 0])
   assert_f32_close(new_state, dec_state)
 
 
 def test_prefill_everything_empty():
   x = prefill_inputs((0, 0), seed=1)
-  out, new_state = gk.gdn_prefill(**x, interpret=True)
+  out, new_state = gk_prefill.gdn_prefill(**x, interpret=True)
   assert out.shape == (0, 8, 128) and np.all(np.asarray(new_state) == 0)
-  ref_out, ref_state = fam.gdn_prefill_reference(**x)
+  ref_out, ref_state = fam_prefill.gdn_prefill_reference(**x)
   assert ref_out.shape == (0, 8, 128) and np.all(np.asarray(ref_state) == 0)
 
 
@@ -290,17 +292,17 @@ def check_against_definition(name, inputs, axes):
 
 def test_decode_synthesis():
   axes = dict(batch_size=64, seq_len=1, **CONST)
-  x = fam.make_decode_inputs(axes, jax.random.key(1))
+  x = fam_decode.make_decode_inputs(axes, jax.random.key(1))
   check_against_definition(DECODE, x, axes)
-  y = fam.make_decode_inputs(axes, jax.random.key(1))
+  y = fam_decode.make_decode_inputs(axes, jax.random.key(1))
   for n in x:
     np.testing.assert_array_equal(np.asarray(x[n], np.float32), np.asarray(y[n], np.float32))
-  z = fam.make_decode_inputs(axes, jax.random.key(2))
+  z = fam_decode.make_decode_inputs(axes, jax.random.key(2))
   assert not np.array_equal(np.asarray(x["v"], np.float32), np.asarray(z["v"], np.float32))
   for n in ("q", "k"):
     norms = np.linalg.norm(np.asarray(x[n], np.float32), axis=-1)
     np.testing.assert_allclose(norms, 1.0, atol=1e-2)
-  g, beta = fam._gates(x["a"], x["b"], x["A_log"], x["dt_bias"])
+  g, beta = fam_decode.gates(x["a"], x["b"], x["A_log"], x["dt_bias"])
   g, beta = np.asarray(g), np.asarray(beta)
   assert g.min() < 0.1 and g.max() > 0.95 and np.all((g > 0) & (g <= 1))
   assert beta.min() < 0.1 and beta.max() > 0.9
@@ -309,37 +311,37 @@ def test_decode_synthesis():
 
 def test_prefill_synthesis_lengths():
   axes = dict(total_seq_len=8192, num_seqs=57, len_cu_seqlens=58, **CONST)
-  x = fam.make_prefill_inputs(axes, jax.random.key(3), record={"axes": axes})
+  x = fam_prefill.make_prefill_inputs(axes, jax.random.key(3), record={"axes": axes})
   check_against_definition(PREFILL, x, axes)
   cu = np.asarray(x["cu_seqlens"])
   assert cu[0] == 0 and cu[-1] == 8192 and np.all(np.diff(cu) >= 1)
-  y = fam.make_prefill_inputs(axes, jax.random.key(3))
+  y = fam_prefill.make_prefill_inputs(axes, jax.random.key(3))
   np.testing.assert_array_equal(cu, np.asarray(y["cu_seqlens"]))
   # Fewer tokens than sequences: empty sequences only as many as forced.
-  lengths = fam.split_lengths(5, 8, seed=0)
+  lengths = fam_prefill.split_lengths(5, 8, seed=0)
   assert sorted(lengths.tolist()) == [0, 0, 0, 1, 1, 1, 1, 1]
-  assert fam.split_lengths(3, 3, seed=1).tolist() == [1, 1, 1]
-  assert fam.split_lengths(0, 2, seed=1).tolist() == [0, 0]
+  assert fam_prefill.split_lengths(3, 3, seed=1).tolist() == [1, 1, 1]
+  assert fam_prefill.split_lengths(0, 2, seed=1).tolist() == [0, 0]
 
 
 def test_cpu_axes_keep_structure():
   for axes in recorded_axes(PREFILL):
-    small = fam.prefill_cpu_axes({**axes, **CONST})
+    small = fam_prefill.prefill_cpu_axes({**axes, **CONST})
     assert small["len_cu_seqlens"] == small["num_seqs"] + 1
     assert small["total_seq_len"] <= 256 and small["total_seq_len"] % 64 == axes["total_seq_len"] % 64 \
         or small["total_seq_len"] == axes["total_seq_len"]
     assert small["total_seq_len"] >= small["num_seqs"] and small["num_seqs"] >= min(axes["num_seqs"], 4)
     assert {k: small[k] for k in CONST} == CONST
   for axes in recorded_axes(DECODE):
-    small = fam.decode_cpu_axes({**axes, "seq_len": 1, **CONST})
+    small = fam_decode.decode_cpu_axes({**axes, "seq_len": 1, **CONST})
     assert 1 <= small["batch_size"] <= 8 and small["seq_len"] == 1
 
 
 def test_cpu_scaled_workload_runs():
-  axes = fam.prefill_cpu_axes(dict(total_seq_len=8192, num_seqs=57, len_cu_seqlens=58, **CONST))
-  x = fam.make_prefill_inputs(axes, jax.random.key(0))
-  out, new_state = gk.gdn_prefill(**x, config=SMALL_PREFILL, interpret=True)
-  want_out, want_state = fam.gdn_prefill_reference(**x)
+  axes = fam_prefill.prefill_cpu_axes(dict(total_seq_len=8192, num_seqs=57, len_cu_seqlens=58, **CONST))
+  x = fam_prefill.make_prefill_inputs(axes, jax.random.key(0))
+  out, new_state = gk_prefill.gdn_prefill(**x, config=SMALL_PREFILL, interpret=True)
+  want_out, want_state = fam_prefill.gdn_prefill_reference(**x)
   assert_bf16_close(out, want_out)
   assert_state_metric(new_state, want_state)
 
@@ -372,16 +374,16 @@ def test_every_prefill_config_lowers_at_recorded_sizes():
   assert largest["total_seq_len"] == 8192
   for total, n in ((largest["total_seq_len"], largest["num_seqs"]), (8192, 1)):
     avals = prefill_avals(total, n)
-    configs = gk.prefill_candidate_configs(avals)
-    assert configs[0] == gk.prefill_choose_config(avals) and len(configs) >= 4
+    configs = gk_prefill.candidate_configs(avals)
+    assert configs[0] == gk_prefill.choose_config(avals) and len(configs) >= 4
     for config in configs if n > 1 else configs[:1]:
-      assert_lowers_to_triton(gk.gdn_prefill, *avals.values(), config=config, interpret=False)
+      assert_lowers_to_triton(gk_prefill.gdn_prefill, *avals.values(), config=config, interpret=False)
 
 
 def test_every_decode_config_lowers_at_recorded_sizes():
   for batch in sorted({a["batch_size"] for a in recorded_axes(DECODE)}):
     avals = decode_avals(batch)
-    configs = gk.decode_candidate_configs(avals)
-    assert configs[0] == gk.decode_choose_config(avals)
+    configs = gk_decode.candidate_configs(avals)
+    assert configs[0] == gk_decode.choose_config(avals)
     for config in configs if batch == 64 else configs[:1]:
-      assert_lowers_to_triton(gk.gdn_decode, *avals.values(), config=config, interpret=False)
+      assert_lowers_to_triton(gk_decode.gdn_decode, *avals.values(), config=config, interpret=False)

@@ -9,8 +9,8 @@ import pytest
 
 from jaxkern import ops
 from jaxkern import tuning
-from jaxkern.families import attention as attention_family
-from jaxkern.families import gemm as gemm_family
+from jaxkern.families import dense_gemm as gemm_family
+from jaxkern.families import flash_attention as attention_family
 from jaxkern.families import moe_router as router_family
 from pallas_kernels import dense_gemm
 from numerics import assert_bf16_close

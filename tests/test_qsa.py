@@ -19,7 +19,8 @@ import pytest
 from jaxkern import compare
 from jaxkern import ops
 from jaxkern import registry
-from jaxkern.families import qsa as fam
+from jaxkern.families import qsa_index as fam
+from jaxkern.families import qsa_sparse_gqa as gqa_fam
 from pallas_kernels import qsa_index as qi
 from pallas_kernels import qsa_sparse_gqa as qg
 from pallas_kernels.common import assert_lowers_to_triton
@@ -155,7 +156,7 @@ def test_gqa_kernel_matches_reference(seq_lens, max_pages, config):
   inputs = gqa_case(seq_lens, max_pages)
   got = qg.qsa_sparse_gqa_decode(**inputs, config=config, interpret=True)
   assert got.shape == (len(seq_lens), 24, 256) and got.dtype == jnp.bfloat16
-  assert_bf16_close(got, fam.qsa_sparse_gqa_decode_reference(**inputs))
+  assert_bf16_close(got, gqa_fam.qsa_sparse_gqa_decode_reference(**inputs))
 
 
 def test_gqa_shared_pages_unsorted_ids_and_ignored_ids():
@@ -167,19 +168,19 @@ def test_gqa_shared_pages_unsorted_ids_and_ignored_ids():
   ids[0, free] = [450, 10_000, 451]  # id n = 450 (the tail's) and ids > n: ignored
   inputs["topk_ids"] = jnp.asarray(ids)
   got = qg.qsa_sparse_gqa_decode(**inputs, config=GQA_SMALL, interpret=True)
-  assert_bf16_close(got, fam.qsa_sparse_gqa_decode_reference(**inputs))
+  assert_bf16_close(got, gqa_fam.qsa_sparse_gqa_decode_reference(**inputs))
 
 
 def test_gqa_nothing_visible_outputs_zero():
   inputs = gqa_case((8, 64), 1, topk_ids=-np.ones((2, 512), np.int32))  # no ids, no tail
   got = qg.qsa_sparse_gqa_decode(**inputs, config=GQA_SMALL, interpret=True)
   np.testing.assert_array_equal(np.asarray(got, np.float32), 0.0)
-  np.testing.assert_array_equal(np.asarray(fam.qsa_sparse_gqa_decode_reference(**inputs), np.float32), 0.0)
+  np.testing.assert_array_equal(np.asarray(gqa_fam.qsa_sparse_gqa_decode_reference(**inputs), np.float32), 0.0)
 
 
 def test_gqa_every_candidate_config_in_interpret_mode():
   inputs = gqa_case((2055,), 33, seed=2)
-  want = fam.qsa_sparse_gqa_decode_reference(**inputs)
+  want = gqa_fam.qsa_sparse_gqa_decode_reference(**inputs)
   shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in inputs.items()}
   for config in qg.candidate_configs(shapes):
     assert_bf16_close(qg.qsa_sparse_gqa_decode(**inputs, config=config, interpret=True), want)
@@ -190,7 +191,7 @@ def test_gqa_sm_scale_is_traced():
   run = jax.jit(lambda s: qg.qsa_sparse_gqa_decode(**{**inputs, "sm_scale": s}, config=GQA_SMALL,
                                                    interpret=True))
   for scale in (0.02, 0.3):
-    want = fam.qsa_sparse_gqa_decode_reference(**{**inputs, "sm_scale": jnp.float32(scale)})
+    want = gqa_fam.qsa_sparse_gqa_decode_reference(**{**inputs, "sm_scale": jnp.float32(scale)})
     assert_bf16_close(run(jnp.float32(scale)), want)
 
 
@@ -236,7 +237,7 @@ def test_index_reference_matches_float64():
 
 def test_gqa_reference_matches_float64():
   inputs = gqa_case((2055, 70, 2, 2048), 33, seed=8, shared=((0, 3, 10),))
-  got = np.asarray(fam.qsa_sparse_gqa_decode_reference(**inputs), np.float32)
+  got = np.asarray(gqa_fam.qsa_sparse_gqa_decode_reference(**inputs), np.float32)
   want = numpy_gqa(**inputs)
   assert_bf16_close(got, want)
   assert np.abs(got - want).max() <= 2 ** -8 * np.abs(want).max()  # one bf16 rounding
@@ -323,7 +324,7 @@ def test_ops_functions_jit(backend):
   g = gqa_case((200, 7), 4)
   args = [g[k] for k in ("q", "k_cache", "v_cache", "page_table", "seq_lens", "topk_ids")]
   o = jax.jit(lambda *a: ops.qsa_sparse_gqa_decode(*a, backend=backend))(*args)  # default sm_scale
-  assert_bf16_close(o, fam.qsa_sparse_gqa_decode_reference(**g))
+  assert_bf16_close(o, gqa_fam.qsa_sparse_gqa_decode_reference(**g))
 
 
 def test_bad_configs_raise():

@@ -98,8 +98,8 @@ def test_unimplemented_definition_raises_naming_the_module(tmp_path):
 
 
 @pytest.mark.parametrize("reference", [
-    "os:system", "jaxkern.families.gemm:__import__('os')", "jaxkern.familiesx.gemm:f",
-    "jaxkern.families.gemm", "subprocess:run", "jaxkern.families..gemm:f", "jaxkern.families.gemm:no_such_fn",
+    "os:system", "jaxkern.families.dense_gemm:__import__('os')", "jaxkern.familiesx.gemm:f",
+    "jaxkern.families.gemm", "subprocess:run", "jaxkern.families..gemm:f", "jaxkern.families.dense_gemm:no_such_fn",
 ])
 def test_hostile_reference_fields_are_rejected(tmp_path, reference):
   ds = copy_dataset(tmp_path, ())

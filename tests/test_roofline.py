@@ -147,7 +147,7 @@ def test_formulas_are_found_by_reference_function_or_op_type():
   d = DEFS["dense_gemm_bf16_nt_n4096_k4096"]
   moved = d.replace(reference="elsewhere.module:dense_gemm_reference")
   assert roofline.formula_for(moved) is roofline.dense_gemm
-  renamed = d.replace(reference="jaxkern.families.gemm:another_gemm")  # op_type "gemm" still names the family
+  renamed = d.replace(reference="jaxkern.families.dense_gemm:another_gemm")  # op_type "gemm" still names the family
   assert roofline.formula_for(renamed) is roofline.dense_gemm
   with pytest.raises(KeyError, match="no roofline formula"):
     roofline.formula_for(d.replace(reference="m:unknown", op_type="attention"))  # several families share it

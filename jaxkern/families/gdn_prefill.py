@@ -1,0 +1,118 @@
+"""Gated delta net prefill over packed sequences (SPEC 4.8):
+`gdn_prefill_qk4_v8_d128_k_last`. Math, gates and token synthesis:
+`jaxkern.families.gdn_decode`. Sequence n covers tokens cu_seqlens[n] ..
+cu_seqlens[n+1]-1 from state[n]; a sequence with no tokens gets a zero
+new_state row. Kernel: `pallas_kernels.gdn_prefill`.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkern import compare
+from jaxkern.families.gdn_decode import (STATE_STD, delta_step, gates, head_params, per_v_head,
+                                         token_inputs)
+from jaxkern.op import OpImpl
+from pallas_kernels import gdn_decode as gdn_decode_kernels
+from pallas_kernels import gdn_prefill as gdn_kernels
+
+_CPU_TOKENS = 192       # prefill tokens at CPU scale (plus total % 64: ragged chunks stay)
+_CPU_SEQS = 4
+
+
+def gdn_prefill_reference(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale):
+  """The sequential recurrence over packed sequences, vectorized over
+  sequences and heads: step p advances every sequence longer than p by its
+  token cu_seqlens[n] + p. Memory: the [N, HV, V, K] states, the fp32 output
+  [T, HV, V] and fp32 per-v-head copies of q, k, v (about 30 + 4*32 MiB at
+  N=57, T=8192)."""
+  total = q.shape[0]
+  hv, d = state.shape[1], state.shape[-1]
+  if total == 0:  # No tokens: every sequence is empty.
+    return jnp.zeros(v.shape, jnp.bfloat16), jnp.zeros(state.shape, jnp.float32)
+  cu = cu_seqlens.astype(jnp.int32)
+  starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+  qh, kh = per_v_head(q, hv), per_v_head(k, hv)                 # [T, HV, D]
+  vh = v.astype(jnp.float32)
+  g, beta = gates(a, b, A_log, dt_bias)                          # [T, HV]
+  scale = gdn_decode_kernels.resolve_scale(scale, d)
+
+  def step(p, carry):
+    s, out = carry
+    active = p < lengths                                          # [N]
+    t = jnp.where(active, starts + p, 0)
+    s_next, o = delta_step(s, qh[t], kh[t], vh[t], g[t], beta[t], scale)
+    s = jnp.where(active[:, None, None, None], s_next, s)
+    out = out.at[jnp.where(active, t, total)].set(o, mode="drop")
+    return s, out
+
+  s, out = lax.fori_loop(0, jnp.max(lengths, initial=0), step,
+                         (state.astype(jnp.float32), jnp.zeros((total, hv, d), jnp.float32)))
+  s = jnp.where((lengths > 0)[:, None, None, None], s, 0.0)
+  return out.astype(jnp.bfloat16), s
+
+
+def split_lengths(total: int, num_seqs: int, seed: int) -> np.ndarray:
+  """A random composition of `total` tokens into `num_seqs` sequences:
+  uniform over compositions with every part >= 1 when total >= num_seqs;
+  otherwise `total` sequences of one token and the rest empty, at random
+  positions (empty sequences only where the axes force them)."""
+  rng = np.random.default_rng(seed)
+  if num_seqs == 0:
+    return np.zeros(0, np.int64)
+  if total >= num_seqs:
+    cuts = np.sort(rng.choice(np.arange(1, total), size=num_seqs - 1, replace=False))
+    return np.diff(np.concatenate([[0], cuts, [total]]))
+  lengths = np.zeros(num_seqs, np.int64)
+  lengths[rng.choice(num_seqs, size=total, replace=False)] = 1
+  return lengths
+
+
+def make_prefill_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | None = None):
+  """As the decode inputs, over `total_seq_len` packed tokens; the sequence
+  lengths are a random split of total_seq_len into num_seqs (`split_lengths`).
+  The contest records carry no per-sequence lengths, so `record` adds no
+  structure and sizes come from `axes` (also in a CPU-scaled run)."""
+  del record
+  total, num_seqs = int(axes["total_seq_len"]), int(axes["num_seqs"])
+  hq, hv, d = (int(axes[n]) for n in ("num_q_heads", "num_v_heads", "head_size"))
+  k_tok, k_head, k_state, k_split = jax.random.split(key, 4)
+  inputs = token_inputs(k_tok, (total,), hq, hv, d)
+  A_log, dt_bias = head_params(k_head, hv)
+  state = STATE_STD * jax.random.normal(k_state, (num_seqs, hv, d, d), jnp.float32)
+  seed = int(jax.random.randint(k_split, (), 0, np.iinfo(np.int32).max))
+  lengths = split_lengths(total, num_seqs, seed)
+  cu_seqlens = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+  return {"q": inputs["q"], "k": inputs["k"], "v": inputs["v"], "state": state, "A_log": A_log,
+          "a": inputs["a"], "dt_bias": dt_bias, "b": inputs["b"], "cu_seqlens": cu_seqlens,
+          "scale": jnp.zeros((), jnp.float32)}
+
+
+def prefill_cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
+  """total_seq_len capped at 192 + total % 64 and num_seqs at 4 (still
+  several sequences, partial chunks, and no forced empty sequences where the
+  recorded axes had none)."""
+  out = dict(axes)
+  total, num_seqs = int(axes["total_seq_len"]), int(axes["num_seqs"])
+  new_total = min(total, _CPU_TOKENS + total % 64)
+  new_seqs = min(num_seqs, _CPU_SEQS)
+  if total >= num_seqs:
+    new_seqs = min(new_seqs, new_total)
+  out["total_seq_len"], out["num_seqs"], out["len_cu_seqlens"] = new_total, new_seqs, new_seqs + 1
+  return out
+
+
+IMPLS = (
+    OpImpl(reference=gdn_prefill_reference,
+           kernel=gdn_kernels.gdn_prefill,
+           make_inputs=make_prefill_inputs,
+           choose_config=gdn_kernels.choose_config,
+           candidate_configs=gdn_kernels.candidate_configs,
+           cpu_axes=prefill_cpu_axes,
+           policies={"new_state": compare.StateMetric()}),
+)
