@@ -101,6 +101,20 @@ def _legend(ax, entries: list[tuple[str, str, str]], **kw) -> None:
   ax.legend(handles=handles, fontsize=7, **kw)
 
 
+def _value_strip(ax, names: list[str], points: dict[str, list[tuple[float, str, str]]], *, scale: str,
+                 lo: float, band: float, error_x: float, xlabel: str, legend: list[tuple[str, str, str]]) -> None:
+  """Lanes of values from `lo`, a dashed line at 1, and the error band from
+  `band` on (failed workloads without a value are drawn at `error_x`)."""
+  _strip(ax, names, points)
+  ax.set_xscale(scale)
+  end = error_x * error_x / band if scale == "log" else 2 * error_x - band  # `error_x` mid-band
+  ax.set_xlim(lo, end)
+  _error_band(ax, "x", band, end, error_x, "error")
+  ax.axvline(1.0, color="black", lw=1, ls="--")
+  ax.set_xlabel(xlabel, fontsize=8)
+  _legend(ax, legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+
+
 def errors_figure(rows: list[Row]):
   """Each workload's worst error / tolerance per definition; failed
   workloads without error values in the error band."""
@@ -119,16 +133,11 @@ def errors_figure(rows: list[Row]):
                      "x" if math.isinf(r.worst_ratio) else "o") for r in rs if r.worst_ratio is not None]
     points[name] += [(error_x, FAIL, "X") for r in rs if r.worst_ratio is None and r.failed]
   if any(points.values()):
-    _strip(ax, names, points)
-    ax.set_xscale("log")
-    ax.set_xlim(floor / 1.5, error_x * 2.5)
-    _error_band(ax, "x", ceiling * 2.5, error_x * 2.5, error_x, "error")
-    ax.axvline(1.0, color="black", lw=1, ls="--")
-    ax.set_xlabel("worst output error / tolerance (max abs err / atol; 1 = at atol; x = non-finite; "
-                  f"0 drawn at {floor:.0e}; error band: failed without error values)", fontsize=8)
-    _legend(ax, [("passed", PASS, "o"), ("failed", FAIL, "o"), ("non-finite error", FAIL, "x"),
-                 ("failed, no error values (e.g. runtime error)", FAIL, "X")],
-            loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    _value_strip(ax, names, points, scale="log", lo=floor / 1.5, band=ceiling * 2.5, error_x=error_x,
+                 xlabel="worst output error / tolerance (max abs err / atol; 1 = at atol; x = non-finite; "
+                 f"0 drawn at {floor:.0e}; error band: failed without error values)",
+                 legend=[("passed", PASS, "o"), ("failed", FAIL, "o"), ("non-finite error", FAIL, "x"),
+                         ("failed, no error values (e.g. runtime error)", FAIL, "X")])
   else:
     _no_data(ax, "no floating-point output errors and no failures in these results")
   ax.set_title("Error vs tolerance per workload", fontsize=10, pad=14)
@@ -187,15 +196,11 @@ def sol_figure(rows: list[Row]):
   if shown:
     top = max([1.05] + [r.sol_fraction * 1.05 for r in measured])
     error_x = top * 1.12
-    _strip(ax, list(by), {n: [(r.sol_fraction, status_color(r.status), "o") if r.sol_fraction is not None
-                               else (error_x, FAIL, "X") for r in rs] for n, rs in by.items()})
-    ax.axvline(1.0, color="black", lw=1, ls="--")
-    ax.set_xlim(0, top * 1.2)
-    _error_band(ax, "x", top * 1.05, top * 1.2, error_x, "error")
-    ax.set_xlabel("speed of light / kernel median time (1 = at the roofline; error band: failed, no fraction)",
-                  fontsize=8)
-    _legend(ax, [("passed", PASS, "o"), ("failed", FAIL, "o"), ("failed, no SOL fraction", FAIL, "X")],
-            loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    points = {n: [(r.sol_fraction, status_color(r.status), "o") if r.sol_fraction is not None
+                  else (error_x, FAIL, "X") for r in rs] for n, rs in by.items()}
+    _value_strip(ax, list(by), points, scale="linear", lo=0.0, band=top * 1.05, error_x=error_x,
+                 xlabel="speed of light / kernel median time (1 = at the roofline; error band: failed, no fraction)",
+                 legend=[("passed", PASS, "o"), ("failed", FAIL, "o"), ("failed, no SOL fraction", FAIL, "X")])
     if not measured:
       ax.text(0.5, 0.5, "no SOL fraction measured: no workload was timed on a GPU", ha="center", va="center",
               transform=ax.transAxes, fontsize=9, color="#555555")
@@ -237,16 +242,10 @@ def baseline_figure(changes: list[Change]):
     points = {n: [(c.latency_ratio, status_color(c.after), "o") if c.latency_ratio else (error_x, FAIL, "X")
                   for c in changes if c.definition == n and (c.latency_ratio or failed(c.after))] for n in names}
     if any(points.values()):
-      _strip(right, names, points)
-      right.set_xscale("log")
-      right.set_xlim(lo / 2, error_x * 2)
-      _error_band(right, "x", hi * 2, error_x * 2, error_x, "error")
-      right.axvline(1.0, color="black", lw=1, ls="--")
-      right.set_xlabel("kernel latency, this run / baseline (< 1 = faster now; error band: failed now, no ratio)",
-                       fontsize=8)
+      _value_strip(right, names, points, scale="log", lo=lo / 2, band=hi * 2, error_x=error_x,
+                   xlabel="kernel latency, this run / baseline (< 1 = faster now; error band: failed now, no ratio)",
+                   legend=[("passed now", PASS, "o"), ("failed now", FAIL, "o"), ("failed now, no ratio", FAIL, "X")])
       right.tick_params(labelleft=True)  # sharey hides them; this panel names its lanes too
-      _legend(right, [("passed now", PASS, "o"), ("failed now", FAIL, "o"), ("failed now, no ratio", FAIL, "X")],
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     else:
       _no_data(right, "no workload timed in both runs and no failure")
     right.set_title("Latency ratio per workload", fontsize=10, pad=14)
