@@ -249,7 +249,7 @@ def test_command_line_defines_its_flags_only_when_run():
   from absl import flags  # pylint: disable=g-import-not-at-top
   assert "markdown" not in flags.FLAGS
   out = subprocess.run([sys.executable, "-m", "jaxkern.aot", "--helpfull"], capture_output=True, text=True,
-                       timeout=120, check=False, cwd=pathlib.Path(__file__).parent)
+                       timeout=120, check=False, cwd=pathlib.Path(__file__).parent.parent)
   assert "--markdown" in out.stdout and "--[no]all_candidates" in out.stdout, out.stderr[-2000:]
 
 

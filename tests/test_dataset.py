@@ -240,7 +240,7 @@ def test_module_entry_point_and_module_sizes():
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   out = subprocess.run([sys.executable, "-m", "jaxkern.dataset", "validate"], capture_output=True, text=True,
-                       check=False, timeout=120, cwd=REPO.parent)
+                       check=False, timeout=120, cwd=REPO)
   assert out.returncode == 0 and "1104 valid records in 21 definitions" in out.stdout, out.stderr
   for path in (REPO / "jaxkern" / "dataset").glob("*.py"):
     assert len(path.read_text().splitlines()) <= 450, path.name

@@ -13,8 +13,8 @@ from jaxkern.report.rows import Row, by_definition_and_timer, failed, fmt, media
 HEADERS = ["definition", "timer", "n", "passed", "failed", "skipped", "worst err/tol", "kernel ms", "ref ms",
            "SOL ms", "SOL frac"]
 FAILED_COLUMN = HEADERS.index("failed")
-BASELINE_HEADERS = ["definition", "matched", "axes differ", "fixed", "broke", "other changes", "only here",
-                    "only in baseline", "latency ratio"]
+BASELINE_HEADERS = ["definition", "matched", "axes differ", "fixed", "broke", "other changes", "failing in both",
+                    "only here", "only in baseline", "latency ratio"]
 SUMMARY_HEADERS = ["definition", "timer", "passed / total", "kernel ms (median)", "reference ms (median)",
                    "SOL fraction (median)"]
 FURTHEST = 5  # definitions listed as furthest from their speed of light
@@ -89,7 +89,7 @@ def baseline_table(changes: list[Change], only_here: list[Row], only_base: list[
     cs = [c for c in changes if c.definition == name]
     kinds = [change_kind(c) for c in cs]
     table.append([name, len(cs), sum(not c.same_axes for c in cs), kinds.count("fixed"), kinds.count("broke"),
-                  kinds.count("other"),
+                  kinds.count("other"), kinds.count("failing"),
                   sum(r.definition == name for r in only_here), sum(r.definition == name for r in only_base),
                   fmt(median(c.latency_ratio for c in cs))])
   return table
