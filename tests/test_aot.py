@@ -1,5 +1,12 @@
-"""`jaxkern.aot`: the parsing and occupancy logic always; real sm_90a
-compiles only when the `aot` extra (CUDA plugin + ptxas) is installed."""
+"""`jaxkern.aot`: the parsing, instruction-mix and occupancy logic always;
+real sm_90a compiles only when the `aot` extra (CUDA plugin + ptxas) is
+installed."""
+
+import dataclasses
+import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -79,6 +86,178 @@ def test_parse_thunks_and_triton_calls():
   assert aot.triton_calls(STABLEHLO) == [("moe_router_partial_logits", 2, 4), ("moe_router_reduce_route", 1, 4)]
 
 
+# A k-loop in the shape XLA's Triton writes it: address arithmetic, an
+# inline-asm scope with its own predicate, e2m1-style decode (bit ops,
+# conversions, float scaling), two e4m3 wgmma and one bf16 wgmma, and a
+# predicated branch back to the loop label. Before and after the loop: code
+# that must not count in the k-step.
+KLOOP = """\
+.visible .entry gemm_fp8(
+\t.param .u64 gemm_fp8_param_0
+)
+{
+\t.reg .b32 %r<100>;
+\tld.param::entry.b64 \t%rd1, [gemm_fp8_param_0];
+\tmov.b32 \t%r1, 0;
+$L__BB0_1:
+\tadd.s32 \t%r2, %r1, 1;          // loop counter
+\tmul.wide.s32 \t%rd2, %r2, 2;
+\tld.shared.b16 \t%rs1, [%rd2+16];
+\tshr.u32 \t%r3, %r2, 4;
+\tand.b32 \t%r4, %r3, 7;
+\tlop3.b32 \t%r5, %r4, %r3, 240, 0xf8;
+\tprmt.b32 \t%r6, %r5, 0, 0x3340;
+\tcvt.rn.f16x2.e4m3x2 \t%r7, %rs1;
+\tcvt.f32.f16 \t%r8, %rs1;
+\tfma.rn.f32 \t%r9, %r8, %r8, %r8;
+\tmul.rn.f32 \t%r10, %r9, %r8;
+\tex2.approx.f32 \t%r11, %r10;
+\tsetp.lt.s32 \t%p1, %r2, 64;
+\tselp.b32 \t%r12, %r4, %r5, %p1;
+\twgmma.fence.sync.aligned;
+\t// begin inline asm
+\t{
+\t.reg .pred p;
+\tsetp.ne.b32 p, %r12, 0;
+\twgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%r20,%r21,
+\t%r22,%r23}, %rd3, %rd4, p, 1, 1;
+\t}
+\t// end inline asm
+\t/* a block comment with wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 inside */
+\twgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%r20,%r21,%r22,%r23}, %rd5, %rd6, p, 1, 1;
+\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%r24}, %rd5, %rd6, p, 1, 1, 0, 0;
+\twgmma.commit_group.sync.aligned;
+\twgmma.wait_group.sync.aligned 1;
+\tcp.async.cg.shared.global [ %r30 + 0 ], [ %rd7 + 0 ], 0x10, %p1;
+\tbar.sync \t0;
+\tmov.b32 \t%r1, %r2;
+\t@%p1 bra \t$L__BB0_1;
+\tcvt.rn.bf16x2.f32 \t%r40, %r20, %r21;
+\tst.global.v4.b32 \t[%rd1], {%r40, %r40, %r40, %r40};
+\tret;
+}
+"""
+
+# mma.sync in straight-line code inside an outer loop without MMA in a
+# nested inner loop: the innermost loop holding MMAs is the k-step.
+NESTED = """\
+.visible .entry attn(
+)
+{
+$L__BB1_1:
+\tadd.s32 \t%r1, %r1, 1;
+\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1,%f2,%f3,%f4}, {%r1,%r2,%r3,%r4}, {%r5,%r6}, {%f1,%f2,%f3,%f4};
+$L__BB1_2:
+\tmma.sync.aligned.m16n8k32.row.col.f32.e4m3.e5m2.f32 {%f1,%f2,%f3,%f4}, {%r1,%r2,%r3,%r4}, {%r5,%r6}, {%f1,%f2,%f3,%f4};
+\tsub.f32 \t%f9, %f1, %f2;
+\tsetp.ne.s32 \t%p2, %r1, 0;
+\t@%p2 bra.uni \t$L__BB1_2;
+\t@!%p3 bra \t$L__BB1_1;
+\tret;
+}
+.entry straight(
+)
+{
+\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1}, {%r2}, {%f2};
+\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1}, {%r2}, {%f2};
+\txor.b32 \t%r9, %r1, %r2;
+\tbra.uni \t$L__BB2_9;
+$L__BB2_9:
+\tret;
+}
+"""
+
+
+@pytest.mark.parametrize("opcode,kind", [
+    ("add.s32", "int"), ("mul.wide.s32", "int"), ("mad.lo.s64", "int"), ("cvta.to.global.u64", "int"),
+    ("add.f32", "float"), ("fma.rn.f32", "float"), ("max.bf16x2", "float"), ("ex2.approx.ftz.f32", "float"),
+    ("rcp.approx.f32", "float"), ("cvt.rn.bf16x2.f32", "convert"), ("cvt.u64.u32", "convert"),
+    ("lop3.b32", "bit"), ("prmt.b32", "bit"), ("shl.b64", "bit"), ("and.pred", "bit"), ("bfe.u32", "bit"),
+    ("setp.lt.s32", "compare"), ("selp.f32", "compare"), ("ld.global.v4.b32", "memory"),
+    ("cp.async.cg.shared.global", "memory"), ("ldmatrix.sync.aligned.m8n8.x4.shared.b16", "memory"),
+    ("st.shared.b8", "memory"), ("mov.b32", "other"), ("bar.sync", "other"), ("bra.uni", "other"),
+    ("shfl.sync.idx.b32", "other"), ("wgmma.fence.sync.aligned", "other"), ("wgmma.wait_group.sync.aligned", "other"),
+    ("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", "mma"), ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma"),
+])
+def test_classify_opcodes(opcode, kind):
+  assert aot.ptx.classify(opcode) == kind
+
+
+def test_mma_kinds():
+  kind = aot.ptx.mma_kind
+  assert kind("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == "wgmma.m64n256k16.bf16"
+  assert kind("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == "wgmma.m64n128k32.e4m3"
+  assert kind("wgmma.mma_async.sync.aligned.m64n128k32.f16.e4m3.e5m2") == "wgmma.m64n128k32.e4m3.e5m2"
+  assert kind("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == "mma.m16n8k16.bf16"
+  assert kind("wgmma.commit_group.sync.aligned") is None and kind("mov.b32") is None
+
+
+def test_instruction_mix_of_a_k_loop():
+  """The k-step is the loop body only; comments, directives and inline-asm
+  braces do not count; a wgmma split over two lines counts once."""
+  [(name, k)] = aot.parse_ptx(KLOOP).items()
+  assert name == "gemm_fp8" and k.matrix_ops == "wgmma"
+  step = k.k_step.to_json()
+  assert step["mma"] == {"wgmma.m64n128k32.e4m3": 2, "wgmma.m64n64k16.bf16": 1} and step["mma_total"] == 3
+  # int: add, mul.wide; float: fma, mul, ex2; convert: 2 cvt; bit: shr, and, lop3, prmt;
+  # compare: setp, selp and the inline scope's setp.
+  assert step["alu"] == {"int": 2, "float": 3, "convert": 2, "bit": 4, "compare": 3}
+  assert step["alu_total"] == 14 and step["alu_per_mma"] == pytest.approx(14 / 3, abs=0.01)
+  assert (step["memory"], step["other"]) == (2, 6)  # ld, cp.async; fence, commit, wait, bar, mov, bra
+  whole = k.kernel.to_json()
+  assert whole["mma_total"] == 3 and whole["alu"]["convert"] == 3 and whole["memory"] == 4
+  assert whole["other"] == 8  # + the mov before the loop and ret
+
+
+def test_instruction_mix_innermost_mma_loop_and_straight_code():
+  kernels = aot.parse_ptx(NESTED)
+  attn, straight = kernels["attn"], kernels["straight"]
+  assert attn.k_step.mma == {"mma.m16n8k32.e4m3.e5m2": 1}   # the inner loop, not the outer one
+  assert attn.k_step.alu == {"float": 1, "compare": 1}
+  assert attn.kernel.mma == {"mma.m16n8k16.bf16": 1, "mma.m16n8k32.e4m3.e5m2": 1} and attn.matrix_ops == "mma"
+  # A forward branch is no loop: whole-kernel counts only.
+  assert straight.k_step is None and straight.kernel.mma_total == 2 and straight.kernel.alu_per_mma == 0.5
+  assert aot.ptx_matrix_ops(NESTED) == {"attn": "mma", "straight": "mma"}
+
+
+def test_instruction_mix_in_table_json_and_markdown():
+  ptx = aot.parse_ptx(KLOOP)
+  limits = aot.Limits()
+  stats = {"gemm_fp8": aot.PtxasStats(registers=168)}
+  launches = [aot.Launch("gemm_fp8", (132, 1, 1), 256, 100 * 1024)]
+  [k] = aot.build_reports([("gemm_fp8", 3, 8)], launches, stats, ptx, limits)
+  row = {"definition": "grouped", "axes": {"M": 6}, "config": {"block_m": 64}, "heuristic": True,
+         "target": "H200", "status": k.status, "compile_seconds": 1.0, "error": "",
+         "kernels": [json.loads(json.dumps(dataclasses.asdict(k)))]}
+  assert row["kernels"][0]["instruction_mix"]["k_step"]["alu_per_mma"] == pytest.approx(4.67)
+  table = aot.format_rows([row])
+  assert "2 wgmma.m64n128k32.e4m3 + 1 wgmma.m64n64k16.bf16" in table and "14 (2/3/2/4/3)" in table
+  page = aot.markdown_page([row], target="NVIDIA H200", ptxas="ptxas 12.9", jax_version="0.12",
+                           command="python -m jaxkern.aot --markdown x.md", date="2026-12-01")
+  line = next(l for l in page.splitlines() if l.startswith("| `grouped`"))
+  cells = [c.strip() for c in line.strip("|").split("|")]
+  header = next(l for l in page.splitlines() if l.startswith("| definition"))
+  assert len(cells) == len(header.strip("|").split("|"))
+  assert cells[4:7] == ["132x1x1", "168", "100.0 KiB"] and cells[-4:] == [
+      "2 wgmma.m64n128k32.e4m3 + 1 wgmma.m64n64k16.bf16", "14 (2/3/2/4/3)", "4.67", "ok"]
+  assert "1/1 configs compile clean" in page and "python -m jaxkern.aot --markdown x.md" in page
+
+
+def test_command_line_defines_its_flags_only_when_run():
+  """`python -m jaxkern.aot` parses its flags (importing the package defines
+  none, so tools with flags of the same name can import it)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  assert "markdown" not in flags.FLAGS
+  out = subprocess.run([sys.executable, "-m", "jaxkern.aot", "--helpfull"], capture_output=True, text=True,
+                       timeout=120, check=False, cwd=pathlib.Path(__file__).parent.parent)
+  assert "--markdown" in out.stdout and "--[no]all_candidates" in out.stdout, out.stderr[-2000:]
+
+
+def test_module_sizes():
+  for path in (pathlib.Path(aot.__file__).parent).glob("*.py"):
+    assert len(path.read_text().splitlines()) <= 450, path.name
+
+
 def test_occupancy():
   limits = aot.Limits()
   # 8 warps at 202 registers: 208 x 32 = 6656 per warp, 9 warps fit in 64K -> 1 CTA.
@@ -105,13 +284,16 @@ def test_limits_from_target_config():
 
 def test_build_reports_joins_and_judges():
   limits = aot.Limits()
+  ptx = {"moe_router_partial_logits": aot.KernelPtx("moe_router_partial_logits",
+                                                    aot.InstructionMix(mma={"wgmma.m64n64k16.bf16": 4}), None)}
   reports = aot.build_reports(aot.triton_calls(STABLEHLO), aot.parse_thunk_sequence(THUNKS),
-                              aot.parse_ptxas_verbose(PTXAS_V), {"moe_router_partial_logits": "wgmma"}, limits)
+                              aot.parse_ptxas_verbose(PTXAS_V), ptx, limits)
   a, b = reports
   assert (a.name, a.status, a.registers, a.smem_bytes, a.matrix_ops, a.num_stages) == (
       "moe_router_partial_logits", aot.OK, 160, 67584, "wgmma", 2)
   assert (a.ctas_per_sm, a.occupancy_limit) == (3, "registers")
-  assert (b.status, b.spill_stores, b.smem_bytes) == (aot.SPILLS, 228, 512 + 16)
+  assert a.instruction_mix["kernel"]["mma"] == {"wgmma.m64n64k16.bf16": 4} and a.instruction_mix["k_step"] is None
+  assert (b.status, b.spill_stores, b.smem_bytes, b.instruction_mix) == (aot.SPILLS, 228, 512 + 16, None)
   rep = aot.CompileReport(reports, 1.0)
   assert not rep.ok and rep.status == aot.SPILLS
   assert "moe_router_reduce_route: 255 regs" in rep.summary()
@@ -191,3 +373,17 @@ def test_shipped_heuristic_configs_compile_clean(compiler, name, axes):
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["ctas_per_sm"] >= 1, k
   if name.startswith(("dense_gemm", "noncausal", "prefix")):
     assert all(k["matrix_ops"] == "wgmma" for k in row["kernels"]), row["kernels"]
+  for k in row["kernels"]:
+    mix = k["instruction_mix"]
+    assert mix is not None and (mix["kernel"]["mma_total"] > 0) == (k["matrix_ops"] != "none"), k
+  if name.startswith("dense_gemm"):  # a pipelined k-loop of bf16 wgmma
+    assert set(row["kernels"][0]["instruction_mix"]["k_step"]["mma"]) == {"wgmma.m64n256k16.bf16"}
+
+
+def test_markdown_page_from_a_run(compiler, tmp_path):  # pylint: disable=unused-argument
+  page = tmp_path / "page.md"
+  out = subprocess.run([sys.executable, "-m", "jaxkern.aot", "--definition=dense_gemm_bf16_nt_n4096_k4096",
+                        f"--markdown={page}"], capture_output=True, text=True, timeout=600, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  text = page.read_text()
+  assert "1/1 configs compile clean" in text and "wgmma.m64n256k16.bf16" in text and "| `dense_gemm_nt` |" in text

@@ -73,15 +73,18 @@ def test_table_counts_and_error_ratios(runs):
   current, _ = runs
   rep = report.build(current, out_dir=current.parent / "rep")
   rows = {r[0]: r for r in rep.table}
-  assert rows[GEMM][1:5] == [3, 2, 1, 0]
-  assert rows[GEMM][5] == "100 (C)"                 # 0.5 / 0.005
-  assert rows[ROUTER][1:5] == [1, 1, 0, 0]
-  assert rows[ROUTER][5] == "0.05 (expert_weights)"  # 1e-6 / 2e-5; the top-k ids have no tolerance
-  assert rows[ATTN][1:5] == [2, 0, 2, 0] and rows[ATTN][5] == "inf (o)"
-  assert rows[MLA][1:5] == [1, 0, 0, 1] and rows[MLA][5] == "-"
-  assert rows["total"][1:5] == [7, 3, 3, 1]
-  assert rows[GEMM][6:] == ["1", "2", "0.5", "0.5"]   # medians: kernel, reference, SOL ms, SOL fraction
-  assert cells(rep.text, GEMM)[1:5] == ["3", "2", "1", "0"]
+  # Results without a timer field, not in interpret mode: wall clock. The
+  # runtime error joins its definition's timer; a definition never timed has none.
+  assert [rows[n][1] for n in (GEMM, ROUTER, ATTN, MLA)] == ["wall", "wall", "wall", "-"]
+  assert rows[GEMM][2:6] == [3, 2, 1, 0]
+  assert rows[GEMM][6] == "100 (C)"                 # 0.5 / 0.005
+  assert rows[ROUTER][2:6] == [1, 1, 0, 0]
+  assert rows[ROUTER][6] == "0.05 (expert_weights)"  # 1e-6 / 2e-5; the top-k ids have no tolerance
+  assert rows[ATTN][2:6] == [2, 0, 2, 0] and rows[ATTN][6] == "inf (o)"
+  assert rows[MLA][2:6] == [1, 0, 0, 1] and rows[MLA][6] == "-"
+  assert rows["total"][2:6] == [7, 3, 3, 1]
+  assert rows[GEMM][7:] == ["1", "2", "0.5", "0.5"]   # medians: kernel, reference, SOL ms, SOL fraction
+  assert cells(rep.text, GEMM)[1:6] == ["wall", "3", "2", "1", "0"]
   assert cells(rep.text, "total")[1:5] == ["7", "3", "3", "1"]
 
 
@@ -97,10 +100,11 @@ def test_page_and_plots_with_a_baseline(runs, capsys):
     assert f'src="{png}"' in page, png
   assert GEMM in page and "boom" in page and "C: 3 of 9 elements" in page
   changes = printed.split("against baseline")[1]
-  # matched, axes differ, fixed, broke, other, only here, only in baseline, median latency ratio (0.5, 2, 1).
-  assert cells(changes, GEMM)[1:] == ["3", "0", "1", "1", "0", "0", "0", "1"]
-  assert cells(changes, ATTN)[1:] == ["1", "0", "0", "0", "1", "1", "1", "-"]
-  assert cells(changes, ROUTER)[1:] == ["1", "1", "0", "0", "0", "0", "0", "-"]
+  # matched, axes differ, fixed, broke, other, failing in both, only here, only in baseline, median latency
+  # ratio (0.5, 2, 1).
+  assert cells(changes, GEMM)[1:] == ["3", "0", "1", "1", "0", "0", "0", "0", "1"]
+  assert cells(changes, ATTN)[1:] == ["1", "0", "0", "0", "1", "0", "1", "1", "-"]
+  assert cells(changes, ROUTER)[1:] == ["1", "1", "0", "0", "0", "0", "0", "0", "-"]
   assert "g1: incorrect_numerical -> passed" in printed and "g2: passed -> incorrect_numerical" in printed
   assert f"report: {out / 'index.html'}" in printed
 
@@ -124,3 +128,170 @@ def test_page_renders_headless(runs):
                   "--window-size=1300,3000", f"--screenshot={shot}", rep.html_path.as_uri()],
                  check=True, capture_output=True, timeout=120)
   assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20000
+
+
+# -- failures, styles, labels (issue 20) ---------------------------------------
+
+def _points(ax):
+  """Every scattered (x, y) point of an axes, with its face colour and the
+  collection it belongs to."""
+  import matplotlib.colors as mcolors  # pylint: disable=g-import-not-at-top
+  out = []
+  for coll in ax.collections:
+    offsets = coll.get_offsets()
+    faces = coll.get_facecolors()
+    edges = coll.get_edgecolors()
+    for i, (x, y) in enumerate(offsets):
+      face = mcolors.to_hex(faces[i % len(faces)]) if len(faces) else "none"
+      edge = mcolors.to_hex(edges[i % len(edges)]) if len(edges) else "none"
+      out.append((float(x), float(y), face, edge, coll))
+  return out
+
+
+@pytest.fixture
+def rows(runs):
+  current, _ = runs
+  return report.rows_of(results.read_traces(current))
+
+
+def test_errors_plot_shows_runtime_errors(rows):
+  """The runtime error (no error values) is a red cross in the error band,
+  right of every measured ratio; every other row with a ratio is there too."""
+  fig = report.errors_figure(rows)
+  (ax,) = fig.axes
+  pts = _points(ax)
+  with_ratio = [r for r in rows if r.worst_ratio is not None]
+  errored = [r for r in rows if r.worst_ratio is None and r.failed]
+  assert [r.uuid for r in errored] == ["a1"]
+  assert len(pts) == len(with_ratio) + len(errored)
+  lanes = [t.get_text() for t in ax.get_yticklabels()]
+  red = [(x, round(y)) for x, y, face, _, _ in pts if face == "#d62728"]
+  band_x = max(x for x, *_ in pts)
+  assert (band_x, lanes.index(ATTN)) in red          # a1 at the error position, in its definition's lane
+  assert band_x > 10 * max(r.worst_ratio for r in with_ratio if r.worst_ratio != float("inf"))
+  legend = [t.get_text() for t in ax.get_legend().get_texts()]
+  assert any("no error values" in l for l in legend)
+
+
+def test_latency_and_sol_plots_show_failures(rows):
+  lat = report.latency_figure(rows)
+  (ax,) = lat.axes
+  pts = _points(ax)
+  shown = [r for r in rows if (r.latency_ms and r.reference_ms) or r.failed]
+  rings = [(x, y) for x, y, face, edge, _ in pts if face == "none" and edge == "#d62728"]
+  dots = [(x, y) for x, y, face, *_ in pts if face != "none"]
+  assert len(dots) == len(shown) and len(rings) == sum(r.failed for r in shown)
+  top = max(x for x, _ in dots)
+  assert (top, top) in rings                          # a1: no kernel and no reference time
+  assert ax.get_xlabel() and ax.get_ylabel()
+  sol = report.sol_figure(rows)
+  (ax,) = sol.axes
+  lanes = [t.get_text() for t in ax.get_yticklabels()]
+  crosses = [(x, lanes[round(y)]) for x, y, face, *_ in _points(ax) if face == "#d62728"]
+  assert (max(x for x, _ in crosses), ATTN) in crosses
+
+
+def test_baseline_plot_shows_failures_and_labels_both_panels(runs):
+  current, baseline = runs
+  now, base = report.rows_of(results.read_traces(current)), report.rows_of(results.read_traces(baseline))
+  changes, _, _ = report.compare_runs(now, base)
+  fig = report.baseline_figure(changes)
+  left, right = fig.axes
+  # The runtime error a1 (timeout before) has no ratio: a red cross on the right.
+  lanes = [t.get_text() for t in right.get_yticklabels()]
+  crosses = [lanes[round(y)] for x, y, face, *_ in _points(right) if face == "#d62728"]
+  assert ATTN in crosses
+  for ax in (left, right):
+    assert ax.get_xlabel() and ax.get_ylabel() == "definition"
+    visible = [t.label1.get_text() for t in ax.yaxis.get_major_ticks() if t.label1.get_visible()]
+    assert visible and all(visible), ax.get_title()
+  # Failing in both runs is its own kind, not "same".
+  c = report.Change("u", GEMM, Status.RUNTIME_ERROR, Status.RUNTIME_ERROR, None)
+  assert report.change_kind(c) == "failing"
+
+
+def test_every_plot_labels_its_axes(rows):
+  for fig in (report.errors_figure(rows), report.latency_figure(rows), report.sol_figure(rows)):
+    for ax in fig.axes:
+      assert ax.get_xlabel() and ax.get_ylabel(), ax.get_title()
+
+
+def test_21_definitions_have_distinct_colours_and_markers():
+  from jaxkern import registry  # pylint: disable=g-import-not-at-top
+  names = registry.names()
+  styles = report.definition_styles(names)
+  assert len(names) == 21
+  assert len({c for c, _ in styles.values()}) == 21 and len(set(styles.values())) == 21
+  assert "#d62728" not in {c for c, _ in styles.values()}  # red means failure
+  # And in the plot: one colour per definition.
+  traces = [trace(f"u{i}", n, Status.PASSED, latency=1.0 + i, ref=2.0) for i, n in enumerate(names)]
+  fig = report.latency_figure(report.rows_of(traces))
+  colours = {face for *_, face, _, _ in [(p[0], p[1], p[2], p[3], p[4]) for p in _points(fig.axes[0])]}
+  assert len(colours) == 21
+
+
+# -- timers and the markdown summary (issue 18) -------------------------------
+
+def timed(uuid, definition, status, latency, timer=None, interpret=False, frac=None):
+  t = trace(uuid, definition, status, latency=latency, ref=2 * latency, sol=0.1, frac=frac)
+  t.evaluation.environment["interpret"] = interpret
+  if timer is not None:
+    t.evaluation.performance["timer"] = timer
+  return t
+
+
+def test_tables_never_mix_timers(tmp_path):
+  path = write(tmp_path / "mixed.jsonl", [
+      timed("d1", GEMM, Status.PASSED, 1.0, "device (profiler)", frac=0.5),
+      timed("d2", GEMM, Status.PASSED, 3.0, "device (profiler)", frac=0.1),
+      timed("w1", GEMM, Status.PASSED, 100.0, "wall"),
+      timed("i1", GEMM, Status.PASSED, 500.0, interpret=True),     # an old line in interpret mode
+      trace("e1", ROUTER, Status.RUNTIME_ERROR, log="boom"),       # not timed: joins the router's one timer
+      timed("r1", ROUTER, Status.PASSED, 0.2, "device (profiler)", frac=0.04),
+  ])
+  rep = report.build(path, out_dir=tmp_path / "rep")
+  lines = {(r[0], r[1]): r for r in rep.table}
+  assert set(lines) == {(GEMM, "device (profiler)"), (GEMM, "wall"), (GEMM, "interpret"),
+                        (ROUTER, "device (profiler)"), ("total", "")}
+  assert lines[(GEMM, "device (profiler)")][2:4] == [2, 2] and lines[(GEMM, "device (profiler)")][7] == "2"
+  assert lines[(GEMM, "wall")][7] == "100" and lines[(GEMM, "interpret")][7] == "500"
+  assert lines[(ROUTER, "device (profiler)")][2:5] == [2, 1, 1]
+  # A baseline ratio only between the same timer.
+  base = report.rows_of([timed("d1", GEMM, Status.PASSED, 2.0, "wall")])
+  [change], _, _ = report.compare_runs(report.rows_of(results.read_traces(path)), base)
+  assert change.latency_ratio is None
+
+
+def test_markdown_summary(tmp_path, capsys):
+  path = write(tmp_path / "gpu.jsonl", [
+      timed("d1", GEMM, Status.PASSED, 1.0, "device (profiler)", frac=0.5),
+      timed("d2", GEMM, Status.INCORRECT_NUMERICAL, 3.0, "device (profiler)", frac=0.1),
+      timed("r1", ROUTER, Status.PASSED, 0.2, "device (profiler)", frac=0.04),
+      timed("a1", ATTN, Status.PASSED, 0.5, "device (profiler)", frac=0.8),
+      timed("w1", MLA, Status.PASSED, 9.0, "wall"),
+  ])
+  md = tmp_path / "nvidia_h200.md"
+  assert report.main([str(path), "--out", str(tmp_path / "rep"), "--markdown", str(md)]) == 0
+  assert f"summary: {md}" in capsys.readouterr().out
+  text = md.read_text()
+  table = [l for l in text.splitlines() if l.startswith("| `")]
+  assert table[0] == f"| `{GEMM}` | device (profiler) | 1 / 2 | 2 | 4 | 0.3 |"
+  assert f"| `{MLA}` | wall | 1 / 1 | 9 | 18 | - |" in table and len(table) == 4
+  # Geomean over the three device-timed definitions' medians (0.3, 0.04, 0.8).
+  assert f"Geomean SOL fraction (device (profiler)): {(0.3 * 0.04 * 0.8) ** (1 / 3):.3g} over 3 definitions" in text
+  furthest = [l for l in text.splitlines() if l[:3] in ("1. ", "2. ", "3. ")]
+  assert furthest == [f"1. `{ROUTER}`: 0.04", f"2. `{GEMM}`: 0.3", f"3. `{ATTN}`: 0.8"]
+  assert "wall)" not in text.split("Geomean")[1]    # the wall-clock line has no SOL fraction to mix in
+  assert report.main([str(path), "--markdown", str(tmp_path / "no" / "such" / "dir.md")]) == 2
+
+
+def test_module_entry_point_and_sizes(runs):
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  current, _ = runs
+  out = subprocess.run([sys.executable, "-m", "jaxkern.report", str(current), "--out", str(current.parent / "m")],
+                       capture_output=True, text=True, timeout=300, check=False,
+                       cwd=pathlib.Path(__file__).resolve().parent.parent)
+  assert out.returncode == 0 and "report:" in out.stdout, out.stderr[-2000:]
+  for path in pathlib.Path(report.__file__).parent.glob("*.py"):
+    assert len(path.read_text().splitlines()) <= 450, path.name

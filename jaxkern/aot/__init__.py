@@ -1,0 +1,38 @@
+"""Compiles kernels for sm_90a (H100/H200) on a machine without a GPU and
+reports, per Pallas kernel, what the GPU toolchain made of it.
+
+Per kernel (one per `pallas_call`, named by its `name=`): registers per
+thread, shared memory, spill stores/loads, whether the PTX uses wgmma or
+mma.sync, the instruction mix (MMA instructions by kind against ALU
+instructions, per k-step of the main loop: `jaxkern.aot.ptx`), an occupancy
+estimate (CTAs per SM from registers x threads, shared memory and threads,
+with the target's limits) and a status: `ok`, `spills`, `smem_overflow` or
+`error`.
+
+Modules: `toolchain` (plugin and ptxas discovery, targets, the compile-only
+device and `Compiler`), `parsing` (ptxas -v, XLA's thunk dump, the Triton
+calls), `ptx` (the instruction mix), `report` (kernel and compile reports,
+occupancy, status, table and markdown page), `cli` (`python -m jaxkern.aot`,
+usage there). The public names are re-exported here.
+
+The toolchain packages are the optional `aot` extra (`pip install -e
+'.[aot]'`); `available()` says why the tool cannot run when they are
+missing. Parsing, the instruction mix and occupancy need nothing and are
+tested everywhere.
+"""
+
+from jaxkern.aot.cli import check_op, main, select_ops
+from jaxkern.aot.parsing import Launch, PtxasStats, parse_ptxas_verbose, parse_thunk_sequence, triton_calls
+from jaxkern.aot.ptx import InstructionMix, KernelPtx, parse_ptx, ptx_matrix_ops
+from jaxkern.aot.report import (ERROR, OK, SMEM_OVERFLOW, SPILLS, CompileReport, KernelReport, Limits, build_reports,
+                                format_rows, kernel_status, markdown_page, occupancy)
+from jaxkern.aot.toolchain import (DEFAULT_TARGET, Compiler, available, plugin_library, ptxas_binary, ptxas_version,
+                                   resolve_target, skip_cuda_checks, target_configs)
+
+__all__ = [
+    "DEFAULT_TARGET", "ERROR", "OK", "SMEM_OVERFLOW", "SPILLS", "CompileReport", "Compiler", "InstructionMix",
+    "KernelPtx", "KernelReport", "Launch", "Limits", "PtxasStats", "available", "build_reports", "check_op",
+    "format_rows", "kernel_status", "main", "markdown_page", "occupancy", "parse_ptx", "parse_ptxas_verbose",
+    "parse_thunk_sequence", "plugin_library", "ptx_matrix_ops", "ptxas_binary", "ptxas_version", "resolve_target",
+    "select_ops", "skip_cuda_checks", "target_configs", "triton_calls",
+]

@@ -1,0 +1,147 @@
+"""`python -m jaxkern.aot`: compile definitions' kernels for sm_90a and
+print (or write) what the toolchain made of them.
+
+  python -m jaxkern.aot                                   # every implemented definition
+  python -m jaxkern.aot --definition moe_router --axes M=1 --all_candidates
+  python -m jaxkern.aot --definition dense_gemm --json
+  python -m jaxkern.aot --markdown docs/perf/sm90a_compile.md   # the generated page
+
+The exit code is 1 unless every kernel is `ok`; 2 when the `aot` extra is
+missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import pathlib
+import sys
+from typing import Any, Callable, Mapping, Sequence
+
+from jaxkern.aot.report import OK, format_rows, markdown_page
+from jaxkern.aot.toolchain import DEFAULT_TARGET, Compiler, available, ptxas_binary, ptxas_version, skip_cuda_checks
+
+
+def select_ops(patterns: Sequence[str]) -> list:
+  """Implemented ops whose names equal or start with one of `patterns` (all
+  implemented ones when empty); raises on a pattern that matches nothing."""
+  from jaxkern import registry  # pylint: disable=g-import-not-at-top
+  ops = [registry.get(n) for n in registry.names()]
+  if not patterns:
+    return [op for op in ops if op.implemented]
+  chosen = []
+  for p in patterns:
+    hits = [op for op in ops if op.name == p or op.name.startswith(p)]
+    if not hits:
+      raise ValueError(f"--definition {p!r} matches no definition")
+    for op in hits:
+      if not op.implemented:
+        raise ValueError(f"{op.name} has no kernel yet ({op.missing})")
+      if op not in chosen:
+        chosen.append(op)
+  return chosen
+
+
+def check_op(compiler: Compiler, op, axes: Mapping[str, int], configs: Sequence[Any] | None = None,
+             progress: Callable[[dict], None] | None = None) -> list[dict]:
+  """Compiles `op` at `axes` for each config (default: the heuristic's) and
+  returns one JSON-ready row per config."""
+  from jaxkern import tuning  # pylint: disable=g-import-not-at-top
+  shapes = op.input_shapes(axes)
+  heuristic = op.choose_config(shapes)
+  rows = []
+  for config in (configs if configs is not None else [heuristic]):
+    rep = compiler.compile(lambda x, config=config: op.kernel(x, interpret=False, config=config), shapes)
+    row = {"definition": op.name, "axes": {a: axes[a] for a in op.definition.var_axes if a in axes},
+           "config": tuning.config_to_json(config), "heuristic": config == heuristic, "target": compiler.target,
+           "status": rep.status, "compile_seconds": round(rep.compile_seconds, 2), "error": rep.error,
+           "kernels": [dataclasses.asdict(k) for k in rep.kernels]}
+    rows.append(row)
+    if progress:
+      progress(row)
+  return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+  """The command line's flag holders (absl), defined by `define_flags`."""
+  definition: Any
+  axes: Any
+  all_candidates: Any
+  target: Any
+  json: Any
+  markdown: Any
+
+
+_FLAGS: Flags | None = None
+
+
+def define_flags() -> Flags:
+  """Defines the command line's flags; only `python -m jaxkern.aot` does
+  this, so importing the package defines no global flag."""
+  global _FLAGS  # pylint: disable=global-statement
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  _FLAGS = Flags(
+      definition=flags.DEFINE_list("definition", [], "Definition names or prefixes (default: every implemented one)."),
+      axes=flags.DEFINE_string("axes", "", "Variable axes, e.g. 'M=4096' (default: the largest recorded, by input "
+                               "bytes)."),
+      all_candidates=flags.DEFINE_bool("all_candidates", False, "Every sweep candidate, not just the heuristic's."),
+      target=flags.DEFINE_string("target", DEFAULT_TARGET, "GPU target (a device name in the CUDA plugin, or a "
+                                 "part of one)."),
+      json=flags.DEFINE_bool("json", False, "Print JSON instead of a table."),
+      markdown=flags.DEFINE_string("markdown", "", "Also write the generated markdown page here (e.g. "
+                                   "docs/perf/sm90a_compile.md)."))
+  return _FLAGS
+
+
+def _command(argv: Sequence[str]) -> str:
+  return " ".join(["python -m jaxkern.aot", *argv[1:]])
+
+
+def main(argv: list[str]) -> None:
+  """The command line (run through absl's `app.run` after `define_flags`)."""
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  from jaxkern import selection  # pylint: disable=g-import-not-at-top
+
+  if _FLAGS is None:
+    raise RuntimeError("jaxkern.aot.main runs as `python -m jaxkern.aot` (its flags are defined there)")
+  f = _FLAGS
+  logging.set_verbosity(logging.WARNING)  # jax's backend probing is noise here
+  skip_cuda_checks()
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  reason = available()
+  if reason:
+    print(f"jaxkern.aot: {reason}", file=sys.stderr)
+    sys.exit(2)
+  try:
+    ops = select_ops(f.definition.value or [])
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  if f.markdown.value and not pathlib.Path(f.markdown.value).resolve().parent.is_dir():
+    raise app.UsageError(f"--markdown {f.markdown.value}: no folder {pathlib.Path(f.markdown.value).parent}")
+  compiler = Compiler(f.target.value)
+  print(f"target: {compiler.target} (sm_90a), ptxas {ptxas_binary()}", file=sys.stderr)
+  rows = []
+  for op in ops:
+    axes = op.validated_axes(selection.parse_axes(f.axes.value) if f.axes.value else op.largest_recorded_axes())
+    configs = op.candidate_configs(op.input_shapes(axes)) if f.all_candidates.value else None
+    rows += check_op(compiler, op, axes, configs, progress=lambda r: print(
+        f"{r['definition']} {r['config']}: {r['status']} ({r['compile_seconds']:.1f} s)", file=sys.stderr, flush=True))
+  if f.markdown.value:
+    import jax  # pylint: disable=g-import-not-at-top
+    page = markdown_page(rows, target=compiler.target, ptxas=ptxas_version(), jax_version=jax.__version__,
+                         command=_command(sys.argv), date=datetime.date.today().isoformat())
+    pathlib.Path(f.markdown.value).write_text(page, encoding="utf-8")
+    print(f"wrote {f.markdown.value}", file=sys.stderr)
+  if f.json.value:
+    print(json.dumps({"target": compiler.target, "limits": dataclasses.asdict(compiler.limits), "rows": rows},
+                     indent=1))
+  else:
+    print(format_rows(rows))
+    bad = [r for r in rows if r["status"] != OK]
+    print(f"{len(rows) - len(bad)}/{len(rows)} configs compile clean for {compiler.target}"
+          + "".join(f"\n  {r['definition']} {r['config']}: {r['status']} {r['error'][:300]}" for r in bad))
+  sys.exit(0 if all(r["status"] == OK for r in rows) else 1)

@@ -1,0 +1,244 @@
+"""The compile-only sm_90a toolchain: the CUDA PJRT plugin and ptxas, the
+GPU targets embedded in the plugin, and `Compiler`, which lowers a function
+on a compile-only device and compiles it with XLA's GPU pipeline.
+
+How (SPEC section 2): the CUDA PJRT plugin (`jax-cuda12-plugin`,
+`jax-cuda12-pjrt`) embeds GPU target descriptions (`GpuTargetConfigProto`
+text, one per device); `jax.experimental.topologies.get_topology_desc` turns
+one into compile-only devices, and `.compile()` of a function lowered on a
+mesh of them runs XLA's real GPU pipeline: XLA's Triton on each
+`__gpu$xla.gpu.triton` call, then ptxas (`nvidia-cuda-nvcc-cu12`) for
+`sm_90a`. jax hands XLA `CUDA_ROOT` as the CUDA directory, so we point it at
+a folder whose `bin/ptxas` is a wrapper that keeps each PTX and runs the real
+ptxas with `-v` (registers, spills, stack). XLA's thunk dump gives each
+kernel's launch: grid, threads and (dynamic) shared memory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import importlib.util
+import mmap
+import os
+import re
+import shlex
+import shutil
+import stat
+import subprocess
+import tempfile
+import time
+from typing import Any, Callable
+
+from jaxkern.aot.parsing import PtxasStats, parse_ptxas_verbose, parse_thunk_sequence, triton_calls
+from jaxkern.aot.ptx import KernelPtx, parse_ptx
+from jaxkern.aot.report import CompileReport, Limits, build_reports
+
+DEFAULT_TARGET = "NVIDIA H200 141GB HBM3e"
+
+
+def skip_cuda_checks() -> None:
+  """The CUDA plugin looks for a CUDA runtime and cuDNN when jax initializes
+  its backends (and prints a traceback on a machine without them); a
+  compile-only target needs neither. Call before the first jax.devices()."""
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+def _package_dir(module: str) -> str | None:
+  try:
+    spec = importlib.util.find_spec(module)
+  except (ImportError, ValueError):
+    return None
+  if spec is None:
+    return None
+  locations = list(spec.submodule_search_locations or [])
+  return locations[0] if locations else os.path.dirname(spec.origin or "")
+
+
+def plugin_library() -> str | None:
+  """The CUDA PJRT plugin's shared library (from `jax-cuda12-pjrt`)."""
+  d = _package_dir("jax_plugins.xla_cuda12")
+  path = d and os.path.join(d, "xla_cuda_plugin.so")
+  return path if path and os.path.exists(path) else None
+
+
+def ptxas_binary() -> str | None:
+  """`JAXKERN_PTXAS`, else the ptxas of `nvidia-cuda-nvcc-cu12`."""
+  if os.environ.get("JAXKERN_PTXAS"):
+    return os.environ["JAXKERN_PTXAS"]
+  d = _package_dir("nvidia.cuda_nvcc")
+  path = d and os.path.join(d, "bin", "ptxas")
+  return path if path and os.path.exists(path) else None
+
+
+def ptxas_version(binary: str | None = None) -> str:
+  """`ptxas 12.9.86` (the release line of `ptxas --version`), or `ptxas ?`."""
+  binary = binary or ptxas_binary()
+  try:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
+  except (OSError, TypeError, subprocess.SubprocessError):
+    return "ptxas ?"
+  m = re.search(r"release [\d.]+, V([\d.]+)", out)
+  return f"ptxas {m.group(1)}" if m else "ptxas ?"
+
+
+def available() -> str | None:
+  """None when the `aot` extra is usable, else why not."""
+  missing = []
+  if plugin_library() is None:
+    missing.append("jax-cuda12-pjrt (jax_plugins/xla_cuda12/xla_cuda_plugin.so)")
+  if ptxas_binary() is None:
+    missing.append("nvidia-cuda-nvcc-cu12 (ptxas)")
+  if _package_dir("jax_cuda12_plugin") is None:
+    missing.append("jax-cuda12-plugin")
+  if missing:
+    return ("the aot extra is not installed: missing " + ", ".join(missing)
+            + "; install it with: pip install -c constraints.txt -e '.[aot]'")
+  return None
+
+
+_TARGETS_CACHE: dict[str, dict[str, str]] = {}
+
+
+def target_configs(library: str | None = None) -> dict[str, str]:
+  """Device name -> `GpuTargetConfigProto` text embedded in the plugin."""
+  library = library or plugin_library()
+  if library is None:
+    raise RuntimeError(available() or "no CUDA plugin library")
+  if library not in _TARGETS_CACHE:
+    found = {}
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+      for m in re.finditer(rb'device_description_str: "([^"\n]+)"', data):
+        start = data.rfind(b"\0", 0, m.start()) + 1
+        end = data.find(b"\0", m.end())
+        text = data[start:end].decode("utf-8", "replace")
+        if "gpu_device_info" in text:
+          found[m.group(1).decode()] = text
+    _TARGETS_CACHE[library] = found
+  return _TARGETS_CACHE[library]
+
+
+def resolve_target(name: str) -> tuple[str, str]:
+  """(device name, target text) for an exact name or a unique-enough
+  substring (`H100` -> `NVIDIA H100 80GB HBM3`: MIG slices and PCIe boards
+  rank after the full SXM part)."""
+  targets = target_configs()
+  if name in targets:
+    return name, targets[name]
+  matches = sorted((n for n in targets if name.lower() in n.lower()),
+                   key=lambda n: ("MIG" in n, "PCIe" in n, len(n)))
+  if not matches:
+    raise ValueError(f"no GPU target matching {name!r}; known: {sorted(targets)}")
+  return matches[0], targets[matches[0]]
+
+
+_WRAPPER = """#!/bin/sh
+# jaxkern.aot: keeps the PTX XLA hands to ptxas and runs ptxas -v.
+real={real}
+logs={logs}
+case " $* " in *" --version "*|*" --input-as-string "*) exec "$real" "$@";; esac
+n="$$.$(date +%s%N)"
+prev=""
+for a in "$@"; do
+  case "$a" in -*) ;; *) if [ "$prev" != "-o" ] && [ -f "$a" ]; then cp "$a" "$logs/$n.ptx"; fi;; esac
+  prev="$a"
+done
+"$real" "$@" -v > "$logs/$n.log" 2>&1
+rc=$?
+grep -v -e '^ptxas info' -e 'bytes stack frame' "$logs/$n.log" >&2
+exit $rc
+"""
+
+
+class Compiler:
+  """Compile-only sm_90a toolchain for one GPU target.
+
+  `compile(fn, args)` lowers `fn` on the target's compile-only device
+  (`args`: a pytree of `jax.ShapeDtypeStruct`) and compiles it with XLA's
+  GPU pipeline; it returns a `CompileReport` and never raises for kernel
+  problems."""
+
+  def __init__(self, target: str = DEFAULT_TARGET, workdir: str | None = None):
+    reason = available()
+    if reason:
+      raise RuntimeError(reason)
+    skip_cuda_checks()
+    import jax  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
+    self.target, text = resolve_target(target)
+    self.limits = Limits.from_target_config(text)
+    self.workdir = workdir
+    if workdir is None:
+      self.workdir = tempfile.mkdtemp(prefix="jaxkern_aot_")
+      atexit.register(shutil.rmtree, self.workdir, True)
+    self._cuda_root = os.path.join(self.workdir, "cuda")
+    self._logs = os.path.join(self.workdir, "ptxas")
+    os.makedirs(os.path.join(self._cuda_root, "bin"), exist_ok=True)
+    os.makedirs(self._logs, exist_ok=True)
+    real = ptxas_binary()
+    nvvm = os.path.join(os.path.dirname(os.path.dirname(real)), "nvvm")
+    if os.path.isdir(nvvm) and not os.path.exists(os.path.join(self._cuda_root, "nvvm")):
+      os.symlink(nvvm, os.path.join(self._cuda_root, "nvvm"))  # libdevice for XLA's own fusions
+    wrapper = os.path.join(self._cuda_root, "bin", "ptxas")
+    with open(wrapper, "w", encoding="utf-8") as f:
+      f.write(_WRAPPER.format(real=shlex.quote(real), logs=shlex.quote(self._logs)))
+    os.chmod(wrapper, os.stat(wrapper).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    topology = topologies.get_topology_desc(platform="cuda", topology_name="", target_config=text,
+                                            topology="1x1x1")
+    self._jax = jax
+    self.mesh = jax.sharding.Mesh(np.array(topology.devices[:1]), ("x",))
+    self._count = 0
+
+  def _use_mesh(self):
+    jax = self._jax
+    return jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(self.mesh)
+
+  def compile(self, fn: Callable[..., Any], *args: Any) -> CompileReport:
+    jax = self._jax
+    self._count += 1
+    dump = os.path.join(self.workdir, f"dump{self._count}")
+    for f in glob.glob(os.path.join(self._logs, "*")):
+      os.remove(f)
+    sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+    t0 = time.perf_counter()
+    error, calls = "", []
+    try:
+      with self._use_mesh():
+        lowered = jax.jit(fn).trace(*avals).lower()
+      calls = triton_calls(lowered.as_text())
+      # jax sets xla_gpu_cuda_data_dir from CUDA_ROOT (read at import);
+      # an explicit option overrides it. A fresh dump folder per compile
+      # also keeps jax from reusing a cached executable.
+      lowered.compile({"xla_dump_to": dump, "xla_gpu_cuda_data_dir": self._cuda_root})
+    except Exception as e:  # pylint: disable=broad-except
+      error = _short(e)
+    seconds = time.perf_counter() - t0
+    launches = []
+    for path in glob.glob(os.path.join(dump, "*thunk_sequence.txt")):
+      with open(path, encoding="utf-8") as f:
+        launches += parse_thunk_sequence(f.read())
+    stats: dict[str, PtxasStats] = {}
+    kernels: dict[str, KernelPtx] = {}
+    for path in sorted(glob.glob(os.path.join(self._logs, "*.log"))):
+      with open(path, encoding="utf-8", errors="replace") as f:
+        stats.update(parse_ptxas_verbose(f.read()))
+      ptx = path[:-4] + ".ptx"
+      if os.path.exists(ptx):
+        with open(ptx, encoding="utf-8", errors="replace") as f:
+          kernels.update(parse_ptx(f.read()))
+    shutil.rmtree(dump, ignore_errors=True)
+    if not calls and not error:
+      error = "no Pallas (Triton) kernel in the lowered function"
+    return CompileReport(build_reports(calls, launches, stats, kernels, self.limits, error), seconds, error)
+
+
+def _short(e: BaseException, limit: int = 600) -> str:
+  text = f"{type(e).__name__}: {e}"
+  for key in ("Shared memory size limit exceeded",):
+    i = text.find(key)
+    if i >= 0:
+      return text[max(0, i - 200): i + 300].strip()
+  return text if len(text) <= limit else text[:limit] + " ..."

@@ -1,0 +1,162 @@
+"""The report's tables: per definition and timer, against a baseline run,
+and the summary a device run's page (`docs/perf/<device>.md`) holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+from jaxkern.compare import Status
+from jaxkern.report.rows import Row, by_definition_and_timer, failed, fmt, median
+
+HEADERS = ["definition", "timer", "n", "passed", "failed", "skipped", "worst err/tol", "kernel ms", "ref ms",
+           "SOL ms", "SOL frac"]
+FAILED_COLUMN = HEADERS.index("failed")
+BASELINE_HEADERS = ["definition", "matched", "axes differ", "fixed", "broke", "other changes", "failing in both",
+                    "only here", "only in baseline", "latency ratio"]
+SUMMARY_HEADERS = ["definition", "timer", "passed / total", "kernel ms (median)", "reference ms (median)",
+                   "SOL fraction (median)"]
+FURTHEST = 5  # definitions listed as furthest from their speed of light
+
+
+def _counts(rows: Sequence[Row]) -> list[int]:
+  return [len(rows), sum(r.status == Status.PASSED for r in rows), sum(r.failed for r in rows),
+          sum(r.status == Status.SKIPPED for r in rows)]
+
+
+def definition_table(rows: list[Row]) -> list[list[Any]]:
+  """One line per definition and timer (HEADERS), then a total line."""
+  table = []
+  for (name, timer), rs in by_definition_and_timer(rows).items():
+    ratios = [(r.worst_ratio, r.worst_output) for r in rs if r.worst_ratio is not None]
+    worst = max(ratios, key=lambda x: x[0]) if ratios else None
+    table.append([name, timer, *_counts(rs), f"{fmt(worst[0])} ({worst[1]})" if worst else "-",
+                  fmt(median(r.latency_ms for r in rs)), fmt(median(r.reference_ms for r in rs)),
+                  fmt(median(r.sol_ms for r in rs)), fmt(median(r.sol_fraction for r in rs))])
+  table.append(["total", "", *_counts(rows), "", "", "", "", ""])
+  return table
+
+
+# --------------------------------------------------------------------------
+# Against a baseline.
+
+
+@dataclasses.dataclass
+class Change:
+  uuid: str
+  definition: str
+  before: Status | None
+  after: Status | None
+  latency_ratio: float | None  # this run / baseline; None unless both ran at the same axes and timer
+  same_axes: bool = True
+
+
+def compare_runs(rows: list[Row], base: list[Row]) -> tuple[list[Change], list[Row], list[Row]]:
+  """Workloads in both runs (by uuid) with their status and latency change
+  (only between runs at the same axes with the same timer: a CPU run shrinks
+  them); then the rows only in this run and only in the baseline."""
+  base_by = {r.uuid: r for r in base}
+  here = {r.uuid for r in rows}
+  changes = []
+  for r in rows:
+    b = base_by.get(r.uuid)
+    if b is None:
+      continue
+    same = r.axes_run == b.axes_run
+    comparable = same and r.timer == b.timer and r.latency_ms is not None and b.latency_ms
+    changes.append(Change(r.uuid, r.definition, b.status, r.status, r.latency_ms / b.latency_ms if comparable else None,
+                          same))
+  return changes, [r for r in rows if r.uuid not in base_by], [b for b in base if b.uuid not in here]
+
+
+def change_kind(c: Change) -> str:
+  """`fixed`, `broke`, `other` (another status change), `failing` (failed
+  in both runs) or `same`."""
+  if c.before == c.after:
+    return "failing" if failed(c.after) else "same"
+  if c.after == Status.PASSED and failed(c.before):
+    return "fixed"
+  if c.before == Status.PASSED and failed(c.after):
+    return "broke"
+  return "other"
+
+
+def baseline_table(changes: list[Change], only_here: list[Row], only_base: list[Row]) -> list[list[Any]]:
+  names = sorted({c.definition for c in changes} | {r.definition for r in only_here + only_base})
+  table = []
+  for name in names:
+    cs = [c for c in changes if c.definition == name]
+    kinds = [change_kind(c) for c in cs]
+    table.append([name, len(cs), sum(not c.same_axes for c in cs), kinds.count("fixed"), kinds.count("broke"),
+                  kinds.count("other"), kinds.count("failing"),
+                  sum(r.definition == name for r in only_here), sum(r.definition == name for r in only_base),
+                  fmt(median(c.latency_ratio for c in cs))])
+  return table
+
+
+# --------------------------------------------------------------------------
+# The summary of a run (the device page).
+
+
+@dataclasses.dataclass
+class SummaryLine:
+  definition: str
+  timer: str
+  passed: int
+  total: int
+  kernel_ms: float | None
+  reference_ms: float | None
+  sol_fraction: float | None
+
+
+def summary_lines(rows: list[Row]) -> list[SummaryLine]:
+  """Per definition and timer: passed / total and the medians."""
+  return [SummaryLine(name, timer, sum(r.status == Status.PASSED for r in rs), len(rs),
+                      median(r.latency_ms for r in rs), median(r.reference_ms for r in rs),
+                      median(r.sol_fraction for r in rs))
+          for (name, timer), rs in by_definition_and_timer(rows).items()]
+
+
+def sol_by_timer(lines: list[SummaryLine]) -> dict[str, tuple[float, int, list[SummaryLine]]]:
+  """Per timer with SOL fractions: the geometric mean of the definitions'
+  median SOL fractions, how many definitions it covers, and the definitions
+  furthest from their speed of light (lowest fraction first)."""
+  out = {}
+  for timer in sorted({l.timer for l in lines}):
+    measured = [l for l in lines if l.timer == timer and l.sol_fraction is not None and l.sol_fraction > 0]
+    if measured:
+      geomean = math.exp(sum(math.log(l.sol_fraction) for l in measured) / len(measured))
+      out[timer] = (geomean, len(measured), sorted(measured, key=lambda l: l.sol_fraction)[:FURTHEST])
+  return out
+
+
+def _md_row(cells: Sequence[Any]) -> str:
+  return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+
+def summary_markdown(rows: list[Row], *, title: str, source: str, environment: str) -> str:
+  """The summary table as a markdown page: per definition (and timer)
+  passed / total and median kernel, reference and SOL fraction; then per
+  timer the geomean SOL fraction and the definitions furthest from their
+  speed of light. Different timers are never mixed in one figure."""
+  lines = summary_lines(rows)
+  out = [f"# {title}", "", f"Results: `{source}` ({len(rows)} workloads). Environment: {environment}.", "",
+         "Times are medians over each definition's workloads, per timer (`device (profiler)`: kernel time on the "
+         "device from jax's profiler; `wall`: wall clock around calls; `interpret`: CPU interpret mode, which "
+         "checks plumbing, not speed). SOL fraction: the roofline's speed of light / kernel time.", "",
+         _md_row(SUMMARY_HEADERS), "|" + " --- |" * len(SUMMARY_HEADERS)]
+  for l in lines:
+    out.append(_md_row([f"`{l.definition}`", l.timer, f"{l.passed} / {l.total}", fmt(l.kernel_ms),
+                        fmt(l.reference_ms), fmt(l.sol_fraction)]))
+  passed, total = sum(l.passed for l in lines), sum(l.total for l in lines)
+  out += ["", f"Passed: {passed} / {total} workloads in {len({l.definition for l in lines})} definitions.", ""]
+  sol = sol_by_timer(lines)
+  if not sol:
+    out.append("No SOL fraction: no workload was timed on a GPU.")
+  for timer, (geomean, n, furthest) in sol.items():
+    out += [f"Geomean SOL fraction ({timer}): {geomean:.3g} over {n} definitions. Furthest from their speed of "
+            f"light:", ""]
+    out += [f"{i}. `{l.definition}`: {fmt(l.sol_fraction)}" for i, l in enumerate(furthest, 1)]
+    out.append("")
+  return "\n".join(out).rstrip() + "\n"
