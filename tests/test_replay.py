@@ -355,6 +355,40 @@ def test_command_line_app(toy, tmp_path):
   assert len(read(tmp_path / "cli.jsonl")) == 1
 
 
+def test_command_line_rerun_and_bad_paths_are_one_message_exit_2(toy, tmp_path):
+  """The same command twice: the second refuses to replace the first's
+  results (exit 2, the file untouched); a missing --config file and an
+  unwritable output are one message each, exit 2, no traceback."""
+  out = tmp_path / "twice.jsonl"
+  cmd = [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/replay.py", f"--config.dataset_dir={toy}",
+         f"--config.output={out}", "--config.variants=b", "--config.progress=False"]
+  run = lambda c: subprocess.run(c, capture_output=True, text=True, timeout=300, cwd=REPO, env=toy_env(tmp_path))  # noqa: E731
+  first = run(cmd)
+  assert first.returncode == 1 and len(read(out)) == 1, first.stdout + first.stderr  # bad record line 3
+  before = out.read_text()
+  second = run(cmd)
+  assert second.returncode == 2 and out.read_text() == before
+  assert "already holds results (1 lines)" in second.stdout and "--config.resume=True" in second.stdout
+  assert run(cmd + ["--config.resume=True"]).returncode == 1 and out.read_text() == before  # nothing left to do
+  for bad, message in ((["--config=/nowhere/replay.py"], "--config file /nowhere/replay.py does not exist"),
+                       ([f"--config.output={tmp_path}/f.jsonl/x.jsonl"], "cannot write --config.output")):
+    (tmp_path / "f.jsonl").write_text("")
+    p = run(cmd[:3] + bad + cmd[4:] if bad[0].startswith("--config=") else cmd + bad)
+    assert p.returncode == 2 and message in p.stdout + p.stderr, p.stdout + p.stderr
+    assert "Traceback" not in p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_one_worker_per_local_device(toy_many, tmp_path, isolation):
+  """Two (CPU) devices: two workers share the workloads, each once."""
+  out = tmp_path / "two.jsonl"
+  env = {**toy_env(tmp_path), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  p = subprocess.run(shard_cmd(toy_many, out, f"--config.isolation={isolation}"), capture_output=True, text=True,
+                     timeout=300, cwd=REPO, env=env)
+  assert "2 device worker(s)" in p.stdout, p.stdout + p.stderr
+  assert sorted(statuses(out)) == sorted(["u0", "u1", "u3", "u4"] + [f"p{i}" for i in range(5)])
+
+
 def test_smoke_replay_of_real_definitions(tmp_path):
   """End to end on the real dataset: one workload of each implemented
   definition, CPU-budget sizes, Pallas kernels in interpret mode."""
