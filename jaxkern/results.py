@@ -6,7 +6,12 @@ Trace / Evaluation shape (SPEC 7), typed here with a JSON round trip.
    "evaluation": {"status", "log", "environment", "timestamp", "correctness",
                   "performance", "config", "config_source", "expected_output"}}
 
-`Status` is the one status enum (shared with `jaxkern.compare`).
+`evaluation.performance.timer` names the timer of every timed result
+(`jaxkern.bench`); `summarize` keeps one row per definition and timer.
+Readers report lines that are not results (a truncated last line among
+them) instead of dropping them silently; `ResultsWriter` never replaces a
+file that holds results. `Status` is the one status enum (shared with
+`jaxkern.compare`).
 """
 
 from __future__ import annotations
