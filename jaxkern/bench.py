@@ -117,6 +117,18 @@ def capture(run: Callable[[], None], *, in_memory: bool | None = None) -> Any:
   return data
 
 
+def between_separators(fn: Callable[[], Any], calls: int, sep: _Separator) -> None:
+  """Enqueues the separator, then `calls` times `fn()` and the separator,
+  and waits for all of it: each call's events lie between two separators'."""
+  out = None
+  sep()
+  for _ in range(calls):
+    out = fn()
+    sep()
+  jax.block_until_ready(out)
+  sep.block()
+
+
 def profile_calls(fn: Callable[[], Any], calls: int, *, cold_l2: bool, kernel_names: Sequence[str] = (),
                   where: profile_events.Where | None = None, in_memory: bool | None = None) -> dict[str, Any]:
   """Device time per call of `fn` (warmed up already) from a trace of
@@ -127,17 +139,9 @@ def profile_calls(fn: Callable[[], Any], calls: int, *, cold_l2: bool, kernel_na
     ordinal = getattr(device, "local_hardware_id", None)
     where = profile_events.gpu_where(device.id if ordinal is None else ordinal)
 
-  def run():
-    out = None
-    sep()
-    for _ in range(calls):
-      out = fn()
-      sep()
-    jax.block_until_ready(out)
-    sep.block()
-
   try:
-    events = profile_events.xla_events(capture(run, in_memory=in_memory), where)
+    events = profile_events.xla_events(capture(lambda: between_separators(fn, calls, sep), in_memory=in_memory),
+                                       where)
   except (ValueError, RuntimeError) as e:  # no such plane; a trace already running
     raise ProfileError(str(e)) from e
   per_call = profile_events.split_calls(events)

@@ -93,16 +93,7 @@ def _op():
 def traced_calls(fn, n):
   """A real trace of `n` calls of `fn` between separators: (events, calls)."""
   sep = bench._separator(jax.devices()[0], False)  # pylint: disable=protected-access
-
-  def run():
-    sep()
-    for _ in range(n):
-      out = fn()
-      sep()
-    jax.block_until_ready(out)
-    sep.block()
-
-  events = pe.xla_events(bench.capture(run), pe.Where(pe.CPU_PLANE))
+  events = pe.xla_events(bench.capture(lambda: bench.between_separators(fn, n, sep)), pe.Where(pe.CPU_PLANE))
   return events, pe.split_calls(events)
 
 
