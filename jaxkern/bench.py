@@ -207,8 +207,8 @@ def measure(fn: Callable[[], Any], *, warmup: int, iters: int, on_gpu: bool, int
   if on_gpu or where is not None:
     try:
       return profile_calls(fn, max(iters, 1), cold_l2=cold_l2, kernel_names=kernel_names, where=where)
-    except ProfileError as e:
-      note = f"device timer unavailable: {e}"
+    except Exception as e:  # pylint: disable=broad-except  (a profiler that fails must not fail the workload)
+      note = f"device timer unavailable: {e if isinstance(e, ProfileError) else short_error(e)}"
   result = _wall(fn, iters, on_gpu=on_gpu, cold_l2=cold_l2, deadline=deadline, timer=TIMER_WALL)
   if note:
     result["note"] = note

@@ -158,3 +158,13 @@ def test_compile_cache_keeps_kernel_names_only_when_asked():
     exe = cache.get("k", lambda: lambda d: d["x"] * 2, inputs)
     assert exe is cache.get("k", lambda: None, inputs)  # compiled once per shapes
     assert cache.kernel_names("k", inputs) == ()  # no Pallas call in this one
+
+
+def test_a_profiler_that_fails_falls_back_to_the_wall_clock(monkeypatch):
+  """Whatever goes wrong in the trace (here: the profiler API itself), the
+  workload is still timed, by the wall clock, and says why."""
+  def broken(*args, **kwargs):
+    raise TypeError("ProfileSession() takes no arguments")
+  monkeypatch.setattr(bench, "capture", broken)
+  t = bench.measure(_op(), warmup=0, iters=2, on_gpu=True)
+  assert t["timer"] == bench.TIMER_WALL and "TypeError: ProfileSession() takes no arguments" in t["note"]
