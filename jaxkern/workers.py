@@ -12,9 +12,11 @@ workload's `timeout_s` is only checked between its steps (compile, run,
 timing), so a stuck call blocks the run; nothing is abandoned either.
 
 Children are started with `spawn` (a fork of a process that initialized
-XLA is unsafe), inherit `sys.path` and the environment, and do not
-preallocate GPU memory (`XLA_PYTHON_CLIENT_PREALLOCATE=false` unless set),
-so several can share the machine with their parent.
+XLA is unsafe; spawn imports the parent's main module again, so a script
+calling the replay needs an `if __name__ == "__main__":` guard), inherit
+`sys.path` and the environment, and do not preallocate GPU memory
+(`XLA_PYTHON_CLIENT_PREALLOCATE=false` unless set), so several can share
+the machine with their parent.
 """
 
 from __future__ import annotations
