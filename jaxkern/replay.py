@@ -149,9 +149,10 @@ def performance_json(k: dict[str, Any], r: dict[str, Any], cfg: config_dict.Conf
   `bench.measure` results. `latency_ms` is the whole op (on the device
   timer: Pallas kernels plus XLA glue), `kernel_latency_ms` the Pallas
   kernels alone (device timer only); a speedup only between equal timers."""
+  comparable = k["median_ms"] > 0 and r["timer"] == k["timer"]
   perf = {"timer": k["timer"], "latency_ms": k["median_ms"], "latency_min_ms": k["min_ms"],
           "latency_max_ms": k["max_ms"], "reference_latency_ms": r["median_ms"],
-          "speedup_factor": r["median_ms"] / k["median_ms"] if k["median_ms"] > 0 and r["timer"] == k["timer"] else None,
+          "speedup_factor": r["median_ms"] / k["median_ms"] if comparable else None,
           "samples": k["samples"], "warmup": cfg.warmup, "iters": cfg.iters, "cold_l2": cold_l2, "method": k["method"]}
   if k.get("kernel_median_ms") is not None:
     perf.update(kernel_latency_ms=k["kernel_median_ms"], kernel_latency_min_ms=k["kernel_min_ms"],

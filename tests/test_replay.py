@@ -367,7 +367,10 @@ def test_command_line_rerun_and_bad_paths_are_one_message_exit_2(toy, tmp_path):
   out = tmp_path / "twice.jsonl"
   cmd = [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/replay.py", f"--config.dataset_dir={toy}",
          f"--config.output={out}", "--config.variants=b", "--config.progress=False"]
-  run = lambda c: subprocess.run(c, capture_output=True, text=True, timeout=300, cwd=REPO, env=toy_env(tmp_path))  # noqa: E731
+
+  def run(c):
+    return subprocess.run(c, capture_output=True, text=True, timeout=300, cwd=REPO, env=toy_env(tmp_path))
+
   first = run(cmd)
   assert first.returncode == 1 and len(read(out)) == 1, first.stdout + first.stderr  # bad record line 3
   before = out.read_text()
