@@ -129,10 +129,17 @@ class ChildProcess:
 
   def _start(self, stop: threading.Event) -> None:
     parent, child = self._ctx.Pipe()
-    self._proc = self._ctx.Process(target=_child_main, args=(child, self.setup), daemon=True,
-                                   name=f"jaxkern-worker-{self.setup.device_index}")
-    self._proc.start()
-    child.close()
+    proc = self._ctx.Process(target=_child_main, args=(child, self.setup), daemon=True,
+                             name=f"jaxkern-worker-{self.setup.device_index}")
+    try:
+      proc.start()
+    except Exception as e:  # pylint: disable=broad-except  (e.g. a setup that cannot be pickled)
+      parent.close()
+      raise RuntimeError(f"replay worker process {self.setup.device_index} did not start: "
+                         f"{bench.short_error(e)}") from e
+    finally:
+      child.close()
+    self._proc = proc
     self._conn = parent
     try:
       ready = self._wait(_STARTUP_S, stop) == "ready"
@@ -157,7 +164,10 @@ class ChildProcess:
     """The workload's result; None when `stop` was set first (the child is
     then killed and the workload has no result)."""
     if self._proc is None:
-      self._start(stop)
+      try:
+        self._start(stop)
+      except RuntimeError as e:
+        return None if stop.is_set() else self.make_trace(w, Status.RUNTIME_ERROR, str(e))
     timeout_s = float(self.setup.cfg.timeout_s)
     self._busy = True
     self._conn.send(w)

@@ -593,3 +593,17 @@ def test_a_killed_shard_resumes_and_the_merge_is_complete(toy_many, tmp_path):
   assert "resume: 3 workloads already" in p.stdout, p.stdout + p.stderr
   assert shards.merge(files, tmp_path / "m.jsonl") == 10
   assert sorted(statuses(tmp_path / "m.jsonl")) == sorted(["u0", "u1", "u3", "u4", "u23"] + [f"p{i}" for i in range(5)])
+
+
+def test_a_worker_that_cannot_start_is_each_workload_s_error(toy, tmp_path, monkeypatch):
+  """A worker process that dies while starting (here: its jax finds no
+  such platform) gives each workload an error status; the run ends
+  normally."""
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.devices()  # this process's backend is up; only the workers see the bad platform
+  monkeypatch.setenv("JAX_PLATFORMS", "no_such_platform")
+  cfg = make_config(toy, tmp_path, variants="b", isolation="process")
+  assert replay.replay(cfg, log=lambda s: None) == 1
+  results = read(tmp_path / "out.jsonl")
+  assert [r["evaluation"]["status"] for r in results] == ["runtime_error", "runtime_error"]
+  assert all("did not start" in r["evaluation"]["log"] for r in results)
