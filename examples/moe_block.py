@@ -239,7 +239,8 @@ def main(argv=None) -> int:
   on_gpu = jax.default_backend() == "gpu"
   t = bench.measure(lambda: block(params, x, cfg, args.backend), warmup=2, iters=args.iters, on_gpu=on_gpu)
   r = bench.measure(lambda: block_reference(params, x, cfg), warmup=2, iters=args.iters, on_gpu=on_gpu)
-  print(f"block {t['median_ms']:.3f} ms (min {t['min_ms']:.3f}), jnp block {r['median_ms']:.3f} ms"
+  print(f"block {t['median_ms']:.3f} ms (min {t['min_ms']:.3f}), jnp block {r['median_ms']:.3f} ms "
+        f"({t['timer']} timer)"
         + ("" if on_gpu else "  [CPU: checks plumbing, not speed]"))
   return 0 if all(bad == 0 for bad, _ in report.values()) else 1
 

@@ -6,6 +6,11 @@ A blob path must resolve inside the blob root, and a tensor is checked
 against the definition's shape and dtype from the safetensors header before
 any data is read, so a hostile or corrupt record cannot read outside the root
 or make the loader allocate more than the definition allows.
+
+With a blob root set, every safetensors blob a record names must be there:
+a missing one is an error naming the files (never a silent fall back to
+synthesized inputs). Recorded expected outputs are only compared on
+recorded inputs (synthesized inputs would not produce them).
 """
 
 from __future__ import annotations
@@ -52,14 +57,16 @@ def _header(path: pathlib.Path) -> dict[str, Any]:
 def read_tensor(blob_root: str, ref: Any, w: dataset.Workload, field: str, spec: dataset.TensorSpec,
                 axes: Mapping[str, int]) -> np.ndarray | None:
   """The tensor a blob reference names, checked against `spec` at `axes`;
-  None when the blob is absent (replay then synthesizes)."""
+  None when the reference names no tensor (e.g. FlashInfer-Bench's
+  `random`: replay then synthesizes). A missing file is a DatasetError."""
   if isinstance(ref, dict) and ref.get("type") == "scalar":
     return np.asarray(ref["value"], spec.np_dtype)
   if not isinstance(ref, dict) or ref.get("type") != "safetensors":
     return None
   path = resolve_blob_path(blob_root, ref.get("path"), w, f"{field}.path")
-  if not path.exists():
-    return None
+  if not path.is_file():
+    raise dataset.DatasetError("blob file missing", field=f"{field}.path", expected=f"a file under {blob_root}",
+                               got=ref.get("path"), **_where(w))
   key = ref.get("tensor_key", "tensor")
   header = _header(path)
   if key not in header:
@@ -85,11 +92,36 @@ def read_tensor(blob_root: str, ref: Any, w: dataset.Workload, field: str, spec:
   return x
 
 
+def _safetensors_refs(w: dataset.Workload) -> dict[str, Any]:
+  """field -> reference of every safetensors blob the record names."""
+  refs = {}
+  recorded = w.record.get("inputs")
+  if isinstance(recorded, dict):
+    refs.update({f"inputs.{k}": v for k, v in recorded.items()})
+  exp = w.record.get("expected_output")
+  if isinstance(exp, dict):
+    refs.update({"expected_output": exp} if "path" in exp else {f"expected_output.{k}": v for k, v in exp.items()})
+  return {k: v for k, v in refs.items() if isinstance(v, dict) and v.get("type") == "safetensors"}
+
+
+def check_present(w: dataset.Workload, blob_root: str) -> None:
+  """Raises a DatasetError naming every blob file the record names that is
+  not under `blob_root`."""
+  missing = [f"{field}: {ref.get('path')}" for field, ref in _safetensors_refs(w).items()
+             if not resolve_blob_path(blob_root, ref.get("path"), w, f"{field}.path").is_file()]
+  if missing:
+    raise dataset.DatasetError(f"{len(missing)} blob file(s) missing", field="blob_root",
+                               expected=f"every blob the record names under {blob_root}", got=missing, **_where(w))
+
+
 def load_recorded(definition: dataset.Definition, w: dataset.Workload, blob_root: str, axes: Mapping[str, int]):
-  """(inputs, expected outputs) of a record from `blob_root`, each None unless
-  every tensor of it is present."""
+  """(inputs, expected outputs) of a record from `blob_root`: inputs None
+  unless every input is recorded (synthesized then), expected outputs None
+  unless the inputs are recorded and every output is. A blob the record
+  names but the root lacks is a DatasetError."""
   if not blob_root:
     return None, None
+  check_present(w, blob_root)
   inputs = None
   recorded = w.record.get("inputs")
   if isinstance(recorded, dict) and recorded:
@@ -99,7 +131,7 @@ def load_recorded(definition: dataset.Definition, w: dataset.Workload, blob_root
       inputs = {k: jnp.asarray(v) for k, v in loaded.items()}
   expected = None
   exp = w.record.get("expected_output")
-  if isinstance(exp, dict):
+  if inputs is not None and isinstance(exp, dict):
     names = list(definition.outputs)
     refs = {names[0]: exp} if "path" in exp else exp
     got = {name: read_tensor(blob_root, refs.get(name), w, f"expected_output.{name}", spec, axes)

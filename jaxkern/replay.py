@@ -5,10 +5,14 @@ finishes.
   python -m jaxkern.replay --config configs/replay.py [--config.FIELD=VALUE ...]
 
 Fields: `jaxkern.replay_config`. Results: `jaxkern.results` (FlashInfer-Bench
-Trace / Evaluation shape). The run ends with a summary table per definition;
-the exit code is 1 when any workload failed or any record was malformed
-(`skipped` workloads are listed, not failures), 2 for a bad config, a missing
-dataset or an empty selection, 130 after Ctrl-C.
+Trace / Evaluation shape; `evaluation.performance.timer` names the timer,
+see `jaxkern.bench`). Workloads run in worker processes (`jaxkern.workers`):
+one stuck past `timeout_s` is killed, never left behind. The run ends with a
+summary table per definition and timer; the exit code is 1 when any workload
+failed or any record was malformed (`skipped` workloads are listed, not
+failures), 2 for a bad or missing config, an output that would overwrite
+results (without `resume`) or cannot be written, a missing dataset or an
+empty selection, 130 after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import datetime
 import hashlib
 import math
 import os
+import pathlib
 import sys
 import threading
 import time
@@ -39,11 +44,14 @@ from jaxkern import roofline
 from jaxkern import selection
 from jaxkern import shards
 from jaxkern import tuning
+from jaxkern import workers as workers_lib
 from jaxkern.compare import Status
 from jaxkern.replay_config import default_config
 from pallas_kernels.common import has_gpu, resolve_interpret
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Replay config file (configs/replay.py).")
+# Defined by `run()`, not at import: worker processes import this module
+# (under two names when it is the parent's __main__) and need no flags.
+_CONFIG: Any = None
 
 
 def derive_seed(uuid: str, seed: int) -> int:
@@ -57,14 +65,15 @@ def environment(interpret: bool) -> dict[str, Any]:
           "libs": {"jax": jax.__version__, "jaxlib": jaxlib.__version__}, "interpret": interpret}
 
 
-def new_trace(w: dataset.Workload, seed: int, interpret: bool) -> results_lib.Trace:
+def new_trace(w: dataset.Workload, seed: int, interpret: bool,
+              env: dict[str, Any] | None = None) -> results_lib.Trace:
   """A result with nothing evaluated yet (status None)."""
   return results_lib.Trace(
       definition=w.definition,
       workload=results_lib.WorkloadInfo(uuid=w.uuid, variant=w.variant, axes=dict(w.axes),
                                         seed=derive_seed(w.uuid, seed), source=f"{w.file}:{w.line}"),
       evaluation=results_lib.Evaluation(
-          status=None, environment=environment(interpret),
+          status=None, environment=env if env is not None else environment(interpret),
           timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")))
 
 
@@ -92,14 +101,14 @@ def run_workload(op: registry.Op, w: dataset.Workload, cfg: config_dict.ConfigDi
     return trace
   deadline = time.monotonic() + float(cfg.timeout_s)
   try:
-    plan = _step(Status.RUNTIME_ERROR, "input synthesis", lambda: op.plan(
+    plan = _step(Status.RUNTIME_ERROR, "inputs", lambda: op.plan(
         w, scale=cfg.scale, seed=trace.workload.seed, blob_root=cfg.blob_root, on_gpu=on_gpu, tuned=cfg.tuned))
     trace.workload.axes_run, trace.workload.scaled = plan.axes_run, plan.scaled
     config, inputs = plan.choice.config, plan.inputs
     ev.config, ev.config_source = tuning.config_to_json(config), plan.choice.source
+    kernel_key = (op.name, "kernel", interpret, config)
     kernel = _step(Status.COMPILE_ERROR, "", lambda: cache.get(
-        (op.name, "kernel", interpret, config),
-        lambda: lambda x: op.kernel(x, interpret=interpret, config=config), inputs))
+        kernel_key, lambda: lambda x: op.kernel(x, interpret=interpret, config=config), inputs))
     reference = _step(Status.RUNTIME_ERROR, "reference", lambda: cache.get((op.name, "reference"),
                                                                            lambda: op.reference, inputs))
     ref = _step(Status.RUNTIME_ERROR, "reference", lambda: jax.block_until_ready(reference(inputs)))
@@ -107,21 +116,19 @@ def run_workload(op: registry.Op, w: dataset.Workload, cfg: config_dict.ConfigDi
     cmp = op.compare(out, ref, inputs=inputs)
     ev.status, ev.correctness = cmp.status, correctness_json(cmp)
     if cmp.status != Status.PASSED:
-      ev.log = "; ".join(f"{n}: {o.message}" for n, o in cmp.outputs.items() if o.message)
+      ev.log = _messages(cmp)
     if plan.expected is not None:
       exp_cmp = op.compare(out, plan.expected, inputs=inputs)
       ev.expected_output = {"status": exp_cmp.status.value, **correctness_json(exp_cmp)}
+      if exp_cmp.status != Status.PASSED and ev.status == Status.PASSED:
+        ev.status, ev.log = exp_cmp.status, "recorded expected_output: " + _messages(exp_cmp)
     if time.monotonic() > deadline:
       raise _Failed(Status.TIMEOUT, f"exceeded {cfg.timeout_s}s before timing")
-    timing = dict(warmup=cfg.warmup, iters=cfg.iters, on_gpu=on_gpu and not interpret, cold_l2=cfg.cold_l2,
-                  deadline=deadline)
-    k = bench.measure(lambda: kernel(inputs), **timing)
+    timing = dict(warmup=cfg.warmup, iters=cfg.iters, on_gpu=on_gpu and not interpret, interpret=interpret,
+                  cold_l2=cfg.cold_l2, deadline=deadline)
+    k = bench.measure(lambda: kernel(inputs), kernel_names=cache.kernel_names(kernel_key, inputs), **timing)
     r = bench.measure(lambda: reference(inputs), **timing)
-    ev.performance = {"latency_ms": k["median_ms"], "reference_latency_ms": r["median_ms"],
-                      "speedup_factor": r["median_ms"] / k["median_ms"] if k["median_ms"] > 0 else None,
-                      "latency_min_ms": k["min_ms"], "latency_max_ms": k["max_ms"], "samples": k["samples"],
-                      "warmup": cfg.warmup, "iters": cfg.iters,
-                      "timing": ("interpret mode: checks plumbing, not speed" if interpret else k["method"])}
+    ev.performance = performance_json(k, r, cfg, cold_l2=cfg.cold_l2 and on_gpu and not interpret)
     ev.performance.update(roofline.performance_fields(  # speed_of_light_ms; sol_fraction on a GPU
         op.definition, plan.axes, k["median_ms"], device_kind=ev.environment.get("hardware"),
         measured_on_gpu=on_gpu and not interpret, record=w.record))
@@ -130,6 +137,32 @@ def run_workload(op: registry.Op, w: dataset.Workload, cfg: config_dict.ConfigDi
   except Exception as e:  # pylint: disable=broad-except
     ev.status, ev.log = Status.RUNTIME_ERROR, bench.short_error(e)
   return trace
+
+
+def _messages(cmp: compare_lib.Comparison) -> str:
+  return "; ".join(f"{n}: {o.message}" for n, o in cmp.outputs.items() if o.message)
+
+
+def performance_json(k: dict[str, Any], r: dict[str, Any], cfg: config_dict.ConfigDict, *,
+                     cold_l2: bool) -> dict[str, Any]:
+  """`evaluation.performance` from the kernel's and the reference's
+  `bench.measure` results. `latency_ms` is the whole op (on the device
+  timer: Pallas kernels plus XLA glue), `kernel_latency_ms` the Pallas
+  kernels alone (device timer only); a speedup only between equal timers."""
+  comparable = k["median_ms"] > 0 and r["timer"] == k["timer"]
+  perf = {"timer": k["timer"], "latency_ms": k["median_ms"], "latency_min_ms": k["min_ms"],
+          "latency_max_ms": k["max_ms"], "reference_latency_ms": r["median_ms"],
+          "speedup_factor": r["median_ms"] / k["median_ms"] if comparable else None,
+          "samples": k["samples"], "warmup": cfg.warmup, "iters": cfg.iters, "cold_l2": cold_l2, "method": k["method"]}
+  if k.get("kernel_median_ms") is not None:
+    perf.update(kernel_latency_ms=k["kernel_median_ms"], kernel_latency_min_ms=k["kernel_min_ms"],
+                kernel_latency_max_ms=k["kernel_max_ms"])
+  if r["timer"] != k["timer"]:
+    perf["reference_timer"] = r["timer"]
+  notes = [n for n in (k.get("note"), r.get("note") and "reference: " + r["note"]) if n]
+  if notes:
+    perf["timer_note"] = "; ".join(notes)
+  return perf
 
 
 def correctness_json(cmp: compare_lib.Comparison) -> dict[str, Any]:
@@ -155,6 +188,10 @@ def check_config(cfg: config_dict.ConfigDict) -> str | None:
     return f"--config.process_id must be in [0, {cfg.num_processes}) without a coordinator, got {cfg.process_id}"
   if cfg.max_workloads_per_variant is not None and cfg.max_workloads_per_variant < 0:
     return f"--config.max_workloads_per_variant must be >= 0 or None, got {cfg.max_workloads_per_variant}"
+  if cfg.isolation not in workers_lib.ISOLATIONS:
+    return f"--config.isolation must be one of {', '.join(workers_lib.ISOLATIONS)}, got {cfg.isolation!r}"
+  if cfg.order not in selection.ORDERS:
+    return f"--config.order must be one of {', '.join(selection.ORDERS)}, got {cfg.order!r}"
   return None
 
 
@@ -167,6 +204,22 @@ def process_shard(cfg: config_dict.ConfigDict) -> shards.Shard:
                                process_id=None if cfg.process_id < 0 else cfg.process_id)
     return shards.Shard(jax.process_index(), jax.process_count())
   return shards.Shard(max(cfg.process_id, 0), max(cfg.num_processes, 1))
+
+
+def output_problem(path: pathlib.Path, resume: bool) -> str | None:
+  """Why the run must not write `path` (results there and no resume; not
+  writable), or None. Creates the folder and, if absent, an empty file."""
+  if not resume and path.is_file() and path.stat().st_size:
+    lines = path.read_bytes().count(b"\n")
+    return (f"{path} already holds results ({lines} lines) and would be replaced: pass --config.resume=True "
+            "to continue it, or another --config.output")
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8"):
+      pass
+  except OSError as e:
+    return f"cannot write --config.output {path}: {e.strerror or e}"
+  return None
 
 
 def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -> int:
@@ -189,6 +242,9 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
   except (ValueError, RuntimeError) as e:
     log(f"error: {e}")
     return 2
+  if cfg.isolation == "process":
+    # Workers allocate GPU memory as they need it (this process included).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   on_gpu = has_gpu()
   interpret = resolve_interpret(cfg.interpret)
   per_variant = cfg.max_workloads_per_variant
@@ -213,50 +269,63 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
   # shard is assigned exactly what it was assigned before.
   assigned = shard.take(selected)
   out_path = shard.output(cfg.output)
-  out_path.parent.mkdir(parents=True, exist_ok=True)
+  problem = output_problem(out_path, cfg.resume)
+  if problem:
+    log(f"error: {problem}")
+    return 2
   if shard.count > 1:
     shards.write_manifest(out_path, shard, [w.uuid for w in assigned], len(selected))
-  done = results_lib.read_done_uuids(out_path) if cfg.resume else set()
+  done_traces, bad_lines = results_lib.read_results(out_path)
+  for b in bad_lines:
+    log(f"resume: {b}: " + ("cut off; its workload runs again" if b.truncated else "ignored"))
+  done = {t.workload.uuid for t in done_traces}
   workloads = [w for w in assigned if w.uuid not in done]
-  devices = jax.local_devices() if cfg.devices == "all" else jax.local_devices()[:1]
+  if cfg.order == "interleave":
+    workloads = selection.interleave(workloads)
+  n_devices = len(workers_lib.local_devices(cfg))
   if done:
     log(f"resume: {len(done)} workloads already in {out_path}, {len(workloads)} to go")
   where = f"shard {shard.index + 1} of {shard.count}, " if shard.count > 1 else ""
   log(f"replaying {len(workloads)} workloads from {dataset_dir} on {jax.default_backend()} "
-      f"({where}{len(devices)} device worker(s), scale={cfg.scale}, interpret={interpret}, "
+      f"({where}{n_devices} device worker(s) ({cfg.isolation}), scale={cfg.scale}, interpret={interpret}, "
       f"max per variant={per_variant or 'no cap'}{cap_note}) -> {out_path}")
   traces: list[results_lib.Trace] = []
   lock = threading.Lock()
   stop = threading.Event()
-  with results_lib.ResultsWriter(out_path, resume=cfg.resume) as writer, \
+  env = environment(interpret)
+
+  def make_trace(w: dataset.Workload, status: Status, message: str) -> results_lib.Trace:
+    t = new_trace(w, cfg.seed, interpret, env)
+    t.evaluation.status, t.evaluation.log = status, message
+    return t
+
+  with results_lib.ResultsWriter(out_path, resume=True) as writer, \
       tqdm.tqdm(total=len(workloads), disable=not cfg.progress, unit="wl", dynamic_ncols=True) as bar:
 
-    def work(share: list[dataset.Workload], device: Any) -> None:
-      cache = bench.CompileCache()
-      for w in share:
-        if stop.is_set():
-          return
-        op = registry.get(w.definition, dataset_dir)
+    def work(share: list[dataset.Workload], device_index: int) -> None:
+      setup = workers_lib.Setup(cfg, dataset_dir, interpret, on_gpu, device_index)
+      worker = workers_lib.make_worker(cfg.isolation, setup, make_trace)
+      try:
+        for w in share:
+          if stop.is_set():
+            return
+          t = worker.run(w, stop)
+          if t is None:
+            return
+          with lock:
+            writer.write(t)
+            traces.append(t)
+            bar.set_description(w.definition[:40])
+            bar.update(1)
+            bar.set_postfix(passed=sum(x.status == Status.PASSED for x in traces),
+                            failed=sum(x.status.failed for x in traces))
+            if not cfg.progress:
+              log(progress_line(len(traces), len(workloads), t))
+      finally:
+        worker.close()
 
-        def timed_out(w=w):
-          t = new_trace(w, cfg.seed, interpret)
-          t.evaluation.status, t.evaluation.log = Status.TIMEOUT, f"no result within {cfg.timeout_s}s"
-          return t
-
-        def one(w=w, op=op):
-          with jax.default_device(device):
-            return run_workload(op, w, cfg, cache, interpret, on_gpu)
-
-        t = bench.run_isolated(one, cfg.timeout_s, timed_out)
-        with lock:
-          writer.write(t)
-          traces.append(t)
-          bar.set_description(w.definition[:40])
-          bar.update(1)
-          bar.set_postfix(passed=sum(x.status == Status.PASSED for x in traces),
-                          failed=sum(x.status.failed for x in traces))
-
-    interrupted = run_workers(work, shards.split_round_robin(workloads, len(devices)), devices, stop)
+    shares = shards.split_round_robin(workloads, n_devices)
+    interrupted = run_workers(work, shares, list(range(n_devices)), stop)
   log(tabulate.tabulate(results_lib.summarize(traces), headers=results_lib.SUMMARY_HEADERS))
   failed = [t for t in traces if t.status.failed]
   for t in failed[:20]:
@@ -269,10 +338,19 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
   return 1 if failed or errors else 0
 
 
+def progress_line(i: int, n: int, t: results_lib.Trace) -> str:
+  """One workload's line in the log (when there is no progress bar)."""
+  perf = t.evaluation.performance or {}
+  timed = f" {perf['latency_ms']:.4g} ms ({perf.get('timer')})" if perf.get("latency_ms") is not None else ""
+  return f"[{i}/{n}] {t.definition} {t.workload.uuid}: {t.status.value}{timed}"
+
+
 def run_workers(work: Callable[[list, Any], None], shares: list[list], devices: list[Any],
                 stop: threading.Event) -> bool:
   """Runs `work(share, device)` per local device (in this thread when there
-  is one); returns True after Ctrl-C, having asked the workers to stop."""
+  is one); returns True after Ctrl-C, having asked the workers to stop (and
+  waited for them: a worker process is killed, a worker thread finishes its
+  workload)."""
   try:
     if len(devices) == 1:
       work(shares[0], devices[0])
@@ -286,6 +364,8 @@ def run_workers(work: Callable[[list, Any], None], shares: list[list], devices: 
     return False
   except KeyboardInterrupt:
     stop.set()
+    for t in threads if len(devices) > 1 else ():
+      t.join()
     return True
 
 
@@ -294,16 +374,12 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # jax's backend probing is noise here
-  cfg = _CONFIG.value if _CONFIG.value is not None else default_config()
-  code = replay(cfg)
-  if code == 130 or any(t.is_alive() for t in bench.WORKERS):
-    # After Ctrl-C or a timeout, XLA's runtime can abort during interpreter
-    # shutdown (an abandoned or interrupted call); results are already on
-    # disk, so leave at once.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-  sys.exit(code)
+  try:
+    cfg = _CONFIG.value if _CONFIG.value is not None else default_config()
+  except Exception as e:  # pylint: disable=broad-except  (ml_collections raises OSError, or the file's own error)
+    print(f"error: cannot load --config: {str(e).strip()}", file=sys.stderr)
+    sys.exit(2)
+  sys.exit(replay(cfg))
 
 
 def unknown_config_fields(argv: list[str]) -> list[str]:
@@ -313,9 +389,29 @@ def unknown_config_fields(argv: list[str]) -> list[str]:
   return [f for f in fields if f not in known]
 
 
+def missing_config_file(argv: list[str]) -> str | None:
+  """The `--config` path when it names no file (`--config=PATH` or
+  `--config PATH`), else None."""
+  for i, a in enumerate(argv):
+    path = a[len("--config="):] if a.startswith("--config=") else (
+        argv[i + 1] if a == "--config" and i + 1 < len(argv) else None)
+    if path is not None:
+      path = path.split(":", 1)[0]  # ml_collections' `file.py:arg` form
+      return None if os.path.isfile(path) else path
+  return None
+
+
 def run() -> None:
-  """Entry point: a misspelt `--config.FIELD` is a usage error naming the
-  valid fields (exit 2), not a traceback."""
+  """Entry point: a missing config file or a misspelt `--config.FIELD` is
+  one message (exit 2; the latter names the valid fields), not a
+  traceback."""
+  global _CONFIG
+  if _CONFIG is None:
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "Replay config file (configs/replay.py).")
+  missing = missing_config_file(sys.argv[1:])
+  if missing:
+    print(f"error: --config file {missing} does not exist", file=sys.stderr)
+    sys.exit(2)
   unknown = unknown_config_fields(sys.argv[1:])
   if unknown:
     print(f"error: unknown config field(s) {', '.join(unknown)}\n"

@@ -25,14 +25,19 @@ def default_config() -> config_dict.ConfigDict:
   c.scale = "auto"  # auto: recorded sizes on a GPU, CPU budget without one | full | smoke
   c.interpret = config_dict.placeholder(bool)  # None: interpret mode when no GPU is present
   c.blob_root = ""  # directory holding the records' blob/... safetensors, if any
-  c.output = "results/replay.jsonl"
+  c.output = "results/replay.jsonl"  # an existing non-empty file is only ever appended to (resume)
   c.tuned = True  # consult configs/tuned/<device kind>.json before the heuristic
-  c.resume = False  # keep `output` and skip uuids already in it
+  c.resume = False  # append to `output`, skipping uuids already in it; without it a non-empty `output` is an error
+  c.order = "dataset"  # dataset | interleave (round robin over definitions: a time-capped run covers all early)
   c.warmup = 1
-  c.iters = 3
-  c.cold_l2 = False  # GPU: flush L2 before each timed call (see jaxkern.bench.measure)
+  c.iters = 3  # timed calls (device timer: calls in one trace)
+  c.cold_l2 = True  # GPU: the L2 is flushed before each timed call (flush not counted; see jaxkern.bench)
   c.timeout_s = 600.0  # per workload, compile included
-  c.progress = True
+  # process: each device's worker is a child process, killed and replaced when
+  # a workload passes timeout_s (or crashes); none: in this process, where
+  # timeout_s is only checked between a workload's steps (see jaxkern.workers).
+  c.isolation = "process"
+  c.progress = True  # a progress bar; False: one log line per workload
   # Several processes or hosts (see jaxkern.shards): with a coordinator,
   # jax.distributed.initialize runs first and the process's index and count
   # come from it (num_processes / process_id may stay 0 / -1 where the

@@ -6,7 +6,12 @@ Trace / Evaluation shape (SPEC 7), typed here with a JSON round trip.
    "evaluation": {"status", "log", "environment", "timestamp", "correctness",
                   "performance", "config", "config_source", "expected_output"}}
 
-`Status` is the one status enum (shared with `jaxkern.compare`).
+`evaluation.performance.timer` names the timer of every timed result
+(`jaxkern.bench`); `summarize` keeps one row per definition and timer.
+Readers report lines that are not results (a truncated last line among
+them) instead of dropping them silently; `ResultsWriter` never replaces a
+file that holds results. `Status` is the one status enum (shared with
+`jaxkern.compare`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import os
 import pathlib
 import statistics
 import sys
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from jaxkern.compare import Status
 
@@ -78,16 +83,20 @@ class Trace:
 
 class ResultsWriter:
   """Appends result lines, each flushed and fsynced as it is written, so a
-  crash or Ctrl-C loses nothing; a torn last line of an earlier run is kept on
-  its own line."""
+  crash or Ctrl-C loses nothing. Never destroys results: without `resume` a
+  non-empty file is refused (FileExistsError); with it, a truncated last
+  line (a run cut off mid-write; `read_results` reports it) is cut off
+  before appending."""
 
   def __init__(self, path: str | os.PathLike, *, resume: bool):
     self.path = pathlib.Path(path)
     self.path.parent.mkdir(parents=True, exist_ok=True)
-    torn = resume and self.path.exists() and self.path.stat().st_size and not _ends_with_newline(self.path)
-    self._f = open(self.path, "a" if resume else "w", encoding="utf-8")  # pylint: disable=consider-using-with
-    if torn:
-      self._f.write("\n")
+    size = self.path.stat().st_size if self.path.exists() else 0
+    if size and not resume:
+      raise FileExistsError(f"{self.path} already holds results; append with resume, or write elsewhere")
+    self._f = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+    if size:
+      self._f.truncate(_complete_size(self.path))
 
   def write(self, trace: Trace) -> None:
     self._f.write(json.dumps(trace.to_json()) + "\n")
@@ -104,55 +113,104 @@ class ResultsWriter:
     self.close()
 
 
-def _ends_with_newline(path: pathlib.Path) -> bool:
-  with open(path, "rb") as f:
-    f.seek(-1, os.SEEK_END)
-    return f.read(1) == b"\n"
+def _complete_size(path: pathlib.Path) -> int:
+  """Bytes up to and including the last newline."""
+  data = path.read_bytes()
+  return data.rfind(b"\n") + 1
 
 
-def read_traces(path: str | os.PathLike) -> list[Trace]:
-  """The complete lines of a results file (a torn last line is skipped)."""
-  traces = []
+@dataclasses.dataclass(frozen=True)
+class BadLine:
+  path: str
+  line: int
+  reason: str
+  truncated: bool  # the last line, without its newline: a write that was cut off
+
+  def __str__(self) -> str:
+    return f"{self.path}:{self.line}: {self.reason}"
+
+
+def read_results(path: str | os.PathLike) -> tuple[list[Trace], list[BadLine]]:
+  """The result lines of a file, and the lines that are not results (a
+  truncated last line among them); an absent file has neither."""
+  traces, bad = [], []
   path = pathlib.Path(path)
-  if path.exists():
-    for line in path.read_text(encoding="utf-8").splitlines():
-      try:
-        traces.append(Trace.from_json(json.loads(line)))
-      except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-        continue
+  if not path.exists():
+    return traces, bad
+  text = path.read_text(encoding="utf-8", errors="replace")
+  lines = text.split("\n")
+  complete = text.endswith("\n") or not text
+  for i, line in enumerate(lines[:-1] if complete else lines, 1):
+    truncated = not complete and i == len(lines)
+    try:
+      traces.append(Trace.from_json(json.loads(line)))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+      reason = ("truncated last line (a run was cut off while writing it)" if truncated
+                else f"not a result line ({type(e).__name__}: {str(e)[:80]})")
+      bad.append(BadLine(str(path), i, reason, truncated))
+  return traces, bad
+
+
+def read_traces(path: str | os.PathLike, *, on_bad_line: Callable[[BadLine], None] | None = None) -> list[Trace]:
+  """The result lines of a file; each line that is not one is reported to
+  `on_bad_line` (default: a warning on stderr) and skipped."""
+  traces, bad = read_results(path)
+  for b in bad:
+    if on_bad_line is None:
+      print(f"warning: {b}; skipped", file=sys.stderr)
+    else:
+      on_bad_line(b)
   return traces
 
 
 def read_done_uuids(path: str | os.PathLike) -> set[str]:
-  return {t.workload.uuid for t in read_traces(path)}
+  return {t.workload.uuid for t in read_results(path)[0]}
 
 
-SUMMARY_HEADERS = ["definition", "n", "passed", "failed", "skipped", "kernel ms", "ref ms", "speedup",
+SUMMARY_HEADERS = ["definition", "timer", "n", "passed", "failed", "skipped", "kernel ms", "ref ms", "speedup",
                    "SOL ms", "SOL frac", "worst status"]
 
 
+def timer_of(t: Trace) -> str | None:
+  """The timer that measured a result (`jaxkern.bench`: "device (profiler)",
+  "wall" or "interpret"); None when it was not timed."""
+  return (t.evaluation.performance or {}).get("timer")
+
+
 def summarize(traces: Iterable[Trace]) -> list[list[Any]]:
-  """One row per definition (see SUMMARY_HEADERS). Times and ratios are
-  medians over the definition's timed workloads; `SOL ms` is the roofline's
-  speed of light (`jaxkern.roofline`) and `SOL frac` speed of light / kernel
-  time, only where measured on a GPU ("-" otherwise)."""
+  """One row per definition and timer (see SUMMARY_HEADERS): numbers made
+  by different timers are never mixed. Untimed results (failures) count in
+  the row of their definition's most used timer. Times and ratios are
+  medians over the row's timed workloads; `SOL ms` is the roofline's speed
+  of light (`jaxkern.roofline`) and `SOL frac` speed of light / kernel time,
+  only where measured on a GPU ("-" otherwise)."""
   by_def: dict[str, list[Trace]] = {}
   for t in traces:
     by_def.setdefault(t.definition, []).append(t)
   rows = []
   for name, ts in sorted(by_def.items()):
-    st = [t.status for t in ts]
-    perf = [t.evaluation.performance for t in ts if t.evaluation.performance]
-
-    def med(key):
-      values = [p[key] for p in perf if p.get(key) is not None]
-      return f"{statistics.median(values):.3g}" if values else "-"
-
-    worst = next((s for s in Status if s in st and s != Status.PASSED), Status.PASSED)
-    rows.append([name, len(ts), st.count(Status.PASSED), sum(s is not None and s.failed for s in st),
-                 st.count(Status.SKIPPED), med("latency_ms"), med("reference_latency_ms"), med("speedup_factor"),
-                 med("speed_of_light_ms"), med("sol_fraction"), worst.value])
+    timers = [timer_of(t) for t in ts if timer_of(t)]
+    main_timer = max(set(timers), key=timers.count) if timers else None
+    groups: dict[str | None, list[Trace]] = {}
+    for t in ts:
+      groups.setdefault(timer_of(t) or main_timer, []).append(t)
+    for timer, group in sorted(groups.items(), key=lambda kv: (kv[0] != main_timer, kv[0] or "")):
+      rows.append(_summary_row(name, timer, group))
   return rows
+
+
+def _summary_row(name: str, timer: str | None, ts: list[Trace]) -> list[Any]:
+  st = [t.status for t in ts]
+  perf = [t.evaluation.performance for t in ts if t.evaluation.performance]
+
+  def med(key):
+    values = [p[key] for p in perf if p.get(key) is not None]
+    return f"{statistics.median(values):.3g}" if values else "-"
+
+  worst = next((s for s in Status if s in st and s != Status.PASSED), Status.PASSED)
+  return [name, timer or "-", len(ts), st.count(Status.PASSED), sum(s is not None and s.failed for s in st),
+          st.count(Status.SKIPPED), med("latency_ms"), med("reference_latency_ms"), med("speedup_factor"),
+          med("speed_of_light_ms"), med("sol_fraction"), worst.value]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Which workloads a run covers: by definition (names or prefixes), variant,
-uuid, and caps per definition and per variant; in dataset order. Malformed
-records and files of unknown definitions go to an error sink and the rest
-still load."""
+uuid, and caps per definition and per variant; in dataset order (or
+interleaved across definitions, `interleave`). Malformed records and files
+of unknown definitions go to an error sink and the rest still load."""
 
 from __future__ import annotations
 
@@ -75,3 +75,17 @@ def select_workloads(dataset_dir: str | pathlib.Path, sel: Selection, on_error: 
       if w.uuid not in skip:
         selected.append(w)
   return selected
+
+
+ORDERS = ("dataset", "interleave")
+
+
+def interleave(workloads: Iterable[dataset.Workload]) -> list[dataset.Workload]:
+  """Round robin over definitions (each keeps its own order): the first
+  workload of every definition, then the second of every one, and so on, so
+  that a run stopped by a time budget has covered every definition early."""
+  by_def: dict[str, list[dataset.Workload]] = {}
+  for w in workloads:
+    by_def.setdefault(w.definition, []).append(w)
+  queues = list(by_def.values())
+  return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]

@@ -7,7 +7,9 @@ reference, and timed; the table ends with the fastest correct config.
       --axes=B=1,Nq=2352,Nk=51 --max_configs=8 --output=/tmp/sweep.jsonl
 
 Without a GPU the kernels run in interpret mode: correctness holds, timings
-do not predict GPU performance. With `--aot` (the default when the `aot`
+do not predict GPU performance. Each row names its timer (`jaxkern.bench`:
+on a GPU the device time per call from a profiler trace, L2 flushed before
+each call). With `--aot` (the default when the `aot`
 extra is installed, see `jaxkern.aot`) every candidate is first compiled for
 sm_90a with XLA's GPU compiler and ptxas; a config that spills registers,
 overflows shared memory or fails to compile is reported (status `spills`,
@@ -80,7 +82,7 @@ def sweep(op: registry.Op, axes: dict[str, int], *, seed: int, warmup: int, iter
   for i, config in enumerate(configs, 1):
     row = {"config": tuning.config_to_json(config), "heuristic": config == heuristic,
            "current": config == current.config, "current_source": current.source, "status": None,
-           "latency_ms": None, "log": ""}
+           "latency_ms": None, "timer": None, "log": ""}
     t0 = time.perf_counter()
     if compiler is not None:
       rep = compiler.compile(lambda x, config=config: op.kernel(x, interpret=False, config=config),
@@ -104,8 +106,11 @@ def sweep(op: registry.Op, axes: dict[str, int], *, seed: int, warmup: int, iter
         out = jax.block_until_ready(fn(inputs))
         cmp = op.compare(out, ref, inputs=inputs)
         row["status"] = cmp.status
-        row["latency_ms"] = bench.measure(lambda: fn(inputs), warmup=warmup, iters=iters,
-                                          on_gpu=not interpret)["median_ms"]
+        names = () if interpret else bench.pallas_call_names(fn.lower(inputs).as_text())
+        t = bench.measure(lambda: fn(inputs), warmup=warmup, iters=iters, on_gpu=not interpret,
+                          interpret=interpret, cold_l2=not interpret, kernel_names=names)
+        row["latency_ms"], row["timer"] = t["median_ms"], t["timer"]
+        row["kernel_latency_ms"] = t.get("kernel_median_ms")
     except Exception as e:  # pylint: disable=broad-except
       row["status"], row["log"] = "error", bench.short_error(e)
     row["seconds"] = time.perf_counter() - t0
@@ -150,9 +155,11 @@ def main(argv: list[str]) -> None:
     print(f"{len(rejected)} config(s) rejected by the sm_90a compile (not run, never tuned)")
   good = [r for r in rows if r["status"] in ("passed", "lowered")]
   timed = [r for r in good if r["latency_ms"] is not None]
+  if any(r["timer"] == bench.TIMER_DEVICE for r in timed):  # never compare across timers
+    timed = [r for r in timed if r["timer"] == bench.TIMER_DEVICE]
   if timed:
     best = min(timed, key=lambda r: r["latency_ms"])
-    print(f"fastest correct: {best['config']} at {best['latency_ms']:.3f} ms"
+    print(f"fastest correct: {best['config']} at {best['latency_ms']:.3f} ms ({best['timer']} timer)"
           + (" (interpret mode: not a GPU timing)" if interpret else ""))
     if _WRITE_TUNED.value:
       var_axes = {a: axes[a] for a in op.definition.var_axes}

@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# The one prepared device run (a single H100 or H200): replay every definition
-# at recorded sizes with GPU timing and speed-of-light fractions, then sweep
-# the largest recorded workload of each definition, then write a report; all
-# under one folder. The wall budget (GPU_RUN_BUDGET_S, default 450 s) is
-# split between the two phases; a phase past its share is stopped with SIGINT
-# and keeps what it finished (the replay writes each result as it goes).
+# The one prepared device run (a single H100 or H200). The rule
+# (docs/perf/README.md): whenever a GPU is available, this is the first run
+# on it, on the committed code, before any change.
 #
-#   scripts/gpu_run.sh [OUT_DIR]        # on the GPU machine
+# Sized for one 15-minute device allowance, machine start included: about
+# GPU_RUN_BUDGET_S (default 480 s) of running, in phases:
+#   1. one workload per recorded variant of every definition (111), recorded
+#      sizes, device timer (jax.profiler), cold L2, definitions interleaved so
+#      that all are reached early, a per-workload timeout; stopped at 5/8 of
+#      the budget if not done;
+#   2. the remaining records, resuming phase 1's results file, until 7/8;
+#   3. config sweeps at the largest recorded axes, worst SOL fraction first,
+#      only with the time left;
+# then the report, the environment, and OUT.tar.gz holding everything. A
+# phase past its time stops with SIGINT and keeps what it finished (results
+# are written as they come); a stuck workload is killed at its timeout.
+#
+#   scripts/gpu_run.sh [OUT_DIR]        # on the GPU machine (make gpu-run)
 #   DRY_RUN=1 scripts/gpu_run.sh DIR    # anywhere: the same steps at smoke
 #                                       # scale, interpret mode (CI runs this)
 #   GPU_RUN_DEFINITIONS=dense_gemm,moe  # only these definitions (name prefixes)
-#
-# Everything lands in OUT_DIR, and OUT_DIR.tar.gz holds it as one file (the
-# device tool brings back at most 8 files).
 #
 # The GPU machine has jax, absl-py, chex, tqdm, tabulate, safetensors and
 # matplotlib but no ml_collections: if a .whl/ folder is here (see the README),
@@ -21,46 +28,120 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results/gpu_run}
 PY=${PYTHON:-python3}
-BUDGET=${GPU_RUN_BUDGET_S:-450}
+DRY=${DRY_RUN:-0}
 DEFS=${GPU_RUN_DEFINITIONS:-}
+if [ "$DRY" = 1 ]; then BUDGET=${GPU_RUN_BUDGET_S:-1200}; else BUDGET=${GPU_RUN_BUDGET_S:-480}; fi
 mkdir -p "$OUT"
+LOG="$OUT/run.log"
+: > "$LOG"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
-if [ "${DRY_RUN:-0}" = 1 ]; then
-  REPLAY=(--config configs/smoke.py --config.interpret=True)
+say() { echo "$*" | tee -a "$LOG"; }
+START=$(date +%s)
+elapsed() { echo $(( $(date +%s) - START )); }
+left_until() { echo $(( START + $1 - $(date +%s) )); }
+
+# Counts of a results file: "N results (P passed, F failed, D definitions; timers: ...)".
+count() {
+  $PY - "$1" <<'EOF'
+import collections, sys
+from jaxkern import results
+traces = results.read_traces(sys.argv[1])
+st = collections.Counter(t.status.value for t in traces if t.status)
+timers = collections.Counter(results.timer_of(t) or "untimed" for t in traces)
+print(f"{len(traces)} results ({st['passed']} passed, {sum(v for k, v in st.items() if k not in ('passed', 'skipped'))} "
+      f"failed, {len({t.definition for t in traces})} definitions; timers: "
+      f"{', '.join(f'{k} {v}' for k, v in sorted(timers.items()))})")
+EOF
+}
+
+if [ "$DRY" = 1 ]; then
+  COMMON=(--config configs/smoke.py --config.interpret=True)
+  PHASE1=(--config.max_workloads_per_definition=1)
+  PHASE2=(--config.max_workloads_per_variant=0 --config.max_workloads_per_definition=2
+          --config.definitions="${DEFS:-gdn_decode,qsa_index}")
   SWEEP=(--lower_only --max_configs=2)
+  SWEEP_DEFS=${GPU_RUN_SWEEP_DEFINITIONS:-${DEFS:-dense_gemm_bf16_nt_n4096_k4096,moe_router}}
 else
-  REPLAY=(--config configs/replay.py --config.scale=full --config.warmup=3 --config.iters=10 --config.timeout_s=120)
-  SWEEP=(--warmup=3 --iters=10)
+  COMMON=(--config configs/full.py --config.warmup=3 --config.iters=10 --config.cold_l2=True)
+  PHASE1=(--config.max_workloads_per_variant=1 --config.timeout_s=45)
+  PHASE2=(--config.max_workloads_per_variant=0 --config.timeout_s=60)
+  SWEEP=(--warmup=3 --iters=10 --max_configs=8)
+  SWEEP_DEFS=${GPU_RUN_SWEEP_DEFINITIONS:-$DEFS}
 fi
+COMMON+=(--config.order=interleave --config.progress=False --config.output="$OUT/replay.jsonl")
+[ -n "$DEFS" ] && [ "$DRY" != 1 ] && PHASE2+=(--config.definitions="$DEFS")
+[ -n "$DEFS" ] && PHASE1+=(--config.definitions="$DEFS")
 
-echo "== environment" | tee "$OUT/run.log"
-$PY -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())' 2>&1 | tee -a "$OUT/run.log"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null | tee -a "$OUT/run.log"
+say "== environment"
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "git commit: $(git rev-parse HEAD 2>/dev/null || echo "${GIT_COMMIT:-unknown (no .git here)}")"
+  echo "git changes not committed: $(git status --porcelain 2>/dev/null | wc -l)"
+  echo "dry run: $DRY; budget: $BUDGET s; definitions: ${DEFS:-all}"
+  $PY -c 'import sys, jax, jaxlib; print("python", sys.version.split()[0]); print("jax", jax.__version__, "jaxlib", jaxlib.__version__); print("devices", jax.devices())' 2>&1
+  $PY -m pip list 2>/dev/null | grep -i -E '^(jax|jaxlib|jax-cuda|ml.collections|nvidia)' || true
+  if command -v nvidia-smi >/dev/null; then nvidia-smi 2>&1; else echo "nvidia-smi: not available"; fi
+} > "$OUT/env.txt"
+cat "$OUT/env.txt" >> "$LOG"
+head -n 6 "$OUT/env.txt"
 
-echo "== replay (budget $((BUDGET * 2 / 3)) s)" | tee -a "$OUT/run.log"
-timeout -s INT $((BUDGET * 2 / 3)) $PY -m jaxkern.replay "${REPLAY[@]}" --config.progress=False \
-  --config.definitions="$DEFS" --config.output="$OUT/replay.jsonl" 2>&1 | tee -a "$OUT/run.log"
-echo "replay exit ${PIPESTATUS[0]}" | tee -a "$OUT/run.log"
+# phase NUMBER NAME DEADLINE_S ARGS...: one replay, stopped (SIGINT) at the deadline.
+phase() {
+  local n=$1 name=$2 deadline=$3
+  shift 3
+  local left t0 code
+  left=$(left_until "$deadline")
+  if [ "$left" -le 10 ]; then
+    say "== phase $n ($name): skipped, no time left ($(elapsed) s elapsed)"
+    return
+  fi
+  say "== phase $n ($name): start at $(elapsed) s, budget $left s"
+  t0=$(date +%s)
+  timeout -s INT -k 30 "$left" $PY -m jaxkern.replay "${COMMON[@]}" "$@" 2>&1 | tee -a "$LOG"
+  code=${PIPESTATUS[0]}
+  say "== phase $n ($name): end after $(( $(date +%s) - t0 )) s, $([ "$code" = 124 ] && echo "stopped at its budget" || echo "exit $code"); file: $(count "$OUT/replay.jsonl")"
+}
 
-echo "== sweeps at the largest recorded axes (budget $((BUDGET / 3)) s)" | tee -a "$OUT/run.log"
-deadline=$(( $(date +%s) + BUDGET / 3 ))
-for name in $($PY -c "from jaxkern import registry
-wanted = [w for w in '$DEFS'.split(',') if w]
-print(' '.join(n for n in registry.names()
-               if registry.get(n).implemented and (not wanted or any(n.startswith(w) for w in wanted))))"); do
-  left=$(( deadline - $(date +%s) ))
-  [ "$left" -le 5 ] && { echo "sweep budget spent before $name" | tee -a "$OUT/run.log"; break; }
+phase 1 "one workload per recorded variant" $(( BUDGET * 5 / 8 )) "${PHASE1[@]}"
+phase 2 "the remaining records" $(( BUDGET * 7 / 8 )) "${PHASE2[@]}" --config.resume=True
+
+# Sweep order: worst median SOL fraction first (device-timed), then the rest.
+sweep_names=$($PY - "$OUT/replay.jsonl" "$SWEEP_DEFS" <<'EOF'
+import statistics, sys
+from jaxkern import registry, results
+wanted = [w for w in sys.argv[2].split(",") if w]
+names = [n for n in registry.names() if registry.get(n).implemented and (not wanted or any(n.startswith(w) for w in wanted))]
+frac = {}
+for t in results.read_traces(sys.argv[1]):
+  f = (t.evaluation.performance or {}).get("sol_fraction")
+  if f is not None and results.timer_of(t) == "device (profiler)":
+    frac.setdefault(t.definition, []).append(f)
+print(" ".join(sorted(names, key=lambda n: statistics.median(frac[n]) if n in frac else float("inf"))))
+EOF
+)
+say "== phase 3 (sweeps, worst SOL fraction first): start at $(elapsed) s, budget $(left_until "$BUDGET") s"
+t0=$(date +%s)
+swept=0
+for name in $sweep_names; do
+  left=$(left_until "$BUDGET")
+  [ "$left" -le 10 ] && { say "sweep budget spent before $name"; break; }
+  [ "$left" -gt 120 ] && left=120
   axes=$($PY -c "from jaxkern import registry; print(','.join(f'{k}={v}' for k, v in registry.get('$name').largest_recorded_axes().items()))")
-  timeout -s INT "$left" $PY -m jaxkern.sweep --definition="$name" --axes="$axes" "${SWEEP[@]}" \
-    --output="$OUT/sweep_$name.jsonl" 2>&1 | tail -n 4 | tee -a "$OUT/run.log"
+  say "sweep $name at $axes (up to $left s)"
+  timeout -s INT -k 15 "$left" $PY -m jaxkern.sweep --definition="$name" --axes="$axes" "${SWEEP[@]}" \
+    --output="$OUT/sweep_$name.jsonl" 2>&1 | tail -n 4 | tee -a "$LOG"
+  swept=$(( swept + 1 ))
 done
+say "== phase 3 (sweeps): end after $(( $(date +%s) - t0 )) s, $swept definitions swept"
 
-echo "== report" | tee -a "$OUT/run.log"
-$PY -m jaxkern.report "$OUT/replay.jsonl" --out "$OUT/report" 2>&1 | tee "$OUT/summary.txt" | tee -a "$OUT/run.log"
-echo "done: $OUT" | tee -a "$OUT/run.log"
+say "== report"
+# summary.md is the table that replaces docs/perf/<device>.md (docs/perf/README.md).
+$PY -m jaxkern.report "$OUT/replay.jsonl" --out "$OUT/report" --markdown "$OUT/summary.md" 2>&1 | tee "$OUT/summary.txt" | tee -a "$LOG"
+say "done after $(elapsed) s: $OUT ($(count "$OUT/replay.jsonl"))"
 tar -czf "$OUT.tar.gz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
+echo "tarball: $OUT.tar.gz ($(du -h "$OUT.tar.gz" | cut -f1))"

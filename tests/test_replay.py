@@ -90,11 +90,14 @@ def toy(tmp_path, monkeypatch):
 
 
 def make_config(ds, tmp_path, **overrides):
+  """A library-call config; workloads run in this process unless a test
+  asks for worker processes (the command-line tests use them)."""
   cfg = replay.default_config()
   cfg.dataset_dir = str(ds)
   cfg.output = str(tmp_path / "out.jsonl")
   cfg.warmup, cfg.iters, cfg.progress = 0, 2, False
   cfg.max_workloads_per_variant = 0
+  cfg.isolation = "none"
   cfg.update(overrides)
   return cfg
 
@@ -154,27 +157,72 @@ def test_statuses_results_and_bad_line(toy, tmp_path):
   assert ev["performance"]["latency_ms"] > 0 and ev["performance"]["reference_latency_ms"] > 0
   assert ev["environment"]["interpret"] is True and "jax" in ev["environment"]["libs"]
   assert "toy kernel cannot lower" in results["u17"]["evaluation"]["log"]
-  assert results["u19"]["evaluation"]["log"].startswith("input synthesis:")
+  assert results["u19"]["evaluation"]["log"].startswith("inputs:")
   assert results["u13"]["evaluation"]["correctness"]["max_absolute_error"] == pytest.approx(1.0, abs=0.02)
   assert "toy_scale" in text and "4 passed, 3 failed" in text
+  assert f"[1/7] toy_scale u0: passed" in text  # one line per workload without a progress bar
 
 
 def test_timeout_is_a_status_and_the_run_goes_on(toy, tmp_path):
-  """u23 never finishes (its kernel blocks until released): the worker-thread
-  timeout of `run_isolated` reports it and the run goes on to u24, which
-  also times out (its budget is 0 s, by whichever path comes first).
-  Nothing depends on how fast a workload runs."""
-  import sys as _sys  # pylint: disable=g-import-not-at-top
+  """u23 never finishes (its kernel blocks forever in the worker process):
+  past the timeout the worker is killed and replaced, and the run goes on to
+  u24, which also times out (its budget is 0 s, by whichever path comes
+  first). Nothing depends on how fast a workload runs, and nothing is left
+  running in this process (pytest exits cleanly)."""
   with open(toy / "workloads" / "toy_scale.jsonl", "a") as f:
     f.write(json.dumps(rec("u23", 23, "t")) + "\n" + json.dumps(rec("u24", 3, "t")) + "\n")
-  cfg = make_config(toy, tmp_path, variants="t", timeout_s=0.0, scale="full")
-  try:
-    code = replay.replay(cfg, log=lambda s: None)
-  finally:
-    _sys.modules["toy_family"].RELEASE.set()
+  cfg = make_config(toy, tmp_path, variants="t", timeout_s=0.0, scale="full", isolation="process")
+  code = replay.replay(cfg, log=lambda s: None)
   results = {r["workload"]["uuid"]: r["evaluation"] for r in read(tmp_path / "out.jsonl")}
   assert {u: e["status"] for u, e in results.items()} == {"u23": "timeout", "u24": "timeout"} and code == 1
-  assert "no result within 0.0s" in results["u23"]["log"]
+  assert "no result within 0.0s" in results["u23"]["log"] and "killed" in results["u23"]["log"]
+  import multiprocessing  # pylint: disable=g-import-not-at-top
+  assert not multiprocessing.active_children()  # the stuck worker was killed, the other one closed
+
+
+LIBRARY_CALL = """
+import json, sys
+from jaxkern import replay
+cfg = replay.default_config()
+cfg.update(json.loads(sys.argv[1]))
+print("code", replay.replay(cfg, log=lambda s: None), flush=True)
+# Were the stuck workload in this process, releasing it now would have it
+# compile and run in XLA while the interpreter shuts down.
+toy = sys.modules.get("toy_family")
+if toy is not None:
+  toy.RELEASE.set()
+"""
+
+
+def test_a_library_call_with_a_timeout_lets_the_process_exit_cleanly(toy, tmp_path):
+  """`replay.replay(...)` as a library with a workload stuck past its
+  timeout: the process exits 0 at its end (an abandoned XLA call used to
+  crash interpreter shutdown)."""
+  with open(toy / "workloads" / "toy_scale.jsonl", "a") as f:
+    f.write(json.dumps(rec("u23", 23, "t")) + "\n" + json.dumps(rec("u24", 3, "t")) + "\n")
+  overrides = {"dataset_dir": str(toy), "output": str(tmp_path / "lib.jsonl"), "variants": "t", "scale": "full",
+               "timeout_s": 2.0, "warmup": 0, "iters": 1, "progress": False, "max_workloads_per_variant": 0}
+  p = subprocess.run([sys.executable, "-c", LIBRARY_CALL, json.dumps(overrides)], capture_output=True, text=True,
+                     timeout=300, cwd=REPO, env=toy_env(tmp_path))
+  assert p.returncode == 0, p.stdout + p.stderr
+  assert "code 1" in p.stdout
+  got = statuses(tmp_path / "lib.jsonl")
+  assert got["u23"] == "timeout" and set(got) == {"u23", "u24"}
+
+
+def test_a_worker_that_dies_is_an_error_status_and_is_replaced(toy, tmp_path):
+  """A workload that kills its worker process (here: os._exit in the
+  kernel, as a crashing runtime would) is a runtime_error naming the exit
+  code; the next workload runs in a fresh worker."""
+  (tmp_path / "toy_family.py").write_text(TOY_FAMILY.replace(
+      '  if m == 17:', '  if m == 29:\n    os._exit(7)\n  if m == 17:'))
+  with open(toy / "workloads" / "toy_scale.jsonl", "a") as f:
+    f.write(json.dumps(rec("d0", 29, "d")) + "\n" + json.dumps(rec("d1", 3, "d")) + "\n")
+  cfg = make_config(toy, tmp_path, variants="d", scale="full", isolation="process")
+  assert replay.replay(cfg, log=lambda s: None) == 1
+  results = {r["workload"]["uuid"]: r["evaluation"] for r in read(tmp_path / "out.jsonl")}
+  assert results["d0"]["status"] == "runtime_error" and "exit code 7" in results["d0"]["log"]
+  assert results["d1"]["status"] == "passed"
 
 
 def test_deadline_is_checked_before_timing(toy, tmp_path):
@@ -186,32 +234,6 @@ def test_deadline_is_checked_before_timing(toy, tmp_path):
   t = replay.run_workload(registry.get("toy_scale", toy), w, cfg, bench.CompileCache(), True, False)
   assert t.status == "timeout" and "before timing" in t.evaluation.log
   assert t.evaluation.correctness["matched_ratio"] == 1.0 and t.evaluation.performance is None
-
-
-def test_measure_reports_median_and_spread():
-  from jaxkern import bench  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  calls = []
-  fn = lambda: calls.append(1) or jnp.ones(3)  # noqa: E731
-  t = bench.measure(fn, warmup=2, iters=4, on_gpu=False)
-  assert t["samples"] == 4 and t["calls_per_sample"] == 1 and len(calls) == 6
-  assert t["min_ms"] <= t["median_ms"] <= t["max_ms"]
-  # The GPU path (amortized dispatch) also runs anywhere: calls in flight per sample.
-  t = bench.measure(fn, warmup=0, iters=3, on_gpu=True)
-  assert t["samples"] == 3 and t["calls_per_sample"] >= 1 and "in flight" in t["method"]
-  t = bench.measure(fn, warmup=0, iters=2, on_gpu=True, cold_l2=True)
-  assert t["calls_per_sample"] == 1 and "L2 flush" in t["method"]
-
-
-def test_run_isolated_paths():
-  from jaxkern import bench  # pylint: disable=g-import-not-at-top
-  import threading  # pylint: disable=g-import-not-at-top
-  assert bench.run_isolated(lambda: 5, 1.0, lambda: "late") == 5
-  with pytest.raises(ZeroDivisionError):
-    bench.run_isolated(lambda: 1 / 0, 1.0, lambda: "late")
-  gate = threading.Event()
-  assert bench.run_isolated(gate.wait, 0.0, lambda: "late", grace_s=0.05) == "late"
-  gate.set()
 
 
 def test_selection_filters_and_caps(toy):
@@ -235,8 +257,9 @@ def test_scale_shrinks_and_records_both_axes(toy, tmp_path):
   (r,) = read(tmp_path / "out.jsonl")
   assert r["workload"]["axes"] == {"M": 40} and r["workload"]["axes_run"] == {"M": 11}
   assert r["workload"]["scaled"] is True and r["evaluation"]["status"] == "passed"
-  replay.replay(make_config(toy, tmp_path, variants="big", scale="full"), log=lambda s: None)
-  (r,) = read(tmp_path / "out.jsonl")
+  replay.replay(make_config(toy, tmp_path, variants="big", scale="full", output=str(tmp_path / "full.jsonl")),
+                log=lambda s: None)
+  (r,) = read(tmp_path / "full.jsonl")
   assert r["workload"]["axes_run"] == {"M": 40} and r["workload"]["scaled"] is False
 
 
@@ -260,18 +283,36 @@ def test_resume_after_interrupt_gives_every_workload_once(toy, tmp_path, monkeyp
   assert replay.replay(make_config(toy, tmp_path), log=logs.append) == 130
   assert [r["workload"]["uuid"] for r in read(tmp_path / "out.jsonl")] == ["u0", "u1"]
   assert any("resume=True" in l for l in logs)
-  # A run killed mid-write leaves a torn line; resume must cope.
+  # A run killed mid-write leaves a truncated line: resume says so, cuts it
+  # off and runs its workload again.
   with open(tmp_path / "out.jsonl", "a") as f:
     f.write('{"definition": "toy_scale", "workl')
   monkeypatch.setattr(replay, "run_workload", real)
-  assert replay.replay(make_config(toy, tmp_path, resume=True), log=lambda s: None) == 1  # the bad line
-  uuids = []
-  for line in (tmp_path / "out.jsonl").read_text().splitlines():
-    try:
-      uuids.append(json.loads(line)["workload"]["uuid"])
-    except json.JSONDecodeError:
-      pass
-  assert sorted(uuids) == ["u0", "u1", "u3", "u4"]
+  logs = []
+  assert replay.replay(make_config(toy, tmp_path, resume=True), log=logs.append) == 1  # the bad record line 3
+  assert any("out.jsonl:3: truncated last line" in l and "runs again" in l for l in logs), logs
+  assert sorted(r["workload"]["uuid"] for r in read(tmp_path / "out.jsonl")) == ["u0", "u1", "u3", "u4"]
+
+
+def test_rerun_without_resume_never_replaces_results(toy, tmp_path):
+  """A second run onto a results file refuses (exit 2, one message saying
+  what to do) and leaves the file as it was; with resume it appends."""
+  assert replay.replay(make_config(toy, tmp_path, variants="a"), log=lambda s: None) == 1  # the bad line 3
+  before = (tmp_path / "out.jsonl").read_text()
+  logs = []
+  assert replay.replay(make_config(toy, tmp_path, variants="b"), log=logs.append) == 2
+  assert "already holds results (2 lines)" in logs[-1] and "--config.resume=True" in logs[-1]
+  assert "--config.output" in logs[-1] and (tmp_path / "out.jsonl").read_text() == before
+  assert replay.replay(make_config(toy, tmp_path, variants="b", resume=True), log=lambda s: None) == 1
+  assert [r["workload"]["uuid"] for r in read(tmp_path / "out.jsonl")] == ["u0", "u1", "u3", "u4"]
+
+
+def test_unwritable_output_is_one_message_exit_2(toy, tmp_path):
+  (tmp_path / "file").write_text("")
+  logs = []
+  for out in (tmp_path / "file" / "r.jsonl", tmp_path):  # a folder under a file; a folder
+    assert replay.replay(make_config(toy, tmp_path, output=str(out)), log=logs.append) == 2
+    assert logs[-1].startswith(f"error: cannot write --config.output {out}"), logs[-1]
 
 
 def test_definitions_without_a_family_are_skipped_not_failed(toy, tmp_path):
@@ -319,6 +360,43 @@ def test_command_line_app(toy, tmp_path):
   assert len(read(tmp_path / "cli.jsonl")) == 1
 
 
+def test_command_line_rerun_and_bad_paths_are_one_message_exit_2(toy, tmp_path):
+  """The same command twice: the second refuses to replace the first's
+  results (exit 2, the file untouched); a missing --config file and an
+  unwritable output are one message each, exit 2, no traceback."""
+  out = tmp_path / "twice.jsonl"
+  cmd = [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/replay.py", f"--config.dataset_dir={toy}",
+         f"--config.output={out}", "--config.variants=b", "--config.progress=False"]
+
+  def run(c):
+    return subprocess.run(c, capture_output=True, text=True, timeout=300, cwd=REPO, env=toy_env(tmp_path))
+
+  first = run(cmd)
+  assert first.returncode == 1 and len(read(out)) == 1, first.stdout + first.stderr  # bad record line 3
+  before = out.read_text()
+  second = run(cmd)
+  assert second.returncode == 2 and out.read_text() == before
+  assert "already holds results (1 lines)" in second.stdout and "--config.resume=True" in second.stdout
+  assert run(cmd + ["--config.resume=True"]).returncode == 1 and out.read_text() == before  # nothing left to do
+  for bad, message in ((["--config=/nowhere/replay.py"], "--config file /nowhere/replay.py does not exist"),
+                       ([f"--config.output={tmp_path}/f.jsonl/x.jsonl"], "cannot write --config.output")):
+    (tmp_path / "f.jsonl").write_text("")
+    p = run(cmd[:3] + bad + cmd[4:] if bad[0].startswith("--config=") else cmd + bad)
+    assert p.returncode == 2 and message in p.stdout + p.stderr, p.stdout + p.stderr
+    assert "Traceback" not in p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_one_worker_per_local_device(toy_many, tmp_path, isolation):
+  """Two (CPU) devices: two workers share the workloads, each once."""
+  out = tmp_path / "two.jsonl"
+  env = {**toy_env(tmp_path), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  p = subprocess.run(shard_cmd(toy_many, out, f"--config.isolation={isolation}"), capture_output=True, text=True,
+                     timeout=300, cwd=REPO, env=env)
+  assert "2 device worker(s)" in p.stdout, p.stdout + p.stderr
+  assert sorted(statuses(out)) == sorted(["u0", "u1", "u3", "u4"] + [f"p{i}" for i in range(5)])
+
+
 def test_smoke_replay_of_real_definitions(tmp_path):
   """End to end on the real dataset: one workload of each implemented
   definition, CPU-budget sizes, Pallas kernels in interpret mode."""
@@ -359,13 +437,17 @@ def test_blob_root_loads_recorded_tensors_and_compares_expected_output(toy, tmp_
       {**rec("b-absent", 3, "blob"), "inputs": {**inputs, "x": st("nowhere")}},
       {**rec("b-escape", 3, "blob"), "inputs": {**inputs, "x": {**st("x"), "path": "../outside.safetensors"}}},
       {**rec("b-too-big", 3, "blob"), "inputs": {**inputs, "x": st("x_big")}},
+      {**rec("b-expected-only", 3, "blob"), "expected_output": st("y_bad")},
   ]
   with open(toy / "workloads" / "toy_scale.jsonl", "a") as f:
     f.write("".join(json.dumps(r) + "\n" for r in records))
   replay.replay(make_config(toy, tmp_path, variants="blob", blob_root=str(blobs), scale="full"), log=lambda s: None)
   res = {r["workload"]["uuid"]: r["evaluation"] for r in read(tmp_path / "out.jsonl")}
   assert res["b-ok"]["status"] == "passed" and res["b-ok"]["expected_output"]["status"] == "passed"
+  # Kernel and reference agree, the recorded output does not: a failure.
   assert res["b-engine-differs"]["expected_output"]["status"] == "incorrect_numerical"
+  assert res["b-engine-differs"]["status"] == "incorrect_numerical"
+  assert res["b-engine-differs"]["log"].startswith("recorded expected_output: y:")
   assert res["b-wrong-shape"]["status"] == "runtime_error"
   assert "field 'inputs.x'" in res["b-wrong-shape"]["log"] and "(3, 8)" in res["b-wrong-shape"]["log"]
   # A path leaving the blob root is refused before anything is read.
@@ -374,8 +456,11 @@ def test_blob_root_loads_recorded_tensors_and_compares_expected_output(toy, tmp_
   assert "leaves the blob root" in res["b-escape"]["log"]
   # A tensor larger than the definition allows is rejected from its header.
   assert res["b-too-big"]["status"] == "runtime_error" and "(3, 8)" in res["b-too-big"]["log"]
-  # Tensors not under the blob root: synthesized inputs, no expected-output check.
-  assert res["b-absent"]["status"] == "passed" and res["b-absent"]["expected_output"] is None
+  # A blob the record names but the root lacks: an error naming it, not synthesis.
+  assert res["b-absent"]["status"] == "runtime_error"
+  assert "blob file(s) missing" in res["b-absent"]["log"] and "inputs.x: blob/nowhere.safetensors" in res["b-absent"]["log"]
+  # An expected output on synthesized inputs (no recorded inputs) is not compared.
+  assert res["b-expected-only"]["status"] == "passed" and res["b-expected-only"]["expected_output"] is None
 
 
 def test_command_line_ctrl_c_exits_130_with_results_on_disk(toy, tmp_path):
@@ -508,3 +593,17 @@ def test_a_killed_shard_resumes_and_the_merge_is_complete(toy_many, tmp_path):
   assert "resume: 3 workloads already" in p.stdout, p.stdout + p.stderr
   assert shards.merge(files, tmp_path / "m.jsonl") == 10
   assert sorted(statuses(tmp_path / "m.jsonl")) == sorted(["u0", "u1", "u3", "u4", "u23"] + [f"p{i}" for i in range(5)])
+
+
+def test_a_worker_that_cannot_start_is_each_workload_s_error(toy, tmp_path, monkeypatch):
+  """A worker process that dies while starting (here: its jax finds no
+  such platform) gives each workload an error status; the run ends
+  normally."""
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.devices()  # this process's backend is up; only the workers see the bad platform
+  monkeypatch.setenv("JAX_PLATFORMS", "no_such_platform")
+  cfg = make_config(toy, tmp_path, variants="b", isolation="process")
+  assert replay.replay(cfg, log=lambda s: None) == 1
+  results = read(tmp_path / "out.jsonl")
+  assert [r["evaluation"]["status"] for r in results] == ["runtime_error", "runtime_error"]
+  assert all("did not start" in r["evaluation"]["log"] for r in results)
