@@ -44,7 +44,9 @@ def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
   assert "== phase 3 (sweeps): end after" in log and "2 definitions swept" in log
   assert (out / "report" / "index.html").stat().st_size > 0
   assert "dense_gemm_bf16_nt_n4096_k4096" in (out / "summary.txt").read_text()
+  summary = (out / "summary.md").read_text()  # the page docs/perf/<device>.md takes
+  assert "dense_gemm_bf16_nt_n4096_k4096" in summary and "interpret" in summary
   env_txt = (out / "env.txt").read_text()
   assert "jax " in env_txt and "git commit:" in env_txt and "nvidia-smi" in env_txt
   with tarfile.open(f"{out}.tar.gz") as tar:
-    assert {"run/replay.jsonl", "run/env.txt", "run/run.log", "run/report/index.html"} <= set(tar.getnames())
+    assert {"run/replay.jsonl", "run/env.txt", "run/run.log", "run/summary.md", "run/report/index.html"} <= set(tar.getnames())
