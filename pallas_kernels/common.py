@@ -1,5 +1,6 @@
 """Helpers shared by the kernel families: interpret-mode resolution, the
-Triton deprecation filter and deviceless lowering for an abstract H100."""
+Triton deprecation filter, block arithmetic, operand checks and deviceless
+lowering for an abstract H100."""
 
 from __future__ import annotations
 
@@ -47,6 +48,21 @@ def next_pow2(n: int) -> int:
 
 # `jnp.dot` on the Triton lowering needs every dot dimension >= 16.
 MIN_DOT_DIM = 16
+
+# `lax.dot_general` dimension numbers of an NT product `x [rows, K] . y [cols, K]`:
+# contract the last axis of both, no batch axes (x @ y.T without a transpose).
+NT_DIMS = (((1,), (1,)), ((), ()))
+
+
+def is_pow2(n: int) -> bool:
+  return n >= 1 and not n & (n - 1)
+
+
+def check_pow2_dim(name: str, value: int, minimum: int = MIN_DOT_DIM) -> None:
+  """Raises unless an input dimension is a power of two >= minimum (a head
+  dim that becomes a dot dimension, by default)."""
+  if value < minimum or not is_pow2(value):
+    raise ValueError(f"{name}={value} must be a power of two >= {minimum}")
 
 
 def check_pow2(config: Any, *names: str, minimum: int = 1) -> None:
