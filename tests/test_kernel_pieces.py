@@ -21,7 +21,8 @@ import pytest
 import pallas_kernels
 from jaxkern import tuning
 from pallas_kernels import config_rules, device, split_kv
-from pallas_kernels import gdn_decode, mixed_mla, neighborhood_attention, qsa_index
+from pallas_kernels import (dense_gemm, flash_attention, gdn_decode, gdn_prefill, grouped_gemm, mixed_mla,
+                            neighborhood_attention, qsa_index)
 from pallas_kernels.common import assert_lowers_to_triton
 from pallas_kernels.online_softmax import (LOG2_E, init_carry, lse_base2, lse_natural, normalize,
                                            online_softmax_step)
@@ -56,24 +57,24 @@ def test_every_config_class_is_a_frozen_validated_dataclass_that_round_trips():
 
 
 @pytest.mark.parametrize("make,message", [
-    (lambda: pallas_kernels.dense_gemm.DenseGemmConfig(block_m=96),
+    (lambda: dense_gemm.DenseGemmConfig(block_m=96),
      "DenseGemmConfig.block_m=96 must be a power of two >= 16"),
-    (lambda: pallas_kernels.dense_gemm.DenseGemmConfig(block_k=8),
+    (lambda: dense_gemm.DenseGemmConfig(block_k=8),
      "DenseGemmConfig.block_k=8 must be a power of two >= 16"),
-    (lambda: pallas_kernels.dense_gemm.DenseGemmConfig(group_m=0),
+    (lambda: dense_gemm.DenseGemmConfig(group_m=0),
      "DenseGemmConfig.group_m=0 must be an int >= 1"),
-    (lambda: pallas_kernels.dense_gemm.DenseGemmConfig(num_warps=6),
+    (lambda: dense_gemm.DenseGemmConfig(num_warps=6),
      "DenseGemmConfig.num_warps=6 must be a power of two >= 1"),
-    (lambda: pallas_kernels.dense_gemm.DenseGemmConfig(num_stages=0),
+    (lambda: dense_gemm.DenseGemmConfig(num_stages=0),
      "DenseGemmConfig.num_stages=0 must be an int >= 1"),
     # JSON can carry floats and bools: neither is an int block size.
-    (lambda: pallas_kernels.flash_attention.FlashAttentionConfig(block_q=64.0),
+    (lambda: flash_attention.FlashAttentionConfig(block_q=64.0),
      "FlashAttentionConfig.block_q=64.0 must be a power of two >= 16"),
-    (lambda: pallas_kernels.flash_attention.FlashAttentionConfig(num_warps=True),
+    (lambda: flash_attention.FlashAttentionConfig(num_warps=True),
      "FlashAttentionConfig.num_warps=True must be a power of two >= 1"),
-    (lambda: pallas_kernels.grouped_gemm.GroupedGemmConfig(block_k=16),
+    (lambda: grouped_gemm.GroupedGemmConfig(block_k=16),
      "GroupedGemmConfig.block_k=16 must be a power of two >= 32"),
-    (lambda: pallas_kernels.gdn_prefill.GdnPrefillConfig(dot_precision="fp8"),
+    (lambda: gdn_prefill.GdnPrefillConfig(dot_precision="fp8"),
      "GdnPrefillConfig.dot_precision='fp8' must be one of ('bf16x3', 'bf16')"),
     (lambda: qsa_index.SelectStage("radix"), "SelectStage.method='radix' must be one of ('top_k', 'sort')"),
     (lambda: qsa_index.ScoreStage(block_keys=256, chunk_keys=128),
@@ -95,7 +96,7 @@ def test_a_broken_rule_names_class_field_value_and_rule(make, message):
 
 
 def test_replace_and_json_check_the_rules_too():
-  config = pallas_kernels.dense_gemm.DenseGemmConfig()
+  config = dense_gemm.DenseGemmConfig()
   with pytest.raises(ValueError, match=r"DenseGemmConfig.block_n=100 must be"):
     dataclasses.replace(config, block_n=100)
   stage = split_kv.SplitStage()
