@@ -1,5 +1,6 @@
 """Helpers shared by the kernel families: interpret-mode resolution, the
-Triton deprecation filter and deviceless lowering for an abstract H100."""
+Triton deprecation filter, block arithmetic, operand checks and deviceless
+lowering for an abstract H100."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import warnings
 from typing import Any, Callable, Iterable
 
 import jax
-import jax.numpy as jnp
 
 # jax >= 0.11 warns that the Triton lowering is deprecated in favour of Mosaic
 # GPU. We target Triton deliberately (SPEC section 2), so the warning is noise.
@@ -48,41 +48,26 @@ def next_pow2(n: int) -> int:
 # `jnp.dot` on the Triton lowering needs every dot dimension >= 16.
 MIN_DOT_DIM = 16
 
-
-def check_pow2(config: Any, *names: str, minimum: int = 1) -> None:
-  """Raises unless each named field of `config` is a power of two >= minimum."""
-  for name in names:
-    value = getattr(config, name)
-    if value < minimum or value & (value - 1):
-      raise ValueError(f"{type(config).__name__}.{name}={value} must be a power of two >= {minimum}")
+# `lax.dot_general` dimension numbers of an NT product `x [rows, K] . y [cols, K]`:
+# contract the last axis of both, no batch axes (x @ y.T without a transpose).
+NT_DIMS = (((1,), (1,)), ((), ()))
 
 
-def check_dot_blocks(config: Any, *names: str) -> None:
-  """Raises unless each named block size of `config` is a power of two >= 16."""
-  check_pow2(config, *names, minimum=MIN_DOT_DIM)
+def is_pow2(n: int) -> bool:
+  return n >= 1 and not n & (n - 1)
+
+
+def check_pow2_dim(name: str, value: int, minimum: int = MIN_DOT_DIM) -> None:
+  """Raises unless an input dimension is a power of two >= minimum (a head
+  dim that becomes a dot dimension, by default)."""
+  if value < minimum or not is_pow2(value):
+    raise ValueError(f"{name}={value} must be a power of two >= {minimum}")
 
 
 def fitted_candidates(chosen: Any, sweep: Iterable[Any], fit: Callable[[Any], Any]) -> list[Any]:
   """A sweep's candidates: the heuristic's `chosen` first, then each config
   of `sweep` fitted to the problem, without duplicates."""
   return list(dict.fromkeys([chosen, *(fit(c) for c in sweep)]))
-
-
-def online_softmax_weights(s, m_prev, l_prev, *, may_be_empty: bool = True):
-  """One key block of FlashAttention's online softmax, in base 2.
-
-  `s` [rows, keys] are scores already scaled by `log2(e) * sm_scale`, with
-  masked keys at -inf; `m_prev`, `l_prev` the running row max and sum.
-  Returns `(p, correction, m_next, l_next)`; the caller folds the block in as
-  `o = correction[:, None] * o + p @ v`. With `may_be_empty`, a row whose max
-  is still -inf (nothing seen yet) subtracts 0, so its `p` is 0, not NaN;
-  without it every row must have a finite score in this block.
-  """
-  m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-  m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next) if may_be_empty else m_next
-  correction = jnp.exp2(m_prev - m_safe)
-  p = jnp.exp2(s - m_safe[:, None])
-  return p, correction, m_next, correction * l_prev + jnp.sum(p, axis=-1)
 
 
 def fit_block(block: int, size: int) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 from jax import lax
@@ -25,24 +25,32 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import (cdiv, check_dot_blocks, check_nt_operands, fit_block, fitted_candidates,
-                                   resolve_interpret)
+from pallas_kernels.common import NT_DIMS, cdiv, check_nt_operands, fit_block, fitted_candidates, resolve_interpret
+from pallas_kernels.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, at_least, field
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseGemmConfig:
-  """Tiling of the NT GEMM. Block sizes are powers of two >= 16."""
-  block_m: int = 128
-  block_n: int = 256
-  block_k: int = 64
-  group_m: int = 8      # M-tiles per group in the grouped program order.
-  num_warps: int = 8
-  num_stages: int = 3
+class DenseGemmConfig(KernelConfig):
+  """Tiling of the NT GEMM; `group_m` M-tiles per group in the grouped
+  program order."""
+  block_m: int = field(128, DOT_BLOCK)
+  block_n: int = field(256, DOT_BLOCK)
+  block_k: int = field(64, DOT_BLOCK)
+  group_m: int = field(8, at_least(1))
+  num_warps: int = field(8, NUM_WARPS)
+  num_stages: int = field(3, NUM_STAGES)
 
-  def __post_init__(self):
-    check_dot_blocks(self, "block_m", "block_n", "block_k")
-    if self.group_m < 1:
-      raise ValueError(f"group_m={self.group_m} must be >= 1")
+
+class DenseGemmSizes(NamedTuple):
+  """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+  m: int
+  n: int
+  k: int
+
+  @classmethod
+  def of(cls, shapes: Mapping[str, Any]) -> DenseGemmSizes:
+    m, k = shapes["A"].shape
+    return cls(int(m), int(shapes["B"].shape[0]), int(k))
 
 
 def _fit(config: DenseGemmConfig, m: int, n: int, k: int) -> DenseGemmConfig:
@@ -66,11 +74,6 @@ _SWEEP_CONFIGS = (
 )
 
 
-def _mnk(shapes: Mapping[str, Any]) -> tuple[int, int, int]:
-  m, k = shapes["A"].shape
-  return int(m), int(shapes["B"].shape[0]), int(k)
-
-
 def choose_config(shapes: Mapping[str, Any]) -> DenseGemmConfig:
   """Heuristic tile choice.
 
@@ -79,7 +82,7 @@ def choose_config(shapes: Mapping[str, Any]) -> DenseGemmConfig:
   lowering. Short M (decode-like) uses a 64-row tile, clamped down to the
   problem so tiny shapes do not compute mostly padding.
   """
-  m, n, k = _mnk(shapes)
+  m, n, k = DenseGemmSizes.of(shapes)
   if m <= 64:
     base = DenseGemmConfig(64, 128, 64, 8, num_warps=4, num_stages=4)
   else:
@@ -89,7 +92,7 @@ def choose_config(shapes: Mapping[str, Any]) -> DenseGemmConfig:
 
 def candidate_configs(shapes: Mapping[str, Any]) -> list[DenseGemmConfig]:
   """Configs a sweep may try, the heuristic's first."""
-  m, n, k = _mnk(shapes)
+  m, n, k = DenseGemmSizes.of(shapes)
   return fitted_candidates(choose_config(shapes), _SWEEP_CONFIGS, lambda c: _fit(c, m, n, k))
 
 
@@ -119,7 +122,6 @@ def _dense_gemm_nt_kernel(a_ref, b_ref, c_ref, *, m: int, n: int, k: int,
   cols = tile_n * block_n + lax.broadcasted_iota(jnp.int32, (block_n, 1), 0)
   row_ok = rows < m if m % block_m else None
   col_ok = cols < n if n % block_n else None
-  nt = (((1,), (1,)), ((), ()))  # contract K of A with K of B (B^T)
 
   def load(ref, start, line_ok, k_ok):
     mask = line_ok
@@ -133,7 +135,7 @@ def _dense_gemm_nt_kernel(a_ref, b_ref, c_ref, *, m: int, n: int, k: int,
     start = k_block * block_k
     a = load(a_ref, start, row_ok, k_ok)
     b = load(b_ref, start, col_ok, k_ok)
-    return acc + lax.dot_general(a, b, nt, preferred_element_type=jnp.float32)
+    return acc + lax.dot_general(a, b, NT_DIMS, preferred_element_type=jnp.float32)
 
   acc = jnp.zeros((block_m, block_n), jnp.float32)
   num_full_k = k // block_k

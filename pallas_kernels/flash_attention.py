@@ -35,8 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 from jax import lax
@@ -44,28 +43,48 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import (MIN_DOT_DIM, cdiv, check_dot_blocks, fit_block, fitted_candidates,
-                                   online_softmax_weights, resolve_interpret)
+from pallas_kernels.common import cdiv, check_pow2_dim, fit_block, fitted_candidates, resolve_interpret
+from pallas_kernels.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field
+from pallas_kernels.device import SHARED_MEMORY_PER_BLOCK, num_sms
+from pallas_kernels.online_softmax import LOG2_E, init_carry, normalize, online_softmax_step
 
-_LOG2_E = math.log2(math.e)
 # Padded key rows get this segment id so that no query sees them.
 _INVISIBLE_SEGMENT = jnp.iinfo(jnp.int32).max
-# SMs on an H100 SXM / H200; used only to judge grid occupancy.
-_NUM_SMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
-class FlashAttentionConfig:
-  """Tiling of the forward kernel. Block sizes are powers of two >= 16."""
-  block_q: int = 128
-  block_k: int = 64
-  num_warps: int = 8
-  num_stages: int = 3
+class FlashAttentionConfig(KernelConfig):
+  """Tiling of the forward kernel: `block_q` query rows per program, keys
+  walked `block_k` at a time."""
+  block_q: int = field(128, DOT_BLOCK)
+  block_k: int = field(64, DOT_BLOCK)
+  num_warps: int = field(8, NUM_WARPS)
+  num_stages: int = field(3, NUM_STAGES)
 
-  def __post_init__(self):
-    check_dot_blocks(self, "block_q", "block_k")
-    if self.num_warps < 1 or self.num_stages < 1:
-      raise ValueError(f"bad num_warps/num_stages in {self}")
+
+class FlashAttentionSizes(NamedTuple):
+  """Problem sizes of the inputs' shapes (input name -> array or
+  ShapeDtypeStruct; `k_prefix` may be absent or None)."""
+  batch: int
+  heads: int
+  q_len: int
+  kv_len: int
+  prefix_len: int   # 0 without prefix keys
+  head_dim: int
+  itemsize: int     # bytes per q/k/v element
+
+  @classmethod
+  def of(cls, shapes: Mapping[str, Any]) -> FlashAttentionSizes:
+    batch, q_len, heads, head_dim = shapes["q"].shape
+    prefix = shapes.get("k_prefix")
+    prefix_len = 0 if prefix is None else prefix.shape[1]
+    return cls(int(batch), int(heads), int(q_len), int(shapes["k"].shape[1]), int(prefix_len),
+               int(head_dim), jnp.dtype(shapes["q"].dtype).itemsize)
+
+  @property
+  def longest_keys(self) -> int:
+    """The longer key source (Nk or Np): what caps `block_k`."""
+    return max(self.kv_len, self.prefix_len)
 
 
 def _fit(config: FlashAttentionConfig, q_len: int, kv_len: int) -> FlashAttentionConfig:
@@ -88,39 +107,23 @@ _SWEEP_CONFIGS = (
     FlashAttentionConfig(64, 128, num_warps=4, num_stages=2),
 )
 
-# Compiled for sm_90a with XLA's Triton and ptxas 12.9 (`python -m jaxkern.aot
-# --definition <attention definitions> --all_candidates`, largest recorded
-# axes), these spill registers at D >= 128 and are left out of the sweep there:
-# 128x64 on 4 warps spills 52 bytes (dense), 204-508 (segments, prefix); with
-# prefix keys also 128x32 on 4 warps (48 bytes) and 64x128 on 4 warps (84).
+# These spill registers on sm_90a at D >= 128 and are left out of the sweep
+# there (`python -m jaxkern.aot --all_candidates`; the spill sizes are in
+# docs/perf/kernel_notes.md): 128x64 on 4 warps; with prefix keys also 128x32
+# and 64x128 on 4 warps.
 _SPILL_AT_D128 = (FlashAttentionConfig(128, 64, num_warps=4, num_stages=3),)
 _SPILL_AT_D128_WITH_PREFIX = (FlashAttentionConfig(128, 32, num_warps=4, num_stages=4),
                               FlashAttentionConfig(64, 128, num_warps=4, num_stages=2))
-# Usable shared memory per CTA on an H100/H200 (227 KiB).
-_SMEM_PER_BLOCK = 232448
 
 
 def shared_memory_bytes(config: FlashAttentionConfig, head_dim: int, itemsize: int = 2, *,
                         has_prefix: bool = False) -> int:
-  """Triton's shared memory for this kernel, as measured on sm_90a: the Q
-  tile plus one K and one V tile per pipeline stage, and one stage more when
-  prefix keys add a second pipelined loop (128x128, 3 stages, D=128: 224 KiB
-  without a prefix, 288 KiB with one, which does not fit)."""
+  """Triton's shared memory for this kernel (the sm_90a compile agrees, see
+  docs/perf/kernel_notes.md): the Q tile plus one K and one V tile per
+  pipeline stage, and one stage more when prefix keys add a second
+  pipelined loop."""
   stages = config.num_stages + (1 if has_prefix else 0)
   return itemsize * head_dim * (config.block_q + stages * 2 * config.block_k)
-
-
-def _problem(shapes: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
-  """(B, H, Nq, longer key source, D) from the input shapes."""
-  batch, q_len, num_heads, head_dim = shapes["q"].shape
-  kv_len = shapes["k"].shape[1]
-  if shapes.get("k_prefix") is not None:
-    kv_len = max(kv_len, shapes["k_prefix"].shape[1])
-  return int(batch), int(num_heads), int(q_len), int(kv_len), int(head_dim)
-
-
-def _has_prefix(shapes: Mapping[str, Any]) -> bool:
-  return shapes.get("k_prefix") is not None and shapes["k_prefix"].shape[1] > 0
 
 
 def choose_config(shapes: Mapping[str, Any]) -> FlashAttentionConfig:
@@ -130,61 +133,42 @@ def choose_config(shapes: Mapping[str, Any]) -> FlashAttentionConfig:
   cores (the Q tile stays in registers, K/V tiles stream through a 3-stage
   pipeline). At D >= 128 the key step is 128 on 8 warps (tokamax's tuning of
   Pallas-Triton flash attention on H100 picks 128x128, 8 warps, 3 stages for
-  non-causal d128; on sm_90a it compiles to about 254 registers, no spills,
-  224 KiB shared memory); with prefix keys the second pipelined loop would
-  need 288 KiB, so those keep 64-key steps. At D = 64 the key step is 64 on
-  4 warps. When 128-row tiles would leave fewer than two programs per SM
-  (short query sequences, B=1), 64-row tiles double the grid. `kv_len` is
-  the longer key source (max of Nk and the prefix's Np): it only caps
+  non-causal d128; it compiles for sm_90a without spills and fits the shared
+  memory); with prefix keys the second pipelined loop would not fit
+  (`shared_memory_bytes`), so those keep 64-key steps. At D = 64 the key
+  step is 64 on 4 warps. When 128-row tiles would leave fewer than two
+  programs per SM (short query sequences, B=1), 64-row tiles double the
+  grid. The longer key source (max of Nk and the prefix's Np) only caps
   `block_k` for tiny problems.
   """
-  batch, num_heads, q_len, kv_len, head_dim = _problem(shapes)
-  programs_at_128 = batch * num_heads * cdiv(q_len, 128)
-  block_q = 128 if programs_at_128 >= 2 * _NUM_SMS else 64
-  if block_q == 128 and head_dim >= 128:
-    block_k = 64 if _has_prefix(shapes) else 128
+  sizes = FlashAttentionSizes.of(shapes)
+  programs_at_128 = sizes.batch * sizes.heads * cdiv(sizes.q_len, 128)
+  block_q = 128 if programs_at_128 >= 2 * num_sms() else 64
+  if block_q == 128 and sizes.head_dim >= 128:
+    block_k = 64 if sizes.prefix_len else 128
     config = FlashAttentionConfig(128, block_k, num_warps=8, num_stages=3)
   elif block_q == 128:
     config = FlashAttentionConfig(128, 64, num_warps=4, num_stages=3)
   else:
     config = FlashAttentionConfig(64, 64, num_warps=4, num_stages=3)
-  return _fit(config, q_len, kv_len)
+  return _fit(config, sizes.q_len, sizes.longest_keys)
 
 
 def candidate_configs(shapes: Mapping[str, Any]) -> list[FlashAttentionConfig]:
   """The sweep's configurations fitted to the problem, heuristic choice first,
   without duplicates, without those that spill or overflow shared memory on
   sm_90a at this head dim."""
-  _, _, q_len, kv_len, head_dim = _problem(shapes)
-  has_prefix = _has_prefix(shapes)
-  itemsize = jnp.dtype(shapes["q"].dtype).itemsize
+  sizes = FlashAttentionSizes.of(shapes)
+  has_prefix = sizes.prefix_len > 0
   excluded = set()
-  if head_dim >= 128:
+  if sizes.head_dim >= 128:
     excluded.update(_SPILL_AT_D128)
     if has_prefix:
       excluded.update(_SPILL_AT_D128_WITH_PREFIX)
   kept = [c for c in _SWEEP_CONFIGS
-          if c not in excluded and shared_memory_bytes(c, head_dim, itemsize, has_prefix=has_prefix) <= _SMEM_PER_BLOCK]
-  return fitted_candidates(choose_config(shapes), kept, lambda c: _fit(c, q_len, kv_len))
-
-
-def _online_softmax_step(q, k, v, visible, carry, *, qk_scale):
-  """Folds one key block into the running (output, row max, row sum).
-
-  Scores are in base 2: `exp2(s * qk_scale)` equals `exp(s * sm_scale)`.
-  `visible` is None for blocks every row sees entirely; otherwise masked
-  scores are -inf and a row whose max is still -inf (nothing seen yet)
-  subtracts 0 instead, so its probabilities are 0 rather than NaN.
-  """
-  o_prev, m_prev, l_prev = carry
-  s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
-  if visible is not None:
-    s = jnp.where(visible, s, -jnp.inf)
-  # Unmasked blocks have a finite score in every row.
-  p, correction, m_next, l_next = online_softmax_weights(s, m_prev, l_prev, may_be_empty=visible is not None)
-  o_next = correction[:, None] * o_prev + jnp.dot(
-      p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return o_next, m_next, l_next
+          if c not in excluded and shared_memory_bytes(
+              c, sizes.head_dim, sizes.itemsize, has_prefix=has_prefix) <= SHARED_MEMORY_PER_BLOCK]
+  return fitted_candidates(choose_config(shapes), kept, lambda c: _fit(c, sizes.q_len, sizes.longest_keys))
 
 
 def _flash_attention_kernel(*refs, has_prefix: bool, has_key_valid: bool,
@@ -207,15 +191,17 @@ def _flash_attention_kernel(*refs, has_prefix: bool, has_key_valid: bool,
   else:
     q = q_ref[...]
 
-  step = functools.partial(_online_softmax_step, qk_scale=qk_scale)
-  carry = (jnp.zeros((block_q, head_dim), jnp.float32),
-           jnp.full((block_q,), -jnp.inf, jnp.float32),
-           jnp.zeros((block_q,), jnp.float32))
+  def step(k, v, visible, carry):
+    # `visible` None: every row sees the whole block (no mask, no empty rows).
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
+    return online_softmax_step(s, carry, v, visible=visible)
+
+  carry = init_carry(block_q, head_dim)
 
   def unmasked_body(kk_ref, vv_ref):
     def body(block, carry):
       keys = pl.ds(block * block_k, block_k)
-      return step(q, kk_ref[keys, :], vv_ref[keys, :], None, carry)
+      return step(kk_ref[keys, :], vv_ref[keys, :], None, carry)
     return body
 
   def load_key_block(kk_ref, vv_ref, start, length):
@@ -236,7 +222,7 @@ def _flash_attention_kernel(*refs, has_prefix: bool, has_key_valid: bool,
 
     def prefix_edge_body(block, carry):
       k, v, in_bounds = load_key_block(k_prefix_ref, v_prefix_ref, block * block_k, prefix_len)
-      return step(q, k, v, in_bounds[None, :], carry)
+      return step(k, v, in_bounds[None, :], carry)
 
     carry = lax.fori_loop(prefix_len // block_k, cdiv(prefix_len, block_k),
                           prefix_edge_body, carry)
@@ -264,14 +250,12 @@ def _flash_attention_kernel(*refs, has_prefix: bool, has_key_valid: bool,
       k_segments = plgpu.load(segment_ids_ref.at[keys], mask=in_bounds,
                               other=_INVISIBLE_SEGMENT)
       visible = visible & (k_segments[None, :] <= q_segments[:, None])
-    return step(q, k, v, visible, carry)
+    return step(k, v, visible, carry)
 
   if kv_len >= block_k:  # Otherwise no whole block exists (n_unmasked = 0).
     carry = lax.fori_loop(0, n_unmasked, unmasked_body(k_ref, v_ref), carry)
-  o, _, l = lax.fori_loop(n_unmasked, n_blocks, masked_body, carry)
-
-  # Lonely rows (l == 0) output exactly 0.
-  o = o * jnp.where(l > 0.0, 1.0 / l, 0.0)[:, None]
+  o, m, l = lax.fori_loop(n_unmasked, n_blocks, masked_body, carry)
+  o = normalize(o, m, l)  # lonely rows (l == 0) output exactly 0
   if q_len % block_q:
     plgpu.store(o_ref, o.astype(o_ref.dtype), mask=q_rows_valid[:, None])
   else:
@@ -365,8 +349,7 @@ def flash_attention(
     raise ValueError(f"k {k.shape} / v {v.shape} do not match q {q.shape}")
   if not (k.dtype == v.dtype == q.dtype):
     raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-  if head_dim < MIN_DOT_DIM or head_dim & (head_dim - 1):
-    raise ValueError(f"head dim {head_dim} must be a power of two >= {MIN_DOT_DIM}")
+  check_pow2_dim("head dim D", head_dim)
   if q_len < 1 or kv_len < 1:
     raise ValueError(f"empty sequence: Nq={q_len}, Nk={kv_len}")
   if (k_prefix is None) != (v_prefix is None):
@@ -418,7 +401,7 @@ def flash_attention(
   kernel = functools.partial(
       _flash_attention_kernel, has_prefix=has_prefix,
       has_key_valid=key_valid is not None, has_segments=segment_ids is not None,
-      has_block_limits=has_block_limits, qk_scale=float(sm_scale) * _LOG2_E,
+      has_block_limits=has_block_limits, qk_scale=float(sm_scale) * LOG2_E,
       block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len,
       prefix_len=prefix_len)
   return pl.pallas_call(

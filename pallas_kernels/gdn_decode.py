@@ -27,34 +27,36 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import resolve_interpret
-
-_NUM_SMS = 132  # H100 SXM / H200
-
-
-def check_block(name: str, value: int, lo: int) -> None:
-  if value < lo or value & (value - 1):
-    raise ValueError(f"{name}={value} must be a power of two >= {lo}")
+from pallas_kernels.common import check_pow2_dim, resolve_interpret
+from pallas_kernels.config_rules import NUM_STAGES, NUM_WARPS, KernelConfig, field, pow2
+from pallas_kernels.device import num_sms
 
 
 @dataclasses.dataclass(frozen=True)
-class GdnDecodeConfig:
-  """`block_v`: state rows (V) per program; a power of two in [1, V]."""
-  block_v: int = 32
-  num_warps: int = 4
-  num_stages: int = 1
+class GdnDecodeConfig(KernelConfig):
+  """`block_v`: state rows (V) per program (capped to V)."""
+  block_v: int = field(32, pow2())
+  num_warps: int = field(4, NUM_WARPS)
+  num_stages: int = field(1, NUM_STAGES)
 
-  def __post_init__(self):
-    check_block("block_v", self.block_v, 1)
-    if self.num_warps < 1 or self.num_stages < 1:
-      raise ValueError(f"bad num_warps/num_stages in {self}")
+
+class GdnDecodeSizes(NamedTuple):
+  """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+  batch: int
+  v_heads: int
+  v_dim: int    # state rows per head
+
+  @classmethod
+  def of(cls, shapes: Mapping[str, Any]) -> GdnDecodeSizes:
+    batch, v_heads, v_dim, _ = shapes["state"].shape
+    return cls(int(batch), int(v_heads), int(v_dim))
 
 
 # ----------------------------------------------------------------- shared math
@@ -94,8 +96,7 @@ def check_common(q, k, v, a, b, A_log, dt_bias, *, lead: tuple[int, ...]):
     raise ValueError(f"A_log {A_log.shape} / dt_bias {dt_bias.shape} != {(hv,)}")
   if hv % hq:
     raise ValueError(f"num_v_heads {hv} is not a multiple of num_q_heads {hq}")
-  if d < 16 or d & (d - 1):
-    raise ValueError(f"head_size {d} must be a power of two >= 16")
+  check_pow2_dim("head_size", d)
   return hq, hv, d
 
 # ---------------------------------------------------------------------- decode
@@ -123,15 +124,15 @@ def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> GdnDecodeConfig
 
   Small batches split the 128 state rows of a head over up to 8 programs (16
   rows, 8 KiB of state each) so that the state streams through more SMs."""
-  batch, hv, v_dim = shapes["state"].shape[0], shapes["state"].shape[1], shapes["state"].shape[2]
+  batch, hv, v_dim = GdnDecodeSizes.of(shapes)
   block_v = v_dim
-  while block_v > 16 and batch * hv * (v_dim // block_v) < 2 * _NUM_SMS:
+  while block_v > 16 and batch * hv * (v_dim // block_v) < 2 * num_sms():
     block_v //= 2
   return GdnDecodeConfig(block_v=block_v, num_warps=4 if block_v <= 32 else 8)
 
 
 def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[GdnDecodeConfig]:
-  v_dim = shapes["state"].shape[2]
+  v_dim = GdnDecodeSizes.of(shapes).v_dim
   chosen = choose_config(shapes)
   sweep = [GdnDecodeConfig(block_v=bv, num_warps=w)
            for bv in (16, 32, 64, 128) if bv <= v_dim for w in (2, 4, 8)]

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 from jax import lax
@@ -50,34 +50,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import resolve_interpret
-from pallas_kernels.gdn_decode import check_block, check_common, log_decay, resolve_scale, sigmoid
+from pallas_kernels.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field, one_of
+from pallas_kernels.device import num_sms
+from pallas_kernels.gdn_decode import check_common, log_decay, resolve_scale, sigmoid
 
-_NUM_SMS = 132  # H100 SXM / H200
 _DOT_PRECISIONS = ("bf16x3", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
-class GdnPrefillConfig:
+class GdnPrefillConfig(KernelConfig):
   """`chunk`: tokens per WY chunk; `block_v`: V columns of the state per
   program (the chunk's triangular solve is repeated per V block);
   `dot_precision`: how dots with an fp32 operand are split into bf16 dots.
   "bf16" (one dot, ~0.3% relative error per product) keeps new_state within
   the SPEC 5 state metric on the synthesized inputs but misses the bf16
-  output tolerance on correlated keys with beta ~ 1 and decay ~ 1 (149 of
-  76800 elements, max error 0.008); "bf16x3" is the safe default."""
-  chunk: int = 32
-  block_v: int = 32
-  num_warps: int = 4
-  num_stages: int = 1
-  dot_precision: str = "bf16x3"
-
-  def __post_init__(self):
-    check_block("chunk", self.chunk, 16)
-    check_block("block_v", self.block_v, 16)
-    if self.num_warps < 1 or self.num_stages < 1:
-      raise ValueError(f"bad num_warps/num_stages in {self}")
-    if self.dot_precision not in _DOT_PRECISIONS:
-      raise ValueError(f"dot_precision must be one of {_DOT_PRECISIONS}, got {self.dot_precision!r}")
+  output tolerance on correlated keys with beta ~ 1 and decay ~ 1
+  (docs/perf/kernel_notes.md); "bf16x3" is the safe default."""
+  chunk: int = field(32, DOT_BLOCK)
+  block_v: int = field(32, DOT_BLOCK)
+  num_warps: int = field(4, NUM_WARPS)
+  num_stages: int = field(1, NUM_STAGES)
+  dot_precision: str = field("bf16x3", one_of(*_DOT_PRECISIONS))
 
 
 # --------------------------------------------------------------------- prefill
@@ -186,23 +179,30 @@ def _prefill_kernel(scale_ref, a_log_ref, dt_bias_ref, cu_ref, q_ref, k_ref, v_r
   new_state_ref[...] = jnp.where(end > start, s, 0.0)
 
 
-def _problem(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> tuple[int, int, int, int]:
-  total = shapes["q"].shape[0]
-  num_seqs, hv, v_dim = shapes["state"].shape[:3]
-  return int(total), int(num_seqs), int(hv), int(v_dim)
+class GdnPrefillSizes(NamedTuple):
+  """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+  tokens: int
+  num_seqs: int
+  v_heads: int
+  v_dim: int    # state rows per head
+
+  @classmethod
+  def of(cls, shapes: Mapping[str, Any]) -> GdnPrefillSizes:
+    num_seqs, v_heads, v_dim, _ = shapes["state"].shape
+    return cls(int(shapes["q"].shape[0]), int(num_seqs), int(v_heads), int(v_dim))
 
 
 def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> GdnPrefillConfig:
-  """Chunks of 32 tokens: on sm_90a (XLA's Triton, ptxas 12.9) every chunk-64
-  tiling spills registers (the [64, 64] fp32 tiles of the intra-chunk
-  products and the solve next to the carried state), while chunk 32 with
-  `block_v` 64 / 8 warps (251 registers) or 32 / 4 warps (254) does not. Chunk
-  32 also does a quarter of the solve's work per token (its cost grows as C^2
+  """Chunks of 32 tokens: on sm_90a every chunk-64 tiling spills registers
+  (the [64, 64] fp32 tiles of the intra-chunk products and the solve next to
+  the carried state), while chunk 32 with `block_v` 64 / 8 warps or 32 / 4
+  warps does not (register counts: docs/perf/kernel_notes.md). Chunk 32
+  also does a quarter of the solve's work per token (its cost grows as C^2
   per token); the price is twice as many sequential chunk steps. `block_v` 64
   when that still gives two programs per SM, else 32 (more programs for few,
   long sequences, each repeating the chunk's solve)."""
-  _, num_seqs, hv, v_dim = _problem(shapes)
-  if v_dim >= 64 and num_seqs * hv * (v_dim // 64) >= 2 * _NUM_SMS:
+  _, num_seqs, hv, v_dim = GdnPrefillSizes.of(shapes)
+  if v_dim >= 64 and num_seqs * hv * (v_dim // 64) >= 2 * num_sms():
     return GdnPrefillConfig(chunk=32, block_v=64, num_warps=8)
   return GdnPrefillConfig(chunk=32, block_v=min(32, max(16, v_dim)), num_warps=4)
 
@@ -212,7 +212,7 @@ def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[GdnPre
   chunk-16 tilings, then chunk 64 (spills on sm_90a, kept for the sweep to
   measure). The single-bf16 dots are left out: they pass on the synthesized
   inputs but not on correlated keys (see `GdnPrefillConfig`)."""
-  _, _, _, v_dim = _problem(shapes)
+  v_dim = GdnPrefillSizes.of(shapes).v_dim
   sweep = [GdnPrefillConfig(chunk=32, block_v=32, num_warps=4),
            GdnPrefillConfig(chunk=32, block_v=32, num_warps=8),
            GdnPrefillConfig(chunk=32, block_v=64, num_warps=8),

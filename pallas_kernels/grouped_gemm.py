@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, Mapping, NamedTuple
 
 import jax
 from jax import lax
@@ -61,7 +62,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import cdiv, check_dot_blocks, fit_block, fitted_candidates, resolve_interpret
+from pallas_kernels.common import NT_DIMS, cdiv, fit_block, fitted_candidates, next_pow2, resolve_interpret
+from pallas_kernels.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field, pow2
 from pallas_kernels.fp_formats import ue8m0_to_f32
 
 GROUP = 32  # k values per UE8M0 scale byte (both operands)
@@ -69,19 +71,27 @@ MIN_BLOCK_K = GROUP  # a step is whole scale groups
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupedGemmConfig:
-  """Tiling of the grouped GEMM. Block sizes are powers of two; block_m and
-  block_n >= 16, block_k >= 32 (a multiple of the 32-k scale group)."""
-  block_m: int = 64
-  block_n: int = 128
-  block_k: int = 128
-  num_warps: int = 8
-  num_stages: int = 3
+class GroupedGemmConfig(KernelConfig):
+  """Tiling of the grouped GEMM; `block_k` is whole 32-k scale groups."""
+  block_m: int = field(64, DOT_BLOCK)
+  block_n: int = field(128, DOT_BLOCK)
+  block_k: int = field(128, pow2(MIN_BLOCK_K))
+  num_warps: int = field(8, NUM_WARPS)
+  num_stages: int = field(3, NUM_STAGES)
 
-  def __post_init__(self):
-    check_dot_blocks(self, "block_m", "block_n")
-    if self.block_k < MIN_BLOCK_K or self.block_k & (self.block_k - 1):
-      raise ValueError(f"block_k={self.block_k} must be a power of two >= {MIN_BLOCK_K}")
+
+class GroupedGemmSizes(NamedTuple):
+  """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+  m: int
+  n: int
+  k: int
+  experts: int
+
+  @classmethod
+  def of(cls, shapes: Mapping[str, Any]) -> GroupedGemmSizes:
+    m, k = shapes["a"].shape
+    experts, n, _ = shapes["b"].shape
+    return cls(int(m), int(n), int(k), int(experts))
 
 
 def _fit(config: GroupedGemmConfig, m: int, n: int, k: int) -> GroupedGemmConfig:
@@ -96,12 +106,6 @@ def _fit(config: GroupedGemmConfig, m: int, n: int, k: int) -> GroupedGemmConfig
       block_k=max(MIN_BLOCK_K, min(config.block_k, k_pow2)))
 
 
-def _problem(shapes) -> tuple[int, int, int, int]:
-  m, k = shapes["a"].shape
-  e, n, _ = shapes["b"].shape
-  return int(m), int(n), int(k), int(e)
-
-
 def _heuristic(m: int, e: int) -> GroupedGemmConfig:
   """Row tile from the mean rows per expert (M / E): straddled tiles cost a
   full tile of MMA per extra expert, so tiles near the group size waste
@@ -109,7 +113,7 @@ def _heuristic(m: int, e: int) -> GroupedGemmConfig:
   Decode is a weight stream: narrow N tiles give enough programs
   (6 items x 72 N tiles at N = 4608)."""
   rows_per_expert = cdiv(m, e)
-  block_m = min(128, max(16, 1 << max(rows_per_expert - 1, 0).bit_length()))
+  block_m = min(128, max(16, next_pow2(rows_per_expert)))
   if m <= 64:
     return GroupedGemmConfig(16, 64, 128, num_warps=4, num_stages=3)
   if block_m == 16:
@@ -119,9 +123,9 @@ def _heuristic(m: int, e: int) -> GroupedGemmConfig:
   return GroupedGemmConfig(block_m, 128, 128, num_warps=8, num_stages=3)
 
 
-def choose_config(shapes) -> GroupedGemmConfig:
+def choose_config(shapes: Mapping[str, Any]) -> GroupedGemmConfig:
   """Heuristic config for the inputs' shapes (input name -> ShapeDtypeStruct)."""
-  m, n, k, e = _problem(shapes)
+  m, n, k, e = GroupedGemmSizes.of(shapes)
   return _fit(_heuristic(m, e), m, n, k)
 
 
@@ -136,9 +140,9 @@ _SWEEP_CONFIGS = (
 )
 
 
-def candidate_configs(shapes) -> list[GroupedGemmConfig]:
+def candidate_configs(shapes: Mapping[str, Any]) -> list[GroupedGemmConfig]:
   """Configs a sweep may try, the heuristic's first."""
-  m, n, k, _ = _problem(shapes)
+  m, n, k, _ = GroupedGemmSizes.of(shapes)
   return fitted_candidates(choose_config(shapes), _SWEEP_CONFIGS, lambda c: _fit(c, m, n, k))
 
 
@@ -227,7 +231,6 @@ def _grouped_gemm_kernel(tile_ref, expert_ref, first_ref, ids_ref, a_ref, a_scal
   b_rows = cols_c[:, None]                                        # [block_n, 1]
   k_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP), 1)       # [1, 32]
   byte_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP // 2), 1)  # [1, 16]
-  nt = (((1,), (1,)), ((), ()))
   groups_per_step = block_k // GROUP
 
   def step(kk, acc):
@@ -247,7 +250,7 @@ def _grouped_gemm_kernel(tile_ref, expert_ref, first_ref, ids_ref, a_ref, a_scal
       b_even = (low * b_scale).astype(jnp.bfloat16)
       b_odd = (high * b_scale).astype(jnp.bfloat16)
       b_op = jnp.stack([b_even, b_odd], axis=-1).reshape(block_n, GROUP)
-      acc += lax.dot_general(a_op, b_op, nt, preferred_element_type=jnp.float32)
+      acc += lax.dot_general(a_op, b_op, NT_DIMS, preferred_element_type=jnp.float32)
     return acc
 
   out_block = c_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)]

@@ -26,12 +26,13 @@ Two stages (split-K decode with a logsumexp combine), each its own
    the MLA "one KV head" reuse). It walks its slots in `block_k` steps: loads
    the `block_k` indices, gathers the token records by row with index
    vectors (`kv_ref[rows, ...]`), dequantizes them and runs the online
-   softmax (fp32, base 2). Its partial `(out normalized, lse)` goes to HBM in
-   fp32. Programs of the window part run only the FP8 loop, the others only
-   the FP4 loop (loop trip counts from `program_id`, no branches).
-2. Combine (`_combine_kernel`), grid `(B, H / block_h, D / block_d)`: the
-   logsumexp-weighted sum of the partials, the sink in the denominator, the
-   bf16 rounding; lonely rows -> 0 / +inf.
+   softmax (fp32, base 2). Its partial `(out normalized, lse in base 2)`
+   goes to HBM in fp32. Programs of the window part run only the FP8 loop,
+   the others only the FP4 loop (loop trip counts from `program_id`, no
+   branches).
+2. Combine (`split_kv.combine_splits`), grid `(H / block_h, B, D / block_d)`:
+   the logsumexp-weighted sum of the partials, the sink in the denominator,
+   the bf16 rounding; lonely rows -> 0 / +inf.
 
 Dequantization and layout. Records are read through power-of-two ref slices,
 never loaded whole (a 528-wide value cannot exist in a Triton kernel). The
@@ -55,11 +56,9 @@ accumulation.
 Invalid slots read row 0 (clamped), their keys are zeroed and their scores
 masked to -inf, so no garbage (not even NaN bytes) reaches the sums.
 
-Compiled for sm_90a (XLA's Triton + ptxas 12.9, deviceless): the split stage
-uses mma.sync m16n8k16 bf16 tensor-core ops (16-row head tiles are below
-wgmma's 64), 128 registers a thread at the B = 1 heuristic and 152-154 at
-64-key splits, no spills; the combine 32-48 registers. With 4 warps the split
-stage reaches 255 registers and spills, hence 8 warps.
+On sm_90a the split stage runs mma.sync tensor-core ops (16-row head tiles
+are below wgmma's 64 rows), and 4 warps spill where 8 do not (register
+counts: docs/perf/sm90a_compile.md and docs/perf/kernel_notes.md).
 
 Performance (per sequence): 4 * H * 640 * D = 84 MFLOP over ~0.35 MB of
 unique bytes (q, 128 x 528 + 512 x 288 record bytes, out): tiny; a decode
@@ -77,8 +76,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 from jax import lax
@@ -87,12 +85,12 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import fp_formats
-from pallas_kernels.common import MIN_DOT_DIM, cdiv, check_pow2, online_softmax_weights, resolve_interpret
+from pallas_kernels.common import MIN_DOT_DIM, cdiv, resolve_interpret
+from pallas_kernels.config_rules import KernelConfig, field, instance_of
+from pallas_kernels.device import num_sms
+from pallas_kernels.online_softmax import LOG2_E, init_carry, lse_base2, normalize, online_softmax_step
+from pallas_kernels.split_kv import CombineStage, SplitStage, combine_splits, fit_combine
 
-_LOG2_E = math.log2(math.e)
-_LN_2 = math.log(2.0)
-# SMs on an H100 SXM / H200; used only to judge grid occupancy.
-_NUM_SMS = 132
 # Split programs the heuristic aims for: about one per SM for 60% of them
 # (see `choose_config`).
 _TARGET_SPLIT_PROGRAMS = 80
@@ -101,46 +99,13 @@ _HALF = _CHUNK // 2
 _FP4_GROUP = 16
 
 
-def _check_stage(stage, *names, minimum=1):
-  check_pow2(stage, *names, minimum=minimum)
-  if stage.num_warps < 1 or stage.num_stages < 1:
-    raise ValueError(f"bad num_warps/num_stages in {stage}")
-
-
 @dataclasses.dataclass(frozen=True)
-class SplitStage:
-  """Split stage: `block_h` heads per program (a dot dimension: >= 16),
-  `block_k` key slots per loop step (>= 16), `keys_per_split` slots per
-  program (a multiple of `block_k`; fewer slots means more programs)."""
-  block_h: int = 16
-  block_k: int = 32
-  keys_per_split: int = 64
-  num_warps: int = 8
-  num_stages: int = 2
-
-  def __post_init__(self):
-    _check_stage(self, "block_h", "block_k", "keys_per_split", minimum=MIN_DOT_DIM)
-    if self.keys_per_split % self.block_k:
-      raise ValueError(f"keys_per_split must be a multiple of block_k: {self}")
-
-
-@dataclasses.dataclass(frozen=True)
-class CombineStage:
-  """Combine stage: a program merges the splits of `block_h` heads x
-  `block_d` output dims of one sequence."""
-  block_h: int = 16
-  block_d: int = 64
-  num_warps: int = 4
-  num_stages: int = 1
-
-  def __post_init__(self):
-    _check_stage(self, "block_h", "block_d")
-
-
-@dataclasses.dataclass(frozen=True)
-class MixedMlaDecodeConfig:
-  split: SplitStage = SplitStage()
-  combine: CombineStage = CombineStage()
+class MixedMlaDecodeConfig(KernelConfig):
+  """`split`: a program gathers `block_k` token slots per step for `block_h`
+  heads (both >= 16: dot dimensions), `keys_per_split` slots in all;
+  `combine`: `split_kv.combine_splits`' tiling."""
+  split: SplitStage = field(SplitStage(), instance_of(SplitStage))
+  combine: CombineStage = field(CombineStage(), instance_of(CombineStage))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,17 +133,28 @@ def _layout(head_dim, k8, k4, rows8, rows4, split: SplitStage) -> _Layout:
   return _Layout(head_dim, k8, k4, rows8, rows4, keys8, keys4, cdiv(k8, keys8), cdiv(k4, keys4))
 
 
-def _problem(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> tuple[int, int, int, int, int]:
-  batch, heads, head_dim = (int(n) for n in shapes["q"].shape)
-  return batch, heads, head_dim, int(shapes["indices_fp8"].shape[1]), int(shapes["indices_fp4"].shape[1])
+class MixedMlaSizes(NamedTuple):
+  """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+  batch: int
+  heads: int
+  head_dim: int
+  k8: int     # FP8 window slots per sequence
+  k4: int     # FP4 compressed slots per sequence
+
+  @classmethod
+  def of(cls, shapes: Mapping[str, Any]) -> MixedMlaSizes:
+    batch, heads, head_dim = shapes["q"].shape
+    return cls(int(batch), int(heads), int(head_dim), int(shapes["indices_fp8"].shape[1]),
+               int(shapes["indices_fp4"].shape[1]))
 
 
 def _fit(config: MixedMlaDecodeConfig, heads: int, head_dim: int) -> MixedMlaDecodeConfig:
-  """Caps the head and dim blocks to the problem."""
-  split = dataclasses.replace(config.split, block_h=min(config.split.block_h, max(heads, MIN_DOT_DIM)))
-  combine = dataclasses.replace(config.combine, block_h=min(config.combine.block_h, heads),
-                                block_d=min(config.combine.block_d, head_dim))
-  return MixedMlaDecodeConfig(split=split, combine=combine)
+  """Caps the head blocks to the problem and raises the key step to a dot
+  dimension; the combine's blocks divide H and D."""
+  block_k = max(config.split.block_k, MIN_DOT_DIM)
+  split = dataclasses.replace(config.split, block_h=min(config.split.block_h, max(heads, MIN_DOT_DIM)),
+                              block_k=block_k, keys_per_split=max(config.split.keys_per_split, block_k))
+  return MixedMlaDecodeConfig(split=split, combine=fit_combine(config.combine, heads, head_dim))
 
 
 def _split_programs(batch, heads, k8, k4, split: SplitStage) -> int:
@@ -186,36 +162,36 @@ def _split_programs(batch, heads, k8, k4, split: SplitStage) -> int:
   return batch * lay.splits * cdiv(heads, split.block_h)
 
 
-def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> MixedMlaDecodeConfig:
+def choose_config(shapes: Mapping[str, Any]) -> MixedMlaDecodeConfig:
   """Heuristic: 16 heads per program (the smallest dot tile) and 32-key
   steps with 8 warps: the 16 x 512 fp32 accumulator and the 32 x 512 bf16
-  dequantized key tile are 32 registers a thread each (sm_90a: 128-152
-  registers, no spills; 4 warps reach 255 registers and spill), and the largest `keys_per_split` of 128, 64, 32 that still gives
-  `_TARGET_SPLIT_PROGRAMS` programs, so small batches (B = 1: 80 programs
-  of 32 keys) spread over the SMs while large ones keep the partials few
-  (each split writes and the combine reads `B x H x D` fp32). The combine
-  uses 64-dim blocks unless 128 already gives a program per SM."""
-  batch, heads, head_dim, k8, k4 = _problem(shapes)
+  dequantized key tile are 32 registers a thread each (4 warps spill on
+  sm_90a, see docs/perf/kernel_notes.md), and the largest `keys_per_split`
+  of 128, 64, 32 that still gives `_TARGET_SPLIT_PROGRAMS` programs, so small
+  batches (B = 1: 80 programs of 32 keys) spread over the SMs while large
+  ones keep the partials few (each split writes and the combine reads
+  `B x H x D` fp32). The combine uses 64-dim blocks unless 128 already gives
+  a program per SM."""
+  sizes = MixedMlaSizes.of(shapes)
   for keys_per_split in (128, 64, 32):
     split = SplitStage(block_h=16, block_k=32, keys_per_split=keys_per_split, num_warps=8,
                        num_stages=2)
-    if _split_programs(batch, heads, k8, k4, split) >= _TARGET_SPLIT_PROGRAMS:
+    if _split_programs(sizes.batch, sizes.heads, sizes.k8, sizes.k4, split) >= _TARGET_SPLIT_PROGRAMS:
       break
-  combine_programs = batch * cdiv(heads, 16) * cdiv(head_dim, 128)
-  combine = CombineStage(block_h=16, block_d=128 if combine_programs >= _NUM_SMS else 64,
+  combine_programs = sizes.batch * cdiv(sizes.heads, 16) * cdiv(sizes.head_dim, 128)
+  combine = CombineStage(block_h=16, block_d=128 if combine_programs >= num_sms() else 64,
                          num_warps=4, num_stages=1)
-  return _fit(MixedMlaDecodeConfig(split=split, combine=combine), heads, head_dim)
+  return _fit(MixedMlaDecodeConfig(split=split, combine=combine), sizes.heads, sizes.head_dim)
 
 
-def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[MixedMlaDecodeConfig]:
-  """What a sweep explores, heuristic first, without duplicates."""
-  _, heads, head_dim, _, _ = _problem(shapes)
+def candidate_configs(shapes: Mapping[str, Any]) -> list[MixedMlaDecodeConfig]:
+  """What a sweep explores, heuristic first, without duplicates: split
+  tilings that compile without spills on sm_90a (64-head blocks and 64-key
+  steps spill and are left out), then the combine's column blocks."""
+  sizes = MixedMlaSizes.of(shapes)
   chosen = choose_config(shapes)
   combine = chosen.combine
   configs = [chosen]
-  # (sm_90a registers per thread, measured with ptxas -v: 16/32/*/8 warps
-  # 128-152, 16/16/16/8 108, 16/16/32/4 188, 32-head blocks 255 without
-  # spills; 64-head blocks and 64-key steps spill and are left out.)
   for block_h, block_k, keys_per_split, num_warps in (
       (16, 32, 32, 8), (16, 32, 64, 8), (16, 32, 128, 8), (16, 16, 16, 8), (16, 16, 32, 4),
       (32, 32, 64, 8), (32, 16, 128, 8)):
@@ -223,7 +199,7 @@ def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[MixedM
     configs.append(MixedMlaDecodeConfig(split=split, combine=combine))
   for block_d in (32, 64, 128):
     configs.append(MixedMlaDecodeConfig(split=chosen.split, combine=CombineStage(16, block_d)))
-  return list(dict.fromkeys(_fit(c, heads, head_dim) for c in configs))
+  return list(dict.fromkeys(_fit(c, sizes.heads, sizes.head_dim) for c in configs))
 
 
 # ---------------------------------------------------------------------------
@@ -275,11 +251,9 @@ def _fp4_tile(kv_ref, rows, valid, head_dim):
   return parts
 
 
-def _online_step(q_parts, k_parts, scales, valid, carry, qk_scale):
-  """Folds one key tile into (accumulators [(chunk, parity)] of [bh, 64],
-  running max (base 2), running sum). `scales` (FP8 only) multiply each
-  chunk's scores and, for the value dot, the probabilities."""
-  accs, m_prev, l_prev = carry
+def _scores(q_parts, k_parts, scales):
+  """Unscaled scores `[bh, bk]` of one key tile: the sum over the (chunk,
+  parity) parts of `q . k`; `scales` (FP8 only) multiply each chunk's part."""
   s = None
   for c in range(len(q_parts) // 2):
     part = sum(jnp.dot(q_parts[2 * c + p], k_parts[2 * c + p].T, preferred_element_type=jnp.float32)
@@ -287,14 +261,7 @@ def _online_step(q_parts, k_parts, scales, valid, carry, qk_scale):
     if scales is not None:
       part = part * scales[c][None, :]
     s = part if s is None else s + part
-  s = jnp.where(valid[None, :], s * qk_scale, -jnp.inf)
-  p, correction, m_next, l_next = online_softmax_weights(s, m_prev, l_prev)
-  new_accs = []
-  for i, (acc, k) in enumerate(zip(accs, k_parts)):
-    pw = p if scales is None else p * scales[i // 2][None, :]
-    new_accs.append(correction[:, None] * acc
-                    + jnp.dot(pw.astype(k.dtype), k, preferred_element_type=jnp.float32))
-  return new_accs, m_next, l_next
+  return s
 
 
 def _split_kernel(q_ref, idx8_ref, idx4_ref, kv8_ref, kv4_ref, scale_ref, o_ref, lse_ref, *,
@@ -302,11 +269,10 @@ def _split_kernel(q_ref, idx8_ref, idx4_ref, kv8_ref, kv4_ref, scale_ref, o_ref,
   head_dim = lay.head_dim
   block_h = q_ref.shape[0]
   split = pl.program_id(1)
-  qk_scale = scale_ref[0] * _LOG2_E
+  qk_scale = scale_ref[0] * LOG2_E
   q_parts = [q_ref[:, pl.ds(_CHUNK * c + p, _HALF, stride=2)]
              for c in range(head_dim // _CHUNK) for p in (0, 1)]
-  carry = ([jnp.zeros((block_h, _HALF), jnp.float32) for _ in q_parts],
-           jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32))
+  carry = init_carry(block_h, _HALF, parts=len(q_parts))
 
   is_fp8 = split < lay.splits8
   base8 = split * lay.keys8
@@ -319,12 +285,16 @@ def _split_kernel(q_ref, idx8_ref, idx4_ref, kv8_ref, kv4_ref, scale_ref, o_ref,
   def fp8_body(t, carry):
     rows, valid = load8(base8 + t * block_k)
     k_parts, scales = _fp8_tile(kv8_ref, rows, valid, head_dim)
-    return _online_step(q_parts, k_parts, scales, valid, carry, qk_scale)
+    # FP8 scales multiply the probabilities of their chunk's two parts
+    # (exact keys, one rounding of `p * scale` to bf16).
+    return online_softmax_step(_scores(q_parts, k_parts, scales) * qk_scale, carry, k_parts,
+                               visible=valid[None, :], value_scales=[w for w in scales for _ in (0, 1)])
 
   def fp4_body(t, carry):
     rows, valid = load4(base4 + t * block_k)
     k_parts = _fp4_tile(kv4_ref, rows, valid, head_dim)
-    return _online_step(q_parts, k_parts, None, valid, carry, qk_scale)
+    return online_softmax_step(_scores(q_parts, k_parts, None) * qk_scale, carry, k_parts,
+                               visible=valid[None, :])
 
   # Trip counts from program_id. (Not `jnp.where(is_fp8, n, 0)`: XLA's
   # Triton then rejects the loop, "scf.for ... bounds have same type".)
@@ -332,40 +302,9 @@ def _split_kernel(q_ref, idx8_ref, idx4_ref, kv8_ref, kv4_ref, scale_ref, o_ref,
   carry = lax.fori_loop(0, in_fp8 * (lay.keys8 // block_k), fp8_body, carry)
   accs, m, l = lax.fori_loop(0, (1 - in_fp8) * (lay.keys4 // block_k), fp4_body, carry)
 
-  inv_l = jnp.where(l > 0.0, 1.0 / l, 0.0)
-  for i, acc in enumerate(accs):
-    o_ref[:, pl.ds(_CHUNK * (i // 2) + i % 2, _HALF, stride=2)] = acc * inv_l[:, None]
-  lse_ref[...] = jnp.where(l > 0.0, (m + jnp.log2(jnp.where(l > 0.0, l, 1.0))) * _LN_2, -jnp.inf)
-
-
-# ---------------------------------------------------------------------------
-# Stage 2: combine.
-
-
-def _combine_kernel(lse_part_ref, o_part_ref, sink_ref, out_ref, lse_ref, *, splits: int):
-  block_h, block_d = out_ref.shape
-
-  def max_body(s, m):
-    return jnp.maximum(m, lse_part_ref[s, :])
-
-  m = lax.fori_loop(0, splits, max_body, jnp.full((block_h,), -jnp.inf, jnp.float32))
-  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-
-  def sum_body(s, carry):
-    acc, w = carry
-    ws = jnp.exp(lse_part_ref[s, :] - m_safe)
-    return acc + ws[:, None] * o_part_ref[s, :, :], w + ws
-
-  acc, w = lax.fori_loop(0, splits, sum_body, (jnp.zeros((block_h, block_d), jnp.float32),
-                                               jnp.zeros((block_h,), jnp.float32)))
-  seen = w > 0.0
-  denominator = w + jnp.exp(sink_ref[...] - m_safe)
-  out = jnp.where(seen[:, None], acc / denominator[:, None], 0.0)
-  out_ref[...] = out.astype(out_ref.dtype)
-
-  @pl.when(pl.program_id(2) == 0)
-  def _():
-    lse_ref[...] = jnp.where(seen, m_safe + jnp.log(jnp.where(seen, w, 1.0)), jnp.inf)
+  for i, part in enumerate(normalize(accs, m, l)):
+    o_ref[:, pl.ds(_CHUNK * (i // 2) + i % 2, _HALF, stride=2)] = part
+  lse_ref[...] = lse_base2(m, l)
 
 
 # ---------------------------------------------------------------------------
@@ -410,9 +349,9 @@ def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv
   if config is None:
     config = choose_config(shapes)
   config = _fit(config, heads, head_dim)
-  split_cfg, combine_cfg = config.split, config.combine
-  if heads % split_cfg.block_h or heads % combine_cfg.block_h or head_dim % combine_cfg.block_d:
-    raise ValueError(f"H={heads}, D={head_dim} not divisible by the blocks of {config}")
+  split_cfg = config.split
+  if heads % split_cfg.block_h:
+    raise ValueError(f"H={heads} is not a multiple of split.block_h={split_cfg.block_h}")
   rows8, rows4 = n8 * p8, n4 * p4
   lay = _layout(head_dim, k8, k4, rows8, rows4, split_cfg)
   interpret = resolve_interpret(interpret)
@@ -442,22 +381,6 @@ def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv
       name="mixed_mla_decode_split",
   )(q, indices_fp8.astype(jnp.int32), indices_fp4.astype(jnp.int32), kv8_flat, kv4_flat, scale)
 
-  block_h, block_d = combine_cfg.block_h, combine_cfg.block_d
-  out, lse = pl.pallas_call(
-      functools.partial(_combine_kernel, splits=lay.splits),
-      out_shape=(jax.ShapeDtypeStruct((batch, heads, head_dim), q.dtype),
-                 jax.ShapeDtypeStruct((batch, heads), jnp.float32)),
-      grid=(batch, heads // block_h, head_dim // block_d),
-      in_specs=[
-          pl.BlockSpec((None, lay.splits, block_h), lambda b, h, d: (b, 0, h)),
-          pl.BlockSpec((None, lay.splits, block_h, block_d), lambda b, h, d: (b, 0, h, d)),
-          pl.BlockSpec((block_h,), lambda b, h, d: (h,)),
-      ],
-      out_specs=(pl.BlockSpec((None, block_h, block_d), lambda b, h, d: (b, h, d)),
-                 pl.BlockSpec((None, block_h), lambda b, h, d: (b, h))),
-      compiler_params=plgpu.CompilerParams(num_warps=combine_cfg.num_warps,
-                                           num_stages=combine_cfg.num_stages),
-      interpret=interpret,
-      name="mixed_mla_decode_combine",
-  )(lse_part, o_part, attn_sink.astype(jnp.float32))
-  return out, lse
+  return combine_splits(o_part, lse_part, attn_sink.astype(jnp.float32), stage=config.combine,
+                        out_dtype=q.dtype, with_lse=True, name="mixed_mla_decode_combine",
+                        interpret=interpret)

@@ -21,9 +21,8 @@ Two forms, picked by `MoeRouterConfig.gemm.split_d`:
 * `split_d == 1`: one fused kernel; each program owns `block_m` tokens, walks
   all of D, routes, and stores ids/weights. Nothing but the outputs reaches
   HBM. It holds the accumulator and the routing temporaries at once: on
-  sm_90a (XLA's Triton, ptxas 12.9) it spills kilobytes at 64 rows and tens
-  of bytes at 32, so it is a sweep candidate with 16-row tiles only and the
-  heuristic never picks it.
+  sm_90a it spills at 64 and at 32 rows, so it is a sweep candidate with
+  16-row tiles only and the heuristic never picks it.
 * `split_d > 1`: a two-stage design, used for every M. With one program per
   token block, M=1 would stream the whole 3.9 MB weight through one SM and
   M=4096 would use 64 of 132 SMs, each doing 335 MFLOP serially. Splitting D
@@ -35,14 +34,15 @@ Two forms, picked by `MoeRouterConfig.gemm.split_d`:
   short row tile. That is the one HBM round trip of (partial) logits.
 
 `python -m jaxkern.aot --definition moe_router --all_candidates` checks that
-every candidate compiles without spills for sm_90a.
+every candidate compiles without spills for sm_90a (register counts:
+docs/perf/kernel_notes.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 from jax import lax
@@ -50,7 +50,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import cdiv, check_dot_blocks, check_nt_operands, fit_block, next_pow2, resolve_interpret
+from pallas_kernels.common import NT_DIMS, cdiv, check_nt_operands, fit_block, next_pow2, resolve_interpret
+from pallas_kernels.config_rules import (DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, at_least, field,
+                                         instance_of, pow2)
 
 # Programs that fill an H100/H200 (132 SMs) roughly once; the split heuristic
 # aims for this many (token block, D split) programs.
@@ -61,43 +63,45 @@ _MAX_SPLITS = 16
 
 
 @dataclasses.dataclass(frozen=True)
-class RouterGemmStage:
-  """The GEMM kernel (fused, or stage 1 of split-D)."""
-  block_m: int = 64         # tokens per program (power of two >= 16)
-  block_d: int = 64         # hidden columns per GEMM step (power of two >= 16)
-  split_d: int = 1          # requested number of D splits (1 = fused kernel)
-  num_warps: int = 8
-  num_stages: int = 2
-
-  def __post_init__(self):
-    check_dot_blocks(self, "block_m", "block_d")
-    if self.split_d < 1:
-      raise ValueError(f"split_d={self.split_d} must be >= 1")
+class RouterGemmStage(KernelConfig):
+  """The GEMM kernel (fused, or stage 1 of split-D): `block_m` tokens per
+  program, `block_d` hidden columns per step, `split_d` requested D splits
+  (1 = the fused kernel)."""
+  block_m: int = field(64, DOT_BLOCK)
+  block_d: int = field(64, DOT_BLOCK)
+  split_d: int = field(1, at_least(1))
+  num_warps: int = field(8, NUM_WARPS)
+  num_stages: int = field(2, NUM_STAGES)
 
 
 @dataclasses.dataclass(frozen=True)
-class RouterEpilogueStage:
+class RouterEpilogueStage(KernelConfig):
   """The split-D reduce + routing kernel: a short row tile keeps its several
-  [rows, 512] fp32/bool temporaries in registers. 16 rows need 8 warps to stay
-  spill-free on sm_90a (4 warps: 255 registers and 200 bytes of spills); 8
-  rows fit 4 warps. There is no dot here, so any power of two works (decode
-  uses 1 row)."""
-  block_m: int = 16
-  num_warps: int = 8
-
-  def __post_init__(self):
-    if self.block_m < 1 or self.block_m & (self.block_m - 1):
-      raise ValueError(f"block_m={self.block_m} must be a power of two")
-    if self.num_warps < 1:
-      raise ValueError(f"num_warps={self.num_warps} must be >= 1")
+  [rows, 512] fp32/bool temporaries in registers (16 rows need 8 warps to
+  stay spill-free on sm_90a, 8 rows fit 4). There is no dot here, so any
+  power of two of rows works (decode uses 1 row)."""
+  block_m: int = field(16, pow2())
+  num_warps: int = field(8, NUM_WARPS)
 
 
 @dataclasses.dataclass(frozen=True)
-class MoeRouterConfig:
+class MoeRouterConfig(KernelConfig):
   """Tiling of the router, one part per stage. `gemm.split_d` > 1 selects the
   two-stage split-D form, which also runs `epilogue`."""
-  gemm: RouterGemmStage = RouterGemmStage()
-  epilogue: RouterEpilogueStage = RouterEpilogueStage()
+  gemm: RouterGemmStage = field(RouterGemmStage(), instance_of(RouterGemmStage))
+  epilogue: RouterEpilogueStage = field(RouterEpilogueStage(), instance_of(RouterEpilogueStage))
+
+
+class MoeRouterSizes(NamedTuple):
+  """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+  m: int
+  d: int
+  experts: int
+
+  @classmethod
+  def of(cls, shapes: Mapping[str, Any]) -> MoeRouterSizes:
+    m, d = shapes["hidden"].shape
+    return cls(int(m), int(d), int(shapes["weight"].shape[0]))
 
 
 def _d_blocks_per_split(gemm: RouterGemmStage, d: int) -> int:
@@ -118,15 +122,10 @@ def _fit(config: MoeRouterConfig, m: int, d: int) -> MoeRouterConfig:
   return MoeRouterConfig(gemm=gemm, epilogue=epilogue)
 
 
-def _mde(shapes: Mapping[str, Any]) -> tuple[int, int, int]:
-  m, d = shapes["hidden"].shape
-  return int(m), int(d), int(shapes["weight"].shape[0])
-
-
 def _epilogues(m: int) -> list[RouterEpilogueStage]:
-  """Epilogue tiles that compile spill-free on sm_90a: 8 rows on 4 warps
-  (about 170 registers, 3 CTAs per SM) or 16 on 8; a tiny M in one tile on
-  8 or 2 warps (1 row on 4 warps spills 32 bytes, oddly, at 40 registers)."""
+  """Epilogue tiles that compile spill-free on sm_90a: 8 rows on 4 warps or
+  16 on 8; a tiny M in one tile on 8 or 2 warps (1 row on 4 warps spills,
+  oddly)."""
   if m <= 8:
     return [RouterEpilogueStage(next_pow2(m), 8), RouterEpilogueStage(next_pow2(m), 2)]
   return [RouterEpilogueStage(8, 4), RouterEpilogueStage(16, 8)]
@@ -137,14 +136,14 @@ def choose_config(shapes: Mapping[str, Any]) -> MoeRouterConfig:
 
   The fp32 logit tile is block_m x next_pow2(E); 64 x 512 is the largest that
   keeps the accumulator in registers with 8 warps; every GEMM tile uses 8
-  warps (on 4, 32 rows spill and 16 rows reach 250 registers). Always two
-  stages: the fused kernel holds the accumulator and the routing
-  temporaries at once and spills kilobytes at 64 rows on sm_90a. D splits
+  warps (on 4, 32 rows spill and 16 rows come close). Always two stages:
+  the fused kernel holds the accumulator and the routing temporaries at
+  once and spills at 64 rows on sm_90a. D splits
   aim at `_TARGET_PROGRAMS` programs, at least 2 and at most `_MAX_SPLITS`:
   decode (M <= 16) gets 16 splits of 5 column blocks, whose partials the
   reduce kernel loads in one go.
   """
-  m, d, _ = _mde(shapes)  # the expert tile is always next_pow2(E) wide
+  m, d, _ = MoeRouterSizes.of(shapes)  # the expert tile is always next_pow2(E) wide
   block_m = 16 if m <= 16 else 32 if m <= 32 else 64
   num_m_blocks = cdiv(m, block_m)
   split_d = 2
@@ -159,7 +158,7 @@ def candidate_configs(shapes: Mapping[str, Any]) -> list[MoeRouterConfig]:
   without spills on sm_90a (checked with `python -m jaxkern.aot
   --all_candidates` at M = 1, 3, 128, 4096 and 8192): GEMM tiles on 8
   warps, the fused form only with 16-row tiles, at most `_MAX_SPLITS` splits."""
-  m, d, _ = _mde(shapes)
+  m, d, _ = MoeRouterSizes.of(shapes)
   out = [choose_config(shapes)]
   for block_m in (16, 32, 64):
     for block_d, num_stages in ((64, 2), (32, 3)):
@@ -182,7 +181,6 @@ def _accumulate_logits(hidden_ref, weight_ref, first_d_block, num_d_blocks, *,
   experts = lax.broadcasted_iota(jnp.int32, (experts_padded, 1), 0)
   row_ok = rows < m if m % block_m else None
   expert_ok = experts < e if e != experts_padded else None
-  nt = (((1,), (1,)), ((), ()))
 
   def load(ref, start, lines: int, line_ok):
     mask = line_ok
@@ -200,7 +198,7 @@ def _accumulate_logits(hidden_ref, weight_ref, first_d_block, num_d_blocks, *,
     start = (first_d_block + i) * block_d
     x = load(hidden_ref, start, block_m, row_ok)
     w = load(weight_ref, start, experts_padded, expert_ok)
-    return acc + lax.dot_general(x, w, nt, preferred_element_type=jnp.float32)
+    return acc + lax.dot_general(x, w, NT_DIMS, preferred_element_type=jnp.float32)
 
   acc = jnp.zeros((block_m, experts_padded), jnp.float32)
   return lax.fori_loop(0, num_d_blocks, step, acc)

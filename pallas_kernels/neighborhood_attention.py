@@ -30,9 +30,9 @@ run together and share their key halos in L2. A program:
    fp32, masked with the per-(query, key) window test
    `0 <= key - start(query) < k` on each axis (from iotas; it also hides the
    clamped duplicates and the padding of the last chunk, which lie outside
-   every window), and folded into an online softmax (FlashAttention-2, base
-   2, fp32); the probabilities are rounded to the value dtype for the second
-   dot, as every flash kernel does;
+   every window), and folded into the online softmax (`online_softmax`:
+   FlashAttention-2, base 2, fp32); the probabilities are rounded to the
+   value dtype for the second dot, as every flash kernel does;
 4. divides by the row sums and stores the tile as a `[block_t, block_y,
    block_x, D]` block of the output (masked at the grid's edges).
 
@@ -43,17 +43,14 @@ subtract 0 instead (no NaN).
 Wasted work: each of the tile's `Q` queries is scored against the whole halo
 box, `prod(block + k - 1)` keys rounded up to `block_k`, of which its window
 is `KT * KY * KX`. The heuristic picks the tile shape that minimizes the
-scored pairs (including edge tiles) for the problem: at the recorded grids
-the useful fraction of the scored pairs is 46-47% (11x11x11, 4x4x4 tiles),
-19-26% (3x7x7, 2x4x8 or 1x8x8 tiles) and 18-19% (3x5x5, 2x4x8 tiles).
-Besides the two dots, each scored pair costs about 15 CUDA-core operations
-(three unsigned window tests, the select, the online-softmax update and one
-exp2), which bounds the small windows more than the tensor cores do.
+scored pairs (including edge tiles) for the problem (the useful fractions
+at the recorded grids: docs/perf/kernel_notes.md). Besides the two dots,
+each scored pair costs about 15 CUDA-core operations (three unsigned window
+tests, the select, the online-softmax update and one exp2), which bounds the
+small windows more than the tensor cores do.
 
-sm_90a (XLA's Triton and ptxas 12.9, compiled without a GPU): the heuristic
-config (4x4x4 or 2x4x8 tiles, 64-key chunks, 4 warps, 2 stages) uses 119-128
-registers, no spills, 40 KiB of shared memory, `wgmma m64n64k16` for both
-dots and `cp.async` for the gathered K/V chunks.
+On sm_90a the 64-query tiles run both dots as wgmma and the gathered K/V
+chunks through `cp.async`, without spills (docs/perf/sm90a_compile.md).
 """
 
 from __future__ import annotations
@@ -61,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 from jax import lax
@@ -69,37 +66,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import MIN_DOT_DIM, cdiv, next_pow2, online_softmax_weights, resolve_interpret
-
-_LOG2_E = math.log2(math.e)
-
-
-def _is_pow2(n: int) -> bool:
-  return n >= 1 and not n & (n - 1)
+from pallas_kernels.common import MIN_DOT_DIM, cdiv, check_pow2_dim, next_pow2, resolve_interpret
+from pallas_kernels.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, at_least, field, pow2
+from pallas_kernels.online_softmax import LOG2_E, init_carry, normalize, online_softmax_step
 
 
 @dataclasses.dataclass(frozen=True)
-class NeighborhoodAttentionConfig:
+class NeighborhoodAttentionConfig(KernelConfig):
   """Tiling: a query tile of `block_t x block_y x block_x` grid points (each a
-  power of two, at least 16 in all: the rows of both dots), key chunks of
-  `block_k` halo keys (a power of two >= 16)."""
-  block_t: int = 1
-  block_y: int = 8
-  block_x: int = 8
-  block_k: int = 64
-  num_warps: int = 4
-  num_stages: int = 2
-
-  def __post_init__(self):
-    for name in ("block_t", "block_y", "block_x"):
-      if not _is_pow2(getattr(self, name)):
-        raise ValueError(f"{name}={getattr(self, name)} must be a power of two")
-    if self.block_queries < MIN_DOT_DIM:
-      raise ValueError(f"query tile {self.tile} has fewer than {MIN_DOT_DIM} points")
-    if self.block_k < MIN_DOT_DIM or not _is_pow2(self.block_k):
-      raise ValueError(f"block_k={self.block_k} must be a power of two >= {MIN_DOT_DIM}")
-    if self.num_warps < 1 or self.num_stages < 1:
-      raise ValueError(f"bad num_warps/num_stages in {self}")
+  power of two, `block_queries` >= 16 in all: the rows of both dots), key
+  chunks of `block_k` halo keys."""
+  _derived_rules = {"block_queries": (at_least(MIN_DOT_DIM),)}
+  block_t: int = field(1, pow2())
+  block_y: int = field(8, pow2())
+  block_x: int = field(8, pow2())
+  block_k: int = field(64, DOT_BLOCK)
+  num_warps: int = field(4, NUM_WARPS)
+  num_stages: int = field(2, NUM_STAGES)
 
   @property
   def tile(self) -> tuple[int, int, int]:
@@ -114,9 +97,22 @@ class NeighborhoodAttentionConfig:
 # Heuristic and sweep candidates.
 
 
-def _problem(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> tuple[int, ...]:
-  """(B, T, Y, X, H, D) of the inputs' shapes."""
-  return tuple(int(d) for d in shapes["q"].shape)
+class NeighborhoodAttentionSizes(NamedTuple):
+  """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+  batch: int
+  t: int
+  y: int
+  x: int
+  heads: int
+  head_dim: int
+
+  @classmethod
+  def of(cls, shapes: Mapping[str, Any]) -> NeighborhoodAttentionSizes:
+    return cls(*(int(d) for d in shapes["q"].shape))
+
+  @property
+  def grid(self) -> tuple[int, int, int]:
+    return (self.t, self.y, self.x)
 
 
 def halo_size(tile: tuple[int, int, int], window: tuple[int, int, int]) -> int:
@@ -160,16 +156,14 @@ def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct], *, KT: int, KY: in
   the shape that scores the fewest (query, key) pairs for this grid and
   window (`scored_pairs`), 64-key chunks, two pipeline stages (K and V
   chunks of 8 KiB each per stage at D=64)."""
-  _, t, y, x, _, _ = _problem(shapes)
-  return _best(64, 64, 4, 2, (t, y, x), (KT, KY, KX))
+  return _best(64, 64, 4, 2, NeighborhoodAttentionSizes.of(shapes).grid, (KT, KY, KX))
 
 
 def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct], *, KT: int, KY: int,
                       KX: int) -> list[NeighborhoodAttentionConfig]:
   """The heuristic first, then the best tile shapes at 32, 64 and 128 queries
   with 32- and 64-key chunks and a few warp / stage counts, no duplicates."""
-  _, t, y, x, _, _ = _problem(shapes)
-  dims, window = (t, y, x), (KT, KY, KX)
+  dims, window = NeighborhoodAttentionSizes.of(shapes).grid, (KT, KY, KX)
   out = [choose_config(shapes, KT=KT, KY=KY, KX=KX)]
   for queries, block_k, warps, stages in ((64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2),
                                           (128, 32, 4, 2), (32, 64, 2, 2), (64, 64, 8, 2)):
@@ -230,7 +224,6 @@ def _neighborhood_attention_kernel(q_ref, k_ref, v_ref, o_ref, *, dims, window, 
   num_chunks = cdiv(math.prod(halo), block_k)
 
   def body(chunk, carry):
-    o_prev, m_prev, l_prev = carry
     jt, jy, jx = _unravel(chunk * block_k + jnp.arange(block_k, dtype=jnp.int32), halo)
     key_t = jnp.minimum(box_t + jt, t_len - 1)
     key_y = jnp.minimum(box_y + jy, y_len - 1)
@@ -242,18 +235,11 @@ def _neighborhood_attention_kernel(q_ref, k_ref, v_ref, o_ref, *, dims, window, 
     visible = ((_as_unsigned(jt[None, :] - rel_t) < kt)
                & (_as_unsigned(jy[None, :] - rel_y) < ky)
                & (_as_unsigned(jx[None, :] - rel_x) < kx))
-    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * _LOG2_E
-    s = jnp.where(visible, s, -jnp.inf)
-    p, correction, m_next, l_next = online_softmax_weights(s, m_prev, l_prev)
-    o_next = correction[:, None] * o_prev + jnp.dot(
-        p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o_next, m_next, l_next
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * LOG2_E  # q is pre-scaled
+    return online_softmax_step(s, carry, v, visible=visible)
 
-  carry = (jnp.zeros((num_q, head_dim), jnp.float32),
-           jnp.full((num_q,), -jnp.inf, jnp.float32),
-           jnp.zeros((num_q,), jnp.float32))
-  o, _, l = lax.fori_loop(0, num_chunks, body, carry)
-  o = (o / l[:, None]).astype(o_ref.dtype)  # l >= 1: each row sees its window's max.
+  o, m, l = lax.fori_loop(0, num_chunks, body, init_carry(num_q, head_dim))
+  o = normalize(o, m, l).astype(o_ref.dtype)  # every row sees its window: l >= 1
   o = o.reshape(bt, by, bx, head_dim)
   if any(n % b for n, b in zip(dims, tile)):  # Edge tiles: store the grid's points only.
     in_grid = ((t0 + jnp.arange(bt) < t_len)[:, None, None, None]
@@ -285,8 +271,7 @@ def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *, KT: i
     raise ValueError(f"k {k.shape} / v {v.shape} do not match q {q.shape}")
   if not (k.dtype == v.dtype == q.dtype):
     raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-  if head_dim < MIN_DOT_DIM or not _is_pow2(head_dim):
-    raise ValueError(f"head dim {head_dim} must be a power of two >= {MIN_DOT_DIM}")
+  check_pow2_dim("head dim D", head_dim)
   window = (int(KT), int(KY), int(KX))
   dims = (t_len, y_len, x_len)
   if any(w < 1 or n < w for n, w in zip(dims, window)):

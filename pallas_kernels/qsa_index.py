@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 from jax import lax
@@ -57,55 +57,47 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import MIN_DOT_DIM, cdiv, next_pow2, resolve_interpret
+from pallas_kernels.common import MIN_DOT_DIM, cdiv, check_pow2_dim, next_pow2, resolve_interpret
+from pallas_kernels.config_rules import (DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field, instance_of,
+                                         multiple_of, one_of)
+from pallas_kernels.device import num_sms
 
-# SMs on an H100 / H200; used only to judge grid occupancy.
-_NUM_SMS = 132
 SELECT_METHODS = ("top_k", "sort")
 
 
 @dataclasses.dataclass(frozen=True)
-class ScoreStage:
-  """Stage 1 tiling: `block_keys` ids per step (a power of two, a multiple of
-  the page's P keys and >= 16), `chunk_keys` ids per program (a power-of-two
-  multiple of `block_keys`)."""
-  block_keys: int = 128
-  chunk_keys: int = 1024
-  num_warps: int = 4
-  num_stages: int = 2
-
-  def __post_init__(self):
-    for name in ("block_keys", "chunk_keys"):
-      v = getattr(self, name)
-      if v < MIN_DOT_DIM or v & (v - 1):
-        raise ValueError(f"{name}={v} must be a power of two >= {MIN_DOT_DIM}")
-    if self.chunk_keys < self.block_keys:
-      raise ValueError(f"chunk_keys={self.chunk_keys} < block_keys={self.block_keys}")
-    if self.num_warps < 1 or self.num_stages < 1:
-      raise ValueError(f"bad num_warps/num_stages in {self}")
+class ScoreStage(KernelConfig):
+  """Stage 1 tiling: `block_keys` ids per step (also a multiple of the
+  page's P keys: checked at launch), `chunk_keys` ids per program."""
+  block_keys: int = field(128, DOT_BLOCK)
+  chunk_keys: int = field(1024, DOT_BLOCK, multiple_of("block_keys"))
+  num_warps: int = field(4, NUM_WARPS)
+  num_stages: int = field(2, NUM_STAGES)
 
 
 @dataclasses.dataclass(frozen=True)
-class SelectStage:
+class SelectStage(KernelConfig):
   """Stage 2: `method` is "top_k" (`lax.top_k`) or "sort" (stable `lax.sort`
   by descending score); both exact with ties to the lower id."""
-  method: str = "top_k"
-
-  def __post_init__(self):
-    if self.method not in SELECT_METHODS:
-      raise ValueError(f"method={self.method!r} not in {SELECT_METHODS}")
+  method: str = field("top_k", one_of(*SELECT_METHODS))
 
 
 @dataclasses.dataclass(frozen=True)
-class QsaIndexConfig:
-  score: ScoreStage = ScoreStage()
-  select: SelectStage = SelectStage()
+class QsaIndexConfig(KernelConfig):
+  score: ScoreStage = field(ScoreStage(), instance_of(ScoreStage))
+  select: SelectStage = field(SelectStage(), instance_of(SelectStage))
 
 
-def _dims(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> tuple[int, int, int]:
-  """(B, MP, P) from the definition's input shapes."""
-  batch, max_pages = shapes["page_table"].shape
-  return int(batch), int(max_pages), int(shapes["index_k"].shape[1])
+class QsaIndexSizes(NamedTuple):
+  """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+  batch: int
+  max_pages: int   # page-table width MP
+  page: int        # compressed keys per page P
+
+  @classmethod
+  def of(cls, shapes: Mapping[str, Any]) -> QsaIndexSizes:
+    batch, max_pages = shapes["page_table"].shape
+    return cls(int(batch), int(max_pages), int(shapes["index_k"].shape[1]))
 
 
 def _fit(score: ScoreStage, ids: int, page: int) -> ScoreStage:
@@ -122,10 +114,10 @@ def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> QsaIndexConfig:
   256-id chunks, 244 programs; B=23, MP=517 gets 512-id chunks, 391
   programs. Long chunks amortize the query load and the program start;
   short ones fill the GPU."""
-  batch, max_pages, page = _dims(shapes)
+  batch, max_pages, page = QsaIndexSizes.of(shapes)
   ids = max_pages * page
   chunk = 8192
-  while chunk > 256 and batch * cdiv(ids, chunk) < 2 * _NUM_SMS:
+  while chunk > 256 and batch * cdiv(ids, chunk) < 2 * num_sms():
     chunk //= 2
   score = _fit(ScoreStage(block_keys=128, chunk_keys=chunk, num_warps=4, num_stages=2), ids, page)
   return QsaIndexConfig(score=score, select=SelectStage("top_k"))
@@ -142,7 +134,7 @@ _SWEEP = (
 
 def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[QsaIndexConfig]:
   """Heuristic first, then the sweep's score tilings with each select method."""
-  _, max_pages, page = _dims(shapes)
+  _, max_pages, page = QsaIndexSizes.of(shapes)
   chosen = choose_config(shapes)
   rest = [QsaIndexConfig(_fit(s, max_pages * page, page), SelectStage(m))
           for s in _SWEEP for m in SELECT_METHODS]
@@ -194,8 +186,7 @@ def index_scores(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_le
   max_pages = page_table.shape[1]
   if kv_heads != 1:
     raise ValueError(f"index_k must have one key head, got {index_k.shape}")
-  if head_dim < MIN_DOT_DIM or head_dim & (head_dim - 1):
-    raise ValueError(f"head dim {head_dim} must be a power of two >= {MIN_DOT_DIM}")
+  check_pow2_dim("head dim D", head_dim)
   score = _fit(score, max_pages * page, page)
   if score.block_keys % page:
     raise ValueError(f"block_keys={score.block_keys} must cover whole pages of {page} keys")

@@ -16,9 +16,10 @@ slots `block_k` at a time: it loads the `block_k` indices, gathers those
 workspace rows once (`kv_ref[idx, :]`, a `[block_k, D]` tile) and uses the
 tile twice, as K for the scores `[block_h, block_k]` (one `q . K^T` dot on
 tensor cores) and as V for the output update `[block_h, D]` (the second
-dot). One gather thus serves `block_h` heads; the online softmax runs in fp32
-and base 2 (`sm_scale * log2 e` folded into one multiply), probabilities are
-rounded to bf16 for the PV dot, as every flash kernel does.
+dot). One gather thus serves `block_h` heads; the online softmax
+(`online_softmax`) runs in fp32 and base 2 (`sm_scale * log2 e` folded into
+one multiply), probabilities are rounded to bf16 for the PV dot, as every
+flash kernel does.
 
 Registers: the fp32 accumulator `[block_h, block_d]` is the big resident
 (64 x 512 x 4 B = 128 KiB for all heads at once: 128 registers a thread at 8
@@ -31,8 +32,9 @@ warps, before q, scores and the gathered tile). Two knobs bound it:
   the QK work is repeated D / block_d times) but accumulates only `block_d`
   columns of V, gathered as a separate column slice.
 The heuristic takes `block_h = 32, block_k = 64, block_d = 512` at 8 warps
-(the fastest measured on an H200; 225-237 registers, no spills for sm_90a),
-and 16 heads with 32-slot steps for M < 32 (see `choose_config`).
+(the fastest of the sweep on an H200, spill-free on sm_90a), and 16 heads
+with 32-slot steps for M < 32 (see `choose_config`; measurements in
+docs/perf/kernel_notes.md).
 
 Masks and skipping: invalid slots get score -inf (probability exactly 0) and
 gather row 0 in their place, zeroed after the load (a masked gather does not
@@ -50,8 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 from jax import lax
@@ -59,67 +60,56 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.common import MIN_DOT_DIM, check_dot_blocks, fitted_candidates, online_softmax_weights, resolve_interpret
-
-_LOG2_E = math.log2(math.e)
-_LN_2 = math.log(2.0)
+from pallas_kernels.common import check_pow2_dim, fit_block, fitted_candidates, resolve_interpret
+from pallas_kernels.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field
+from pallas_kernels.online_softmax import LOG2_E, init_carry, lse_natural, normalize, online_softmax_step
 
 
 @dataclasses.dataclass(frozen=True)
-class SparseMlaPrefillConfig:
-  """Tiling of the sparse MLA prefill kernel (powers of two >= 16).
+class SparseMlaPrefillConfig(KernelConfig):
+  """Tiling of the sparse MLA prefill kernel.
 
   block_h: heads per program (divides H).
   block_k: index slots (gathered rows) per step.
   block_d: output columns per program (divides D); D = no split.
   """
-  block_h: int = 32
-  block_k: int = 64
-  block_d: int = 512
-  num_warps: int = 8
-  num_stages: int = 2
+  block_h: int = field(32, DOT_BLOCK)
+  block_k: int = field(64, DOT_BLOCK)
+  block_d: int = field(512, DOT_BLOCK)
+  num_warps: int = field(8, NUM_WARPS)
+  num_stages: int = field(2, NUM_STAGES)
 
-  def __post_init__(self):
-    check_dot_blocks(self, "block_h", "block_k", "block_d")
-    if self.num_warps < 1 or self.num_stages < 1:
-      raise ValueError(f"bad num_warps/num_stages in {self}")
+
+class SparseMlaSizes(NamedTuple):
+  """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+  m: int
+  heads: int
+  head_dim: int
+  topk: int
+
+  @classmethod
+  def of(cls, shapes: Mapping[str, Any]) -> SparseMlaSizes:
+    m, heads, head_dim = shapes["q"].shape
+    return cls(int(m), int(heads), int(head_dim), int(shapes["indices"].shape[-1]))
 
 
 def _fit(config: SparseMlaPrefillConfig, num_heads: int, head_dim: int,
          topk: int) -> SparseMlaPrefillConfig:
   """Clamps the blocks to the problem: heads and columns to H and D, the slot
   block to TOPK rounded up to a power of two (>= 16)."""
-  block_k = max(MIN_DOT_DIM, min(config.block_k, 1 << max(topk - 1, 0).bit_length()))
   return dataclasses.replace(config, block_h=min(config.block_h, num_heads),
-                             block_d=min(config.block_d, head_dim), block_k=block_k)
-
-
-def _problem(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> tuple[int, int, int, int]:
-  """(M, H, D, TOPK) of the definition's input shapes."""
-  m, h, d = shapes["q"].shape
-  topk = shapes["indices"].shape[-1]
-  return int(m), int(h), int(d), int(topk)
+                             block_d=min(config.block_d, head_dim), block_k=fit_block(config.block_k, topk))
 
 
 # What a sweep explores, before fitting. Shared memory: the resident q tile
 # (block_h * 512 * 2 B) plus the gathered tiles of the pipeline stages
 # (block_k * 512 * 2 B each) and a conversion buffer; 64 heads x 64 slots at
-# two stages asks for 256.5 KiB and fails on an H200 (227 KiB), so it is not
-# listed.
-#
-# sm_90a compiles (XLA's Triton + ptxas 12.9, k640 at the largest recorded
-# axes): the 8-warp 32-head tilings use 225-237 registers without spills and
-# mma.sync (block_h = 32 is below wgmma's 64 rows per warpgroup); the
-# 64-head tilings use wgmma at 255 registers (no spills at 8 warps and 2
-# stages); the 4-warp tilings of 32 heads or 64-slot steps spill 64-620
-# bytes.
-#
-# Measured on one H200 (jax 0.11.2), ms, k640 at M=4096, Nkv=277247 / k128
-# at M=4096, Nkv=4223: (32,64,512,8w,2s) 3.0-3.3 / 1.2-1.35;
-# (32,64,512,8w,3s) 3.4 / 1.11; (32,64,512,4w,2s) 4.2 / 1.01;
-# (64,32,512,8w,1s) 4.6 / 1.15; (64,32,512,8w,2s) 3.5 / -;
-# (64,32,256,4w,2s) 3.9 / -; (16,64,512,4w,2s) 4.3 / -; block_k = 128 and
-# 16-slot steps were slower everywhere.
+# two stages does not fit an H100/H200 CTA, so it is not listed. The 32-head
+# tilings run mma.sync (32 rows are below wgmma's 64 per warpgroup), the
+# 64-head ones wgmma; the 4-warp tilings of 32 heads or 64-slot steps spill
+# on sm_90a but stay for the sweep to measure. 128-slot and 16-slot steps
+# were slower everywhere on an H200 (timings and register counts:
+# docs/perf/kernel_notes.md).
 _SWEEP_CONFIGS = (
     SparseMlaPrefillConfig(block_h=32, block_k=64, block_d=512, num_warps=8, num_stages=2),
     SparseMlaPrefillConfig(block_h=32, block_k=64, block_d=512, num_warps=8, num_stages=3),
@@ -137,18 +127,16 @@ _SWEEP_CONFIGS = (
 def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> SparseMlaPrefillConfig:
   """Heuristic: 32 heads x all 512 output columns per program, 64 gathered
   rows a step, 8 warps (the fastest of the sweep on an H200 at the recorded
-  k640 sizes; 237 registers, no spills for sm_90a), two pipeline stages for
-  TOPK > 128 and three for TOPK <= 128 (two slot blocks, both prefetched:
-  0.98-1.14 ms against 1.2-1.35 ms at k128, M=4096; 225 registers, no
-  spills). The 4-warp 32-head variants spill.
+  k640 sizes, spill-free on sm_90a), two pipeline stages for TOPK > 128 and
+  three for TOPK <= 128 (two slot blocks, both prefetched, measured faster
+  at k128). The 4-warp 32-head variants spill.
 
   Small M (< 32 rows, decode-like): the grid of 2 x M programs is far from
-  filling 132 SMs and each program's serial slot loop is the latency, so
-  16-head programs with 32-slot steps at 4 warps (204 registers, no spills)
-  double the grid and shorten each step: measured 159 / 170 us at M = 1 /
-  16 (TOPK 640) against 208 / 223 us for the default tiling; at M = 64 the
-  default is faster (202 against 228 us)."""
-  m, h, d, topk = _problem(shapes)
+  filling the GPU and each program's serial slot loop is the latency, so
+  16-head programs with 32-slot steps at 4 warps (spill-free) double the
+  grid and shorten each step: faster on an H200 at M = 1 and 16, slower at
+  M = 64 (docs/perf/kernel_notes.md)."""
+  m, h, d, topk = SparseMlaSizes.of(shapes)
   if m < 32:
     config = SparseMlaPrefillConfig(block_h=16, block_k=32, block_d=512, num_warps=4, num_stages=2)
   else:
@@ -158,7 +146,7 @@ def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> SparseMlaPrefil
 
 def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[SparseMlaPrefillConfig]:
   """The sweep's configurations fitted to the problem, heuristic first."""
-  _, h, d, topk = _problem(shapes)
+  _, h, d, topk = SparseMlaSizes.of(shapes)
   return fitted_candidates(choose_config(shapes), _SWEEP_CONFIGS, lambda c: _fit(c, h, d, topk))
 
 
@@ -186,7 +174,6 @@ def _sparse_mla_prefill_kernel(q_ref, kv_ref, idx_ref, limits_ref, sink_ref, sca
   d_cols = pl.ds(pl.program_id(1) * block_d, block_d)
 
   def body(block, carry):
-    acc, m_prev, l_prev = carry
     start = block * block_k
     slots = pl.ds(start, block_k)
     in_range = start + jnp.arange(block_k) < topk
@@ -197,28 +184,15 @@ def _sparse_mla_prefill_kernel(q_ref, kv_ref, idx_ref, limits_ref, sink_ref, sca
     # and 0 * NaN would be NaN should that row hold garbage.
     k = jnp.where(valid[:, None], kv_ref[rows, :], 0.0).astype(kv_ref.dtype)  # [bk, D]
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale[:, None]
-    s = jnp.where(valid[None, :], s, -jnp.inf)
-    p, correction, m_next, l_next = online_softmax_weights(s, m_prev, l_prev)
     if split_d:
       v = jnp.where(valid[:, None], kv_ref[rows, d_cols], 0.0).astype(kv_ref.dtype)  # [bk, bd]
     else:
       v = k
-    acc = correction[:, None] * acc + jnp.dot(p.astype(v.dtype), v,
-                                              preferred_element_type=jnp.float32)
-    return acc, m_next, l_next
+    return online_softmax_step(s, carry, v, visible=valid[None, :])
 
-  carry = (jnp.zeros((block_h, block_d), jnp.float32),
-           jnp.full((block_h,), -jnp.inf, jnp.float32),
-           jnp.zeros((block_h,), jnp.float32))
-  acc, m, l = lax.fori_loop(limits_ref[0], limits_ref[1], body, carry)
-
-  seen = l > 0.0
-  m_safe = jnp.where(seen, m, 0.0)
-  # Denominator in the running scale 2**m: sum_t 2**(s_t - m) + exp(sink) / 2**m.
-  denom = l + jnp.exp2(sink_ref[...] * _LOG2_E - m_safe)
-  out = acc * jnp.where(seen, 1.0 / denom, 0.0)[:, None]
-  out_ref[...] = out.astype(out_ref.dtype)
-  lse_ref[...] = jnp.where(seen, (m_safe + jnp.log2(jnp.where(seen, l, 1.0))) * _LN_2, jnp.inf)
+  acc, m, l = lax.fori_loop(limits_ref[0], limits_ref[1], body, init_carry(block_h, block_d))
+  out_ref[...] = normalize(acc, m, l, sink_ref[...]).astype(out_ref.dtype)
+  lse_ref[...] = lse_natural(m, l)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -250,8 +224,7 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale
     raise ValueError(f"q and kv dtypes differ: {q.dtype}, {kv.dtype}")
   if attn_sink.shape != (num_heads,):
     raise ValueError(f"attn_sink {attn_sink.shape} must be [{num_heads}]")
-  if head_dim < MIN_DOT_DIM or head_dim & (head_dim - 1):
-    raise ValueError(f"D={head_dim} must be a power of two >= {MIN_DOT_DIM}")
+  check_pow2_dim("head dim D", head_dim)
   topk = indices.shape[-1]
   shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype),
             "indices": jax.ShapeDtypeStruct(indices.shape, indices.dtype)}
@@ -265,7 +238,7 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale
   idx = indices.reshape(m, topk).astype(jnp.int32)
   limits = slot_block_limits(idx, num_kv, block_k)
   sink = attn_sink.astype(jnp.float32)
-  qk_scale = jnp.full((num_heads,), jnp.asarray(sm_scale, jnp.float32) * _LOG2_E, jnp.float32)
+  qk_scale = jnp.full((num_heads,), jnp.asarray(sm_scale, jnp.float32) * LOG2_E, jnp.float32)
 
   kernel = functools.partial(_sparse_mla_prefill_kernel, num_kv=num_kv, topk=topk,
                              block_k=block_k, block_d=block_d, split_d=block_d < head_dim)

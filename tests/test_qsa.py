@@ -33,7 +33,7 @@ DATASETS = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "workl
 # Small tilings so that interpret-mode tests have several steps and programs.
 INDEX_SMALL = qi.QsaIndexConfig(qi.ScoreStage(block_keys=32, chunk_keys=128), qi.SelectStage("top_k"))
 INDEX_SORT = qi.QsaIndexConfig(qi.ScoreStage(block_keys=16, chunk_keys=64), qi.SelectStage("sort"))
-GQA_SMALL = qg.QsaDecodeConfig(qg.SplitStage(block_ids=4, ids_per_split=32), qg.CombineStage(block_d=64))
+GQA_SMALL = qg.QsaDecodeConfig(qg.SplitStage(block_k=4, keys_per_split=32, num_warps=4), qg.CombineStage(block_d=64))
 
 
 def records(name):
@@ -334,8 +334,10 @@ def test_bad_configs_raise():
     qi.ScoreStage(block_keys=256, chunk_keys=128)
   with pytest.raises(ValueError):
     qi.SelectStage("radix")
-  with pytest.raises(ValueError):
-    qg.SplitStage(block_ids=2)
+  with pytest.raises(ValueError, match="SplitStage.block_k=3 must be a power of two"):
+    qg.SplitStage(block_k=3)
+  with pytest.raises(ValueError, match="SplitStage.keys_per_split=4 must be a multiple of block_k"):
+    qg.SplitStage(block_k=8, keys_per_split=4)
   with pytest.raises(ValueError):
     qg.CombineStage(block_d=8)
 

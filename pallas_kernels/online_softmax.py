@@ -1,0 +1,101 @@
+"""The online softmax of FlashAttention-2, in base 2: the step every attention
+kernel folds its key blocks with, and the ways to finish it.
+
+Scores arrive scaled by `LOG2_E * sm_scale`, so `exp2(s)` is `exp(q.k *
+sm_scale)` and each probability costs one exp2. The carry is `(acc, m, l)`:
+the unnormalized output accumulator (fp32, one array or a list of parts for
+kernels that split the value dimension into several dots), the running row max `m` of the
+scores (base 2) and the running row sum `l` of `exp2(s - m)`.
+
+A row that has seen nothing yet has `m = -inf` and `l = 0`; a step whose
+block may hide every key of a row subtracts 0 instead of -inf for it, so its
+probabilities are 0, never NaN. Hidden keys are selected away to -inf with
+`where` (exactly 0 probability), never multiplied by a 0/1 mask, which would
+turn an infinite or NaN score into NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+def init_carry(rows: int, width: int, parts: int | None = None):
+  """`(acc, m, l)` of rows that have seen nothing: acc `[rows, width]` zeros,
+  or a list of `parts` such arrays."""
+  zeros = lambda: jnp.zeros((rows, width), jnp.float32)
+  acc = zeros() if parts is None else [zeros() for _ in range(parts)]
+  return acc, jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32)
+
+
+def online_softmax_step(s, carry, values, *, visible=None, value_scales=None):
+  """Folds one key block into the carry; returns the new carry.
+
+  Args:
+    s: `[rows, keys]` fp32 scores, already scaled by `LOG2_E * sm_scale`.
+    carry: `(acc, m, l)`, see the module docstring.
+    values: the value tile `[keys, width]`, or a list of tiles (the value
+      dimension in parts; `acc` is then a list of as many parts). The update
+      of each part is `p @ tile` with the probabilities rounded to the tile's
+      dtype, as every flash kernel does; each part is updated right after
+      its dot (that order keeps Triton's shared memory as small as a
+      hand-written loop's).
+    visible: bool, broadcasting to `s`, or None when every row sees every
+      key of the block (then each row has a finite score in it and the
+      empty-row guard is skipped).
+    value_scales: with a list of tiles, optional per-key factors `[keys]`
+      (one per tile, or None) that multiply the fp32 probabilities before
+      that tile's dot: dequantization scales of the values, applied where
+      they cost no rounding of the values themselves.
+  """
+  acc, m_prev, l_prev = carry
+  if visible is not None:
+    s = jnp.where(visible, s, -jnp.inf)
+  m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
+  m_safe = m_next if visible is None else jnp.where(m_next == -jnp.inf, 0.0, m_next)
+  correction = jnp.exp2(m_prev - m_safe)
+  p = jnp.exp2(s - m_safe[:, None])
+  l_next = correction * l_prev + jnp.sum(p, axis=-1)
+  if isinstance(values, (list, tuple)):
+    scales = value_scales or [None] * len(values)
+    acc = [correction[:, None] * a + _weighted_values(p if w is None else p * w[None, :], v)
+           for a, v, w in zip(acc, values, scales)]
+  else:
+    acc = correction[:, None] * acc + _weighted_values(p, values)
+  return acc, m_next, l_next
+
+
+def _weighted_values(p, v):
+  return jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def normalize(acc, m, l, sink=None):
+  """The attention output `acc / denominator` (acc an array or a list of
+  parts). The denominator is `l`, plus, with `sink` (`[rows]` logits in
+  natural units, the attention sink), `exp(sink)` in the running scale
+  `2**m`. Rows with `l == 0` (nothing seen) give 0."""
+  seen = l > 0.0
+  denominator = l
+  if sink is not None:
+    denominator = l + jnp.exp2(sink * LOG2_E - jnp.where(seen, m, 0.0))
+  inverse = jnp.where(seen, 1.0 / denominator, 0.0)
+  return jax.tree.map(lambda a: a * inverse[:, None], acc)
+
+
+def lse_base2(m, l):
+  """`log2(sum exp2(s))` of each row, -inf for a row that saw nothing: the
+  partial result of one split that `split_kv.combine_splits` merges."""
+  seen = l > 0.0
+  return jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def lse_natural(m, l):
+  """`log(sum exp(q.k * sm_scale))` of each row (natural log, no sink), +inf
+  for a lonely row (one that saw no key), as the definitions return it."""
+  seen = l > 0.0
+  return jnp.where(seen, (jnp.where(seen, m, 0.0) + jnp.log2(jnp.where(seen, l, 1.0))) * LN_2, jnp.inf)

@@ -1,0 +1,310 @@
+"""Tests of the pieces the kernel families share: declared config rules
+(errors name class, field, value and rule; every config class round-trips
+through JSON), the device's SM count (default without a GPU, read from the
+device with one, used by the heuristics), the base-2 online-softmax step and
+its finishing helpers against a plain softmax, and the split-KV combine
+(interpret mode) against a float64 NumPy combine on random partials with
+empty splits, lonely rows and sinks."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from jaxkern import tuning
+from pallas_kernels import config_rules, device, split_kv
+from pallas_kernels import (dense_gemm, flash_attention, gdn_decode, gdn_prefill, grouped_gemm, mixed_mla,
+                            neighborhood_attention, qsa_index)
+from pallas_kernels.common import assert_lowers_to_triton
+from pallas_kernels.online_softmax import (LOG2_E, init_carry, lse_base2, lse_natural, normalize,
+                                           online_softmax_step)
+from numerics import assert_bf16_close
+
+
+def all_config_classes() -> list[type]:
+  classes = set()
+  for info in pkgutil.iter_modules(pallas_kernels.__path__):
+    module = importlib.import_module(f"pallas_kernels.{info.name}")
+    classes.update(v for v in vars(module).values()
+                   if isinstance(v, type) and issubclass(v, config_rules.KernelConfig)
+                   and v is not config_rules.KernelConfig)
+  return sorted(classes, key=lambda c: c.__name__)
+
+
+# ---------------------------------------------------------------------------
+# Config rules.
+
+
+def test_every_config_class_is_a_frozen_validated_dataclass_that_round_trips():
+  classes = all_config_classes()
+  assert len(classes) >= 17, [c.__name__ for c in classes]
+  for cls in classes:
+    config = cls()
+    assert dataclasses.is_dataclass(config) and cls.__dataclass_params__.frozen, cls
+    with pytest.raises(dataclasses.FrozenInstanceError):
+      setattr(config, dataclasses.fields(config)[0].name, None)
+    assert tuning.config_from_json(tuning.config_to_json(config), config) == config, cls
+    for f in dataclasses.fields(config):   # every field states its rules
+      assert f.metadata.get("rules"), f"{cls.__name__}.{f.name}"
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: dense_gemm.DenseGemmConfig(block_m=96),
+     "DenseGemmConfig.block_m=96 must be a power of two >= 16"),
+    (lambda: dense_gemm.DenseGemmConfig(block_k=8),
+     "DenseGemmConfig.block_k=8 must be a power of two >= 16"),
+    (lambda: dense_gemm.DenseGemmConfig(group_m=0),
+     "DenseGemmConfig.group_m=0 must be an int >= 1"),
+    (lambda: dense_gemm.DenseGemmConfig(num_warps=6),
+     "DenseGemmConfig.num_warps=6 must be a power of two >= 1"),
+    (lambda: dense_gemm.DenseGemmConfig(num_stages=0),
+     "DenseGemmConfig.num_stages=0 must be an int >= 1"),
+    # JSON can carry floats and bools: neither is an int block size.
+    (lambda: flash_attention.FlashAttentionConfig(block_q=64.0),
+     "FlashAttentionConfig.block_q=64.0 must be a power of two >= 16"),
+    (lambda: flash_attention.FlashAttentionConfig(num_warps=True),
+     "FlashAttentionConfig.num_warps=True must be a power of two >= 1"),
+    (lambda: grouped_gemm.GroupedGemmConfig(block_k=16),
+     "GroupedGemmConfig.block_k=16 must be a power of two >= 32"),
+    (lambda: gdn_prefill.GdnPrefillConfig(dot_precision="fp8"),
+     "GdnPrefillConfig.dot_precision='fp8' must be one of ('bf16x3', 'bf16')"),
+    (lambda: qsa_index.SelectStage("radix"), "SelectStage.method='radix' must be one of ('top_k', 'sort')"),
+    (lambda: qsa_index.ScoreStage(block_keys=256, chunk_keys=128),
+     "ScoreStage.chunk_keys=128 must be a multiple of block_keys"),
+    (lambda: split_kv.SplitStage(block_k=32, keys_per_split=16),
+     "SplitStage.keys_per_split=16 must be a multiple of block_k"),
+    (lambda: split_kv.CombineStage(block_d=8), "CombineStage.block_d=8 must be a power of two >= 16"),
+    (lambda: mixed_mla.MixedMlaDecodeConfig(split={"block_h": 16}),
+     "MixedMlaDecodeConfig.split={'block_h': 16} must be a SplitStage"),
+    (lambda: neighborhood_attention.NeighborhoodAttentionConfig(block_t=1, block_y=2, block_x=4),
+     "NeighborhoodAttentionConfig.block_queries=8 must be an int >= 16"),
+    (lambda: neighborhood_attention.NeighborhoodAttentionConfig(block_t=3),
+     "NeighborhoodAttentionConfig.block_t=3 must be a power of two >= 1"),
+])
+def test_a_broken_rule_names_class_field_value_and_rule(make, message):
+  with pytest.raises(ValueError) as info:
+    make()
+  assert str(info.value) == message
+
+
+def test_replace_and_json_check_the_rules_too():
+  config = dense_gemm.DenseGemmConfig()
+  with pytest.raises(ValueError, match=r"DenseGemmConfig.block_n=100 must be"):
+    dataclasses.replace(config, block_n=100)
+  stage = split_kv.SplitStage()
+  with pytest.raises(ValueError, match=r"SplitStage.block_h=8 must be a power of two >= 16"):
+    tuning.config_from_json({"split": {"block_h": 8}}, mixed_mla.MixedMlaDecodeConfig(split=stage))
+
+
+def test_a_field_without_rules_is_a_programming_error():
+  @dataclasses.dataclass(frozen=True)
+  class Unruled(config_rules.KernelConfig):
+    block: int = 16
+
+  with pytest.raises(TypeError, match="Unruled.block declares no rule"):
+    Unruled()
+
+
+def test_rules_read_other_fields_safely():
+  rule = config_rules.multiple_of("block")
+  assert rule.holds(64, types.SimpleNamespace(block=16))
+  assert not rule.holds(24, types.SimpleNamespace(block=16))
+  assert not rule.holds(64, types.SimpleNamespace(block=0))     # no ZeroDivisionError
+  assert not rule.holds(64, types.SimpleNamespace(block="16"))
+
+
+# ---------------------------------------------------------------------------
+# Device facts.
+
+
+@pytest.fixture
+def fresh_sm_count():
+  device.num_sms.cache_clear()
+  yield
+  device.num_sms.cache_clear()
+
+
+def test_sm_count_default_without_gpu(fresh_sm_count):
+  assert device.DEFAULT_NUM_SMS == 132
+  assert not any(d.platform == "gpu" for d in jax.devices())
+  assert device.num_sms() == device.DEFAULT_NUM_SMS
+
+
+@pytest.mark.parametrize("attributes,expected", [
+    ({"core_count": 114}, 114),         # an H100 PCIe
+    ({"core_count": 132}, 132),
+    ({}, device.DEFAULT_NUM_SMS),       # not reported: the default
+    ({"core_count": 0}, device.DEFAULT_NUM_SMS),
+])
+def test_sm_count_is_read_from_the_gpu(monkeypatch, fresh_sm_count, attributes, expected):
+  gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 PCIe", **attributes)
+  monkeypatch.setattr(device, "has_gpu", lambda: True)
+  monkeypatch.setattr(device.jax, "devices", lambda backend=None: [gpu])
+  assert device.num_sms() == expected
+
+
+def test_heuristics_size_their_grids_by_the_sm_count(monkeypatch, fresh_sm_count):
+  """GDN decode at B=16 (16 x 8 heads): 128-row blocks give 128 programs,
+  enough for 64 SMs, while 132 SMs want 2 x 132 and get 32-row blocks."""
+  shapes = {"state": jax.ShapeDtypeStruct((16, 8, 128, 128), jnp.float32)}
+  assert gdn_decode.choose_config(shapes).block_v == 32
+  monkeypatch.setattr(gdn_decode, "num_sms", lambda: 64)
+  assert gdn_decode.choose_config(shapes).block_v == 128
+
+
+# ---------------------------------------------------------------------------
+# Online softmax (plain jnp: the step is the same code inside kernels).
+
+
+def softmax_reference(s, v, visible, sink=None):
+  """float64 softmax over visible keys; (out, natural lse); lonely rows 0 / +inf."""
+  s = np.where(visible, np.asarray(s, np.float64), -np.inf)
+  m = s.max(axis=1, keepdims=True)
+  p = np.where(visible, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+  l = p.sum(axis=1)
+  denominator = l + (0.0 if sink is None else np.exp(np.asarray(sink, np.float64) - np.where(
+      np.isfinite(m[:, 0]), m[:, 0], 0.0)))
+  out = np.where(l[:, None] > 0, p @ np.asarray(v, np.float64) / np.where(
+      l > 0, denominator, 1.0)[:, None], 0.0)
+  lse = np.where(l > 0, np.log(np.where(l > 0, l, 1.0)) + np.where(np.isfinite(m[:, 0]), m[:, 0], 0.0), np.inf)
+  return out, lse
+
+
+def test_online_step_matches_a_plain_softmax_over_blocks():
+  rng = np.random.default_rng(0)
+  rows, keys, width, block = 8, 48, 16, 16
+  s = rng.standard_normal((rows, keys)).astype(np.float32) * 4
+  v = rng.standard_normal((keys, width)).astype(np.float32)
+  visible = rng.random((rows, keys)) < 0.6
+  visible[1] = False                  # a lonely row
+  visible[2, :block] = False          # a row that sees nothing in the first block
+  visible[:, 16:32] = False           # a block nobody sees
+  sink = rng.standard_normal(rows).astype(np.float32)
+  carry = init_carry(rows, width)
+  for start in range(0, keys, block):
+    cols = slice(start, start + block)
+    carry = online_softmax_step(jnp.asarray(s[:, cols]) * LOG2_E, carry, jnp.asarray(v[cols]),
+                                visible=jnp.asarray(visible[:, cols]))
+  acc, m, l = carry
+  for with_sink in (False, True):
+    want_out, want_lse = softmax_reference(s, v, visible, sink if with_sink else None)
+    out = normalize(acc, m, l, jnp.asarray(sink) if with_sink else None)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(np.asarray(lse_natural(m, l)), want_lse, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse_base2(m, l)), np.where(
+      np.isinf(want_lse), -np.inf, want_lse * LOG2_E), rtol=1e-6)
+  assert np.all(np.asarray(out)[1] == 0) and np.isposinf(np.asarray(lse_natural(m, l))[1])
+
+
+def test_online_step_unmasked_blocks_and_value_parts():
+  """Without `visible` every row must see the whole block; the value
+  dimension in parts gives what one tile gives; value scales multiply the
+  probabilities of their part (as scaling that part's values would)."""
+  rng = np.random.default_rng(1)
+  s = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)
+  plain = online_softmax_step(s, init_carry(4, 8), v)
+  parts = online_softmax_step(s, init_carry(4, 4, parts=2), [v[:, :4], v[:, 4:]])
+  np.testing.assert_allclose(np.asarray(plain[0]), np.concatenate([np.asarray(a) for a in parts[0]], 1),
+                             rtol=1e-6)
+  want, _ = softmax_reference(np.asarray(s) / LOG2_E, v, np.ones((4, 32), bool))
+  np.testing.assert_allclose(np.asarray(normalize(*plain)), want, rtol=1e-5)
+  w = jnp.asarray(rng.random(32) + 0.5, jnp.float32)
+  scaled = online_softmax_step(s, init_carry(4, 4, parts=2), [v[:, :4], v[:, 4:]], value_scales=[w, None])
+  np.testing.assert_allclose(np.asarray(scaled[0][0]), np.asarray(
+      online_softmax_step(s, init_carry(4, 4), v[:, :4] * w[:, None])[0]), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(scaled[0][1]), np.asarray(parts[0][1]), rtol=1e-6)
+  # Infinite scores under a mask are selected away, never multiplied by 0.
+  s_inf = s.at[:, 0].set(jnp.inf)
+  masked = online_softmax_step(s_inf, init_carry(4, 8), v, visible=jnp.arange(32)[None, :] > 0)
+  assert np.all(np.isfinite(np.asarray(normalize(*masked))))
+
+
+# ---------------------------------------------------------------------------
+# Split-KV combine (interpret mode) vs a float64 NumPy combine.
+
+
+def combine_reference(o_part, lse_part, sink=None):
+  """float64, natural log: out = sum_s e^(lse_s - m) o_s / (sum_s e^(lse_s - m) + e^(sink - m))."""
+  lse = np.asarray(lse_part, np.float64) / LOG2_E                  # base 2 -> natural
+  m = lse.max(axis=1, keepdims=True)                               # [R, 1, H]
+  m0 = np.where(np.isfinite(m), m, 0.0)
+  w = np.exp(lse - m0)                                             # 0 for empty splits
+  total = w.sum(axis=1)                                            # [R, H]
+  numerator = np.einsum("rsh,rshd->rhd", w, np.asarray(o_part, np.float64))
+  denominator = total + (0.0 if sink is None else np.exp(np.asarray(sink, np.float64)[None] - m0[:, 0]))
+  seen = total > 0
+  out = np.where(seen[..., None], numerator / np.where(seen, denominator, 1.0)[..., None], 0.0)
+  return out, np.where(seen, m0[:, 0] + np.log(np.where(seen, total, 1.0)), np.inf)
+
+
+def random_partials(rows, splits, heads, head_dim, seed):
+  rng = np.random.default_rng(seed)
+  o_part = rng.standard_normal((rows, splits, heads, head_dim)).astype(np.float32)
+  lse_part = (rng.standard_normal((rows, splits, heads)) * 6).astype(np.float32)
+  empty = rng.random((rows, splits, heads)) < 0.3
+  empty[:, splits // 2] = True                 # an all-empty split
+  empty[0, :, :3] = True                       # lonely rows: every split empty
+  o_part[empty] = 0.0                          # what a split kernel writes there
+  lse_part[empty] = -np.inf
+  return jnp.asarray(o_part), jnp.asarray(lse_part)
+
+
+@pytest.mark.parametrize("rows,splits,heads,head_dim,stage", [
+    (3, 5, 32, 64, split_kv.CombineStage(block_h=16, block_d=32)),
+    (2, 1, 24, 48, split_kv.CombineStage()),   # one split; blocks fitted to 8 heads, 16 columns
+    (2, 7, 16, 128, split_kv.CombineStage(block_h=4, block_d=128, num_warps=2)),
+])
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_combine_matches_numpy(rows, splits, heads, head_dim, stage, with_sink):
+  o_part, lse_part = random_partials(rows, splits, heads, head_dim, seed=rows * splits + heads)
+  sink = jnp.asarray(np.random.default_rng(9).standard_normal(heads) * 3, jnp.float32) if with_sink else None
+  if sink is not None:
+    sink = sink.at[0].set(30.0).at[1].set(-30.0)   # extreme sinks
+  out, lse = split_kv.combine_splits(o_part, lse_part, sink, stage=stage, out_dtype=jnp.bfloat16,
+                                     with_lse=True, name="test_combine", interpret=True)
+  want_out, want_lse = combine_reference(o_part, lse_part, sink)
+  assert out.shape == (rows, heads, head_dim) and out.dtype == jnp.bfloat16
+  assert_bf16_close(out, want_out)
+  lonely = np.isposinf(want_lse)
+  assert lonely[0, :3].all()
+  np.testing.assert_array_equal(np.isposinf(np.asarray(lse)), lonely)
+  assert np.all(np.asarray(out, np.float32)[lonely] == 0)
+  np.testing.assert_allclose(np.asarray(lse)[~lonely], want_lse[~lonely], rtol=1e-5, atol=1e-5)
+  only_out = split_kv.combine_splits(o_part, lse_part, sink, stage=stage, out_dtype=jnp.float32,
+                                     name="test_combine", interpret=True)
+  np.testing.assert_allclose(np.asarray(only_out), want_out, rtol=1e-5, atol=1e-6)
+
+
+def test_combine_rejects_mismatched_partials():
+  o_part, lse_part = random_partials(2, 3, 16, 32, seed=0)
+  with pytest.raises(ValueError, match=r"lse_part \(2, 2, 16\) does not match o_part"):
+    split_kv.combine_splits(o_part, lse_part[:, :2], stage=split_kv.CombineStage(),
+                            out_dtype=jnp.bfloat16, name="x", interpret=True)
+  with pytest.raises(ValueError, match=r"sink \(8,\) must be \[16\]"):
+    split_kv.combine_splits(o_part, lse_part, jnp.zeros(8), stage=split_kv.CombineStage(),
+                            out_dtype=jnp.bfloat16, name="x", interpret=True)
+
+
+def test_fit_combine_divides_the_problem():
+  stage = split_kv.CombineStage(block_h=16, block_d=128)
+  assert split_kv.fit_combine(stage, 64, 512) == stage
+  assert split_kv.fit_combine(stage, 12, 96) == split_kv.CombineStage(block_h=4, block_d=32)
+
+
+def test_combine_lowers_for_h100():
+  s = jax.ShapeDtypeStruct
+  avals = (s((4, 20, 64, 512), jnp.float32), s((4, 20, 64), jnp.float32), s((64,), jnp.float32))
+  txt = assert_lowers_to_triton(
+      lambda o, l, sink: split_kv.combine_splits(o, l, sink, stage=split_kv.CombineStage(), with_lse=True,
+                                                 out_dtype=jnp.bfloat16, name="combine", interpret=False),
+      *avals)
+  assert txt.count("__gpu$xla.gpu.triton") == 1
