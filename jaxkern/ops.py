@@ -93,7 +93,7 @@ def moe_router(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
     ids, weights = _router_kernel.moe_router_topk(h2, weight, bias, routed_scaling_factor, top_k=top_k,
                                                   config=config)
   else:
-    ids, weights = _router_kernel.moe_router_topk_reference(h2, weight, bias, routed_scaling_factor, top_k=top_k)
+    ids, weights = _router.moe_router_reference(h2, weight, bias, routed_scaling_factor, top_k=top_k)
   return ids.reshape(*batch, top_k), weights.reshape(*batch, top_k)
 
 
@@ -101,7 +101,7 @@ def _flash_attention(reference, q, k, v, *, sm_scale, config, backend, **extra) 
   if _pallas(backend):
     config = _config(reference, {"q": q, "k": k, "v": v, **extra}, config)
     return _flash.flash_attention(q, k, v, sm_scale=sm_scale, config=config, **extra)
-  return _flash.attention_reference(q, k, v, sm_scale=sm_scale, **extra)
+  return _attention.attention_reference(q, k, v, sm_scale=sm_scale, **extra)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.Array | None = None,

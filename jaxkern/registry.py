@@ -29,7 +29,7 @@ from jaxkern import blobs
 from jaxkern import compare as compare_lib
 from jaxkern import dataset
 from jaxkern import tuning
-from jaxkern.op import OpImpl, bind_axes
+from jaxkern.family import OpImpl, bind_axes
 from pallas_kernels.common import has_gpu, resolve_interpret
 
 FAMILIES_PACKAGE = "jaxkern.families"

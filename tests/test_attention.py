@@ -84,7 +84,7 @@ def test_noncausal_kernel_matches_reference(batch, q_len, kv_len, head_dim):
   q, k, v = qkv(batch, q_len, kv_len, head_dim=head_dim)
   out = fa.flash_attention(q, k, v, config=SMALL, interpret=True)
   assert out.shape == q.shape and out.dtype == jnp.bfloat16
-  assert_bf16_close(out, fa.attention_reference(q, k, v))
+  assert_bf16_close(out, fam.attention_reference(q, k, v))
 
 
 def test_key_valid_with_all_masked_batch_row():
@@ -95,7 +95,7 @@ def test_key_valid_with_all_masked_batch_row():
   # A hole inside the valid prefix too: masks need not be prefixes.
   key_valid = key_valid.at[2, 5].set(False)
   out = fa.flash_attention(q, k, v, key_valid=key_valid, config=SMALL, interpret=True)
-  ref = fa.attention_reference(q, k, v, key_valid=key_valid)
+  ref = fam.attention_reference(q, k, v, key_valid=key_valid)
   assert_bf16_close(out, ref)
   assert np.all(np.asarray(out[1], np.float32) == 0.0)
   assert np.all(np.asarray(ref[1], np.float32) == 0.0)
@@ -108,7 +108,7 @@ def test_key_valid_leading_blocks_invisible():
   q, k, v = qkv(2, 20, 50)
   key_valid = jnp.stack([jnp.arange(50) >= 37, (jnp.arange(50) % 7) == 3])
   out = fa.flash_attention(q, k, v, key_valid=key_valid, config=SMALL, interpret=True)
-  assert_bf16_close(out, fa.attention_reference(q, k, v, key_valid=key_valid))
+  assert_bf16_close(out, fam.attention_reference(q, k, v, key_valid=key_valid))
 
 
 @pytest.mark.parametrize("q_len,prefix_len", [(40, 37), (9, 70), (1, 1), (48, 32)])
@@ -117,7 +117,7 @@ def test_prefix_kernel_matches_reference(q_len, prefix_len):
   k_prefix, v_prefix = normal(7, (1, prefix_len, 2, 128)), normal(8, (1, prefix_len, 2, 128))
   out = fa.flash_attention(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, config=SMALL,
                            interpret=True)
-  assert_bf16_close(out, fa.attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix))
+  assert_bf16_close(out, fam.attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix))
 
 
 def test_empty_prefix_is_plain_attention():
@@ -134,7 +134,7 @@ def test_block_causal_kernel_matches_reference(ends):
   q, k, v = qkv(1, n, n, head_dim=128)
   segment_ids = ids_from_ends(ends)
   out = fa.flash_attention(q, k, v, segment_ids=segment_ids, config=SMALL, interpret=True)
-  assert_bf16_close(out, fa.attention_reference(q, k, v, segment_ids=segment_ids))
+  assert_bf16_close(out, fam.attention_reference(q, k, v, segment_ids=segment_ids))
 
 
 def test_block_causal_first_segment_ignores_later_keys():
@@ -152,7 +152,7 @@ def test_unsorted_segment_ids_are_exact():
   q, k, v = qkv(2, n, n)
   segment_ids = jnp.asarray(np.random.default_rng(3).integers(0, 4, (2, n)), jnp.int32)
   out = fa.flash_attention(q, k, v, segment_ids=segment_ids, config=SMALL, interpret=True)
-  assert_bf16_close(out, fa.attention_reference(q, k, v, segment_ids=segment_ids))
+  assert_bf16_close(out, fam.attention_reference(q, k, v, segment_ids=segment_ids))
 
 
 def test_all_masks_and_prefix_together():
@@ -164,21 +164,21 @@ def test_all_masks_and_prefix_together():
   kwargs = dict(key_valid=key_valid, k_prefix=k_prefix, v_prefix=v_prefix,
                 segment_ids=segment_ids, sm_scale=0.3)
   out = fa.flash_attention(q, k, v, config=SMALL, interpret=True, **kwargs)
-  assert_bf16_close(out, fa.attention_reference(q, k, v, **kwargs))
+  assert_bf16_close(out, fam.attention_reference(q, k, v, **kwargs))
 
 
 def test_sm_scale_override():
   q, k, v = qkv(1, 20, 30)
   out = fa.flash_attention(q, k, v, sm_scale=0.5, config=SMALL, interpret=True)
-  assert_bf16_close(out, fa.attention_reference(q, k, v, sm_scale=0.5))
-  default = fa.attention_reference(q, k, v)
+  assert_bf16_close(out, fam.attention_reference(q, k, v, sm_scale=0.5))
+  default = fam.attention_reference(q, k, v)
   assert np.abs(np.asarray(out, np.float32) - np.asarray(default, np.float32)).max() > 0.05
 
 
 def test_every_candidate_config_in_interpret_mode():
   q, k, v = qkv(1, 70, 200, heads=1)
   shapes = {"q": q, "k": k, "v": v}
-  ref = fa.attention_reference(q, k, v)
+  ref = fam.attention_reference(q, k, v)
   configs = fa.candidate_configs(shapes)
   assert len(configs) >= 4
   for config in configs:
@@ -236,7 +236,7 @@ def numpy_attention(q, k, v, visible, scale):
 def test_reference_matches_float64_noncausal():
   q, k, v = qkv(2, 7, 5, heads=3, head_dim=8, dtype=jnp.float32)
   key_valid = np.array([[1, 0, 1, 1, 0], [0, 0, 0, 0, 0]], bool)
-  ref = fa.attention_reference(q, k, v, key_valid=jnp.asarray(key_valid))
+  ref = fam.attention_reference(q, k, v, key_valid=jnp.asarray(key_valid))
   want = numpy_attention(q, k, v, np.broadcast_to(key_valid[:, None], (2, 7, 5)), 8 ** -0.5)
   np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=1e-4)
   assert np.all(np.asarray(ref[1]) == 0.0)
@@ -246,7 +246,7 @@ def test_reference_matches_float64_prefix_and_chunks():
   q, k, v = qkv(1, 9, 9, heads=2, head_dim=8, dtype=jnp.float32)
   k_prefix, v_prefix = normal(5, (1, 4, 2, 8), jnp.float32), normal(6, (1, 4, 2, 8), jnp.float32)
   # q_chunk=4 exercises the chunked (and padded) query path.
-  ref = fa.attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, q_chunk=4)
+  ref = fam.attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, q_chunk=4)
   want = numpy_attention(q, np.concatenate([k_prefix, k], 1), np.concatenate([v_prefix, v], 1),
                          np.ones((1, 9, 13), bool), 8 ** -0.5)
   np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=1e-4)
@@ -255,7 +255,7 @@ def test_reference_matches_float64_prefix_and_chunks():
 def test_reference_matches_float64_segments():
   q, k, v = qkv(1, 10, 10, heads=2, head_dim=8, dtype=jnp.float32)
   ids = np.array([[0, 0, 1, 1, 1, 1, 1, 2, 2, 2]], np.int32)
-  ref = fa.attention_reference(q, k, v, segment_ids=jnp.asarray(ids), q_chunk=3)
+  ref = fam.attention_reference(q, k, v, segment_ids=jnp.asarray(ids), q_chunk=3)
   want = numpy_attention(q, k, v, ids[:, None, :] <= ids[:, :, None], 8 ** -0.5)
   np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=1e-4)
 
@@ -297,11 +297,11 @@ def test_public_functions_jit():
   ids = ids_from_ends((5, 12, 20), batch=2)
   kp, vp = normal(4, (2, 6, 2, 64)), normal(5, (2, 6, 2, 64))
   got = jax.jit(lambda *a: ops.attention(*a, key_valid=key_valid, backend="pallas"))(q, k, v)
-  assert_bf16_close(got, fa.attention_reference(q, k, v, key_valid=key_valid))
+  assert_bf16_close(got, fam.attention_reference(q, k, v, key_valid=key_valid))
   got = jax.jit(lambda *a: ops.prefix_cached_attention(*a, backend="pallas"))(q, k, v, kp, vp)
-  assert_bf16_close(got, fa.attention_reference(q, k, v, k_prefix=kp, v_prefix=vp))
+  assert_bf16_close(got, fam.attention_reference(q, k, v, k_prefix=kp, v_prefix=vp))
   got = jax.jit(lambda *a: ops.block_causal_attention(*a, backend="pallas"))(q, k, v, ids)
-  assert_bf16_close(got, fa.attention_reference(q, k, v, segment_ids=ids))
+  assert_bf16_close(got, fam.attention_reference(q, k, v, segment_ids=ids))
 
 
 def test_bad_arguments_raise():

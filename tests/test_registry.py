@@ -14,7 +14,7 @@ import pytest
 from jaxkern import dataset
 from jaxkern import registry
 from jaxkern import tuning
-from jaxkern.op import bind_axes, shrink_rows, shrink_until
+from jaxkern.family import bind_axes, shrink_rows, shrink_until
 from pallas_kernels import dense_gemm
 
 NAMES = registry.names()

@@ -20,7 +20,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 TOY_FAMILY = '''
 import dataclasses, os, threading
 import jax, jax.numpy as jnp
-from jaxkern.op import OpImpl
+from jaxkern.family import OpImpl
 
 # M=23 blocks (while tracing the kernel) until a test releases it: a workload
 # that cannot finish, whatever the machine's load (TOY_BLOCK=0 turns it off).

@@ -194,7 +194,7 @@ def test_performance_fields():
 
 TOY_GEMM = '''
 import jax.numpy as jnp
-from jaxkern.op import OpImpl
+from jaxkern.family import OpImpl
 
 def toy_matmul(A, B):
   return jnp.dot(A, B.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)

@@ -14,9 +14,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxkern.op import OpImpl, shrink_rows, shrink_until
+from jaxkern.family import OpImpl, cdiv, shrink_rows, shrink_until
 from pallas_kernels import dense_gemm as kernel_lib
-from pallas_kernels.common import cdiv
 
 # The reference materializes at most this many bytes of fp32 product at once
 # (M = 24576, N = 12288 would otherwise be a 1.2 GB fp32 temporary).

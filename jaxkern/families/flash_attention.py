@@ -17,11 +17,11 @@ from __future__ import annotations
 from typing import Mapping
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 
-from jaxkern.op import OpImpl
+from jaxkern.family import OpImpl, cdiv
 from pallas_kernels import flash_attention as kernel_lib
-from pallas_kernels.common import cdiv
 
 # Variants whose keys are padded text tokens (cross-attention to the prompt).
 _PADDED_TEXT_VARIANTS = frozenset({"attn2", "audio_attn2"})
@@ -38,22 +38,85 @@ _CPU_KEEP_LEN = 64
 
 
 # ---------------------------------------------------------------------------
-# References (plain jnp; bounded memory, see `kernel_lib.attention_reference`).
+# References (plain jnp, fp32, bounded memory).
 
 
-def noncausal_attention_reference(q, k, v, key_valid) -> jax.Array:
-  """softmax(q k^T / sqrt(D)) v over the keys with key_valid, fp32."""
-  return kernel_lib.attention_reference(q, k, v, key_valid=key_valid)
+def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None, segment_ids=None,
+                        sm_scale=None, q_chunk: int = 1024) -> jax.Array:
+  """Attention of q [B, Nq, H, D] over the visible keys of k, v [B, Nk, H, D]
+  (after the prefix k_prefix, v_prefix [B, Np, H, D], every prefix key
+  visible): key j visible unless `key_valid[b, j]` is False or, with
+  `segment_ids` (Nk == Nq), `segment_ids[j] > segment_ids[i]`; scale
+  `sm_scale` (default D**-0.5).
+
+  fp32 scores and softmax at HIGHEST matmul precision, one rounding at the
+  end, lonely rows 0. Memory stays bounded: one head and `q_chunk` query rows
+  at a time, i.e. `[B, q_chunk, Np + Nk]` fp32 scores (42 MiB at B=1,
+  Np+Nk=10269), via `lax.map` over heads and over query chunks.
+  """
+  batch, q_len, num_heads, head_dim = q.shape
+  kv_len = k.shape[1]
+  sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  key_visible = (jnp.ones((batch, kv_len), bool) if key_valid is None
+                 else key_valid.astype(bool))
+  q_segments = (jnp.zeros((batch, q_len), jnp.int32) if segment_ids is None
+                else segment_ids.astype(jnp.int32))
+  k_segments = q_segments if segment_ids is not None else jnp.zeros((batch, kv_len), jnp.int32)
+  if k_prefix is not None and k_prefix.shape[1]:
+    prefix_len = k_prefix.shape[1]
+    k = jnp.concatenate([k_prefix, k], axis=1)
+    v = jnp.concatenate([v_prefix, v], axis=1)
+    key_visible = jnp.concatenate([jnp.ones((batch, prefix_len), bool), key_visible], axis=1)
+    # The smallest segment id: every query sees the prefix.
+    k_segments = jnp.concatenate(
+        [jnp.full((batch, prefix_len), jnp.iinfo(jnp.int32).min, jnp.int32), k_segments], axis=1)
+
+  chunk = min(q_chunk, q_len)
+  num_chunks = cdiv(q_len, chunk)
+  pad = num_chunks * chunk - q_len
+  # [H, chunks, B, chunk, D] queries, [chunks, B, chunk] segment ids.
+  q_chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  q_chunks = q_chunks.reshape(batch, num_chunks, chunk, num_heads, head_dim).transpose(3, 1, 0, 2, 4)
+  q_segment_chunks = jnp.pad(q_segments, ((0, 0), (0, pad))).reshape(
+      batch, num_chunks, chunk).transpose(1, 0, 2)
+  visible_keys = key_visible[:, None, :]                 # [B, 1, Nk]
+
+  def one_head(args):
+    q_h, k_h, v_h = args                                 # [chunks, B, c, D], [B, Nk, D] x2
+    k_h, v_h = k_h.astype(jnp.float32), v_h.astype(jnp.float32)
+
+    def one_chunk(args):
+      q_c, seg_c = args                                  # [B, c, D], [B, c]
+      s = jnp.einsum("bqd,bkd->bqk", q_c.astype(jnp.float32), k_h,
+                     precision=lax.Precision.HIGHEST) * sm_scale
+      visible = visible_keys & (k_segments[:, None, :] <= seg_c[:, :, None])
+      s = jnp.where(visible, s, -jnp.inf)
+      m = jnp.max(s, axis=-1, keepdims=True)
+      p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))   # 0 where not visible
+      l = jnp.sum(p, axis=-1, keepdims=True)
+      o = jnp.einsum("bqk,bkd->bqd", p, v_h, precision=lax.Precision.HIGHEST)
+      return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(q.dtype)
+
+    return lax.map(one_chunk, (q_h, q_segment_chunks))   # [chunks, B, c, D]
+
+  o = lax.map(one_head, (q_chunks, k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)))
+  o = o.transpose(2, 1, 3, 0, 4).reshape(batch, num_chunks * chunk, num_heads, head_dim)
+  return o[:, :q_len]
 
 
-def prefix_cached_attention_reference(q, k, v, k_prefix, v_prefix) -> jax.Array:
-  """Attention of q over the keys concat(k_prefix, k), all visible, fp32."""
-  return kernel_lib.attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix)
+def noncausal_attention_reference(q, k, v, key_valid=None, *, sm_scale=None) -> jax.Array:
+  """softmax(q k^T * sm_scale) v over the keys with key_valid (all without)."""
+  return attention_reference(q, k, v, key_valid=key_valid, sm_scale=sm_scale)
 
 
-def block_causal_attention_reference(q, k, v, segment_ids) -> jax.Array:
-  """Key j visible to query i iff segment_ids[j] <= segment_ids[i], fp32."""
-  return kernel_lib.attention_reference(q, k, v, segment_ids=segment_ids)
+def prefix_cached_attention_reference(q, k, v, k_prefix, v_prefix, *, sm_scale=None) -> jax.Array:
+  """Attention of q over the keys concat(k_prefix, k), all visible."""
+  return attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, sm_scale=sm_scale)
+
+
+def block_causal_attention_reference(q, k, v, segment_ids, *, sm_scale=None) -> jax.Array:
+  """Key j visible to query i iff segment_ids[j] <= segment_ids[i]."""
+  return attention_reference(q, k, v, segment_ids=segment_ids, sm_scale=sm_scale)
 
 
 # ---------------------------------------------------------------------------

@@ -20,16 +20,32 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxkern.op import OpImpl
+from jaxkern.family import OpImpl
 from pallas_kernels import gdn_decode as gdn_kernels
 
 # ------------------------------------------------------------------ references
 
 
+def softplus(x):
+  """torch.nn.functional.softplus (beta 1): x itself above the threshold 20."""
+  return jnp.where(x > 20.0, x, jax.nn.softplus(x))
+
+
 def gates(a, b, A_log, dt_bias):
-  """(g, beta) fp32, shaped like `a`: decay in (0, 1], update gate in (0, 1)."""
-  g = jnp.exp(gdn_kernels.log_decay(a, A_log.astype(jnp.float32), dt_bias.astype(jnp.float32)))
-  return g, gdn_kernels.sigmoid(b)
+  """(g, beta) fp32, shaped like `a`: decay g = exp(-exp(A_log) *
+  softplus(a + dt_bias)) in (0, 1], update gate beta = sigmoid(b) in (0, 1).
+  The reference's own gate math (not the kernel's), so that a gate bug in the
+  kernel cannot pass its own check."""
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  g = jnp.exp(-jnp.exp(f32(A_log)) * softplus(f32(a) + f32(dt_bias)))
+  return g, jax.nn.sigmoid(f32(b))
+
+
+def resolve_scale(scale, head_size: int) -> jax.Array:
+  """0-d fp32: `scale`, or 1/sqrt(head_size) where it is 0 (the definition's
+  default)."""
+  scale = jnp.asarray(scale, jnp.float32).reshape(())
+  return jnp.where(scale == 0.0, jnp.float32(head_size) ** -0.5, scale)
 
 
 def per_v_head(x, num_v_heads: int):
@@ -55,7 +71,7 @@ def gdn_decode_reference(q, k, v, state, A_log, a, dt_bias, b, scale):
   g, beta = gates(a[:, 0], b[:, 0], A_log, dt_bias)              # [B, HV]
   s, o = delta_step(state.astype(jnp.float32), per_v_head(q[:, 0], hv),
                      per_v_head(k[:, 0], hv), v[:, 0].astype(jnp.float32), g, beta,
-                     gdn_kernels.resolve_scale(scale, d))
+                     resolve_scale(scale, d))
   return o[:, None].astype(jnp.bfloat16), s
 
 

@@ -15,10 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkern import compare
-from jaxkern.families.gdn_decode import (STATE_STD, delta_step, gates, head_params, per_v_head,
+from jaxkern.families.gdn_decode import (STATE_STD, delta_step, gates, head_params, per_v_head, resolve_scale,
                                          token_inputs)
-from jaxkern.op import OpImpl
-from pallas_kernels import gdn_decode as gdn_decode_kernels
+from jaxkern.family import OpImpl
 from pallas_kernels import gdn_prefill as gdn_kernels
 
 _CPU_TOKENS = 192       # prefill tokens at CPU scale (plus total % 64: ragged chunks stay)
@@ -40,7 +39,7 @@ def gdn_prefill_reference(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scal
   qh, kh = per_v_head(q, hv), per_v_head(k, hv)                 # [T, HV, D]
   vh = v.astype(jnp.float32)
   g, beta = gates(a, b, A_log, dt_bias)                          # [T, HV]
-  scale = gdn_decode_kernels.resolve_scale(scale, d)
+  scale = resolve_scale(scale, d)
 
   def step(p, carry):
     s, out = carry

@@ -41,9 +41,8 @@ from jax import lax
 import jax.numpy as jnp
 
 from jaxkern import quant
-from jaxkern.op import OpImpl
+from jaxkern.family import OpImpl, cdiv
 from pallas_kernels import grouped_gemm as kernel_lib
-from pallas_kernels.common import cdiv
 
 GroupedGemmConfig = kernel_lib.GroupedGemmConfig
 

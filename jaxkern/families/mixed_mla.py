@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkern import quant
-from jaxkern.op import OpImpl
+from jaxkern.family import OpImpl
 from pallas_kernels import mixed_mla as kernel_lib
 
 MixedMlaDecodeConfig = kernel_lib.MixedMlaDecodeConfig

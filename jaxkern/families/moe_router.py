@@ -18,7 +18,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from jaxkern import compare
-from jaxkern.op import OpImpl, shrink_rows
+from jaxkern.family import OpImpl, shrink_rows
 from pallas_kernels import moe_router as kernel_lib
 
 ROUTED_SCALING_FACTOR = 1.5  # DeepSeek-V4.1-Flash
@@ -31,14 +31,28 @@ _NORM_GAIN_LOG_STD = 0.3
 # load-balancing bias does, too small to override clear winners.
 _BIAS_STD = 0.05
 
-# The plain-jnp reference lives beside the kernel (`jaxkern.ops` uses it as
-# the XLA path too); the definition names it here.
-moe_router_reference = kernel_lib.moe_router_topk_reference
+
+def router_scores(hidden: jax.Array, weight: jax.Array) -> jax.Array:
+  """fp32 sqrt(softplus(hidden @ weight^T)), [M, E]."""
+  logits = lax.dot_general(hidden, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  return jnp.sqrt(jax.nn.softplus(logits))
+
+
+def moe_router_reference(hidden, weight, bias, routed_scaling_factor, *, top_k: int = 6):
+  """Plain-jnp router. `lax.top_k` returns equal values in index order, so
+  exact ties go to the lower expert id. The [M, E] fp32 scores are small
+  (6 MiB at M=4096, E=384), so no chunking is needed."""
+  scores = router_scores(hidden, weight)
+  _, ids = lax.top_k(scores + bias.astype(jnp.float32)[None, :], top_k)
+  ids = jnp.sort(ids, axis=1)
+  chosen = jnp.take_along_axis(scores, ids, axis=1)
+  weights = chosen / jnp.sum(chosen, axis=1, keepdims=True) * jnp.asarray(routed_scaling_factor, jnp.float32)
+  return ids.astype(jnp.int32), weights
 
 
 def selection_scores(inputs: Mapping[str, jax.Array]) -> jax.Array:
   """What the top-k ranks: scores + bias, f32 [M, E] (for tie-aware compare)."""
-  return kernel_lib.router_scores(inputs["hidden"], inputs["weight"]) + inputs["bias"].astype(jnp.float32)
+  return router_scores(inputs["hidden"], inputs["weight"]) + inputs["bias"].astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("m", "d", "e"))

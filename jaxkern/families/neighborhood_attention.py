@@ -21,9 +21,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxkern.op import OpImpl
+from jaxkern.family import OpImpl, cdiv
 from pallas_kernels import neighborhood_attention as kernel_lib
-from pallas_kernels.common import cdiv
 
 NeighborhoodAttentionConfig = kernel_lib.NeighborhoodAttentionConfig
 

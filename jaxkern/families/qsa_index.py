@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkern import compare
-from jaxkern.op import OpImpl
+from jaxkern.family import OpImpl
 from pallas_kernels import qsa_index as index_lib
 
 # Defaults of the constant axes the functions cannot read from input shapes

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxkern.families.qsa_index import (AXIS_PARAMS, COMPRESS, INDEX_HEADS, cpu_axes, paged_structure,
                                         qsa_index_topk_reference)
-from jaxkern.op import OpImpl
+from jaxkern.family import OpImpl
 from pallas_kernels import qsa_sparse_gqa as gqa_lib
 
 

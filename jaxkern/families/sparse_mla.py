@@ -48,7 +48,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkern.op import OpImpl
+from jaxkern.family import OpImpl
 from pallas_kernels import sparse_mla as kernel_lib
 
 SparseMlaPrefillConfig = kernel_lib.SparseMlaPrefillConfig
