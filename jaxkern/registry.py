@@ -28,6 +28,7 @@ import numpy as np
 from jaxkern import blobs
 from jaxkern import compare as compare_lib
 from jaxkern import dataset
+from jaxkern import roofline
 from jaxkern import tuning
 from jaxkern.family import OpImpl, bind_axes
 from pallas_kernels.common import has_gpu, resolve_interpret
@@ -208,6 +209,20 @@ class Op:
     return RunPlan(axes=axes, axes_run=axes_run, scaled=scaled, inputs=inputs, inputs_source=source,
                    expected=None if scaled else expected,
                    choice=self.config_for(inputs, config, tuned=tuned))
+
+  def cost(self, axes: Mapping[str, int], *, inputs: Mapping[str, jax.Array] | None = None,
+           record: Mapping[str, Any] | None = None) -> roofline.Cost:
+    """FLOPs and minimum HBM bytes of a run at `axes` (the family's formula,
+    `OpImpl.cost`). Variable axes suffice; constant axes not given take the
+    definition's values, given ones win (a run with shrunk constants).
+    `inputs` (the run's arrays) and `record` (the workload record) let the
+    formula count what the data decides."""
+    impl = self._require()
+    if impl.cost is None:
+      raise NotImplementedError(f"{self.name}: the family has no cost formula (OpImpl.cost)")
+    full = {**self.definition.const_axes, **{k: int(v) for k, v in axes.items()}}
+    flops, nbytes, dtype_class = impl.cost(self.definition, full, inputs=inputs, record=record)
+    return roofline.Cost(flops=int(flops), bytes=int(nbytes), dtype_class=dtype_class, family=impl.cost.__name__)
 
   def compare(self, out: Mapping[str, jax.Array], ref: Mapping[str, jax.Array], *,
               inputs: Mapping[str, jax.Array] | None = None,

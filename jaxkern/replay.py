@@ -123,8 +123,8 @@ def run_workload(op: registry.Op, w: dataset.Workload, cfg: config_dict.ConfigDi
                       "warmup": cfg.warmup, "iters": cfg.iters,
                       "timing": ("interpret mode: checks plumbing, not speed" if interpret else k["method"])}
     ev.performance.update(roofline.performance_fields(  # speed_of_light_ms; sol_fraction on a GPU
-        op.definition, plan.axes, k["median_ms"], device_kind=ev.environment.get("hardware"),
-        measured_on_gpu=on_gpu and not interpret, record=w.record))
+        lambda: op.cost(plan.axes, inputs=plan.inputs, record=w.record), k["median_ms"],
+        device_kind=ev.environment.get("hardware"), measured_on_gpu=on_gpu and not interpret))
   except _Failed as f:
     ev.status, ev.log = f.status, str(f)
   except Exception as e:  # pylint: disable=broad-except

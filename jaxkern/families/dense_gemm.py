@@ -14,6 +14,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxkern import roofline
 from jaxkern.family import OpImpl, cdiv, shrink_rows, shrink_until
 from pallas_kernels import dense_gemm as kernel_lib
 
@@ -84,8 +85,16 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   return shrink_until(out, lambda a: a["M"] * a["N"] * a["K"] <= _CPU_MAC_BUDGET, halve_larger)
 
 
+# ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def dense_gemm_cost(definition, axes, *, inputs=None, record=None):
+  """C[M,N] = A[M,K] B[N,K]^T. FLOPs 2MNK; bytes A + B + C once (bf16)."""
+  return 2 * axes["M"] * axes["N"] * axes["K"], roofline.io_bytes(definition, axes), "bf16"
+
 IMPLS = (
     OpImpl(reference=dense_gemm_reference, kernel=kernel_lib.dense_gemm_nt, make_inputs=make_inputs,
            choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
-           cpu_axes=cpu_axes),
+           cpu_axes=cpu_axes, cost=dense_gemm_cost),
 )

@@ -20,6 +20,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxkern import roofline
 from jaxkern.family import OpImpl, cdiv
 from pallas_kernels import flash_attention as kernel_lib
 
@@ -251,18 +252,61 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def noncausal_attention_cost(definition, axes, *, inputs=None, record=None):
+  """Non-causal attention: FLOPs 4 B H Nq Nk D (QK^T and PV). Keys masked
+  out by `key_valid` (padded text) are data, not axes: all Nk keys are
+  counted, so for padded variants the speed of light is an upper bound.
+  Bytes: q, k, v, key_valid read and o written once (K/V read once per batch
+  row, not once per query block)."""
+  return 4 * axes["B"] * axes["H"] * axes["Nq"] * axes["Nk"] * axes["D"], roofline.io_bytes(definition, axes), "bf16"
+
+
+def prefix_cached_attention_cost(definition, axes, *, inputs=None, record=None):
+  """Every target query sees Np prefix keys and Nq target keys: FLOPs
+  4 B H Nq (Nq + Np) D. Bytes: q, k, v, k_prefix, v_prefix read and o
+  written once."""
+  flops = 4 * axes["B"] * axes["H"] * axes["Nq"] * (axes["Nq"] + axes["Np"]) * axes["D"]
+  return flops, roofline.io_bytes(definition, axes), "bf16"
+
+
+def block_causal_pairs(segment_ends: list[int]) -> int:
+  """Visible (query, key) pairs of a block-causal mask over segments ending
+  at `segment_ends`: a query of segment s sees every key up to the end of s,
+  so sum_s len(s) * end(s)."""
+  pairs, start = 0, 0
+  for end in segment_ends:
+    pairs += (end - start) * end
+    start = end
+  return pairs
+
+
+def block_causal_attention_cost(definition, axes, *, inputs=None, record=None):
+  """Block-causal over segments: only visible pairs are counted, FLOPs
+  4 B H D * pairs with pairs = `block_causal_pairs(ends)`. The segments are
+  the record's `prefix_segments` rescaled to Nq as the replay synthesizes
+  them; without a record one segment (pairs = Nq^2, what the replay runs
+  then). Bytes: q, k, v, segment_ids read and o written once."""
+  nq = axes["Nq"]
+  segments = (record or {}).get("prefix_segments")
+  ends = segment_ends(segments, nq) if segments else [nq]
+  return 4 * axes["B"] * axes["H"] * axes["D"] * block_causal_pairs(ends), roofline.io_bytes(definition, axes), "bf16"
+
+# ---------------------------------------------------------------------------
 # One flash kernel serves all four definitions: its optional key sources and
 # masks are keyword arguments named like the definitions' inputs.
 
 
-def _impl(reference, make_inputs) -> OpImpl:
+def _impl(reference, make_inputs, cost) -> OpImpl:
   return OpImpl(reference=reference, kernel=kernel_lib.flash_attention, make_inputs=make_inputs,
                 choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
-                cpu_axes=cpu_axes)
+                cpu_axes=cpu_axes, cost=cost)
 
 
 IMPLS = (
-    _impl(noncausal_attention_reference, make_noncausal_inputs),
-    _impl(prefix_cached_attention_reference, make_prefix_cached_inputs),
-    _impl(block_causal_attention_reference, make_block_causal_inputs),
+    _impl(noncausal_attention_reference, make_noncausal_inputs, noncausal_attention_cost),
+    _impl(prefix_cached_attention_reference, make_prefix_cached_inputs, prefix_cached_attention_cost),
+    _impl(block_causal_attention_reference, make_block_causal_inputs, block_causal_attention_cost),
 )

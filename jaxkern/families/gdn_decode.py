@@ -20,6 +20,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxkern import roofline
 from jaxkern.family import OpImpl
 from pallas_kernels import gdn_decode as gdn_kernels
 
@@ -140,6 +141,23 @@ def decode_cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   return out
 
 
+# ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def gdn_flops(tokens: int, axes: Mapping[str, int]) -> int:
+  """Per token and v-head, over the K x V state: decay (1 per element),
+  k^T S (2), the rank-1 update (2), q^T S (2): 7 K V."""
+  return 7 * tokens * axes["num_v_heads"] * axes["head_size"] * axes["head_size"]
+
+
+def gdn_decode_cost(definition, axes, *, inputs=None, record=None):
+  """Gated delta rule, one token per sequence: FLOPs 7 B HV K V (see
+  `gdn_flops`; the per-head gates are not counted), matrix-vector work on
+  the FP32 (non-tensor-core) peak. Bytes: all inputs read once (the f32
+  state [B,HV,K,V] dominates) and output and new_state written once."""
+  return gdn_flops(axes["batch_size"] * axes["seq_len"], axes), roofline.io_bytes(definition, axes), "fp32"
+
 # ------------------------------------------------------------------ registry
 
 IMPLS = (
@@ -148,5 +166,6 @@ IMPLS = (
            make_inputs=make_decode_inputs,
            choose_config=gdn_kernels.choose_config,
            candidate_configs=gdn_kernels.candidate_configs,
-           cpu_axes=decode_cpu_axes),
+           cpu_axes=decode_cpu_axes,
+           cost=gdn_decode_cost),
 )

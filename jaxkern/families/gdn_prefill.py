@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkern import compare
-from jaxkern.families.gdn_decode import (STATE_STD, delta_step, gates, head_params, per_v_head, resolve_scale,
-                                         token_inputs)
+from jaxkern import roofline
+from jaxkern.families.gdn_decode import (STATE_STD, delta_step, gates, gdn_flops, head_params, per_v_head,
+                                         resolve_scale, token_inputs)
 from jaxkern.family import OpImpl
 from pallas_kernels import gdn_prefill as gdn_kernels
 
@@ -106,6 +107,18 @@ def prefill_cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   return out
 
 
+# ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def gdn_prefill_cost(definition, axes, *, inputs=None, record=None):
+  """Gated delta rule over total_seq_len tokens: FLOPs 7 T HV K V, the
+  sequential recurrence's work (a chunked kernel does somewhat more), on the
+  BF16 peak (the chunked form runs on tensor cores). Bytes: all inputs
+  (q, k, v, gates, cu_seqlens, the f32 initial state [N,HV,K,V]) read and
+  output and new_state written once."""
+  return gdn_flops(axes["total_seq_len"], axes), roofline.io_bytes(definition, axes), "bf16"
+
 IMPLS = (
     OpImpl(reference=gdn_prefill_reference,
            kernel=gdn_kernels.gdn_prefill,
@@ -113,5 +126,6 @@ IMPLS = (
            choose_config=gdn_kernels.choose_config,
            candidate_configs=gdn_kernels.candidate_configs,
            cpu_axes=prefill_cpu_axes,
+           cost=gdn_prefill_cost,
            policies={"new_state": compare.StateMetric()}),
 )

@@ -41,6 +41,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from jaxkern import quant
+from jaxkern import roofline
 from jaxkern.family import OpImpl, cdiv
 from pallas_kernels import grouped_gemm as kernel_lib
 
@@ -200,6 +201,31 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   return out
 
 
+# ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def expected_experts(rows: int, experts: int) -> float:
+  """Expected number of distinct experts `rows` uniformly routed rows touch:
+  E (1 - (1 - 1/E)^rows); exactly 1 for one row or one expert."""
+  if rows <= 0:
+    return 0.0
+  return experts * (1.0 - (1.0 - 1.0 / experts) ** rows)
+
+
+def grouped_gemm_cost(definition, axes, *, inputs=None, record=None):
+  """C[m] = a[m] (FP8, UE8M0 scale per 32 k) times expert e(m)'s FP4 weight.
+  FLOPs 2MNK, every row counted (padding rows `-1` are data, not axes), on
+  the FP8 peak (Hopper has no FP4 tensor cores). Bytes: a, a_scale,
+  expert_ids read and C written once; of the weights b and b_scale (packed
+  e2m1 and UE8M0 bytes as stored) only the experts the rows route to, the
+  expected number of distinct experts under uniform routing
+  (`expected_experts(M, E)`, exact for M=1; at most min(M, E))."""
+  m, e = axes["M"], axes["E"]
+  per_expert = (roofline.tensor_bytes(definition, "b", axes) + roofline.tensor_bytes(definition, "b_scale", axes)) / e
+  weights = round(expected_experts(m, e) * per_expert)
+  return 2 * m * axes["N"] * axes["K"], roofline.io_bytes(definition, axes, skip=("b", "b_scale")) + weights, "fp8"
+
 def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
                          expert_ids: jax.Array, *, config: GroupedGemmConfig | None = None,
                          interpret: bool | None = None) -> jax.Array:
@@ -217,5 +243,6 @@ IMPLS = (
         choose_config=kernel_lib.choose_config,
         candidate_configs=kernel_lib.candidate_configs,
         cpu_axes=cpu_axes,
+        cost=grouped_gemm_cost,
     ),
 )

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkern import quant
+from jaxkern import roofline
 from jaxkern.family import OpImpl
 from pallas_kernels import mixed_mla as kernel_lib
 
@@ -210,6 +211,26 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def mixed_mla_decode_cost(definition, axes, *, inputs=None, record=None):
+  """Mixed FP8/FP4 MLA decode: each batch row attends to at most
+  min(K8, N8*P8) FP8 tokens plus min(K4, N4*P4) FP4 tokens: FLOPs
+  4 B H (those) D. Bytes: q, both index tables, sink, scalar read, out and
+  lse written once; of the paged caches only gathered tokens, as stored
+  (FP8: 512 e4m3 bytes + 4 f32 scales = 528; FP4: 256 packed bytes + 32
+  UE8M0 scales = 288 per token), at most min(B*K8, N8*P8) and
+  min(B*K4, N4*P4) distinct tokens. The dequantized tokens meet the queries
+  on the BF16 peak."""
+  n8, n4 = axes["N8"] * axes["P8"], axes["N4"] * axes["P4"]
+  slots = min(axes["K8"], n8) + min(axes["K4"], n4)
+  gathered = (min(axes["B"] * axes["K8"], n8) * (roofline.tensor_bytes(definition, "kv_fp8", axes) // max(n8, 1))
+              + min(axes["B"] * axes["K4"], n4) * (roofline.tensor_bytes(definition, "kv_fp4", axes) // max(n4, 1)))
+  flops = 4 * axes["B"] * axes["H"] * slots * axes["D"]
+  return flops, roofline.io_bytes(definition, axes, skip=("kv_fp8", "kv_fp4")) + gathered, "bf16"
+
+# ---------------------------------------------------------------------------
 # Kernel registration.
 
 IMPLS = (
@@ -220,5 +241,6 @@ IMPLS = (
         choose_config=kernel_lib.choose_config,
         candidate_configs=kernel_lib.candidate_configs,
         cpu_axes=cpu_axes,
+        cost=mixed_mla_decode_cost,
     ),
 )

@@ -18,6 +18,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from jaxkern import compare
+from jaxkern import roofline
 from jaxkern.family import OpImpl, shrink_rows
 from pallas_kernels import moe_router as kernel_lib
 
@@ -90,10 +91,20 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   return {**axes, "M": shrink_rows(int(axes["M"]))}
 
 
+# ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def moe_router_cost(definition, axes, *, inputs=None, record=None):
+  """logits = hidden[M,D] weight[E,D]^T, then scoring and top-k on chip.
+  FLOPs 2MED (the epilogue's per-logit math is not counted); bytes hidden +
+  weight + bias + scalar read, ids and weights [M,TOPK] written."""
+  return 2 * axes["M"] * axes["E"] * axes["D"], roofline.io_bytes(definition, axes), "bf16"
+
 IMPLS = (
     OpImpl(reference=moe_router_reference, kernel=kernel_lib.moe_router_topk, make_inputs=make_inputs,
            choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
-           cpu_axes=cpu_axes, axis_params={"top_k": "TOPK"},
+           cpu_axes=cpu_axes, cost=moe_router_cost, axis_params={"top_k": "TOPK"},
            policies={"expert_ids": compare.TopK(scores=selection_scores),
                      "expert_weights": compare.PairedWith("expert_ids")}),
 )

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkern import compare
+from jaxkern import roofline
 from jaxkern.family import OpImpl
 from pallas_kernels import qsa_index as index_lib
 
@@ -235,6 +236,23 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   return out
 
 
+# ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def qsa_index_topk_cost(definition, axes, *, inputs=None, record=None):
+  """QSA indexer: every sequence scores its compressed keys through its page
+  table; a sequence has at most MP*P of them (its actual count is data), so
+  FLOPs 2 B MP P H D (relu and the head sum are not counted). Top-k: the
+  selection's comparisons are not FLOPs and the scores stay on chip; only
+  the ids [B,TOPK] are written. Bytes: q, page_table, seq_lens read, ids
+  written once; of index_k only the pages the page tables can reference,
+  min(NP, B*MP) pages (shared prefix pages read once)."""
+  pages = min(axes["NP"], axes["B"] * axes["MP"])
+  page = roofline.tensor_bytes(definition, "index_k", axes) // max(axes["NP"], 1)
+  flops = 2 * axes["B"] * axes["MP"] * axes["P"] * axes["H"] * axes["D"]
+  return flops, roofline.io_bytes(definition, axes, skip=("index_k",)) + pages * page, "bf16"
+
 # Keyword-only parameters that receive the definition's constant axes.
 AXIS_PARAMS = {"topk": "TOPK", "compress": "C"}
 
@@ -246,6 +264,7 @@ IMPLS = (
         choose_config=index_lib.choose_config,
         candidate_configs=index_lib.candidate_configs,
         cpu_axes=cpu_axes,
+        cost=qsa_index_topk_cost,
         policies={"topk_ids": compare.TopK(scores=index_topk_scores)},
         axis_params=AXIS_PARAMS,
     ),

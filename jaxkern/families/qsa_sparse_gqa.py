@@ -15,6 +15,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxkern import roofline
 from jaxkern.families.qsa_index import (AXIS_PARAMS, COMPRESS, INDEX_HEADS, cpu_axes, paged_structure,
                                         qsa_index_topk_reference)
 from jaxkern.family import OpImpl
@@ -86,6 +87,24 @@ def make_gqa_inputs(axes: Mapping[str, int], key: jax.Array,
           "sm_scale": jnp.asarray(d ** -0.5, jnp.float32)}
 
 
+# ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def qsa_sparse_gqa_decode_cost(definition, axes, *, inputs=None, record=None):
+  """QSA sparse GQA decode: a sequence sees at most its TOPK selected blocks
+  of C tokens plus an incomplete tail (< C tokens), and at most its page
+  table's MP*P tokens: t = min(MP*P, TOPK*C + C - 1) per sequence, FLOPs
+  4 B HQ t D. Bytes: q, page_table, seq_lens, topk_ids, scalar read and o
+  written once; of k_cache and v_cache only gathered token rows (all HKV
+  heads of a token), at most min(B*t, NP*P) distinct tokens."""
+  t = min(axes["MP"] * axes["P"], axes["TOPK"] * axes["C"] + axes["C"] - 1)
+  tokens = axes["NP"] * axes["P"]
+  caches = roofline.tensor_bytes(definition, "k_cache", axes) + roofline.tensor_bytes(definition, "v_cache", axes)
+  gathered = min(axes["B"] * t, tokens) * (caches // max(tokens, 1))
+  nbytes = roofline.io_bytes(definition, axes, skip=("k_cache", "v_cache")) + gathered
+  return 4 * axes["B"] * axes["HQ"] * t * axes["D"], nbytes, "bf16"
+
 IMPLS = (
     OpImpl(
         reference=qsa_sparse_gqa_decode_reference,
@@ -94,6 +113,7 @@ IMPLS = (
         choose_config=gqa_lib.choose_config,
         candidate_configs=gqa_lib.candidate_configs,
         cpu_axes=cpu_axes,
+        cost=qsa_sparse_gqa_decode_cost,
         axis_params=AXIS_PARAMS,
     ),
 )

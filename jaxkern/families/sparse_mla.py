@@ -48,6 +48,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkern import roofline
 from jaxkern.family import OpImpl
 from pallas_kernels import sparse_mla as kernel_lib
 
@@ -267,6 +268,23 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def sparse_mla_prefill_cost(definition, axes, *, inputs=None, record=None):
+  """Sparse MLA over gathered latent rows (D used as both K and V): each query
+  row attends to at most min(TOPK, Nkv) valid indices (invalid `-1` slots
+  are data: the rest are counted as valid), so FLOPs 4 M H min(TOPK, Nkv) D.
+  Bytes: q, indices, sink, scalar read, out and lse written once; of the
+  workspace kv only the gathered rows, at most min(M*TOPK, Nkv) distinct
+  rows."""
+  slots = min(axes["TOPK"], axes["Nkv"])
+  row = roofline.tensor_bytes(definition, "kv", axes) // max(axes["Nkv"], 1)
+  gathered = min(axes["M"] * axes["TOPK"], axes["Nkv"]) * row
+  nbytes = roofline.io_bytes(definition, axes, skip=("kv",)) + gathered
+  return 4 * axes["M"] * axes["H"] * slots * axes["D"], nbytes, "bf16"
+
+# ---------------------------------------------------------------------------
 # Registration.
 
 
@@ -278,5 +296,6 @@ IMPLS = (
         choose_config=kernel_lib.choose_config,
         candidate_configs=kernel_lib.candidate_configs,
         cpu_axes=cpu_axes,
+        cost=sparse_mla_prefill_cost,
     ),
 )
