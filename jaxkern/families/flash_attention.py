@@ -14,12 +14,13 @@ Scale `D**-0.5`, fp32 scores and softmax, one rounding to bf16; a lonely row
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, cdiv
 from pallas_kernels import flash_attention as kernel_lib
@@ -294,6 +295,7 @@ def block_causal_attention_cost(definition, axes, *, inputs=None, record=None):
   ends = segment_ends(segments, nq) if segments else [nq]
   return 4 * axes["B"] * axes["H"] * axes["D"] * block_causal_pairs(ends), roofline.io_bytes(definition, axes), "bf16"
 
+
 # ---------------------------------------------------------------------------
 # One flash kernel serves all four definitions: its optional key sources and
 # masks are keyword arguments named like the definitions' inputs.
@@ -305,8 +307,37 @@ def _impl(reference, make_inputs, cost) -> OpImpl:
                 cpu_axes=cpu_axes, cost=cost)
 
 
-IMPLS = (
-    _impl(noncausal_attention_reference, make_noncausal_inputs, noncausal_attention_cost),
-    _impl(prefix_cached_attention_reference, make_prefix_cached_inputs, prefix_cached_attention_cost),
-    _impl(block_causal_attention_reference, make_block_causal_inputs, block_causal_attention_cost),
-)
+NONCAUSAL = _impl(noncausal_attention_reference, make_noncausal_inputs, noncausal_attention_cost)
+PREFIX_CACHED = _impl(prefix_cached_attention_reference, make_prefix_cached_inputs, prefix_cached_attention_cost)
+BLOCK_CAUSAL = _impl(block_causal_attention_reference, make_block_causal_inputs, block_causal_attention_cost)
+IMPLS = (NONCAUSAL, PREFIX_CACHED, BLOCK_CAUSAL)
+
+
+# ---------------------------------------------------------------------------
+# Public ops (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.Array | None = None,
+              sm_scale: float | None = None, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
+  """Non-causal attention, [B, N, H, D] layout; `key_valid [B, Nk]` hides
+  keys, rows with no visible key are 0; scale defaults to D**-0.5."""
+  return dispatch.run(NONCAUSAL, {"q": q, "k": k, "v": v, "key_valid": key_valid}, params={"sm_scale": sm_scale},
+                      config=config, backend=backend)
+
+
+def prefix_cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_prefix: jax.Array,
+                            v_prefix: jax.Array, *, sm_scale: float | None = None, config: Any = None,
+                            backend: dispatch.Backend = None) -> jax.Array:
+  """Attention of q over keys concat(k_prefix, k), all visible; the
+  concatenation is never materialized by the kernel."""
+  inputs = {"q": q, "k": k, "v": v, "k_prefix": k_prefix, "v_prefix": v_prefix}
+  return dispatch.run(PREFIX_CACHED, inputs, params={"sm_scale": sm_scale}, config=config, backend=backend)
+
+
+def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                           sm_scale: float | None = None, config: Any = None,
+                           backend: dispatch.Backend = None) -> jax.Array:
+  """Self-attention where token j is visible to token i iff
+  segment_ids[b, j] <= segment_ids[b, i] (nondecreasing int32 ids)."""
+  return dispatch.run(BLOCK_CAUSAL, {"q": q, "k": k, "v": v, "segment_ids": segment_ids},
+                      params={"sm_scale": sm_scale}, config=config, backend=backend)

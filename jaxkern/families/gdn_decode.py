@@ -14,12 +14,13 @@ synthesis defined here.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl
 from pallas_kernels import gdn_decode as gdn_kernels
@@ -160,12 +161,26 @@ def gdn_decode_cost(definition, axes, *, inputs=None, record=None):
 
 # ------------------------------------------------------------------ registry
 
-IMPLS = (
-    OpImpl(reference=gdn_decode_reference,
-           kernel=gdn_kernels.gdn_decode,
-           make_inputs=make_decode_inputs,
-           choose_config=gdn_kernels.choose_config,
-           candidate_configs=gdn_kernels.candidate_configs,
-           cpu_axes=decode_cpu_axes,
-           cost=gdn_decode_cost),
-)
+IMPL = OpImpl(reference=gdn_decode_reference,
+              kernel=gdn_kernels.gdn_decode,
+              make_inputs=make_decode_inputs,
+              choose_config=gdn_kernels.choose_config,
+              candidate_configs=gdn_kernels.candidate_configs,
+              cpu_axes=decode_cpu_axes,
+              cost=gdn_decode_cost)
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def gdn_decode(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log: jax.Array,  # pylint: disable=invalid-name
+               a: jax.Array, dt_bias: jax.Array, b: jax.Array, scale: float | jax.Array | None = None, *,
+               config: Any = None, backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+  """Gated delta net decode step (Qwen3-Next): q, k [B, 1, HQ, D], v [B, 1, HV, D],
+  k-last state [B, HV, V, K] f32, a, b [B, 1, HV], A_log, dt_bias [HV];
+  scale None/0 -> D**-0.5. Returns (output [B, 1, HV, D] bf16, new_state f32)."""
+  inputs = dict(q=q, k=k, v=v, state=state, A_log=A_log, a=a, dt_bias=dt_bias, b=b,
+                scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32))
+  return dispatch.run(IMPL, inputs, config=config, backend=backend)

@@ -34,12 +34,13 @@ Input synthesis (SPEC 6), decided from the records:
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxkern import dispatch
 from jaxkern import quant
 from jaxkern import roofline
 from jaxkern.family import OpImpl, cdiv
@@ -226,23 +227,28 @@ def grouped_gemm_cost(definition, axes, *, inputs=None, record=None):
   weights = round(expected_experts(m, e) * per_expert)
   return 2 * m * axes["N"] * axes["K"], roofline.io_bytes(definition, axes, skip=("b", "b_scale")) + weights, "fp8"
 
-def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
-                         expert_ids: jax.Array, *, config: GroupedGemmConfig | None = None,
-                         interpret: bool | None = None) -> jax.Array:
-  """The Pallas kernel (interpreted when no GPU is present); see
-  `pallas_kernels.grouped_gemm.grouped_gemm_fp8_fp4`."""
-  return kernel_lib.grouped_gemm_fp8_fp4(a, a_scale, b, b_scale, expert_ids, config=config,
-                                         interpret=interpret)
 
-
-IMPLS = (
-    OpImpl(
-        reference=grouped_gemm_fp8_fp4_reference,
-        kernel=kernel_lib.grouped_gemm_fp8_fp4,
-        make_inputs=make_inputs,
-        choose_config=kernel_lib.choose_config,
-        candidate_configs=kernel_lib.candidate_configs,
-        cpu_axes=cpu_axes,
-        cost=grouped_gemm_cost,
-    ),
+IMPL = OpImpl(
+    reference=grouped_gemm_fp8_fp4_reference,
+    kernel=kernel_lib.grouped_gemm_fp8_fp4,
+    make_inputs=make_inputs,
+    choose_config=kernel_lib.choose_config,
+    candidate_configs=kernel_lib.candidate_configs,
+    cpu_axes=cpu_axes,
+    cost=grouped_gemm_cost,
 )
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
+                         expert_ids: jax.Array, *, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
+  """MoE expert GEMM, FP8 activations x MXFP4 weights (SPEC 4.3): a [M, K]
+  float8_e4m3fn with UE8M0 a_scale [M, K/32]; b [E, N, K/2] packed e2m1 with
+  UE8M0 b_scale [E, N, K/32]; rows grouped by expert_ids [M] (-1 = padding
+  row -> 0). Returns bf16 [M, N]. Quantizers: `jaxkern.quant`."""
+  inputs = {"a": a, "a_scale": a_scale, "b": b, "b_scale": b_scale, "expert_ids": expert_ids}
+  return dispatch.run(IMPL, inputs, config=config, backend=backend)

@@ -31,13 +31,14 @@ Synthesis (SPEC 6) from the record's `scheduler_sequence_lengths`:
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkern import dispatch
 from jaxkern import quant
 from jaxkern import roofline
 from jaxkern.family import OpImpl
@@ -233,14 +234,36 @@ def mixed_mla_decode_cost(definition, axes, *, inputs=None, record=None):
 # ---------------------------------------------------------------------------
 # Kernel registration.
 
-IMPLS = (
-    OpImpl(
-        reference=mixed_mla_decode_reference,
-        kernel=kernel_lib.mixed_mla_decode,
-        make_inputs=make_inputs,
-        choose_config=kernel_lib.choose_config,
-        candidate_configs=kernel_lib.candidate_configs,
-        cpu_axes=cpu_axes,
-        cost=mixed_mla_decode_cost,
-    ),
+IMPL = OpImpl(
+    reference=mixed_mla_decode_reference,
+    kernel=kernel_lib.mixed_mla_decode,
+    make_inputs=make_inputs,
+    choose_config=kernel_lib.choose_config,
+    candidate_configs=kernel_lib.candidate_configs,
+    cpu_axes=cpu_axes,
+    cost=mixed_mla_decode_cost,
 )
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv_fp4: jax.Array,
+                     indices_fp4: jax.Array, attn_sink: jax.Array,
+                     sm_scale: float | jax.Array | None = None, *, config: Any = None,
+                     backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek-V4 MLA decode over an FP8 window cache and an FP4 compressed cache.
+
+  q [B, H, D] bf16; kv_fp8 [N8, P8, 1, D + D/32] uint8 token records (see
+  `jaxkern.quant.quantize_mla_fp8_tokens`) read at flat rows indices_fp8
+  [B, K8]; kv_fp4 [N4, P4, 1, D/2 + D/16] uint8 (`quantize_mla_fp4_tokens`)
+  read at indices_fp4 [B, K4]; negative or out-of-range indices are skipped;
+  attn_sink [H] f32 joins the softmax denominator only; sm_scale defaults to
+  D**-0.5. Returns (out [B, H, D] bf16, lse [B, H] f32 natural log without
+  the sink; rows with no valid index: 0 and +inf)."""
+  sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+  inputs = dict(q=q, kv_fp8=kv_fp8, indices_fp8=indices_fp8, kv_fp4=kv_fp4, indices_fp4=indices_fp4,
+                sm_scale=jnp.asarray(sm_scale, jnp.float32), attn_sink=attn_sink)
+  return dispatch.run(IMPL, inputs, config=config, backend=backend)

@@ -11,13 +11,14 @@ Kernel: `pallas_kernels.moe_router`.
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
 from jaxkern import compare
+from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, shrink_rows
 from pallas_kernels import moe_router as kernel_lib
@@ -101,10 +102,26 @@ def moe_router_cost(definition, axes, *, inputs=None, record=None):
   weight + bias + scalar read, ids and weights [M,TOPK] written."""
   return 2 * axes["M"] * axes["E"] * axes["D"], roofline.io_bytes(definition, axes), "bf16"
 
-IMPLS = (
-    OpImpl(reference=moe_router_reference, kernel=kernel_lib.moe_router_topk, make_inputs=make_inputs,
-           choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
-           cpu_axes=cpu_axes, cost=moe_router_cost, axis_params={"top_k": "TOPK"},
-           policies={"expert_ids": compare.TopK(scores=selection_scores),
-                     "expert_weights": compare.PairedWith("expert_ids")}),
-)
+
+IMPL = OpImpl(reference=moe_router_reference, kernel=kernel_lib.moe_router_topk, make_inputs=make_inputs,
+              choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
+              cpu_axes=cpu_axes, cost=moe_router_cost, axis_params={"top_k": "TOPK"},
+              policies={"expert_ids": compare.TopK(scores=selection_scores),
+                        "expert_weights": compare.PairedWith("expert_ids")})
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def moe_router(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
+               routed_scaling_factor: float | jax.Array = ROUTED_SCALING_FACTOR, *, top_k: int = 6,
+               config: Any = None, backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek-V4 sqrtsoftplus router: hidden [..., D], weight [E, D], bias [E]
+  -> (expert_ids int32 [..., top_k] ascending, expert_weights f32 [..., top_k])."""
+  *batch, d = hidden.shape
+  inputs = {"hidden": hidden.reshape(-1, d), "weight": weight, "bias": bias,
+            "routed_scaling_factor": jnp.asarray(routed_scaling_factor, jnp.float32)}
+  ids, weights = dispatch.run(IMPL, inputs, const_axes={"TOPK": top_k}, config=config, backend=backend)
+  return ids.reshape(*batch, top_k), weights.reshape(*batch, top_k)

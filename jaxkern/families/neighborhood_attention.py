@@ -15,12 +15,13 @@ registry fills from the definition. Kernel:
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, cdiv
 from pallas_kernels import neighborhood_attention as kernel_lib
@@ -176,14 +177,29 @@ def neighborhood_attention_3d_cost(definition, axes, *, inputs=None, record=None
 # Registration.
 
 
-IMPLS = (
-    OpImpl(
-        reference=neighborhood_attention_3d_reference,
-        kernel=kernel_lib.neighborhood_attention_3d,
-        make_inputs=make_inputs,
-        choose_config=kernel_lib.choose_config,
-        candidate_configs=kernel_lib.candidate_configs,
-        cpu_axes=cpu_axes,
-        cost=neighborhood_attention_3d_cost,
-    ),
+IMPL = OpImpl(
+    reference=neighborhood_attention_3d_reference,
+    kernel=kernel_lib.neighborhood_attention_3d,
+    make_inputs=make_inputs,
+    choose_config=kernel_lib.choose_config,
+    candidate_configs=kernel_lib.candidate_configs,
+    cpu_axes=cpu_axes,
+    cost=neighborhood_attention_3d_cost,
 )
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                              kernel_size: int | tuple[int, int, int], config: Any = None,
+                              backend: dispatch.Backend = None) -> jax.Array:
+  """3-D neighborhood attention, NATTEN `na3d` semantics with `scale=1` (q
+  already scaled): q, k, v [B, T, Y, X, H, D]; each query attends to the
+  `kernel_size` (KT, KY, KX, or one int for all) window around it, shifted
+  inward at the borders. Returns o [B, T, Y, X, H, D] in q's dtype."""
+  kt, ky, kx = (kernel_size,) * 3 if isinstance(kernel_size, int) else kernel_size
+  return dispatch.run(IMPL, {"q": q, "k": k, "v": v}, const_axes={"KT": kt, "KY": ky, "KX": kx}, config=config,
+                      backend=backend)

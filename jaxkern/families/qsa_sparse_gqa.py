@@ -9,12 +9,13 @@ indexer's reference on the same page table.
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.families.qsa_index import (AXIS_PARAMS, COMPRESS, INDEX_HEADS, cpu_axes, paged_structure,
                                         qsa_index_topk_reference)
@@ -105,15 +106,31 @@ def qsa_sparse_gqa_decode_cost(definition, axes, *, inputs=None, record=None):
   nbytes = roofline.io_bytes(definition, axes, skip=("k_cache", "v_cache")) + gathered
   return 4 * axes["B"] * axes["HQ"] * t * axes["D"], nbytes, "bf16"
 
-IMPLS = (
-    OpImpl(
-        reference=qsa_sparse_gqa_decode_reference,
-        kernel=gqa_lib.qsa_sparse_gqa_decode,
-        make_inputs=make_gqa_inputs,
-        choose_config=gqa_lib.choose_config,
-        candidate_configs=gqa_lib.candidate_configs,
-        cpu_axes=cpu_axes,
-        cost=qsa_sparse_gqa_decode_cost,
-        axis_params=AXIS_PARAMS,
-    ),
+IMPL = OpImpl(
+    reference=qsa_sparse_gqa_decode_reference,
+    kernel=gqa_lib.qsa_sparse_gqa_decode,
+    make_inputs=make_gqa_inputs,
+    choose_config=gqa_lib.choose_config,
+    candidate_configs=gqa_lib.candidate_configs,
+    cpu_axes=cpu_axes,
+    cost=qsa_sparse_gqa_decode_cost,
+    axis_params=AXIS_PARAMS,
 )
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def qsa_sparse_gqa_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_table: jax.Array,
+                          seq_lens: jax.Array, topk_ids: jax.Array, sm_scale: float | jax.Array | None = None,
+                          *, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
+  """QSA sparse decode: q [B, 24, 256] over the 4-token blocks in topk_ids
+  [B, 512] (-1 = empty) plus the incomplete tail, paged k/v_cache
+  [NP, 64, 2, 256]; GQA (12 q heads per kv head); sm_scale defaults to
+  256**-0.5. Returns [B, 24, 256] in q's dtype."""
+  sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+  inputs = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "page_table": page_table, "seq_lens": seq_lens,
+            "topk_ids": topk_ids, "sm_scale": jnp.asarray(sm_scale, jnp.float32)}
+  return dispatch.run(IMPL, inputs, config=config, backend=backend)

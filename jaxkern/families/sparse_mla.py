@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl
 from pallas_kernels import sparse_mla as kernel_lib
@@ -288,14 +289,33 @@ def sparse_mla_prefill_cost(definition, axes, *, inputs=None, record=None):
 # Registration.
 
 
-IMPLS = (
-    OpImpl(
-        reference=sparse_mla_prefill_reference,
-        kernel=kernel_lib.sparse_mla_prefill,
-        make_inputs=make_inputs,
-        choose_config=kernel_lib.choose_config,
-        candidate_configs=kernel_lib.candidate_configs,
-        cpu_axes=cpu_axes,
-        cost=sparse_mla_prefill_cost,
-    ),
+IMPL = OpImpl(
+    reference=sparse_mla_prefill_reference,
+    kernel=kernel_lib.sparse_mla_prefill,
+    make_inputs=make_inputs,
+    choose_config=kernel_lib.choose_config,
+    candidate_configs=kernel_lib.candidate_configs,
+    cpu_axes=cpu_axes,
+    cost=sparse_mla_prefill_cost,
 )
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, attn_sink: jax.Array, *,
+                       sm_scale: float | jax.Array | None = None, config: Any = None,
+                       backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek sparse MLA prefill (FlashMLA sparse semantics): q [M, H, D],
+  latent workspace kv [Nkv, D] or [Nkv, 1, D] (key and value), indices
+  [M, TOPK] or [M, 1, TOPK] int32 (negative or >= Nkv = invalid), per-head
+  sink logits attn_sink [H] (denominator only); sm_scale defaults to D**-0.5.
+  Returns (out [M, H, D] in q's dtype, lse [M, H] f32, natural log, sink
+  excluded); a row with no valid index gives 0 and +inf."""
+  m, _, d = q.shape
+  inputs = dict(q=q, kv=kv.reshape(kv.shape[0], 1, d), indices=indices.reshape(m, 1, indices.shape[-1]),
+                sm_scale=jnp.asarray(d ** -0.5 if sm_scale is None else sm_scale, jnp.float32),
+                attn_sink=attn_sink)
+  return dispatch.run(IMPL, inputs, config=config, backend=backend)
