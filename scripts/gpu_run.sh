@@ -55,7 +55,7 @@ print(' '.join(n for n in registry.names()
                if registry.get(n).implemented and (not wanted or any(n.startswith(w) for w in wanted))))"); do
   left=$(( deadline - $(date +%s) ))
   [ "$left" -le 5 ] && { echo "sweep budget spent before $name" | tee -a "$OUT/run.log"; break; }
-  axes=$($PY -c "from jaxkern import registry; print(','.join(f'{k}={v}' for k, v in registry.get('$name').largest_recorded_axes().items()))")
+  axes=$($PY -c "from jaxkern import registry, selection; print(','.join(f'{k}={v}' for k, v in selection.largest_recorded_axes(registry.get('$name').definition).items()))")
   timeout -s INT "$left" $PY -m jaxkern.sweep --definition="$name" --axes="$axes" "${SWEEP[@]}" \
     --output="$OUT/sweep_$name.jsonl" 2>&1 | tail -n 4 | tee -a "$OUT/run.log"
 done

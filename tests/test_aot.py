@@ -4,6 +4,7 @@ compiles only when the `aot` extra (CUDA plugin + ptxas) is installed."""
 import pytest
 
 from jaxkern import aot
+from jaxkern import selection
 
 # Captured from the tool's ptxas wrapper (ptxas 12.9, XLA's Triton, jax
 # 0.12.0.1): the router at M=1 before its epilogue was made spill-free.
@@ -137,7 +138,7 @@ def test_build_reports_errors_and_overflow():
 def test_largest_axes_by_input_bytes():
   from jaxkern import registry  # pylint: disable=g-import-not-at-top
   op = registry.get("moe_router_gemm_topk_deepseek41_d5120_e384_topk6")
-  assert op.largest_recorded_axes() == {"M": 4096}
+  assert selection.largest_recorded_axes(op.definition) == {"M": 4096}
   assert [o.name for o in aot.select_ops(["moe_router"])] == [op.name]
   with pytest.raises(ValueError, match="matches no definition"):
     aot.select_ops(["no_such_definition"])
@@ -185,7 +186,7 @@ def test_shipped_heuristic_configs_compile_clean(compiler, name, axes):
   GEMM and attention keep their wgmma."""
   from jaxkern import registry  # pylint: disable=g-import-not-at-top
   op = registry.get(name)
-  [row] = aot.check_op(compiler, op, op.validated_axes(axes or op.largest_recorded_axes()))
+  [row] = aot.check_op(compiler, op, op.validated_axes(axes or selection.largest_recorded_axes(op.definition)))
   assert row["status"] == aot.OK, (row["error"], row["kernels"])
   for k in row["kernels"]:
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["ctas_per_sm"] >= 1, k

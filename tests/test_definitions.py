@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 from jaxkern import dataset
+from jaxkern import plan as plan_lib
 from jaxkern import registry
+from jaxkern import selection
 from jaxkern import tuning
 from pallas_kernels.common import assert_lowers_to_triton
 
@@ -28,7 +30,7 @@ IMPLEMENTED = [n for n in registry.names() if registry.get(n).implemented]
 
 @functools.cache
 def largest_recorded_axes(name: str) -> dict[str, int]:
-  return registry.get(name).largest_recorded_axes()
+  return selection.largest_recorded_axes(registry.get(name).definition)
 
 
 @functools.cache
@@ -56,7 +58,7 @@ def test_every_candidate_lowers_for_h100_at_largest_recorded_axes(name):
 def test_kernel_matches_reference_at_cpu_axes_per_variant(name, index):
   op = registry.get(name)
   w = one_record_per_variant(name)[index]
-  plan = op.plan(w, scale="smoke", seed=7, on_gpu=False, tuned=False)
+  plan = plan_lib.plan(op, w, size="smoke", seed=7, on_gpu=False, tuned=False)
   assert plan.choice.source == tuning.HEURISTIC
   out = jax.jit(lambda x: op.kernel(x, interpret=True, config=plan.choice.config))(plan.inputs)
   ref = jax.jit(op.reference)(plan.inputs)
