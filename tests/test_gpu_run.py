@@ -8,9 +8,12 @@ import subprocess
 import sys
 import tarfile
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # a subprocess
 def test_dry_run_writes_every_phase(tmp_path):
   out = tmp_path / "run"
   env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu",
