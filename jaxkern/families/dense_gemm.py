@@ -24,8 +24,7 @@ from pallas_kernels import dense_gemm as kernel_lib
 _REFERENCE_F32_BYTES = 512 * 2**20
 
 # cpu_axes budget: multiply-accumulates an interpret-mode run may do in about
-# a second on two cores (measured: M=93, N=4096, K=4096 runs in ~0.25 s,
-# M=93, N=12288, K=4096 in ~1.6 s).
+# a second on two cores (measurements: docs/perf/cpu_budgets.md).
 _CPU_MAC_BUDGET = 3 * 10**9
 
 _NT = (((1,), (1,)), ((), ()))

@@ -28,11 +28,9 @@ from pallas_kernels import flash_attention as kernel_lib
 # Variants whose keys are padded text tokens (cross-attention to the prompt).
 _PADDED_TEXT_VARIANTS = frozenset({"attn2", "audio_attn2"})
 
-# cpu_axes budget: B * Nq * (keys per query), H kept at 32. Interpret mode
-# runs ~6e6 (query, key, head) triples a second on two cores, after ~0.5-1 s
-# of compilation; at this budget a shrunk recorded workload takes 1-2 s
-# (measured: B=2, Nq=Nk=240, d128 in 1.3 s on the first call, 0.4 s after;
-# the replay of all 202 records of the four definitions took ~4 minutes).
+# cpu_axes budget: B * Nq * (keys per query), H kept at 32: a shrunk
+# recorded workload interprets in a second or two (measurements:
+# docs/perf/cpu_budgets.md).
 _CPU_PAIR_BUDGET = 160_000
 # Sequence lengths up to this are kept as recorded at CPU scale (51, 126, the
 # 25-32 token prefixes); longer ones shrink but stay longer than these.
@@ -234,8 +232,8 @@ def _keys_per_query(axes: Mapping[str, int]) -> int:
 def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   """B capped at 2; Nq, Nk, Np shrunk by one common factor until
   B * Nq * keys fits `_CPU_PAIR_BUDGET` (see `_shrink_length`); H and D kept.
-  If Nq and Nk differed they still differ. Interpret-mode time at these
-  sizes: about 1 s per workload (0.5 s of it compilation)."""
+  If Nq and Nk differed they still differ (interpret-mode time at these
+  sizes: docs/perf/cpu_budgets.md)."""
   out = dict(axes)
   out["B"] = min(int(axes["B"]), 2)
   lengths = [n for n in ("Nq", "Nk", "Np") if n in axes]

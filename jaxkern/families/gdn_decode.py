@@ -159,6 +159,7 @@ def gdn_decode_cost(definition, axes, *, inputs=None, record=None):
   state [B,HV,K,V] dominates) and output and new_state written once."""
   return gdn_flops(axes["batch_size"] * axes["seq_len"], axes), roofline.io_bytes(definition, axes), "fp32"
 
+
 # ------------------------------------------------------------------ registry
 
 IMPL = OpImpl(reference=gdn_decode_reference,

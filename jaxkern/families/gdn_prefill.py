@@ -120,6 +120,7 @@ def gdn_prefill_cost(definition, axes, *, inputs=None, record=None):
   output and new_state written once."""
   return gdn_flops(axes["total_seq_len"], axes), roofline.io_bytes(definition, axes), "bf16"
 
+
 IMPL = OpImpl(reference=gdn_prefill_reference,
               kernel=gdn_kernels.gdn_prefill,
               make_inputs=make_prefill_inputs,

@@ -200,8 +200,8 @@ def make_inputs(axes: Mapping[str, int], key: jax.Array,
 
 
 def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
-  """B, H, D and the 640 key slots are kept (the work per sequence is fixed:
-  an interpret-mode run of B = 3 takes a few seconds); only the page counts
+  """B, H, D and the 640 key slots are kept (the work per sequence is fixed;
+  its time: docs/perf/cpu_budgets.md); only the page counts
   are capped (N4 <= 64, N8 <= 4), which folds the selected pages onto each
   other (more sharing) but keeps every index pattern: window length,
   selection count, -1 padding."""
@@ -230,6 +230,7 @@ def mixed_mla_decode_cost(definition, axes, *, inputs=None, record=None):
               + min(axes["B"] * axes["K4"], n4) * (roofline.tensor_bytes(definition, "kv_fp4", axes) // max(n4, 1)))
   flops = 4 * axes["B"] * axes["H"] * slots * axes["D"]
   return flops, roofline.io_bytes(definition, axes, skip=("kv_fp8", "kv_fp4")) + gathered, "bf16"
+
 
 # ---------------------------------------------------------------------------
 # Kernel registration.

@@ -35,9 +35,9 @@ NeighborhoodAttentionConfig = kernel_lib.NeighborhoodAttentionConfig
 _REF_GROUP_ELEMENTS = 1 << 24
 
 # cpu_axes: scored (query, key, head) triples the kernel may compute in
-# interpret mode for one workload. Interpret mode runs ~4e7 triples a second
-# on two cores here; B shrinks to 1 and the extents towards `k + 1` until
-# the budget holds (see `cpu_axes`).
+# interpret mode for one workload, about a second's worth on two cores
+# (docs/perf/cpu_budgets.md); B shrinks to 1 and the extents towards `k + 1`
+# until the budget holds (see `cpu_axes`).
 _CPU_TRIPLE_BUDGET = 48_000_000
 
 
@@ -172,6 +172,7 @@ def neighborhood_attention_3d_cost(definition, axes, *, inputs=None, record=None
   n = axes["B"] * axes["T"] * axes["Y"] * axes["X"]
   flops = 4 * n * axes["H"] * axes["D"] * axes["KT"] * axes["KY"] * axes["KX"]
   return flops, roofline.io_bytes(definition, axes), "bf16"
+
 
 # ---------------------------------------------------------------------------
 # Registration.

@@ -106,6 +106,7 @@ def qsa_sparse_gqa_decode_cost(definition, axes, *, inputs=None, record=None):
   nbytes = roofline.io_bytes(definition, axes, skip=("k_cache", "v_cache")) + gathered
   return 4 * axes["B"] * axes["HQ"] * t * axes["D"], nbytes, "bf16"
 
+
 IMPL = OpImpl(
     reference=qsa_sparse_gqa_decode_reference,
     kernel=gqa_lib.qsa_sparse_gqa_decode,

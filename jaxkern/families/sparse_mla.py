@@ -257,7 +257,8 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   """M -> 16 query rows; the workspace extras (Nkv - M) kept when at most 256
   (the cached window rows), else scaled by the same factor as M (so a record
   with ~1M compressed rows keeps thousands: selection still picks 512 of
-  many). H, D, TOPK kept: 16 rows x 640 slots interpret in about a second."""
+  many). H, D, TOPK kept (the time of 16 rows x 640 slots:
+  docs/perf/cpu_budgets.md)."""
   out = dict(axes)
   m, nkv = int(axes["M"]), int(axes["Nkv"])
   new_m = min(m, _CPU_ROWS)
@@ -284,6 +285,7 @@ def sparse_mla_prefill_cost(definition, axes, *, inputs=None, record=None):
   gathered = min(axes["M"] * axes["TOPK"], axes["Nkv"]) * row
   nbytes = roofline.io_bytes(definition, axes, skip=("kv",)) + gathered
   return 4 * axes["M"] * axes["H"] * slots * axes["D"], nbytes, "bf16"
+
 
 # ---------------------------------------------------------------------------
 # Registration.
