@@ -252,7 +252,7 @@ def find(reference: Any, shapes: Mapping[str, Any], dataset_dir: str | os.PathLi
          const_axes: Mapping[str, int] | None = None) -> Op | None:
   """The definition implemented by `reference` whose constant axes agree with
   `shapes` (input name -> shape-like) and with `const_axes` (axes no shape
-  shows, such as a window size), or None: how `jaxkern.ops` finds the tuned
+  shows, such as a window size), or None: how `jaxkern.dispatch` finds the tuned
   table entry for a call."""
   for op in _all(dataset_dir).values():
     if op.impl is None or op.impl.reference is not reference:

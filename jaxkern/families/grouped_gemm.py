@@ -46,8 +46,6 @@ from jaxkern import roofline
 from jaxkern.family import OpImpl, cdiv
 from pallas_kernels import grouped_gemm as kernel_lib
 
-GroupedGemmConfig = kernel_lib.GroupedGemmConfig
-
 TOP_K = 6          # routed experts per token (DeepSeek-V4.1-Flash)
 GROUP = 32         # k values per scale byte
 

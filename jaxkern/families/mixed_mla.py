@@ -44,8 +44,6 @@ from jaxkern import roofline
 from jaxkern.family import OpImpl
 from pallas_kernels import mixed_mla as kernel_lib
 
-MixedMlaDecodeConfig = kernel_lib.MixedMlaDecodeConfig
-
 # Compressed tokens per sequence token (inferred from the records, see above).
 _COMPRESS_RATIO = 2
 # Attention sinks: per-head logits of the size of typical scores.

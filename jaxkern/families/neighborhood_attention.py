@@ -26,8 +26,6 @@ from jaxkern import roofline
 from jaxkern.family import OpImpl, cdiv
 from pallas_kernels import neighborhood_attention as kernel_lib
 
-NeighborhoodAttentionConfig = kernel_lib.NeighborhoodAttentionConfig
-
 # The reference processes query t-planes in groups of at most this many
 # `[B, tc, Y, X, H, D]` elements (at least one plane): fp32 accumulator and
 # gathered K, V of that size are its temporaries (0.12 GiB at the largest

@@ -53,8 +53,6 @@ from jaxkern import roofline
 from jaxkern.family import OpImpl
 from pallas_kernels import sparse_mla as kernel_lib
 
-SparseMlaPrefillConfig = kernel_lib.SparseMlaPrefillConfig
-
 # Recent tokens a query sees (itself included), and cached window rows kept
 # per sequence (the window of the first new token).
 WINDOW = 128
