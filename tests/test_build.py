@@ -61,6 +61,9 @@ def test_every_test_file_gets_its_py_test_from_one_comprehension():
   assert re.search(r'TEST_SOURCES = glob\(\["tests/\*\.py"\]\)', text)
   assert re.search(r'name = src\[len\("tests/"\):-len\("\.py"\)\],\s*srcs = TEST_SOURCES \+', text)
   assert re.search(r'args = \["\$\(location %s\)" % src\],', text)
+  # Without a generated tests/__init__.py, tests import kit, numerics and each
+  # other by name (as pytest runs them).
+  assert "legacy_create_init = False" in text
   assert re.search(r'\) for src in glob\(\["tests/test_\*\.py"\]\)\]', text)
   assert "TESTS = [" not in text
   tests = {p.name for p in (REPO / "tests").glob("*.py")}
