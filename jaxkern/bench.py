@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkern import profile_events
+from pallas_kernels.common import triton_calls
 
 TIMER_DEVICE = "device (profiler)"
 TIMER_WALL = "wall"
@@ -218,8 +219,7 @@ def measure(fn: Callable[[], Any], *, warmup: int, iters: int, on_gpu: bool, int
 def pallas_call_names(lowered_text: str) -> tuple[str, ...]:
   """The `pallas_call` names of a lowered module's Triton calls (their GPU
   kernels carry these names)."""
-  from jaxkern.aot import triton_calls  # pylint: disable=g-import-not-at-top
-  return tuple(dict.fromkeys(name for name, _, _ in triton_calls(lowered_text)))
+  return tuple(dict.fromkeys(call.name for call in triton_calls(lowered_text)))
 
 
 class CompileCache:

@@ -12,8 +12,10 @@ block's largest magnitude fits the format's largest finite value (6 for e2m1,
 to even. An all-zero block gets scale byte 127 (scale 1.0; fp32 format: 1.0).
 Scales are clamped to bytes 1..254 (2**-126 .. 2**127).
 
-Plain `jax.numpy`, jit-compatible; the bit-level decoders are shared with the
-kernels (`pallas_kernels.fp_formats`).
+Plain `jax.numpy`, jit-compatible. The decoders here are the references'
+own (a value table for e2m1, `exp2` for UE8M0), independent of the kernels'
+bit-level decoders (`pallas_kernels.fp_formats`), so that a decoding bug in
+a kernel cannot pass its own check.
 """
 
 from __future__ import annotations
@@ -22,11 +24,29 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels.fp_formats import e2m1_to_f32, ue8m0_to_f32, unpack_e2m1
-
 E2M1_MAX = 6.0
+# e2m1 code -> value: magnitude codes 0..7, bit 3 the sign (code 8 is -0.0).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E4M3_MAX = 448.0
 _MIN_EXP, _MAX_EXP = -126, 127
+
+
+def unpack_e2m1(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Packed bytes -> their two e2m1 codes `(even, odd)`: the low nibble holds
+  the even (first) element."""
+  x = packed.astype(jnp.int32)
+  return x % 16, x // 16
+
+
+def e2m1_to_f32(code: jax.Array) -> jax.Array:
+  """e2m1 codes 0..15 -> float32, by table."""
+  return jnp.asarray(E2M1_VALUES, jnp.float32)[code.astype(jnp.int32)]
+
+
+def ue8m0_to_f32(s: jax.Array) -> jax.Array:
+  """UE8M0 scale bytes -> float32 `2**(s - 127)`, exactly (255, invalid,
+  gives inf)."""
+  return jnp.ldexp(jnp.ones(s.shape, jnp.float32), s.astype(jnp.int32) - 127)
 
 
 def _blocks(x: jax.Array, block_size: int) -> jax.Array:

@@ -1,16 +1,18 @@
 """The definition registry: one `Op` per definition.
 
 An `Op` joins a definition (data, from `datasets/definitions`) with its
-implementation (`jaxkern.op.OpImpl`), found through the function its
+implementation (`jaxkern.family.OpImpl`), found through the function its
 `reference` field names; only modules inside `jaxkern.families` are imported.
 Definitions whose family module does not exist yet still have an `Op`; its
 `reference`, `kernel` and `make_inputs` raise NotImplementedError naming the
-missing module.
+missing module. An `Op` is what a definition's operator is (validation,
+synthesis, reference, kernel, configs, cost, comparison); how a recorded
+workload is run lives on the replay side (`jaxkern.plan`).
 
 Configs: `Op.config_for(inputs, config)` is the one place a kernel config is
 chosen: the caller's, else the tuned table of the current device kind (see
 `jaxkern.tuning`), else the family's heuristic. Replay, sweep and
-`jaxkern.ops` all go through it.
+`jaxkern.ops` (through `jaxkern.dispatch`) all go through it.
 """
 
 from __future__ import annotations
@@ -18,19 +20,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import math
 import os
 from typing import Any, Mapping
 
 import jax
 import numpy as np
 
-from jaxkern import blobs
 from jaxkern import compare as compare_lib
 from jaxkern import dataset
+from jaxkern import roofline
 from jaxkern import tuning
-from jaxkern.op import OpImpl, bind_axes
-from pallas_kernels.common import has_gpu, resolve_interpret
+from jaxkern.family import OpImpl, bind_axes
+from pallas_kernels.common import resolve_interpret
 
 FAMILIES_PACKAGE = "jaxkern.families"
 
@@ -40,19 +41,6 @@ def family_packages() -> tuple[str, ...]:
   plus out-of-tree ones named in JAXKERN_FAMILY_PACKAGES (comma-separated)."""
   extra = [p.strip() for p in os.environ.get("JAXKERN_FAMILY_PACKAGES", "").split(",") if p.strip()]
   return (FAMILIES_PACKAGE, *extra)
-SCALES = ("auto", "full", "smoke")
-
-
-@dataclasses.dataclass(frozen=True)
-class RunPlan:
-  """How one workload runs: at which axes, on which inputs, with which config."""
-  axes: dict[str, int]           # every axis the run uses
-  axes_run: dict[str, int]       # the var axes, and const axes that differ from the definition
-  scaled: bool                   # axes differ from the recorded ones
-  inputs: dict[str, jax.Array]
-  inputs_source: str             # "blobs" | "synthesized"
-  expected: dict[str, jax.Array] | None  # recorded outputs, only at recorded sizes
-  choice: tuning.Choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,22 +75,6 @@ class Op:
     w = dataset.validate_record(rec, {self.name: self.definition}, file=f"{self.name} axes")
     return self.definition.full_axes(w.axes)
 
-  def input_bytes(self, axes: Mapping[str, int]) -> int:
-    """Bytes of all inputs at `axes`."""
-    return sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in self.input_shapes(axes).values())
-
-  def largest_recorded_axes(self, dataset_dir: str | os.PathLike | None = None) -> dict[str, int]:
-    """The recorded var axes with the most input bytes (ties: the first
-    record): where lowering, compile reports and sweeps look by default."""
-    best, best_bytes = None, -1
-    for w in dataset.load_workloads(self.name, dataset_dir, definitions={self.name: self.definition}):
-      n = self.input_bytes(w.axes)
-      if n > best_bytes:
-        best, best_bytes = dict(w.axes), n
-    if best is None:
-      raise ValueError(f"{self.name}: no recorded workload")
-    return best
-
   def input_shapes(self, axes: Mapping[str, int]) -> dict[str, jax.ShapeDtypeStruct]:
     """Abstract inputs at `axes`: enough for configs and lowering, no data."""
     full = self.validated_axes(axes)
@@ -122,8 +94,10 @@ class Op:
     check_tensors(self.definition, inputs, full, kind="inputs")
     return inputs
 
-  def cpu_axes(self, axes: Mapping[str, int]) -> dict[str, int]:
-    return self._require().cpu_axes(self.validated_axes(axes))
+  def cpu_axes(self, axes: Mapping[str, int], *, validated: bool = False) -> dict[str, int]:
+    """The family's CPU-budget copy of `axes` (validated first, unless the
+    caller already did)."""
+    return self._require().cpu_axes(dict(axes) if validated else self.validated_axes(axes))
 
   # -- running -------------------------------------------------------------
 
@@ -177,37 +151,19 @@ class Op:
       return tuning.Choice(tuning.config_from_json(entry["config"], heuristic), tuning.TUNED)
     return tuning.Choice(heuristic, tuning.HEURISTIC)
 
-  # -- one workload --------------------------------------------------------
-
-  def run_axes(self, recorded_axes: Mapping[str, int], scale: str, on_gpu: bool) -> dict[str, int]:
-    """Axes a workload runs at, from its validated recorded axes: as recorded
-    on a GPU (`auto`) or with `full`, the family's CPU budget otherwise."""
-    if scale not in SCALES:
-      raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
-    if scale == "full" or (scale == "auto" and on_gpu):
-      return dict(recorded_axes)
-    return self._require().cpu_axes(recorded_axes)
-
-  def plan(self, w: dataset.Workload, *, scale: str = "auto", seed: int = 0, blob_root: str = "",
-           on_gpu: bool | None = None, config: Any = None, tuned: bool = True) -> RunPlan:
-    """Everything needed to run one workload: recorded tensors when the blob
-    root has them (always at recorded sizes), else synthesized inputs at the
-    scale's axes; and the config with its source."""
-    on_gpu = has_gpu() if on_gpu is None else on_gpu
-    recorded_axes = self.validated_axes(w.axes)
-    inputs, expected = blobs.load_recorded(self.definition, w, blob_root, recorded_axes)
-    if inputs is not None:
-      axes, source = recorded_axes, "blobs"
-    else:
-      axes, source = self.run_axes(recorded_axes, scale, on_gpu), "synthesized"
-      inputs = jax.block_until_ready(
-          self.make_inputs(axes, seed=seed, record=w.record, allow_shrunk_constants=True))
-    scaled = axes != recorded_axes
-    const = self.definition.const_axes
-    axes_run = {k: v for k, v in axes.items() if k not in const or v != const[k]}
-    return RunPlan(axes=axes, axes_run=axes_run, scaled=scaled, inputs=inputs, inputs_source=source,
-                   expected=None if scaled else expected,
-                   choice=self.config_for(inputs, config, tuned=tuned))
+  def cost(self, axes: Mapping[str, int], *, inputs: Mapping[str, jax.Array] | None = None,
+           record: Mapping[str, Any] | None = None) -> roofline.Cost:
+    """FLOPs and minimum HBM bytes of a run at `axes` (the family's formula,
+    `OpImpl.cost`). Variable axes suffice; constant axes not given take the
+    definition's values, given ones win (a run with shrunk constants).
+    `inputs` (the run's arrays) and `record` (the workload record) let the
+    formula count what the data decides."""
+    impl = self._require()
+    if impl.cost is None:
+      raise NotImplementedError(f"{self.name}: the family has no cost formula (OpImpl.cost)")
+    full = {**self.definition.const_axes, **{k: int(v) for k, v in axes.items()}}
+    flops, nbytes, dtype_class = impl.cost(self.definition, full, inputs=inputs, record=record)
+    return roofline.Cost(flops=int(flops), bytes=int(nbytes), dtype_class=dtype_class, family=impl.cost.__name__)
 
   def compare(self, out: Mapping[str, jax.Array], ref: Mapping[str, jax.Array], *,
               inputs: Mapping[str, jax.Array] | None = None,
@@ -296,7 +252,7 @@ def find(reference: Any, shapes: Mapping[str, Any], dataset_dir: str | os.PathLi
          const_axes: Mapping[str, int] | None = None) -> Op | None:
   """The definition implemented by `reference` whose constant axes agree with
   `shapes` (input name -> shape-like) and with `const_axes` (axes no shape
-  shows, such as a window size), or None: how `jaxkern.ops` finds the tuned
+  shows, such as a window size), or None: how `jaxkern.dispatch` finds the tuned
   table entry for a call."""
   for op in _all(dataset_dir).values():
     if op.impl is None or op.impl.reference is not reference:

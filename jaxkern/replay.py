@@ -1,6 +1,6 @@
-"""Replays recorded workloads: plan each (axes, inputs, config), run kernel and
-reference, compare, time, and write one result line per workload as it
-finishes.
+"""Replays recorded workloads: plan each (`jaxkern.plan`: axes, inputs,
+config), run kernel and reference, compare, time, and write one result line
+per workload as it finishes.
 
   python -m jaxkern.replay --config configs/replay.py [--config.FIELD=VALUE ...]
 
@@ -38,6 +38,7 @@ from ml_collections import config_flags
 from jaxkern import bench
 from jaxkern import compare as compare_lib
 from jaxkern import dataset
+from jaxkern import plan as plan_lib
 from jaxkern import registry
 from jaxkern import results as results_lib
 from jaxkern import roofline
@@ -101,8 +102,8 @@ def run_workload(op: registry.Op, w: dataset.Workload, cfg: config_dict.ConfigDi
     return trace
   deadline = time.monotonic() + float(cfg.timeout_s)
   try:
-    plan = _step(Status.RUNTIME_ERROR, "inputs", lambda: op.plan(
-        w, scale=cfg.scale, seed=trace.workload.seed, blob_root=cfg.blob_root, on_gpu=on_gpu, tuned=cfg.tuned))
+    plan = _step(Status.RUNTIME_ERROR, "inputs", lambda: plan_lib.plan(
+        op, w, size=cfg.scale, seed=trace.workload.seed, blob_root=cfg.blob_root, on_gpu=on_gpu, tuned=cfg.tuned))
     trace.workload.axes_run, trace.workload.scaled = plan.axes_run, plan.scaled
     config, inputs = plan.choice.config, plan.inputs
     ev.config, ev.config_source = tuning.config_to_json(config), plan.choice.source
@@ -130,8 +131,8 @@ def run_workload(op: registry.Op, w: dataset.Workload, cfg: config_dict.ConfigDi
     r = bench.measure(lambda: reference(inputs), **timing)
     ev.performance = performance_json(k, r, cfg, cold_l2=cfg.cold_l2 and on_gpu and not interpret)
     ev.performance.update(roofline.performance_fields(  # speed_of_light_ms; sol_fraction on a GPU
-        op.definition, plan.axes, k["median_ms"], device_kind=ev.environment.get("hardware"),
-        measured_on_gpu=on_gpu and not interpret, record=w.record))
+        lambda: op.cost(plan.axes, inputs=plan.inputs, record=w.record), k["median_ms"],
+        device_kind=ev.environment.get("hardware"), measured_on_gpu=on_gpu and not interpret))
   except _Failed as f:
     ev.status, ev.log = f.status, str(f)
   except Exception as e:  # pylint: disable=broad-except
@@ -177,8 +178,8 @@ def correctness_json(cmp: compare_lib.Comparison) -> dict[str, Any]:
 
 def check_config(cfg: config_dict.ConfigDict) -> str | None:
   """The first thing wrong with a config, or None."""
-  if cfg.scale not in registry.SCALES:
-    return f"--config.scale must be one of {', '.join(registry.SCALES)}, got {cfg.scale!r}"
+  if cfg.scale not in plan_lib.RUN_SIZES:  # the run size; the SPEC names the field `scale`
+    return f"--config.scale must be one of {', '.join(plan_lib.RUN_SIZES)}, got {cfg.scale!r}"
   for name in ("warmup", "iters", "max_workloads_per_definition", "seed"):
     if int(cfg[name]) < 0:
       return f"--config.{name} must be >= 0, got {cfg[name]}"

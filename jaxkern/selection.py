@@ -1,13 +1,19 @@
 """Which workloads a run covers: by definition (names or prefixes), variant,
 uuid, and caps per definition and per variant; in dataset order (or
 interleaved across definitions, `interleave`). Malformed records and files
-of unknown definitions go to an error sink and the rest still load."""
+of unknown definitions go to an error sink and the rest still load. Also
+where a definition's recorded data is largest (`largest_recorded_axes`: the
+default axes of lowering checks, compile reports and sweeps)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import pathlib
-from typing import Iterable
+from typing import Iterable, Mapping
+
+import numpy as np
 
 from jaxkern import dataset
 
@@ -25,6 +31,26 @@ def parse_axes(text: str) -> dict[str, int]:
       raise ValueError(f"--axes: expected NAME=INT pairs, got {part!r}")
     axes[name.strip()] = int(value)
   return axes
+
+
+def input_bytes(definition: dataset.Definition, axes: Mapping[str, int]) -> int:
+  """Bytes of all inputs of `definition` at `axes` (var axes suffice)."""
+  full = definition.full_axes(axes)
+  return sum(math.prod(t.concrete_shape(full)) * np.dtype(t.np_dtype).itemsize for t in definition.inputs.values())
+
+
+def largest_recorded_axes(definition: dataset.Definition,
+                          dataset_dir: str | os.PathLike | None = None) -> dict[str, int]:
+  """The recorded var axes of `definition` with the most input bytes (ties:
+  the first record). ValueError without a record."""
+  best, best_bytes = None, -1
+  for w in dataset.load_workloads(definition.name, dataset_dir, definitions={definition.name: definition}):
+    n = input_bytes(definition, w.axes)
+    if n > best_bytes:
+      best, best_bytes = dict(w.axes), n
+  if best is None:
+    raise ValueError(f"{definition.name}: no recorded workload")
+  return best
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,8 @@ from pallas_kernels.common import resolve_interpret
 from pallas_kernels.common import lower_for_h100
 
 _DEFINITION = flags.DEFINE_string("definition", None, "Definition name.", required=True)
-_AXES = flags.DEFINE_string("axes", "", "Variable axes, e.g. 'M=4125' or 'B=1,Nq=2352,Nk=51'.")
+_AXES = flags.DEFINE_string("axes", "", "Variable axes, e.g. 'M=4125' or 'B=1,Nq=2352,Nk=51' "
+                            "(default: the largest recorded ones).")
 _SEED = flags.DEFINE_integer("seed", 0, "Input synthesis seed.")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed runs per config.")
 _ITERS = flags.DEFINE_integer("iters", 5, "Timed runs per config (median reported).")
@@ -127,7 +128,7 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   op = registry.get(_DEFINITION.value)
-  axes = op.validated_axes(parse_axes(_AXES.value))
+  axes = op.validated_axes(parse_axes(_AXES.value) or selection.largest_recorded_axes(op.definition))
   compiler = None
   use_aot = _AOT.value if _AOT.value is not None else aot_lib.available() is None
   if use_aot:

@@ -1,10 +1,13 @@
 """Helpers shared by the kernel families: interpret-mode resolution, the
-Triton deprecation filter, block arithmetic, operand checks and deviceless
-lowering for an abstract H100."""
+Triton deprecation filter, block arithmetic, operand checks, deviceless
+lowering for an abstract H100 and the parser of the Triton calls a lowering
+contains."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 import warnings
 from typing import Any, Callable, Iterable
 
@@ -101,8 +104,48 @@ def lower_for_h100(fn: Callable[..., Any], *avals: Any, **static_kwargs: Any) ->
   return lowered.as_text()
 
 
+@dataclasses.dataclass(frozen=True, order=True)
+class TritonCall:
+  """One `__gpu$xla.gpu.triton` custom call of a lowered module: the kernel
+  (`pallas_call(name=...)`) and the launch XLA will make of it."""
+  name: str
+  grid: tuple[int, int, int]
+  num_warps: int
+  num_stages: int
+
+
+_TRITON_CALL = re.compile(r'stablehlo\.custom_call @"?__gpu\$xla\.gpu\.triton"?\(')
+# The serialized kernel IR: a quoted string of escaped bytes, dropped before
+# the launch fields are read so that nothing inside it can match.
+_IR_FIELD = re.compile(r'\bir = "(?:[^"\\]|\\.)*"')
+_NAME_FIELD = re.compile(r'\bname = "((?:[^"\\]|\\.)*)"')
+
+
+def _int_field(text: str, name: str) -> int:
+  match = re.search(rf"\b{name} = (-?\d+) : i32", text)
+  if match is None:
+    raise ValueError(f"Triton call without {name}: {text[:200]}")
+  return int(match.group(1))
+
+
+def triton_calls(stablehlo: str) -> list[TritonCall]:
+  """The Triton calls of a lowered module's text (`lower_for_h100`), in
+  text order: name, grid (x, y, z), num_warps, num_stages."""
+  calls = []
+  for line in stablehlo.splitlines():
+    if not _TRITON_CALL.search(line):
+      continue
+    fields = _IR_FIELD.sub("", line)
+    name = _NAME_FIELD.search(fields)
+    calls.append(TritonCall(
+        name=name.group(1) if name else "",
+        grid=tuple(_int_field(fields, f"grid_{axis}") for axis in "xyz"),
+        num_warps=_int_field(fields, "num_warps"), num_stages=_int_field(fields, "num_stages")))
+  return calls
+
+
 def assert_lowers_to_triton(fn: Callable[..., Any], *avals: Any, **static_kwargs: Any) -> str:
   txt = lower_for_h100(fn, *avals, **static_kwargs)
-  if "__gpu$xla.gpu.triton" not in txt:
+  if not triton_calls(txt):
     raise AssertionError("lowering produced no Triton custom call")
   return txt

@@ -427,23 +427,3 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
       name="moe_router_reduce_route",
   )(partial, bias, scale)
 
-
-def router_scores(hidden: jax.Array, weight: jax.Array) -> jax.Array:
-  """fp32 sqrt(softplus(hidden @ weight^T)), [M, E]."""
-  logits = lax.dot_general(hidden, weight, (((1,), (1,)), ((), ())),
-                           preferred_element_type=jnp.float32)
-  return jnp.sqrt(jax.nn.softplus(logits))
-
-
-def moe_router_topk_reference(hidden, weight, bias, routed_scaling_factor, *,
-                              top_k: int = 6):
-  """Plain-jnp router. `lax.top_k` returns equal values in index order, so
-  exact ties go to the lower expert id. The [M, E] fp32 scores are small
-  (6 MiB at M=4096, E=384), so no chunking is needed."""
-  scores = router_scores(hidden, weight)
-  _, ids = lax.top_k(scores + bias.astype(jnp.float32)[None, :], top_k)
-  ids = jnp.sort(ids, axis=1)
-  chosen = jnp.take_along_axis(scores, ids, axis=1)
-  weights = chosen / jnp.sum(chosen, axis=1, keepdims=True) * jnp.asarray(
-      routed_scaling_factor, jnp.float32)
-  return ids.astype(jnp.int32), weights

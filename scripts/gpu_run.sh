@@ -131,9 +131,8 @@ for name in $sweep_names; do
   left=$(left_until "$BUDGET")
   [ "$left" -le 10 ] && { say "sweep budget spent before $name"; break; }
   [ "$left" -gt 120 ] && left=120
-  axes=$($PY -c "from jaxkern import registry; print(','.join(f'{k}={v}' for k, v in registry.get('$name').largest_recorded_axes().items()))")
-  say "sweep $name at $axes (up to $left s)"
-  timeout -s INT -k 15 "$left" $PY -m jaxkern.sweep --definition="$name" --axes="$axes" "${SWEEP[@]}" \
+  say "sweep $name at its largest recorded axes (up to $left s)"
+  timeout -s INT -k 15 "$left" $PY -m jaxkern.sweep --definition="$name" "${SWEEP[@]}" \
     --output="$OUT/sweep_$name.jsonl" 2>&1 | tail -n 4 | tee -a "$LOG"
   swept=$(( swept + 1 ))
 done

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from jaxkern import aot
+from jaxkern import selection
 
 # Captured from the tool's ptxas wrapper (ptxas 12.9, XLA's Triton, jax
 # 0.12.0.1): the router at M=1 before its epilogue was made spill-free.
@@ -83,7 +84,8 @@ def test_parse_thunks_and_triton_calls():
   launches = aot.parse_thunk_sequence(THUNKS)
   assert launches == [aot.Launch("moe_router_partial_logits", (1, 80, 1), 128, 67584),
                       aot.Launch("moe_router_reduce_route", (1, 1, 1), 128, 512)]
-  assert aot.triton_calls(STABLEHLO) == [("moe_router_partial_logits", 2, 4), ("moe_router_reduce_route", 1, 4)]
+  assert aot.triton_calls(STABLEHLO) == [aot.TritonCall("moe_router_partial_logits", (1, 80, 1), 4, 2),
+                                         aot.TritonCall("moe_router_reduce_route", (1, 1, 1), 4, 1)]
 
 
 # A k-loop in the shape XLA's Triton writes it: address arithmetic, an
@@ -225,7 +227,7 @@ def test_instruction_mix_in_table_json_and_markdown():
   limits = aot.Limits()
   stats = {"gemm_fp8": aot.PtxasStats(registers=168)}
   launches = [aot.Launch("gemm_fp8", (132, 1, 1), 256, 100 * 1024)]
-  [k] = aot.build_reports([("gemm_fp8", 3, 8)], launches, stats, ptx, limits)
+  [k] = aot.build_reports([aot.TritonCall("gemm_fp8", (1, 1, 1), 8, 3)], launches, stats, ptx, limits)
   row = {"definition": "grouped", "axes": {"M": 6}, "config": {"block_m": 64}, "heuristic": True,
          "target": "H200", "status": k.status, "compile_seconds": 1.0, "error": "",
          "kernels": [json.loads(json.dumps(dataclasses.asdict(k)))]}
@@ -301,7 +303,7 @@ def test_build_reports_joins_and_judges():
 
 def test_build_reports_errors_and_overflow():
   limits = aot.Limits()
-  calls = [("flash_attention", 2, 8)]
+  calls = [aot.TritonCall("flash_attention", (1, 1, 1), 8, 2)]
   [k] = aot.build_reports(calls, [], {}, {}, limits, error="INTERNAL: Shared memory size limit exceeded: 245760")
   assert k.status == aot.SMEM_OVERFLOW
   [k] = aot.build_reports(calls, [], {}, {}, limits, error="INTERNAL: boom")
@@ -319,7 +321,7 @@ def test_build_reports_errors_and_overflow():
 def test_largest_axes_by_input_bytes():
   from jaxkern import registry  # pylint: disable=g-import-not-at-top
   op = registry.get("moe_router_gemm_topk_deepseek41_d5120_e384_topk6")
-  assert op.largest_recorded_axes() == {"M": 4096}
+  assert selection.largest_recorded_axes(op.definition) == {"M": 4096}
   assert [o.name for o in aot.select_ops(["moe_router"])] == [op.name]
   with pytest.raises(ValueError, match="matches no definition"):
     aot.select_ops(["no_such_definition"])
@@ -367,7 +369,7 @@ def test_shipped_heuristic_configs_compile_clean(compiler, name, axes):
   GEMM and attention keep their wgmma."""
   from jaxkern import registry  # pylint: disable=g-import-not-at-top
   op = registry.get(name)
-  [row] = aot.check_op(compiler, op, op.validated_axes(axes or op.largest_recorded_axes()))
+  [row] = aot.check_op(compiler, op, op.validated_axes(axes or selection.largest_recorded_axes(op.definition)))
   assert row["status"] == aot.OK, (row["error"], row["kernels"])
   for k in row["kernels"]:
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["ctas_per_sm"] >= 1, k

@@ -1,34 +1,43 @@
-"""The dataset-driven test kit: every implemented definition, found through
-the registry, with axes taken from its own records (nothing copied by hand).
+"""The dataset-driven test kit (`kit.py`): every implemented definition, found
+through the registry, with axes taken from its own records, plus the data its
+family's test file adds (`tests/test_<family>.py`, see `kit.py`):
 
-* every candidate config lowers for an abstract H100 at the largest recorded
-  axes (shapes only, no data);
+* lowering for an abstract H100, every candidate at the largest recorded
+  axes and each family `LOWERING_CASES` entry: the Triton calls (count,
+  names, grids, num_warps, num_stages) are those the family's `launches`
+  says the config implies;
 * the kernel matches the reference (interpret mode) at `cpu_axes` of one
-  record per recorded variant;
+  record per recorded variant, on every family `KERNEL_CASES` edge case, and
+  with every distinct candidate config at small axes (`SWEEP_CASE`);
 * `make_inputs` is deterministic, seed-dependent and matches the definition;
-* the implementation matches the definition file (outputs, config seam).
-
-Family test files keep only their family's edge cases.
+* the implementation matches the definition file (outputs, config seam),
+  and every family has its test file and hooks.
 """
 
 import functools
 import importlib
+import inspect
+import pathlib
 
 import jax
 import numpy as np
 import pytest
 
 from jaxkern import dataset
+from jaxkern import plan as plan_lib
 from jaxkern import registry
+from jaxkern import selection
 from jaxkern import tuning
-from pallas_kernels.common import assert_lowers_to_triton
+import kit
 
 IMPLEMENTED = [n for n in registry.names() if registry.get(n).implemented]
+FAMILIES = sorted({kit.family_of(n) for n in IMPLEMENTED})
+TESTS = pathlib.Path(__file__).resolve().parent
 
 
 @functools.cache
 def largest_recorded_axes(name: str) -> dict[str, int]:
-  return registry.get(name).largest_recorded_axes()
+  return selection.largest_recorded_axes(registry.get(name).definition)
 
 
 @functools.cache
@@ -40,28 +49,77 @@ def one_record_per_variant(name: str) -> list[dataset.Workload]:
 
 
 VARIANT_CASES = [(n, i) for n in IMPLEMENTED for i in range(len(one_record_per_variant(n)))]
+KERNEL_CASES = kit.cases("KERNEL_CASES", IMPLEMENTED)
+LOWERING_CASES = kit.cases("LOWERING_CASES", IMPLEMENTED)
+
+
+def sweep_case(family: str) -> kit.Case:
+  """The family's `SWEEP_CASE`, else its first definition's first record at
+  CPU axes."""
+  case = getattr(kit.family_tests(family), "SWEEP_CASE", None)
+  if case is not None:
+    return case
+  name = next(n for n in IMPLEMENTED if kit.family_of(n) == family)
+  w = one_record_per_variant(name)[0]
+  return kit.Case(name, registry.get(name).cpu_axes(w.axes), record=w.record)
+
+
+def test_every_family_has_its_test_file_and_launches_hook():
+  for family in FAMILIES:
+    assert (TESTS / f"test_{family}.py").exists(), family
+    assert callable(getattr(kit.family_tests(family), "launches", None)), f"test_{family}.launches"
+
+
+# ---------------------------------------------------------------------------
+# Lowering for an abstract H100.
 
 
 @pytest.mark.parametrize("name", IMPLEMENTED)
-def test_every_candidate_lowers_for_h100_at_largest_recorded_axes(name):
+def test_every_candidate_lowers_to_its_launches_at_largest_recorded_axes(name):
   op = registry.get(name)
-  shapes = op.input_shapes(largest_recorded_axes(name))
+  axes = largest_recorded_axes(name)
+  shapes = op.input_shapes(axes)
   configs = op.candidate_configs(shapes)
   assert configs and configs[0] == op.choose_config(shapes), "the heuristic's config comes first"
+  assert len(configs) == len(set(configs)), "no candidate twice"
   for config in configs:
-    assert_lowers_to_triton(lambda x, config=config: op.kernel(x, interpret=False, config=config), shapes)
+    kit.check_lowering(op, axes, config)
+
+
+@pytest.mark.parametrize("case", LOWERING_CASES, ids=lambda c: f"{c.definition}-{c.label}")
+def test_family_lowering_cases(case):
+  op = registry.get(case.definition)
+  for config in kit.configs_of(op, case, kit.shapes_at(op, case.axes, case.omit)):
+    kit.check_lowering(op, case.axes, config, case.omit)
+
+
+# ---------------------------------------------------------------------------
+# Kernel against reference, interpret mode.
 
 
 @pytest.mark.parametrize("name,index", VARIANT_CASES)
 def test_kernel_matches_reference_at_cpu_axes_per_variant(name, index):
   op = registry.get(name)
   w = one_record_per_variant(name)[index]
-  plan = op.plan(w, scale="smoke", seed=7, on_gpu=False, tuned=False)
+  plan = plan_lib.plan(op, w, size="smoke", seed=7, on_gpu=False, tuned=False)
   assert plan.choice.source == tuning.HEURISTIC
   out = jax.jit(lambda x: op.kernel(x, interpret=True, config=plan.choice.config))(plan.inputs)
   ref = jax.jit(op.reference)(plan.inputs)
-  cmp = op.compare(out, ref, inputs=plan.inputs)
-  assert cmp.passed, (w.uuid, plan.axes_run, {k: o.message for k, o in cmp.outputs.items()})
+  kit.assert_matches(op, out, ref, plan.inputs, (w.uuid, plan.axes_run))
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c.definition}-{c.label}")
+def test_family_kernel_cases(case):
+  kit.check_kernel_case(case)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_candidate_config_runs_in_interpret_mode(family):
+  assert kit.check_every_candidate_runs(sweep_case(family)) >= 1
+
+
+# ---------------------------------------------------------------------------
+# Synthesis and the definition file.
 
 
 @pytest.mark.parametrize("name", IMPLEMENTED)
@@ -84,14 +142,15 @@ def test_make_inputs_deterministic_and_valid(name):
 @pytest.mark.parametrize("name", IMPLEMENTED)
 def test_implementation_matches_definition_file(name):
   """Reference and kernel name the definition's outputs with its shapes and
-  dtypes (checked abstractly); the config round-trips through JSON."""
+  dtypes (checked abstractly); the config round-trips through JSON; the
+  family has a cost formula."""
   op = registry.get(name)
   shapes = op.input_shapes(largest_recorded_axes(name))
   full = op.validated_axes(largest_recorded_axes(name))
   config = op.choose_config(shapes)
-  reference = lambda x: op._bound("reference")(**x)  # pylint: disable=protected-access  # noqa: E731
-  kernel = lambda x: op._bound("kernel")(**x, config=config, interpret=True)  # pylint: disable=protected-access  # noqa: E731
-  for fn in (reference, kernel):
+  reference = kit.bound(op, "reference", full)
+  kernel = kit.bound(op, "kernel", full)
+  for fn in (lambda x: reference(**x), lambda x: kernel(**x, config=config, interpret=True)):
     # One array, or a tuple in the definition's output order.
     outs = jax.eval_shape(fn, shapes)
     outs = outs if isinstance(outs, tuple) else (outs,)
@@ -102,3 +161,11 @@ def test_implementation_matches_definition_file(name):
   assert tuning.config_from_json(tuning.config_to_json(config), config) == config
   module, _, func = op.definition.reference.partition(":")
   assert getattr(importlib.import_module(module), func) is op.impl.reference
+  assert op.impl.cost is not None
+  # The contract's parameters: the reference takes the inputs positionally in
+  # the definition's order; the kernel takes every input by name.
+  names = list(op.definition.inputs)
+  positional = [p.name for p in inspect.signature(op.impl.reference).parameters.values()
+                if p.kind is p.POSITIONAL_OR_KEYWORD]
+  assert positional[:len(names)] == names
+  assert set(names) <= set(inspect.signature(op.impl.kernel).parameters)

@@ -1,9 +1,8 @@
-"""Dense BF16 NT GEMM edge cases: ragged and tiny shapes, every tile order,
-the K tail, the chunked reference vs float64 numpy, synthesis scales.
-(Lowering of every candidate at recorded sizes, kernel vs reference per
-recorded variant and synthesis determinism: test_definitions.py.)"""
-
-import pathlib
+"""Dense BF16 NT GEMM: the kit's data (launches, edge cases: ragged and tiny
+shapes, the K tail, tile groups; lowering at ragged sizes) and the family's
+own checks: every tile order, the chunked reference vs float64 numpy, the
+heuristic, synthesis scales, CPU axes. (The checks themselves:
+test_definitions.py and kit.py.)"""
 
 import jax
 import jax.numpy as jnp
@@ -12,13 +11,11 @@ import pytest
 
 from jaxkern import registry
 from jaxkern.families import dense_gemm as gemm
+from kit import Case, TritonCall
 from pallas_kernels import dense_gemm as dg
-from pallas_kernels.common import assert_lowers_to_triton
-from numerics import assert_bf16_close
 
 DEFINITIONS = [n for n in registry.names() if n.startswith("dense_gemm")]
 RECORDED_M = (4096, 4125, 6144, 8192, 12288, 16384, 24576)
-DATASETS = pathlib.Path(__file__).resolve().parent.parent / "datasets"
 
 
 def nk(name):
@@ -40,31 +37,30 @@ def operands(m, n, k, seed=0):
 # A config with tiny blocks puts many tiles, several groups (one of them
 # short) and a K tail into a small problem.
 SMALL_BLOCKS = dg.DenseGemmConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=2)
+GEMM = "dense_gemm_bf16_nt_n4096_k4096"
 
 
-@pytest.mark.parametrize("m,n,k,config", [
-    (1, 24, 40, None),            # decode row; N, K not block multiples
-    (7, 64, 64, None),
-    (33, 100, 130, None),         # ragged M, N and K
-    (130, 300, 96, None),         # two M tiles with a ragged second one
-    (33, 100, 130, SMALL_BLOCKS),
-    (40, 72, 72, SMALL_BLOCKS),   # 3x5 tiles: groups of 2 and 1 M-tiles
-    (1, 16, 16, SMALL_BLOCKS),    # one tile exactly
-])
-def test_kernel_matches_reference(m, n, k, config):
-  a, b = operands(m, n, k)
-  c = dg.dense_gemm_nt(a, b, config=config, interpret=True)
-  assert c.shape == (m, n) and c.dtype == jnp.bfloat16
-  assert_bf16_close(c, gemm.dense_gemm_reference(a, b))
+def launches(config, axes):
+  """One program per (M, N) tile."""
+  tiles = -(-axes["M"] // config.block_m) * -(-axes["N"] // config.block_n)
+  return [TritonCall("dense_gemm_nt", (tiles, 1, 1), config.num_warps, config.num_stages)]
 
 
-def test_kernel_at_cpu_axes_of_each_definition():
-  # One definition's CPU-scale workload end to end through the family adapter
-  # (ragged M=4125 -> 93); the other two only differ in N, K constants.
-  axes = gemm.cpu_axes({"M": 4125, "N": 4096, "K": 12288})
-  inputs = gemm.make_inputs(axes, jax.random.key(1), None)
-  out = dg.dense_gemm_nt(**inputs, interpret=True)
-  assert_bf16_close(out, gemm.dense_gemm_reference(**inputs))
+KERNEL_CASES = [Case(GEMM, {"M": m, "N": n, "K": k}, config=config, id=label) for m, n, k, config, label in [
+    (1, 24, 40, None, "decode_row_ragged_nk"),
+    (7, 64, 64, None, "seven_rows"),
+    (33, 100, 130, None, "ragged_mnk"),
+    (130, 300, 96, None, "two_m_tiles_ragged_second"),
+    (33, 100, 130, SMALL_BLOCKS, "many_tiles_k_tail"),
+    (40, 72, 72, SMALL_BLOCKS, "groups_of_2_and_1"),   # 3x5 tiles
+    (1, 16, 16, SMALL_BLOCKS, "one_tile_exactly"),
+]]
+LOWERING_CASES = [
+    Case(GEMM, {"M": 4125}),
+    Case("dense_gemm_bf16_nt_n4096_k12288", {"M": 1}),
+    Case(GEMM, {"M": 4125, "N": 1000, "K": 4100}, id="ragged_n_and_k"),
+]
+SWEEP_CASE = Case(GEMM, {"M": 33, "N": 100, "K": 130})
 
 
 def test_reference_matches_float64():
@@ -106,17 +102,6 @@ def test_config_rejects_bad_blocks():
     dg.DenseGemmConfig(block_k=8)
   with pytest.raises(ValueError):
     dg.DenseGemmConfig(group_m=0)
-
-
-def _lower(m, n, k, config):
-  a = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-  b = jax.ShapeDtypeStruct((n, k), jnp.bfloat16)
-  assert_lowers_to_triton(dg.dense_gemm_nt, a, b, config=config, interpret=False)
-
-
-@pytest.mark.parametrize("m,n,k", [(4125, 4096, 4096), (1, 4096, 12288), (4125, 1000, 4100)])
-def test_lowers_for_h100_ragged(m, n, k):
-  _lower(m, n, k, None)
 
 
 def test_synthesis_scales():

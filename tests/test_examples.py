@@ -37,6 +37,7 @@ def test_dispatch_groups_rows_by_expert():
   assert list(np.asarray(token)) == [0, 1, 1, 0, 1, 0]
 
 
+@pytest.mark.slow  # a subprocess
 def test_module_runs_as_a_program():
   p = subprocess.run([sys.executable, "-m", "examples.moe_block", "--tokens", "16", "--backend", "pallas",
                       "--iters", "1"], capture_output=True, text=True, timeout=600, cwd=REPO)

@@ -9,11 +9,14 @@ import subprocess
 import sys
 import tarfile
 
+import pytest
+
 from jaxkern import registry
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # a subprocess
 def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
   out = tmp_path / "run"
   env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu"}

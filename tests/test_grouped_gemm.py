@@ -1,8 +1,10 @@
-"""FP8 x FP4 grouped GEMM: Pallas kernel (interpret mode) vs reference on the
-edge cases of issue 11 (decode M = 6 with six experts, one-row experts, group
-boundaries inside a row tile, -1 padding rows, ragged M/N/K), the work list,
-the reference vs float64 NumPy, synthesis, cpu_axes and deviceless H100
-lowering of every candidate config at the recorded sizes (M = 24576)."""
+"""FP8 x FP4 grouped GEMM: the kit's data (launches; the edge cases of issue
+11 for the kernel in interpret mode: decode M = 6 with six experts, one-row
+experts, group boundaries inside a row tile, -1 padding rows, ragged M/N/K;
+lowering of every candidate at decode M = 6) and the family's own checks:
+the in-kernel e2m1 decode, the work list, the reference vs float64 NumPy,
+synthesis, cpu_axes, the heuristic. (The checks themselves:
+test_definitions.py and kit.py.)"""
 
 import json
 import pathlib
@@ -12,13 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkern import ops
 from jaxkern import quant
 from jaxkern.families import grouped_gemm as fam
+from kit import EVERY_CANDIDATE, Case, TritonCall
 from pallas_kernels import fp_formats
 from pallas_kernels import grouped_gemm as gg
-from pallas_kernels.common import assert_lowers_to_triton
-from numerics import assert_bf16_close
 
 # The Triton-lowering DeprecationWarning is expected (SPEC 2); pytest resets
 # the process-wide filter per test.
@@ -81,17 +81,29 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_kernel_matches_reference(case):
-  ids, n, k, config = CASES[case]
-  inputs = operands(ids, n, k, e=16, seed=len(ids))
-  c = gg.grouped_gemm_fp8_fp4(**inputs, config=config, interpret=True)
-  assert c.shape == (len(ids), n) and c.dtype == jnp.bfloat16
-  ref = fam.grouped_gemm_fp8_fp4_reference(**inputs)
-  assert_bf16_close(c, ref)
-  pad = np.asarray(ids) < 0
-  assert (np.asarray(c, np.float32)[pad] == 0).all()
-  assert (np.abs(np.asarray(ref, np.float32)[~pad]).max(initial=1) > 0.1)
+def launches(config, axes):
+  """Grid (N blocks, work items): every row tile once, plus one item per
+  further expert a tile holds (at most min(E, M) - 1 in all)."""
+  m = axes["M"]
+  items = -(-m // config.block_m) + max(min(axes["E"], m), 1) - 1
+  return [TritonCall("grouped_gemm_fp8_fp4", (-(-axes["N"] // config.block_n), items, 1), config.num_warps,
+                     config.num_stages)]
+
+
+def padding_rows_are_zero(ids):
+  def check(out, ref, inputs):
+    pad = np.asarray(ids) < 0
+    assert (np.asarray(out["C"], np.float32)[pad] == 0).all()
+    assert np.abs(np.asarray(ref["C"], np.float32)[~pad]).max(initial=1) > 0.1
+  return check
+
+
+KERNEL_CASES = [
+    Case(DEFINITIONS[0], inputs=lambda ids=ids, n=n, k=k: operands(ids, n, k, e=16, seed=len(ids)), config=config,
+         check=padding_rows_are_zero(ids), id=label)
+    for label, (ids, n, k, config) in sorted(CASES.items())]
+LOWERING_CASES = [Case(name, {"M": 6}, config=EVERY_CANDIDATE, id="decode_m6") for name in DEFINITIONS]
+SWEEP_CASE = Case(DEFINITIONS[0], {"M": 18, "E": 16, "N": 64, "K": 128, "K_groups": 4, "K_packed": 64})
 
 
 def test_kernel_e2m1_decode_is_fp_formats_exactly():
@@ -246,21 +258,6 @@ def test_cpu_axes():
   assert fam.cpu_axes({**const_axes(DEFINITIONS[1]), "M": 6})["K"] == 576  # 2304 / 4: not a power of two
 
 
-@pytest.mark.parametrize("name", DEFINITIONS)
-@pytest.mark.parametrize("m", [6])  # decode; the largest recorded M: test_definitions.py
-def test_lowers_for_h100_every_candidate(name, m):
-  const = const_axes(name)
-  n, k = const["N"], const["K"]
-  S = jax.ShapeDtypeStruct
-  avals = dict(a=S((m, k), jnp.float8_e4m3fn), a_scale=S((m, k // 32), jnp.uint8),
-               b=S((E, n, k // 2), jnp.uint8), b_scale=S((E, n, k // 32), jnp.uint8),
-               expert_ids=S((m,), jnp.int32))
-  candidates = gg.candidate_configs(avals)
-  assert candidates[0] == gg.choose_config(avals) and len(candidates) >= 4
-  for config in candidates:
-    assert_lowers_to_triton(gg.grouped_gemm_fp8_fp4, *avals.values(), config=config, interpret=False)
-
-
 def test_heuristic():
   def shapes(m):
     return {"a": jax.ShapeDtypeStruct((m, 5120), jnp.float8_e4m3fn),
@@ -277,21 +274,3 @@ def test_config_rejects_bad_blocks():
     gg.GroupedGemmConfig(block_m=48)
   with pytest.raises(ValueError):
     gg.GroupedGemmConfig(block_k=16)
-
-
-def test_public_op_under_jit_both_backends():
-  inputs = operands(grouped([(0, 2), (3, 5), (4, 1)]) + [-1], 32, 64, e=5, seed=11)
-  ref = fam.grouped_gemm_fp8_fp4_reference(**inputs)
-  for backend in ("xla", "pallas"):
-    c = jax.jit(lambda *xs, backend=backend: ops.grouped_gemm_fp8_fp4(*xs, backend=backend))(*inputs.values())
-    assert_bf16_close(c, ref)
-
-
-def test_impls_match_definition_files():
-  (impl,) = fam.IMPLS
-  for name in DEFINITIONS:
-    spec = definition(name)
-    assert spec["reference"] == "jaxkern.families.grouped_gemm:grouped_gemm_fp8_fp4_reference"
-    assert list(spec["inputs"]) == ["a", "a_scale", "b", "b_scale", "expert_ids"]
-  assert impl.reference is fam.grouped_gemm_fp8_fp4_reference
-  assert impl.kernel is gg.grouped_gemm_fp8_fp4

@@ -1,7 +1,8 @@
-"""MoE router GEMM + top-k edge cases: both kernel forms, uneven splits,
-ragged D, small E, exact ties, biased selection, the reference vs float64
-numpy, the heuristic, synthesis scales. (Generic per-definition checks:
-test_definitions.py.)"""
+"""MoE router GEMM + top-k: the kit's data (launches; edge cases for both
+kernel forms: uneven splits, ragged D, small E; lowering of those) and the
+family's own checks: exact ties, biased selection, the runtime scale, the
+reference vs float64 numpy, the heuristic, synthesis scales, the policies.
+(The checks themselves: test_definitions.py and kit.py.)"""
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +12,8 @@ import pytest
 from jaxkern import compare
 from jaxkern import registry
 from jaxkern.families import moe_router as fam
+from kit import Case, TritonCall
 from pallas_kernels import moe_router as mr
-from pallas_kernels.common import assert_lowers_to_triton
 
 NAME = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"
 D, E, TOPK = 5120, 384, 6
@@ -63,31 +64,43 @@ def run_kernel(inputs, config=None, top_k=TOPK):
                             inputs["routed_scaling_factor"], top_k=top_k, config=config, interpret=True)
 
 
-@pytest.mark.parametrize("m,config", [
-    (1, None),          # decode: 16 D splits + a one-row routing kernel loading all 16 at once
-    (5, None),          # 5 rows in an 8-row epilogue tile
-    (3, FUSED),         # decode rows through the single fused kernel
-    (33, None),         # ragged M, 64-row block
-    (33, FUSED),        # three 16-row blocks, the last ragged
-    (40, ODD_SPLIT),    # uneven D splits, ragged second block
-])
-def test_kernel_matches_reference(m, config):
-  inputs = inputs_for(m, seed=m)
-  ref = reference(inputs)
-  ids, weights = run_kernel(inputs, config)
-  differing = assert_routes_match(ids, weights, inputs, ref)
-  assert differing <= 1  # random inputs: near-ties are rare
-  np.testing.assert_allclose(np.asarray(weights).sum(1), 1.5, rtol=1e-5)
+def launches(config, axes):
+  """The kernel fits the config to the problem (blocks to the next power of
+  two of M and D, at least 16; `split_d` to the splits its blocks make):
+  one fused kernel over M blocks, or partial logits over (M blocks, splits)
+  then a reduce-and-route kernel over epilogue row blocks (one stage)."""
+  m, d = axes["M"], axes["D"]
+  fit = lambda block, n: max(16, min(block, 1 << max(n - 1, 0).bit_length()))  # noqa: E731
+  gemm = config.gemm
+  block_m, block_d = fit(gemm.block_m, m), fit(gemm.block_d, d)
+  blocks = -(-d // block_d)
+  splits = -(-blocks // -(-blocks // gemm.split_d))
+  m_blocks = -(-m // block_m)
+  if splits == 1:
+    return [TritonCall("moe_router_fused", (m_blocks, 1, 1), gemm.num_warps, gemm.num_stages)]
+  epilogue_m = min(config.epilogue.block_m, 1 << max(m - 1, 0).bit_length())
+  return [TritonCall("moe_router_partial_logits", (m_blocks, splits, 1), gemm.num_warps, gemm.num_stages),
+          TritonCall("moe_router_reduce_route", (-(-m // epilogue_m), 1, 1), config.epilogue.num_warps, 1)]
 
 
-@pytest.mark.parametrize("config", [None, FUSED])
-def test_generic_shapes_ragged_d_and_small_e(config):
-  # D not a multiple of block_d, E and top_k not powers of two.
-  inputs = inputs_for(19, d=200, e=40, seed=7)
-  ref_ids, ref_w = mr.moe_router_topk_reference(inputs["hidden"], inputs["weight"], inputs["bias"], 1.5, top_k=3)
-  ids, weights = run_kernel(inputs, config, top_k=3)
-  np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
-  np.testing.assert_allclose(np.asarray(weights), np.asarray(ref_w), rtol=1e-4, atol=2e-5)
+def weights_sum_to_the_scale(out, ref, inputs):
+  np.testing.assert_allclose(np.asarray(out["expert_weights"]).sum(1), 1.5, rtol=1e-5)
+
+
+KERNEL_CASES = [Case(NAME, {"M": m}, config=config, check=weights_sum_to_the_scale, id=label)
+                for m, config, label in [
+                    (1, None, "decode_16_splits_one_row_route"),
+                    (5, None, "five_rows_in_an_8_row_epilogue"),
+                    (3, FUSED, "decode_fused"),
+                    (33, None, "ragged_m"),
+                    (33, FUSED, "fused_three_blocks_ragged"),
+                    (40, ODD_SPLIT, "uneven_d_splits")]]
+# D not a multiple of block_d, E and top_k not powers of two.
+SMALL_E = {"M": 19, "D": 200, "E": 40, "TOPK": 3}
+KERNEL_CASES += [Case(NAME, SMALL_E, config=c, id=f"ragged_d_small_e_{i}") for i, c in enumerate((None, FUSED))]
+LOWERING_CASES = [Case(NAME, SMALL_E, config=c, id=f"ragged_d_small_e_{i}")
+                  for i, c in enumerate((None, FUSED, ODD_SPLIT))]
+SWEEP_CASE = Case(NAME, {"M": 5, "D": 128, "E": 16})  # fused and split forms, 5 distinct tilings
 
 
 def test_reference_matches_float64():
@@ -165,13 +178,6 @@ def test_routed_scaling_factor_is_a_runtime_value():
   inputs = inputs_for(2, seed=6)
   f = jax.jit(lambda scale: run_kernel({**inputs, "routed_scaling_factor": scale})[1])
   np.testing.assert_allclose(np.asarray(f(jnp.float32(3.0))), 2 * np.asarray(f(jnp.float32(1.5))), rtol=1e-6)
-
-
-def test_lowers_for_h100_ragged_d_and_small_e():
-  avals = (jax.ShapeDtypeStruct((19, 200), jnp.bfloat16), jax.ShapeDtypeStruct((40, 200), jnp.bfloat16),
-           jax.ShapeDtypeStruct((40,), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
-  for config in (None, FUSED, ODD_SPLIT):
-    assert_lowers_to_triton(mr.moe_router_topk, *avals, config=config, interpret=False)
 
 
 @pytest.mark.parametrize("m", RECORDED_M + (7, 33))

@@ -1,15 +1,18 @@
-"""Tests of 3-D neighborhood attention (SPEC 4.7): the Pallas kernel in
-interpret mode against the jnp reference (every recorded window, extents
-equal to and just above the window, ragged tiles, B > 1), the reference
-against a brute-force float64 NumPy NATTEN, bounded reference memory at the
-largest recorded grid, deviceless H100 lowering of every candidate config at
-the largest recorded axes, input synthesis and CPU scaling."""
+"""3-D neighborhood attention (SPEC 4.7): the kit's data (launches; edge
+cases for the kernel in interpret mode: every recorded window, extents equal
+to and just above the window, ragged tiles, tiles larger than the grid,
+B > 1) and the family's own checks: the kernel and the reference against a
+brute-force float64 NumPy NATTEN, values outside the window, bounded
+reference memory at the largest recorded grid, the heuristic, input
+synthesis and CPU scaling. (The checks themselves: test_definitions.py and
+kit.py.)"""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import json
+import math
 import os
 
 import jax
@@ -19,8 +22,8 @@ import pytest
 
 from jaxkern import ops
 from jaxkern.families import neighborhood_attention as fam
+from kit import Case, TritonCall
 from pallas_kernels import neighborhood_attention as na
-from pallas_kernels.common import assert_lowers_to_triton
 from numerics import assert_bf16_close
 
 DEFINITIONS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "definitions")
@@ -94,27 +97,45 @@ SMALL_TILE = na.NeighborhoodAttentionConfig(block_t=1, block_y=4, block_x=4, blo
                                             num_warps=1, num_stages=1)
 
 
+def launches(config, axes):
+  """Grid (query tiles, B, H)."""
+  tiles = math.prod(-(-axes[n] // b) for n, b in zip("TYX", config.tile))
+  return [TritonCall("neighborhood_attention_3d", (tiles, axes["B"], axes["H"]), config.num_warps,
+                     config.num_stages)]
+
+
+def case_axes(shape, window):
+  """Axes of a problem `[B, T, Y, X, H, D]` with its window (the constants a
+  case overrides)."""
+  return {**dict(zip(("B", "T", "Y", "X", "H", "D"), shape)), **dict(zip(("KT", "KY", "KX"), window))}
+
+
+# Kit data: edge cases (kernel in interpret mode vs reference), lowering.
+KERNEL_CASES = [Case(NAMES[0], case_axes(shape, window), id=label) for shape, window, label in [
+    ((1, 3, 7, 7, 2, 64), (3, 7, 7), "extents_equal_windows"),      # nothing moves
+    ((2, 4, 8, 8, 2, 64), (3, 7, 7), "just_above_b2"),
+    ((1, 5, 11, 13, 1, 64), (3, 7, 7), "odd_no_tile_multiples"),
+    ((1, 3, 5, 5, 2, 64), (3, 5, 5), "kt3_ky5_kx5_equal"),
+    ((3, 6, 9, 17, 1, 64), (3, 5, 5), "b3_ragged"),
+    ((1, 11, 11, 11, 1, 64), (11, 11, 11), "grid_is_every_window"),
+    ((1, 12, 13, 11, 1, 64), (11, 11, 11), "just_above_on_two_axes"),
+    ((2, 3, 20, 9, 1, 64), (3, 7, 7), "t_equal_kt_long_y"),
+    ((1, 4, 6, 9, 2, 32), (1, 3, 4), "kt1_even_window_d32"),
+    ((2, 1, 2, 3, 1, 16), (1, 2, 3), "six_points_mostly_masked_tile"),
+]]
+# Tiles larger than the grid (a 64-point tile on a 3x7x7 grid, a 16x1x4 tile
+# on 3 planes): most of the tile is off the grid and must not be stored.
+_SMALL_GRID = case_axes((2, 3, 7, 7, 1, 64), (3, 7, 7))
+_BIG_TILES = [na.NeighborhoodAttentionConfig(*tile, block_k=32) for tile in ((4, 4, 4), (16, 1, 4), (1, 1, 16))]
+KERNEL_CASES += [Case(NAMES[0], _SMALL_GRID, config=c, id=f"tile_{'x'.join(map(str, c.tile))}_over_grid")
+                 for c in _BIG_TILES]
+LOWERING_CASES = [Case(NAMES[0], _SMALL_GRID, config=c, id=f"tile_{'x'.join(map(str, c.tile))}_over_grid")
+                  for c in _BIG_TILES]
+SWEEP_CASE = Case(NAMES[0], case_axes((1, 4, 9, 11, 1, 64), (3, 7, 7)))
+
+
 # ---------------------------------------------------------------------------
-# Kernel (interpret mode) vs reference.
-
-
-@pytest.mark.parametrize("shape,window", [
-    ((1, 3, 7, 7, 2, 64), (3, 7, 7)),        # every extent == window: nothing moves
-    ((2, 4, 8, 8, 2, 64), (3, 7, 7)),        # just above, B > 1
-    ((1, 5, 11, 13, 1, 64), (3, 7, 7)),      # odd, not multiples of any tile
-    ((1, 3, 5, 5, 2, 64), (3, 5, 5)),
-    ((3, 6, 9, 17, 1, 64), (3, 5, 5)),       # B = 3, ragged
-    ((1, 11, 11, 11, 1, 64), (11, 11, 11)),  # the whole grid is every window
-    ((1, 12, 13, 11, 1, 64), (11, 11, 11)),  # just above on two axes
-    ((2, 3, 20, 9, 1, 64), (3, 7, 7)),       # T == KT, long Y, X just above
-    ((1, 4, 6, 9, 2, 32), (1, 3, 4)),        # KT = 1, an even window, D = 32
-    ((2, 1, 2, 3, 1, 16), (1, 2, 3)),        # 6 grid points: the tile mostly masked
-])
-def test_kernel_matches_reference(shape, window):
-  q, k, v = qkv(shape)
-  out = kernel(q, k, v, window)
-  assert out.shape == q.shape and out.dtype == jnp.bfloat16
-  assert_bf16_close(out, reference(q, k, v, window))
+# The kernel against float64 NATTEN, and the window.
 
 
 @pytest.mark.parametrize("window", list(WINDOWS.values()))
@@ -122,28 +143,6 @@ def test_kernel_matches_float64_natten(window):
   shape = (2, *(w + 2 for w in window[:2]), window[2] + 3, 1, 64)
   q, k, v = qkv(shape, seed=1)
   assert_bf16_close(kernel(q, k, v, window, config=SMALL_TILE), natten_numpy(q, k, v, window))
-
-
-def test_every_candidate_config_in_interpret_mode():
-  window = (3, 7, 7)
-  q, k, v = qkv((1, 4, 9, 11, 1, 64), seed=2)
-  ref = reference(q, k, v, window)
-  configs = na.candidate_configs({"q": q}, KT=3, KY=7, KX=7)
-  assert len(configs) >= 4
-  for config in configs:
-    assert_bf16_close(kernel(q, k, v, window, config=config), ref)
-
-
-def test_tiles_larger_than_the_grid():
-  """A 64-point tile on a 3x7x7 grid (and a 16x1x4 tile on a 3-plane grid):
-  most of the tile is off the grid and must not be stored."""
-  q, k, v = qkv((2, 3, 7, 7, 1, 64), seed=3)
-  ref = reference(q, k, v, (3, 7, 7))
-  for tile in ((4, 4, 4), (16, 1, 4), (1, 1, 16)):
-    config = na.NeighborhoodAttentionConfig(*tile, block_k=32)
-    assert_bf16_close(kernel(q, k, v, (3, 7, 7), config=config), ref)
-    assert_lowers_to_triton(na.neighborhood_attention_3d, q, k, v, KT=3, KY=7, KX=7,
-                            config=config, interpret=False)
 
 
 def test_unaffected_by_values_outside_the_window():

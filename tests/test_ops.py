@@ -2,11 +2,14 @@
 definitions' references, with batch dimensions where the signature has them,
 and the tuned-table seam."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkern import dispatch
 from jaxkern import ops
 from jaxkern import tuning
 from jaxkern.families import dense_gemm as gemm_family
@@ -74,18 +77,37 @@ def test_tuned_config_is_used_for_a_matching_definition(tmp_path, monkeypatch):
   tuned = dense_gemm.DenseGemmConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=2)
   tuning.record("dense_gemm_bf16_nt_n4096_k4096", {"M": 3}, tuned, latency_ms=1.0)
   seen = []
-  real = dense_gemm.dense_gemm_nt
 
   def spy(*args, config=None, **kw):
     seen.append(config)
-    return real(*args, config=config, **kw)
+    return dense_gemm.dense_gemm_nt(*args, config=config, **kw)
 
-  monkeypatch.setattr(dense_gemm, "dense_gemm_nt", spy)
-  monkeypatch.setattr(ops, "_gemm_kernel", dense_gemm)
+  monkeypatch.setattr(gemm_family, "IMPL", dataclasses.replace(gemm_family.IMPL, kernel=spy))
   a, b = jax.ShapeDtypeStruct((3, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
   jax.eval_shape(lambda a, b: ops.dense_gemm(a, b, backend="pallas"), a, b)
   jax.eval_shape(lambda a, b: ops.dense_gemm(a[:, :64], b[:, :64], backend="pallas"), a, b)  # no definition
   assert seen == [tuned, None]
+
+
+def test_one_dispatch_serves_every_op():
+  """Every public op is its family's function and runs through
+  `dispatch.run` once, whatever the backend."""
+  for name in ops.__all__:
+    if name != "Backend":
+      assert getattr(ops, name).__module__.startswith("jaxkern.families."), name
+  calls = []
+  real = dispatch.run
+
+  def counting(impl, inputs, **kw):
+    calls.append((impl, kw["backend"]))
+    return real(impl, inputs, **kw)
+
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(dispatch, "run", counting)
+    a, b = normal(0, (2, 16)), normal(1, (16, 16))
+    for backend in ("xla", "pallas"):
+      ops.dense_gemm(a, b, backend=backend)
+  assert calls == [(gemm_family.IMPL, "xla"), (gemm_family.IMPL, "pallas")]
 
 
 # --- vmap: a leading axis of independent problems --------------------------

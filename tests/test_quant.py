@@ -1,5 +1,6 @@
-"""Low-precision formats: the bit-level decoders (`pallas_kernels.fp_formats`)
-and the quantizers (`jaxkern.quant`): bit layout, scale bytes, rounding and
+"""Low-precision formats: the kernels' bit-level decoders
+(`pallas_kernels.fp_formats`), the references' own decoders and the
+quantizers (`jaxkern.quant`): bit layout, scale bytes, rounding and
 round-trip error bounds."""
 
 import jax
@@ -36,6 +37,21 @@ def test_ue8m0_to_f32():
                                 np.ldexp(np.float32(1), np.array([1, 100, 126, 127, 128, 254]) - 127))
   edge = np.asarray(fp_formats.ue8m0_to_f32(jnp.array([0, 255], jnp.uint8)))
   assert edge[0] == 0.0 and np.isposinf(edge[1])  # documented edge bytes
+
+
+def test_reference_decoders_agree_with_the_kernel_decoders_on_every_byte():
+  """Two independent decoders (a value table and exp2 here, bit assembly in
+  the kernels) agree on every code and every valid scale byte."""
+  byte = jnp.arange(256, dtype=jnp.int32).astype(jnp.uint8)
+  for ours, theirs in zip(quant.unpack_e2m1(byte), fp_formats.unpack_e2m1(byte)):
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+  codes = jnp.arange(16, dtype=jnp.int32)
+  got, want = np.asarray(quant.e2m1_to_f32(codes)), np.asarray(fp_formats.e2m1_to_f32(codes))
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+  valid = byte[1:255]
+  np.testing.assert_array_equal(np.asarray(quant.ue8m0_to_f32(valid)), np.asarray(fp_formats.ue8m0_to_f32(valid)))
+  assert np.isposinf(np.asarray(quant.ue8m0_to_f32(jnp.array([255], jnp.uint8))))[0]
 
 
 def test_quantize_e2m1_bit_layout_and_scale_byte():

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from jaxkern import dataset
+from jaxkern import plan as plan_lib
 from jaxkern import registry
+from jaxkern import selection
 from jaxkern import tuning
-from jaxkern.op import bind_axes, shrink_rows, shrink_until
+from jaxkern.family import bind_axes, shrink_rows, shrink_until
 from pallas_kernels import dense_gemm
 
 NAMES = registry.names()
@@ -79,7 +81,7 @@ def test_a_new_shape_of_a_family_is_only_data(tmp_path):
   op = registry.get(raw["name"], ds)
   assert op.implemented
   [w] = dataset.load_workloads(raw["name"], ds)
-  plan = op.plan(w, scale="full", on_gpu=False)
+  plan = plan_lib.plan(op, w, size="full", on_gpu=False)
   out = op.kernel(plan.inputs, interpret=True, config=plan.choice.config)
   assert out["C"].shape == (37, 256)
   assert op.compare(out, op.reference(plan.inputs)).passed
@@ -119,13 +121,12 @@ def test_constant_axes_bind_to_keyword_only_parameters():
 
 
 def test_parse_axes_and_largest_recorded_axes():
-  from jaxkern import selection  # pylint: disable=g-import-not-at-top
   assert selection.parse_axes("B=1, Nq=2352") == {"B": 1, "Nq": 2352}
   with pytest.raises(ValueError, match="NAME=INT"):
     selection.parse_axes("M")
-  op = registry.get(GEMM)
-  assert op.largest_recorded_axes() == {"M": 24576}
-  assert op.input_bytes({"M": 2}) == (2 * 4096 + 4096 * 4096) * 2
+  d = registry.get(GEMM).definition
+  assert selection.largest_recorded_axes(d) == {"M": 24576}
+  assert selection.input_bytes(d, {"M": 2}) == (2 * 4096 + 4096 * 4096) * 2
 
 
 def test_shrink_helpers():

@@ -13,6 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 import pytest
 
+from jaxkern import registry
 from jaxkern import replay
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -20,7 +21,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 TOY_FAMILY = '''
 import dataclasses, os, threading
 import jax, jax.numpy as jnp
-from jaxkern.op import OpImpl
+from jaxkern.family import OpImpl
 
 # M=23 blocks (while tracing the kernel) until a test releases it: a workload
 # that cannot finish, whatever the machine's load (TOY_BLOCK=0 turns it off).
@@ -347,6 +348,7 @@ def test_first_line_says_how_many_per_variant(toy, tmp_path):
   assert len(read(tmp_path / "out.jsonl")) == 2  # u0 (variant a) and u3 (variant b)
 
 
+@pytest.mark.slow  # a subprocess
 def test_command_line_app(toy, tmp_path):
   """The absl entry point, as users run it."""
   env_path = f"{tmp_path}:{REPO}"
@@ -398,20 +400,25 @@ def test_one_worker_per_local_device(toy_many, tmp_path, isolation):
 
 
 def test_smoke_replay_of_real_definitions(tmp_path):
-  """End to end on the real dataset: one workload of each implemented
-  definition, CPU-budget sizes, Pallas kernels in interpret mode."""
-  from jaxkern import registry  # pylint: disable=g-import-not-at-top
-  implemented = [n for n in registry.names() if registry.get(n).implemented]
-  if not implemented:
-    pytest.skip("no definition is implemented yet")
-  cfg = make_config(REPO / "datasets", tmp_path, definitions=",".join(implemented),
+  """End to end on the real dataset, what the replay adds to the kit's
+  per-variant check (test_definitions.py): selection by prefix, CPU-budget
+  sizes, Pallas in interpret mode, result lines with axes_run, the config,
+  correctness and the speed of light, the summary and the exit code. Two
+  families stand for all: a one-output GEMM and a two-output GDN."""
+  cfg = make_config(REPO / "datasets", tmp_path, definitions="dense_gemm_bf16_nt_n4096_k4096,gdn_decode",
                     max_workloads_per_definition=1, scale="smoke", iters=1)
   logs = []
   code = replay.replay(cfg, log=logs.append)
   results = read(tmp_path / "out.jsonl")
-  assert {r["definition"] for r in results} == set(implemented)
+  assert {r["definition"] for r in results} == {"dense_gemm_bf16_nt_n4096_k4096", "gdn_decode_qk4_v8_d128_k_last"}
   assert all(r["evaluation"]["status"] == "passed" for r in results), "\n".join(logs)
-  assert code == 0
+  for r in results:
+    ev = r["evaluation"]
+    assert r["workload"]["axes_run"] and "scaled" in r["workload"]
+    assert ev["config_source"] in ("heuristic", "tuned") and ev["config"]
+    assert set(ev["correctness"]["outputs"]) == set(registry.get(r["definition"]).definition.outputs)
+    assert ev["performance"]["speed_of_light_ms"] > 0
+  assert "2 passed, 0 failed" in logs[-1] and code == 0
 
 
 def test_blob_root_loads_recorded_tensors_and_compares_expected_output(toy, tmp_path):
@@ -463,6 +470,7 @@ def test_blob_root_loads_recorded_tensors_and_compares_expected_output(toy, tmp_
   assert res["b-expected-only"]["status"] == "passed" and res["b-expected-only"]["expected_output"] is None
 
 
+@pytest.mark.slow  # a subprocess
 def test_command_line_ctrl_c_exits_130_with_results_on_disk(toy, tmp_path):
   import signal  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
@@ -487,6 +495,7 @@ def test_command_line_ctrl_c_exits_130_with_results_on_disk(toy, tmp_path):
   assert done[0] == "i0" and len(done) < 4
 
 
+@pytest.mark.slow  # a subprocess
 def test_command_line_from_another_directory_uses_the_package_dataset(tmp_path):
   """configs/smoke.py run from elsewhere still finds the shipped dataset."""
   cmd = [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/smoke.py",
@@ -498,6 +507,7 @@ def test_command_line_from_another_directory_uses_the_package_dataset(tmp_path):
   assert "1 passed, 0 failed" in p.stdout and str(REPO / "datasets") in p.stdout
 
 
+@pytest.mark.slow  # a subprocess
 def test_command_line_misspelt_field_names_the_valid_ones(tmp_path):
   cmd = [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/smoke.py", "--config.nosuchfield=1"]
   p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
@@ -536,6 +546,7 @@ def toy_many(toy):
   return toy
 
 
+@pytest.mark.slow  # a subprocess
 def test_three_processes_with_a_coordinator_merge_to_the_single_process_run(toy_many, tmp_path):
   single = tmp_path / "single.jsonl"
   assert subprocess.run(shard_cmd(toy_many, single), capture_output=True, timeout=300, cwd=REPO,
@@ -564,6 +575,7 @@ def test_three_processes_with_a_coordinator_merge_to_the_single_process_run(toy_
     shards.merge([files[0], files[0]], tmp_path / "x.jsonl")
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_killed_shard_resumes_and_the_merge_is_complete(toy_many, tmp_path):
   """Shards without a coordinator (explicit process_id / num_processes); the
   second is killed while stuck on u23, then resumed; merge checks that every

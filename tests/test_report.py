@@ -119,6 +119,7 @@ def test_default_folder_and_errors(runs, tmp_path, capsys):
   assert "no result lines" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a subprocess
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed")
 def test_page_renders_headless(runs):
   current, baseline = runs

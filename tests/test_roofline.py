@@ -1,6 +1,7 @@
-"""The roofline: each family's formula on small axes computed by hand, every
-definition of the dataset covered at its recorded axes, device peaks, and the
-replay's speed-of-light fields (sol_fraction only when timed on a GPU)."""
+"""The roofline: each family's cost formula (`OpImpl.cost`, applied by
+`Op.cost`) on small axes computed by hand, every definition of the dataset
+covered at its recorded axes, device peaks, and the replay's speed-of-light
+fields (sol_fraction only when timed on a GPU)."""
 
 import json
 
@@ -12,12 +13,15 @@ from jaxkern import registry
 from jaxkern import replay
 from jaxkern import results
 from jaxkern import roofline
+from jaxkern.families import dense_gemm as dense_gemm_family
+from jaxkern.families import flash_attention as attention_family
+from jaxkern.families import grouped_gemm as grouped_gemm_family
 
 DEFS = dataset.load_definitions()
 
 
 def cost(name, **axes):
-  c = roofline.cost(DEFS[name], axes)
+  c = registry.get(name).cost(axes)
   return c.flops, c.bytes, c.dtype_class
 
 
@@ -41,10 +45,10 @@ def test_grouped_gemm_counts_only_routed_experts():
   # weights as stored: b 2x32 + b_scale 2x2 = 68.
   assert cost(name, M=1, E=4, **small) == (2 * 1 * 2 * 64, 74 + 68, "fp8")
   # Two rows, two experts: expected distinct experts 2 * (1 - 1/4) = 1.5.
-  assert roofline.expected_experts(2, 2) == 1.5
+  assert grouped_gemm_family.expected_experts(2, 2) == 1.5
   assert cost(name, M=2, E=2, **small) == (2 * 2 * 2 * 64, 128 + 4 + 8 + 8 + round(1.5 * 68), "fp8")
-  assert roofline.expected_experts(1, 384) == pytest.approx(1.0)
-  assert roofline.expected_experts(10**6, 384) == pytest.approx(384)
+  assert grouped_gemm_family.expected_experts(1, 384) == pytest.approx(1.0)
+  assert grouped_gemm_family.expected_experts(10**6, 384) == pytest.approx(384)
 
 
 def test_dense_attention():
@@ -59,16 +63,15 @@ def test_prefix_cached_attention():
 
 def test_block_causal_counts_visible_pairs_only():
   name = "prefix_cached_block_causal_h32_d128_prefix0"
-  d = DEFS[name]
   axes = dict(B=1, Nq=4, H=1, D=4)
   # q, k, v 4x4 bf16 32 each, segment_ids 4 int32 16, o 32.
   assert cost(name, **axes) == (4 * 16 * 4, 144, "bf16")  # no record: one segment, Nq^2 pairs
   record = {"prefix_segments": [[0, 1, False], [1, 3, True], [3, 4, False]]}
   # segments of 1, 2, 1 tokens ending at 1, 3, 4: 1*1 + 2*3 + 1*4 = 11 visible pairs.
-  assert roofline.block_causal_pairs([1, 3, 4]) == 11
-  assert roofline.cost(d, axes, record).flops == 4 * 11 * 4
+  assert attention_family.block_causal_pairs([1, 3, 4]) == 11
+  assert registry.get(name).cost(axes, record=record).flops == 4 * 11 * 4
   # The recorded layout [[0,8],[8,4104],[4104,4125]].
-  assert roofline.block_causal_pairs([8, 4104, 4125]) == 8 * 8 + 4096 * 4104 + 21 * 4125
+  assert attention_family.block_causal_pairs([8, 4104, 4125]) == 8 * 8 + 4096 * 4104 + 21 * 4125
 
 
 def test_neighborhood_attention_counts_the_window():
@@ -111,8 +114,7 @@ def test_mixed_mla_counts_gathered_tokens_as_stored():
   # gathered: 1 fp8 token of 8 bytes + min(3, 2) fp4 tokens of 6 bytes = 20.
   assert got == (4 * 3 * 4, 64, "bf16")
   # The real token records: 528 and 288 bytes each (scales included).
-  d = DEFS["mixed_mla_decode_deepseek41_h64_d512_k8128_k4512"]
-  full = roofline.cost(d, {"B": 1, "N8": 1, "N4": 4})
+  full = registry.get("mixed_mla_decode_deepseek41_h64_d512_k8128_k4512").cost({"B": 1, "N8": 1, "N4": 4})
   small_io = 64 * 512 * 2 + (128 + 512) * 4 + 4 + 64 * 4 + 64 * 512 * 2 + 64 * 4
   assert full.bytes == small_io + 128 * 528 + 512 * 288
 
@@ -135,22 +137,23 @@ def test_qsa_sparse_gqa_counts_visible_tokens():
 
 def test_every_definition_has_a_formula_at_its_recorded_axes():
   assert len(DEFS) == 21
-  for name, d in DEFS.items():
-    assert d.reference.partition(":")[2] in roofline.FORMULAS, name  # by function, not only by op_type
+  for name in DEFS:
+    op = registry.get(name)
+    assert op.impl.cost is not None, name  # the family's formula, on its OpImpl
     for w in dataset.load_workloads(name):
-      c = roofline.cost(d, w.axes, w.record)
+      c = op.cost(w.axes, record=w.record)
       assert c.flops > 0 and c.bytes > 0, (name, w.uuid)
       assert 0 < c.speed_of_light_ms() < 100, (name, w.uuid)
 
 
-def test_formulas_are_found_by_reference_function_or_op_type():
-  d = DEFS["dense_gemm_bf16_nt_n4096_k4096"]
-  moved = d.replace(reference="elsewhere.module:dense_gemm_reference")
-  assert roofline.formula_for(moved) is roofline.dense_gemm
-  renamed = d.replace(reference="jaxkern.families.dense_gemm:another_gemm")  # op_type "gemm" still names the family
-  assert roofline.formula_for(renamed) is roofline.dense_gemm
-  with pytest.raises(KeyError, match="no roofline formula"):
-    roofline.formula_for(d.replace(reference="m:unknown", op_type="attention"))  # several families share it
+def test_formulas_live_with_their_families():
+  """Every shape of a family uses its family's formula; the Cost names it."""
+  for name in ("dense_gemm_bf16_nt_n4096_k4096", "dense_gemm_bf16_nt_n12288_k4096"):
+    assert registry.get(name).impl.cost is dense_gemm_family.dense_gemm_cost
+    assert registry.get(name).cost({"M": 1}).family == "dense_gemm_cost"
+  costs = {registry.get(n).impl.cost for n in DEFS if n.startswith(("noncausal", "prefix_cached"))}
+  assert costs == {attention_family.noncausal_attention_cost, attention_family.prefix_cached_attention_cost,
+                   attention_family.block_causal_attention_cost}
 
 
 def test_speed_of_light_and_peaks():
@@ -176,25 +179,28 @@ def test_speed_of_light_and_peaks():
 
 
 def test_performance_fields():
-  d = DEFS["dense_gemm_bf16_nt_n4096_k4096"]
-  c = roofline.cost(d, {"M": 4096})
-  cpu = roofline.performance_fields(d, {"M": 4096}, 5.0, device_kind="cpu", measured_on_gpu=False)
+  op = registry.get("dense_gemm_bf16_nt_n4096_k4096")
+  c = op.cost({"M": 4096})
+  cpu = roofline.performance_fields(lambda: c, 5.0, device_kind="cpu", measured_on_gpu=False)
   assert "sol_fraction" not in cpu
   assert cpu["speed_of_light_ms"] == pytest.approx(c.speed_of_light_ms("h200"))
   assert cpu["roofline"] == {"flops": c.flops, "bytes": c.bytes, "device": "h200", "dtype_class": "bf16",
                              "bound": "compute", "basis": "datasheet"}
-  gpu = roofline.performance_fields(d, {"M": 4096}, 0.5, device_kind="NVIDIA H100 80GB HBM3",
-                                    measured_on_gpu=True)
+  gpu = roofline.performance_fields(lambda: c, 0.5, device_kind="NVIDIA H100 80GB HBM3", measured_on_gpu=True)
   assert gpu["roofline"]["device"] == "h100_sxm"
   assert gpu["sol_fraction"] == pytest.approx(c.speed_of_light_ms("h100_sxm") / 0.5)
-  broken = roofline.performance_fields(d.replace(reference="m:f", op_type="x"), {"M": 1}, 1.0,
-                                       device_kind="cpu", measured_on_gpu=True)
-  assert broken["speed_of_light_ms"] is None and "no roofline formula" in broken["roofline"]["error"]
+
+  def no_formula():
+    raise NotImplementedError("toy: the family has no cost formula (OpImpl.cost)")
+
+  broken = roofline.performance_fields(no_formula, 1.0, device_kind="cpu", measured_on_gpu=True)
+  assert broken["speed_of_light_ms"] is None and "no cost formula" in broken["roofline"]["error"]
 
 
 TOY_GEMM = '''
 import jax.numpy as jnp
-from jaxkern.op import OpImpl
+from jaxkern.families.dense_gemm import dense_gemm_cost
+from jaxkern.family import OpImpl
 
 def toy_matmul(A, B):
   return jnp.dot(A, B.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
@@ -206,13 +212,13 @@ def kernel(A, B, *, interpret, config):
   return toy_matmul(A, B)
 
 IMPLS = (OpImpl(reference=toy_matmul, make_inputs=make_inputs, kernel=kernel, choose_config=lambda s: None,
-                candidate_configs=lambda s: [None], cpu_axes=lambda axes: axes),)
+                candidate_configs=lambda s: [None], cpu_axes=lambda axes: axes, cost=dense_gemm_cost),)
 '''
 
 
 def test_replay_results_carry_speed_of_light_and_sol_fraction_only_on_gpu(tmp_path, monkeypatch):
-  """A toy GEMM (plain jnp kernel, so it can run as if timed on a GPU here),
-  found by op_type `gemm`: the speed of light is always there, sol_fraction
+  """A toy GEMM (plain jnp kernel, so it can run as if timed on a GPU here)
+  with the dense GEMM's cost formula: the speed of light is always there, sol_fraction
   only when timed on a GPU outside interpret mode; the summary shows both."""
   (tmp_path / "toy_gemm_family.py").write_text(TOY_GEMM)
   monkeypatch.syspath_prepend(str(tmp_path))

@@ -1,9 +1,10 @@
-"""Tests of the sparse MLA prefill family (SPEC 4.9): the Pallas kernel in
-interpret mode against the jnp reference (edge cases: lonely rows, indices
->= Nkv, fewer valid slots than TOPK, M = 1, ragged slot blocks), the
-reference against float64 numpy, workspace/index synthesis against the
-recorded structure, and deviceless H100 lowering at the largest recorded
-axes with every candidate config."""
+"""Sparse MLA prefill (SPEC 4.9): the kit's data (launches; edge cases for
+the kernel in interpret mode: lonely rows, indices >= Nkv, fewer valid slots
+than TOPK, M = 1, ragged slot blocks, the output-column split, records at
+CPU scale) and the family's own checks: the traced scale, the reference
+against float64 numpy, workspace/index synthesis against the recorded
+structure, the heuristic. (The checks themselves: test_definitions.py and
+kit.py.)"""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import numpy as np
 import pytest
 
 from jaxkern.families import sparse_mla as fam
+from kit import Case, TritonCall
 from pallas_kernels import sparse_mla as sm
+from numerics import assert_bf16_close, assert_f32_close
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 K128 = "sparse_mla_prefill_h64_d512_k128"
@@ -40,19 +43,10 @@ def full_axes(name, axes):
 
 
 def assert_close(out, lse, ref_out, ref_lse):
-  """SPEC 5: bf16 out (atol 5e-3, rtol 1.6e-2), f32 lse (2e-5, 1e-4) under the
-  FlashInfer-Bench rule; +inf lse must match +inf exactly."""
-  x, y = np.asarray(out, np.float32), np.asarray(ref_out, np.float32)
-  assert x.shape == y.shape and np.all(np.isfinite(x))
-  err = np.abs(x - y)
-  assert not np.any((err > 0.005) & (err > 0.016 * np.abs(y))), f"out max abs err {err.max()}"
-  a, b = np.asarray(lse), np.asarray(ref_lse)
-  assert a.shape == b.shape and lse.dtype == jnp.float32
-  np.testing.assert_array_equal(np.isinf(a), np.isinf(b))
-  fin = np.isfinite(b)
-  assert np.all(np.isfinite(a[fin]))
-  lerr = np.abs(a[fin] - b[fin])
-  assert not np.any((lerr > 2e-5) & (lerr > 1e-4 * np.abs(b[fin]))), f"lse max abs err {lerr.max()}"
+  """SPEC 5: bf16 out, f32 lse; +inf lse must match +inf exactly."""
+  assert lse.dtype == jnp.float32
+  assert_bf16_close(out, ref_out)
+  assert_f32_close(lse, ref_lse)
 
 
 def random_problem(m, nkv, topk, *, heads=64, dim=512, seed=0, lo=-3, hi_extra=5):
@@ -130,24 +124,24 @@ def test_reference_chunks_rows():
 
 
 # ---------------------------------------------------------------------------
-# Kernel (interpret mode) vs reference.
+# Kit data: launches, edge cases (kernel in interpret mode vs reference).
 
 
-@pytest.mark.parametrize("m,nkv,topk,config", [
-    (6, 300, 80, SMALL),       # ragged last slot block (80 = 2.5 x 32)
-    (1, 40, 128, SMALL),       # M = 1
-    (3, 200, 640, None),       # the k640 shape, heuristic config
-    (4, 64, 24, SPLIT_D),      # TOPK < 32, output columns split over programs
-])
-def test_kernel_matches_reference(m, nkv, topk, config):
-  q, kv, idx, scale, sink = random_problem(m, nkv, topk, seed=m + topk)
-  idx = jnp.asarray(idx)
-  out, lse = sm.sparse_mla_prefill(q, kv, idx, scale, sink, config=config, interpret=True)
-  assert out.dtype == jnp.bfloat16 and out.shape == q.shape and lse.shape == (m, 64)
-  assert_close(out, lse, *fam.sparse_mla_prefill_reference(q, kv, idx, scale, sink))
+def launches(config, axes):
+  """Grid (head blocks, D blocks, query rows)."""
+  return [TritonCall("sparse_mla_prefill", (axes["H"] // config.block_h, axes["D"] // config.block_d, axes["M"]),
+                     config.num_warps, config.num_stages)]
 
 
-def test_kernel_edge_rows():
+def problem(m, nkv, topk, seed, **kw):
+  """`random_problem` as the definition's named inputs."""
+  def build():
+    q, kv, idx, scale, sink = random_problem(m, nkv, topk, seed=seed, **kw)
+    return {"q": q, "kv": kv, "indices": jnp.asarray(idx), "sm_scale": scale, "attn_sink": sink}
+  return build
+
+
+def edge_rows():
   """Lonely rows (all -1; all >= Nkv), one valid slot at the very end, valid
   slots only in the middle block, fewer valid than TOPK, duplicates."""
   m, nkv, topk = 8, 100, 96
@@ -161,13 +155,40 @@ def test_kernel_edge_rows():
   idx[4, 0, 60:] = -1
   idx[5] = 3                         # one row gathered 96 times
   idx[6, 0, ::2] = nkv               # every other slot invalid
-  idx = jnp.asarray(idx)
-  for config in (SMALL, SPLIT_D):
-    out, lse = sm.sparse_mla_prefill(q, kv, idx, scale, sink, config=config, interpret=True)
-    ref = fam.sparse_mla_prefill_reference(q, kv, idx, scale, sink)
-    assert_close(out, lse, *ref)
-    assert np.all(np.asarray(out[:2], np.float32) == 0) and np.all(np.isinf(np.asarray(lse[:2])))
-    assert np.all(np.isfinite(np.asarray(lse[2:])))
+  return {"q": q, "kv": kv, "indices": jnp.asarray(idx), "sm_scale": scale, "attn_sink": sink}
+
+
+def first_two_rows_lonely(out, ref, inputs):
+  assert np.all(np.asarray(out["out"][:2], np.float32) == 0) and np.all(np.isinf(np.asarray(out["lse"][:2])))
+  assert np.all(np.isfinite(np.asarray(out["lse"][2:])))
+
+
+def record_picks(name):
+  """The two structurally distinct records of a definition: the largest
+  workspace and an uncached one."""
+  recs = records(name)
+  return [max(recs, key=lambda r: r["axes"]["Nkv"]), next(r for r in recs if r["variant"].endswith("cached_False"))]
+
+
+KERNEL_CASES = [
+    *(Case(K128, inputs=problem(m, nkv, topk, seed=m + topk), config=config, id=label)
+      for m, nkv, topk, config, label in [
+          (6, 300, 80, SMALL, "ragged_last_slot_block"),     # 80 = 2.5 x 32
+          (1, 40, 128, SMALL, "one_row"),
+          (3, 200, 640, None, "k640_heuristic"),
+          (4, 64, 24, SPLIT_D, "topk_below_32_column_split")]),
+    *(Case(K128, inputs=edge_rows, config=c, check=first_two_rows_lonely, id=f"edge_rows_{i}")
+      for i, c in enumerate((SMALL, SPLIT_D))),
+    *(Case(name, fam.cpu_axes(full_axes(name, rec["axes"])), record=rec, id=f"record_{rec['uuid'][:8]}")
+      for name in (K128, K640) for rec in record_picks(name)),
+]
+# Each distinct tiling of the candidates (warps and stages do not change
+# interpret-mode semantics).
+SWEEP_CASE = Case(K640, inputs=problem(1, 120, 640, seed=9), id="m1_k640")
+
+
+# ---------------------------------------------------------------------------
+# The kernel's own checks.
 
 
 def test_kernel_traced_scale_and_large_sink():
@@ -184,20 +205,6 @@ def test_slot_block_limits():
   idx = jnp.asarray([[-1, -1, 5, -1, -1, -1, 9, -1], [-1] * 8, [1] * 8, [20] + [-1] * 7])
   lim = np.asarray(sm.slot_block_limits(idx, 10, 2))
   np.testing.assert_array_equal(lim, [[1, 4], [0, 0], [0, 4], [0, 0]])
-
-
-@pytest.mark.parametrize("name", [K128, K640])
-def test_definition_records_at_cpu_scale(name):
-  """The two structurally distinct records of each definition (the largest
-  workspace and an uncached one), shrunk by cpu_axes, kernel vs reference."""
-  recs = records(name)
-  picks = [max(recs, key=lambda r: r["axes"]["Nkv"]),
-           next(r for r in recs if r["variant"].endswith("cached_False"))]
-  for rec in picks:
-    axes = fam.cpu_axes(full_axes(name, rec["axes"]))
-    inputs = fam.make_inputs(axes, jax.random.key(0), rec)
-    out, lse = sm.sparse_mla_prefill(**inputs, interpret=True)
-    assert_close(out, lse, *fam.sparse_mla_prefill_reference(**inputs))
 
 
 # ---------------------------------------------------------------------------
@@ -300,7 +307,7 @@ def test_cpu_axes(name):
 
 
 # ---------------------------------------------------------------------------
-# Configs and lowering.
+# Configs, the public op, arguments.
 
 
 def largest_shapes(name):
@@ -323,18 +330,6 @@ def test_heuristic_small_m_and_fit():
   assert sm.choose_config(shapes).block_k == 32
   with pytest.raises(ValueError):
     sm.SparseMlaPrefillConfig(block_k=48)
-
-
-def test_every_candidate_in_interpret_mode():
-  """Each distinct tiling of the candidates (warps and stages do not change
-  interpret-mode semantics)."""
-  q, kv, idx, scale, sink = random_problem(1, 120, 640, seed=9)
-  idx = jnp.asarray(idx)
-  ref = fam.sparse_mla_prefill_reference(q, kv, idx, scale, sink)
-  tilings = {(c.block_h, c.block_k, c.block_d): c
-             for c in sm.candidate_configs({"q": q, "indices": idx})}
-  for config in tilings.values():
-    assert_close(*sm.sparse_mla_prefill(q, kv, idx, scale, sink, config=config, interpret=True), *ref)
 
 
 def test_ops_function_both_backends_under_jit():

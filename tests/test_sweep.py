@@ -31,6 +31,7 @@ def test_sweep_runs_checks_and_times_candidates():
   assert any(r["heuristic"] for r in rows)  # the heuristic's choice is among the first candidates
 
 
+@pytest.mark.slow  # a subprocess
 def test_sweep_command_line_lower_only(tmp_path):
   out = tmp_path / "sweep.jsonl"
   p = subprocess.run([sys.executable, "-m", "jaxkern.sweep", "--definition=noncausal_dense_attention_h32_d64",
@@ -43,6 +44,7 @@ def test_sweep_command_line_lower_only(tmp_path):
   assert all(r["status"] == "lowered" for r in rows) and "heuristic" in p.stdout
 
 
+@pytest.mark.slow  # a subprocess
 def test_write_tuned_then_replay_uses_it(tmp_path):
   """`--write_tuned` records the fastest correct config for the shape bucket;
   the next replay on this device kind runs it and says it came from there."""

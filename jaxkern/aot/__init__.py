@@ -22,7 +22,8 @@ tested everywhere.
 """
 
 from jaxkern.aot.cli import check_op, main, select_ops
-from jaxkern.aot.parsing import Launch, PtxasStats, parse_ptxas_verbose, parse_thunk_sequence, triton_calls
+from jaxkern.aot.parsing import Launch, PtxasStats, parse_ptxas_verbose, parse_thunk_sequence
+from pallas_kernels.common import TritonCall, triton_calls
 from jaxkern.aot.ptx import InstructionMix, KernelPtx, parse_ptx, ptx_matrix_ops
 from jaxkern.aot.report import (ERROR, OK, SMEM_OVERFLOW, SPILLS, CompileReport, KernelReport, Limits, build_reports,
                                 format_rows, kernel_status, markdown_page, occupancy)
@@ -34,5 +35,5 @@ __all__ = [
     "KernelPtx", "KernelReport", "Launch", "Limits", "PtxasStats", "available", "build_reports", "check_op",
     "format_rows", "kernel_status", "main", "markdown_page", "occupancy", "parse_ptx", "parse_ptxas_verbose",
     "parse_thunk_sequence", "plugin_library", "ptx_matrix_ops", "ptxas_binary", "ptxas_version", "resolve_target",
-    "select_ops", "skip_cuda_checks", "target_configs", "triton_calls",
+    "select_ops", "skip_cuda_checks", "target_configs", "TritonCall", "triton_calls",
 ]

@@ -126,7 +126,7 @@ def main(argv: list[str]) -> None:
   print(f"target: {compiler.target} (sm_90a), ptxas {ptxas_binary()}", file=sys.stderr)
   rows = []
   for op in ops:
-    axes = op.validated_axes(selection.parse_axes(f.axes.value) if f.axes.value else op.largest_recorded_axes())
+    axes = op.validated_axes(selection.parse_axes(f.axes.value) if f.axes.value else selection.largest_recorded_axes(op.definition))
     configs = op.candidate_configs(op.input_shapes(axes)) if f.all_candidates.value else None
     rows += check_op(compiler, op, axes, configs, progress=lambda r: print(
         f"{r['definition']} {r['config']}: {r['status']} ({r['compile_seconds']:.1f} s)", file=sys.stderr, flush=True))

@@ -69,11 +69,3 @@ def parse_thunk_sequence(text: str) -> list[Launch]:
     out.append(Launch(m.group(1), grid, threads, int(m.group(4))))
   return out
 
-
-_TRITON_CALL_RE = re.compile(r'name = "([^"]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32')
-
-
-def triton_calls(stablehlo: str) -> list[tuple[str, int, int]]:
-  """(name, num_stages, num_warps) of each `__gpu$xla.gpu.triton` call of a
-  lowered module, in order."""
-  return [(m.group(1), int(m.group(2)), int(m.group(3))) for m in _TRITON_CALL_RE.finditer(stablehlo)]

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from jaxkern.aot.parsing import Launch, PtxasStats
 from jaxkern.aot.ptx import ALU_CLASSES, KernelPtx
+from pallas_kernels.common import TritonCall
 
 OK, SPILLS, SMEM_OVERFLOW, ERROR = "ok", "spills", "smem_overflow", "error"
 
@@ -129,7 +130,7 @@ def kernel_status(k: KernelReport, limits: Limits) -> str:
   return OK
 
 
-def build_reports(calls: Sequence[tuple[str, int, int]], launches: Sequence[Launch],
+def build_reports(calls: Sequence[TritonCall], launches: Sequence[Launch],
                   ptxas: Mapping[str, PtxasStats], ptx: Mapping[str, KernelPtx],
                   limits: Limits, error: str = "") -> list[KernelReport]:
   """Joins what the lowering (names, warps, stages), XLA's thunks (launch),
@@ -138,7 +139,8 @@ def build_reports(calls: Sequence[tuple[str, int, int]], launches: Sequence[Laun
   # launch whose name starts with it.
   unused = list(launches)
   reports = []
-  for name, num_stages, num_warps in calls:
+  for call in calls:
+    name, num_stages, num_warps = call.name, call.num_stages, call.num_warps
     launch = next((l for l in unused if l.name == name), None) or next(
         (l for l in unused if l.name.startswith(name)), None)
     if launch is not None:

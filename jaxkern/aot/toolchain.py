@@ -30,7 +30,8 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from jaxkern.aot.parsing import PtxasStats, parse_ptxas_verbose, parse_thunk_sequence, triton_calls
+from jaxkern.aot.parsing import PtxasStats, parse_ptxas_verbose, parse_thunk_sequence
+from pallas_kernels.common import triton_calls
 from jaxkern.aot.ptx import KernelPtx, parse_ptx
 from jaxkern.aot.report import CompileReport, Limits, build_reports
 

@@ -8,30 +8,32 @@ Kernel: `pallas_kernels.dense_gemm`.
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxkern.op import OpImpl, shrink_rows, shrink_until
+from jaxkern import dispatch
+from jaxkern import roofline
+from jaxkern.family import OpImpl, cdiv, shrink_rows, shrink_until
 from pallas_kernels import dense_gemm as kernel_lib
-from pallas_kernels.common import cdiv
 
 # The reference materializes at most this many bytes of fp32 product at once
 # (M = 24576, N = 12288 would otherwise be a 1.2 GB fp32 temporary).
 _REFERENCE_F32_BYTES = 512 * 2**20
 
 # cpu_axes budget: multiply-accumulates an interpret-mode run may do in about
-# a second on two cores (measured: M=93, N=4096, K=4096 runs in ~0.25 s,
-# M=93, N=12288, K=4096 in ~1.6 s).
+# a second on two cores (measurements: docs/perf/cpu_budgets.md).
 _CPU_MAC_BUDGET = 3 * 10**9
 
 _NT = (((1,), (1,)), ((), ()))
 
 
-def dense_gemm_reference(A: jax.Array, B: jax.Array) -> jax.Array:  # pylint: disable=invalid-name
-  """Plain-jnp reference: C = A @ B^T, fp32 accumulation, one bf16 rounding.
+def dense_gemm_reference(A: jax.Array, B: jax.Array, *,  # pylint: disable=invalid-name
+                         out_dtype=jnp.bfloat16) -> jax.Array:
+  """Plain-jnp reference: C = A @ B^T, fp32 accumulation, one rounding to
+  `out_dtype` (the definitions' bf16).
 
   Large products are computed in row chunks so the fp32 temporary stays
   under `_REFERENCE_F32_BYTES`. Every chunk has the same row count; the last
@@ -41,16 +43,16 @@ def dense_gemm_reference(A: jax.Array, B: jax.Array) -> jax.Array:  # pylint: di
   m, n = A.shape[0], B.shape[0]
   num_chunks = cdiv(m * n * 4, _REFERENCE_F32_BYTES)
   if num_chunks <= 1:
-    return lax.dot_general(A, B, _NT, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    return lax.dot_general(A, B, _NT, preferred_element_type=jnp.float32).astype(out_dtype)
   rows = cdiv(m, num_chunks)
 
   def chunk(i, c):
     start = jnp.minimum(i * rows, m - rows)
     a = lax.dynamic_slice_in_dim(A, start, rows, axis=0)
     part = lax.dot_general(a, B, _NT, preferred_element_type=jnp.float32)
-    return lax.dynamic_update_slice_in_dim(c, part.astype(jnp.bfloat16), start, axis=0)
+    return lax.dynamic_update_slice_in_dim(c, part.astype(out_dtype), start, axis=0)
 
-  return lax.fori_loop(0, num_chunks, chunk, jnp.zeros((m, n), jnp.bfloat16))
+  return lax.fori_loop(0, num_chunks, chunk, jnp.zeros((m, n), out_dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("m", "n", "k"))
@@ -85,8 +87,29 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   return shrink_until(out, lambda a: a["M"] * a["N"] * a["K"] <= _CPU_MAC_BUDGET, halve_larger)
 
 
-IMPLS = (
-    OpImpl(reference=dense_gemm_reference, kernel=kernel_lib.dense_gemm_nt, make_inputs=make_inputs,
-           choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
-           cpu_axes=cpu_axes),
-)
+# ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def dense_gemm_cost(definition, axes, *, inputs=None, record=None):
+  """C[M,N] = A[M,K] B[N,K]^T. FLOPs 2MNK; bytes A + B + C once (bf16)."""
+  return 2 * axes["M"] * axes["N"] * axes["K"], roofline.io_bytes(definition, axes), "bf16"
+
+
+IMPL = OpImpl(reference=dense_gemm_reference, kernel=kernel_lib.dense_gemm_nt, make_inputs=make_inputs,
+              choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
+              cpu_axes=cpu_axes, cost=dense_gemm_cost)
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def dense_gemm(a: jax.Array, b: jax.Array, *, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
+  """`a @ b.T`: activations a [..., K], weight b [N, K] (torch Linear layout);
+  fp32 accumulation, output in a's dtype."""
+  *batch, k = a.shape
+  c = dispatch.run(IMPL, {"A": a.reshape(-1, k), "B": b}, params={"out_dtype": a.dtype}, config=config,
+                   backend=backend)
+  return c.reshape(*batch, b.shape[0])

@@ -14,23 +14,23 @@ Scale `D**-0.5`, fp32 scores and softmax, one rounding to bf16; a lonely row
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 
-from jaxkern.op import OpImpl
+from jaxkern import dispatch
+from jaxkern import roofline
+from jaxkern.family import OpImpl, cdiv
 from pallas_kernels import flash_attention as kernel_lib
-from pallas_kernels.common import cdiv
 
 # Variants whose keys are padded text tokens (cross-attention to the prompt).
 _PADDED_TEXT_VARIANTS = frozenset({"attn2", "audio_attn2"})
 
-# cpu_axes budget: B * Nq * (keys per query), H kept at 32. Interpret mode
-# runs ~6e6 (query, key, head) triples a second on two cores, after ~0.5-1 s
-# of compilation; at this budget a shrunk recorded workload takes 1-2 s
-# (measured: B=2, Nq=Nk=240, d128 in 1.3 s on the first call, 0.4 s after;
-# the replay of all 202 records of the four definitions took ~4 minutes).
+# cpu_axes budget: B * Nq * (keys per query), H kept at 32: a shrunk
+# recorded workload interprets in a second or two (measurements:
+# docs/perf/cpu_budgets.md).
 _CPU_PAIR_BUDGET = 160_000
 # Sequence lengths up to this are kept as recorded at CPU scale (51, 126, the
 # 25-32 token prefixes); longer ones shrink but stay longer than these.
@@ -38,22 +38,85 @@ _CPU_KEEP_LEN = 64
 
 
 # ---------------------------------------------------------------------------
-# References (plain jnp; bounded memory, see `kernel_lib.attention_reference`).
+# References (plain jnp, fp32, bounded memory).
 
 
-def noncausal_attention_reference(q, k, v, key_valid) -> jax.Array:
-  """softmax(q k^T / sqrt(D)) v over the keys with key_valid, fp32."""
-  return kernel_lib.attention_reference(q, k, v, key_valid=key_valid)
+def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None, segment_ids=None,
+                        sm_scale=None, q_chunk: int = 1024) -> jax.Array:
+  """Attention of q [B, Nq, H, D] over the visible keys of k, v [B, Nk, H, D]
+  (after the prefix k_prefix, v_prefix [B, Np, H, D], every prefix key
+  visible): key j visible unless `key_valid[b, j]` is False or, with
+  `segment_ids` (Nk == Nq), `segment_ids[j] > segment_ids[i]`; scale
+  `sm_scale` (default D**-0.5).
+
+  fp32 scores and softmax at HIGHEST matmul precision, one rounding at the
+  end, lonely rows 0. Memory stays bounded: one head and `q_chunk` query rows
+  at a time, i.e. `[B, q_chunk, Np + Nk]` fp32 scores (42 MiB at B=1,
+  Np+Nk=10269), via `lax.map` over heads and over query chunks.
+  """
+  batch, q_len, num_heads, head_dim = q.shape
+  kv_len = k.shape[1]
+  sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  key_visible = (jnp.ones((batch, kv_len), bool) if key_valid is None
+                 else key_valid.astype(bool))
+  q_segments = (jnp.zeros((batch, q_len), jnp.int32) if segment_ids is None
+                else segment_ids.astype(jnp.int32))
+  k_segments = q_segments if segment_ids is not None else jnp.zeros((batch, kv_len), jnp.int32)
+  if k_prefix is not None and k_prefix.shape[1]:
+    prefix_len = k_prefix.shape[1]
+    k = jnp.concatenate([k_prefix, k], axis=1)
+    v = jnp.concatenate([v_prefix, v], axis=1)
+    key_visible = jnp.concatenate([jnp.ones((batch, prefix_len), bool), key_visible], axis=1)
+    # The smallest segment id: every query sees the prefix.
+    k_segments = jnp.concatenate(
+        [jnp.full((batch, prefix_len), jnp.iinfo(jnp.int32).min, jnp.int32), k_segments], axis=1)
+
+  chunk = min(q_chunk, q_len)
+  num_chunks = cdiv(q_len, chunk)
+  pad = num_chunks * chunk - q_len
+  # [H, chunks, B, chunk, D] queries, [chunks, B, chunk] segment ids.
+  q_chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  q_chunks = q_chunks.reshape(batch, num_chunks, chunk, num_heads, head_dim).transpose(3, 1, 0, 2, 4)
+  q_segment_chunks = jnp.pad(q_segments, ((0, 0), (0, pad))).reshape(
+      batch, num_chunks, chunk).transpose(1, 0, 2)
+  visible_keys = key_visible[:, None, :]                 # [B, 1, Nk]
+
+  def one_head(args):
+    q_h, k_h, v_h = args                                 # [chunks, B, c, D], [B, Nk, D] x2
+    k_h, v_h = k_h.astype(jnp.float32), v_h.astype(jnp.float32)
+
+    def one_chunk(args):
+      q_c, seg_c = args                                  # [B, c, D], [B, c]
+      s = jnp.einsum("bqd,bkd->bqk", q_c.astype(jnp.float32), k_h,
+                     precision=lax.Precision.HIGHEST) * sm_scale
+      visible = visible_keys & (k_segments[:, None, :] <= seg_c[:, :, None])
+      s = jnp.where(visible, s, -jnp.inf)
+      m = jnp.max(s, axis=-1, keepdims=True)
+      p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))   # 0 where not visible
+      l = jnp.sum(p, axis=-1, keepdims=True)
+      o = jnp.einsum("bqk,bkd->bqd", p, v_h, precision=lax.Precision.HIGHEST)
+      return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(q.dtype)
+
+    return lax.map(one_chunk, (q_h, q_segment_chunks))   # [chunks, B, c, D]
+
+  o = lax.map(one_head, (q_chunks, k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)))
+  o = o.transpose(2, 1, 3, 0, 4).reshape(batch, num_chunks * chunk, num_heads, head_dim)
+  return o[:, :q_len]
 
 
-def prefix_cached_attention_reference(q, k, v, k_prefix, v_prefix) -> jax.Array:
-  """Attention of q over the keys concat(k_prefix, k), all visible, fp32."""
-  return kernel_lib.attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix)
+def noncausal_attention_reference(q, k, v, key_valid=None, *, sm_scale=None) -> jax.Array:
+  """softmax(q k^T * sm_scale) v over the keys with key_valid (all without)."""
+  return attention_reference(q, k, v, key_valid=key_valid, sm_scale=sm_scale)
 
 
-def block_causal_attention_reference(q, k, v, segment_ids) -> jax.Array:
-  """Key j visible to query i iff segment_ids[j] <= segment_ids[i], fp32."""
-  return kernel_lib.attention_reference(q, k, v, segment_ids=segment_ids)
+def prefix_cached_attention_reference(q, k, v, k_prefix, v_prefix, *, sm_scale=None) -> jax.Array:
+  """Attention of q over the keys concat(k_prefix, k), all visible."""
+  return attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, sm_scale=sm_scale)
+
+
+def block_causal_attention_reference(q, k, v, segment_ids, *, sm_scale=None) -> jax.Array:
+  """Key j visible to query i iff segment_ids[j] <= segment_ids[i]."""
+  return attention_reference(q, k, v, segment_ids=segment_ids, sm_scale=sm_scale)
 
 
 # ---------------------------------------------------------------------------
@@ -169,8 +232,8 @@ def _keys_per_query(axes: Mapping[str, int]) -> int:
 def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   """B capped at 2; Nq, Nk, Np shrunk by one common factor until
   B * Nq * keys fits `_CPU_PAIR_BUDGET` (see `_shrink_length`); H and D kept.
-  If Nq and Nk differed they still differ. Interpret-mode time at these
-  sizes: about 1 s per workload (0.5 s of it compilation)."""
+  If Nq and Nk differed they still differ (interpret-mode time at these
+  sizes: docs/perf/cpu_budgets.md)."""
   out = dict(axes)
   out["B"] = min(int(axes["B"]), 2)
   lengths = [n for n in ("Nq", "Nk", "Np") if n in axes]
@@ -188,18 +251,91 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def noncausal_attention_cost(definition, axes, *, inputs=None, record=None):
+  """Non-causal attention: FLOPs 4 B H Nq Nk D (QK^T and PV). Keys masked
+  out by `key_valid` (padded text) are data, not axes: all Nk keys are
+  counted, so for padded variants the speed of light is an upper bound.
+  Bytes: q, k, v, key_valid read and o written once (K/V read once per batch
+  row, not once per query block)."""
+  return 4 * axes["B"] * axes["H"] * axes["Nq"] * axes["Nk"] * axes["D"], roofline.io_bytes(definition, axes), "bf16"
+
+
+def prefix_cached_attention_cost(definition, axes, *, inputs=None, record=None):
+  """Every target query sees Np prefix keys and Nq target keys: FLOPs
+  4 B H Nq (Nq + Np) D. Bytes: q, k, v, k_prefix, v_prefix read and o
+  written once."""
+  flops = 4 * axes["B"] * axes["H"] * axes["Nq"] * (axes["Nq"] + axes["Np"]) * axes["D"]
+  return flops, roofline.io_bytes(definition, axes), "bf16"
+
+
+def block_causal_pairs(segment_ends: list[int]) -> int:
+  """Visible (query, key) pairs of a block-causal mask over segments ending
+  at `segment_ends`: a query of segment s sees every key up to the end of s,
+  so sum_s len(s) * end(s)."""
+  pairs, start = 0, 0
+  for end in segment_ends:
+    pairs += (end - start) * end
+    start = end
+  return pairs
+
+
+def block_causal_attention_cost(definition, axes, *, inputs=None, record=None):
+  """Block-causal over segments: only visible pairs are counted, FLOPs
+  4 B H D * pairs with pairs = `block_causal_pairs(ends)`. The segments are
+  the record's `prefix_segments` rescaled to Nq as the replay synthesizes
+  them; without a record one segment (pairs = Nq^2, what the replay runs
+  then). Bytes: q, k, v, segment_ids read and o written once."""
+  nq = axes["Nq"]
+  segments = (record or {}).get("prefix_segments")
+  ends = segment_ends(segments, nq) if segments else [nq]
+  return 4 * axes["B"] * axes["H"] * axes["D"] * block_causal_pairs(ends), roofline.io_bytes(definition, axes), "bf16"
+
+
+# ---------------------------------------------------------------------------
 # One flash kernel serves all four definitions: its optional key sources and
 # masks are keyword arguments named like the definitions' inputs.
 
 
-def _impl(reference, make_inputs) -> OpImpl:
+def _impl(reference, make_inputs, cost) -> OpImpl:
   return OpImpl(reference=reference, kernel=kernel_lib.flash_attention, make_inputs=make_inputs,
                 choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
-                cpu_axes=cpu_axes)
+                cpu_axes=cpu_axes, cost=cost)
 
 
-IMPLS = (
-    _impl(noncausal_attention_reference, make_noncausal_inputs),
-    _impl(prefix_cached_attention_reference, make_prefix_cached_inputs),
-    _impl(block_causal_attention_reference, make_block_causal_inputs),
-)
+NONCAUSAL = _impl(noncausal_attention_reference, make_noncausal_inputs, noncausal_attention_cost)
+PREFIX_CACHED = _impl(prefix_cached_attention_reference, make_prefix_cached_inputs, prefix_cached_attention_cost)
+BLOCK_CAUSAL = _impl(block_causal_attention_reference, make_block_causal_inputs, block_causal_attention_cost)
+IMPLS = (NONCAUSAL, PREFIX_CACHED, BLOCK_CAUSAL)
+
+
+# ---------------------------------------------------------------------------
+# Public ops (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.Array | None = None,
+              sm_scale: float | None = None, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
+  """Non-causal attention, [B, N, H, D] layout; `key_valid [B, Nk]` hides
+  keys, rows with no visible key are 0; scale defaults to D**-0.5."""
+  return dispatch.run(NONCAUSAL, {"q": q, "k": k, "v": v, "key_valid": key_valid}, params={"sm_scale": sm_scale},
+                      config=config, backend=backend)
+
+
+def prefix_cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_prefix: jax.Array,
+                            v_prefix: jax.Array, *, sm_scale: float | None = None, config: Any = None,
+                            backend: dispatch.Backend = None) -> jax.Array:
+  """Attention of q over keys concat(k_prefix, k), all visible; the
+  concatenation is never materialized by the kernel."""
+  inputs = {"q": q, "k": k, "v": v, "k_prefix": k_prefix, "v_prefix": v_prefix}
+  return dispatch.run(PREFIX_CACHED, inputs, params={"sm_scale": sm_scale}, config=config, backend=backend)
+
+
+def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                           sm_scale: float | None = None, config: Any = None,
+                           backend: dispatch.Backend = None) -> jax.Array:
+  """Self-attention where token j is visible to token i iff
+  segment_ids[b, j] <= segment_ids[b, i] (nondecreasing int32 ids)."""
+  return dispatch.run(BLOCK_CAUSAL, {"q": q, "k": k, "v": v, "segment_ids": segment_ids},
+                      params={"sm_scale": sm_scale}, config=config, backend=backend)

@@ -14,22 +14,40 @@ synthesis defined here.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxkern.op import OpImpl
+from jaxkern import dispatch
+from jaxkern import roofline
+from jaxkern.family import OpImpl
 from pallas_kernels import gdn_decode as gdn_kernels
 
 # ------------------------------------------------------------------ references
 
 
+def softplus(x):
+  """torch.nn.functional.softplus (beta 1): x itself above the threshold 20."""
+  return jnp.where(x > 20.0, x, jax.nn.softplus(x))
+
+
 def gates(a, b, A_log, dt_bias):
-  """(g, beta) fp32, shaped like `a`: decay in (0, 1], update gate in (0, 1)."""
-  g = jnp.exp(gdn_kernels.log_decay(a, A_log.astype(jnp.float32), dt_bias.astype(jnp.float32)))
-  return g, gdn_kernels.sigmoid(b)
+  """(g, beta) fp32, shaped like `a`: decay g = exp(-exp(A_log) *
+  softplus(a + dt_bias)) in (0, 1], update gate beta = sigmoid(b) in (0, 1).
+  The reference's own gate math (not the kernel's), so that a gate bug in the
+  kernel cannot pass its own check."""
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  g = jnp.exp(-jnp.exp(f32(A_log)) * softplus(f32(a) + f32(dt_bias)))
+  return g, jax.nn.sigmoid(f32(b))
+
+
+def resolve_scale(scale, head_size: int) -> jax.Array:
+  """0-d fp32: `scale`, or 1/sqrt(head_size) where it is 0 (the definition's
+  default)."""
+  scale = jnp.asarray(scale, jnp.float32).reshape(())
+  return jnp.where(scale == 0.0, jnp.float32(head_size) ** -0.5, scale)
 
 
 def per_v_head(x, num_v_heads: int):
@@ -55,7 +73,7 @@ def gdn_decode_reference(q, k, v, state, A_log, a, dt_bias, b, scale):
   g, beta = gates(a[:, 0], b[:, 0], A_log, dt_bias)              # [B, HV]
   s, o = delta_step(state.astype(jnp.float32), per_v_head(q[:, 0], hv),
                      per_v_head(k[:, 0], hv), v[:, 0].astype(jnp.float32), g, beta,
-                     gdn_kernels.resolve_scale(scale, d))
+                     resolve_scale(scale, d))
   return o[:, None].astype(jnp.bfloat16), s
 
 
@@ -124,13 +142,46 @@ def decode_cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   return out
 
 
+# ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def gdn_flops(tokens: int, axes: Mapping[str, int]) -> int:
+  """Per token and v-head, over the K x V state: decay (1 per element),
+  k^T S (2), the rank-1 update (2), q^T S (2): 7 K V."""
+  return 7 * tokens * axes["num_v_heads"] * axes["head_size"] * axes["head_size"]
+
+
+def gdn_decode_cost(definition, axes, *, inputs=None, record=None):
+  """Gated delta rule, one token per sequence: FLOPs 7 B HV K V (see
+  `gdn_flops`; the per-head gates are not counted), matrix-vector work on
+  the FP32 (non-tensor-core) peak. Bytes: all inputs read once (the f32
+  state [B,HV,K,V] dominates) and output and new_state written once."""
+  return gdn_flops(axes["batch_size"] * axes["seq_len"], axes), roofline.io_bytes(definition, axes), "fp32"
+
+
 # ------------------------------------------------------------------ registry
 
-IMPLS = (
-    OpImpl(reference=gdn_decode_reference,
-           kernel=gdn_kernels.gdn_decode,
-           make_inputs=make_decode_inputs,
-           choose_config=gdn_kernels.choose_config,
-           candidate_configs=gdn_kernels.candidate_configs,
-           cpu_axes=decode_cpu_axes),
-)
+IMPL = OpImpl(reference=gdn_decode_reference,
+              kernel=gdn_kernels.gdn_decode,
+              make_inputs=make_decode_inputs,
+              choose_config=gdn_kernels.choose_config,
+              candidate_configs=gdn_kernels.candidate_configs,
+              cpu_axes=decode_cpu_axes,
+              cost=gdn_decode_cost)
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def gdn_decode(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log: jax.Array,  # pylint: disable=invalid-name
+               a: jax.Array, dt_bias: jax.Array, b: jax.Array, scale: float | jax.Array | None = None, *,
+               config: Any = None, backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+  """Gated delta net decode step (Qwen3-Next): q, k [B, 1, HQ, D], v [B, 1, HV, D],
+  k-last state [B, HV, V, K] f32, a, b [B, 1, HV], A_log, dt_bias [HV];
+  scale None/0 -> D**-0.5. Returns (output [B, 1, HV, D] bf16, new_state f32)."""
+  inputs = dict(q=q, k=k, v=v, state=state, A_log=A_log, a=a, dt_bias=dt_bias, b=b,
+                scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32))
+  return dispatch.run(IMPL, inputs, config=config, backend=backend)

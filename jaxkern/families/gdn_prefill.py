@@ -7,7 +7,7 @@ new_state row. Kernel: `pallas_kernels.gdn_prefill`.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkern import compare
-from jaxkern.families.gdn_decode import (STATE_STD, delta_step, gates, head_params, per_v_head,
-                                         token_inputs)
-from jaxkern.op import OpImpl
-from pallas_kernels import gdn_decode as gdn_decode_kernels
+from jaxkern import dispatch
+from jaxkern import roofline
+from jaxkern.families.gdn_decode import (STATE_STD, delta_step, gates, gdn_flops, head_params, per_v_head,
+                                         resolve_scale, token_inputs)
+from jaxkern.family import OpImpl
 from pallas_kernels import gdn_prefill as gdn_kernels
 
 _CPU_TOKENS = 192       # prefill tokens at CPU scale (plus total % 64: ragged chunks stay)
@@ -40,7 +41,7 @@ def gdn_prefill_reference(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scal
   qh, kh = per_v_head(q, hv), per_v_head(k, hv)                 # [T, HV, D]
   vh = v.astype(jnp.float32)
   g, beta = gates(a, b, A_log, dt_bias)                          # [T, HV]
-  scale = gdn_decode_kernels.resolve_scale(scale, d)
+  scale = resolve_scale(scale, d)
 
   def step(p, carry):
     s, out = carry
@@ -107,12 +108,41 @@ def prefill_cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   return out
 
 
-IMPLS = (
-    OpImpl(reference=gdn_prefill_reference,
-           kernel=gdn_kernels.gdn_prefill,
-           make_inputs=make_prefill_inputs,
-           choose_config=gdn_kernels.choose_config,
-           candidate_configs=gdn_kernels.candidate_configs,
-           cpu_axes=prefill_cpu_axes,
-           policies={"new_state": compare.StateMetric()}),
-)
+# ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def gdn_prefill_cost(definition, axes, *, inputs=None, record=None):
+  """Gated delta rule over total_seq_len tokens: FLOPs 7 T HV K V, the
+  sequential recurrence's work (a chunked kernel does somewhat more), on the
+  BF16 peak (the chunked form runs on tensor cores). Bytes: all inputs
+  (q, k, v, gates, cu_seqlens, the f32 initial state [N,HV,K,V]) read and
+  output and new_state written once."""
+  return gdn_flops(axes["total_seq_len"], axes), roofline.io_bytes(definition, axes), "bf16"
+
+
+IMPL = OpImpl(reference=gdn_prefill_reference,
+              kernel=gdn_kernels.gdn_prefill,
+              make_inputs=make_prefill_inputs,
+              choose_config=gdn_kernels.choose_config,
+              candidate_configs=gdn_kernels.candidate_configs,
+              cpu_axes=prefill_cpu_axes,
+              cost=gdn_prefill_cost,
+              policies={"new_state": compare.StateMetric()})
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log: jax.Array,  # pylint: disable=invalid-name
+                a: jax.Array, dt_bias: jax.Array, b: jax.Array, cu_seqlens: jax.Array,
+                scale: float | jax.Array | None = None, *, config: Any = None,
+                backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+  """Gated delta net over packed sequences (chunked on the Pallas path): q, k [T, HQ, D],
+  v [T, HV, D], a, b [T, HV], initial k-last states [N, HV, V, K] f32, cu_seqlens
+  [N + 1]. Returns (output [T, HV, D] bf16, final states f32; empty sequences 0)."""
+  inputs = dict(q=q, k=k, v=v, state=state, A_log=A_log, a=a, dt_bias=dt_bias, b=b, cu_seqlens=cu_seqlens,
+                scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32))
+  return dispatch.run(IMPL, inputs, config=config, backend=backend)

@@ -34,18 +34,17 @@ Input synthesis (SPEC 6), decided from the records:
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxkern import dispatch
 from jaxkern import quant
-from jaxkern.op import OpImpl
+from jaxkern import roofline
+from jaxkern.family import OpImpl, cdiv
 from pallas_kernels import grouped_gemm as kernel_lib
-from pallas_kernels.common import cdiv
-
-GroupedGemmConfig = kernel_lib.GroupedGemmConfig
 
 TOP_K = 6          # routed experts per token (DeepSeek-V4.1-Flash)
 GROUP = 32         # k values per scale byte
@@ -201,22 +200,53 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   return out
 
 
-def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
-                         expert_ids: jax.Array, *, config: GroupedGemmConfig | None = None,
-                         interpret: bool | None = None) -> jax.Array:
-  """The Pallas kernel (interpreted when no GPU is present); see
-  `pallas_kernels.grouped_gemm.grouped_gemm_fp8_fp4`."""
-  return kernel_lib.grouped_gemm_fp8_fp4(a, a_scale, b, b_scale, expert_ids, config=config,
-                                         interpret=interpret)
+# ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-IMPLS = (
-    OpImpl(
-        reference=grouped_gemm_fp8_fp4_reference,
-        kernel=kernel_lib.grouped_gemm_fp8_fp4,
-        make_inputs=make_inputs,
-        choose_config=kernel_lib.choose_config,
-        candidate_configs=kernel_lib.candidate_configs,
-        cpu_axes=cpu_axes,
-    ),
+def expected_experts(rows: int, experts: int) -> float:
+  """Expected number of distinct experts `rows` uniformly routed rows touch:
+  E (1 - (1 - 1/E)^rows); exactly 1 for one row or one expert."""
+  if rows <= 0:
+    return 0.0
+  return experts * (1.0 - (1.0 - 1.0 / experts) ** rows)
+
+
+def grouped_gemm_cost(definition, axes, *, inputs=None, record=None):
+  """C[m] = a[m] (FP8, UE8M0 scale per 32 k) times expert e(m)'s FP4 weight.
+  FLOPs 2MNK, every row counted (padding rows `-1` are data, not axes), on
+  the FP8 peak (Hopper has no FP4 tensor cores). Bytes: a, a_scale,
+  expert_ids read and C written once; of the weights b and b_scale (packed
+  e2m1 and UE8M0 bytes as stored) only the experts the rows route to, the
+  expected number of distinct experts under uniform routing
+  (`expected_experts(M, E)`, exact for M=1; at most min(M, E))."""
+  m, e = axes["M"], axes["E"]
+  per_expert = (roofline.tensor_bytes(definition, "b", axes) + roofline.tensor_bytes(definition, "b_scale", axes)) / e
+  weights = round(expected_experts(m, e) * per_expert)
+  return 2 * m * axes["N"] * axes["K"], roofline.io_bytes(definition, axes, skip=("b", "b_scale")) + weights, "fp8"
+
+
+IMPL = OpImpl(
+    reference=grouped_gemm_fp8_fp4_reference,
+    kernel=kernel_lib.grouped_gemm_fp8_fp4,
+    make_inputs=make_inputs,
+    choose_config=kernel_lib.choose_config,
+    candidate_configs=kernel_lib.candidate_configs,
+    cpu_axes=cpu_axes,
+    cost=grouped_gemm_cost,
 )
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
+                         expert_ids: jax.Array, *, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
+  """MoE expert GEMM, FP8 activations x MXFP4 weights (SPEC 4.3): a [M, K]
+  float8_e4m3fn with UE8M0 a_scale [M, K/32]; b [E, N, K/2] packed e2m1 with
+  UE8M0 b_scale [E, N, K/32]; rows grouped by expert_ids [M] (-1 = padding
+  row -> 0). Returns bf16 [M, N]. Quantizers: `jaxkern.quant`."""
+  inputs = {"a": a, "a_scale": a_scale, "b": b, "b_scale": b_scale, "expert_ids": expert_ids}
+  return dispatch.run(IMPL, inputs, config=config, backend=backend)

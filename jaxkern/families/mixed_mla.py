@@ -31,18 +31,18 @@ Synthesis (SPEC 6) from the record's `scheduler_sequence_lengths`:
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkern import dispatch
 from jaxkern import quant
-from jaxkern.op import OpImpl
+from jaxkern import roofline
+from jaxkern.family import OpImpl
 from pallas_kernels import mixed_mla as kernel_lib
-
-MixedMlaDecodeConfig = kernel_lib.MixedMlaDecodeConfig
 
 # Compressed tokens per sequence token (inferred from the records, see above).
 _COMPRESS_RATIO = 2
@@ -198,8 +198,8 @@ def make_inputs(axes: Mapping[str, int], key: jax.Array,
 
 
 def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
-  """B, H, D and the 640 key slots are kept (the work per sequence is fixed:
-  an interpret-mode run of B = 3 takes a few seconds); only the page counts
+  """B, H, D and the 640 key slots are kept (the work per sequence is fixed;
+  its time: docs/perf/cpu_budgets.md); only the page counts
   are capped (N4 <= 64, N8 <= 4), which folds the selected pages onto each
   other (more sharing) but keeps every index pattern: window length,
   selection count, -1 padding."""
@@ -210,15 +210,59 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def mixed_mla_decode_cost(definition, axes, *, inputs=None, record=None):
+  """Mixed FP8/FP4 MLA decode: each batch row attends to at most
+  min(K8, N8*P8) FP8 tokens plus min(K4, N4*P4) FP4 tokens: FLOPs
+  4 B H (those) D. Bytes: q, both index tables, sink, scalar read, out and
+  lse written once; of the paged caches only gathered tokens, as stored
+  (FP8: 512 e4m3 bytes + 4 f32 scales = 528; FP4: 256 packed bytes + 32
+  UE8M0 scales = 288 per token), at most min(B*K8, N8*P8) and
+  min(B*K4, N4*P4) distinct tokens. The dequantized tokens meet the queries
+  on the BF16 peak."""
+  n8, n4 = axes["N8"] * axes["P8"], axes["N4"] * axes["P4"]
+  slots = min(axes["K8"], n8) + min(axes["K4"], n4)
+  gathered = (min(axes["B"] * axes["K8"], n8) * (roofline.tensor_bytes(definition, "kv_fp8", axes) // max(n8, 1))
+              + min(axes["B"] * axes["K4"], n4) * (roofline.tensor_bytes(definition, "kv_fp4", axes) // max(n4, 1)))
+  flops = 4 * axes["B"] * axes["H"] * slots * axes["D"]
+  return flops, roofline.io_bytes(definition, axes, skip=("kv_fp8", "kv_fp4")) + gathered, "bf16"
+
+
+# ---------------------------------------------------------------------------
 # Kernel registration.
 
-IMPLS = (
-    OpImpl(
-        reference=mixed_mla_decode_reference,
-        kernel=kernel_lib.mixed_mla_decode,
-        make_inputs=make_inputs,
-        choose_config=kernel_lib.choose_config,
-        candidate_configs=kernel_lib.candidate_configs,
-        cpu_axes=cpu_axes,
-    ),
+IMPL = OpImpl(
+    reference=mixed_mla_decode_reference,
+    kernel=kernel_lib.mixed_mla_decode,
+    make_inputs=make_inputs,
+    choose_config=kernel_lib.choose_config,
+    candidate_configs=kernel_lib.candidate_configs,
+    cpu_axes=cpu_axes,
+    cost=mixed_mla_decode_cost,
 )
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv_fp4: jax.Array,
+                     indices_fp4: jax.Array, attn_sink: jax.Array,
+                     sm_scale: float | jax.Array | None = None, *, config: Any = None,
+                     backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek-V4 MLA decode over an FP8 window cache and an FP4 compressed cache.
+
+  q [B, H, D] bf16; kv_fp8 [N8, P8, 1, D + D/32] uint8 token records (see
+  `jaxkern.quant.quantize_mla_fp8_tokens`) read at flat rows indices_fp8
+  [B, K8]; kv_fp4 [N4, P4, 1, D/2 + D/16] uint8 (`quantize_mla_fp4_tokens`)
+  read at indices_fp4 [B, K4]; negative or out-of-range indices are skipped;
+  attn_sink [H] f32 joins the softmax denominator only; sm_scale defaults to
+  D**-0.5. Returns (out [B, H, D] bf16, lse [B, H] f32 natural log without
+  the sink; rows with no valid index: 0 and +inf)."""
+  sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+  inputs = dict(q=q, kv_fp8=kv_fp8, indices_fp8=indices_fp8, kv_fp4=kv_fp4, indices_fp4=indices_fp4,
+                sm_scale=jnp.asarray(sm_scale, jnp.float32), attn_sink=attn_sink)
+  return dispatch.run(IMPL, inputs, config=config, backend=backend)

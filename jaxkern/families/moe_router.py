@@ -11,14 +11,16 @@ Kernel: `pallas_kernels.moe_router`.
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
 from jaxkern import compare
-from jaxkern.op import OpImpl, shrink_rows
+from jaxkern import dispatch
+from jaxkern import roofline
+from jaxkern.family import OpImpl, shrink_rows
 from pallas_kernels import moe_router as kernel_lib
 
 ROUTED_SCALING_FACTOR = 1.5  # DeepSeek-V4.1-Flash
@@ -31,14 +33,28 @@ _NORM_GAIN_LOG_STD = 0.3
 # load-balancing bias does, too small to override clear winners.
 _BIAS_STD = 0.05
 
-# The plain-jnp reference lives beside the kernel (`jaxkern.ops` uses it as
-# the XLA path too); the definition names it here.
-moe_router_reference = kernel_lib.moe_router_topk_reference
+
+def router_scores(hidden: jax.Array, weight: jax.Array) -> jax.Array:
+  """fp32 sqrt(softplus(hidden @ weight^T)), [M, E]."""
+  logits = lax.dot_general(hidden, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  return jnp.sqrt(jax.nn.softplus(logits))
+
+
+def moe_router_reference(hidden, weight, bias, routed_scaling_factor, *, top_k: int = 6):
+  """Plain-jnp router. `lax.top_k` returns equal values in index order, so
+  exact ties go to the lower expert id. The [M, E] fp32 scores are small
+  (6 MiB at M=4096, E=384), so no chunking is needed."""
+  scores = router_scores(hidden, weight)
+  _, ids = lax.top_k(scores + bias.astype(jnp.float32)[None, :], top_k)
+  ids = jnp.sort(ids, axis=1)
+  chosen = jnp.take_along_axis(scores, ids, axis=1)
+  weights = chosen / jnp.sum(chosen, axis=1, keepdims=True) * jnp.asarray(routed_scaling_factor, jnp.float32)
+  return ids.astype(jnp.int32), weights
 
 
 def selection_scores(inputs: Mapping[str, jax.Array]) -> jax.Array:
   """What the top-k ranks: scores + bias, f32 [M, E] (for tie-aware compare)."""
-  return kernel_lib.router_scores(inputs["hidden"], inputs["weight"]) + inputs["bias"].astype(jnp.float32)
+  return router_scores(inputs["hidden"], inputs["weight"]) + inputs["bias"].astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("m", "d", "e"))
@@ -72,14 +88,40 @@ def make_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | None = N
 
 def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   """M shrunk to 64 (+ M % 64); decode sizes (M <= 64) stay as recorded.
-  D, E and TOPK are kept: M=64 at D=5120 interprets in about a second."""
+  D, E and TOPK are kept (the time at M=64: docs/perf/cpu_budgets.md)."""
   return {**axes, "M": shrink_rows(int(axes["M"]))}
 
 
-IMPLS = (
-    OpImpl(reference=moe_router_reference, kernel=kernel_lib.moe_router_topk, make_inputs=make_inputs,
-           choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
-           cpu_axes=cpu_axes, axis_params={"top_k": "TOPK"},
-           policies={"expert_ids": compare.TopK(scores=selection_scores),
-                     "expert_weights": compare.PairedWith("expert_ids")}),
-)
+# ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def moe_router_cost(definition, axes, *, inputs=None, record=None):
+  """logits = hidden[M,D] weight[E,D]^T, then scoring and top-k on chip.
+  FLOPs 2MED (the epilogue's per-logit math is not counted); bytes hidden +
+  weight + bias + scalar read, ids and weights [M,TOPK] written."""
+  return 2 * axes["M"] * axes["E"] * axes["D"], roofline.io_bytes(definition, axes), "bf16"
+
+
+IMPL = OpImpl(reference=moe_router_reference, kernel=kernel_lib.moe_router_topk, make_inputs=make_inputs,
+              choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
+              cpu_axes=cpu_axes, cost=moe_router_cost, axis_params={"top_k": "TOPK"},
+              policies={"expert_ids": compare.TopK(scores=selection_scores),
+                        "expert_weights": compare.PairedWith("expert_ids")})
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def moe_router(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
+               routed_scaling_factor: float | jax.Array = ROUTED_SCALING_FACTOR, *, top_k: int = 6,
+               config: Any = None, backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek-V4 sqrtsoftplus router: hidden [..., D], weight [E, D], bias [E]
+  -> (expert_ids int32 [..., top_k] ascending, expert_weights f32 [..., top_k])."""
+  *batch, d = hidden.shape
+  inputs = {"hidden": hidden.reshape(-1, d), "weight": weight, "bias": bias,
+            "routed_scaling_factor": jnp.asarray(routed_scaling_factor, jnp.float32)}
+  ids, weights = dispatch.run(IMPL, inputs, const_axes={"TOPK": top_k}, config=config, backend=backend)
+  return ids.reshape(*batch, top_k), weights.reshape(*batch, top_k)

@@ -15,17 +15,16 @@ registry fills from the definition. Kernel:
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxkern.op import OpImpl
+from jaxkern import dispatch
+from jaxkern import roofline
+from jaxkern.family import OpImpl, cdiv
 from pallas_kernels import neighborhood_attention as kernel_lib
-from pallas_kernels.common import cdiv
-
-NeighborhoodAttentionConfig = kernel_lib.NeighborhoodAttentionConfig
 
 # The reference processes query t-planes in groups of at most this many
 # `[B, tc, Y, X, H, D]` elements (at least one plane): fp32 accumulator and
@@ -34,9 +33,9 @@ NeighborhoodAttentionConfig = kernel_lib.NeighborhoodAttentionConfig
 _REF_GROUP_ELEMENTS = 1 << 24
 
 # cpu_axes: scored (query, key, head) triples the kernel may compute in
-# interpret mode for one workload. Interpret mode runs ~4e7 triples a second
-# on two cores here; B shrinks to 1 and the extents towards `k + 1` until
-# the budget holds (see `cpu_axes`).
+# interpret mode for one workload, about a second's worth on two cores
+# (docs/perf/cpu_budgets.md); B shrinks to 1 and the extents towards `k + 1`
+# until the budget holds (see `cpu_axes`).
 _CPU_TRIPLE_BUDGET = 48_000_000
 
 
@@ -160,16 +159,46 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def neighborhood_attention_3d_cost(definition, axes, *, inputs=None, record=None):
+  """3-D neighborhood attention: each query sees exactly KT*KY*KX keys (NATTEN
+  windows are shifted inward at borders, never truncated), so FLOPs
+  4 B T Y X H D KT KY KX. Bytes: q, k, v read and o written once (each key
+  row is shared by up to KT*KY*KX queries but read once)."""
+  n = axes["B"] * axes["T"] * axes["Y"] * axes["X"]
+  flops = 4 * n * axes["H"] * axes["D"] * axes["KT"] * axes["KY"] * axes["KX"]
+  return flops, roofline.io_bytes(definition, axes), "bf16"
+
+
+# ---------------------------------------------------------------------------
 # Registration.
 
 
-IMPLS = (
-    OpImpl(
-        reference=neighborhood_attention_3d_reference,
-        kernel=kernel_lib.neighborhood_attention_3d,
-        make_inputs=make_inputs,
-        choose_config=kernel_lib.choose_config,
-        candidate_configs=kernel_lib.candidate_configs,
-        cpu_axes=cpu_axes,
-    ),
+IMPL = OpImpl(
+    reference=neighborhood_attention_3d_reference,
+    kernel=kernel_lib.neighborhood_attention_3d,
+    make_inputs=make_inputs,
+    choose_config=kernel_lib.choose_config,
+    candidate_configs=kernel_lib.candidate_configs,
+    cpu_axes=cpu_axes,
+    cost=neighborhood_attention_3d_cost,
 )
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                              kernel_size: int | tuple[int, int, int], config: Any = None,
+                              backend: dispatch.Backend = None) -> jax.Array:
+  """3-D neighborhood attention, NATTEN `na3d` semantics with `scale=1` (q
+  already scaled): q, k, v [B, T, Y, X, H, D]; each query attends to the
+  `kernel_size` (KT, KY, KX, or one int for all) window around it, shifted
+  inward at the borders. Returns o [B, T, Y, X, H, D] in q's dtype."""
+  kt, ky, kx = (kernel_size,) * 3 if isinstance(kernel_size, int) else kernel_size
+  return dispatch.run(IMPL, {"q": q, "k": k, "v": v}, const_axes={"KT": kt, "KY": ky, "KX": kx}, config=config,
+                      backend=backend)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
@@ -34,7 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkern import compare
-from jaxkern.op import OpImpl
+from jaxkern import dispatch
+from jaxkern import roofline
+from jaxkern.family import OpImpl
 from pallas_kernels import qsa_index as index_lib
 
 # Defaults of the constant axes the functions cannot read from input shapes
@@ -235,18 +237,48 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   return out
 
 
+# ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def qsa_index_topk_cost(definition, axes, *, inputs=None, record=None):
+  """QSA indexer: every sequence scores its compressed keys through its page
+  table; a sequence has at most MP*P of them (its actual count is data), so
+  FLOPs 2 B MP P H D (relu and the head sum are not counted). Top-k: the
+  selection's comparisons are not FLOPs and the scores stay on chip; only
+  the ids [B,TOPK] are written. Bytes: q, page_table, seq_lens read, ids
+  written once; of index_k only the pages the page tables can reference,
+  min(NP, B*MP) pages (shared prefix pages read once)."""
+  pages = min(axes["NP"], axes["B"] * axes["MP"])
+  page = roofline.tensor_bytes(definition, "index_k", axes) // max(axes["NP"], 1)
+  flops = 2 * axes["B"] * axes["MP"] * axes["P"] * axes["H"] * axes["D"]
+  return flops, roofline.io_bytes(definition, axes, skip=("index_k",)) + pages * page, "bf16"
+
 # Keyword-only parameters that receive the definition's constant axes.
 AXIS_PARAMS = {"topk": "TOPK", "compress": "C"}
 
-IMPLS = (
-    OpImpl(
-        reference=qsa_index_topk_reference,
-        kernel=index_lib.qsa_index_topk,
-        make_inputs=make_index_inputs,
-        choose_config=index_lib.choose_config,
-        candidate_configs=index_lib.candidate_configs,
-        cpu_axes=cpu_axes,
-        policies={"topk_ids": compare.TopK(scores=index_topk_scores)},
-        axis_params=AXIS_PARAMS,
-    ),
+IMPL = OpImpl(
+    reference=qsa_index_topk_reference,
+    kernel=index_lib.qsa_index_topk,
+    make_inputs=make_index_inputs,
+    choose_config=index_lib.choose_config,
+    candidate_configs=index_lib.candidate_configs,
+    cpu_axes=cpu_axes,
+    cost=qsa_index_topk_cost,
+    policies={"topk_ids": compare.TopK(scores=index_topk_scores)},
+    axis_params=AXIS_PARAMS,
 )
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def qsa_index_topk(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_lens: jax.Array, *,
+                   config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
+  """QSA indexer: q [B, 4, 128], paged compressed keys index_k [NP, 16, 1, 128],
+  page_table [B, MP], seq_lens [B] tokens -> int32 [B, 512] top-512 block ids
+  (block = 4 tokens) by sum_h relu(q_h . k) / sqrt(128), ascending, -1 suffix."""
+  inputs = {"q": q, "index_k": index_k, "page_table": page_table, "seq_lens": seq_lens}
+  return dispatch.run(IMPL, inputs, config=config, backend=backend)

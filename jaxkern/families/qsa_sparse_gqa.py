@@ -9,15 +9,17 @@ indexer's reference on the same page table.
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxkern import dispatch
+from jaxkern import roofline
 from jaxkern.families.qsa_index import (AXIS_PARAMS, COMPRESS, INDEX_HEADS, cpu_axes, paged_structure,
                                         qsa_index_topk_reference)
-from jaxkern.op import OpImpl
+from jaxkern.family import OpImpl
 from pallas_kernels import qsa_sparse_gqa as gqa_lib
 
 
@@ -86,14 +88,50 @@ def make_gqa_inputs(axes: Mapping[str, int], key: jax.Array,
           "sm_scale": jnp.asarray(d ** -0.5, jnp.float32)}
 
 
-IMPLS = (
-    OpImpl(
-        reference=qsa_sparse_gqa_decode_reference,
-        kernel=gqa_lib.qsa_sparse_gqa_decode,
-        make_inputs=make_gqa_inputs,
-        choose_config=gqa_lib.choose_config,
-        candidate_configs=gqa_lib.candidate_configs,
-        cpu_axes=cpu_axes,
-        axis_params=AXIS_PARAMS,
-    ),
+# ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def qsa_sparse_gqa_decode_cost(definition, axes, *, inputs=None, record=None):
+  """QSA sparse GQA decode: a sequence sees at most its TOPK selected blocks
+  of C tokens plus an incomplete tail (< C tokens), and at most its page
+  table's MP*P tokens: t = min(MP*P, TOPK*C + C - 1) per sequence, FLOPs
+  4 B HQ t D. Bytes: q, page_table, seq_lens, topk_ids, scalar read and o
+  written once; of k_cache and v_cache only gathered token rows (all HKV
+  heads of a token), at most min(B*t, NP*P) distinct tokens."""
+  t = min(axes["MP"] * axes["P"], axes["TOPK"] * axes["C"] + axes["C"] - 1)
+  tokens = axes["NP"] * axes["P"]
+  caches = roofline.tensor_bytes(definition, "k_cache", axes) + roofline.tensor_bytes(definition, "v_cache", axes)
+  gathered = min(axes["B"] * t, tokens) * (caches // max(tokens, 1))
+  nbytes = roofline.io_bytes(definition, axes, skip=("k_cache", "v_cache")) + gathered
+  return 4 * axes["B"] * axes["HQ"] * t * axes["D"], nbytes, "bf16"
+
+
+IMPL = OpImpl(
+    reference=qsa_sparse_gqa_decode_reference,
+    kernel=gqa_lib.qsa_sparse_gqa_decode,
+    make_inputs=make_gqa_inputs,
+    choose_config=gqa_lib.choose_config,
+    candidate_configs=gqa_lib.candidate_configs,
+    cpu_axes=cpu_axes,
+    cost=qsa_sparse_gqa_decode_cost,
+    axis_params=AXIS_PARAMS,
 )
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def qsa_sparse_gqa_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_table: jax.Array,
+                          seq_lens: jax.Array, topk_ids: jax.Array, sm_scale: float | jax.Array | None = None,
+                          *, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
+  """QSA sparse decode: q [B, 24, 256] over the 4-token blocks in topk_ids
+  [B, 512] (-1 = empty) plus the incomplete tail, paged k/v_cache
+  [NP, 64, 2, 256]; GQA (12 q heads per kv head); sm_scale defaults to
+  256**-0.5. Returns [B, 24, 256] in q's dtype."""
+  sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+  inputs = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "page_table": page_table, "seq_lens": seq_lens,
+            "topk_ids": topk_ids, "sm_scale": jnp.asarray(sm_scale, jnp.float32)}
+  return dispatch.run(IMPL, inputs, config=config, backend=backend)

@@ -41,17 +41,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkern.op import OpImpl
+from jaxkern import dispatch
+from jaxkern import roofline
+from jaxkern.family import OpImpl
 from pallas_kernels import sparse_mla as kernel_lib
-
-SparseMlaPrefillConfig = kernel_lib.SparseMlaPrefillConfig
 
 # Recent tokens a query sees (itself included), and cached window rows kept
 # per sequence (the window of the first new token).
@@ -255,7 +255,8 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   """M -> 16 query rows; the workspace extras (Nkv - M) kept when at most 256
   (the cached window rows), else scaled by the same factor as M (so a record
   with ~1M compressed rows keeps thousands: selection still picks 512 of
-  many). H, D, TOPK kept: 16 rows x 640 slots interpret in about a second."""
+  many). H, D, TOPK kept (the time of 16 rows x 640 slots:
+  docs/perf/cpu_budgets.md)."""
   out = dict(axes)
   m, nkv = int(axes["M"]), int(axes["Nkv"])
   new_m = min(m, _CPU_ROWS)
@@ -267,16 +268,54 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------
+# Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
+
+
+def sparse_mla_prefill_cost(definition, axes, *, inputs=None, record=None):
+  """Sparse MLA over gathered latent rows (D used as both K and V): each query
+  row attends to at most min(TOPK, Nkv) valid indices (invalid `-1` slots
+  are data: the rest are counted as valid), so FLOPs 4 M H min(TOPK, Nkv) D.
+  Bytes: q, indices, sink, scalar read, out and lse written once; of the
+  workspace kv only the gathered rows, at most min(M*TOPK, Nkv) distinct
+  rows."""
+  slots = min(axes["TOPK"], axes["Nkv"])
+  row = roofline.tensor_bytes(definition, "kv", axes) // max(axes["Nkv"], 1)
+  gathered = min(axes["M"] * axes["TOPK"], axes["Nkv"]) * row
+  nbytes = roofline.io_bytes(definition, axes, skip=("kv",)) + gathered
+  return 4 * axes["M"] * axes["H"] * slots * axes["D"], nbytes, "bf16"
+
+
+# ---------------------------------------------------------------------------
 # Registration.
 
 
-IMPLS = (
-    OpImpl(
-        reference=sparse_mla_prefill_reference,
-        kernel=kernel_lib.sparse_mla_prefill,
-        make_inputs=make_inputs,
-        choose_config=kernel_lib.choose_config,
-        candidate_configs=kernel_lib.candidate_configs,
-        cpu_axes=cpu_axes,
-    ),
+IMPL = OpImpl(
+    reference=sparse_mla_prefill_reference,
+    kernel=kernel_lib.sparse_mla_prefill,
+    make_inputs=make_inputs,
+    choose_config=kernel_lib.choose_config,
+    candidate_configs=kernel_lib.candidate_configs,
+    cpu_axes=cpu_axes,
+    cost=sparse_mla_prefill_cost,
 )
+IMPLS = (IMPL,)
+
+
+# ---------------------------------------------------------------------------
+# Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
+
+
+def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, attn_sink: jax.Array, *,
+                       sm_scale: float | jax.Array | None = None, config: Any = None,
+                       backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek sparse MLA prefill (FlashMLA sparse semantics): q [M, H, D],
+  latent workspace kv [Nkv, D] or [Nkv, 1, D] (key and value), indices
+  [M, TOPK] or [M, 1, TOPK] int32 (negative or >= Nkv = invalid), per-head
+  sink logits attn_sink [H] (denominator only); sm_scale defaults to D**-0.5.
+  Returns (out [M, H, D] in q's dtype, lse [M, H] f32, natural log, sink
+  excluded); a row with no valid index gives 0 and +inf."""
+  m, _, d = q.shape
+  inputs = dict(q=q, kv=kv.reshape(kv.shape[0], 1, d), indices=indices.reshape(m, 1, indices.shape[-1]),
+                sm_scale=jnp.asarray(d ** -0.5 if sm_scale is None else sm_scale, jnp.float32),
+                attn_sink=attn_sink)
+  return dispatch.run(IMPL, inputs, config=config, backend=backend)

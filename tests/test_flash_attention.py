@@ -1,8 +1,9 @@
-"""Dense attention family edge cases (SPEC 4.4-4.6): the flash kernel in
-interpret mode against the jnp reference on masks, prefixes and segments,
-the reference against float64 numpy, deviceless H100 lowering at each
-recorded extreme, the heuristic, and input synthesis structure.
-(Generic per-definition checks: test_definitions.py.)"""
+"""Dense attention (SPEC 4.4-4.6): the kit's data (launches; edge cases of
+masks, prefixes and segments for the flash kernel in interpret mode;
+lowering at each recorded extreme) and the family's own checks: masks that
+must not leak, the key-block limits, the reference against float64 numpy,
+the heuristic and input synthesis structure. (The checks themselves:
+test_definitions.py and kit.py.)"""
 
 from __future__ import annotations
 
@@ -13,11 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkern import ops
 from jaxkern import registry
 from jaxkern.families import flash_attention as fam
+from kit import EVERY_CANDIDATE, Case, TritonCall
 from pallas_kernels import flash_attention as fa
-from pallas_kernels.common import assert_lowers_to_triton
 from numerics import assert_bf16_close
 
 # The Triton lowering's deprecation notice is expected (SPEC 2).
@@ -68,73 +68,96 @@ def ids_from_ends(ends, batch=1):
   return fam.segment_ids_from_ends(list(ends), batch, ends[-1])
 
 
+def launches(config, axes):
+  """Grid (query blocks, B, H)."""
+  return [TritonCall("flash_attention", (-(-axes["Nq"] // config.block_q), axes["B"], axes["H"]),
+                     config.num_warps, config.num_stages)]
+
+
 # ---------------------------------------------------------------------------
-# Kernel (interpret mode) vs reference.
+# Kit data: edge cases (kernel in interpret mode vs reference), lowering.
 
 
-@pytest.mark.parametrize("batch,q_len,kv_len,head_dim", [
-    (1, 51, 51, 64),     # audio self-attention, ragged
-    (2, 70, 9, 64),      # audio-to-video-like cross shape, scaled down
-    (2, 9, 70, 128),     # video-to-audio-like
-    (1, 1, 1, 64),       # one query, one key
-    (2, 37, 1, 128),     # one key
-    (1, 64, 96, 64),     # block multiples: the unmasked path only
-])
-def test_noncausal_kernel_matches_reference(batch, q_len, kv_len, head_dim):
-  q, k, v = qkv(batch, q_len, kv_len, head_dim=head_dim)
-  out = fa.flash_attention(q, k, v, config=SMALL, interpret=True)
-  assert out.shape == q.shape and out.dtype == jnp.bfloat16
-  assert_bf16_close(out, fa.attention_reference(q, k, v))
+def plain(batch, q_len, kv_len, head_dim=64, heads=2):
+  """Noncausal inputs without a key mask (the kernel's unmasked path)."""
+  return lambda: dict(zip("qkv", qkv(batch, q_len, kv_len, heads=heads, head_dim=head_dim)))
 
 
-def test_key_valid_with_all_masked_batch_row():
-  batch, q_len, kv_len = 4, 33, 40
-  q, k, v = qkv(batch, q_len, kv_len)
-  lengths = jnp.array([40, 0, 17, 1])  # row 1 sees nothing: lonely rows
-  key_valid = jnp.arange(kv_len)[None] < lengths[:, None]
-  # A hole inside the valid prefix too: masks need not be prefixes.
-  key_valid = key_valid.at[2, 5].set(False)
-  out = fa.flash_attention(q, k, v, key_valid=key_valid, config=SMALL, interpret=True)
-  ref = fa.attention_reference(q, k, v, key_valid=key_valid)
-  assert_bf16_close(out, ref)
-  assert np.all(np.asarray(out[1], np.float32) == 0.0)
-  assert np.all(np.asarray(ref[1], np.float32) == 0.0)
-  assert np.all(np.abs(np.asarray(out[0], np.float32)).max(axis=(1, 2)) > 0)
+def with_key_valid(batch, q_len, kv_len, key_valid):
+  def build():
+    q, k, v = qkv(batch, q_len, kv_len)
+    return {"q": q, "k": k, "v": v, "key_valid": key_valid}
+  return build
 
 
-def test_key_valid_leading_blocks_invisible():
-  """Rows see nothing in the first masked blocks (-inf running max) before
-  reaching their visible keys: no NaN may leak into the result."""
-  q, k, v = qkv(2, 20, 50)
-  key_valid = jnp.stack([jnp.arange(50) >= 37, (jnp.arange(50) % 7) == 3])
-  out = fa.flash_attention(q, k, v, key_valid=key_valid, config=SMALL, interpret=True)
-  assert_bf16_close(out, fa.attention_reference(q, k, v, key_valid=key_valid))
+def with_prefix(q_len, prefix_len):
+  def build():
+    q, k, v = qkv(1, q_len, q_len, head_dim=128)
+    return {"q": q, "k": k, "v": v, "k_prefix": normal(7, (1, prefix_len, 2, 128)),
+            "v_prefix": normal(8, (1, prefix_len, 2, 128))}
+  return build
 
 
-@pytest.mark.parametrize("q_len,prefix_len", [(40, 37), (9, 70), (1, 1), (48, 32)])
-def test_prefix_kernel_matches_reference(q_len, prefix_len):
-  q, k, v = qkv(1, q_len, q_len, head_dim=128)
-  k_prefix, v_prefix = normal(7, (1, prefix_len, 2, 128)), normal(8, (1, prefix_len, 2, 128))
-  out = fa.flash_attention(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, config=SMALL,
-                           interpret=True)
-  assert_bf16_close(out, fa.attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix))
+def with_segments(batch, n, segment_ids, head_dim=128):
+  def build():
+    q, k, v = qkv(batch, n, n, head_dim=head_dim)
+    return {"q": q, "k": k, "v": v, "segment_ids": segment_ids()}
+  return build
+
+
+def lonely_row_is_zero(out, ref, inputs):
+  """Row 1 sees no key: exactly 0; row 0 sees all: non-zero everywhere."""
+  o = np.asarray(out["o"], np.float32)
+  assert np.all(o[1] == 0.0) and np.all(np.asarray(ref["o"][1], np.float32) == 0.0)
+  assert np.all(np.abs(o[0]).max(axis=(1, 2)) > 0)
+
+
+_LENGTHS = jnp.array([40, 0, 17, 1])  # row 1 sees nothing: lonely rows
+# ... and a hole inside row 2's valid prefix: masks need not be prefixes.
+_HOLED = (jnp.arange(40)[None] < _LENGTHS[:, None]).at[2, 5].set(False)
+
+KERNEL_CASES = [
+    *(Case(NONCAUSAL_D64, inputs=plain(b, nq, nk, d), config=SMALL, id=label) for b, nq, nk, d, label in [
+        (1, 51, 51, 64, "audio_self_ragged"),
+        (2, 70, 9, 64, "audio_to_video_like"),
+        (2, 9, 70, 128, "video_to_audio_like"),
+        (1, 1, 1, 64, "one_query_one_key"),
+        (2, 37, 1, 128, "one_key"),
+        (1, 64, 96, 64, "block_multiples_unmasked_only")]),
+    Case(NONCAUSAL_D64, inputs=with_key_valid(4, 33, 40, _HOLED), config=SMALL, check=lonely_row_is_zero,
+         id="key_valid_lonely_row_and_hole"),
+    # Rows see nothing in the first masked blocks (-inf running max) before
+    # reaching their visible keys: no NaN may leak into the result.
+    Case(NONCAUSAL_D64, inputs=with_key_valid(2, 20, 50, jnp.stack([jnp.arange(50) >= 37,
+                                                                    (jnp.arange(50) % 7) == 3])),
+         config=SMALL, id="key_valid_leading_blocks_invisible"),
+    *(Case(PREFIX, inputs=with_prefix(nq, np_), config=SMALL, id=f"prefix_nq{nq}_np{np_}")
+      for nq, np_ in [(40, 37), (9, 70), (1, 1), (48, 32)]),
+    *(Case(PREFIX0, inputs=with_segments(1, ends[-1], functools.partial(ids_from_ends, ends)), config=SMALL,
+           id="segments_" + "_".join(map(str, ends)))
+      for ends in [(8, 104, 125), (125,), (1, 2, 3), (30, 31, 64, 100)]),
+    # Block skipping is an optimization; any ids give the exact mask.
+    Case(PREFIX0, inputs=with_segments(2, 50, lambda: jnp.asarray(
+        np.random.default_rng(3).integers(0, 4, (2, 50)), jnp.int32), head_dim=64), config=SMALL,
+         id="unsorted_segment_ids"),
+]
+LOWERING_CASES = [
+    *(Case(name, axes, config=EVERY_CANDIDATE) for name, all_axes in LOWERING_AXES.items() for axes in all_axes),
+    Case(NONCAUSAL_D128, dict(B=4, Nq=2352, Nk=2352), omit=("key_valid",), id="without_key_mask"),
+]
+SWEEP_CASE = Case(NONCAUSAL_D64, dict(B=1, Nq=70, Nk=200, H=1))
+
+
+# ---------------------------------------------------------------------------
+# The family's own kernel checks.
 
 
 def test_empty_prefix_is_plain_attention():
   q, k, v = qkv(1, 20, 20)
   empty = jnp.zeros((1, 0, 2, 64), jnp.bfloat16)
   out = fa.flash_attention(q, k, v, k_prefix=empty, v_prefix=empty, config=SMALL, interpret=True)
-  plain = fa.flash_attention(q, k, v, config=SMALL, interpret=True)
-  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
-
-
-@pytest.mark.parametrize("ends", [(8, 104, 125), (125,), (1, 2, 3), (30, 31, 64, 100)])
-def test_block_causal_kernel_matches_reference(ends):
-  n = ends[-1]
-  q, k, v = qkv(1, n, n, head_dim=128)
-  segment_ids = ids_from_ends(ends)
-  out = fa.flash_attention(q, k, v, segment_ids=segment_ids, config=SMALL, interpret=True)
-  assert_bf16_close(out, fa.attention_reference(q, k, v, segment_ids=segment_ids))
+  no_prefix = fa.flash_attention(q, k, v, config=SMALL, interpret=True)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(no_prefix, np.float32))
 
 
 def test_block_causal_first_segment_ignores_later_keys():
@@ -146,15 +169,6 @@ def test_block_causal_first_segment_ignores_later_keys():
   np.testing.assert_array_equal(np.asarray(out[:, :8], np.float32), np.asarray(first, np.float32))
 
 
-def test_unsorted_segment_ids_are_exact():
-  """Block skipping is an optimization; any ids give the exact mask."""
-  n = 50
-  q, k, v = qkv(2, n, n)
-  segment_ids = jnp.asarray(np.random.default_rng(3).integers(0, 4, (2, n)), jnp.int32)
-  out = fa.flash_attention(q, k, v, segment_ids=segment_ids, config=SMALL, interpret=True)
-  assert_bf16_close(out, fa.attention_reference(q, k, v, segment_ids=segment_ids))
-
-
 def test_all_masks_and_prefix_together():
   n = 45
   q, k, v = qkv(2, n, n)
@@ -164,25 +178,15 @@ def test_all_masks_and_prefix_together():
   kwargs = dict(key_valid=key_valid, k_prefix=k_prefix, v_prefix=v_prefix,
                 segment_ids=segment_ids, sm_scale=0.3)
   out = fa.flash_attention(q, k, v, config=SMALL, interpret=True, **kwargs)
-  assert_bf16_close(out, fa.attention_reference(q, k, v, **kwargs))
+  assert_bf16_close(out, fam.attention_reference(q, k, v, **kwargs))
 
 
 def test_sm_scale_override():
   q, k, v = qkv(1, 20, 30)
   out = fa.flash_attention(q, k, v, sm_scale=0.5, config=SMALL, interpret=True)
-  assert_bf16_close(out, fa.attention_reference(q, k, v, sm_scale=0.5))
-  default = fa.attention_reference(q, k, v)
+  assert_bf16_close(out, fam.attention_reference(q, k, v, sm_scale=0.5))
+  default = fam.attention_reference(q, k, v)
   assert np.abs(np.asarray(out, np.float32) - np.asarray(default, np.float32)).max() > 0.05
-
-
-def test_every_candidate_config_in_interpret_mode():
-  q, k, v = qkv(1, 70, 200, heads=1)
-  shapes = {"q": q, "k": k, "v": v}
-  ref = fa.attention_reference(q, k, v)
-  configs = fa.candidate_configs(shapes)
-  assert len(configs) >= 4
-  for config in configs:
-    assert_bf16_close(fa.flash_attention(q, k, v, config=config, interpret=True), ref)
 
 
 def test_key_block_limits():
@@ -236,7 +240,7 @@ def numpy_attention(q, k, v, visible, scale):
 def test_reference_matches_float64_noncausal():
   q, k, v = qkv(2, 7, 5, heads=3, head_dim=8, dtype=jnp.float32)
   key_valid = np.array([[1, 0, 1, 1, 0], [0, 0, 0, 0, 0]], bool)
-  ref = fa.attention_reference(q, k, v, key_valid=jnp.asarray(key_valid))
+  ref = fam.attention_reference(q, k, v, key_valid=jnp.asarray(key_valid))
   want = numpy_attention(q, k, v, np.broadcast_to(key_valid[:, None], (2, 7, 5)), 8 ** -0.5)
   np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=1e-4)
   assert np.all(np.asarray(ref[1]) == 0.0)
@@ -246,7 +250,7 @@ def test_reference_matches_float64_prefix_and_chunks():
   q, k, v = qkv(1, 9, 9, heads=2, head_dim=8, dtype=jnp.float32)
   k_prefix, v_prefix = normal(5, (1, 4, 2, 8), jnp.float32), normal(6, (1, 4, 2, 8), jnp.float32)
   # q_chunk=4 exercises the chunked (and padded) query path.
-  ref = fa.attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, q_chunk=4)
+  ref = fam.attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, q_chunk=4)
   want = numpy_attention(q, np.concatenate([k_prefix, k], 1), np.concatenate([v_prefix, v], 1),
                          np.ones((1, 9, 13), bool), 8 ** -0.5)
   np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=1e-4)
@@ -255,7 +259,7 @@ def test_reference_matches_float64_prefix_and_chunks():
 def test_reference_matches_float64_segments():
   q, k, v = qkv(1, 10, 10, heads=2, head_dim=8, dtype=jnp.float32)
   ids = np.array([[0, 0, 1, 1, 1, 1, 1, 2, 2, 2]], np.int32)
-  ref = fa.attention_reference(q, k, v, segment_ids=jnp.asarray(ids), q_chunk=3)
+  ref = fam.attention_reference(q, k, v, segment_ids=jnp.asarray(ids), q_chunk=3)
   want = numpy_attention(q, k, v, ids[:, None, :] <= ids[:, :, None], 8 ** -0.5)
   np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=1e-4)
 
@@ -280,28 +284,7 @@ def test_family_references_bf16():
 
 
 # ---------------------------------------------------------------------------
-# Family: the definitions end to end at CPU scale, public functions.
-
-
-def recorded_like(name, axes):
-  if name == PREFIX0:
-    return {"definition": name, "axes": dict(axes), "prefix_segments": SEGMENTS_4125}
-  if name == PREFIX:
-    return {"definition": name, "axes": dict(axes), "prefix_segments": SEGMENTS_4125}
-  return {"definition": name, "axes": dict(axes), "variant": "attn2"}
-
-
-def test_public_functions_jit():
-  q, k, v = qkv(2, 20, 20)
-  key_valid = jnp.arange(20)[None] < jnp.array([[20], [7]])
-  ids = ids_from_ends((5, 12, 20), batch=2)
-  kp, vp = normal(4, (2, 6, 2, 64)), normal(5, (2, 6, 2, 64))
-  got = jax.jit(lambda *a: ops.attention(*a, key_valid=key_valid, backend="pallas"))(q, k, v)
-  assert_bf16_close(got, fa.attention_reference(q, k, v, key_valid=key_valid))
-  got = jax.jit(lambda *a: ops.prefix_cached_attention(*a, backend="pallas"))(q, k, v, kp, vp)
-  assert_bf16_close(got, fa.attention_reference(q, k, v, k_prefix=kp, v_prefix=vp))
-  got = jax.jit(lambda *a: ops.block_causal_attention(*a, backend="pallas"))(q, k, v, ids)
-  assert_bf16_close(got, fa.attention_reference(q, k, v, segment_ids=ids))
+# Arguments, the heuristic.
 
 
 def test_bad_arguments_raise():
@@ -314,10 +297,6 @@ def test_bad_arguments_raise():
     fa.flash_attention(q, k, v, segment_ids=jnp.zeros((1, 9), jnp.int32), interpret=True)
   with pytest.raises(ValueError):
     fa.flash_attention(q[..., :24], k[..., :24], v[..., :24], interpret=True)
-
-
-# ---------------------------------------------------------------------------
-# Deviceless lowering for an H100.
 
 
 def input_avals(name, axes):
@@ -334,24 +313,6 @@ def input_avals(name, axes):
   return {"q": bf16("B", "Nq", "H", "D"), "k": bf16("B", "Nq", "H", "D"),
           "v": bf16("B", "Nq", "H", "D"),
           "segment_ids": jax.ShapeDtypeStruct((a["B"], a["Nq"]), jnp.int32)}
-
-
-@pytest.mark.parametrize("name,axes", [(n, a) for n, axes in LOWERING_AXES.items() for a in axes])
-def test_lowers_for_h100_with_every_candidate_config(name, axes):
-  impl = registry.get(name).impl
-  avals = input_avals(name, axes)
-  configs = impl.candidate_configs(avals)
-  assert impl.choose_config(avals) in configs
-  names = list(avals)
-  for config in configs:
-    def run(*args, config=config):
-      return impl.kernel(**dict(zip(names, args)), interpret=False, config=config)
-    assert_lowers_to_triton(run, *avals.values())
-
-
-def test_lowers_without_key_mask():
-  sds = jax.ShapeDtypeStruct((4, 2352, 32, 128), jnp.bfloat16)
-  assert_lowers_to_triton(fa.flash_attention, sds, sds, sds, interpret=False)
 
 
 @pytest.mark.parametrize("name", list(RECORDED_AXES))
@@ -372,6 +333,12 @@ def test_heuristic_config_at_every_recorded_size(name):
 
 # ---------------------------------------------------------------------------
 # Input synthesis and CPU scale.
+
+
+def recorded_like(name, axes):
+  if name in (PREFIX, PREFIX0):
+    return {"definition": name, "axes": dict(axes), "prefix_segments": SEGMENTS_4125}
+  return {"definition": name, "axes": dict(axes), "variant": "attn2"}
 
 
 def test_synthesis_scales():

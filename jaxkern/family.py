@@ -1,17 +1,21 @@
-"""The contract between a definition and its implementation (one per family
-shape), and the shared helpers families use.
+"""The contract between a definition and its implementation (`OpImpl`, one
+per family shape), and the helpers family modules share.
 
-A family module in `jaxkern.families` exports `IMPLS`, a tuple of `OpImpl`.
-A definition's `reference` field (`"jaxkern.families.<module>:<function>"`)
-names the reference function; the registry pairs the definition with the
-`OpImpl` whose `reference` is that function. So a new shape of an existing
-family (another GEMM N/K, another head count) is a definition JSON plus its
-records, and no code.
+A family module `jaxkern/families/<name>.py` (kernel: `pallas_kernels/<name>.py`)
+exports `IMPLS`, a tuple of `OpImpl`, the reference functions its definition
+files name (`"reference": "jaxkern.families.<name>:<function>"`) and its
+public op functions (re-exported by `jaxkern.ops`, dispatched by
+`jaxkern.dispatch`). The registry pairs a definition with the `OpImpl` whose
+`reference` is the function it names, so another shape of an existing family
+(another GEMM N/K, another head count) is a definition JSON and its records,
+no code.
 
 Conventions:
 * `reference(**inputs)` and `kernel(**inputs, config=, interpret=)` take the
   definition's input names and return one array or a tuple in the
-  definition's output order. Scalars arrive as 0-d arrays.
+  definition's output order. Scalars arrive as 0-d arrays. The reference is
+  plain jnp and the family's own math: it never calls into
+  `pallas_kernels`, so a kernel bug cannot pass its own check.
 * Constant axes reach functions as keyword-only parameters: a parameter named
   like a constant axis (`KT`), or mapped to one by `axis_params`
   (`{"top_k": "TOPK"}`), receives the definition's value. This holds for
@@ -24,6 +28,11 @@ Conventions:
   heuristic's choice.
 * `cpu_axes(axes) -> axes`: a shrunk copy that keeps the structure but fits an
   interpret-mode CPU budget (`shrink_rows` and `shrink_until` help).
+* `cost(definition, axes, *, inputs=None, record=None) -> (flops, bytes,
+  dtype_class)`: the roofline work of one run (`jaxkern.roofline`). `axes`
+  are every axis of the run; `inputs` (the run's arrays, when at hand) and
+  `record` let a formula count what the data decides (visible keys, routed
+  experts, valid slots) instead of a bound from the axes.
 * `policies`: output name -> `jaxkern.compare.Policy` for outputs not
   compared by their dtype alone (top-k selections, paired values, states).
 """
@@ -39,6 +48,8 @@ import jax
 
 Inputs = Mapping[str, jax.Array]
 Shapes = Mapping[str, jax.ShapeDtypeStruct]
+# (flops, bytes, dtype_class): see `jaxkern.roofline.Cost`.
+CostFormula = Callable[..., tuple[int, int, str]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +60,7 @@ class OpImpl:
   choose_config: Callable[..., Any]
   candidate_configs: Callable[..., list[Any]]
   cpu_axes: Callable[[Mapping[str, int]], dict[str, int]]
+  cost: CostFormula | None = None
   policies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   axis_params: Mapping[str, str] = dataclasses.field(default_factory=dict)  # parameter -> const axis
 
@@ -65,6 +77,12 @@ def bind_axes(fn: Callable[..., Any], const_axes: Mapping[str, int],
     if axis in const_axes:
       bound[name] = const_axes[axis]
   return functools.partial(fn, **bound) if bound else fn
+
+
+def cdiv(a: int, b: int) -> int:
+  """ceil(a / b) for integers (the families' own: references and synthesis
+  import nothing from `pallas_kernels`)."""
+  return -(-a // b)
 
 
 def shrink_rows(n: int, base: int = 64) -> int:

@@ -1,0 +1,74 @@
+"""One dispatch for every public op of `jaxkern.ops`.
+
+A family's public function (in `jaxkern/families/<name>.py`) only normalizes
+its arguments (batch dimensions, default scales, optional inputs) into the
+definition's input names and calls `run` once with its `OpImpl`. `run`:
+
+1. picks the path (`use_pallas`): `backend=None` is the Pallas kernel on a
+   GPU and the XLA path elsewhere; `"pallas"` the kernel (interpret mode
+   without a GPU); `"xla"` the XLA path; anything else is a ValueError;
+2. on the Pallas path, picks the config: the caller's, else the tuned table
+   entry of the definition that the call matches (`tuned_config`), else None
+   (the kernel's heuristic); and resolves interpret mode;
+3. calls the kernel, or the family's reference, which is the XLA path: the
+   definition's own math, never a second hand-written copy.
+
+Everything that applies to every op call belongs here, so that it is one
+edit: a checked mode that validates index preconditions
+(`jax.experimental.checkify` around the call), sharding (`shard_map` of the
+call over a mesh), differentiable kernels (a family may give its `OpImpl` a
+`jax.custom_vjp` kernel; `run` calls it like any other).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Mapping
+
+from jaxkern import tuning
+from jaxkern.family import OpImpl, bind_axes
+from pallas_kernels.common import has_gpu, resolve_interpret
+
+Backend = Literal["pallas", "xla"] | None
+BACKENDS = ("pallas", "xla")
+
+
+def use_pallas(backend: Backend) -> bool:
+  """Whether `backend` means the Pallas kernel here."""
+  if backend is None:
+    return has_gpu()
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be None, 'pallas' or 'xla', got {backend!r}")
+  return backend == "pallas"
+
+
+def tuned_config(impl: OpImpl, inputs: Mapping[str, Any], const_axes: Mapping[str, int]) -> Any:
+  """The tuned table's config (current device kind) of the definition `impl`
+  implements whose constant axes agree with the inputs' shapes and with
+  `const_axes` (axes no shape shows, such as a window), else None."""
+  from jaxkern import registry  # pylint: disable=g-import-not-at-top  (loads the definitions on first use)
+  op = registry.find(impl.reference, inputs, const_axes=const_axes)
+  if op is None:
+    return None
+  choice = op.config_for(inputs)
+  return choice.config if choice.source == tuning.TUNED else None
+
+
+def run(impl: OpImpl, inputs: Mapping[str, Any], *, backend: Backend = None, config: Any = None,
+        const_axes: Mapping[str, int] | None = None, params: Mapping[str, Any] | None = None,
+        interpret: bool | None = None) -> Any:
+  """One op call: `impl`'s kernel or reference on `inputs`.
+
+  `inputs`: the definition's input names (an optional input may be None);
+  `const_axes`: constant axes the call sets (bound to keyword-only parameters
+  like the registry does); `params`: keyword arguments both paths take that
+  are not inputs of the definition (the attention ops' `sm_scale`, the GEMM's
+  `out_dtype`)."""
+  const_axes = dict(const_axes or {})
+  given = {k: v for k, v in inputs.items() if v is not None}
+  params = dict(params or {})
+  if not use_pallas(backend):
+    return bind_axes(impl.reference, const_axes, impl.axis_params)(**given, **params)
+  if config is None:
+    config = tuned_config(impl, given, const_axes)
+  kernel = bind_axes(impl.kernel, const_axes, impl.axis_params)
+  return kernel(**given, **params, config=config, interpret=resolve_interpret(interpret))

@@ -1,0 +1,245 @@
+"""QSA indexer decode (SPEC 4.11): the kit's data (launches; edge cases for
+the kernel in interpret mode: sequences shorter than one block, n < 512 with
+the -1 suffix, n just above 512, several sequences, records at CPU scale;
+lowering at the largest recorded extremes) and the family's own checks: the
+stage-1 scores with shared pages, ties, the reference against float64
+NumPy, the paged input synthesis shared with test_qsa_sparse_gqa.py. (The
+checks themselves: test_definitions.py and kit.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkern import compare
+from jaxkern import ops
+from jaxkern import registry
+from jaxkern.families import qsa_index as fam
+from kit import EVERY_CANDIDATE, Case, TritonCall
+from pallas_kernels import qsa_index as qi
+
+INDEX = "qsa_index_topk_decode_qwen38_h4_d128_topk512_c4"
+GQA = "qsa_sparse_gqa_decode_qwen38_h24_kv2_d256_topk512_c4"
+DATASETS = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "workloads")
+
+# Small tilings so that interpret-mode tests have several steps and programs.
+INDEX_SMALL = qi.QsaIndexConfig(qi.ScoreStage(block_keys=32, chunk_keys=128), qi.SelectStage("top_k"))
+INDEX_SORT = qi.QsaIndexConfig(qi.ScoreStage(block_keys=16, chunk_keys=64), qi.SelectStage("sort"))
+
+
+def records(name):
+  with open(os.path.join(DATASETS, f"{name}.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def first_record(name, **axes):
+  return next(r for r in records(name) if all(r["axes"][k] == v for k, v in axes.items()))
+
+
+def normal(rng, shape):
+  return jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+
+
+def page_table_for(rng, pages, max_pages, num_pages, shared=()):
+  """Random private pages; `shared` = ((i, j, count), ...): sequence j reuses
+  sequence i's first `count` pages."""
+  perm = iter(rng.permutation(num_pages))
+  table = np.zeros((len(pages), max_pages), np.int32)
+  reuse = {j: (i, count) for i, j, count in shared}
+  for b, p in enumerate(pages):
+    i, count = reuse.get(b, (b, 0))
+    table[b, :count] = table[i, :count]
+    table[b, count:p] = [next(perm) for _ in range(count, p)]
+  return jnp.asarray(table)
+
+
+def index_case(seq_lens, max_pages, seed=0, num_pages=None, shared=()):
+  rng = np.random.default_rng(seed)
+  seq_lens = np.asarray(seq_lens)
+  pages = -(-(seq_lens // 4) // 16)
+  num_pages = num_pages or int(pages.sum()) + 1
+  return dict(q=normal(rng, (len(seq_lens), 4, 128)), index_k=normal(rng, (num_pages, 16, 1, 128)),
+              page_table=page_table_for(rng, pages, max_pages, num_pages, shared),
+              seq_lens=jnp.asarray(seq_lens, jnp.int32))
+
+
+def assert_topk_ok(ids, expected, inputs):
+  """Exact, or tie-accepted per SPEC 5 (scores from the reference)."""
+  scores = np.asarray(fam.index_topk_scores(inputs))
+  exact, tie = compare.check_topk_rows(np.asarray(ids), np.asarray(expected), scores, 2e-5, 1e-4)
+  assert (exact | tie).all(), (np.asarray(ids), np.asarray(expected))
+
+
+def launches(config, axes):
+  """Stage 1 in Pallas over (sequences, score chunks of the page table's ids,
+  at least TOPK wide); the top-k is XLA's."""
+  width = max(axes["MP"] * axes["P"], axes["TOPK"], 1)
+  score = config.score
+  return [TritonCall("qsa_index_scores", (axes["B"], -(-width // score.chunk_keys), 1), score.num_warps,
+                     score.num_stages)]
+
+
+def minus_one_suffix(out, ref, inputs):
+  """Exactly max(512 - n, 0) empty slots per sequence (n complete blocks)."""
+  n = np.asarray(inputs["seq_lens"]) // 4
+  assert ((np.asarray(out["topk_ids"]) == -1).sum(1) == np.maximum(512 - n, 0)).all()
+
+
+def at_cpu_scale(name, **axes):
+  """A recorded workload shrunk by cpu_axes, with its record."""
+  rec = first_record(name, **axes)
+  return Case(name, registry.get(name).cpu_axes(rec["axes"]), record=rec,
+              id="record_" + "_".join(f"{k}{v}" for k, v in axes.items()))
+
+
+KERNEL_CASES = [
+    *(Case(INDEX, inputs=lambda s=seq_lens, p=max_pages: index_case(s, p), config=config, check=minus_one_suffix,
+           id=label) for seq_lens, max_pages, config, label in [
+        ((129,), 2, INDEX_SMALL, "recorded_tiny_n32"),
+        ((3, 2049, 2051 + 64 * 3), 36, INDEX_SMALL, "no_block_n512_n560"),
+        ((2052, 2055, 7), 33, INDEX_SORT, "n513_n513_n1_sort"),
+        ((4 * 16 * 40 + 3,), 40, None, "heuristic_n640")]),
+    at_cpu_scale(INDEX, B=1, MP=2),
+    at_cpu_scale(INDEX, B=23, MP=516),
+]
+# The largest recorded extremes, where every candidate is lowered.
+INDEX_LOWERING_AXES = [dict(B=1, MP=3895, NP=3895), dict(B=23, MP=517, NP=1550), dict(B=3, MP=555, NP=583)]
+GQA_LOWERING_AXES = [dict(B=1, MP=3895, NP=3895), dict(B=23, MP=517, NP=1550)]
+
+
+LOWERING_CASES = [Case(INDEX, a, config=EVERY_CANDIDATE) for a in INDEX_LOWERING_AXES]
+
+
+def test_lowering_axes_cover_the_recorded_extremes():
+  for name, covered in ((INDEX, INDEX_LOWERING_AXES), (GQA, GQA_LOWERING_AXES)):
+    recorded = [r["axes"] for r in records(name)]
+    assert max(a["MP"] for a in recorded) <= max(a["MP"] for a in covered)
+    assert max(a["B"] for a in recorded) <= max(a["B"] for a in covered)
+    assert max(a["NP"] for a in recorded) <= max(a["NP"] for a in covered)
+
+
+# ---------------------------------------------------------------------------
+# The family's own kernel checks.
+
+
+def test_index_scores_match_reference_with_shared_pages():
+  # Three sequences; the second and third share the first's first 20 pages.
+  inputs = index_case((2600, 1500, 2300), 41, seed=3, num_pages=70, shared=((0, 1, 20), (0, 2, 20)))
+  got = qi.index_scores(**inputs, compress=4, score=INDEX_SMALL.score, min_width=512, interpret=True)
+  want = fam.qsa_index_scores(**inputs)
+  width = want.shape[1]
+  assert got.shape[1] >= max(width, 512) and np.isneginf(np.asarray(got[:, width:])).all()
+  np.testing.assert_allclose(np.asarray(got[:, :width]), np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert_topk_ok(qi.qsa_index_topk(**inputs, config=INDEX_SMALL, interpret=True),
+                 fam.qsa_index_topk_reference(**inputs), inputs)
+
+
+def test_index_ties_go_to_the_lower_id():
+  inputs = index_case((4 * 700, 4 * 100), 44)
+  inputs["q"] = jnp.zeros_like(inputs["q"])  # every score is 0
+  want = np.concatenate([np.arange(512)[None], np.r_[np.arange(100), -np.ones(412, int)][None]])
+  for config in (INDEX_SMALL, INDEX_SORT):
+    np.testing.assert_array_equal(qi.qsa_index_topk(**inputs, config=config, interpret=True), want)
+  np.testing.assert_array_equal(fam.qsa_index_topk_reference(**inputs), want)
+
+
+def test_index_no_complete_block_selects_nothing():
+  inputs = index_case((1, 2, 3), 1)
+  np.testing.assert_array_equal(qi.qsa_index_topk(**inputs, config=INDEX_SMALL, interpret=True),
+                                -np.ones((3, 512)))
+  np.testing.assert_array_equal(fam.qsa_index_topk_reference(**inputs), -np.ones((3, 512)))
+
+
+
+# ---------------------------------------------------------------------------
+# Reference vs float64 NumPy (independent, token by token).
+
+
+def numpy_index_topk(q, index_k, page_table, seq_lens):
+  q, k = np.asarray(q, np.float64), np.asarray(index_k, np.float64)[:, :, 0]
+  table = np.asarray(page_table)
+  out = -np.ones((len(q), 512), np.int64)
+  for b, length in enumerate(np.asarray(seq_lens)):
+    j = np.arange(length // 4)
+    keys = k[table[b, j // 16], j % 16]
+    scores = np.maximum(keys @ q[b].T, 0.0).sum(1) / np.sqrt(128)
+    order = np.argsort(-scores, kind="stable")[:512]  # ties: lower id first
+    out[b, :len(order)] = np.sort(order)
+  return out
+
+
+def test_index_reference_matches_float64():
+  inputs = index_case((2055, 600, 2, 2049), 33, seed=7, shared=((0, 1, 5),))
+  np.testing.assert_array_equal(fam.qsa_index_topk_reference(**inputs), numpy_index_topk(**inputs))
+
+
+# ---------------------------------------------------------------------------
+# Input synthesis (shared by both QSA definitions), the public op, configs.
+
+
+def test_shared_prefix_page_table_uses_exactly_np_pages():
+  rng = np.random.default_rng(0)
+  pages = np.array([554, 548, 552])       # the recorded B=3, MP=554, NP=580 case
+  table = fam.shared_prefix_page_table(pages, 554, 580, rng)
+  used = np.concatenate([table[b, :p] for b, p in enumerate(pages)])
+  assert len(np.unique(used)) == 580 and used.max() < 580
+  for b, p in enumerate(pages):
+    assert len(np.unique(table[b, :p])) == p
+    shared = np.flatnonzero(table[b, :p] != table[0, :p])
+    assert b == 0 or shared.size == 0 or (table[b, :shared[0]] == table[0, :shared[0]]).all()
+  # Enough pages: all private, the rest unreferenced.
+  table = fam.shared_prefix_page_table(np.array([3, 0, 2]), 4, 9, rng)
+  assert len(np.unique(np.concatenate([table[0, :3], table[2, :2]]))) == 5
+
+
+@pytest.mark.parametrize("name,pages_of", [
+    (INDEX, lambda L: -(-(L // 4) // 16)), (GQA, lambda L: -(-L // 64))])
+def test_structure_from_records(name, pages_of):
+  """Every recorded workload at its own axes and at CPU scale: the recorded
+  lengths (rescaled keeping residues mod 4), the longest filling MP pages,
+  exactly min(NP, pages needed) distinct physical pages."""
+  op = registry.get(name)
+  for rec in records(name):
+    recorded_axes = op.validated_axes(rec["axes"])
+    for axes in (recorded_axes, op.cpu_axes(rec["axes"])):
+      table, lengths = map(np.asarray, fam.paged_structure(axes, jax.random.key(0), rec, index=name == INDEX))
+      pages = pages_of(lengths)
+      assert table.shape == (axes["B"], axes["MP"]) and pages.max() == axes["MP"]
+      recorded = np.resize(rec["scheduler_sequence_lengths"], len(lengths))
+      if axes is recorded_axes:
+        np.testing.assert_array_equal(lengths, recorded)
+      np.testing.assert_array_equal(lengths % 4, recorded % 4)
+      used = np.unique(np.concatenate([table[b, :p] for b, p in enumerate(pages)]))
+      assert used.min() >= 0 and used.max() < axes["NP"]
+      assert len(used) == min(axes["NP"], pages.sum())
+
+
+def test_cpu_axes_keep_structure():
+  op = registry.get(INDEX)
+  small = op.cpu_axes(dict(B=23, MP=517, NP=1550))
+  assert small["B"] == 4 and small["MP"] == 40 and small["MP"] <= small["NP"] and small["TOPK"] == 512
+  assert op.cpu_axes(dict(B=1, MP=2, NP=2))["MP"] == 2
+  # Prefix sharing survives: B=3, MP=554, NP=580 keeps NP far below B * MP.
+  shared = op.cpu_axes(dict(B=3, MP=554, NP=580))
+  assert shared["MP"] <= shared["NP"] < 2 * shared["MP"]
+
+
+@pytest.mark.parametrize("backend", ["pallas", "xla", None])  # None: XLA here (no GPU)
+def test_ops_function_jits(backend):
+  inputs = index_case((2100, 30), 33)
+  ids = jax.jit(lambda *a: ops.qsa_index_topk(*a, backend=backend))(*inputs.values())
+  assert_topk_ok(ids, fam.qsa_index_topk_reference(**inputs), inputs)
+
+
+def test_bad_configs_raise():
+  with pytest.raises(ValueError):
+    qi.ScoreStage(block_keys=24)
+  with pytest.raises(ValueError):
+    qi.ScoreStage(block_keys=256, chunk_keys=128)
+  with pytest.raises(ValueError):
+    qi.SelectStage("radix")

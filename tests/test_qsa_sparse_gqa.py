@@ -1,0 +1,160 @@
+"""QSA sparse GQA decode (SPEC 4.12): the kit's data (launches; edge cases
+for the kernel in interpret mode: a tail only, n just above 512, shared
+pages, unsorted and ignored ids, nothing visible, a record at CPU scale;
+lowering at the largest recorded extremes; every candidate) and the family's
+own checks: the traced scale, the reference against float64 NumPy, topk_ids
+from the indexer. Paged inputs: test_qsa_index.py. (The checks themselves:
+test_definitions.py and kit.py.)"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkern import ops
+from jaxkern import registry
+from jaxkern.families import qsa_sparse_gqa as gqa_fam
+from kit import EVERY_CANDIDATE, Case, TritonCall
+from pallas_kernels import qsa_sparse_gqa as qg
+from numerics import assert_bf16_close
+from test_qsa_index import GQA, GQA_LOWERING_AXES, at_cpu_scale, first_record, normal, page_table_for
+
+GQA_SMALL = qg.QsaDecodeConfig(qg.SplitStage(block_k=4, keys_per_split=32, num_warps=4), qg.CombineStage(block_d=64))
+
+
+def gqa_case(seq_lens, max_pages, seed=0, num_pages=None, shared=(), topk_ids=None):
+  rng = np.random.default_rng(seed)
+  seq_lens = np.asarray(seq_lens)
+  pages = -(-seq_lens // 64)
+  num_pages = num_pages or int(pages.sum()) + 1
+  batch = len(seq_lens)
+  if topk_ids is None:  # a random sorted selection, -1 suffix
+    topk_ids = -np.ones((batch, 512), np.int32)
+    for b, n in enumerate(seq_lens // 4):
+      sel = np.sort(rng.permutation(n)[:512])
+      topk_ids[b, :len(sel)] = sel
+  return dict(q=normal(rng, (batch, 24, 256)), k_cache=normal(rng, (num_pages, 64, 2, 256)),
+              v_cache=normal(rng, (num_pages, 64, 2, 256)),
+              page_table=page_table_for(rng, pages, max_pages, num_pages, shared),
+              seq_lens=jnp.asarray(seq_lens, jnp.int32), topk_ids=jnp.asarray(topk_ids, jnp.int32),
+              sm_scale=jnp.asarray(256 ** -0.5, jnp.float32))
+
+
+def launches(config, axes):
+  """Split over (B, HKV, id splits of TOPK + 1 ids: the selection and the
+  tail), then the shared combine (`split_kv`) over (padded group heads /
+  block_h, B * HKV rows, D blocks)."""
+  split, combine, d = config.split, config.combine, axes["D"]
+  group = max(16, 1 << (axes["HQ"] // axes["HKV"] - 1).bit_length())   # padded to a dot dimension
+  step = max(split.block_k, 1 << (-(-16 // axes["C"]) - 1).bit_length())  # >= 16 tokens per step
+  per_split = max(step, min(split.keys_per_split, 1 << axes["TOPK"].bit_length()))
+  block_h, block_d = min(combine.block_h, group & -group), min(combine.block_d, d & -d)
+  return [TritonCall("qsa_sparse_gqa_split", (axes["B"], axes["HKV"], -(-(axes["TOPK"] + 1) // per_split)),
+                     split.num_warps, split.num_stages),
+          TritonCall("qsa_sparse_gqa_combine", (group // block_h, axes["B"] * axes["HKV"], d // block_d),
+                     combine.num_warps, combine.num_stages)]
+
+
+def shared_pages_unsorted_and_ignored_ids():
+  inputs = gqa_case((1800, 1700, 900), 29, seed=5, num_pages=40, shared=((0, 1, 20), (0, 2, 14)))
+  ids = np.asarray(inputs["topk_ids"]).copy()
+  ids = ids[:, np.random.default_rng(1).permutation(512)]          # any order
+  free = np.flatnonzero(ids[0] == -1)[:3]
+  ids[0, free] = [450, 10_000, 451]  # id n = 450 (the tail's) and ids > n: ignored
+  return {**inputs, "topk_ids": jnp.asarray(ids)}
+
+
+def outputs_zero(out, ref, inputs):
+  np.testing.assert_array_equal(np.asarray(out["o"], np.float32), 0.0)
+  np.testing.assert_array_equal(np.asarray(ref["o"], np.float32), 0.0)
+
+
+KERNEL_CASES = [
+    *(Case(GQA, inputs=lambda s=seq_lens, p=max_pages: gqa_case(s, p), config=config, id=label)
+      for seq_lens, max_pages, config, label in [
+          ((129,), 3, GQA_SMALL, "recorded_tiny_n32_one_token_tail"),
+          ((3, 2050, 2048), 33, GQA_SMALL, "tail_only_n512_plus_tail_n512"),
+          ((2055, 1), 33, None, "n513_three_token_tail_and_one_token")]),
+    Case(GQA, inputs=shared_pages_unsorted_and_ignored_ids, config=GQA_SMALL, id="shared_pages_unsorted_ignored_ids"),
+    Case(GQA, inputs=lambda: gqa_case((8, 64), 1, topk_ids=-np.ones((2, 512), np.int32)), config=GQA_SMALL,
+         check=outputs_zero, id="nothing_visible"),   # no ids, no tail
+    at_cpu_scale(GQA, B=3, MP=555),
+]
+LOWERING_CASES = [Case(GQA, a, config=EVERY_CANDIDATE) for a in GQA_LOWERING_AXES]
+SWEEP_CASE = Case(GQA, inputs=lambda: gqa_case((2055,), 33, seed=2), id="n513")
+
+
+def test_gqa_sm_scale_is_traced():
+  inputs = gqa_case((300,), 5, seed=4)
+  run = jax.jit(lambda s: qg.qsa_sparse_gqa_decode(**{**inputs, "sm_scale": s}, config=GQA_SMALL,
+                                                   interpret=True))
+  for scale in (0.02, 0.3):
+    want = gqa_fam.qsa_sparse_gqa_decode_reference(**{**inputs, "sm_scale": jnp.float32(scale)})
+    assert_bf16_close(run(jnp.float32(scale)), want)
+
+
+# ---------------------------------------------------------------------------
+# Reference vs float64 NumPy (independent, token by token).
+
+
+def numpy_gqa(q, k_cache, v_cache, page_table, seq_lens, topk_ids, sm_scale):
+  q = np.asarray(q, np.float64)
+  k, v = np.asarray(k_cache, np.float64), np.asarray(v_cache, np.float64)
+  table, ids = np.asarray(page_table), np.asarray(topk_ids)
+  out = np.zeros(q.shape)
+  for b, length in enumerate(np.asarray(seq_lens)):
+    selected = set(ids[b][ids[b] >= 0].tolist())
+    tokens = np.array([t for t in range(length) if t // 4 in selected or t >= 4 * (length // 4)], int)
+    if not len(tokens):
+      continue
+    kt, vt = k[table[b, tokens // 64], tokens % 64], v[table[b, tokens // 64], tokens % 64]
+    for h in range(q.shape[1]):
+      g = h // (q.shape[1] // k.shape[2])
+      s = kt[:, g] @ q[b, h] * float(sm_scale)
+      p = np.exp(s - s.max())
+      out[b, h] = p @ vt[:, g] / p.sum()
+  return out
+
+
+def test_gqa_reference_matches_float64():
+  inputs = gqa_case((2055, 70, 2, 2048), 33, seed=8, shared=((0, 3, 10),))
+  got = np.asarray(gqa_fam.qsa_sparse_gqa_decode_reference(**inputs), np.float32)
+  want = numpy_gqa(**inputs)
+  assert_bf16_close(got, want)
+  assert np.abs(got - want).max() <= 2 ** -8 * np.abs(want).max()  # one bf16 rounding
+
+
+# ---------------------------------------------------------------------------
+# Input synthesis, the public op, configs.
+
+
+def test_gqa_topk_ids_come_from_the_indexer():
+  op = registry.get(GQA)
+  rec = first_record(GQA, B=3, MP=555)  # shared prefixes
+  inputs = op.make_inputs(op.cpu_axes(rec["axes"]), seed=0, record=rec, allow_shrunk_constants=True)
+  ids = np.asarray(inputs["topk_ids"])
+  n = np.asarray(inputs["seq_lens"]) // 4
+  for b in range(len(ids)):
+    real = ids[b][ids[b] >= 0]
+    assert len(real) == min(n[b], 512) and (np.diff(real) > 0).all() and real.max() < n[b]
+    assert (ids[b][len(real):] == -1).all()
+  assert float(inputs["sm_scale"]) == pytest.approx(1 / 16)
+
+
+@pytest.mark.parametrize("backend", ["pallas", "xla", None])  # None: XLA here (no GPU)
+def test_ops_function_jits(backend):
+  g = gqa_case((200, 7), 4)
+  args = [g[k] for k in ("q", "k_cache", "v_cache", "page_table", "seq_lens", "topk_ids")]
+  o = jax.jit(lambda *a: ops.qsa_sparse_gqa_decode(*a, backend=backend))(*args)  # default sm_scale
+  assert_bf16_close(o, gqa_fam.qsa_sparse_gqa_decode_reference(**g))
+
+
+def test_bad_configs_raise():
+  with pytest.raises(ValueError, match="SplitStage.block_k=3 must be a power of two"):
+    qg.SplitStage(block_k=3)
+  with pytest.raises(ValueError, match="SplitStage.keys_per_split=4 must be a multiple of block_k"):
+    qg.SplitStage(block_k=8, keys_per_split=4)
+  with pytest.raises(ValueError):
+    qg.CombineStage(block_d=8)
