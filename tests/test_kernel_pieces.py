@@ -76,7 +76,7 @@ def test_every_config_class_is_a_frozen_validated_dataclass_that_round_trips():
      "GroupedGemmConfig.block_k=16 must be a power of two >= 32"),
     (lambda: gdn_prefill.GdnPrefillConfig(dot_precision="fp8"),
      "GdnPrefillConfig.dot_precision='fp8' must be one of ('bf16x3', 'bf16')"),
-    (lambda: qsa_index.SelectStage("radix"), "SelectStage.method='radix' must be one of ('top_k', 'sort')"),
+    (lambda: qsa_index.SelectStage(block_keys=24), "SelectStage.block_keys=24 must be a power of two >= 16"),
     (lambda: qsa_index.ScoreStage(block_keys=256, chunk_keys=128),
      "ScoreStage.chunk_keys=128 must be a multiple of block_keys"),
     (lambda: split_kv.SplitStage(block_k=32, keys_per_split=16),

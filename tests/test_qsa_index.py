@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,14 +23,18 @@ from jaxkern import registry
 from jaxkern.families import qsa_index as fam
 from kit import EVERY_CANDIDATE, Case, TritonCall
 from pallas_kernels import qsa_index as qi
+from pallas_kernels import radix_select
+from pallas_kernels.common import lower_for_h100, triton_calls
 
 INDEX = "qsa_index_topk_decode_qwen38_h4_d128_topk512_c4"
 GQA = "qsa_sparse_gqa_decode_qwen38_h24_kv2_d256_topk512_c4"
 DATASETS = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "workloads")
 
 # Small tilings so that interpret-mode tests have several steps and programs.
-INDEX_SMALL = qi.QsaIndexConfig(qi.ScoreStage(block_keys=32, chunk_keys=128), qi.SelectStage("top_k"))
-INDEX_SORT = qi.QsaIndexConfig(qi.ScoreStage(block_keys=16, chunk_keys=64), qi.SelectStage("sort"))
+INDEX_SMALL = qi.QsaIndexConfig(qi.ScoreStage(block_keys=32, chunk_keys=128), qi.SelectStage(32, 128))
+# The selection's chunks smaller, resp. larger, than the score stage's.
+INDEX_FINE = qi.QsaIndexConfig(qi.ScoreStage(block_keys=16, chunk_keys=64), qi.SelectStage(16, 32))
+INDEX_COARSE = qi.QsaIndexConfig(qi.ScoreStage(block_keys=16, chunk_keys=64), qi.SelectStage(64, 256))
 
 
 def records(name):
@@ -76,12 +81,21 @@ def assert_topk_ok(ids, expected, inputs):
 
 
 def launches(config, axes):
-  """Stage 1 in Pallas over (sequences, score chunks of the page table's ids,
-  at least TOPK wide); the top-k is XLA's."""
-  width = max(axes["MP"] * axes["P"], axes["TOPK"], 1)
-  score = config.score
-  return [TritonCall("qsa_index_scores", (axes["B"], -(-width // score.chunk_keys), 1), score.num_warps,
-                     score.num_stages)]
+  """Stage 1 over (sequences, score chunks of the page table's ids), then the
+  radix selection's three digit histograms and its write pass over
+  (sequences, selection chunks); both stages' blocks fitted to the ids."""
+  ids = axes["MP"] * axes["P"]
+  pow2 = lambda n: 1 << max(n - 1, 0).bit_length()
+  score, select = config.score, config.select
+  score_block = max(16, pow2(axes["P"]), min(score.block_keys, pow2(ids)))
+  score_chunk = max(score_block, min(score.chunk_keys, pow2(ids)))
+  select_block = max(16, min(select.block_keys, pow2(ids)))
+  select_chunk = max(select_block, min(select.chunk_keys, pow2(ids)))
+  width = -(-ids // max(score_chunk, select_chunk)) * max(score_chunk, select_chunk)
+  passes = [f"qsa_index_hist{d}" for d in (1, 2, 3)] + ["qsa_index_write"]
+  return [TritonCall("qsa_index_scores", (axes["B"], width // score_chunk, 1), score.num_warps, score.num_stages),
+          *(TritonCall(name, (axes["B"], width // select_chunk, 1), select.num_warps, select.num_stages)
+            for name in passes)]
 
 
 def minus_one_suffix(out, ref, inputs):
@@ -102,7 +116,8 @@ KERNEL_CASES = [
            id=label) for seq_lens, max_pages, config, label in [
         ((129,), 2, INDEX_SMALL, "recorded_tiny_n32"),
         ((3, 2049, 2051 + 64 * 3), 36, INDEX_SMALL, "no_block_n512_n560"),
-        ((2052, 2055, 7), 33, INDEX_SORT, "n513_n513_n1_sort"),
+        ((2052, 2055, 7), 33, INDEX_FINE, "n513_n513_n1_fine_select"),
+        ((4 * 16 * 40 + 3, 2100), 40, INDEX_COARSE, "n640_n525_coarse_select"),
         ((4 * 16 * 40 + 3,), 40, None, "heuristic_n640")]),
     at_cpu_scale(INDEX, B=1, MP=2),
     at_cpu_scale(INDEX, B=23, MP=516),
@@ -130,10 +145,15 @@ def test_lowering_axes_cover_the_recorded_extremes():
 def test_index_scores_match_reference_with_shared_pages():
   # Three sequences; the second and third share the first's first 20 pages.
   inputs = index_case((2600, 1500, 2300), 41, seed=3, num_pages=70, shared=((0, 1, 20), (0, 2, 20)))
-  got = qi.index_scores(**inputs, compress=4, score=INDEX_SMALL.score, min_width=512, interpret=True)
+  config = qi._fit(INDEX_SMALL, 41 * 16, 16)
+  got, totals = qi.index_scores(**inputs, compress=4, config=config, interpret=True)
   want = fam.qsa_index_scores(**inputs)
   width = want.shape[1]
-  assert got.shape[1] >= max(width, 512) and np.isneginf(np.asarray(got[:, width:])).all()
+  assert got.shape[1] >= width and np.isneginf(np.asarray(got[:, width:])).all()
+  # The first digit's counts: every candidate, once; the other digits' zero.
+  totals = np.asarray(totals)
+  np.testing.assert_array_equal(totals[:, 0].sum(axis=(1, 2)), np.isfinite(np.asarray(want)).sum(1))
+  assert not totals[:, 1:].any()
   np.testing.assert_allclose(np.asarray(got[:, :width]), np.asarray(want), rtol=1e-5, atol=1e-5)
   assert_topk_ok(qi.qsa_index_topk(**inputs, config=INDEX_SMALL, interpret=True),
                  fam.qsa_index_topk_reference(**inputs), inputs)
@@ -143,7 +163,7 @@ def test_index_ties_go_to_the_lower_id():
   inputs = index_case((4 * 700, 4 * 100), 44)
   inputs["q"] = jnp.zeros_like(inputs["q"])  # every score is 0
   want = np.concatenate([np.arange(512)[None], np.r_[np.arange(100), -np.ones(412, int)][None]])
-  for config in (INDEX_SMALL, INDEX_SORT):
+  for config in (INDEX_SMALL, INDEX_FINE, INDEX_COARSE):
     np.testing.assert_array_equal(qi.qsa_index_topk(**inputs, config=config, interpret=True), want)
   np.testing.assert_array_equal(fam.qsa_index_topk_reference(**inputs), want)
 
@@ -154,6 +174,83 @@ def test_index_no_complete_block_selects_nothing():
                                 -np.ones((3, 512)))
   np.testing.assert_array_equal(fam.qsa_index_topk_reference(**inputs), -np.ones((3, 512)))
 
+
+
+# ---------------------------------------------------------------------------
+# The radix selection on its own: any scores, against a stable sort.
+
+
+def numpy_select(scores, topk):
+  """The ids of the topk largest non -inf scores in the total order of floats
+  (-NaN < -inf < -0 < +0 < inf < NaN), ties to the lower id, ascending."""
+  out = -np.ones((len(scores), topk), np.int64)
+  for b, row in enumerate(np.asarray(scores, np.float32)):
+    bits = row.view(np.int32).astype(np.int64)
+    key = np.where(bits < 0, ~bits & 0xFFFFFFFF, bits | 0x80000000)
+    candidates = np.flatnonzero(~np.isneginf(row))
+    best = candidates[np.argsort(-key[candidates], kind="stable")][:topk]
+    out[b, :len(best)] = np.sort(best)
+  return out
+
+
+def select_rows(width=700, seed=0):
+  rng = np.random.default_rng(seed)
+  rows = [rng.standard_normal(width), np.round(rng.standard_normal(width), 1), np.zeros(width),
+          np.abs(rng.standard_normal(width))]
+  sparse = rng.standard_normal(width)
+  sparse[::3] = -np.inf
+  few = np.full(width, -np.inf)
+  few[5:50] = 1.0                      # 45 candidates, all tied
+  special = rng.standard_normal(width)
+  special[[3, 9]], special[4], special[31] = np.nan, -np.nan, np.inf
+  special[10:20], special[20:30] = 0.0, -0.0
+  rows += [sparse, few, np.full(width, -np.inf), special]
+  return jnp.asarray(np.stack(rows).astype(np.float32))
+
+
+@pytest.mark.parametrize("topk,stage", [(512, qi.SelectStage(32, 128)), (100, qi.SelectStage(16, 64)),
+                                        (512, qi.SelectStage(256, 1024))])
+def test_radix_select_is_a_stable_total_order_top_k(topk, stage):
+  """Random rows, many ties, all equal, non-candidates (-inf), fewer
+  candidates than topk, none, NaN of both signs, +-0, +inf; a topk that is
+  no power of two."""
+  scores = select_rows()
+  got = radix_select.select_topk(scores, topk=topk, stage=radix_select.fit_stage(stage, scores.shape[1]),
+                                 interpret=True)
+  np.testing.assert_array_equal(got, numpy_select(scores, topk))
+
+
+def test_radix_select_of_no_rows():
+  assert radix_select.select_topk(jnp.zeros((0, 64)), topk=8, stage=qi.SelectStage()).shape == (0, 8)
+
+
+_SORTING = re.compile(r"stablehlo\.sort|chlo\.top_k|ApproxTopK|@TopK")
+_IR = re.compile(r'\bir = "(?:[^"\\]|\\.)*"')   # a Triton call's serialized kernel
+
+
+def sorted_widths(stablehlo: str) -> list[int]:
+  """The row width (last dimension of the first operand) of every sort and
+  top-k of a lowered module."""
+  text = _IR.sub("", stablehlo)
+  widths = []
+  for match in _SORTING.finditer(text):
+    # A sort's operand types follow its comparator region; a top_k's its call.
+    signature = re.compile(r"\) : \(?tensor<((?:\d+x)+)").search(text, match.end())
+    widths.append(int(signature.group(1).rstrip("x").split("x")[-1]))
+  return widths
+
+
+@pytest.mark.parametrize("axes", INDEX_LOWERING_AXES[:2], ids=["B1_MP3895", "B23_MP517"])
+def test_index_path_sorts_no_wide_row(axes):
+  """The lowered kernel path (scores, selection, glue) has no sort or top_k
+  over more than 4096 elements a row; the reference's top_k over the whole
+  row shows the check sees one."""
+  op = registry.get(INDEX)
+  shapes = op.input_shapes(op.validated_axes(axes))
+  kernel = lower_for_h100(lambda x: op.kernel(x, interpret=False), shapes)
+  assert triton_calls(kernel) and all(w <= 4096 for w in sorted_widths(kernel)), sorted_widths(kernel)
+  reference = lower_for_h100(lambda x: fam.qsa_index_topk_reference(**x), shapes)
+  assert max(sorted_widths(reference)) == axes["MP"] * 16
 
 
 # ---------------------------------------------------------------------------
@@ -241,5 +338,7 @@ def test_bad_configs_raise():
     qi.ScoreStage(block_keys=24)
   with pytest.raises(ValueError):
     qi.ScoreStage(block_keys=256, chunk_keys=128)
-  with pytest.raises(ValueError):
-    qi.SelectStage("radix")
+  with pytest.raises(ValueError, match="SelectStage.block_keys=24 must be a power of two"):
+    qi.SelectStage(block_keys=24)
+  with pytest.raises(ValueError, match="SelectStage.chunk_keys=64 must be a multiple of block_keys"):
+    qi.SelectStage(block_keys=128, chunk_keys=64)

@@ -56,37 +56,50 @@ _CPU_PAGES = 40
 # ---------------------------------------------------------------------------
 # References (plain jnp, fp32).
 
+def compressed_lengths(seq_lens: jax.Array, compress: int, max_ids: int) -> jax.Array:
+  """n per sequence: its complete C-token blocks, clamped to [0, max_ids]
+  (ids past the page table's MP * P do not exist)."""
+  return jnp.clip(seq_lens.astype(jnp.int32) // compress, 0, max_ids)
+
+
 def qsa_index_scores(q: jax.Array, index_k: jax.Array, page_table: jax.Array,
                      seq_lens: jax.Array, *, compress: int = COMPRESS) -> jax.Array:
   """score[b, j] = sum_h relu(q[b, h] . index_k[page_table[b, j // P], j % P]) / sqrt(D)
-  for every logical id j < MP * P, -inf where j >= seq_lens[b] // compress.
-  f32 `[B, MP * P]`; one sequence at a time (`[MP * P, D]` f32 keys)."""
-  _, page, _, head_dim = index_k.shape
+  for every logical id j < MP * P that is a candidate, -inf for the others:
+  j >= n (`compressed_lengths`) or a page-table entry outside [0, NP) (an
+  absent page). NaN scores are made one NaN (sign bit clear), which ranks
+  first. f32 `[B, MP * P]`; one sequence at a time (`[MP * P, D]` f32 keys)."""
+  num_pages, page, _, head_dim = index_k.shape
   width = page_table.shape[1] * page
   j = jnp.arange(width)
+  n = compressed_lengths(seq_lens, compress, width)
 
   def row(args):
-    q_b, pages_b, len_b = args
-    keys = index_k[pages_b[j // page], j % page, 0].astype(jnp.float32)  # [width, D]
+    q_b, pages_b, n_b = args
+    phys = pages_b[j // page]
+    present = (phys >= 0) & (phys < num_pages)
+    keys = index_k[jnp.where(present, phys, 0), j % page, 0].astype(jnp.float32)  # [width, D]
     dots = jnp.einsum("hd,jd->jh", q_b.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST)
     score = jnp.sum(jnp.maximum(dots, 0.0), axis=-1) / math.sqrt(head_dim)
-    return jnp.where(j < len_b // compress, score, -jnp.inf)
+    score = jnp.where(jnp.isnan(score), jnp.nan, score)
+    return jnp.where((j < n_b) & present, score, -jnp.inf)
 
-  return lax.map(row, (q, page_table, seq_lens))
+  return lax.map(row, (q, page_table, n))
 
 
 def qsa_index_topk_reference(q: jax.Array, index_k: jax.Array, page_table: jax.Array,
                              seq_lens: jax.Array, *, topk: int = TOPK, compress: int = COMPRESS) -> jax.Array:
-  """SPEC 4.11: the top-`topk` logical ids by `qsa_index_scores` (ties to the
-  lower id: `lax.top_k` orders equal values by index), ids >= n dropped,
-  sorted ascending with a -1 suffix. int32 `[B, topk]`."""
+  """SPEC 4.11: the top-`topk` candidate ids by `qsa_index_scores` (ties to
+  the lower id: `lax.top_k` orders equal values by index; its total order
+  ranks NaN first), sorted ascending with a -1 suffix when there are fewer
+  than `topk` candidates. Every candidate scores above -inf, so the ids
+  `lax.top_k` picks with -inf are the suffix. int32 `[B, topk]`."""
   scores = qsa_index_scores(q, index_k, page_table, seq_lens, compress=compress)
   if scores.shape[1] < topk:  # top_k needs at least topk candidates
     scores = jnp.pad(scores, ((0, 0), (0, topk - scores.shape[1])), constant_values=-jnp.inf)
-  _, ids = lax.top_k(scores, topk)
-  n = (seq_lens // compress)[:, None]
+  values, ids = lax.top_k(scores, topk)
   last = jnp.iinfo(jnp.int32).max  # sorts -1 slots after every real id
-  ids = jnp.sort(jnp.where(ids < n, ids, last).astype(jnp.int32), axis=1)
+  ids = jnp.sort(jnp.where(values != -jnp.inf, ids, last).astype(jnp.int32), axis=1)
   return jnp.where(ids == last, -1, ids)
 
 
