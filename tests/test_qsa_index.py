@@ -258,14 +258,17 @@ def test_index_path_sorts_no_wide_row(axes):
 
 
 def numpy_index_topk(q, index_k, page_table, seq_lens):
+  """The contract, id by id: candidates are the ids j < n = clip(L // 4, 0,
+  MP * 16) whose page-table entry is in [0, NP)."""
   q, k = np.asarray(q, np.float64), np.asarray(index_k, np.float64)[:, :, 0]
   table = np.asarray(page_table)
   out = -np.ones((len(q), 512), np.int64)
   for b, length in enumerate(np.asarray(seq_lens)):
-    j = np.arange(length // 4)
+    j = np.arange(np.clip(length // 4, 0, table.shape[1] * 16))
+    j = j[(table[b, j // 16] >= 0) & (table[b, j // 16] < len(k))]
     keys = k[table[b, j // 16], j % 16]
     scores = np.maximum(keys @ q[b].T, 0.0).sum(1) / np.sqrt(128)
-    order = np.argsort(-scores, kind="stable")[:512]  # ties: lower id first
+    order = j[np.argsort(-scores, kind="stable")[:512]]  # ties: lower id first
     out[b, :len(order)] = np.sort(order)
   return out
 
@@ -273,6 +276,56 @@ def numpy_index_topk(q, index_k, page_table, seq_lens):
 def test_index_reference_matches_float64():
   inputs = index_case((2055, 600, 2, 2049), 33, seed=7, shared=((0, 1, 5),))
   np.testing.assert_array_equal(fam.qsa_index_topk_reference(**inputs), numpy_index_topk(**inputs))
+
+
+# ---------------------------------------------------------------------------
+# The contract on inputs outside the definition's range (issue 20): both
+# paths give the contract's answer (float64 NumPy above).
+
+
+def both_paths(inputs):
+  """(kernel in interpret mode, reference) through the public op."""
+  run = lambda backend: np.asarray(ops.qsa_index_topk(*inputs.values(), config=INDEX_SMALL, backend=backend))
+  return run("pallas"), run("xla")
+
+
+def test_index_seq_lens_beyond_the_table_are_clamped():
+  """10**6 tokens on a 5-page table: its 80 ids, not ids past the table; a
+  negative length selects nothing."""
+  inputs = index_case((4 * 80, 100), 5, num_pages=8)
+  inputs["seq_lens"] = jnp.asarray([10 ** 6, -7], jnp.int32)
+  want = np.full((2, 512), -1)
+  want[0, :80] = np.arange(80)
+  for got in both_paths(inputs):
+    np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(numpy_index_topk(**inputs), want)
+
+
+def test_index_absent_pages_hold_no_candidates():
+  """Page-table entries outside [0, NP) (NP, -1, 10**6) inside n: their ids
+  are never selected, by either path, and NaN keys elsewhere in the cache
+  (on no candidate's page) change nothing."""
+  inputs = index_case((4 * 16 * 40, 4 * 16 * 12 + 8), 40, seed=11, num_pages=60)
+  table = np.asarray(inputs["page_table"]).copy()
+  table[0, [3, 17, 39]] = [60, -1, 10 ** 6]
+  table[1, [0, 11]] = [-5, 60]
+  inputs["page_table"] = jnp.asarray(table)
+  used = np.unique(table[(table >= 0) & (table < 60)])
+  unused = np.setdiff1d(np.arange(60), used)
+  index_k = np.asarray(inputs["index_k"], np.float32)
+  index_k[unused] = np.nan
+  inputs["index_k"] = jnp.asarray(index_k, jnp.bfloat16)
+  want = numpy_index_topk(**inputs)
+  assert (want[1] == -1).sum() == 512 - (12 * 16 + 2 - 16 - 16)   # fewer candidates: a longer -1 suffix
+  for got in both_paths(inputs):
+    assert_topk_ok(got, want, inputs)
+    assert not np.isin(got[0], [*range(3 * 16, 4 * 16), *range(17 * 16, 18 * 16), *range(39 * 16, 40 * 16)]).any()
+
+
+def test_index_of_no_sequences():
+  inputs = index_case((), 3, num_pages=4)
+  for got in both_paths(inputs):
+    assert got.shape == (0, 512) and got.dtype == np.int32
 
 
 # ---------------------------------------------------------------------------

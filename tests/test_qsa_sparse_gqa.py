@@ -22,6 +22,9 @@ from numerics import assert_bf16_close
 from test_qsa_index import GQA, GQA_LOWERING_AXES, at_cpu_scale, first_record, normal, page_table_for
 
 GQA_SMALL = qg.QsaDecodeConfig(qg.SplitStage(block_k=4, keys_per_split=32, num_warps=4), qg.CombineStage(block_d=64))
+# Value columns in four blocks of 64, two-step splits (the B=1 heuristic's shape).
+GQA_VALUE_BLOCKS = qg.QsaDecodeConfig(qg.SplitStage(block_k=4, keys_per_split=8, num_warps=4),
+                                      qg.CombineStage(block_d=64), block_dv=64)
 
 
 def gqa_case(seq_lens, max_pages, seed=0, num_pages=None, shared=(), topk_ids=None):
@@ -43,15 +46,17 @@ def gqa_case(seq_lens, max_pages, seed=0, num_pages=None, shared=(), topk_ids=No
 
 
 def launches(config, axes):
-  """Split over (B, HKV, id splits of TOPK + 1 ids: the selection and the
-  tail), then the shared combine (`split_kv`) over (padded group heads /
-  block_h, B * HKV rows, D blocks)."""
+  """Split over (B, HKV x value blocks of block_dv columns, id splits of
+  TOPK + 1 ids: the selection and the tail), then the shared combine
+  (`split_kv`) over (padded group heads / block_h, B * HKV rows, D blocks)."""
   split, combine, d = config.split, config.combine, axes["D"]
+  value_blocks = d // min(config.block_dv, d)
   group = max(16, 1 << (axes["HQ"] // axes["HKV"] - 1).bit_length())   # padded to a dot dimension
   step = max(split.block_k, 1 << (-(-16 // axes["C"]) - 1).bit_length())  # >= 16 tokens per step
   per_split = max(step, min(split.keys_per_split, 1 << axes["TOPK"].bit_length()))
   block_h, block_d = min(combine.block_h, group & -group), min(combine.block_d, d & -d)
-  return [TritonCall("qsa_sparse_gqa_split", (axes["B"], axes["HKV"], -(-(axes["TOPK"] + 1) // per_split)),
+  return [TritonCall("qsa_sparse_gqa_split",
+                     (axes["B"], axes["HKV"] * value_blocks, -(-(axes["TOPK"] + 1) // per_split)),
                      split.num_warps, split.num_stages),
           TritonCall("qsa_sparse_gqa_combine", (group // block_h, axes["B"] * axes["HKV"], d // block_d),
                      combine.num_warps, combine.num_stages)]
@@ -76,6 +81,7 @@ KERNEL_CASES = [
       for seq_lens, max_pages, config, label in [
           ((129,), 3, GQA_SMALL, "recorded_tiny_n32_one_token_tail"),
           ((3, 2050, 2048), 33, GQA_SMALL, "tail_only_n512_plus_tail_n512"),
+          ((2055, 700, 5), 33, GQA_VALUE_BLOCKS, "value_blocks_n513_n175_tail_only"),
           ((2055, 1), 33, None, "n513_three_token_tail_and_one_token")]),
     Case(GQA, inputs=shared_pages_unsorted_and_ignored_ids, config=GQA_SMALL, id="shared_pages_unsorted_ignored_ids"),
     Case(GQA, inputs=lambda: gqa_case((8, 64), 1, topk_ids=-np.ones((2, 512), np.int32)), config=GQA_SMALL,
@@ -100,13 +106,17 @@ def test_gqa_sm_scale_is_traced():
 
 
 def numpy_gqa(q, k_cache, v_cache, page_table, seq_lens, topk_ids, sm_scale):
+  """The contract, token by token: L = clip(seq_len, 0, MP * 64); tokens
+  t < L whose block is listed (a set) or in the tail, on a page whose table
+  entry is in [0, NP)."""
   q = np.asarray(q, np.float64)
   k, v = np.asarray(k_cache, np.float64), np.asarray(v_cache, np.float64)
   table, ids = np.asarray(page_table), np.asarray(topk_ids)
   out = np.zeros(q.shape)
-  for b, length in enumerate(np.asarray(seq_lens)):
+  for b, length in enumerate(np.clip(np.asarray(seq_lens), 0, table.shape[1] * 64)):
     selected = set(ids[b][ids[b] >= 0].tolist())
-    tokens = np.array([t for t in range(length) if t // 4 in selected or t >= 4 * (length // 4)], int)
+    tokens = np.array([t for t in range(length) if (t // 4 in selected or t >= 4 * (length // 4))
+                       and 0 <= table[b, t // 64] < len(k)], int)
     if not len(tokens):
       continue
     kt, vt = k[table[b, tokens // 64], tokens % 64], v[table[b, tokens // 64], tokens % 64]
@@ -124,6 +134,91 @@ def test_gqa_reference_matches_float64():
   want = numpy_gqa(**inputs)
   assert_bf16_close(got, want)
   assert np.abs(got - want).max() <= 2 ** -8 * np.abs(want).max()  # one bf16 rounding
+
+
+# ---------------------------------------------------------------------------
+# The contract on inputs outside the definition's range (issue 20): both
+# paths give the contract's answer (float64 NumPy above).
+
+
+def both_paths(inputs, config=GQA_SMALL):
+  """(kernel in interpret mode, reference) through the public op."""
+  args = [inputs[k] for k in ("q", "k_cache", "v_cache", "page_table", "seq_lens", "topk_ids", "sm_scale")]
+  return [ops.qsa_sparse_gqa_decode(*args, config=config, backend=backend) for backend in ("pallas", "xla")]
+
+
+def assert_contract(inputs, config=GQA_SMALL):
+  want = numpy_gqa(**inputs)
+  for got in both_paths(inputs, config):
+    assert_bf16_close(got, want)
+  return want
+
+
+def test_gqa_page_entries_outside_the_cache_contribute_nothing():
+  """Entries NP, -1 and 10**6 inside the sequences: those pages' tokens are
+  invisible in both paths (the kernel neither reads nor counts them)."""
+  inputs = gqa_case((1800, 700), 29, seed=12, num_pages=44)
+  table = np.asarray(inputs["page_table"]).copy()
+  table[0, [0, 5, 28]] = [44, -1, 10 ** 6]   # 28: the tail's page
+  table[1, 2] = -3
+  inputs["page_table"] = jnp.asarray(table)
+  assert_contract(inputs)
+
+
+def test_gqa_repeated_ids_count_once():
+  """Every selected block listed up to three times, in any order, with the
+  tail's id and ids past n: each block counts once, in both paths."""
+  inputs = gqa_case((1000, 2055), 33, seed=13)
+  ids = np.asarray(inputs["topk_ids"]).copy()
+  rng = np.random.default_rng(3)
+  for b, n in enumerate((250, 513)):
+    chosen = rng.choice(n, 150, replace=False)
+    listed = np.concatenate([chosen, chosen[:100], chosen[:60], [n, n, n + 7], -np.ones(512, int)])[:512]
+    ids[b] = rng.permutation(listed)
+  inputs["topk_ids"] = jnp.asarray(ids, jnp.int32)
+  for config in (GQA_SMALL, GQA_VALUE_BLOCKS):
+    assert_contract(inputs, config)
+
+
+def test_gqa_seq_lens_beyond_the_table_are_clamped():
+  """10**6 + 2 tokens on a 5-page table are its 320 (no tail past the
+  table, ids >= 80 ignored); a negative length sees nothing."""
+  inputs = gqa_case((320, 100), 5, seed=14, num_pages=8)
+  ids = np.asarray(inputs["topk_ids"]).copy()
+  ids[0, -3:] = [80, 100, 249_999]       # blocks past the table, below 10**6 // 4
+  inputs["topk_ids"] = jnp.asarray(ids)
+  inputs["seq_lens"] = jnp.asarray([10 ** 6 + 2, -5], jnp.int32)
+  want = assert_contract(inputs)
+  assert np.abs(want[0]).max() > 0 and not want[1].any()
+
+
+def test_gqa_hidden_nan_never_leaks():
+  """NaN in K and V wherever a token is not visible (unselected blocks, past
+  seq_len, token 0 of an unselected block 0, unreferenced pages): both paths
+  stay finite and right."""
+  inputs = gqa_case((700, 66), 12, seed=15, num_pages=16)
+  ids = np.asarray(inputs["topk_ids"]).copy()
+  ids[ids == 0] = -1                       # block 0 (token 0) unselected
+  inputs["topk_ids"] = jnp.asarray(ids)
+  table, lengths = np.asarray(inputs["page_table"]), np.asarray(inputs["seq_lens"])
+  visible = np.zeros((16, 64), bool)
+  for b, length in enumerate(lengths):
+    for t in range(length):
+      if t // 4 in set(ids[b].tolist()) or t >= 4 * (length // 4):
+        visible[table[b, t // 64], t % 64] = True
+  for name in ("k_cache", "v_cache"):
+    x = np.asarray(inputs[name], np.float32)
+    x[~visible] = np.nan
+    inputs[name] = jnp.asarray(x, jnp.bfloat16)
+  for got in both_paths(inputs):
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+  assert_contract(inputs)
+
+
+def test_gqa_of_no_sequences():
+  inputs = gqa_case((), 2, num_pages=3)
+  for got in both_paths(inputs):
+    assert got.shape == (0, 24, 256) and got.dtype == jnp.bfloat16
 
 
 # ---------------------------------------------------------------------------

@@ -26,19 +26,25 @@ from pallas_kernels import qsa_sparse_gqa as gqa_lib
 def qsa_sparse_gqa_decode_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                                     page_table: jax.Array, seq_lens: jax.Array, topk_ids: jax.Array,
                                     sm_scale: jax.Array, *, compress: int = COMPRESS) -> jax.Array:
-  """SPEC 4.12: softmax attention of q over the visible tokens: t < seq_len
-  with t // C among topk_ids, plus the tail t >= C * (seq_len // C) (C =
-  `compress`, 4). Query head h reads kv head h // (HQ / HKV). fp32, rounded
-  once; 0 when nothing is visible. One sequence at a time over its
-  (TOPK + 1) * C candidate
-  tokens (each listed block's C tokens and the tail block's)."""
+  """SPEC 4.12: softmax attention of q over the visible tokens (C =
+  `compress`, 4; L = seq_len clamped to [0, MP * P], the page table's
+  capacity): t < L with t // C among topk_ids (a set: a repeated id counts
+  once), plus the tail t >= C * (L // C), less the tokens on a page whose
+  table entry is outside [0, NP) (absent pages contribute nothing). Query
+  head h reads kv head h // (HQ / HKV). fp32, rounded once; 0 when nothing is
+  visible. Hidden tokens are selected away (`where`) before any product, so
+  nothing in them reaches the output. One sequence at a time over its
+  (TOPK + 1) * C candidate tokens (each listed block's C tokens and the tail
+  block's)."""
   batch, q_heads, head_dim = q.shape
-  _, page, kv_heads, _ = k_cache.shape
+  num_pages, page, kv_heads, _ = k_cache.shape
+  max_pages = page_table.shape[1]
   group = q_heads // kv_heads
   lane = jnp.arange(compress)
 
   def row(args):
     q_b, pages_b, len_b, ids_b = args
+    len_b = jnp.clip(len_b, 0, max_pages * page)
     n = len_b // compress
     # A listed id >= n has no token below seq_len outside the tail, which is
     # added anyway; a repeated id counts once (a set of blocks).
@@ -47,10 +53,12 @@ def qsa_sparse_gqa_decode_reference(q: jax.Array, k_cache: jax.Array, v_cache: j
     blocks = jnp.concatenate([ids_b, n[None]])                    # [TOPK + 1]
     t = (blocks[:, None] * compress + lane).reshape(-1)          # candidate tokens
     visible = (jnp.repeat(blocks, compress) >= 0) & (t < len_b)
-    t = jnp.where(visible, t, 0)
-    phys = pages_b[t // page]
-    k = k_cache[phys, t % page].astype(jnp.float32)              # [T, HKV, D]
-    v = v_cache[phys, t % page].astype(jnp.float32)
+    phys = pages_b[jnp.clip(t // page, 0, max_pages - 1)]
+    visible = visible & (phys >= 0) & (phys < num_pages)
+    t, phys = jnp.where(visible, t, 0), jnp.where(visible, phys, 0)
+    hidden = ~visible[:, None, None]
+    k = jnp.where(hidden, 0.0, k_cache[phys, t % page].astype(jnp.float32))   # [T, HKV, D]
+    v = jnp.where(hidden, 0.0, v_cache[phys, t % page].astype(jnp.float32))
     qg = q_b.astype(jnp.float32).reshape(kv_heads, group, head_dim)
     s = jnp.einsum("gid,tgd->git", qg, k, precision=lax.Precision.HIGHEST) * sm_scale
     s = jnp.where(visible, s, -jnp.inf)
