@@ -167,7 +167,8 @@ def _score_kernel(q_ref, k_ref, pt_ref, len_ref, _, o_ref, totals_ref, *, block_
     # index does not).
     k = plgpu.load(k_ref.at[rows[:, None], cols[None, :]], mask=valid[:, None], other=0.0)
     s = jnp.dot(k, q.T, preferred_element_type=jnp.float32)  # [block_keys, Hp]
-    score = jnp.sum(jnp.maximum(s, 0.0), axis=1) * scale
+    # relu by select: Triton's float max is maxnum, which would drop a NaN.
+    score = jnp.sum(jnp.where(s < 0.0, 0.0, s), axis=1) * scale
     score = jnp.where(score != score, jnp.nan, score)       # one NaN: ranks first
     o_ref[pl.ds(i * block_keys, block_keys)] = jnp.where(valid, score, -jnp.inf)
     digits = radix_select.digit_of(radix_select.order_key(score), 0)

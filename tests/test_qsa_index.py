@@ -322,6 +322,21 @@ def test_index_absent_pages_hold_no_candidates():
     assert not np.isin(got[0], [*range(3 * 16, 4 * 16), *range(17 * 16, 18 * 16), *range(39 * 16, 40 * 16)]).any()
 
 
+def test_index_nan_scores_rank_first():
+  """A NaN key makes its id's score NaN: selected first; NaN queries make
+  every score NaN: all tie, the lowest ids win. Both paths."""
+  inputs = index_case((4 * 700, 4 * 600), 44, seed=16)
+  index_k = np.asarray(inputs["index_k"], np.float32)
+  table = np.asarray(inputs["page_table"])
+  index_k[table[0, 650 // 16], 650 % 16, 0, 5] = np.nan
+  q = np.asarray(inputs["q"], np.float32)
+  q[1, 2, 7] = np.nan
+  inputs.update(index_k=jnp.asarray(index_k, jnp.bfloat16), q=jnp.asarray(q, jnp.bfloat16))
+  for got in both_paths(inputs):
+    assert 650 in got[0]
+    np.testing.assert_array_equal(got[1], np.arange(512))
+
+
 def test_index_of_no_sequences():
   inputs = index_case((), 3, num_pages=4)
   for got in both_paths(inputs):

@@ -292,6 +292,17 @@ def qsa_index_topk(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_
                    config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
   """QSA indexer: q [B, 4, 128], paged compressed keys index_k [NP, 16, 1, 128],
   page_table [B, MP], seq_lens [B] tokens -> int32 [B, 512] top-512 block ids
-  (block = 4 tokens) by sum_h relu(q_h . k) / sqrt(128), ascending, -1 suffix."""
+  (block = 4 tokens) by sum_h relu(q_h . k) / sqrt(128), ascending, -1 suffix.
+
+  Contract (both backends give the same ids; B = 0 gives [0, 512]):
+  * seq_lens: any int32; n = clip(seq_lens // 4, 0, MP * 16): blocks past
+    the page table do not exist (10**6 tokens on a 5-page table: 80 ids).
+  * page_table: entries in [0, NP) are pages; any other entry is an absent
+    page: its 16 ids are no candidates (never selected, never read).
+  * The candidates are the ids j < n on present pages; fewer than 512: the
+    -1 suffix is longer. Ties go to the lower id; a NaN score (NaN in q or
+    in a candidate's key) ranks above every number, as in XLA's TopK.
+  * Keys of non-candidates are never read: NaN there changes nothing.
+  Cost: no extra pass; the checks are selects inside the kernels."""
   inputs = {"q": q, "index_k": index_k, "page_table": page_table, "seq_lens": seq_lens}
   return dispatch.run(IMPL, inputs, config=config, backend=backend)

@@ -138,7 +138,21 @@ def qsa_sparse_gqa_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
   """QSA sparse decode: q [B, 24, 256] over the 4-token blocks in topk_ids
   [B, 512] (-1 = empty) plus the incomplete tail, paged k/v_cache
   [NP, 64, 2, 256]; GQA (12 q heads per kv head); sm_scale defaults to
-  256**-0.5. Returns [B, 24, 256] in q's dtype."""
+  256**-0.5 (a traced scalar works). Returns [B, 24, 256] in q's dtype.
+
+  Contract (both backends agree within bf16 tolerance; B = 0 gives
+  [0, 24, 256]):
+  * seq_lens: any int32; L = clip(seq_len, 0, MP * 64), the page table's
+    capacity (10**6 tokens on a 5-page table: its 320).
+  * topk_ids: any int32, any order; ids outside [0, L // 4) are ignored
+    (the tail block is always added), a repeated id counts once.
+  * page_table: a token on a page whose entry is outside [0, NP) is
+    invisible: it contributes nothing and is never read.
+  * Hidden tokens (unselected, past L, on absent pages) are selected away
+    before any product: NaN or Inf in them never reaches the output. A
+    sequence with no visible token outputs 0.
+  Cost on the kernel path: one small XLA sort of [B, 513] ids (the
+  dedupe, one launch); the rest are selects inside the kernel."""
   sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
   inputs = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "page_table": page_table, "seq_lens": seq_lens,
             "topk_ids": topk_ids, "sm_scale": jnp.asarray(sm_scale, jnp.float32)}
