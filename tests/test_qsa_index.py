@@ -1,10 +1,13 @@
 """QSA indexer decode (SPEC 4.11): the kit's data (launches; edge cases for
 the kernel in interpret mode: sequences shorter than one block, n < 512 with
-the -1 suffix, n just above 512, several sequences, records at CPU scale;
-lowering at the largest recorded extremes) and the family's own checks: the
-stage-1 scores with shared pages, ties, the reference against float64
-NumPy, the paged input synthesis shared with test_qsa_sparse_gqa.py. (The
-checks themselves: test_definitions.py and kit.py.)"""
+the -1 suffix, n just above 512, several sequences, selection chunks finer
+and coarser than the score chunks, records at CPU scale; lowering at the
+largest recorded extremes) and the family's own checks: the stage-1 scores
+with shared pages, ties, the radix selection against a stable sort, the
+lowered index path free of wide sorts, the reference against float64 NumPy,
+the contract on out-of-range inputs (issue 20) in both paths, the paged
+input synthesis shared with test_qsa_sparse_gqa.py. (The checks themselves:
+test_definitions.py and kit.py.)"""
 
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 for the kernel in interpret mode: a tail only, n just above 512, shared
 pages, unsorted and ignored ids, nothing visible, a record at CPU scale;
 lowering at the largest recorded extremes; every candidate) and the family's
-own checks: the traced scale, the reference against float64 NumPy, topk_ids
-from the indexer. Paged inputs: test_qsa_index.py. (The checks themselves:
+own checks: the traced scale, the reference against float64 NumPy, the
+contract on out-of-range inputs (issue 20) in both paths, the heuristic's
+grids, topk_ids from the indexer. Paged inputs: test_qsa_index.py. (The checks themselves:
 test_definitions.py and kit.py.)"""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jaxkern.families import qsa_sparse_gqa as gqa_fam
 from kit import EVERY_CANDIDATE, Case, TritonCall
 from pallas_kernels import qsa_sparse_gqa as qg
 from numerics import assert_bf16_close
-from test_qsa_index import GQA, GQA_LOWERING_AXES, at_cpu_scale, first_record, normal, page_table_for
+from test_qsa_index import GQA, GQA_LOWERING_AXES, at_cpu_scale, first_record, normal, page_table_for, records
 
 GQA_SMALL = qg.QsaDecodeConfig(qg.SplitStage(block_k=4, keys_per_split=32, num_warps=4), qg.CombineStage(block_d=64))
 # Value columns in four blocks of 64, two-step splits (the B=1 heuristic's shape).
@@ -246,6 +247,20 @@ def test_ops_function_jits(backend):
   assert_bf16_close(o, gqa_fam.qsa_sparse_gqa_decode_reference(**g))
 
 
+def test_heuristic_fills_the_gpu_with_two_step_splits():
+  """At every recorded batch size the split stage launches >= 2 programs per
+  SM (264 on an H100/H200) and a split walks >= 2 steps; B=1: 33 splits x
+  2 kv heads x 4 value blocks."""
+  op = registry.get(GQA)
+  for rec in records(GQA):
+    axes = op.definition.full_axes(op.validated_axes(rec["axes"]))
+    config = qg.choose_config(op.input_shapes(axes))
+    grid = launches(config, axes)[0].grid
+    assert np.prod(grid) >= 264 and config.split.keys_per_split // config.split.block_k >= 2, (rec["axes"], config)
+    if axes["B"] == 1:
+      assert grid == (1, 8, 33), config
+
+
 def test_bad_configs_raise():
   with pytest.raises(ValueError, match="SplitStage.block_k=3 must be a power of two"):
     qg.SplitStage(block_k=3)
@@ -253,3 +268,5 @@ def test_bad_configs_raise():
     qg.SplitStage(block_k=8, keys_per_split=4)
   with pytest.raises(ValueError):
     qg.CombineStage(block_d=8)
+  with pytest.raises(ValueError, match="QsaDecodeConfig.block_dv=8 must be a power of two >= 16"):
+    qg.QsaDecodeConfig(block_dv=8)
