@@ -28,11 +28,13 @@ Conventions:
   heuristic's choice.
 * `cpu_axes(axes) -> axes`: a shrunk copy that keeps the structure but fits an
   interpret-mode CPU budget (`shrink_rows` and `shrink_until` help).
-* `cost(definition, axes, *, inputs=None, record=None) -> (flops, bytes,
-  dtype_class)`: the roofline work of one run (`jaxkern.roofline`). `axes`
-  are every axis of the run; `inputs` (the run's arrays, when at hand) and
-  `record` let a formula count what the data decides (visible keys, routed
-  experts, valid slots) instead of a bound from the axes.
+* `cost(definition, axes, *, inputs=None, record=None, config=None) ->
+  jaxkern.roofline.Work`: the roofline work of one run. `axes` are every axis
+  of the run; `inputs` (the run's arrays, when at hand) and `record` let a
+  formula count what the data decides (visible keys, routed experts, valid
+  slots, referenced pages) instead of a bound from the axes; `config` (the
+  kernel's, when at hand) which MMA instructions the kernel runs, so the
+  FLOPs are judged against the matching peak.
 * `policies`: output name -> `jaxkern.compare.Policy` for outputs not
   compared by their dtype alone (top-k selections, paired values, states).
 """
@@ -48,8 +50,8 @@ import jax
 
 Inputs = Mapping[str, jax.Array]
 Shapes = Mapping[str, jax.ShapeDtypeStruct]
-# (flops, bytes, dtype_class): see `jaxkern.roofline.Cost`.
-CostFormula = Callable[..., tuple[int, int, str]]
+# -> jaxkern.roofline.Work (flops, bytes, dtype_class, gather_bytes, counted_from).
+CostFormula = Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -91,9 +91,9 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def dense_gemm_cost(definition, axes, *, inputs=None, record=None):
+def dense_gemm_cost(definition, axes, *, inputs=None, record=None, config=None):
   """C[M,N] = A[M,K] B[N,K]^T. FLOPs 2MNK; bytes A + B + C once (bf16)."""
-  return 2 * axes["M"] * axes["N"] * axes["K"], roofline.io_bytes(definition, axes), "bf16"
+  return roofline.Work(2 * axes["M"] * axes["N"] * axes["K"], roofline.io_bytes(definition, axes), "bf16")
 
 
 IMPL = OpImpl(reference=dense_gemm_reference, kernel=kernel_lib.dense_gemm_nt, make_inputs=make_inputs,

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkern import dispatch
 from jaxkern import roofline
@@ -254,21 +255,28 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def noncausal_attention_cost(definition, axes, *, inputs=None, record=None):
-  """Non-causal attention: FLOPs 4 B H Nq Nk D (QK^T and PV). Keys masked
-  out by `key_valid` (padded text) are data, not axes: all Nk keys are
-  counted, so for padded variants the speed of light is an upper bound.
-  Bytes: q, k, v, key_valid read and o written once (K/V read once per batch
-  row, not once per query block)."""
-  return 4 * axes["B"] * axes["H"] * axes["Nq"] * axes["Nk"] * axes["D"], roofline.io_bytes(definition, axes), "bf16"
+def noncausal_attention_cost(definition, axes, *, inputs=None, record=None, config=None):
+  """Non-causal attention over the visible keys: FLOPs 4 H Nq D times the
+  keys `key_valid` keeps, summed over batch rows (QK^T and PV; padded text
+  keys are never scored). With the run's `key_valid` that count is exact;
+  without it every key is counted (B Nk, a bound). Bytes: q, key_valid read
+  and o written once; of k and v only the visible rows (K/V read once per
+  batch row, not once per query block)."""
+  b, nk = axes["B"], axes["Nk"]
+  key_valid = None if inputs is None else inputs.get("key_valid")
+  keys = b * nk if key_valid is None else int(np.count_nonzero(roofline.host(key_valid)))
+  kv_row = (roofline.tensor_bytes(definition, "k", axes) + roofline.tensor_bytes(definition, "v", axes)) // max(b * nk, 1)
+  nbytes = roofline.io_bytes(definition, axes, skip=("k", "v")) + keys * kv_row
+  return roofline.Work(4 * axes["H"] * axes["Nq"] * axes["D"] * keys, nbytes, "bf16",
+                       counted_from="axes" if key_valid is None else "inputs")
 
 
-def prefix_cached_attention_cost(definition, axes, *, inputs=None, record=None):
+def prefix_cached_attention_cost(definition, axes, *, inputs=None, record=None, config=None):
   """Every target query sees Np prefix keys and Nq target keys: FLOPs
   4 B H Nq (Nq + Np) D. Bytes: q, k, v, k_prefix, v_prefix read and o
   written once."""
   flops = 4 * axes["B"] * axes["H"] * axes["Nq"] * (axes["Nq"] + axes["Np"]) * axes["D"]
-  return flops, roofline.io_bytes(definition, axes), "bf16"
+  return roofline.Work(flops, roofline.io_bytes(definition, axes), "bf16")
 
 
 def block_causal_pairs(segment_ends: list[int]) -> int:
@@ -282,16 +290,32 @@ def block_causal_pairs(segment_ends: list[int]) -> int:
   return pairs
 
 
-def block_causal_attention_cost(definition, axes, *, inputs=None, record=None):
+def visible_pairs(segment_ids: np.ndarray) -> int:
+  """Visible (query, key) pairs of the block-causal masks of `segment_ids`
+  [B, Nq]: query i sees key j iff segment_ids[j] <= segment_ids[i] (any
+  order of ids)."""
+  pairs = 0
+  for row in np.asarray(segment_ids).reshape(-1, np.shape(segment_ids)[-1]):
+    pairs += int(np.searchsorted(np.sort(row), row, side="right").sum())
+  return pairs
+
+
+def block_causal_attention_cost(definition, axes, *, inputs=None, record=None, config=None):
   """Block-causal over segments: only visible pairs are counted, FLOPs
-  4 B H D * pairs with pairs = `block_causal_pairs(ends)`. The segments are
-  the record's `prefix_segments` rescaled to Nq as the replay synthesizes
-  them; without a record one segment (pairs = Nq^2, what the replay runs
-  then). Bytes: q, k, v, segment_ids read and o written once."""
-  nq = axes["Nq"]
-  segments = (record or {}).get("prefix_segments")
-  ends = segment_ends(segments, nq) if segments else [nq]
-  return 4 * axes["B"] * axes["H"] * axes["D"] * block_causal_pairs(ends), roofline.io_bytes(definition, axes), "bf16"
+  4 H D * pairs. The pairs come from the run's `segment_ids`
+  (`visible_pairs`); without inputs, from the record's `prefix_segments`
+  rescaled to Nq as the replay synthesizes them (B times
+  `block_causal_pairs(ends)`); without either, one segment (B Nq^2, a
+  bound). Bytes: q, k, v, segment_ids read and o written once."""
+  b, nq = axes["B"], axes["Nq"]
+  segment_ids = None if inputs is None else inputs.get("segment_ids")
+  if segment_ids is not None:
+    pairs, source = visible_pairs(roofline.host(segment_ids)), "inputs"
+  else:
+    segments = (record or {}).get("prefix_segments")
+    pairs, source = b * block_causal_pairs(segment_ends(segments, nq) if segments else [nq]), "axes"
+  return roofline.Work(4 * axes["H"] * axes["D"] * pairs, roofline.io_bytes(definition, axes), "bf16",
+                       counted_from=source)
 
 
 # ---------------------------------------------------------------------------

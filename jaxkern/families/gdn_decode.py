@@ -152,12 +152,13 @@ def gdn_flops(tokens: int, axes: Mapping[str, int]) -> int:
   return 7 * tokens * axes["num_v_heads"] * axes["head_size"] * axes["head_size"]
 
 
-def gdn_decode_cost(definition, axes, *, inputs=None, record=None):
+def gdn_decode_cost(definition, axes, *, inputs=None, record=None, config=None):
   """Gated delta rule, one token per sequence: FLOPs 7 B HV K V (see
   `gdn_flops`; the per-head gates are not counted), matrix-vector work on
   the FP32 (non-tensor-core) peak. Bytes: all inputs read once (the f32
   state [B,HV,K,V] dominates) and output and new_state written once."""
-  return gdn_flops(axes["batch_size"] * axes["seq_len"], axes), roofline.io_bytes(definition, axes), "fp32"
+  return roofline.Work(gdn_flops(axes["batch_size"] * axes["seq_len"], axes), roofline.io_bytes(definition, axes),
+                       "fp32")
 
 
 # ------------------------------------------------------------------ registry

@@ -112,13 +112,13 @@ def prefill_cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def gdn_prefill_cost(definition, axes, *, inputs=None, record=None):
+def gdn_prefill_cost(definition, axes, *, inputs=None, record=None, config=None):
   """Gated delta rule over total_seq_len tokens: FLOPs 7 T HV K V, the
   sequential recurrence's work (a chunked kernel does somewhat more), on the
   BF16 peak (the chunked form runs on tensor cores). Bytes: all inputs
   (q, k, v, gates, cu_seqlens, the f32 initial state [N,HV,K,V]) read and
   output and new_state written once."""
-  return gdn_flops(axes["total_seq_len"], axes), roofline.io_bytes(definition, axes), "bf16"
+  return roofline.Work(gdn_flops(axes["total_seq_len"], axes), roofline.io_bytes(definition, axes), "bf16")
 
 
 IMPL = OpImpl(reference=gdn_prefill_reference,

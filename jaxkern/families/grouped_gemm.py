@@ -39,6 +39,7 @@ from typing import Any, Mapping
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkern import dispatch
 from jaxkern import quant
@@ -212,18 +213,32 @@ def expected_experts(rows: int, experts: int) -> float:
   return experts * (1.0 - (1.0 - 1.0 / experts) ** rows)
 
 
-def grouped_gemm_cost(definition, axes, *, inputs=None, record=None):
+def grouped_gemm_cost(definition, axes, *, inputs=None, record=None, config=None):
   """C[m] = a[m] (FP8, UE8M0 scale per 32 k) times expert e(m)'s FP4 weight.
-  FLOPs 2MNK, every row counted (padding rows `-1` are data, not axes), on
-  the FP8 peak (Hopper has no FP4 tensor cores). Bytes: a, a_scale,
-  expert_ids read and C written once; of the weights b and b_scale (packed
-  e2m1 and UE8M0 bytes as stored) only the experts the rows route to, the
-  expected number of distinct experts under uniform routing
-  (`expected_experts(M, E)`, exact for M=1; at most min(M, E))."""
+  With the run's `expert_ids`: FLOPs 2 N K per routed row (ids in [0, E);
+  padding rows are only written as zeros), bytes of a and a_scale for those
+  rows, and of the weights b and b_scale (packed e2m1 and UE8M0 bytes as
+  stored) only the distinct experts the rows route to. Without inputs, every
+  row is counted and the experts are the expected number of distinct experts
+  under uniform routing (`expected_experts(M, E)`, exact for M=1; a bound,
+  since real routing is skewed). expert_ids read and C written once. The
+  FLOPs are judged against the peak of the kernel's dot operands
+  (`pallas_kernels.grouped_gemm.dot_operand_dtype`: bf16 today; Hopper has
+  no FP4 tensor cores)."""
   m, e = axes["M"], axes["E"]
   per_expert = (roofline.tensor_bytes(definition, "b", axes) + roofline.tensor_bytes(definition, "b_scale", axes)) / e
-  weights = round(expected_experts(m, e) * per_expert)
-  return 2 * m * axes["N"] * axes["K"], roofline.io_bytes(definition, axes, skip=("b", "b_scale")) + weights, "fp8"
+  per_row = (roofline.tensor_bytes(definition, "a", axes) + roofline.tensor_bytes(definition, "a_scale", axes)) / max(m, 1)
+  ids = None if inputs is None else inputs.get("expert_ids")
+  if ids is None:
+    rows, experts, source = m, expected_experts(m, e), "axes"
+  else:
+    ids = roofline.host(ids)
+    routed = ids[(ids >= 0) & (ids < e)]
+    rows, experts, source = routed.size, np.unique(routed).size, "inputs"
+  nbytes = (roofline.io_bytes(definition, axes, skip=("a", "a_scale", "b", "b_scale"))
+            + round(rows * per_row) + round(experts * per_expert))
+  dtype_class = "fp8" if jnp.dtype(kernel_lib.dot_operand_dtype(config)).itemsize == 1 else "bf16"
+  return roofline.Work(2 * rows * axes["N"] * axes["K"], nbytes, dtype_class, counted_from=source)
 
 
 IMPL = OpImpl(

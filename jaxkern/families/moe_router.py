@@ -96,11 +96,11 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def moe_router_cost(definition, axes, *, inputs=None, record=None):
+def moe_router_cost(definition, axes, *, inputs=None, record=None, config=None):
   """logits = hidden[M,D] weight[E,D]^T, then scoring and top-k on chip.
   FLOPs 2MED (the epilogue's per-logit math is not counted); bytes hidden +
   weight + bias + scalar read, ids and weights [M,TOPK] written."""
-  return 2 * axes["M"] * axes["E"] * axes["D"], roofline.io_bytes(definition, axes), "bf16"
+  return roofline.Work(2 * axes["M"] * axes["E"] * axes["D"], roofline.io_bytes(definition, axes), "bf16")
 
 
 IMPL = OpImpl(reference=moe_router_reference, kernel=kernel_lib.moe_router_topk, make_inputs=make_inputs,

@@ -162,14 +162,14 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def neighborhood_attention_3d_cost(definition, axes, *, inputs=None, record=None):
+def neighborhood_attention_3d_cost(definition, axes, *, inputs=None, record=None, config=None):
   """3-D neighborhood attention: each query sees exactly KT*KY*KX keys (NATTEN
   windows are shifted inward at borders, never truncated), so FLOPs
   4 B T Y X H D KT KY KX. Bytes: q, k, v read and o written once (each key
   row is shared by up to KT*KY*KX queries but read once)."""
   n = axes["B"] * axes["T"] * axes["Y"] * axes["X"]
   flops = 4 * n * axes["H"] * axes["D"] * axes["KT"] * axes["KY"] * axes["KX"]
-  return flops, roofline.io_bytes(definition, axes), "bf16"
+  return roofline.Work(flops, roofline.io_bytes(definition, axes), "bf16")
 
 
 # ---------------------------------------------------------------------------
