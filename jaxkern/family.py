@@ -35,6 +35,8 @@ Conventions:
   experts, valid slots) instead of a bound from the axes.
 * `policies`: output name -> `jaxkern.compare.Policy` for outputs not
   compared by their dtype alone (top-k selections, paired values, states).
+* `split`: how the op splits across devices (`jaxkern.spmd.Split`: the
+  dimensions it is independent along); None: never.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ import inspect
 from typing import Any, Callable, Mapping
 
 import jax
+
+from jaxkern.spmd import Split
 
 Inputs = Mapping[str, jax.Array]
 Shapes = Mapping[str, jax.ShapeDtypeStruct]
@@ -63,6 +67,7 @@ class OpImpl:
   cost: CostFormula | None = None
   policies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   axis_params: Mapping[str, str] = dataclasses.field(default_factory=dict)  # parameter -> const axis
+  split: Split | None = None
 
 
 def bind_axes(fn: Callable[..., Any], const_axes: Mapping[str, int],

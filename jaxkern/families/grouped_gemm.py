@@ -44,6 +44,7 @@ from jaxkern import dispatch
 from jaxkern import quant
 from jaxkern import roofline
 from jaxkern.family import OpImpl, cdiv
+from jaxkern.spmd import Split
 from pallas_kernels import grouped_gemm as kernel_lib
 
 TOP_K = 6          # routed experts per token (DeepSeek-V4.1-Flash)
@@ -226,6 +227,15 @@ def grouped_gemm_cost(definition, axes, *, inputs=None, record=None):
   return 2 * m * axes["N"] * axes["K"], roofline.io_bytes(definition, axes, skip=("b", "b_scale")) + weights, "fp8"
 
 
+# How the op splits across devices (`jaxkern.spmd`): rows (with their expert
+# ids) and output columns. Experts do not split here, as rows name them by
+# global id: expert parallelism is a shard_map with local ids
+# (examples/moe_block.py).
+SPLIT = Split(inputs={"a": "m k", "a_scale": "m g", "b": "e n kp", "b_scale": "e n g", "expert_ids": "m"},
+              outputs=("m n",), independent="m n",
+              reasons={"k": "the contraction: partial sums would need a reduction across devices", "kp": "the contraction: partial sums would need a reduction across devices", "g": "the contraction: partial sums would need a reduction across devices",
+                       "e": "rows carry global expert ids; for expert parallelism call the op inside "
+                            "jax.shard_map on each device's rows with local ids (examples/moe_block.py)"})
 IMPL = OpImpl(
     reference=grouped_gemm_fp8_fp4_reference,
     kernel=kernel_lib.grouped_gemm_fp8_fp4,
@@ -234,6 +244,7 @@ IMPL = OpImpl(
     candidate_configs=kernel_lib.candidate_configs,
     cpu_axes=cpu_axes,
     cost=grouped_gemm_cost,
+    split=SPLIT,
 )
 IMPLS = (IMPL,)
 
