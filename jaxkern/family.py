@@ -49,6 +49,7 @@ from typing import Any, Callable, Mapping
 import jax
 
 from jaxkern.spmd import Split
+from pallas_kernels.common import varying_axes
 
 Inputs = Mapping[str, jax.Array]
 Shapes = Mapping[str, jax.ShapeDtypeStruct]
@@ -88,6 +89,19 @@ def cdiv(a: int, b: int) -> int:
   """ceil(a / b) for integers (the families' own: references and synthesis
   import nothing from `pallas_kernels`)."""
   return -(-a // b)
+
+
+def varying_like(x: Any, *like: Any) -> Any:
+  """`x` (an array or a pytree of them) made to vary over the manual mesh axes (inside `jax.shard_map`) any
+  of `like` varies over: a loop carry that starts from a constant must have
+  the type the loop body gives it (the inputs' axes). Outside a shard_map,
+  `x` itself."""
+  target = varying_axes(*like)
+
+  def vary(leaf):
+    axes = tuple(sorted(target - varying_axes(leaf)))
+    return jax.lax.pcast(leaf, axes, to="varying") if axes else leaf
+  return jax.tree.map(vary, x)
 
 
 def shrink_rows(n: int, base: int = 64) -> int:

@@ -19,7 +19,7 @@ from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.families.gdn_decode import (STATE_STD, delta_step, gates, gdn_flops, head_params, per_v_head,
                                          resolve_scale, token_inputs)
-from jaxkern.family import OpImpl
+from jaxkern.family import OpImpl, varying_like
 from jaxkern.spmd import Split
 from pallas_kernels import gdn_prefill as gdn_kernels
 
@@ -53,8 +53,9 @@ def gdn_prefill_reference(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scal
     out = out.at[jnp.where(active, t, total)].set(o, mode="drop")
     return s, out
 
-  s, out = lax.fori_loop(0, jnp.max(lengths, initial=0), step,
-                         (state.astype(jnp.float32), jnp.zeros((total, hv, d), jnp.float32)))
+  init = varying_like((state.astype(jnp.float32), jnp.zeros((total, hv, d), jnp.float32)),
+                      q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale)
+  s, out = lax.fori_loop(0, jnp.max(lengths, initial=0), step, init)
   s = jnp.where((lengths > 0)[:, None, None, None], s, 0.0)
   return out.astype(jnp.bfloat16), s
 

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jaxkern import dispatch
 from jaxkern import quant
 from jaxkern import roofline
-from jaxkern.family import OpImpl, cdiv
+from jaxkern.family import OpImpl, cdiv, varying_like
 from jaxkern.spmd import Split
 from pallas_kernels import grouped_gemm as kernel_lib
 
@@ -114,7 +114,8 @@ def grouped_gemm_fp8_fp4_reference(a: jax.Array, a_scale: jax.Array, b: jax.Arra
   def per_expert(e, c):
     return lax.cond(last[e] >= 0, expert_rows, lambda e, c: c, e, c)
 
-  return lax.fori_loop(0, num_experts, per_expert, jnp.zeros((m, n), jnp.bfloat16))
+  out = varying_like(jnp.zeros((m, n), jnp.bfloat16), a, a_scale, b, b_scale, expert_ids)
+  return lax.fori_loop(0, num_experts, per_expert, out)
 
 
 # ----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from jaxkern import dispatch
 from jaxkern import roofline
-from jaxkern.family import OpImpl, cdiv
+from jaxkern.family import OpImpl, cdiv, varying_like
 from jaxkern.spmd import Split
 from pallas_kernels import neighborhood_attention as kernel_lib
 
@@ -87,14 +87,13 @@ def neighborhood_attention_3d_reference(q, k, v, *, KT: int, KY: int, KX: int) -
       return o, m_next, correction * l + p
 
     shape = q_g.shape[:-1]
-    o, _, l = lax.fori_loop(0, KT * KY * KX, step,
-                            (jnp.zeros(q_g.shape, jnp.float32),
-                             jnp.full(shape, -jnp.inf, jnp.float32),
-                             jnp.zeros(shape, jnp.float32)))
+    o, _, l = lax.fori_loop(0, KT * KY * KX, step, varying_like(
+        (jnp.zeros(q_g.shape, jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32)),
+        q, k, v))
     return (o / l[..., None]).astype(q.dtype)
 
   # Groups write into the output in place (no stacked copy of the result).
-  out = jnp.zeros((batch, num_groups * group, y_len, x_len, num_heads, head_dim), q.dtype)
+  out = varying_like(jnp.zeros((batch, num_groups * group, y_len, x_len, num_heads, head_dim), q.dtype), q, k, v)
   out = lax.fori_loop(0, num_groups, lambda g, out: lax.dynamic_update_slice_in_dim(
       out, one_group(g), g * group, axis=1), out)
   return out[:, :t_len]
