@@ -37,6 +37,8 @@ Conventions:
   FLOPs are judged against the matching peak.
 * `policies`: output name -> `jaxkern.compare.Policy` for outputs not
   compared by their dtype alone (top-k selections, paired values, states).
+* `split`: how the op splits across devices (`jaxkern.spmd.Split`: the
+  dimensions it is independent along); None: never.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ import inspect
 from typing import Any, Callable, Mapping
 
 import jax
+
+from jaxkern.spmd import Split
+from pallas_kernels.common import varying_axes
 
 Inputs = Mapping[str, jax.Array]
 Shapes = Mapping[str, jax.ShapeDtypeStruct]
@@ -65,6 +70,7 @@ class OpImpl:
   cost: CostFormula | None = None
   policies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   axis_params: Mapping[str, str] = dataclasses.field(default_factory=dict)  # parameter -> const axis
+  split: Split | None = None
 
 
 def bind_axes(fn: Callable[..., Any], const_axes: Mapping[str, int],
@@ -85,6 +91,19 @@ def cdiv(a: int, b: int) -> int:
   """ceil(a / b) for integers (the families' own: references and synthesis
   import nothing from `pallas_kernels`)."""
   return -(-a // b)
+
+
+def varying_like(x: Any, *like: Any) -> Any:
+  """`x` (an array or a pytree of them) made to vary over the manual mesh axes (inside `jax.shard_map`) any
+  of `like` varies over: a loop carry that starts from a constant must have
+  the type the loop body gives it (the inputs' axes). Outside a shard_map,
+  `x` itself."""
+  target = varying_axes(*like)
+
+  def vary(leaf):
+    axes = tuple(sorted(target - varying_axes(leaf)))
+    return jax.lax.pcast(leaf, axes, to="varying") if axes else leaf
+  return jax.tree.map(vary, x)
 
 
 def shrink_rows(n: int, base: int = 64) -> int:

@@ -24,6 +24,7 @@ import numpy as np
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, cdiv
+from jaxkern.spmd import Split
 from pallas_kernels import flash_attention as kernel_lib
 
 # Variants whose keys are padded text tokens (cross-attention to the prompt).
@@ -323,15 +324,29 @@ def block_causal_attention_cost(definition, axes, *, inputs=None, record=None, c
 # masks are keyword arguments named like the definitions' inputs.
 
 
-def _impl(reference, make_inputs, cost) -> OpImpl:
+def _impl(reference, make_inputs, cost, split) -> OpImpl:
   return OpImpl(reference=reference, kernel=kernel_lib.flash_attention, make_inputs=make_inputs,
                 choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
-                cpu_axes=cpu_axes, cost=cost)
+                cpu_axes=cpu_axes, cost=cost, split=split)
 
 
-NONCAUSAL = _impl(noncausal_attention_reference, make_noncausal_inputs, noncausal_attention_cost)
-PREFIX_CACHED = _impl(prefix_cached_attention_reference, make_prefix_cached_inputs, prefix_cached_attention_cost)
-BLOCK_CAUSAL = _impl(block_causal_attention_reference, make_block_causal_inputs, block_causal_attention_cost)
+# How the ops split across devices (`jaxkern.spmd`): batch, heads and, where
+# every query sees the same keys, queries; a softmax runs over all keys.
+_KEYS = "each query's softmax runs over all keys"
+_REASONS = {"t": _KEYS, "p": _KEYS, "d": "the contraction: partial sums would need a reduction across devices"}
+_QKV = {"q": "b s h d", "k": "b t h d", "v": "b t h d"}
+NONCAUSAL_SPLIT = Split(inputs={**_QKV, "key_valid": "b t"}, outputs=("b s h d",), independent="b s h",
+                        reasons=_REASONS)
+PREFIX_CACHED_SPLIT = Split(inputs={**_QKV, "k_prefix": "b p h d", "v_prefix": "b p h d"}, outputs=("b s h d",),
+                            independent="b s h", reasons=_REASONS)
+# Block-causal: queries and keys are the same tokens (one name, `s`).
+BLOCK_CAUSAL_SPLIT = Split(inputs={"q": "b s h d", "k": "b s h d", "v": "b s h d", "segment_ids": "b s"},
+                           outputs=("b s h d",), independent="b h", reasons={**_REASONS, "s": _KEYS})
+NONCAUSAL = _impl(noncausal_attention_reference, make_noncausal_inputs, noncausal_attention_cost, NONCAUSAL_SPLIT)
+PREFIX_CACHED = _impl(prefix_cached_attention_reference, make_prefix_cached_inputs, prefix_cached_attention_cost,
+                      PREFIX_CACHED_SPLIT)
+BLOCK_CAUSAL = _impl(block_causal_attention_reference, make_block_causal_inputs, block_causal_attention_cost,
+                     BLOCK_CAUSAL_SPLIT)
 IMPLS = (NONCAUSAL, PREFIX_CACHED, BLOCK_CAUSAL)
 
 

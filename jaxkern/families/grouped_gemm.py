@@ -44,7 +44,8 @@ import numpy as np
 from jaxkern import dispatch
 from jaxkern import quant
 from jaxkern import roofline
-from jaxkern.family import OpImpl, cdiv
+from jaxkern.family import OpImpl, cdiv, varying_like
+from jaxkern.spmd import Split
 from pallas_kernels import grouped_gemm as kernel_lib
 
 TOP_K = 6          # routed experts per token (DeepSeek-V4.1-Flash)
@@ -114,7 +115,8 @@ def grouped_gemm_fp8_fp4_reference(a: jax.Array, a_scale: jax.Array, b: jax.Arra
   def per_expert(e, c):
     return lax.cond(last[e] >= 0, expert_rows, lambda e, c: c, e, c)
 
-  return lax.fori_loop(0, num_experts, per_expert, jnp.zeros((m, n), jnp.bfloat16))
+  out = varying_like(jnp.zeros((m, n), jnp.bfloat16), a, a_scale, b, b_scale, expert_ids)
+  return lax.fori_loop(0, num_experts, per_expert, out)
 
 
 # ----------------------------------------------------------------------------
@@ -241,6 +243,15 @@ def grouped_gemm_cost(definition, axes, *, inputs=None, record=None, config=None
   return roofline.Work(2 * rows * axes["N"] * axes["K"], nbytes, dtype_class, counted_from=source)
 
 
+# How the op splits across devices (`jaxkern.spmd`): rows (with their expert
+# ids) and output columns. Experts do not split here, as rows name them by
+# global id: expert parallelism is a shard_map with local ids
+# (examples/moe_block.py).
+SPLIT = Split(inputs={"a": "m k", "a_scale": "m g", "b": "e n kp", "b_scale": "e n g", "expert_ids": "m"},
+              outputs=("m n",), independent="m n",
+              reasons={"k": "the contraction: partial sums would need a reduction across devices", "kp": "the contraction: partial sums would need a reduction across devices", "g": "the contraction: partial sums would need a reduction across devices",
+                       "e": "rows carry global expert ids; for expert parallelism call the op inside "
+                            "jax.shard_map on each device's rows with local ids (examples/moe_block.py)"})
 IMPL = OpImpl(
     reference=grouped_gemm_fp8_fp4_reference,
     kernel=kernel_lib.grouped_gemm_fp8_fp4,
@@ -249,6 +260,7 @@ IMPL = OpImpl(
     candidate_configs=kernel_lib.candidate_configs,
     cpu_axes=cpu_axes,
     cost=grouped_gemm_cost,
+    split=SPLIT,
 )
 IMPLS = (IMPL,)
 

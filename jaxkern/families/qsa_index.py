@@ -37,6 +37,7 @@ from jaxkern import compare
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl
+from jaxkern.spmd import Split
 from pallas_kernels import qsa_index as index_lib
 
 # Defaults of the constant axes the functions cannot read from input shapes
@@ -275,6 +276,12 @@ def qsa_index_topk_cost(definition, axes, *, inputs=None, record=None, config=No
 # Keyword-only parameters that receive the definition's constant axes.
 AXIS_PARAMS = {"topk": "TOPK", "compress": "C"}
 
+# How the op splits across devices (`jaxkern.spmd`): sequences (with their
+# page tables); a score sums over the heads, page tables address every page.
+SPLIT = Split(inputs={"q": "b h d", "index_k": "np ps o d", "page_table": "b mp", "seq_lens": "b"},
+              outputs=("b k",), independent="b",
+              reasons={"h": "a block's score sums over the heads", "np": "page tables address the whole cache",
+                       "d": "the contraction: partial sums would need a reduction across devices"})
 IMPL = OpImpl(
     reference=qsa_index_topk_reference,
     kernel=index_lib.qsa_index_topk,
@@ -285,6 +292,7 @@ IMPL = OpImpl(
     cost=qsa_index_topk_cost,
     policies={"topk_ids": compare.TopK(scores=index_topk_scores)},
     axis_params=AXIS_PARAMS,
+    split=SPLIT,
 )
 IMPLS = (IMPL,)
 

@@ -51,6 +51,7 @@ import numpy as np
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl
+from jaxkern.spmd import Split
 from pallas_kernels import sparse_mla as kernel_lib
 
 # Recent tokens a query sees (itself included), and cached window rows kept
@@ -298,6 +299,12 @@ def sparse_mla_prefill_cost(definition, axes, *, inputs=None, record=None, confi
 # Registration.
 
 
+# How the op splits across devices (`jaxkern.spmd`): query rows (with their
+# indices) and heads (with their sinks); indices address the whole workspace.
+SPLIT = Split(inputs={"q": "m h d", "kv": "n o d", "indices": "m o k", "sm_scale": "", "attn_sink": "h"},
+              outputs=("m h d", "m h"), independent="m h",
+              reasons={"n": "indices address rows of the whole latent workspace", "k": "the softmax runs over all "
+                       "selected keys", "d": "the contraction: partial sums would need a reduction across devices"})
 IMPL = OpImpl(
     reference=sparse_mla_prefill_reference,
     kernel=kernel_lib.sparse_mla_prefill,
@@ -306,6 +313,7 @@ IMPL = OpImpl(
     candidate_configs=kernel_lib.candidate_configs,
     cpu_axes=cpu_axes,
     cost=sparse_mla_prefill_cost,
+    split=SPLIT,
 )
 IMPLS = (IMPL,)
 
