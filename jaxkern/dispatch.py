@@ -11,7 +11,9 @@ definition's input names and calls `run` once with its `OpImpl`. `run`:
    entry of the definition that the call matches (`tuned_config`), else None
    (the kernel's heuristic); and resolves interpret mode;
 3. calls the kernel, or the family's reference, which is the XLA path: the
-   definition's own math, never a second hand-written copy.
+   definition's own math, never a second hand-written copy; on sharded
+   inputs per shard where the family's `split` allows (`jaxkern.spmd`), the
+   config then chosen for the shard's shapes.
 
 Everything that applies to every op call belongs here, so that it is one
 edit: a checked mode that validates index preconditions
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Mapping
 
+from jaxkern import spmd
 from jaxkern import tuning
 from jaxkern.family import OpImpl, bind_axes
 from pallas_kernels.common import has_gpu, resolve_interpret
@@ -66,9 +69,17 @@ def run(impl: OpImpl, inputs: Mapping[str, Any], *, backend: Backend = None, con
   const_axes = dict(const_axes or {})
   given = {k: v for k, v in inputs.items() if v is not None}
   params = dict(params or {})
-  if not use_pallas(backend):
-    return bind_axes(impl.reference, const_axes, impl.axis_params)(**given, **params)
-  if config is None:
-    config = tuned_config(impl, given, const_axes)
-  kernel = bind_axes(impl.kernel, const_axes, impl.axis_params)
-  return kernel(**given, **params, config=config, interpret=resolve_interpret(interpret))
+  pallas = use_pallas(backend)
+  interpret = resolve_interpret(interpret)
+
+  def call(arrays: Mapping[str, Any]) -> Any:
+    if not pallas:
+      return bind_axes(impl.reference, const_axes, impl.axis_params)(**arrays, **params)
+    chosen = tuned_config(impl, arrays, const_axes) if config is None else config
+    kernel = bind_axes(impl.kernel, const_axes, impl.axis_params)
+    return kernel(**arrays, **params, config=chosen, interpret=interpret)
+
+  # Interpret mode in its own shard_map skips the vma check: an interpreted
+  # kernel would otherwise run once per shard on every device (common.pallas_call).
+  return spmd.run(impl.split, impl.reference.__name__, call, given, pallas=pallas,
+                  check_vma=not (pallas and interpret))

@@ -23,6 +23,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import NT_DIMS, cdiv, check_nt_operands, fit_block, fitted_candidates, resolve_interpret
@@ -190,7 +191,7 @@ def dense_gemm_nt(A: jax.Array, B: jax.Array, *,  # pylint: disable=invalid-name
       _dense_gemm_nt_kernel, m=m, n=n, k=k, block_m=config.block_m,
       block_n=config.block_n, block_k=config.block_k, num_pid_m=num_pid_m,
       num_pid_n=num_pid_n, group_m=group_m)
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
       grid=(num_pid_m * num_pid_n,),

@@ -41,6 +41,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import cdiv, check_pow2_dim, fit_block, fitted_candidates, resolve_interpret
@@ -404,7 +405,7 @@ def flash_attention(
       has_block_limits=has_block_limits, qk_scale=float(sm_scale) * LOG2_E,
       block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len,
       prefix_len=prefix_len)
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       grid=(num_q_blocks, batch, num_heads),

@@ -64,6 +64,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import MIN_DOT_DIM, cdiv, check_pow2_dim, next_pow2, resolve_interpret
@@ -292,7 +293,7 @@ def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *, KT: i
       lambda i, b, h: (b, i // (tiles_y * tiles_x), (i // tiles_x) % tiles_y, i % tiles_x, h, 0))
   kernel = functools.partial(_neighborhood_attention_kernel, dims=dims, window=window,
                              tile=config.tile, block_k=config.block_k)
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       grid=(num_tiles, batch, num_heads),

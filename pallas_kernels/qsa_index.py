@@ -52,6 +52,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels import radix_select
@@ -207,7 +208,7 @@ def index_scores(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_le
   kernel = functools.partial(_score_kernel, block_keys=score.block_keys, chunk_keys=score.chunk_keys,
                              page=page, max_pages=max_pages, num_pages=num_pages, compress=compress,
                              scale=1.0 / math.sqrt(head_dim))
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((batch, width), jnp.float32), radix_select.totals_shape(batch)),
       grid=(batch, chunks),

@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
+from pallas_kernels import common
 from pallas_kernels.common import cdiv, next_pow2, resolve_interpret
 from pallas_kernels.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field, multiple_of
 
@@ -260,7 +261,7 @@ def select_topk(scores: jax.Array, *, topk: int, stage: SelectStage, totals: jax
   params = plgpu.CompilerParams(num_warps=stage.num_warps, num_stages=stage.num_stages)
   for digit in range(first, DIGITS):
     last = digit == DIGITS - 1
-    outputs = pl.pallas_call(
+    outputs = common.pallas_call(
         functools.partial(_hist_kernel, block=stage.block_keys, digit=digit, topk=topk),
         out_shape=(totals_shape(batch), *((per_chunk, per_chunk) if last else ())),
         grid=(batch, chunks),
@@ -275,7 +276,7 @@ def select_topk(scores: jax.Array, *, topk: int, stage: SelectStage, totals: jax
   _, greater, equal = outputs
   out_width = next_pow2(topk)
   whole = pl.BlockSpec((None, chunks_p, NIBBLE, NIBBLE), lambda b, c: (b, 0, 0, 0))
-  ids = pl.pallas_call(
+  ids = common.pallas_call(
       functools.partial(_write_kernel, block=stage.block_keys, topk=topk),
       out_shape=jax.ShapeDtypeStruct((batch, out_width), jnp.int32),
       grid=(batch, chunks),
