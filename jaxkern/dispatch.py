@@ -16,14 +16,18 @@ definition's input names and calls `run` once with its `OpImpl`. `run`:
 Everything that applies to every op call belongs here, so that it is one
 edit: a checked mode that validates index preconditions
 (`jax.experimental.checkify` around the call), sharding (`shard_map` of the
-call over a mesh), differentiable kernels (a family may give its `OpImpl` a
-`jax.custom_vjp` kernel; `run` calls it like any other).
+call over a mesh), gradients (`jaxkern.autodiff`: a kernel with its own
+`jax.custom_vjp` is called as is, any other is differentiated through its
+reference; both paths raise the same clear error where an op has no
+gradient).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, Mapping
 
+from jaxkern import autodiff
 from jaxkern import tuning
 from jaxkern.family import OpImpl, bind_axes
 from pallas_kernels.common import has_gpu, resolve_interpret
@@ -66,9 +70,14 @@ def run(impl: OpImpl, inputs: Mapping[str, Any], *, backend: Backend = None, con
   const_axes = dict(const_axes or {})
   given = {k: v for k, v in inputs.items() if v is not None}
   params = dict(params or {})
+  reference = bind_axes(impl.reference, const_axes, impl.axis_params)
+  arrays, statics = autodiff.split_arrays({**given, **params})
   if not use_pallas(backend):
-    return bind_axes(impl.reference, const_axes, impl.axis_params)(**given, **params)
+    return autodiff.xla_path(reference, arrays, statics)
   if config is None:
     config = tuned_config(impl, given, const_axes)
-  kernel = bind_axes(impl.kernel, const_axes, impl.axis_params)
-  return kernel(**given, **params, config=config, interpret=resolve_interpret(interpret))
+  kernel = functools.partial(bind_axes(impl.kernel, const_axes, impl.axis_params), config=config,
+                             interpret=resolve_interpret(interpret))
+  if impl.differentiable_kernel:
+    return kernel(**arrays, **statics)
+  return autodiff.pallas_path(kernel, reference, arrays, statics)

@@ -35,6 +35,8 @@ Conventions:
   experts, valid slots) instead of a bound from the axes.
 * `policies`: output name -> `jaxkern.compare.Policy` for outputs not
   compared by their dtype alone (top-k selections, paired values, states).
+* `differentiable_kernel`: the kernel carries its own VJP (Pallas backward
+  kernels); see `jaxkern.autodiff` for every other op's gradient.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class OpImpl:
   cost: CostFormula | None = None
   policies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   axis_params: Mapping[str, str] = dataclasses.field(default_factory=dict)  # parameter -> const axis
+  # True when `kernel` is a `jax.custom_vjp` with its own (Pallas) backward;
+  # otherwise `jaxkern.autodiff` differentiates the kernel through `reference`.
+  differentiable_kernel: bool = False
 
 
 def bind_axes(fn: Callable[..., Any], const_axes: Mapping[str, int],

@@ -98,7 +98,7 @@ def dense_gemm_cost(definition, axes, *, inputs=None, record=None):
 
 IMPL = OpImpl(reference=dense_gemm_reference, kernel=kernel_lib.dense_gemm_nt, make_inputs=make_inputs,
               choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
-              cpu_axes=cpu_axes, cost=dense_gemm_cost)
+              cpu_axes=cpu_axes, cost=dense_gemm_cost, differentiable_kernel=True)
 IMPLS = (IMPL,)
 
 
