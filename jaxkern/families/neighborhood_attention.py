@@ -184,6 +184,7 @@ IMPL = OpImpl(
     candidate_configs=kernel_lib.candidate_configs,
     cpu_axes=cpu_axes,
     cost=neighborhood_attention_3d_cost,
+    differentiable_kernel=True,
 )
 IMPLS = (IMPL,)
 
