@@ -389,7 +389,7 @@ def flash_attention(
   if config is None:
     config = choose_config({"q": q, "k": k, "k_prefix": k_prefix})
   longest = max(kv_len, prefix_len)
-  backward_config = fit_backward_config(
-      backward_config or choose_backward_config(head_dim, q_len, longest), q_len, longest)
+  backward_config = fit_backward_config(backward_config or choose_backward_config(
+      batch=batch, heads=num_heads, q_len=q_len, kv_len=longest, head_dim=head_dim), q_len, longest)
   static = _Static(_fit(config, q_len, longest), backward_config, resolve_interpret(interpret))
   return _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, static)

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import cdiv, fit_block
 from pallas_kernels.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field
+from pallas_kernels.device import num_sms
 from pallas_kernels.flash_attention_keys import (INVISIBLE_SEGMENT, Keys, key_block_limits, load_rows,
                                                  query_block_limits, store_rows, walk_keys)
 from pallas_kernels.online_softmax import LOG2_E, hide_keys
@@ -70,13 +71,21 @@ def fit_backward_config(config: FlashAttentionBwdConfig, q_len: int, kv_len: int
       block_k_dkv=fit_block(config.block_k_dkv, kv_len), block_q_dkv=fit_block(config.block_q_dkv, q_len))
 
 
-def choose_backward_config(head_dim: int, q_len: int, kv_len: int) -> FlashAttentionBwdConfig:
-  """Heuristic: 64 x 64 tiles in both kernels; at D >= 128, 8 warps (the
-  dK/dV program holds two fp32 `[64, D]` accumulators) and steps of 32 along
-  the walked side, which keep the D = 128 kernels free of register spills on
-  sm_90a (`python -m jaxkern.aot --backward`); 4 warps at D = 64."""
+def choose_backward_config(*, batch: int, heads: int, q_len: int, kv_len: int,
+                           head_dim: int) -> FlashAttentionBwdConfig:
+  """Heuristic, the forward's reasoning: 128-row programs on 8 warps (each
+  warpgroup owns 64 rows: every dot is a 64-row wgmma), dQ walking keys 64
+  at a time; dK/dV walking queries 64 at a time at D = 64 and 32 at a time
+  at D >= 128, where two fp32 `[128, D]` accumulators are live (237
+  registers with every mask and a prefix, no spills on sm_90a: `python -m
+  jaxkern.aot --backward`). When 128-row query blocks would leave fewer
+  than two programs per SM, D = 64 takes 64-row programs on 4 warps.
+  `kv_len` is the longer key source."""
+  programs_at_128 = batch * heads * cdiv(q_len, 128)
   if head_dim >= 128:
-    config = FlashAttentionBwdConfig(64, 32, 64, 32, num_warps=8, num_stages=2)
+    config = FlashAttentionBwdConfig(128, 64, 128, 32, num_warps=8, num_stages=2)
+  elif programs_at_128 >= 2 * num_sms():
+    config = FlashAttentionBwdConfig(128, 64, 128, 64, num_warps=8, num_stages=2)
   else:
     config = FlashAttentionBwdConfig(64, 64, 64, 64, num_warps=4, num_stages=2)
   return fit_backward_config(config, q_len, kv_len)
