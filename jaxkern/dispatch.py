@@ -18,14 +18,18 @@ definition's input names and calls `run` once with its `OpImpl`. `run`:
 Everything that applies to every op call belongs here, so that it is one
 edit: a checked mode that validates index preconditions
 (`jax.experimental.checkify` around the call), sharding (`shard_map` of the
-call over a mesh), differentiable kernels (a family may give its `OpImpl` a
-`jax.custom_vjp` kernel; `run` calls it like any other).
+call over a mesh), gradients (`jaxkern.autodiff`: a kernel with its own
+`jax.custom_vjp` is called as is, any other is differentiated through its
+reference; both paths raise the same clear error where an op has no
+gradient).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, Mapping
 
+from jaxkern import autodiff
 from jaxkern import spmd
 from jaxkern import tuning
 from jaxkern.family import OpImpl, bind_axes
@@ -71,13 +75,18 @@ def run(impl: OpImpl, inputs: Mapping[str, Any], *, backend: Backend = None, con
   params = dict(params or {})
   pallas = use_pallas(backend)
   interpret = resolve_interpret(interpret)
+  reference = bind_axes(impl.reference, const_axes, impl.axis_params)
 
-  def call(arrays: Mapping[str, Any]) -> Any:
+  def call(shard: Mapping[str, Any]) -> Any:  # on one shard's arrays (all of them off a mesh)
+    arrays, statics = autodiff.split_arrays({**shard, **params})
     if not pallas:
-      return bind_axes(impl.reference, const_axes, impl.axis_params)(**arrays, **params)
-    chosen = tuned_config(impl, arrays, const_axes) if config is None else config
-    kernel = bind_axes(impl.kernel, const_axes, impl.axis_params)
-    return kernel(**arrays, **params, config=chosen, interpret=interpret)
+      return autodiff.xla_path(reference, arrays, statics)
+    chosen = tuned_config(impl, shard, const_axes) if config is None else config
+    kernel = functools.partial(bind_axes(impl.kernel, const_axes, impl.axis_params), config=chosen,
+                               interpret=interpret)
+    if impl.differentiable_kernel:
+      return kernel(**arrays, **statics)
+    return autodiff.pallas_path(kernel, reference, arrays, statics)
 
   # Interpret mode in its own shard_map skips the vma check: an interpreted
   # kernel would otherwise run once per shard on every device (common.pallas_call).

@@ -39,6 +39,8 @@ Conventions:
   compared by their dtype alone (top-k selections, paired values, states).
 * `split`: how the op splits across devices (`jaxkern.spmd.Split`: the
   dimensions it is independent along); None: never.
+* `differentiable_kernel`: the kernel carries its own VJP (Pallas backward
+  kernels); see `jaxkern.autodiff` for every other op's gradient.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ class OpImpl:
   policies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   axis_params: Mapping[str, str] = dataclasses.field(default_factory=dict)  # parameter -> const axis
   split: Split | None = None
+  # True when `kernel` is a `jax.custom_vjp` with its own (Pallas) backward;
+  # otherwise `jaxkern.autodiff` differentiates the kernel through `reference`.
+  differentiable_kernel: bool = False
 
 
 def bind_axes(fn: Callable[..., Any], const_axes: Mapping[str, int],

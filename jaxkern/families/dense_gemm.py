@@ -103,7 +103,7 @@ SPLIT = Split(inputs={"A": "m k", "B": "n k"}, outputs=("m n",), independent="m 
               reasons={"k": "the contraction: partial sums would need a reduction across devices"})
 IMPL = OpImpl(reference=dense_gemm_reference, kernel=kernel_lib.dense_gemm_nt, make_inputs=make_inputs,
               choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
-              cpu_axes=cpu_axes, cost=dense_gemm_cost, split=SPLIT)
+              cpu_axes=cpu_axes, cost=dense_gemm_cost, split=SPLIT, differentiable_kernel=True)
 IMPLS = (IMPL,)
 
 

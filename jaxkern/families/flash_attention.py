@@ -55,6 +55,11 @@ def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None
   end, lonely rows 0. Memory stays bounded: one head and `q_chunk` query rows
   at a time, i.e. `[B, q_chunk, Np + Nk]` fp32 scores (42 MiB at B=1,
   Np+Nk=10269), via `lax.map` over heads and over query chunks.
+
+  Keys hidden by `key_valid` are selected away (`where`) before any
+  product: a NaN or Inf in them reaches neither the output nor a gradient,
+  and their gradients are exactly 0. Differentiable (plain JAX autodiff;
+  the softmax max is a constant of the gradient, as it is mathematically).
   """
   batch, q_len, num_heads, head_dim = q.shape
   kv_len = k.shape[1]
@@ -72,6 +77,8 @@ def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None
     # The smallest segment id: every query sees the prefix.
     k_segments = jnp.concatenate(
         [jnp.full((batch, prefix_len), jnp.iinfo(jnp.int32).min, jnp.int32), k_segments], axis=1)
+  hidden = ~key_visible[:, :, None, None]
+  k, v = jnp.where(hidden, jnp.zeros_like(k), k), jnp.where(hidden, jnp.zeros_like(v), v)
 
   chunk = min(q_chunk, q_len)
   num_chunks = cdiv(q_len, chunk)
@@ -93,7 +100,7 @@ def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None
                      precision=lax.Precision.HIGHEST) * sm_scale
       visible = visible_keys & (k_segments[:, None, :] <= seg_c[:, :, None])
       s = jnp.where(visible, s, -jnp.inf)
-      m = jnp.max(s, axis=-1, keepdims=True)
+      m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
       p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))   # 0 where not visible
       l = jnp.sum(p, axis=-1, keepdims=True)
       o = jnp.einsum("bqk,bkd->bqd", p, v_h, precision=lax.Precision.HIGHEST)
@@ -327,7 +334,7 @@ def block_causal_attention_cost(definition, axes, *, inputs=None, record=None, c
 def _impl(reference, make_inputs, cost, split) -> OpImpl:
   return OpImpl(reference=reference, kernel=kernel_lib.flash_attention, make_inputs=make_inputs,
                 choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
-                cpu_axes=cpu_axes, cost=cost, split=split)
+                cpu_axes=cpu_axes, cost=cost, split=split, differentiable_kernel=True)
 
 
 # How the ops split across devices (`jaxkern.spmd`): batch, heads and, where

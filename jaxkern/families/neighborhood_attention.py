@@ -190,6 +190,7 @@ IMPL = OpImpl(
     cpu_axes=cpu_axes,
     cost=neighborhood_attention_3d_cost,
     split=SPLIT,
+    differentiable_kernel=True,
 )
 IMPLS = (IMPL,)
 
