@@ -59,6 +59,8 @@ def neighborhood_attention_3d_reference(q, k, v, *, KT: int, KY: int, KX: int) -
   fp32 accumulator, never a `[queries, neighbours, D]` tensor.
   """
   batch, t_len, y_len, x_len, num_heads, head_dim = q.shape
+  if q.size == 0:  # B = 0 or H = 0 (or D = 0): nothing to attend
+    return jnp.zeros(q.shape, q.dtype)
   starts_t, starts_y, starts_x = (window_starts(n, w) for n, w in
                                   ((t_len, KT), (y_len, KY), (x_len, KX)))
   plane = batch * y_len * x_len * num_heads * head_dim
