@@ -20,6 +20,7 @@ mode compiles each op a handful of times.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any, Callable, Mapping
 
 import jax
@@ -57,6 +58,14 @@ class Target:
   impl: OpImpl               # its policies and definition outputs
   call: Callable[..., Any]   # call(inputs, backend=, checks=) -> the op's outputs
   cases: tuple[Case, ...]
+
+
+def draws(target: Target, case: Case, seeds: int):
+  """(inputs, clean or None) for `seeds` seeded draws of a case."""
+  for seed in range(seeds):
+    rng = np.random.default_rng([zlib.crc32(f"{target.name}/{case.label}".encode()), seed])
+    built = case.build(rng)
+    yield built if case.kind == "masked" else (built, None)
 
 
 def bf16(rng, shape, scale=1.0):

@@ -11,15 +11,13 @@ and run as strict xfails naming the owner, so each turns into a failure
 """
 
 import functools
-import zlib
 
 import jax
-import numpy as np
 import pytest
 
 from jaxkern import compare
 from jaxkern import registry
-from fuzz_inputs import TARGETS, Case, Target
+from fuzz_inputs import TARGETS, Case, Target, draws
 
 SEEDS = 2  # random draws per case (same shapes: compiled once per op and shape)
 
@@ -105,16 +103,9 @@ def assert_agree(target: Target, out, ref, inputs, what: str) -> None:
   assert cmp.passed, (what, {k: o.message for k, o in cmp.outputs.items() if o.message})
 
 
-def draws(target: Target, case: Case):
-  for seed in range(SEEDS):
-    rng = np.random.default_rng([zlib.crc32(f"{target.name}/{case.label}".encode()), seed])
-    built = case.build(rng)
-    yield built if case.kind == "masked" else (built, None)
-
-
 @pytest.mark.parametrize("target,case", list(params()))
 def test_pallas_path_agrees_with_xla_path(target: Target, case: Case):
-  for inputs, clean in draws(target, case):
+  for inputs, clean in draws(target, case, SEEDS):
     ref, ref_error = run(target, inputs, "xla")
     out, out_error = run(target, inputs, "pallas")
     if ref_error or out_error:
