@@ -49,6 +49,9 @@ class Case:
   build: Callable[[np.random.Generator], Any]
   kind: str = "valid"        # "valid", "invalid" or "masked"
   bad: str = ""              # the out-of-range argument ("invalid", or "masked" outside the contract)
+  # For an invalid case: the inputs inside the contract that the op's
+  # contract says answer the same (e.g. out-of-range ids made -1).
+  same_as: Callable[[Inputs], Inputs] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +147,12 @@ def grouped_ids(rng, ids_fn, **kw):
   return put(x, expert_ids=i32(ids_fn(rng, np.array(x["expert_ids"]))))
 
 
+def only_valid(x: Inputs, name: str, hi) -> Inputs:
+  """x with the entries of `name` outside [0, hi) made -1 (padding)."""
+  ids = x[name]
+  return put(x, **{name: jnp.where((ids >= 0) & (ids < hi), ids, -1)})
+
+
 def some(rng, n, count=3):
   return rng.choice(n, size=count, replace=False)
 
@@ -174,9 +183,9 @@ GROUPED_CASES = (
     Case("m0", lambda r: grouped(r, m=0)),
     Case("m1_e1", lambda r: grouped(r, m=1, e=1)),
     Case("id_past_e", lambda r: grouped_ids(r, lambda r, ids: set_at(ids, some(r, 10, 2), [4, 7])), "invalid",
-         "expert_ids"),
+         "expert_ids", lambda x: only_valid(x, "expert_ids", 4)),
     Case("negative_id", lambda r: grouped_ids(r, lambda r, ids: set_at(ids, some(r, 10, 2), [-5, -2])), "invalid",
-         "expert_ids"),
+         "expert_ids", lambda x: only_valid(x, "expert_ids", 4)),
     Case("nan_in_padding_rows", grouped_poisoned, "masked", "expert_ids"),
     Case("nan_in_a_used_row", lambda r: put(x := grouped(r), a=poison_rows(x["a"], [2]).astype(jnp.float8_e4m3fn))),
 )
@@ -240,11 +249,14 @@ def segments(rng, b=2, n=20, sorted_ids=True):
 
 
 def segments_later_nan(rng):
-  """NaN values in each row's last segment: earlier segments never see them."""
+  """NaN values in each batch row's last segment: earlier segments never see
+  them. Its own queries, which do, are NaN in the clean inputs too."""
   x = segments(rng)
   ids = np.asarray(x["segment_ids"])
   last = (ids == ids[:, -1:])[..., None, None]
-  return put(x, v=jnp.where(last, jnp.asarray(NAN, x["v"].dtype), x["v"])), x
+  nan = jnp.asarray(NAN, x["v"].dtype)
+  x = put(x, q=jnp.where(last, nan, x["q"]))
+  return put(x, v=jnp.where(last, nan, x["v"])), x
 
 
 BLOCK_CAUSAL_CASES = (
@@ -309,9 +321,12 @@ PREFILL_CASES = (
     Case("random", prefill),
     Case("t0", lambda r: prefill(r, lengths=(0, 0))),
     Case("one_token", lambda r: prefill(r, lengths=(1,))),
-    Case("cu_past_t", lambda r: prefill(r, cu=[0, 5, 5, 20]), "invalid", "cu_seqlens"),
-    Case("cu_decreasing", lambda r: prefill(r, cu=[0, 9, 3, 14]), "invalid", "cu_seqlens"),
-    Case("cu_negative_start", lambda r: prefill(r, cu=[-4, 5, 5, 14]), "invalid", "cu_seqlens"),
+    Case("cu_past_t", lambda r: prefill(r, cu=[0, 5, 5, 20]), "invalid", "cu_seqlens",
+         lambda x: put(x, cu_seqlens=i32([0, 5, 5, 14]))),
+    Case("cu_decreasing", lambda r: prefill(r, cu=[0, 9, 3, 14]), "invalid", "cu_seqlens",
+         lambda x: put(x, cu_seqlens=i32([0, 9, 9, 14]))),
+    Case("cu_negative_start", lambda r: prefill(r, cu=[-4, 5, 5, 14]), "invalid", "cu_seqlens",
+         lambda x: put(x, cu_seqlens=i32([0, 5, 5, 14]))),
     Case("nan_in_uncovered_tokens", prefill_uncovered_nan, "masked", "cu_seqlens"),
 )
 
@@ -349,8 +364,10 @@ SPARSE_MLA_CASES = (
     Case("one_row_everywhere", lambda r: put(x := smla(r), indices=jnp.full_like(x["indices"], 7))),
     Case("m0", lambda r: smla(r, m=0)),
     Case("m1", lambda r: smla(r, m=1)),
-    Case("index_past_nkv", lambda r: smla(r, bad=(40, 41, 1000)), "invalid", "indices"),
-    Case("negative_index", lambda r: smla(r, bad=(-2, -40, -1000)), "invalid", "indices"),
+    Case("index_past_nkv", lambda r: smla(r, bad=(40, 41, 1000)), "invalid", "indices",
+         lambda x: only_valid(x, "indices", 40)),
+    Case("negative_index", lambda r: smla(r, bad=(-2, -40, -1000)), "invalid", "indices",
+         lambda x: only_valid(x, "indices", 40)),
     Case("nan_behind_invalid_slots", smla_poisoned, "masked"),
     Case("nan_behind_out_of_range_slots", lambda r: smla_poisoned(r, bad=(40, -2)), "masked", "indices"),
 )
@@ -383,8 +400,10 @@ MIXED_MLA_CASES = (
                                      indices_fp4=x["indices_fp4"].at[0].set(-1))),
     Case("b0", lambda r: mmla(r, b=0)),
     Case("b1", lambda r: mmla(r, b=1)),
-    Case("index_past_cache", lambda r: mmla(r, bad=(32, 33, 1000)), "invalid", "indices_fp8"),
-    Case("negative_index", lambda r: mmla(r, bad=(-2, -1000)), "invalid", "indices_fp8"),
+    Case("index_past_cache", lambda r: mmla(r, bad=(32, 33, 1000)), "invalid", "indices_fp8",
+         lambda x: only_valid(only_valid(x, "indices_fp8", 32), "indices_fp4", 24)),
+    Case("negative_index", lambda r: mmla(r, bad=(-2, -1000)), "invalid", "indices_fp8",
+         lambda x: only_valid(only_valid(x, "indices_fp8", 32), "indices_fp4", 24)),
     Case("nan_behind_invalid_slots", mmla_poisoned, "masked"),
     Case("nan_behind_out_of_range_slots", lambda r: mmla_poisoned(r, bad=(-5, 24, 10**6)), "masked", "indices_fp8"),
 )
@@ -431,11 +450,13 @@ QSA_INDEX_CASES = (
     Case("b0", lambda r: qidx(r, seq_lens=())),
     Case("entry_past_np", lambda r: with_entry(qidx(r), 0, 4, 70), "invalid", "page_table"),
     Case("negative_entry", lambda r: with_entry(qidx(r), 1, 2, -1), "invalid", "page_table"),
-    Case("seq_len_past_table", lambda r: qidx(r, seq_lens=(10**6, 700)), "invalid", "seq_lens"),
+    Case("seq_len_past_table", lambda r: qidx(r, seq_lens=(10**6, 700)), "invalid", "seq_lens",
+         lambda x: put(x, seq_lens=i32([34 * 16 * 4, 700]))),
     Case("table_narrower_than_topk", lambda r: qidx(r, seq_lens=(300, 30), max_pages=5, num_pages=12)),
     Case("seq_len_past_narrow_table", lambda r: qidx(r, seq_lens=(10**6, 30), max_pages=5, num_pages=12), "invalid",
-         "seq_lens"),  # issue 20: ids beyond the table
-    Case("negative_seq_len", lambda r: qidx(r, seq_lens=(2150, -9)), "invalid", "seq_lens"),
+         "seq_lens", lambda x: put(x, seq_lens=i32([5 * 16 * 4, 30]))),  # issue 20: ids beyond the table
+    Case("negative_seq_len", lambda r: qidx(r, seq_lens=(2150, -9)), "invalid", "seq_lens",
+         lambda x: put(x, seq_lens=i32([2150, 0]))),
     Case("nan_in_unread_keys", qidx_poisoned, "masked"),
 )
 
@@ -483,12 +504,12 @@ QSA_GQA_CASES = (
     Case("tail_only", lambda r: qgqa(r, seq_lens=(3, 2), ids=-np.ones((2, 512)))),
     Case("b0", lambda r: qgqa(r, seq_lens=())),
     Case("id_past_blocks", lambda r: rewrite_ids(qgqa(r), lambda r, ids: set_at(ids, (0, 511), 40), r), "invalid",
-         "topk_ids"),
+         "topk_ids", lambda x: put(x, topk_ids=x["topk_ids"].at[0, 511].set(-1))),
     Case("negative_id", lambda r: rewrite_ids(qgqa(r), lambda r, ids: set_at(ids, (1, 500), -3), r), "invalid",
-         "topk_ids"),
+         "topk_ids", lambda x: put(x, topk_ids=x["topk_ids"].at[1, 500].set(-1))),
     Case("entry_past_np", lambda r: with_entry(qgqa(r), 0, 1, 8), "invalid", "page_table"),
-    Case("seq_len_past_table", lambda r: qgqa(r, seq_lens=(10**6, 70), ids=np.tile(np.arange(512), (2, 1)) % 17),
-         "invalid", "seq_lens"),
+    Case("seq_len_past_table", lambda r: qgqa(r, seq_lens=(10**6 + 3, 70), ids=np.tile(np.arange(512), (2, 1)) % 17),
+         "invalid", "seq_lens", lambda x: put(x, seq_lens=i32([3 * 64, 70]))),
     Case("nan_in_invisible_tokens", gqa_poisoned, "masked"),
 )
 

@@ -1,9 +1,10 @@
 """Differential fuzz of every public op (issue 20): the Pallas path
 (interpret mode) against the XLA path (the references) on seeded random
 inputs inside and outside each op's contract (`fuzz_inputs.py`): the same
-answer under SPEC 5 and the family's policies, or the same error. Cases
-that hide NaN/Inf ("masked") must also give the clean inputs' answer on the
-XLA path: the references select hidden values away.
+answer under SPEC 5 and the family's policies, or the same error. On the
+XLA path alone: cases that hide NaN/Inf ("masked") give the clean inputs'
+answer (the references select hidden values away), and inputs outside the
+contract give the answer of their documented equivalent (`Case.same_as`).
 
 Kernel-side failures of other owners' ops are listed in `KNOWN_FAILURES`
 and run as strict xfails naming the owner, so each turns into a failure
@@ -105,17 +106,37 @@ def assert_agree(target: Target, out, ref, inputs, what: str) -> None:
 
 @pytest.mark.parametrize("target,case", list(params()))
 def test_pallas_path_agrees_with_xla_path(target: Target, case: Case):
-  for inputs, clean in draws(target, case, SEEDS):
+  for inputs, _ in draws(target, case, SEEDS):
     ref, ref_error = run(target, inputs, "xla")
     out, out_error = run(target, inputs, "pallas")
     if ref_error or out_error:
       assert type(ref_error) is type(out_error), f"XLA path: {ref_error!r}; Pallas path: {out_error!r}"
       continue
     assert_agree(target, out, ref, inputs, "Pallas vs XLA")
-    if clean is not None:
-      clean_ref, error = run(target, clean, "xla")
-      assert error is None, error
-      assert_agree(target, ref, clean_ref, clean, "XLA path with hidden NaN/Inf vs without")
+
+
+MASKED = [pytest.param(t, c, id=f"{t.name}-{c.label}") for t in TARGETS for c in t.cases if c.kind == "masked"]
+OUTSIDE = [pytest.param(t, c, id=f"{t.name}-{c.label}") for t in TARGETS for c in t.cases if c.same_as]
+
+
+@pytest.mark.parametrize("target,case", MASKED)
+def test_xla_path_selects_hidden_values_away(target: Target, case: Case):
+  """NaN/Inf where the contract hides them change nothing (the references
+  select with `where`, never multiply by zero)."""
+  for inputs, clean in draws(target, case, SEEDS):
+    (poisoned, error), (want, clean_error) = run(target, inputs, "xla"), run(target, clean, "xla")
+    assert error is None and clean_error is None, (error, clean_error)
+    assert_agree(target, poisoned, want, clean, "XLA path with hidden NaN/Inf vs without")
+
+
+@pytest.mark.parametrize("target,case", OUTSIDE)
+def test_xla_path_outside_the_contract_answers_as_documented(target: Target, case: Case):
+  """Inputs outside the valid range answer as the op's contract says: as the
+  equivalent inputs inside it (`Case.same_as`)."""
+  for inputs, _ in draws(target, case, SEEDS):
+    (got, error), (want, same_error) = run(target, inputs, "xla"), run(target, case.same_as(inputs), "xla")
+    assert error is None and same_error is None, (error, same_error)
+    assert_agree(target, got, want, inputs, "outside the contract vs its equivalent")
 
 
 def test_every_op_is_fuzzed_with_valid_and_masked_or_invalid_inputs():
