@@ -113,7 +113,8 @@ GEMM_CASES = (
 
 
 def router(rng, m=5, d=96, e=24):
-  return {"hidden": bf16(rng, (m, d)), "weight": bf16(rng, (e, d), d ** -0.5), "bias": f32(rng.standard_normal(e) * 0.05)}
+  return {"hidden": bf16(rng, (m, d)), "weight": bf16(rng, (e, d), d ** -0.5),
+          "bias": f32(rng.standard_normal(e) * 0.05)}
 
 
 def router_ties(rng):
