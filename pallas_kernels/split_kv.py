@@ -88,6 +88,29 @@ def combine_programs(stage: CombineStage, rows: int, heads: int, head_dim: int) 
   return (heads // stage.block_h) * rows * (head_dim // stage.block_d)
 
 
+# Combine tiles from the largest down: (block_h, block_d, num_warps); up to
+# 16 values of a split's tile per thread.
+_COMBINE_TILES = ((16, 128, 4), (16, 64, 2), (8, 64, 1), (8, 32, 1), (4, 32, 1))
+# Values of all the splits a step loads, per thread (a register budget).
+_COMBINE_VALUES_PER_THREAD = 64
+
+
+def choose_combine(rows: int, heads: int, head_dim: int, num_splits: int, target_programs: int) -> CombineStage:
+  """The largest tile of `_COMBINE_TILES` whose grid has at least
+  `target_programs` programs (else the smallest), fitted to the problem,
+  with as many splits a step (up to 4) as keep a step's loads at
+  `_COMBINE_VALUES_PER_THREAD` values a thread. Larger tiles stream longer
+  rows; small batches need small tiles to spread over the SMs."""
+  for block_h, block_d, num_warps in _COMBINE_TILES:
+    stage = fit_combine(CombineStage(block_h, block_d, num_warps), heads, head_dim)
+    if combine_programs(stage, rows, heads, head_dim) >= target_programs:
+      break
+  per_split = stage.block_h * stage.block_d // (32 * stage.num_warps)
+  block_s = max(1, min(4, _COMBINE_VALUES_PER_THREAD // max(per_split, 1)))
+  return fit_combine(dataclasses.replace(stage, block_s=1 << (block_s.bit_length() - 1)), heads, head_dim,
+                     num_splits)
+
+
 def _combine_kernel(*refs, num_splits: int, block_s: int, has_sink: bool, with_lse: bool):
   # o_part_ref [S, bh, bd] f32; lse_part_ref [S, bh] (base 2); sink_ref [bh];
   # out_ref [bh, bd]; lse_ref [bh] (natural).
