@@ -61,6 +61,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import MIN_DOT_DIM, cdiv, check_pow2_dim, fit_block, resolve_interpret
@@ -324,7 +325,7 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale
     out_specs = (pl.BlockSpec((None, block_h, head_dim), lambda g, s, i: (i, g, 0)),
                  pl.BlockSpec((None, block_h), lambda g, s, i: (i, g)))
   interpret = resolve_interpret(interpret)
-  out, lse = pl.pallas_call(
+  out, lse = common.pallas_call(
       kernel,
       out_shape=out_shape,
       grid=(num_heads // block_h, splits, m),

@@ -40,6 +40,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import cdiv, next_pow2, resolve_interpret
@@ -192,7 +193,7 @@ def combine_splits(o_part: jax.Array, lse_part: jax.Array, sink: jax.Array | Non
   if with_lse:
     out_shape.append(jax.ShapeDtypeStruct((rows, heads), jnp.float32))
     out_specs.append(pl.BlockSpec((None, block_h), lambda h, r, d: (r, h)))
-  outputs = pl.pallas_call(
+  outputs = common.pallas_call(
       functools.partial(_combine_kernel, num_splits=num_splits, block_s=stage.block_s,
                         has_sink=sink is not None, with_lse=with_lse),
       out_shape=tuple(out_shape),
