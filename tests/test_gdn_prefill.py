@@ -1,19 +1,25 @@
-"""Gated delta net chunked prefill (SPEC 4.8): the kit's data (launches;
-edge cases for the kernel in interpret mode: chunk boundaries, empty
-sequences, 64 sequences, other blockings, correlated keys; lowering of one
-long sequence) and the family's own checks: the reference against the
-float64 NumPy recurrence of test_gdn_decode.py, independence of packed
-sequences, the one-token case against decode, input synthesis and CPU axes.
+"""Gated delta net chunked prefill (SPEC 4.8): the kit's data (launches of
+both forms; edge cases for the kernel in interpret mode: chunk boundaries,
+empty sequences, 24 short sequences, other blockings and chunk sizes,
+correlated keys; lowering of the heuristic's launches at T=6, 5709 and 8192)
+and the family's own checks: the reference against the float64 NumPy
+recurrence of test_gdn_decode.py, independence of packed sequences, the
+one-token case against decode, the chunk-parallel grid size, input synthesis
+and CPU axes.
 (The checks themselves: test_definitions.py and kit.py.)"""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkern import registry
 from jaxkern.families import gdn_prefill as fam_prefill
+import kit
 from kit import Case, TritonCall
 from pallas_kernels import gdn_decode as gk_decode
 from pallas_kernels import gdn_prefill as gk_prefill
@@ -49,15 +55,28 @@ def state_errors(actual, desired):
 
 
 def launches(config, axes):
-  """Grid (sequences, HV, V blocks)."""
-  d = axes["head_size"]
-  return [TritonCall("gdn_prefill", (axes["num_seqs"], axes["num_v_heads"], d // min(config.block_v, d)),
-                     config.num_warps, config.num_stages)]
+  """Form "chunked": intra and output grids over the chunk slots (T // chunk
+  + N + 2: every sequence's chunks and two gap segments), the state pass over
+  (sequences, HV, V blocks); form "serial": (sequences, HV, V blocks)."""
+  t, n, hv, d = (axes[a] for a in ("total_seq_len", "num_seqs", "num_v_heads", "head_size"))
+  if t == 0 or n == 0:
+    return []
+  if config.form == "serial":
+    s = config.serial
+    return [TritonCall("gdn_prefill_serial", (n, hv, d // min(s.block_v, d)), s.num_warps, s.num_stages)]
+  slots = t // config.chunk + n + 2
+  intra, state, output = config.intra, config.state, config.output
+  return [TritonCall("gdn_prefill_intra", (slots, hv, 1), intra.num_warps, intra.num_stages),
+          TritonCall("gdn_prefill_state", (n, hv, d // min(state.block_v, d)), state.num_warps, state.num_stages),
+          TritonCall("gdn_prefill_output", (slots, hv, d // min(output.block_v, d)), output.num_warps,
+                     output.num_stages)]
 
 
 # One V block per head: fewest programs in interpret mode (each copies the
 # state buffer); other blockings are cases of their own.
-SMALL_PREFILL = gk_prefill.GdnPrefillConfig(chunk=64, block_v=128)
+SMALL_PREFILL = gk_prefill.GdnPrefillConfig(state=gk_prefill.StateStage(block_v=128),
+                                             output=gk_prefill.OutputStage(block_v=128))
+SMALL_SERIAL = gk_prefill.GdnPrefillConfig(form="serial", chunk=32, serial=gk_prefill.SerialStage(block_v=128))
 
 
 def close_to_the_recurrence(lengths):
@@ -89,29 +108,39 @@ def state_within_rounding_noise(out, ref, inputs):
   assert state_errors(out["new_state"], ref["new_state"])[0] < 1e-4
 
 
-def _sixty_four_lengths():
-  lengths = np.random.default_rng(0).integers(0, 4, 64)
+def _many_lengths():
+  lengths = np.random.default_rng(0).integers(0, 4, 24)
   lengths[5] = 0
   return lengths
 
 
+# Chunk boundaries (1, 63, 64, 65 tokens), an empty first and an empty
+# inner sequence, three chunks with a ragged last one.
+BOUNDARY_LENGTHS = (0, 1, 63, 64, 0, 65, 130)
+
 KERNEL_CASES = [
-    *(Case(PREFILL, inputs=lambda lengths=lengths: prefill_inputs(lengths, seed=len(lengths), scale=1.0),
-           config=SMALL_PREFILL, check=close_to_the_recurrence(lengths), id=label)
-      for lengths, label in [((1, 63, 64, 65), "every_chunk_boundary"), ((40, 0, 90), "empty_inside"),
-                             ((0, 17), "empty_first"), ((130,), "three_chunks_ragged_last")]),
-    Case(PREFILL, inputs=lambda: prefill_inputs(_sixty_four_lengths(), seed=64),
-         config=gk_prefill.GdnPrefillConfig(block_v=128), id="sixty_four_sequences"),
+    *(Case(PREFILL, inputs=lambda: prefill_inputs(BOUNDARY_LENGTHS, seed=7, scale=1.0), config=config,
+           check=close_to_the_recurrence(BOUNDARY_LENGTHS), id=f"chunk_boundaries_{config.form}")
+      for config in (SMALL_PREFILL, SMALL_SERIAL)),
+    Case(PREFILL, inputs=lambda: prefill_inputs(_many_lengths(), seed=24),
+         config=SMALL_PREFILL, id="many_short_sequences"),
     *(Case(PREFILL, inputs=lambda: prefill_inputs((70, 1, 33), seed=8, scale=1.0), config=config,
-           id=f"chunk{config.chunk}_block_v{config.block_v}_{config.dot_precision}")
-      for config in (gk_prefill.GdnPrefillConfig(chunk=32, block_v=64),
-                     gk_prefill.GdnPrefillConfig(chunk=16, block_v=32),
-                     gk_prefill.GdnPrefillConfig(chunk=64, block_v=32, dot_precision="bf16"))),
-    Case(PREFILL, inputs=correlated_keys, config=gk_prefill.GdnPrefillConfig(chunk=32, block_v=128),
-         check=state_within_rounding_noise, id="correlated_keys"),
+           id=f"{config.form}_chunk{config.chunk}_{config.dot_precision}_blocks{config.state.block_v}"
+              f"_{config.output.block_v}_{config.intra.block_d}_{config.intra.solve_block}")
+      for config in (gk_prefill.GdnPrefillConfig(chunk=32, intra=gk_prefill.IntraStage(solve_block=32),
+                                                 output=gk_prefill.OutputStage(block_v=32)),
+                     gk_prefill.GdnPrefillConfig(chunk=16, intra=gk_prefill.IntraStage(block_d=128),
+                                                 state=gk_prefill.StateStage(block_v=16)),
+                     gk_prefill.GdnPrefillConfig(dot_precision="bf16", intra=gk_prefill.IntraStage(solve_block=64)))),
+    *(Case(PREFILL, inputs=correlated_keys, config=config, check=state_within_rounding_noise,
+           id=f"correlated_keys_{config.form}") for config in (SMALL_PREFILL, SMALL_SERIAL)),
 ]
-LOWERING_CASES = [Case(PREFILL, {"total_seq_len": 8192, "num_seqs": 1, "len_cu_seqlens": 2},
-                       id="one_long_sequence")]
+# Every candidate on two short sequences (one with a partial second chunk).
+SWEEP_CASE = Case(PREFILL, {"total_seq_len": 90, "num_seqs": 2, "len_cu_seqlens": 3})
+# The heuristic's launches where the issue asks for them: one short prefill
+# (the serial form), two long sequences, 57 sequences (the largest record).
+LOWERING_CASES = [Case(PREFILL, {"total_seq_len": t, "num_seqs": n, "len_cu_seqlens": n + 1}, id=f"t{t}_n{n}")
+                  for t, n in ((8192, 1), (6, 1), (5709, 2), (8192, 57))]
 
 
 @pytest.mark.parametrize("lengths,scale", [((3, 0, 5, 1), 0.0), ((0, 7), 0.7)])
@@ -130,14 +159,17 @@ def test_prefill_reference_matches_float64(lengths, scale):
 
 
 def test_prefill_sequences_are_independent():
-  """A packed sequence sees neither its neighbours' tokens nor their states."""
-  lengths = (50, 70)
-  x = prefill_inputs(lengths, seed=3, scale=1.0)
+  """A packed sequence sees neither its neighbours' tokens nor their states,
+  wherever it starts: sequence B after A (50 tokens) and before other
+  tokens A' gives bit-identical outputs and state (same shapes: one compile)."""
+  x = prefill_inputs((50, 70), seed=3, scale=1.0)
+  y = {**prefill_inputs((70, 50), seed=4, scale=1.0), "A_log": x["A_log"], "dt_bias": x["dt_bias"]}
+  for n in ("q", "k", "v", "a", "b"):
+    y[n] = y[n].at[:70].set(x[n][50:])
+  y["state"] = y["state"].at[0].set(x["state"][1])
   out, new_state = gk_prefill.gdn_prefill(**x, config=SMALL_PREFILL, interpret=True)
-  second = {**x, "q": x["q"][50:], "k": x["k"][50:], "v": x["v"][50:], "a": x["a"][50:],
-            "b": x["b"][50:], "state": x["state"][1:], "cu_seqlens": jnp.array([0, 70], jnp.int32)}
-  out2, state2 = gk_prefill.gdn_prefill(**second, config=SMALL_PREFILL, interpret=True)
-  np.testing.assert_array_equal(np.asarray(out[50:], np.float32), np.asarray(out2, np.float32))
+  out2, state2 = gk_prefill.gdn_prefill(**y, config=SMALL_PREFILL, interpret=True)
+  np.testing.assert_array_equal(np.asarray(out[50:], np.float32), np.asarray(out2[:70], np.float32))
   np.testing.assert_array_equal(np.asarray(new_state[1]), np.asarray(state2[0]))
 
 
@@ -149,6 +181,17 @@ def test_prefill_single_token_matches_decode():
   dec_out, dec_state = gk_decode.gdn_decode(**dec, config=WHOLE_HEAD, interpret=True)
   assert_bf16_close(out, dec_out[:, 0])
   assert_f32_close(new_state, dec_state)
+
+
+def test_heuristic_grids():
+  """Two waves on 132 SMs at the recorded T=5709 with two sequences (the
+  launches parallel over chunks); the serial form where T <= 32."""
+  op = registry.get(PREFILL)
+  axes = {"total_seq_len": 5709, "num_seqs": 2, "len_cu_seqlens": 3}
+  calls = kit.lowered_calls(op, axes, op.choose_config(op.input_shapes(axes)))
+  assert max(math.prod(c.grid) for c in calls) >= 2 * 132, calls
+  for t, form in ((6, "serial"), (32, "serial"), (33, "chunked"), (8192, "chunked")):
+    assert op.choose_config(op.input_shapes({"total_seq_len": t, "num_seqs": 1, "len_cu_seqlens": 2})).form == form
 
 
 def test_prefill_everything_empty():
