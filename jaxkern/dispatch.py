@@ -11,19 +11,26 @@ definition's input names and calls `run` once with its `OpImpl`. `run`:
    entry of the definition that the call matches (`tuned_config`), else None
    (the kernel's heuristic); and resolves interpret mode;
 3. calls the kernel, or the family's reference, which is the XLA path: the
-   definition's own math, never a second hand-written copy.
+   definition's own math, never a second hand-written copy; on sharded
+   inputs per shard where the family's `split` allows (`jaxkern.spmd`), the
+   config then chosen for the shard's shapes.
 
 Everything that applies to every op call belongs here, so that it is one
 edit: a checked mode that validates index preconditions
 (`jax.experimental.checkify` around the call), sharding (`shard_map` of the
-call over a mesh), differentiable kernels (a family may give its `OpImpl` a
-`jax.custom_vjp` kernel; `run` calls it like any other).
+call over a mesh), gradients (`jaxkern.autodiff`: a kernel with its own
+`jax.custom_vjp` is called as is, any other is differentiated through its
+reference; both paths raise the same clear error where an op has no
+gradient).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, Mapping
 
+from jaxkern import autodiff
+from jaxkern import spmd
 from jaxkern import tuning
 from jaxkern.family import OpImpl, bind_axes
 from pallas_kernels.common import has_gpu, resolve_interpret
@@ -66,9 +73,22 @@ def run(impl: OpImpl, inputs: Mapping[str, Any], *, backend: Backend = None, con
   const_axes = dict(const_axes or {})
   given = {k: v for k, v in inputs.items() if v is not None}
   params = dict(params or {})
-  if not use_pallas(backend):
-    return bind_axes(impl.reference, const_axes, impl.axis_params)(**given, **params)
-  if config is None:
-    config = tuned_config(impl, given, const_axes)
-  kernel = bind_axes(impl.kernel, const_axes, impl.axis_params)
-  return kernel(**given, **params, config=config, interpret=resolve_interpret(interpret))
+  pallas = use_pallas(backend)
+  interpret = resolve_interpret(interpret)
+  reference = bind_axes(impl.reference, const_axes, impl.axis_params)
+
+  def call(shard: Mapping[str, Any]) -> Any:  # on one shard's arrays (all of them off a mesh)
+    arrays, statics = autodiff.split_arrays({**shard, **params})
+    if not pallas:
+      return autodiff.xla_path(reference, arrays, statics)
+    chosen = tuned_config(impl, shard, const_axes) if config is None else config
+    kernel = functools.partial(bind_axes(impl.kernel, const_axes, impl.axis_params), config=chosen,
+                               interpret=interpret)
+    if impl.differentiable_kernel:
+      return kernel(**arrays, **statics)
+    return autodiff.pallas_path(kernel, reference, arrays, statics)
+
+  # Interpret mode in its own shard_map skips the vma check: an interpreted
+  # kernel would otherwise run once per shard on every device (common.pallas_call).
+  return spmd.run(impl.split, impl.reference.__name__, call, given, pallas=pallas,
+                  check_vma=not (pallas and interpret))

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import common
 from pallas_kernels import gdn_chunks as gc
 from pallas_kernels.common import resolve_interpret
 from pallas_kernels.config_rules import (DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field, instance_of,
@@ -322,7 +323,7 @@ def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, 
   qk_rows = pl.BlockSpec((total, None, d), lambda c, h: (0, h // group, 0))
   v_rows = pl.BlockSpec((total, None, d), lambda c, h: (0, h, 0))
   gate_rows = pl.BlockSpec((total, None), lambda c, h: (0, h))
-  g, w, qe, u, oi = pl.pallas_call(
+  g, w, qe, u, oi = common.pallas_call(
       functools.partial(_intra_kernel, chunk=chunk, block_d=min(intra.block_d, d),
                         solve_block=min(intra.solve_block, chunk), precision=config.dot_precision),
       out_shape=(jax.ShapeDtypeStruct((total, hv), f32),
@@ -334,7 +335,7 @@ def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, 
   )(table.slot_start, table.slot_end, A_log, dt_bias, q, k, v, a, b)
 
   bv = min(config.state.block_v, d)
-  h, new_state = pl.pallas_call(
+  h, new_state = common.pallas_call(
       functools.partial(_state_kernel, chunk=chunk, precision=config.dot_precision),
       out_shape=(jax.ShapeDtypeStruct((slots, hv, d, d), f32), jax.ShapeDtypeStruct(state.shape, f32)),
       grid=(num_seqs, hv, d // bv),
@@ -350,7 +351,7 @@ def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, 
   )(table.seq_first_slot, table.cu, k, g, w, u, state)
 
   bo = min(config.output.block_v, d)
-  output = pl.pallas_call(
+  output = common.pallas_call(
       functools.partial(_output_kernel, chunk=chunk, precision=config.dot_precision),
       out_shape=jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
       grid=(slots, hv, d // bo),
@@ -377,7 +378,7 @@ def serial_forward(q, k, v, state, A_log, a, dt_bias, b, cu, scale, *, config: G
   gate_spec = pl.BlockSpec((total, None), lambda n, h, j: (0, h))
   head_spec = pl.BlockSpec((1,), lambda n, h, j: (h,))
   state_spec = pl.BlockSpec((None, None, bv, d), lambda n, h, j: (n, h, j, 0))
-  out, new_state = pl.pallas_call(
+  out, new_state = common.pallas_call(
       functools.partial(_serial_kernel, chunk=config.chunk, precision=config.dot_precision),
       out_shape=(jax.ShapeDtypeStruct(v.shape, jnp.bfloat16), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
       grid=(state.shape[0], hv, d // bv),

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl
+from jaxkern.spmd import Split
 from pallas_kernels import gdn_decode as gdn_kernels
 
 # ------------------------------------------------------------------ references
@@ -152,23 +153,31 @@ def gdn_flops(tokens: int, axes: Mapping[str, int]) -> int:
   return 7 * tokens * axes["num_v_heads"] * axes["head_size"] * axes["head_size"]
 
 
-def gdn_decode_cost(definition, axes, *, inputs=None, record=None):
+def gdn_decode_cost(definition, axes, *, inputs=None, record=None, config=None):
   """Gated delta rule, one token per sequence: FLOPs 7 B HV K V (see
   `gdn_flops`; the per-head gates are not counted), matrix-vector work on
   the FP32 (non-tensor-core) peak. Bytes: all inputs read once (the f32
   state [B,HV,K,V] dominates) and output and new_state written once."""
-  return gdn_flops(axes["batch_size"] * axes["seq_len"], axes), roofline.io_bytes(definition, axes), "fp32"
+  return roofline.Work(gdn_flops(axes["batch_size"] * axes["seq_len"], axes), roofline.io_bytes(definition, axes),
+                       "fp32")
 
 
 # ------------------------------------------------------------------ registry
 
+# How the op splits across devices (`jaxkern.spmd`): batch and heads (q/k
+# heads with the v heads that read them: v head h reads q/k head h // (HV/HQ)).
+SPLIT = Split(inputs={"q": "b o h dk", "k": "b o h dk", "v": "b o h dv", "state": "b h dv dk", "A_log": "h",
+                      "a": "b o h", "dt_bias": "h", "b": "b o h", "scale": ""},
+              outputs=("b o h dv", "b h dv dk"), independent="b h",
+              reasons={"dk": "the contraction: partial sums would need a reduction across devices", "dv": "the state's rows are updated from all of them"})
 IMPL = OpImpl(reference=gdn_decode_reference,
               kernel=gdn_kernels.gdn_decode,
               make_inputs=make_decode_inputs,
               choose_config=gdn_kernels.choose_config,
               candidate_configs=gdn_kernels.candidate_configs,
               cpu_axes=decode_cpu_axes,
-              cost=gdn_decode_cost)
+              cost=gdn_decode_cost,
+              split=SPLIT)
 IMPLS = (IMPL,)
 
 

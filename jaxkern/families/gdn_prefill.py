@@ -19,7 +19,8 @@ from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.families.gdn_decode import (STATE_STD, delta_step, gates, gdn_flops, head_params, per_v_head,
                                          resolve_scale, token_inputs)
-from jaxkern.family import OpImpl
+from jaxkern.family import OpImpl, varying_like
+from jaxkern.spmd import Split
 from pallas_kernels import gdn_prefill as gdn_kernels
 
 _CPU_TOKENS = 192       # prefill tokens at CPU scale (plus total % 64: ragged chunks stay)
@@ -52,8 +53,9 @@ def gdn_prefill_reference(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scal
     out = out.at[jnp.where(active, t, total)].set(o, mode="drop")
     return s, out
 
-  s, out = lax.fori_loop(0, jnp.max(lengths, initial=0), step,
-                         (state.astype(jnp.float32), jnp.zeros((total, hv, d), jnp.float32)))
+  init = varying_like((state.astype(jnp.float32), jnp.zeros((total, hv, d), jnp.float32)),
+                      q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale)
+  s, out = lax.fori_loop(0, jnp.max(lengths, initial=0), step, init)
   s = jnp.where((lengths > 0)[:, None, None, None], s, 0.0)
   return out.astype(jnp.bfloat16), s
 
@@ -112,15 +114,24 @@ def prefill_cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def gdn_prefill_cost(definition, axes, *, inputs=None, record=None):
+def gdn_prefill_cost(definition, axes, *, inputs=None, record=None, config=None):
   """Gated delta rule over total_seq_len tokens: FLOPs 7 T HV K V, the
   sequential recurrence's work (a chunked kernel does somewhat more), on the
   BF16 peak (the chunked form runs on tensor cores). Bytes: all inputs
   (q, k, v, gates, cu_seqlens, the f32 initial state [N,HV,K,V]) read and
   output and new_state written once."""
-  return gdn_flops(axes["total_seq_len"], axes), roofline.io_bytes(definition, axes), "bf16"
+  return roofline.Work(gdn_flops(axes["total_seq_len"], axes), roofline.io_bytes(definition, axes), "bf16")
 
 
+# How the op splits across devices (`jaxkern.spmd`): heads (q/k heads with the
+# v heads that read them); the tokens of a sequence are a recurrence and
+# cu_seqlens indexes them globally.
+_PACKED = "cu_seqlens indexes the packed tokens of every sequence (the tokens of one form a recurrence)"
+SPLIT = Split(inputs={"q": "t h dk", "k": "t h dk", "v": "t h dv", "state": "n h dv dk", "A_log": "h", "a": "t h",
+                      "dt_bias": "h", "b": "t h", "cu_seqlens": "c", "scale": ""},
+              outputs=("t h dv", "n h dv dk"), independent="h",
+              reasons={"t": _PACKED, "n": _PACKED, "c": _PACKED, "dk": "the contraction: partial sums would need a reduction across devices",
+                       "dv": "the state's rows are updated from all of them"})
 IMPL = OpImpl(reference=gdn_prefill_reference,
               kernel=gdn_kernels.gdn_prefill,
               make_inputs=make_prefill_inputs,
@@ -128,7 +139,8 @@ IMPL = OpImpl(reference=gdn_prefill_reference,
               candidate_configs=gdn_kernels.candidate_configs,
               cpu_axes=prefill_cpu_axes,
               cost=gdn_prefill_cost,
-              policies={"new_state": compare.StateMetric()})
+              policies={"new_state": compare.StateMetric()},
+              split=SPLIT)
 IMPLS = (IMPL,)
 
 

@@ -39,11 +39,13 @@ from typing import Any, Mapping
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkern import dispatch
 from jaxkern import quant
 from jaxkern import roofline
-from jaxkern.family import OpImpl, cdiv
+from jaxkern.family import OpImpl, cdiv, varying_like
+from jaxkern.spmd import Split
 from pallas_kernels import grouped_gemm as kernel_lib
 
 TOP_K = 6          # routed experts per token (DeepSeek-V4.1-Flash)
@@ -113,7 +115,8 @@ def grouped_gemm_fp8_fp4_reference(a: jax.Array, a_scale: jax.Array, b: jax.Arra
   def per_expert(e, c):
     return lax.cond(last[e] >= 0, expert_rows, lambda e, c: c, e, c)
 
-  return lax.fori_loop(0, num_experts, per_expert, jnp.zeros((m, n), jnp.bfloat16))
+  out = varying_like(jnp.zeros((m, n), jnp.bfloat16), a, a_scale, b, b_scale, expert_ids)
+  return lax.fori_loop(0, num_experts, per_expert, out)
 
 
 # ----------------------------------------------------------------------------
@@ -212,20 +215,43 @@ def expected_experts(rows: int, experts: int) -> float:
   return experts * (1.0 - (1.0 - 1.0 / experts) ** rows)
 
 
-def grouped_gemm_cost(definition, axes, *, inputs=None, record=None):
+def grouped_gemm_cost(definition, axes, *, inputs=None, record=None, config=None):
   """C[m] = a[m] (FP8, UE8M0 scale per 32 k) times expert e(m)'s FP4 weight.
-  FLOPs 2MNK, every row counted (padding rows `-1` are data, not axes), on
-  the FP8 peak (Hopper has no FP4 tensor cores). Bytes: a, a_scale,
-  expert_ids read and C written once; of the weights b and b_scale (packed
-  e2m1 and UE8M0 bytes as stored) only the experts the rows route to, the
-  expected number of distinct experts under uniform routing
-  (`expected_experts(M, E)`, exact for M=1; at most min(M, E))."""
+  With the run's `expert_ids`: FLOPs 2 N K per routed row (ids in [0, E);
+  padding rows are only written as zeros), bytes of a and a_scale for those
+  rows, and of the weights b and b_scale (packed e2m1 and UE8M0 bytes as
+  stored) only the distinct experts the rows route to. Without inputs, every
+  row is counted and the experts are the expected number of distinct experts
+  under uniform routing (`expected_experts(M, E)`, exact for M=1; a bound,
+  since real routing is skewed). expert_ids read and C written once. The
+  FLOPs are judged against the peak of the kernel's dot operands
+  (`pallas_kernels.grouped_gemm.dot_operand_dtype`: bf16 today; Hopper has
+  no FP4 tensor cores)."""
   m, e = axes["M"], axes["E"]
   per_expert = (roofline.tensor_bytes(definition, "b", axes) + roofline.tensor_bytes(definition, "b_scale", axes)) / e
-  weights = round(expected_experts(m, e) * per_expert)
-  return 2 * m * axes["N"] * axes["K"], roofline.io_bytes(definition, axes, skip=("b", "b_scale")) + weights, "fp8"
+  per_row = (roofline.tensor_bytes(definition, "a", axes) + roofline.tensor_bytes(definition, "a_scale", axes)) / max(m, 1)
+  ids = None if inputs is None else inputs.get("expert_ids")
+  if ids is None:
+    rows, experts, source = m, expected_experts(m, e), "axes"
+  else:
+    ids = roofline.host(ids)
+    routed = ids[(ids >= 0) & (ids < e)]
+    rows, experts, source = routed.size, np.unique(routed).size, "inputs"
+  nbytes = (roofline.io_bytes(definition, axes, skip=("a", "a_scale", "b", "b_scale"))
+            + round(rows * per_row) + round(experts * per_expert))
+  dtype_class = "fp8" if jnp.dtype(kernel_lib.dot_operand_dtype(config)).itemsize == 1 else "bf16"
+  return roofline.Work(2 * rows * axes["N"] * axes["K"], nbytes, dtype_class, counted_from=source)
 
 
+# How the op splits across devices (`jaxkern.spmd`): rows (with their expert
+# ids) and output columns. Experts do not split here, as rows name them by
+# global id: expert parallelism is a shard_map with local ids
+# (examples/moe_block.py).
+SPLIT = Split(inputs={"a": "m k", "a_scale": "m g", "b": "e n kp", "b_scale": "e n g", "expert_ids": "m"},
+              outputs=("m n",), independent="m n",
+              reasons={"k": "the contraction: partial sums would need a reduction across devices", "kp": "the contraction: partial sums would need a reduction across devices", "g": "the contraction: partial sums would need a reduction across devices",
+                       "e": "rows carry global expert ids; for expert parallelism call the op inside "
+                            "jax.shard_map on each device's rows with local ids (examples/moe_block.py)"})
 IMPL = OpImpl(
     reference=grouped_gemm_fp8_fp4_reference,
     kernel=kernel_lib.grouped_gemm_fp8_fp4,
@@ -234,6 +260,7 @@ IMPL = OpImpl(
     candidate_configs=kernel_lib.candidate_configs,
     cpu_axes=cpu_axes,
     cost=grouped_gemm_cost,
+    split=SPLIT,
 )
 IMPLS = (IMPL,)
 

@@ -37,6 +37,7 @@ from jaxkern import compare
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl
+from jaxkern.spmd import Split
 from pallas_kernels import qsa_index as index_lib
 
 # Defaults of the constant axes the functions cannot read from input shapes
@@ -241,22 +242,46 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def qsa_index_topk_cost(definition, axes, *, inputs=None, record=None):
-  """QSA indexer: every sequence scores its compressed keys through its page
-  table; a sequence has at most MP*P of them (its actual count is data), so
-  FLOPs 2 B MP P H D (relu and the head sum are not counted). Top-k: the
-  selection's comparisons are not FLOPs and the scores stay on chip; only
-  the ids [B,TOPK] are written. Bytes: q, page_table, seq_lens read, ids
-  written once; of index_k only the pages the page tables can reference,
-  min(NP, B*MP) pages (shared prefix pages read once)."""
-  pages = min(axes["NP"], axes["B"] * axes["MP"])
+def referenced_pages(page_table: np.ndarray, entries: np.ndarray, per_page: int, num_pages: int) -> np.ndarray:
+  """The distinct physical pages in [0, num_pages) that hold the first
+  `entries[b]` entries of each sequence b (per_page entries a page)."""
+  used = np.arange(page_table.shape[1])[None, :] < -(-np.asarray(entries)[:, None] // per_page)
+  pages = page_table[used]
+  return np.unique(pages[(pages >= 0) & (pages < num_pages)])
+
+
+def qsa_index_topk_cost(definition, axes, *, inputs=None, record=None, config=None):
+  """QSA indexer: every sequence scores its n = seq_len // C compressed keys
+  (at most the page table's MP P) through its page table: FLOPs 2 H D per
+  scored key (relu and the head sum are not counted). With the run's
+  `seq_lens` and `page_table` n is exact and index_k counts only the
+  distinct pages those keys live on (`referenced_pages`: shared prefix pages
+  read once); without them every sequence scores MP P keys and
+  min(NP, B MP) pages are read (bounds). Top-k: the selection's comparisons
+  are not FLOPs and the scores stay on chip; only the ids [B, TOPK] are
+  written. q, page_table, seq_lens read once."""
   page = roofline.tensor_bytes(definition, "index_k", axes) // max(axes["NP"], 1)
-  flops = 2 * axes["B"] * axes["MP"] * axes["P"] * axes["H"] * axes["D"]
-  return flops, roofline.io_bytes(definition, axes, skip=("index_k",)) + pages * page, "bf16"
+  width = axes["MP"] * axes["P"]
+  if inputs is None or inputs.get("seq_lens") is None or inputs.get("page_table") is None:
+    keys, pages, source = axes["B"] * width, min(axes["NP"], axes["B"] * axes["MP"]), "axes"
+  else:
+    n = np.clip(roofline.host(inputs["seq_lens"]).astype(np.int64) // axes["C"], 0, width)
+    keys, source = int(n.sum()), "inputs"
+    pages = referenced_pages(roofline.host(inputs["page_table"]), n, axes["P"], axes["NP"]).size
+  flops = 2 * keys * axes["H"] * axes["D"]
+  return roofline.Work(flops, roofline.io_bytes(definition, axes, skip=("index_k",)) + pages * page, "bf16",
+                       counted_from=source)
+
 
 # Keyword-only parameters that receive the definition's constant axes.
 AXIS_PARAMS = {"topk": "TOPK", "compress": "C"}
 
+# How the op splits across devices (`jaxkern.spmd`): sequences (with their
+# page tables); a score sums over the heads, page tables address every page.
+SPLIT = Split(inputs={"q": "b h d", "index_k": "np ps o d", "page_table": "b mp", "seq_lens": "b"},
+              outputs=("b k",), independent="b",
+              reasons={"h": "a block's score sums over the heads", "np": "page tables address the whole cache",
+                       "d": "the contraction: partial sums would need a reduction across devices"})
 IMPL = OpImpl(
     reference=qsa_index_topk_reference,
     kernel=index_lib.qsa_index_topk,
@@ -267,6 +292,7 @@ IMPL = OpImpl(
     cost=qsa_index_topk_cost,
     policies={"topk_ids": compare.TopK(scores=index_topk_scores)},
     axis_params=AXIS_PARAMS,
+    split=SPLIT,
 )
 IMPLS = (IMPL,)
 

@@ -14,12 +14,14 @@ from typing import Any, Mapping
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.families.qsa_index import (AXIS_PARAMS, COMPRESS, INDEX_HEADS, cpu_axes, paged_structure,
                                         qsa_index_topk_reference)
 from jaxkern.family import OpImpl
+from jaxkern.spmd import Split
 from pallas_kernels import qsa_sparse_gqa as gqa_lib
 
 
@@ -92,21 +94,55 @@ def make_gqa_inputs(axes: Mapping[str, int], key: jax.Array,
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def qsa_sparse_gqa_decode_cost(definition, axes, *, inputs=None, record=None):
-  """QSA sparse GQA decode: a sequence sees at most its TOPK selected blocks
-  of C tokens plus an incomplete tail (< C tokens), and at most its page
-  table's MP*P tokens: t = min(MP*P, TOPK*C + C - 1) per sequence, FLOPs
-  4 B HQ t D. Bytes: q, page_table, seq_lens, topk_ids, scalar read and o
-  written once; of k_cache and v_cache only gathered token rows (all HKV
-  heads of a token), at most min(B*t, NP*P) distinct tokens."""
-  t = min(axes["MP"] * axes["P"], axes["TOPK"] * axes["C"] + axes["C"] - 1)
+def visible_tokens(seq_len: int, ids: np.ndarray, compress: int) -> np.ndarray:
+  """The logical tokens one sequence attends to (SPEC 4.12): every token of
+  the selected complete blocks (ids in [0, n), n = seq_len // C, each
+  counted once) and the incomplete tail n C .. seq_len - 1."""
+  n = seq_len // compress
+  blocks = np.unique(ids[(ids >= 0) & (ids < n)])
+  selected = (blocks[:, None] * compress + np.arange(compress)).reshape(-1)
+  return np.concatenate([selected, np.arange(n * compress, seq_len)])
+
+
+def qsa_sparse_gqa_decode_cost(definition, axes, *, inputs=None, record=None, config=None):
+  """QSA sparse GQA decode: FLOPs 4 HQ D per visible token (`visible_tokens`:
+  the selected blocks' tokens and the tail, at most the page table's MP P
+  tokens), summed over sequences; of k_cache and v_cache only the distinct
+  physical token rows (all HKV heads of a token) some sequence reads; the
+  gather floor is every visible token's row once per sequence. Counted
+  from the run's `seq_lens`, `topk_ids` and `page_table`; without them each
+  sequence sees t = min(MP P, TOPK C + C - 1) tokens and min(B t, NP P)
+  distinct rows are read (bounds). q, page_table, seq_lens, topk_ids and the
+  scalar read, o written once."""
   tokens = axes["NP"] * axes["P"]
-  caches = roofline.tensor_bytes(definition, "k_cache", axes) + roofline.tensor_bytes(definition, "v_cache", axes)
-  gathered = min(axes["B"] * t, tokens) * (caches // max(tokens, 1))
-  nbytes = roofline.io_bytes(definition, axes, skip=("k_cache", "v_cache")) + gathered
-  return 4 * axes["B"] * axes["HQ"] * t * axes["D"], nbytes, "bf16"
+  row = (roofline.tensor_bytes(definition, "k_cache", axes)
+         + roofline.tensor_bytes(definition, "v_cache", axes)) // max(tokens, 1)
+  capacity = axes["MP"] * axes["P"]
+  names = ("seq_lens", "topk_ids", "page_table")
+  if inputs is None or any(inputs.get(n) is None for n in names):
+    t = min(capacity, axes["TOPK"] * axes["C"] + axes["C"] - 1)
+    seen, distinct, source = axes["B"] * t, min(axes["B"] * t, tokens), "axes"
+  else:
+    seq_lens, topk_ids, table = (roofline.host(inputs[n]) for n in names)
+    rows = []
+    for b in range(seq_lens.shape[0]):
+      t = visible_tokens(int(np.clip(seq_lens[b], 0, capacity)), topk_ids[b], axes["C"])
+      page = table[b, t // axes["P"]]
+      ok = (page >= 0) & (page < axes["NP"])
+      rows.append(page[ok].astype(np.int64) * axes["P"] + t[ok] % axes["P"])
+    rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    seen, distinct, source = rows.size, np.unique(rows).size, "inputs"
+  nbytes = roofline.io_bytes(definition, axes, skip=("k_cache", "v_cache")) + distinct * row
+  return roofline.Work(4 * axes["HQ"] * axes["D"] * seen, nbytes, "bf16", gather_bytes=seen * row,
+                       counted_from=source)
 
 
+# How the op splits across devices (`jaxkern.spmd`): sequences and heads (q
+# heads with the kv head they read: q head h reads kv head h // (HQ/HKV)).
+SPLIT = Split(inputs={"q": "b h d", "k_cache": "np ps h d", "v_cache": "np ps h d", "page_table": "b mp",
+                      "seq_lens": "b", "topk_ids": "b k", "sm_scale": ""},
+              outputs=("b h d",), independent="b h",
+              reasons={"np": "page tables address the whole cache", "d": "the contraction: partial sums would need a reduction across devices"})
 IMPL = OpImpl(
     reference=qsa_sparse_gqa_decode_reference,
     kernel=gqa_lib.qsa_sparse_gqa_decode,
@@ -116,6 +152,7 @@ IMPL = OpImpl(
     cpu_axes=cpu_axes,
     cost=qsa_sparse_gqa_decode_cost,
     axis_params=AXIS_PARAMS,
+    split=SPLIT,
 )
 IMPLS = (IMPL,)
 

@@ -51,6 +51,7 @@ import numpy as np
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl
+from jaxkern.spmd import Split
 from pallas_kernels import sparse_mla as kernel_lib
 
 # Recent tokens a query sees (itself included), and cached window rows kept
@@ -271,24 +272,39 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def sparse_mla_prefill_cost(definition, axes, *, inputs=None, record=None):
-  """Sparse MLA over gathered latent rows (D used as both K and V): each query
-  row attends to at most min(TOPK, Nkv) valid indices (invalid `-1` slots
-  are data: the rest are counted as valid), so FLOPs 4 M H min(TOPK, Nkv) D.
-  Bytes: q, indices, sink, scalar read, out and lse written once; of the
-  workspace kv only the gathered rows, at most min(M*TOPK, Nkv) distinct
-  rows."""
-  slots = min(axes["TOPK"], axes["Nkv"])
+def sparse_mla_prefill_cost(definition, axes, *, inputs=None, record=None, config=None):
+  """Sparse MLA over gathered latent rows (D used as both K and V). With the
+  run's `indices`: FLOPs 4 H D per valid slot (an index in [0, Nkv); -1 and
+  out-of-range slots are never scored), summed over query rows; of the
+  workspace kv only the distinct rows some query gathers; the gather floor
+  (`gather_bytes`) is every valid slot's row once per query row (M TOPK rows
+  of D bf16 = 1 KiB each when every slot is valid). Without inputs every
+  row has min(TOPK, Nkv) valid slots and min(M TOPK, Nkv) distinct rows are
+  gathered (bounds). q, indices, sink and the scalar read, out and lse
+  written once."""
   row = roofline.tensor_bytes(definition, "kv", axes) // max(axes["Nkv"], 1)
-  gathered = min(axes["M"] * axes["TOPK"], axes["Nkv"]) * row
-  nbytes = roofline.io_bytes(definition, axes, skip=("kv",)) + gathered
-  return 4 * axes["M"] * axes["H"] * slots * axes["D"], nbytes, "bf16"
+  indices = None if inputs is None else inputs.get("indices")
+  if indices is None:
+    slots, rows, source = axes["M"] * min(axes["TOPK"], axes["Nkv"]), min(axes["M"] * axes["TOPK"], axes["Nkv"]), "axes"
+  else:
+    idx = roofline.host(indices)
+    valid = idx[(idx >= 0) & (idx < axes["Nkv"])]
+    slots, rows, source = valid.size, np.unique(valid).size, "inputs"
+  nbytes = roofline.io_bytes(definition, axes, skip=("kv",)) + rows * row
+  return roofline.Work(4 * axes["H"] * axes["D"] * slots, nbytes, "bf16", gather_bytes=slots * row,
+                       counted_from=source)
 
 
 # ---------------------------------------------------------------------------
 # Registration.
 
 
+# How the op splits across devices (`jaxkern.spmd`): query rows (with their
+# indices) and heads (with their sinks); indices address the whole workspace.
+SPLIT = Split(inputs={"q": "m h d", "kv": "n o d", "indices": "m o k", "sm_scale": "", "attn_sink": "h"},
+              outputs=("m h d", "m h"), independent="m h",
+              reasons={"n": "indices address rows of the whole latent workspace", "k": "the softmax runs over all "
+                       "selected keys", "d": "the contraction: partial sums would need a reduction across devices"})
 IMPL = OpImpl(
     reference=sparse_mla_prefill_reference,
     kernel=kernel_lib.sparse_mla_prefill,
@@ -297,6 +313,7 @@ IMPL = OpImpl(
     candidate_configs=kernel_lib.candidate_configs,
     cpu_axes=cpu_axes,
     cost=sparse_mla_prefill_cost,
+    split=SPLIT,
 )
 IMPLS = (IMPL,)
 
