@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkern import ops
 from jaxkern import registry
 from jaxkern.families import gdn_prefill as fam_prefill
+import gradients
 import kit
 from kit import Case, TritonCall
 from pallas_kernels import gdn_decode as gk_decode
@@ -200,6 +202,92 @@ def test_prefill_everything_empty():
   assert out.shape == (0, 8, 128) and np.all(np.asarray(new_state) == 0)
   ref_out, ref_state = fam_prefill.gdn_prefill_reference(**x)
   assert ref_out.shape == (0, 8, 128) and np.all(np.asarray(ref_state) == 0)
+
+
+# ------------------------------------------- cu_seqlens outside the contract
+
+
+@pytest.mark.parametrize("config", [SMALL_PREFILL, SMALL_SERIAL], ids=lambda c: c.form)
+def test_cu_seqlens_outside_the_contract(config):
+  """Bounds past T, negative or decreasing mean their clamped running
+  maximum on both paths (`gdn_chunks.normalize_cu_seqlens`): the kernel
+  gives exactly what it gives on the normalized bounds (no NaN from rows
+  past T), zero outputs for tokens of no sequence, and the reference's
+  answer. The serial form runs where T <= 32."""
+  total = 30 if config.form == "serial" else 50
+  x = prefill_inputs((total, 0, 0), seed=13, scale=1.0)
+  bad = jnp.array([3, total + 40, -2, 12], jnp.int32)
+  good = jnp.array([3, total, total, total], jnp.int32)
+  out, new_state = gk_prefill.gdn_prefill(**{**x, "cu_seqlens": bad}, config=config, interpret=True)
+  want_out, want_state = gk_prefill.gdn_prefill(**{**x, "cu_seqlens": good}, config=config, interpret=True)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+  np.testing.assert_array_equal(np.asarray(new_state), np.asarray(want_state))
+  assert np.all(np.asarray(out[:3], np.float32) == 0) and np.all(np.asarray(new_state[1:]) == 0)
+  ref_out, ref_state = fam_prefill.gdn_prefill_reference(**{**x, "cu_seqlens": bad})
+  assert_bf16_close(out, ref_out)
+  assert state_errors(new_state, ref_state)[0] < 1e-4
+
+
+# ---------------------------------------------------------------- gradients
+
+
+DIFFERENTIABLE = ("q", "k", "v", "state", "A_log", "a", "dt_bias", "b")
+
+
+def op_loss(backend, cu_seqlens, weights):
+  """Weighted sum of both outputs of the public op on `backend`."""
+  w_out, w_state = weights
+  def f(*args):
+    out, new_state = ops.gdn_prefill(*args, cu_seqlens, 1.0, backend=backend)
+    return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(new_state * w_state)
+  return f
+
+
+def test_gradients_of_both_paths_agree_under_jit():
+  """Every floating input (state and gate parameters included) on ragged
+  sequences (an empty one, a partial chunk): the Pallas path (chunked
+  forward, interpret mode; backward through the reference's VJP,
+  `jaxkern.autodiff`) against the XLA path, both under jit(grad); the
+  gradient's jaxpr runs the forward kernel's three launches."""
+  lengths = (45, 0, 20)
+  x = prefill_inputs(lengths, seed=17)
+  args = tuple(x[n] for n in DIFFERENTIABLE)
+  weights = (gradients.weights_like(x["v"].shape, 1), gradients.weights_like(x["state"].shape, 2))
+  argnums = tuple(range(len(args)))
+  pallas = jax.jit(jax.grad(op_loss("pallas", x["cu_seqlens"], weights), argnums))(*args)
+  xla = jax.jit(jax.grad(op_loss("xla", x["cu_seqlens"], weights), argnums))(*args)
+  gradients.assert_grads_close(pallas, xla, DIFFERENTIABLE)
+  assert np.all(np.asarray(pallas[3][1]) == 0)                   # the empty sequence's state
+  assert all(np.abs(np.asarray(g, np.float32)).max() > 0 for g in pallas)
+  names = gradients.pallas_calls(jax.grad(op_loss("pallas", x["cu_seqlens"], weights)), *args)
+  assert {"gdn_prefill_intra", "gdn_prefill_state", "gdn_prefill_output"} <= set(names), names
+
+
+def test_gradients_match_float64_finite_differences():
+  """The XLA path's gradients (float32 inputs, a sequence of 2 tokens, an
+  empty one, one of 3) against central differences of the float64
+  recurrence (test_gdn_decode.numpy_gdn), for every floating input."""
+  lengths = (2, 0, 3)
+  rng = np.random.default_rng(5)
+  total, n, hq, hv, d = sum(lengths), len(lengths), 1, 2, 4
+  x64 = {"q": rng.standard_normal((total, hq, d)) * 0.5, "k": rng.standard_normal((total, hq, d)) * 0.5,
+         "v": rng.standard_normal((total, hv, d)), "state": rng.standard_normal((n, hv, d, d)) * 0.5,
+         "A_log": rng.uniform(-1.0, 0.5, hv), "a": rng.standard_normal((total, hv)),
+         "dt_bias": rng.uniform(-1.0, 0.5, hv), "b": rng.standard_normal((total, hv))}
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+  weights = (gradients.weights_like((total, hv, d), 3), gradients.weights_like((n, hv, d, d), 4))
+  f = op_loss("xla", cu, weights)
+  # The float64 loss as one weighted output: outputs and states side by side.
+  got = jax.grad(f, tuple(range(8)))(*(jnp.asarray(x64[k], jnp.float32) for k in DIFFERENTIABLE))
+
+  def fn64(*values):
+    out, new_state = numpy_gdn({**dict(zip(DIFFERENTIABLE, values)), "scale": 1.0}, lengths)
+    return np.concatenate([out.ravel(), new_state.ravel()])
+
+  w64 = np.concatenate([np.asarray(w, np.float64).ravel() for w in weights])
+  want = gradients.finite_difference_grads(fn64, [x64[k] for k in DIFFERENTIABLE], w64)
+  for name, g, w in zip(DIFFERENTIABLE, got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-3, atol=2e-3 * np.abs(w).max(), err_msg=name)
 
 
 # ---------------------------------------------------------------- synthesis
