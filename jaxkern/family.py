@@ -41,6 +41,12 @@ Conventions:
   dimensions it is independent along); None: never.
 * `differentiable_kernel`: the kernel carries its own VJP (Pallas backward
   kernels); see `jaxkern.autodiff` for every other op's gradient.
+* `preconditions(inputs) -> list[Precondition]`: the valid ranges of the
+  index and length inputs (constant axes as keyword-only parameters, like
+  `reference`), which checked mode (`jaxkern.ops.<op>(..., checks=True)`,
+  `jaxkern.dispatch`) asserts with `jax.experimental.checkify`. Inputs
+  outside them still get the answer the reference defines; checked mode
+  reports them instead. None: the family has no such inputs.
 """
 
 from __future__ import annotations
@@ -62,6 +68,17 @@ CostFormula = Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True)
+class Precondition:
+  """One checked-mode rule: every element of input `argument` must be valid.
+  `valid`: bool, shaped like the argument (True = valid); `expected`: the
+  valid range in words, with the sizes it depends on (the error names the
+  first invalid element, its value and this)."""
+  argument: str
+  valid: jax.Array
+  expected: str
+
+
+@dataclasses.dataclass(frozen=True)
 class OpImpl:
   reference: Callable[..., Any]
   kernel: Callable[..., Any]
@@ -76,6 +93,7 @@ class OpImpl:
   # True when `kernel` is a `jax.custom_vjp` with its own (Pallas) backward;
   # otherwise `jaxkern.autodiff` differentiates the kernel through `reference`.
   differentiable_kernel: bool = False
+  preconditions: Callable[..., list[Precondition]] | None = None
 
 
 def bind_axes(fn: Callable[..., Any], const_axes: Mapping[str, int],
@@ -90,6 +108,11 @@ def bind_axes(fn: Callable[..., Any], const_axes: Mapping[str, int],
     if axis in const_axes:
       bound[name] = const_axes[axis]
   return functools.partial(fn, **bound) if bound else fn
+
+
+def in_range(x: jax.Array, lo: Any, hi: Any) -> jax.Array:
+  """`lo <= x < hi` elementwise (bounds broadcast against x)."""
+  return (x >= lo) & (x < hi)
 
 
 def cdiv(a: int, b: int) -> int:

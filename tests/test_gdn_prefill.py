@@ -263,6 +263,23 @@ def test_gradients_of_both_paths_agree_under_jit():
   assert {"gdn_prefill_intra", "gdn_prefill_state", "gdn_prefill_output"} <= set(names), names
 
 
+def test_nan_in_tokens_of_no_sequence_reaches_no_gradient():
+  """Tokens before cu_seqlens[0] and after cu_seqlens[N] hold NaN: the XLA
+  path's outputs there are 0 and every gradient is finite (the reference
+  zeroes them before its scan, so where's unselected branch holds no NaN)."""
+  x = prefill_inputs((40,), seed=19)
+  for name in ("q", "k", "v", "a", "b"):
+    x[name] = x[name].at[:3].set(jnp.nan).at[-4:].set(jnp.nan)
+  cu = jnp.array([3, 36], jnp.int32)
+  weights = (gradients.weights_like(x["v"].shape, 1), gradients.weights_like(x["state"].shape, 2))
+  args = tuple(x[n] for n in DIFFERENTIABLE)
+  out, _ = ops.gdn_prefill(*args, cu, 1.0, backend="xla")
+  assert np.all(np.asarray(out[:3], np.float32) == 0) and np.all(np.isfinite(np.asarray(out, np.float32)))
+  grads = jax.jit(jax.grad(op_loss("xla", cu, weights), tuple(range(len(args)))))(*args)
+  for name, g in zip(DIFFERENTIABLE, grads):
+    assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+
+
 def test_gradients_match_float64_finite_differences():
   """The XLA path's gradients (float32 inputs, a sequence of 2 tokens, an
   empty one, one of 3) against central differences of the float64

@@ -111,10 +111,15 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
-def dense_gemm(a: jax.Array, b: jax.Array, *, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
+def dense_gemm(a: jax.Array, b: jax.Array, *, config: Any = None, backend: dispatch.Backend = None,
+               checks: bool = False) -> jax.Array:
   """`a @ b.T`: activations a [..., K], weight b [N, K] (torch Linear layout);
-  fp32 accumulation, output in a's dtype."""
+  fp32 accumulation, output in a's dtype.
+
+  Contract: a and b bf16 (or the same float dtype), any M (rows of a, 0
+  included), N, K >= 1; no index inputs (`checks=True` has nothing to
+  check); non-finite values reach the outputs that use them."""
   *batch, k = a.shape
   c = dispatch.run(IMPL, {"A": a.reshape(-1, k), "B": b}, params={"out_dtype": a.dtype}, config=config,
-                   backend=backend)
+                   backend=backend, checks=checks)
   return c.reshape(*batch, b.shape[0])

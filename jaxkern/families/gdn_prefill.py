@@ -20,7 +20,7 @@ from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.families.gdn_decode import (STATE_STD, delta_step, gates, gdn_flops, head_params, per_v_head,
                                          resolve_scale, token_inputs)
-from jaxkern.family import OpImpl, varying_like
+from jaxkern.family import OpImpl, Precondition, varying_like
 from jaxkern.spmd import Split
 from pallas_kernels import gdn_prefill as gdn_kernels
 
@@ -30,9 +30,10 @@ _CPU_SEQS = 4
 
 def gdn_prefill_reference(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale):
   """The sequential recurrence over the packed tokens: token t advances the
-  state of the sequence covering it (bounds as `clamped_cu_seqlens` makes
-  them; a token of no sequence outputs 0, a sequence of no tokens gets a zero
-  new_state row).
+  state of the sequence covering it. Bounds outside the contract
+  (`gdn_prefill`) are first clamped to [0, T], then raised to a running
+  maximum (`clamped_cu_seqlens`); a token of no sequence outputs 0, a
+  sequence of no tokens gets a zero new_state row.
 
   A scan of static length, so reverse mode works (`jax.grad` under `jit`),
   with bounded memory: tokens go in blocks of `remat_block(T, N)`, each block
@@ -48,6 +49,10 @@ def gdn_prefill_reference(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scal
   token = jnp.arange(total)
   seq = jnp.minimum(jnp.searchsorted(cu[1:], token, side="right"), num_seqs - 1).astype(jnp.int32)
   live = (token >= cu[0]) & (token < cu[-1])
+  # Tokens of no sequence enter as zeros: their values (NaN included) then
+  # reach neither the forward nor, through where's zero branch, a gradient.
+  dead = lambda x: jnp.where(live.reshape(-1, *(1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))  # noqa: E731
+  q, k, v, a, b = map(dead, (q, k, v, a, b))
   g, beta = gates(a, b, A_log, dt_bias)                          # [T, HV]
   scale = resolve_scale(scale, d)
 
@@ -90,6 +95,17 @@ def remat_block(total: int, num_seqs: int) -> int:
   balances the per-block states (T / block of N head states each) against
   one block's per-token head states."""
   return max(1, min(total, math.isqrt(total * max(num_seqs, 1))))
+
+
+def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
+  """Checked mode: 0 = cu_seqlens[0] <= ... <= cu_seqlens[N] = T."""
+  cu, total = inputs["cu_seqlens"].astype(jnp.int32), inputs["q"].shape[0]
+  i = jnp.arange(cu.shape[0])
+  previous = jnp.concatenate([cu[:1], cu[:-1]])
+  valid = ((cu >= 0) & (cu <= total) & (cu >= previous) & ((i > 0) | (cu == 0))
+           & ((i < cu.shape[0] - 1) | (cu == total)))
+  return [Precondition("cu_seqlens", valid,
+                       f"0 = cu_seqlens[0] <= cu_seqlens[1] <= ... <= cu_seqlens[N] = T with T = {total} (tokens)")]
 
 
 def split_lengths(total: int, num_seqs: int, seed: int) -> np.ndarray:
@@ -172,7 +188,8 @@ IMPL = OpImpl(reference=gdn_prefill_reference,
               cpu_axes=prefill_cpu_axes,
               cost=gdn_prefill_cost,
               policies={"new_state": compare.StateMetric()},
-              split=SPLIT)
+              split=SPLIT,
+              preconditions=preconditions)
 IMPLS = (IMPL,)
 
 
@@ -183,10 +200,22 @@ IMPLS = (IMPL,)
 def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log: jax.Array,  # pylint: disable=invalid-name
                 a: jax.Array, dt_bias: jax.Array, b: jax.Array, cu_seqlens: jax.Array,
                 scale: float | jax.Array | None = None, *, config: Any = None,
-                backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+                backend: dispatch.Backend = None, checks: bool = False) -> tuple[jax.Array, jax.Array]:
   """Gated delta net over packed sequences (chunked on the Pallas path): q, k [T, HQ, D],
   v [T, HV, D], a, b [T, HV], initial k-last states [N, HV, V, K] f32, cu_seqlens
-  [N + 1]. Returns (output [T, HV, D] bf16, final states f32; empty sequences 0)."""
+  [N + 1]. Returns (output [T, HV, D] bf16, final states f32; empty sequences 0).
+
+  Contract:
+  * T, N >= 0; HV a multiple of HQ; sequence n covers tokens
+    cu_seqlens[n] .. cu_seqlens[n+1]-1, starting from state[n].
+  * cu_seqlens int32 [N + 1], valid: 0 = cu_seqlens[0] <= cu_seqlens[1]
+    <= ... <= cu_seqlens[N] = T.
+  * Outside it (`checks=True` reports the first offending bound), each
+    bound is clamped to [0, T] and then raised to the running maximum: a
+    sequence that would end before it starts, or past T, is empty or cut
+    at T; a token no sequence covers outputs 0; an empty sequence's
+    new_state is 0. Tokens outside every sequence never reach an output.
+  """
   inputs = dict(q=q, k=k, v=v, state=state, A_log=A_log, a=a, dt_bias=dt_bias, b=b, cu_seqlens=cu_seqlens,
                 scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32))
-  return dispatch.run(IMPL, inputs, config=config, backend=backend)
+  return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

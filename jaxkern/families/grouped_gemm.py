@@ -44,7 +44,7 @@ import numpy as np
 from jaxkern import dispatch
 from jaxkern import quant
 from jaxkern import roofline
-from jaxkern.family import OpImpl, cdiv, varying_like
+from jaxkern.family import OpImpl, Precondition, cdiv, in_range, varying_like
 from jaxkern.spmd import Split
 from pallas_kernels import grouped_gemm as kernel_lib
 
@@ -252,6 +252,13 @@ SPLIT = Split(inputs={"a": "m k", "a_scale": "m g", "b": "e n kp", "b_scale": "e
               reasons={"k": "the contraction: partial sums would need a reduction across devices", "kp": "the contraction: partial sums would need a reduction across devices", "g": "the contraction: partial sums would need a reduction across devices",
                        "e": "rows carry global expert ids; for expert parallelism call the op inside "
                             "jax.shard_map on each device's rows with local ids (examples/moe_block.py)"})
+def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
+  """Checked mode: every expert id is -1 or an expert of b."""
+  ids, experts = inputs["expert_ids"], inputs["b"].shape[0]
+  return [Precondition("expert_ids", (ids == -1) | in_range(ids, 0, experts),
+                       f"-1 (padding row) or [0, E) with E = {experts} (b.shape[0])")]
+
+
 IMPL = OpImpl(
     reference=grouped_gemm_fp8_fp4_reference,
     kernel=kernel_lib.grouped_gemm_fp8_fp4,
@@ -261,6 +268,7 @@ IMPL = OpImpl(
     cpu_axes=cpu_axes,
     cost=grouped_gemm_cost,
     split=SPLIT,
+    preconditions=preconditions,
 )
 IMPLS = (IMPL,)
 
@@ -270,10 +278,23 @@ IMPLS = (IMPL,)
 
 
 def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
-                         expert_ids: jax.Array, *, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
-  """MoE expert GEMM, FP8 activations x MXFP4 weights (SPEC 4.3): a [M, K]
-  float8_e4m3fn with UE8M0 a_scale [M, K/32]; b [E, N, K/2] packed e2m1 with
-  UE8M0 b_scale [E, N, K/32]; rows grouped by expert_ids [M] (-1 = padding
-  row -> 0). Returns bf16 [M, N]. Quantizers: `jaxkern.quant`."""
+                         expert_ids: jax.Array, *, config: Any = None, backend: dispatch.Backend = None,
+                         checks: bool = False) -> jax.Array:
+  """MoE expert GEMM, FP8 activations x MXFP4 weights (SPEC 4.3).
+
+  Contract:
+  * a [M, K] float8_e4m3fn with UE8M0 a_scale [M, K/32] uint8; b [E, N, K/2]
+    uint8 packed e2m1 (low nibble = even k) with UE8M0 b_scale [E, N, K/32]
+    uint8; K a multiple of 32; any M >= 0, N, E >= 1. Returns bf16 [M, N]:
+    row m = a[m] times expert expert_ids[m]'s weight, fp32 accumulation.
+    Quantizers: `jaxkern.quant`.
+  * expert_ids [M] int32, valid: -1 (padding row) or [0, E), in any order
+    (grouped rows are the fast layout, not a requirement).
+  * Outside the valid range (< -1 or >= E) a row is invalid like a padding
+    row: it contributes nothing and its output row is 0. `checks=True`
+    reports such an id instead (`jaxkern.dispatch`).
+  * Scale byte 255 (UE8M0's NaN) and non-finite a are not masked: they reach
+    the rows that use them.
+  """
   inputs = {"a": a, "a_scale": a_scale, "b": b, "b_scale": b_scale, "expert_ids": expert_ids}
-  return dispatch.run(IMPL, inputs, config=config, backend=backend)
+  return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

@@ -41,7 +41,7 @@ import numpy as np
 from jaxkern import dispatch
 from jaxkern import quant
 from jaxkern import roofline
-from jaxkern.family import OpImpl
+from jaxkern.family import OpImpl, Precondition, in_range
 from jaxkern.spmd import Split
 from pallas_kernels import mixed_mla as kernel_lib
 
@@ -254,6 +254,15 @@ SPLIT = Split(inputs={"q": "b h d", "kv_fp8": "n8 p8 o8 r8", "indices_fp8": "b k
               outputs=("b h d", "b h"), independent="b h",
               reasons={"n8": _CACHE, "p8": _CACHE, "n4": _CACHE, "p4": _CACHE, "d": "the contraction: partial sums would need a reduction across devices",
                        "k8": "the softmax runs over all selected keys", "k4": "the softmax runs over all selected keys"})
+def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
+  """Checked mode: every index is -1 or a token row of its cache."""
+  def rule(name: str, cache: str) -> Precondition:
+    idx, (pages, page) = inputs[name], inputs[cache].shape[:2]
+    return Precondition(name, (idx == -1) | in_range(idx, 0, pages * page),
+                        f"-1 (empty slot) or [0, N*P) with N*P = {pages}*{page} ({cache} pages x tokens per page)")
+  return [rule("indices_fp8", "kv_fp8"), rule("indices_fp4", "kv_fp4")]
+
+
 IMPL = OpImpl(
     reference=mixed_mla_decode_reference,
     kernel=kernel_lib.mixed_mla_decode,
@@ -263,6 +272,7 @@ IMPL = OpImpl(
     cpu_axes=cpu_axes,
     cost=mixed_mla_decode_cost,
     split=SPLIT,
+    preconditions=preconditions,
 )
 IMPLS = (IMPL,)
 
@@ -274,17 +284,26 @@ IMPLS = (IMPL,)
 def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv_fp4: jax.Array,
                      indices_fp4: jax.Array, attn_sink: jax.Array,
                      sm_scale: float | jax.Array | None = None, *, config: Any = None,
-                     backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+                     backend: dispatch.Backend = None, checks: bool = False) -> tuple[jax.Array, jax.Array]:
   """DeepSeek-V4 MLA decode over an FP8 window cache and an FP4 compressed cache.
 
   q [B, H, D] bf16; kv_fp8 [N8, P8, 1, D + D/32] uint8 token records (see
   `jaxkern.quant.quantize_mla_fp8_tokens`) read at flat rows indices_fp8
   [B, K8]; kv_fp4 [N4, P4, 1, D/2 + D/16] uint8 (`quantize_mla_fp4_tokens`)
-  read at indices_fp4 [B, K4]; negative or out-of-range indices are skipped;
-  attn_sink [H] f32 joins the softmax denominator only; sm_scale defaults to
-  D**-0.5. Returns (out [B, H, D] bf16, lse [B, H] f32 natural log without
-  the sink; rows with no valid index: 0 and +inf)."""
+  read at indices_fp4 [B, K4]; attn_sink [H] f32 joins the softmax
+  denominator only; sm_scale defaults to D**-0.5. Returns (out [B, H, D]
+  bf16, lse [B, H] f32 natural log without the sink).
+
+  Contract:
+  * B >= 0; D a multiple of 128; one latent KV head; N8, N4 >= 1.
+  * indices_fp8 valid: -1 (empty slot) or [0, N8*P8); indices_fp4: -1 or
+    [0, N4*P4) (flat rows page * P + offset). Any other value is an empty
+    slot like -1: it contributes nothing and its record is never read into
+    the output (`checks=True` reports it instead). A row with no valid
+    index gives out 0 and lse +inf.
+  * Records are not validated: a selected record whose scales decode to
+    Inf or NaN reaches its row."""
   sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
   inputs = dict(q=q, kv_fp8=kv_fp8, indices_fp8=indices_fp8, kv_fp4=kv_fp4, indices_fp4=indices_fp4,
                 sm_scale=jnp.asarray(sm_scale, jnp.float32), attn_sink=attn_sink)
-  return dispatch.run(IMPL, inputs, config=config, backend=backend)
+  return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

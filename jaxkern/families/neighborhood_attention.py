@@ -60,6 +60,8 @@ def neighborhood_attention_3d_reference(q, k, v, *, KT: int, KY: int, KX: int) -
   fp32 accumulator, never a `[queries, neighbours, D]` tensor.
   """
   batch, t_len, y_len, x_len, num_heads, head_dim = q.shape
+  if q.size == 0:  # B = 0 or H = 0 (or D = 0): nothing to attend
+    return jnp.zeros(q.shape, q.dtype)
   starts_t, starts_y, starts_x = (window_starts(n, w) for n, w in
                                   ((t_len, KT), (y_len, KY), (x_len, KX)))
   plane = batch * y_len * x_len * num_heads * head_dim
@@ -201,11 +203,16 @@ IMPLS = (IMPL,)
 
 def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *,
                               kernel_size: int | tuple[int, int, int], config: Any = None,
-                              backend: dispatch.Backend = None) -> jax.Array:
+                              backend: dispatch.Backend = None, checks: bool = False) -> jax.Array:
   """3-D neighborhood attention, NATTEN `na3d` semantics with `scale=1` (q
   already scaled): q, k, v [B, T, Y, X, H, D]; each query attends to the
   `kernel_size` (KT, KY, KX, or one int for all) window around it, shifted
-  inward at the borders. Returns o [B, T, Y, X, H, D] in q's dtype."""
+  inward at the borders. Returns o [B, T, Y, X, H, D] in q's dtype.
+
+  Contract: one float dtype (bf16); B, H >= 0; 1 <= KT <= T, KY <= Y,
+  KX <= X (the windows must fit: every query sees exactly KT*KY*KX keys);
+  no masks and no index inputs (`checks=True` has nothing to check);
+  non-finite values reach the queries whose windows hold them."""
   kt, ky, kx = (kernel_size,) * 3 if isinstance(kernel_size, int) else kernel_size
   return dispatch.run(IMPL, {"q": q, "k": k, "v": v}, const_axes={"KT": kt, "KY": ky, "KX": kx}, config=config,
-                      backend=backend)
+                      backend=backend, checks=checks)
