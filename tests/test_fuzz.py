@@ -38,8 +38,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("grouped_gemm_fp8_fp4", "id_past_e"): "ids >= E: NaN rows and garbage (diff 2.3) instead of 0",
     ("grouped_gemm_fp8_fp4", "negative_id"): "ids < -1: NaN rows instead of 0",
     ("grouped_gemm_fp8_fp4", "nan_in_padding_rows"): "padding / out-of-range rows: NaN instead of 0",
-    # mla: mixed MLA
-    ("mixed_mla_decode", "b0"): "B=0: TypeError slice_sizes > operand shape",
     # qsa: index and sparse GQA
     ("qsa_index_topk", "entry_past_np"): "selects blocks of a page-table entry >= NP",
     ("qsa_index_topk", "negative_entry"): "selects blocks of a negative page-table entry",
