@@ -75,6 +75,8 @@ def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None
     # The smallest segment id: every query sees the prefix.
     k_segments = jnp.concatenate(
         [jnp.full((batch, prefix_len), jnp.iinfo(jnp.int32).min, jnp.int32), k_segments], axis=1)
+  if not (q_len and k.shape[1]):  # no query, or no key: every row lonely
+    return jnp.zeros(q.shape, q.dtype)
   hidden = ~key_visible[:, :, None, None]
   k, v = jnp.where(hidden, jnp.zeros_like(k), k), jnp.where(hidden, jnp.zeros_like(v), v)
 
