@@ -108,7 +108,9 @@ IMPLS = (IMPL,)
 
 def dense_gemm(a: jax.Array, b: jax.Array, *, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
   """`a @ b.T`: activations a [..., K], weight b [N, K] (torch Linear layout);
-  fp32 accumulation, output in a's dtype."""
+  fp32 accumulation, output in a's dtype. Any M, N, K >= 1 (and empty
+  batches) on both backends; differentiable in a and b (Pallas: dA and dB
+  as launches of the same GEMM kernel)."""
   *batch, k = a.shape
   c = dispatch.run(IMPL, {"A": a.reshape(-1, k), "B": b}, params={"out_dtype": a.dtype}, config=config,
                    backend=backend)

@@ -10,6 +10,14 @@
 
 Scale `D**-0.5`, fp32 scores and softmax, one rounding to bf16; a lonely row
 (no visible key) is 0. Kernel: `pallas_kernels.flash_attention`.
+
+The ops' contract, on both backends: any B, Nq, Nk, Np >= 0 (an empty batch
+or sequence gives an empty output; no key at all gives zeros); `sm_scale` a
+Python float or a traced scalar; a key hidden by `key_valid` is selected
+away, so a NaN or Inf in it reaches neither the output nor a gradient.
+Differentiable in q, k, v, the prefix and `sm_scale` (Pallas: the
+FlashAttention-2 backward kernels; XLA: autodiff of the reference); masked
+keys get gradient 0.
 """
 
 from __future__ import annotations
@@ -327,7 +335,9 @@ IMPLS = (NONCAUSAL, PREFIX_CACHED, BLOCK_CAUSAL)
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.Array | None = None,
               sm_scale: float | None = None, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
   """Non-causal attention, [B, N, H, D] layout; `key_valid [B, Nk]` hides
-  keys, rows with no visible key are 0; scale defaults to D**-0.5."""
+  keys, rows with no visible key are 0; scale defaults to D**-0.5. Empty
+  shapes, a traced `sm_scale`, NaN/Inf in hidden keys, gradients: the
+  module docstring's contract."""
   return dispatch.run(NONCAUSAL, {"q": q, "k": k, "v": v, "key_valid": key_valid}, params={"sm_scale": sm_scale},
                       config=config, backend=backend)
 
@@ -336,7 +346,8 @@ def prefix_cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_prefix: 
                             v_prefix: jax.Array, *, sm_scale: float | None = None, config: Any = None,
                             backend: dispatch.Backend = None) -> jax.Array:
   """Attention of q over keys concat(k_prefix, k), all visible; the
-  concatenation is never materialized by the kernel."""
+  concatenation is never materialized by the kernel. Contract: the module
+  docstring's."""
   inputs = {"q": q, "k": k, "v": v, "k_prefix": k_prefix, "v_prefix": v_prefix}
   return dispatch.run(PREFIX_CACHED, inputs, params={"sm_scale": sm_scale}, config=config, backend=backend)
 
@@ -345,6 +356,7 @@ def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
                            sm_scale: float | None = None, config: Any = None,
                            backend: dispatch.Backend = None) -> jax.Array:
   """Self-attention where token j is visible to token i iff
-  segment_ids[b, j] <= segment_ids[b, i] (nondecreasing int32 ids)."""
+  segment_ids[b, j] <= segment_ids[b, i] (nondecreasing int32 ids).
+  Contract: the module docstring's."""
   return dispatch.run(BLOCK_CAUSAL, {"q": q, "k": k, "v": v, "segment_ids": segment_ids},
                       params={"sm_scale": sm_scale}, config=config, backend=backend)

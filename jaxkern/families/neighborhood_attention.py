@@ -199,7 +199,9 @@ def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *,
   """3-D neighborhood attention, NATTEN `na3d` semantics with `scale=1` (q
   already scaled): q, k, v [B, T, Y, X, H, D]; each query attends to the
   `kernel_size` (KT, KY, KX, or one int for all) window around it, shifted
-  inward at the borders. Returns o [B, T, Y, X, H, D] in q's dtype."""
+  inward at the borders. Returns o [B, T, Y, X, H, D] in q's dtype.
+  Differentiable in q, k, v (Pallas: dQ and dK/dV kernels over the
+  forward's tiles)."""
   kt, ky, kx = (kernel_size,) * 3 if isinstance(kernel_size, int) else kernel_size
   return dispatch.run(IMPL, {"q": q, "k": k, "v": v}, const_axes={"KT": kt, "KY": ky, "KX": kx}, config=config,
                       backend=backend)
