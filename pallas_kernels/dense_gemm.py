@@ -28,6 +28,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import cdiv, check_nt_operands, fit_block, fitted_candidates, resolve_interpret
@@ -225,7 +226,7 @@ def gemm(x: jax.Array, y: jax.Array, *, layout: str = "nt", config: DenseGemmCon
       _dense_gemm_kernel, layout=layout, m=m, n=n, k=k, block_m=config.block_m,
       block_n=config.block_n, block_k=config.block_k, num_pid_m=num_pid_m,
       num_pid_n=num_pid_n, group_m=group_m)
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
       grid=(num_pid_m * num_pid_n,),

@@ -41,6 +41,7 @@ import jax
 from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import cdiv, check_pow2_dim, fit_block, fitted_candidates, resolve_interpret
@@ -247,7 +248,7 @@ def _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, *, conf
       has_block_limits=has_block_limits, with_lse=with_lse,
       block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len,
       prefix_len=prefix_len)
-  outs = pl.pallas_call(
+  outs = common.pallas_call(
       kernel,
       out_shape=out_shape,
       grid=(cdiv(q_len, block_q), batch, num_heads),

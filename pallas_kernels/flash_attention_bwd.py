@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
+from pallas_kernels import common
 from pallas_kernels.common import cdiv, fit_block
 from pallas_kernels.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field
 from pallas_kernels.device import num_sms
@@ -200,7 +201,7 @@ class Gradients(NamedTuple):
 
 
 def _launch(kernel, grid, inputs, in_specs, out_shape, out_specs, config, interpret, name):
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret, name=name)(*inputs)

@@ -60,6 +60,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import NT_DIMS, cdiv, fit_block, fitted_candidates, next_pow2, resolve_interpret
@@ -167,6 +168,14 @@ def e2m1_bytes_to_f32(packed):
     return f16.astype(jnp.float32) * jnp.float32(2.0**14)
 
   return value(low), value(high)
+
+
+def dot_operand_dtype(config: GroupedGemmConfig | None = None):
+  """The dtype the kernel's tensor-core dots take (the roofline judges the
+  FLOPs against that peak): both operands are dequantized to bf16 before
+  the dot, whatever the config."""
+  del config
+  return jnp.bfloat16
 
 
 def work_list_length(m: int, e: int, block_m: int) -> int:
@@ -302,7 +311,7 @@ def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale
   operands = (item_tile, item_expert, item_first, expert_ids.astype(jnp.int32), a_bytes, a_scale, b, b_scale)
   kernel = functools.partial(_grouped_gemm_kernel, m=m, n=n, k=k, block_m=config.block_m,
                              block_n=config.block_n, block_k=config.block_k)
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
       grid=(cdiv(n, config.block_n), num_items),

@@ -48,6 +48,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import NT_DIMS, cdiv, check_nt_operands, fit_block, next_pow2, resolve_interpret
@@ -371,7 +372,7 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
               experts_padded=experts_padded)
 
   if gemm.split_d == 1:
-    return pl.pallas_call(
+    return common.pallas_call(
         functools.partial(_fused_router_kernel, top_k=top_k,
                           top_k_padded=top_k_padded, **dims),
         out_shape=out_shape,
@@ -390,7 +391,7 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
     )(hidden, weight, bias, scale)
 
   num_splits = gemm.split_d
-  partial = pl.pallas_call(
+  partial = common.pallas_call(
       functools.partial(_partial_logits_kernel,
                         d_blocks_per_split=_d_blocks_per_split(gemm, d), **dims),
       out_shape=jax.ShapeDtypeStruct((num_splits, m, e), jnp.float32),
@@ -408,7 +409,7 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
   epilogue_block_m = config.epilogue.block_m
   splits_per_load = _splits_per_load(epilogue_block_m, config.epilogue.num_warps, num_splits,
                                      experts_padded)
-  return pl.pallas_call(
+  return common.pallas_call(
       functools.partial(_reduce_and_route_kernel, m=m, e=e, top_k=top_k,
                         top_k_padded=top_k_padded, num_splits=num_splits,
                         block_m=epilogue_block_m, experts_padded=experts_padded,

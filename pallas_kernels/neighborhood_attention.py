@@ -64,6 +64,7 @@ import jax
 from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import MIN_DOT_DIM, cdiv, check_pow2_dim, next_pow2, resolve_interpret
@@ -243,7 +244,7 @@ def _forward(q, k, v, *, window, config: NeighborhoodAttentionConfig, interpret:
     out_specs.append(tile_spec(dims, config.tile, None))
   kernel = functools.partial(_neighborhood_attention_kernel, dims=dims, window=window,
                              tile=config.tile, block_k=config.block_k)
-  outs = pl.pallas_call(
+  outs = common.pallas_call(
       kernel,
       out_shape=out_shape,
       grid=(math.prod(cdiv(d, b) for d, b in zip(dims, config.tile)), batch, num_heads),

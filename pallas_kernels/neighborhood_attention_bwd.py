@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
+from pallas_kernels import common
 from pallas_kernels.common import cdiv
 from pallas_kernels.neighborhood_attention_tiles import Dims, store_tile, tile_points, tile_spec, walk_halo, walk_query_box
 from pallas_kernels.online_softmax import LOG2_E
@@ -102,7 +103,7 @@ def attention_backward(q, k, v, o, lse, do, *, window: Dims, dq_config: Neighbor
 
   def launch(kernel, config, num_outputs, name):
     spec = tile_spec(dims, config.tile, head_dim)
-    outs = pl.pallas_call(
+    outs = common.pallas_call(
         kernel, out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)] * num_outputs,
         grid=(math.prod(cdiv(d, b) for d, b in zip(dims, config.tile)), batch, num_heads),
         in_specs=in_specs, out_specs=[spec] * num_outputs,
