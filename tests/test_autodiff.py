@@ -66,7 +66,8 @@ def test_pallas_gradient_is_the_xla_gradient_or_a_clear_error(name):
   if not (wrt and outputs_float):
     pytest.skip(f"{name}: no floating input of 16 bits or more, or no floating output: nothing to differentiate")
   args = tuple(inputs[k] for k in wrt)
-  grad = lambda backend: jax.jit(jax.grad(loss_of(op, inputs, const, wrt, backend), tuple(range(len(wrt)))))  # noqa: E731
+  argnums = tuple(range(len(wrt)))
+  grad = lambda backend: jax.jit(jax.grad(loss_of(op, inputs, const, wrt, backend), argnums))  # noqa: E731
   try:
     want = grad("xla")(*args)
   except Exception:  # pylint: disable=broad-except
@@ -74,7 +75,7 @@ def test_pallas_gradient_is_the_xla_gradient_or_a_clear_error(name):
     with pytest.raises(NotDifferentiableError, match=f"{kit.family_of(name)}.* is not differentiable"):
       grad("pallas")(*args)
     return
-  names = gradients.pallas_calls(jax.grad(loss_of(op, inputs, const, wrt, "pallas"), tuple(range(len(wrt)))), *args)
+  names = gradients.pallas_calls(jax.grad(loss_of(op, inputs, const, wrt, "pallas"), argnums), *args)
   assert names, f"{name}: no pallas_call in the Pallas path's gradient"
   got = grad("pallas")(*args)
   gradients.assert_grads_close(got, want, wrt)

@@ -662,7 +662,8 @@ def backward_launches(name, axes):
   call = lambda kernel, n, block, c=bwd: TritonCall(kernel, (-(-n // block), a["B"], a["H"]), c.num_warps,  # noqa: E731
                                                     c.num_stages)
   out = [call("flash_attention", a["Nq"], config.block_q, config),
-         call("flash_attention_bwd_dq", a["Nq"], bwd.block_q_dq), call("flash_attention_bwd_dkdv", kv_len, bwd.block_k_dkv)]
+         call("flash_attention_bwd_dq", a["Nq"], bwd.block_q_dq),
+         call("flash_attention_bwd_dkdv", kv_len, bwd.block_k_dkv)]
   if prefix_len:
     out.append(call("flash_attention_bwd_dkdv_prefix", prefix_len, bwd.block_k_dkv))
   return out
