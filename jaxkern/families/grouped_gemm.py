@@ -2,7 +2,8 @@
 `grouped_gemm_fp8_fp4_e384_n{N}_k{K}_g32`.
 
 C[m,n] = sum_k a[m,k] 2^(a_scale[m,k//32]-127) * e2m1(b[e,n,k]) 2^(b_scale[e,n,k//32]-127),
-e = expert_ids[m], fp32 accumulation, bf16 out; rows with e = -1 are 0.
+e = expert_ids[m], fp32 accumulation, bf16 out; rows in any order, rows with
+e outside [0, E) (-1 = padding) are 0.
 Kernel: `pallas_kernels.grouped_gemm`; formats: `jaxkern.quant`.
 
 Input synthesis (SPEC 6), decided from the records:
@@ -244,9 +245,23 @@ IMPLS = (IMPL,)
 
 def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
                          expert_ids: jax.Array, *, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
-  """MoE expert GEMM, FP8 activations x MXFP4 weights (SPEC 4.3): a [M, K]
-  float8_e4m3fn with UE8M0 a_scale [M, K/32]; b [E, N, K/2] packed e2m1 with
-  UE8M0 b_scale [E, N, K/32]; rows grouped by expert_ids [M] (-1 = padding
-  row -> 0). Returns bf16 [M, N]. Quantizers: `jaxkern.quant`."""
+  """MoE expert GEMM, FP8 activations x MXFP4 weights (SPEC 4.3):
+  `C[m] = dequant(a[m]) @ dequant(b[expert_ids[m]])^T`, bf16 [M, N],
+  accumulated in fp32. Quantizers: `jaxkern.quant`.
+
+  Contract (both backends):
+  * a [M, K] float8_e4m3fn with a_scale [M, K/32] uint8 (UE8M0: 2^(s-127));
+    b [E, N, K/2] uint8, two e2m1 codes a byte (low nibble = even k), with
+    b_scale [E, N, K/32] uint8; expert_ids [M] int32. K a multiple of 32;
+    M = 0 gives [0, N].
+  * expert_ids in [0, E) select the row's expert, in any row order (rows
+    grouped by expert, DeepGEMM's contiguous layout, are the fast case);
+    any id outside [0, E) (-1 is the padding id) gives a row of zeros.
+  * Scale bytes 1..254 are powers of two; 255 (invalid in UE8M0) gives
+    inf/NaN and 0 gives 0 on the Pallas path (2^-127 on the XLA path).
+  * The Pallas path rejects other shapes or dtypes with a ValueError naming
+    the input; both paths give the same answer up to fp32 summation order
+    (bit-equal on CPU in the tests; on a GPU the fp8 tensor cores'
+    accumulation within each 32-k group)."""
   inputs = {"a": a, "a_scale": a_scale, "b": b, "b_scale": b_scale, "expert_ids": expert_ids}
   return dispatch.run(IMPL, inputs, config=config, backend=backend)
