@@ -126,11 +126,12 @@ def _fit(config: GroupedGemmConfig, m: int, n: int, k: int, e: int) -> GroupedGe
 # Rows per expert (M / E) from which 32-row tiles beat 16-row ones: an item
 # (row tile, expert) streams and decodes its expert's whole weight slab, and
 # the per-32-k promotion costs two fp32 ops per (row, column): per weight
-# byte about 10.6 ops for 16-row tiles and 13.6 for 32-row ones (sm_90a PTX,
-# docs/perf/kernel_notes.md), so with grouped rows the total,
-# (M / block_m + E) x ops per byte, favours 32 rows above about 12 rows per
-# expert; 64-row tiles (22 ops per byte) only above ~100.
-_ROWS_PER_EXPERT_FOR_32 = 12
+# byte 8.5 thread-instructions for 16-row tiles and 11.2 for 32-row ones
+# (sm_90a PTX, 128-column tiles on 4 warps, docs/perf/moe_kernels.md), so
+# with grouped rows the total, (M / block_m + E) x ops per byte, favours 32
+# rows above about 15 rows per expert; 64-row tiles (20.8 per byte) only
+# above ~380.
+_ROWS_PER_EXPERT_FOR_32 = 15
 
 
 def _heuristic(m: int, e: int) -> GroupedGemmConfig:

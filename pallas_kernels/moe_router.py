@@ -30,7 +30,7 @@ Two kernels:
 
 `python -m jaxkern.aot --definition moe_router --all_candidates` checks that
 every candidate compiles without spills for sm_90a (register counts:
-docs/perf/kernel_notes.md).
+docs/perf/kernel_notes.md; grids and traffic: docs/perf/moe_kernels.md).
 """
 
 from __future__ import annotations

@@ -344,7 +344,7 @@ def test_cpu_axes():
 
 
 def test_heuristic():
-  """Weights on the MMA's M side, 16-row tiles for decode and up to 12 rows
+  """Weights on the MMA's M side, 16-row tiles for decode and up to 15 rows
   per expert, 32-row tiles above; slots for every expert of a decode tile;
   activations-as-M forms stay sweep candidates."""
   def shapes(m):
