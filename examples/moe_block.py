@@ -15,10 +15,13 @@ created in their quantized serving formats.
 (dequantized weights, every expert on every token, no dispatch), for testing;
 `compare_with_reference` checks each and the whole block.
 
-  python -m examples.moe_block [--tokens 512] [--backend pallas|xla]
+  python -m examples.moe_block [--tokens 512] [--backend pallas|xla] [--devices N]
 
 runs both, compares them and times the block (on a GPU the timing is the
-kernels'; on a CPU the Pallas path is interpreted and slow).
+kernels'; on a CPU the Pallas path is interpreted and slow). With
+`--devices N` it runs the block expert parallel (MoE) and tensor parallel
+(attention) on N devices instead (`examples/moe_sharded.py`) and compares it
+with the block on one device.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -195,6 +199,13 @@ def block_reference(params: dict, x: jax.Array, cfg: BlockConfig) -> jax.Array:
   return x + moe_reference(params, x, cfg)
 
 
+def outside(x, y) -> tuple[int, float]:
+  """(elements of x outside the bf16 tolerance around y, max abs error)."""
+  x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+  err = np.abs(x - y)
+  return int(((err > 0.005) & (err > 0.016 * np.abs(y))).sum()), float(err.max())
+
+
 def compare_with_reference(params: dict, x: jax.Array, cfg: BlockConfig, backend) -> dict[str, tuple[int, float]]:
   """Each sublayer's output against its jnp version from the same input
   (attention before the residual add, whose rounding of x + attn would
@@ -203,11 +214,6 @@ def compare_with_reference(params: dict, x: jax.Array, cfg: BlockConfig, backend
   {part: (elements outside the bf16 tolerance, max abs error)}. (Feeding the
   jnp MoE the jnp attention output instead would compare routings: one bf16
   ulp of difference can move a near-tied token to another expert.)"""
-  def outside(x, y):
-    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
-    err = np.abs(x - y)
-    return int(((err > 0.005) & (err > 0.016 * np.abs(y))).sum()), float(err.max())
-
   attn_out = jax.jit(lambda x: attention(params, x, cfg, backend))(x)
   stream = bf16_stream(x + attn_out)
   moe_out = jax.jit(lambda x: moe(params, x, cfg, backend))(stream)
@@ -229,8 +235,13 @@ def main(argv=None) -> int:
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--backend", choices=("pallas", "xla"), default=None)
   parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--devices", type=int, default=0,
+                      help="run the expert-parallel block (examples/moe_sharded.py) on this many devices "
+                           "(CPU devices are created as needed) and compare it with one device")
   args = parser.parse_args(argv)
   cfg = BlockConfig()
+  if args.devices:
+    return _main_sharded(args, dataclasses.replace(cfg, num_heads=max(cfg.num_heads, args.devices)))
   params, x = make_inputs(0, args.tokens, cfg, args.batch)
   report = compare_with_reference(params, x, cfg, args.backend)
   for part, (bad, worst) in report.items():
@@ -241,6 +252,27 @@ def main(argv=None) -> int:
   r = bench.measure(lambda: block_reference(params, x, cfg), warmup=2, iters=args.iters, on_gpu=on_gpu)
   print(f"block {t['median_ms']:.3f} ms (min {t['min_ms']:.3f}), jnp block {r['median_ms']:.3f} ms "
         f"({t['timer']} timer)"
+        + ("" if on_gpu else "  [CPU: checks plumbing, not speed]"))
+  return 0 if all(bad == 0 for bad, _ in report.values()) else 1
+
+
+def _main_sharded(args, cfg: BlockConfig) -> int:
+  # Before JAX starts its backends; only the CPU backend reads it.
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    jax.config.update("jax_num_cpu_devices", args.devices)
+  from examples import moe_sharded  # pylint: disable=g-import-not-at-top  (imports this module)
+  mesh = moe_sharded.make_mesh(args.devices)
+  params, x = make_inputs(0, args.tokens, cfg, args.batch)
+  report = moe_sharded.compare_with_single_device(params, x, cfg, mesh, args.backend)
+  where = f"{args.devices} {jax.default_backend()} devices (backend={args.backend or 'auto'})"
+  for part, (bad, worst) in report.items():
+    print(f"{part} {x.shape} expert/tensor parallel on {where}: max abs error vs one device {worst:.4g}, "
+          f"{bad} of {x.size} elements outside bf16 tolerance")
+  on_gpu = jax.default_backend() == "gpu"
+  sharded = moe_sharded.shard_params(params, cfg, mesh)
+  t = bench.measure(lambda: moe_sharded.sharded_block(sharded, x, cfg, mesh, args.backend), warmup=2,
+                    iters=args.iters, on_gpu=on_gpu)
+  print(f"sharded block {t['median_ms']:.3f} ms (min {t['min_ms']:.3f}, {t['timer']} timer)"
         + ("" if on_gpu else "  [CPU: checks plumbing, not speed]"))
   return 0 if all(bad == 0 for bad, _ in report.values()) else 1
 

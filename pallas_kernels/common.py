@@ -1,5 +1,6 @@
 """Helpers shared by the kernel families: interpret-mode resolution, the
-Triton deprecation filter, block arithmetic, operand checks, deviceless
+Triton deprecation filter, the `pallas_call` every kernel launches through
+(usable inside `jax.shard_map`), block arithmetic, operand checks, deviceless
 lowering for an abstract H100 and the parser of the Triton calls a lowering
 contains."""
 
@@ -12,6 +13,7 @@ import warnings
 from typing import Any, Callable, Iterable
 
 import jax
+from jax.experimental import pallas as pl
 
 # jax >= 0.11 warns that the Triton lowering is deprecated in favour of Mosaic
 # GPU. We target Triton deliberately (SPEC section 2), so the warning is noise.
@@ -37,6 +39,63 @@ def has_gpu() -> bool:
 def resolve_interpret(interpret: bool | None) -> bool:
   """`None` means: interpret when no GPU is present."""
   return (not has_gpu()) if interpret is None else bool(interpret)
+
+
+def varying_axes(*values: Any) -> frozenset[str]:
+  """The manual mesh axes (inside `jax.shard_map` with `check_vma=True`) that
+  any of the arrays `values` varies over; empty outside a shard_map."""
+  axes: frozenset[str] = frozenset()
+  for value in jax.tree.leaves(values):
+    mat = getattr(jax.typeof(value), "manual_axis_type", None)  # jax >= 0.11.2
+    axes |= frozenset(mat.varying) if mat is not None else frozenset()
+  return axes
+
+
+def _varying_struct(shape: jax.ShapeDtypeStruct, axes: frozenset[str]) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(shape.shape, shape.dtype,
+                              manual_axis_type=jax.sharding.ManualAxisType(varying=axes))
+
+
+def pallas_call(kernel: Callable[..., None], *, out_shape: Any, interpret: bool = False,
+                **kwargs: Any) -> Callable[..., Any]:
+  """`pl.pallas_call(kernel, out_shape=..., interpret=..., **kwargs)` that also
+  works inside `jax.shard_map` with its default `check_vma=True`: every kernel
+  launches through it.
+
+  A kernel computes each output block from its operands alone, so an output
+  varies over exactly the manual mesh axes its operands vary over: the call
+  declares that on `out_shape` (`manual_axis_type`). The Triton lowering only
+  needs that declaration. Interpret mode evaluates the kernel's jaxpr with
+  XLA ops and a `while_loop` that JAX types without those axes, so there the
+  varying operands are first gathered to values every device holds
+  (`all_gather(..., to="invarying")`), the kernel runs once per shard of the
+  varying axes (`lax.map`) and each device keeps its own shard's outputs:
+  correct and typed, at n times the work, which only CPU checks pay."""
+  def call(*args: Any) -> Any:
+    axes = varying_axes(*args)
+    if not (interpret and axes):
+      shapes = jax.tree.map(lambda s: _varying_struct(s, axes), out_shape)
+      return pl.pallas_call(kernel, out_shape=shapes, interpret=interpret, **kwargs)(*args)
+    mesh_axes = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a in axes)
+    launch = pl.pallas_call(kernel, out_shape=jax.tree.map(lambda s: _varying_struct(s, frozenset()), out_shape),
+                            interpret=True, **kwargs)
+    varying = [i for i, a in enumerate(args) if varying_axes(a)]
+
+    def every_shard(a):  # varying over all of `mesh_axes`, then [shards, ...] on every device
+      missing = tuple(ax for ax in mesh_axes if ax not in varying_axes(a))
+      return jax.lax.all_gather(jax.lax.pcast(a, missing, to="varying") if missing else a, mesh_axes,
+                                axis=0, tiled=False, to="invarying")
+
+    def one_shard(shard_args):
+      full = list(args)
+      for i, a in zip(varying, shard_args):
+        full[i] = a
+      return launch(*full)
+
+    outs = jax.lax.map(one_shard, [every_shard(args[i]) for i in varying])
+    own = jax.lax.axis_index(mesh_axes)
+    return jax.tree.map(lambda o: o[own], outs)
+  return call
 
 
 def cdiv(a: int, b: int) -> int:

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 
 from pallas_kernels.common import check_pow2_dim, resolve_interpret
 from pallas_kernels.config_rules import NUM_STAGES, NUM_WARPS, KernelConfig, field, pow2
@@ -171,7 +172,7 @@ def gdn_decode(q, k, v, state, A_log, a, dt_bias, b, scale=None, *,
   gate_spec = pl.BlockSpec((None, None, 1), lambda i, h, j: (i, 0, h))
   head_spec = pl.BlockSpec((1,), lambda i, h, j: (h,))
   state_spec = pl.BlockSpec((None, None, block_v, d), lambda i, h, j: (i, h, j, 0))
-  return pl.pallas_call(
+  return common.pallas_call(
       _decode_kernel,
       out_shape=(jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
                  jax.ShapeDtypeStruct(state.shape, jnp.float32)),

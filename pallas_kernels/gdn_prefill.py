@@ -48,6 +48,7 @@ from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 
 from pallas_kernels.common import resolve_interpret
 from pallas_kernels.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field, one_of
@@ -260,7 +261,7 @@ def gdn_prefill(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale=None, *,
   head_spec = pl.BlockSpec((1,), lambda n, h, j: (h,))
   state_spec = pl.BlockSpec((None, None, block_v, d), lambda n, h, j: (n, h, j, 0))
   kernel = functools.partial(_prefill_kernel, chunk=config.chunk, precision=config.dot_precision)
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
                  jax.ShapeDtypeStruct(state.shape, jnp.float32)),

@@ -82,6 +82,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels import fp_formats
@@ -360,7 +361,7 @@ def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv
   kv4_flat = kv_fp4.reshape(rows4, bytes4)
   scale = jnp.asarray(sm_scale, jnp.float32).reshape(1)
   block_h = split_cfg.block_h
-  o_part, lse_part = pl.pallas_call(
+  o_part, lse_part = common.pallas_call(
       functools.partial(_split_kernel, lay=lay, block_k=split_cfg.block_k),
       out_shape=(jax.ShapeDtypeStruct((batch, lay.splits, heads, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, lay.splits, heads), jnp.float32)),

@@ -43,6 +43,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import (NT_DIMS, cdiv, check_nt_operands, fit_block, fitted_candidates, next_pow2,
@@ -334,7 +335,7 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
   def whole(x):
     return pl.BlockSpec(x.shape, lambda *_, nd=x.ndim: (0,) * nd)
 
-  partial = pl.pallas_call(
+  partial = common.pallas_call(
       functools.partial(_logits_kernel, m=m, d=d, e=e, block_m=gemm.block_m, block_e=gemm.block_e,
                         block_d=gemm.block_d, d_blocks_per_split=_d_blocks_per_split(gemm, d)),
       out_shape=jax.ShapeDtypeStruct((num_splits, m, e), jnp.float32),
@@ -347,7 +348,7 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
   )(hidden, weight)
   epilogue_block_m = config.epilogue.block_m
   splits_per_load = _splits_per_load(epilogue_block_m, config.epilogue.num_warps, num_splits, experts_padded)
-  return pl.pallas_call(
+  return common.pallas_call(
       functools.partial(_reduce_and_route_kernel, m=m, e=e, top_k=top_k, top_k_padded=top_k_padded,
                         num_splits=num_splits, block_m=epilogue_block_m, experts_padded=experts_padded,
                         splits_per_load=splits_per_load),

@@ -55,6 +55,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import MIN_DOT_DIM, cdiv, check_pow2_dim, next_pow2, resolve_interpret
@@ -199,7 +200,7 @@ def index_scores(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_le
   n = jnp.minimum(seq_lens.astype(jnp.int32) // compress, max_pages * page).reshape(batch, 1)
   kernel = functools.partial(_score_kernel, block_keys=score.block_keys, chunk_keys=score.chunk_keys,
                              page=page, max_pages=max_pages, scale=1.0 / math.sqrt(head_dim))
-  return pl.pallas_call(
+  return common.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((batch, chunks * score.chunk_keys), jnp.float32),
       grid=(batch, chunks),

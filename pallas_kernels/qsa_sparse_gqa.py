@@ -46,6 +46,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import MIN_DOT_DIM, cdiv, check_pow2_dim, fitted_candidates, next_pow2, resolve_interpret
@@ -223,7 +224,7 @@ def qsa_sparse_gqa_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
   interpret = resolve_interpret(interpret)
 
   kv_spec = pl.BlockSpec((num_pages * page, None, head_dim), lambda b, g, s: (0, g, 0))
-  o_part, lse_part = pl.pallas_call(
+  o_part, lse_part = common.pallas_call(
       functools.partial(_split_kernel, block_ids=split.block_k,
                         steps=split.keys_per_split // split.block_k, compress=compress, page=page,
                         max_pages=max_pages),

@@ -58,6 +58,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import check_pow2_dim, fit_block, fitted_candidates, resolve_interpret
@@ -243,7 +244,7 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale
   kernel = functools.partial(_sparse_mla_prefill_kernel, num_kv=num_kv, topk=topk,
                              block_k=block_k, block_d=block_d, split_d=block_d < head_dim)
   head_spec = pl.BlockSpec((block_h,), lambda g, c, i: (g,))
-  out, lse = pl.pallas_call(
+  out, lse = common.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((m, num_heads), jnp.float32)),

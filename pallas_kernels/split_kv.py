@@ -34,6 +34,7 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import resolve_interpret
@@ -142,7 +143,7 @@ def combine_splits(o_part: jax.Array, lse_part: jax.Array, sink: jax.Array | Non
   if with_lse:
     out_shape.append(jax.ShapeDtypeStruct((rows, heads), jnp.float32))
     out_specs.append(pl.BlockSpec((None, block_h), lambda h, r, d: (r, h)))
-  outputs = pl.pallas_call(
+  outputs = common.pallas_call(
       functools.partial(_combine_kernel, num_splits=num_splits, has_sink=sink is not None,
                         with_lse=with_lse),
       out_shape=tuple(out_shape),

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl
+from jaxkern.spmd import Split
 from pallas_kernels import gdn_decode as gdn_kernels
 
 # ------------------------------------------------------------------ references
@@ -152,23 +153,31 @@ def gdn_flops(tokens: int, axes: Mapping[str, int]) -> int:
   return 7 * tokens * axes["num_v_heads"] * axes["head_size"] * axes["head_size"]
 
 
-def gdn_decode_cost(definition, axes, *, inputs=None, record=None):
+def gdn_decode_cost(definition, axes, *, inputs=None, record=None, config=None):
   """Gated delta rule, one token per sequence: FLOPs 7 B HV K V (see
   `gdn_flops`; the per-head gates are not counted), matrix-vector work on
   the FP32 (non-tensor-core) peak. Bytes: all inputs read once (the f32
   state [B,HV,K,V] dominates) and output and new_state written once."""
-  return gdn_flops(axes["batch_size"] * axes["seq_len"], axes), roofline.io_bytes(definition, axes), "fp32"
+  return roofline.Work(gdn_flops(axes["batch_size"] * axes["seq_len"], axes), roofline.io_bytes(definition, axes),
+                       "fp32")
 
 
 # ------------------------------------------------------------------ registry
 
+# How the op splits across devices (`jaxkern.spmd`): batch and heads (q/k
+# heads with the v heads that read them: v head h reads q/k head h // (HV/HQ)).
+SPLIT = Split(inputs={"q": "b o h dk", "k": "b o h dk", "v": "b o h dv", "state": "b h dv dk", "A_log": "h",
+                      "a": "b o h", "dt_bias": "h", "b": "b o h", "scale": ""},
+              outputs=("b o h dv", "b h dv dk"), independent="b h",
+              reasons={"dk": "the contraction: partial sums would need a reduction across devices", "dv": "the state's rows are updated from all of them"})
 IMPL = OpImpl(reference=gdn_decode_reference,
               kernel=gdn_kernels.gdn_decode,
               make_inputs=make_decode_inputs,
               choose_config=gdn_kernels.choose_config,
               candidate_configs=gdn_kernels.candidate_configs,
               cpu_axes=decode_cpu_axes,
-              cost=gdn_decode_cost)
+              cost=gdn_decode_cost,
+              split=SPLIT)
 IMPLS = (IMPL,)
 
 
@@ -178,10 +187,15 @@ IMPLS = (IMPL,)
 
 def gdn_decode(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log: jax.Array,  # pylint: disable=invalid-name
                a: jax.Array, dt_bias: jax.Array, b: jax.Array, scale: float | jax.Array | None = None, *,
-               config: Any = None, backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+               config: Any = None, backend: dispatch.Backend = None,
+               checks: bool = False) -> tuple[jax.Array, jax.Array]:
   """Gated delta net decode step (Qwen3-Next): q, k [B, 1, HQ, D], v [B, 1, HV, D],
   k-last state [B, HV, V, K] f32, a, b [B, 1, HV], A_log, dt_bias [HV];
-  scale None/0 -> D**-0.5. Returns (output [B, 1, HV, D] bf16, new_state f32)."""
+  scale None/0 -> D**-0.5. Returns (output [B, 1, HV, D] bf16, new_state f32).
+
+  Contract: any B >= 0; HV a multiple of HQ; q, k, v, a, b bf16. Rows are
+  independent and there are no index inputs (`checks=True` has nothing to
+  check); non-finite values reach their own row's output and state."""
   inputs = dict(q=q, k=k, v=v, state=state, A_log=A_log, a=a, dt_bias=dt_bias, b=b,
                 scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32))
-  return dispatch.run(IMPL, inputs, config=config, backend=backend)
+  return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

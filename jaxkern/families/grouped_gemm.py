@@ -40,11 +40,13 @@ from typing import Any, Mapping
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkern import dispatch
 from jaxkern import quant
 from jaxkern import roofline
-from jaxkern.family import OpImpl, cdiv
+from jaxkern.family import OpImpl, Precondition, cdiv, in_range, varying_like
+from jaxkern.spmd import Split
 from pallas_kernels import grouped_gemm as kernel_lib
 
 TOP_K = 6          # routed experts per token (DeepSeek-V4.1-Flash)
@@ -114,7 +116,8 @@ def grouped_gemm_fp8_fp4_reference(a: jax.Array, a_scale: jax.Array, b: jax.Arra
   def per_expert(e, c):
     return lax.cond(last[e] >= 0, expert_rows, lambda e, c: c, e, c)
 
-  return lax.fori_loop(0, num_experts, per_expert, jnp.zeros((m, n), jnp.bfloat16))
+  out = varying_like(jnp.zeros((m, n), jnp.bfloat16), a, a_scale, b, b_scale, expert_ids)
+  return lax.fori_loop(0, num_experts, per_expert, out)
 
 
 # ----------------------------------------------------------------------------
@@ -213,18 +216,48 @@ def expected_experts(rows: int, experts: int) -> float:
   return experts * (1.0 - (1.0 - 1.0 / experts) ** rows)
 
 
-def grouped_gemm_cost(definition, axes, *, inputs=None, record=None):
+def grouped_gemm_cost(definition, axes, *, inputs=None, record=None, config=None):
   """C[m] = a[m] (FP8, UE8M0 scale per 32 k) times expert e(m)'s FP4 weight.
-  FLOPs 2MNK, every row counted (padding rows `-1` are data, not axes), on
-  the FP8 peak (Hopper has no FP4 tensor cores). Bytes: a, a_scale,
-  expert_ids read and C written once; of the weights b and b_scale (packed
-  e2m1 and UE8M0 bytes as stored) only the experts the rows route to, the
-  expected number of distinct experts under uniform routing
-  (`expected_experts(M, E)`, exact for M=1; at most min(M, E))."""
+  With the run's `expert_ids`: FLOPs 2 N K per routed row (ids in [0, E);
+  padding rows are only written as zeros), bytes of a and a_scale for those
+  rows, and of the weights b and b_scale (packed e2m1 and UE8M0 bytes as
+  stored) only the distinct experts the rows route to. Without inputs, every
+  row is counted and the experts are the expected number of distinct experts
+  under uniform routing (`expected_experts(M, E)`, exact for M=1; a bound,
+  since real routing is skewed). expert_ids read and C written once. The
+  FLOPs are judged against the peak of the kernel's dot operands
+  (`pallas_kernels.grouped_gemm.dot_operand_dtype`: fp8, the weights decoded
+  to e4m3; Hopper has no FP4 tensor cores)."""
   m, e = axes["M"], axes["E"]
   per_expert = (roofline.tensor_bytes(definition, "b", axes) + roofline.tensor_bytes(definition, "b_scale", axes)) / e
-  weights = round(expected_experts(m, e) * per_expert)
-  return 2 * m * axes["N"] * axes["K"], roofline.io_bytes(definition, axes, skip=("b", "b_scale")) + weights, "fp8"
+  per_row = (roofline.tensor_bytes(definition, "a", axes) + roofline.tensor_bytes(definition, "a_scale", axes)) / max(m, 1)
+  ids = None if inputs is None else inputs.get("expert_ids")
+  if ids is None:
+    rows, experts, source = m, expected_experts(m, e), "axes"
+  else:
+    ids = roofline.host(ids)
+    routed = ids[(ids >= 0) & (ids < e)]
+    rows, experts, source = routed.size, np.unique(routed).size, "inputs"
+  nbytes = (roofline.io_bytes(definition, axes, skip=("a", "a_scale", "b", "b_scale"))
+            + round(rows * per_row) + round(experts * per_expert))
+  dtype_class = "fp8" if jnp.dtype(kernel_lib.dot_operand_dtype(config)).itemsize == 1 else "bf16"
+  return roofline.Work(2 * rows * axes["N"] * axes["K"], nbytes, dtype_class, counted_from=source)
+
+
+# How the op splits across devices (`jaxkern.spmd`): rows (with their expert
+# ids) and output columns. Experts do not split here, as rows name them by
+# global id: expert parallelism is a shard_map with local ids
+# (examples/moe_block.py).
+SPLIT = Split(inputs={"a": "m k", "a_scale": "m g", "b": "e n kp", "b_scale": "e n g", "expert_ids": "m"},
+              outputs=("m n",), independent="m n",
+              reasons={"k": "the contraction: partial sums would need a reduction across devices", "kp": "the contraction: partial sums would need a reduction across devices", "g": "the contraction: partial sums would need a reduction across devices",
+                       "e": "rows carry global expert ids; for expert parallelism call the op inside "
+                            "jax.shard_map on each device's rows with local ids (examples/moe_block.py)"})
+def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
+  """Checked mode: every expert id is -1 or an expert of b."""
+  ids, experts = inputs["expert_ids"], inputs["b"].shape[0]
+  return [Precondition("expert_ids", (ids == -1) | in_range(ids, 0, experts),
+                       f"-1 (padding row) or [0, E) with E = {experts} (b.shape[0])")]
 
 
 IMPL = OpImpl(
@@ -235,6 +268,8 @@ IMPL = OpImpl(
     candidate_configs=kernel_lib.candidate_configs,
     cpu_axes=cpu_axes,
     cost=grouped_gemm_cost,
+    split=SPLIT,
+    preconditions=preconditions,
 )
 IMPLS = (IMPL,)
 
@@ -244,24 +279,29 @@ IMPLS = (IMPL,)
 
 
 def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
-                         expert_ids: jax.Array, *, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
-  """MoE expert GEMM, FP8 activations x MXFP4 weights (SPEC 4.3):
-  `C[m] = dequant(a[m]) @ dequant(b[expert_ids[m]])^T`, bf16 [M, N],
-  accumulated in fp32. Quantizers: `jaxkern.quant`.
+                         expert_ids: jax.Array, *, config: Any = None, backend: dispatch.Backend = None,
+                         checks: bool = False) -> jax.Array:
+  """MoE expert GEMM, FP8 activations x MXFP4 weights (SPEC 4.3).
 
   Contract (both backends):
-  * a [M, K] float8_e4m3fn with a_scale [M, K/32] uint8 (UE8M0: 2^(s-127));
-    b [E, N, K/2] uint8, two e2m1 codes a byte (low nibble = even k), with
-    b_scale [E, N, K/32] uint8; expert_ids [M] int32. K a multiple of 32;
-    M = 0 gives [0, N].
-  * expert_ids in [0, E) select the row's expert, in any row order (rows
-    grouped by expert, DeepGEMM's contiguous layout, are the fast case);
-    any id outside [0, E) (-1 is the padding id) gives a row of zeros.
-  * Scale bytes 1..254 are powers of two; 255 (invalid in UE8M0) gives
-    inf/NaN and 0 gives 0 on the Pallas path (2^-127 on the XLA path).
+  * a [M, K] float8_e4m3fn with UE8M0 a_scale [M, K/32] uint8 (2^(s-127));
+    b [E, N, K/2] uint8 packed e2m1 (low nibble = even k) with UE8M0 b_scale
+    [E, N, K/32] uint8; K a multiple of 32; any M >= 0, N, E >= 1. Returns
+    bf16 [M, N]: row m = a[m] times expert expert_ids[m]'s weight, fp32
+    accumulation. Quantizers: `jaxkern.quant`.
+  * expert_ids [M] int32, valid: -1 (padding row) or [0, E), in any order
+    (rows grouped by expert, DeepGEMM's contiguous layout, are the fast
+    case, not a requirement).
+  * Outside the valid range (< -1 or >= E) a row is invalid like a padding
+    row: it contributes nothing and its output row is 0. `checks=True`
+    reports such an id instead (`jaxkern.dispatch`).
+  * Scale byte 255 (UE8M0's NaN) and non-finite a are not masked: they reach
+    the rows that use them. Scale byte 0 gives 0 on the Pallas path (2^-127
+    on the XLA path).
   * The Pallas path rejects other shapes or dtypes with a ValueError naming
     the input; both paths give the same answer up to fp32 summation order
     (bit-equal on CPU in the tests; on a GPU the fp8 tensor cores'
-    accumulation within each 32-k group)."""
+    accumulation within each 32-k group).
+  """
   inputs = {"a": a, "a_scale": a_scale, "b": b, "b_scale": b_scale, "expert_ids": expert_ids}
-  return dispatch.run(IMPL, inputs, config=config, backend=backend)
+  return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

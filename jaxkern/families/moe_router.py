@@ -21,6 +21,7 @@ from jaxkern import compare
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, shrink_rows
+from jaxkern.spmd import Split
 from pallas_kernels import moe_router as kernel_lib
 
 ROUTED_SCALING_FACTOR = 1.5  # DeepSeek-V4.1-Flash
@@ -96,18 +97,24 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def moe_router_cost(definition, axes, *, inputs=None, record=None):
+def moe_router_cost(definition, axes, *, inputs=None, record=None, config=None):
   """logits = hidden[M,D] weight[E,D]^T, then scoring and top-k on chip.
   FLOPs 2MED (the epilogue's per-logit math is not counted); bytes hidden +
   weight + bias + scalar read, ids and weights [M,TOPK] written."""
-  return 2 * axes["M"] * axes["E"] * axes["D"], roofline.io_bytes(definition, axes), "bf16"
+  return roofline.Work(2 * axes["M"] * axes["E"] * axes["D"], roofline.io_bytes(definition, axes), "bf16")
 
 
+# How the op splits across devices (`jaxkern.spmd`): tokens; the top-k needs
+# every expert's score and each score the whole hidden vector.
+SPLIT = Split(inputs={"hidden": "m d", "weight": "e d", "bias": "e", "routed_scaling_factor": ""},
+              outputs=("m t", "m t"), independent="m",
+              reasons={"d": "the contraction: partial sums would need a reduction across devices", "e": "each token's top-k chooses among all experts"})
 IMPL = OpImpl(reference=moe_router_reference, kernel=kernel_lib.moe_router_topk, make_inputs=make_inputs,
               choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
               cpu_axes=cpu_axes, cost=moe_router_cost, axis_params={"top_k": "TOPK"},
               policies={"expert_ids": compare.TopK(scores=selection_scores),
-                        "expert_weights": compare.PairedWith("expert_ids")})
+                        "expert_weights": compare.PairedWith("expert_ids")},
+              split=SPLIT)
 IMPLS = (IMPL,)
 
 
@@ -117,11 +124,24 @@ IMPLS = (IMPL,)
 
 def moe_router(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
                routed_scaling_factor: float | jax.Array = ROUTED_SCALING_FACTOR, *, top_k: int = 6,
-               config: Any = None, backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
-  """DeepSeek-V4 sqrtsoftplus router: hidden [..., D], weight [E, D], bias [E]
-  -> (expert_ids int32 [..., top_k] ascending, expert_weights f32 [..., top_k])."""
+               config: Any = None, backend: dispatch.Backend = None,
+               checks: bool = False) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek-V4 sqrtsoftplus router (SPEC 4.2).
+
+  Contract:
+  * hidden [..., D] bf16 (any number of rows, 0 included), weight [E, D]
+    bf16, bias [E] f32, routed_scaling_factor a scalar; 1 <= top_k <= E.
+    Returns (expert_ids int32 [..., top_k] ascending, expert_weights f32
+    [..., top_k] permuted with them).
+  * No index inputs (`checks=True` has nothing to check). Selection ranks
+    scores + bias; equal values go to the lower expert id; a NaN ranks
+    above every number (`lax.top_k`'s order), so a row of NaN selects
+    experts 0..top_k-1. expert_ids are always in [0, E); a row whose
+    selected scores are not finite gets non-finite weights.
+  """
   *batch, d = hidden.shape
   inputs = {"hidden": hidden.reshape(-1, d), "weight": weight, "bias": bias,
             "routed_scaling_factor": jnp.asarray(routed_scaling_factor, jnp.float32)}
-  ids, weights = dispatch.run(IMPL, inputs, const_axes={"TOPK": top_k}, config=config, backend=backend)
+  ids, weights = dispatch.run(IMPL, inputs, const_axes={"TOPK": top_k}, config=config, backend=backend,
+                              checks=checks)
   return ids.reshape(*batch, top_k), weights.reshape(*batch, top_k)

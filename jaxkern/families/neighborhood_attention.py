@@ -23,7 +23,8 @@ import jax.numpy as jnp
 
 from jaxkern import dispatch
 from jaxkern import roofline
-from jaxkern.family import OpImpl, cdiv
+from jaxkern.family import OpImpl, cdiv, varying_like
+from jaxkern.spmd import Split
 from pallas_kernels import neighborhood_attention as kernel_lib
 
 # The reference processes query t-planes in groups of at most this many
@@ -59,6 +60,8 @@ def neighborhood_attention_3d_reference(q, k, v, *, KT: int, KY: int, KX: int) -
   fp32 accumulator, never a `[queries, neighbours, D]` tensor.
   """
   batch, t_len, y_len, x_len, num_heads, head_dim = q.shape
+  if q.size == 0:  # B = 0 or H = 0 (or D = 0): nothing to attend
+    return jnp.zeros(q.shape, q.dtype)
   starts_t, starts_y, starts_x = (window_starts(n, w) for n, w in
                                   ((t_len, KT), (y_len, KY), (x_len, KX)))
   plane = batch * y_len * x_len * num_heads * head_dim
@@ -86,14 +89,13 @@ def neighborhood_attention_3d_reference(q, k, v, *, KT: int, KY: int, KX: int) -
       return o, m_next, correction * l + p
 
     shape = q_g.shape[:-1]
-    o, _, l = lax.fori_loop(0, KT * KY * KX, step,
-                            (jnp.zeros(q_g.shape, jnp.float32),
-                             jnp.full(shape, -jnp.inf, jnp.float32),
-                             jnp.zeros(shape, jnp.float32)))
+    o, _, l = lax.fori_loop(0, KT * KY * KX, step, varying_like(
+        (jnp.zeros(q_g.shape, jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32)),
+        q, k, v))
     return (o / l[..., None]).astype(q.dtype)
 
   # Groups write into the output in place (no stacked copy of the result).
-  out = jnp.zeros((batch, num_groups * group, y_len, x_len, num_heads, head_dim), q.dtype)
+  out = varying_like(jnp.zeros((batch, num_groups * group, y_len, x_len, num_heads, head_dim), q.dtype), q, k, v)
   out = lax.fori_loop(0, num_groups, lambda g, out: lax.dynamic_update_slice_in_dim(
       out, one_group(g), g * group, axis=1), out)
   return out[:, :t_len]
@@ -162,20 +164,25 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def neighborhood_attention_3d_cost(definition, axes, *, inputs=None, record=None):
+def neighborhood_attention_3d_cost(definition, axes, *, inputs=None, record=None, config=None):
   """3-D neighborhood attention: each query sees exactly KT*KY*KX keys (NATTEN
   windows are shifted inward at borders, never truncated), so FLOPs
   4 B T Y X H D KT KY KX. Bytes: q, k, v read and o written once (each key
   row is shared by up to KT*KY*KX queries but read once)."""
   n = axes["B"] * axes["T"] * axes["Y"] * axes["X"]
   flops = 4 * n * axes["H"] * axes["D"] * axes["KT"] * axes["KY"] * axes["KX"]
-  return flops, roofline.io_bytes(definition, axes), "bf16"
+  return roofline.Work(flops, roofline.io_bytes(definition, axes), "bf16")
 
 
 # ---------------------------------------------------------------------------
 # Registration.
 
 
+# How the op splits across devices (`jaxkern.spmd`): batch and heads; the
+# windows of a split T, Y or X axis would reach across shards.
+_WINDOW = "neighborhood windows reach across a split of it (a halo exchange would be needed)"
+SPLIT = Split(inputs={"q": "b t y x h d", "k": "b t y x h d", "v": "b t y x h d"}, outputs=("b t y x h d",),
+              independent="b h", reasons={"t": _WINDOW, "y": _WINDOW, "x": _WINDOW, "d": "the contraction: partial sums would need a reduction across devices"})
 IMPL = OpImpl(
     reference=neighborhood_attention_3d_reference,
     kernel=kernel_lib.neighborhood_attention_3d,
@@ -184,6 +191,8 @@ IMPL = OpImpl(
     candidate_configs=kernel_lib.candidate_configs,
     cpu_axes=cpu_axes,
     cost=neighborhood_attention_3d_cost,
+    split=SPLIT,
+    differentiable_kernel=True,
 )
 IMPLS = (IMPL,)
 
@@ -194,11 +203,16 @@ IMPLS = (IMPL,)
 
 def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *,
                               kernel_size: int | tuple[int, int, int], config: Any = None,
-                              backend: dispatch.Backend = None) -> jax.Array:
+                              backend: dispatch.Backend = None, checks: bool = False) -> jax.Array:
   """3-D neighborhood attention, NATTEN `na3d` semantics with `scale=1` (q
   already scaled): q, k, v [B, T, Y, X, H, D]; each query attends to the
   `kernel_size` (KT, KY, KX, or one int for all) window around it, shifted
-  inward at the borders. Returns o [B, T, Y, X, H, D] in q's dtype."""
+  inward at the borders. Returns o [B, T, Y, X, H, D] in q's dtype.
+
+  Contract: one float dtype (bf16); B, H >= 0; 1 <= KT <= T, KY <= Y,
+  KX <= X (the windows must fit: every query sees exactly KT*KY*KX keys);
+  no masks and no index inputs (`checks=True` has nothing to check);
+  non-finite values reach the queries whose windows hold them."""
   kt, ky, kx = (kernel_size,) * 3 if isinstance(kernel_size, int) else kernel_size
   return dispatch.run(IMPL, {"q": q, "k": k, "v": v}, const_axes={"KT": kt, "KY": ky, "KX": kx}, config=config,
-                      backend=backend)
+                      backend=backend, checks=checks)
