@@ -121,7 +121,7 @@ def _fit(config: MoeRouterConfig, m: int, d: int, e: int) -> MoeRouterConfig:
   return MoeRouterConfig(gemm=gemm, epilogue=epilogue)
 
 
-def gemm_programs(gemm: RouterGemmStage, m: int, d: int, e: int) -> int:
+def gemm_programs(gemm: RouterGemmStage, m: int, e: int) -> int:
   """Programs of the GEMM kernel for a fitted stage."""
   return cdiv(m, gemm.block_m) * cdiv(e, gemm.block_e) * gemm.split_d
 
@@ -144,7 +144,7 @@ def _gemm_stage(m: int, d: int, e: int, sms: int) -> RouterGemmStage:
   for block_m, block_e in _TILES:
     gemm = RouterGemmStage(block_m, block_e, block_d, 1, num_warps=8 if block_m * block_e >= 8192 else 4,
                            num_stages=3)
-    if gemm_programs(_fit(MoeRouterConfig(gemm), m, d, e).gemm, m, d, e) >= _FILL * sms:
+    if gemm_programs(_fit(MoeRouterConfig(gemm), m, d, e).gemm, m, e) >= _FILL * sms:
       return gemm
   tiles = cdiv(m, 16) * cdiv(e, 16)
   d_blocks = cdiv(d, block_d)

@@ -232,17 +232,17 @@ def test_heuristic_fills_the_gpu_at_decode_and_reads_the_weight_once_per_128_row
   for m in (1, 2, 3, 16):
     gemm = mr.choose_config(shapes(m)).gemm
     assert (gemm.block_m, gemm.block_e, gemm.block_d, gemm.split_d) == (16, 16, 128, 7), m
-    assert mr.gemm_programs(gemm, m, D, E) == 24 * 1 * 7 >= 132
+    assert mr.gemm_programs(gemm, m, E) == 24 * 1 * 7 >= 132
     blocks, per_split = -(-D // gemm.block_d), mr._d_blocks_per_split(gemm, D)
     assert (gemm.split_d - 1) * per_split < blocks <= gemm.split_d * per_split  # no empty split
   assert mr.choose_config(shapes(1)).epilogue == mr.RouterEpilogueStage(block_m=1, num_warps=8)
   big = mr.choose_config(shapes(4096))
   assert (big.gemm.block_m, big.gemm.block_e, big.gemm.split_d) == (128, 128, 1)
-  assert mr.gemm_programs(big.gemm, 4096, D, E) == 3 * 32
+  assert mr.gemm_programs(big.gemm, 4096, E) == 3 * 32
   assert big.epilogue == mr.RouterEpilogueStage(8, 4)
   for m in RECORDED_M + (8192, 100_000):
     c = mr.choose_config(shapes(m))
-    assert mr.gemm_programs(c.gemm, m, D, E) >= 0.7 * 132 and c.gemm.split_d <= 16, (m, c)
+    assert mr.gemm_programs(c.gemm, m, E) >= 0.7 * 132 and c.gemm.split_d <= 16, (m, c)
     assert c.gemm.num_warps == (8 if c.gemm.block_m * c.gemm.block_e >= 8192 else 4)
 
 
