@@ -42,6 +42,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 Arrays = Mapping[str, jax.Array]
 Factors = dict[str, tuple[str, ...]]  # dimension name -> mesh axes splitting it
+# Why a contraction dimension cannot be split (the reason most ops give).
+CONTRACTION = "the contraction: partial sums would need a reduction across devices"
 
 
 @dataclasses.dataclass(frozen=True)
