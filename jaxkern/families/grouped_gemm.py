@@ -231,12 +231,12 @@ def grouped_gemm_cost(definition, axes, *, inputs=None, record=None):
 # How the op splits across devices (`jaxkern.spmd`): rows (with their expert
 # ids) and output columns. Experts do not split here, as rows name them by
 # global id: expert parallelism is a shard_map with local ids
-# (examples/moe_block.py).
+# (examples/moe_sharded.py).
 SPLIT = Split(inputs={"a": "m k", "a_scale": "m g", "b": "e n kp", "b_scale": "e n g", "expert_ids": "m"},
               outputs=("m n",), independent="m n",
               reasons={"k": CONTRACTION, "kp": CONTRACTION, "g": CONTRACTION,
                        "e": "rows carry global expert ids; for expert parallelism call the op inside "
-                            "jax.shard_map on each device's rows with local ids (examples/moe_block.py)"})
+                            "jax.shard_map on each device's rows with local ids (examples/moe_sharded.py)"})
 IMPL = OpImpl(
     reference=grouped_gemm_fp8_fp4_reference,
     kernel=kernel_lib.grouped_gemm_fp8_fp4,
