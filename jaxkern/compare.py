@@ -140,17 +140,18 @@ def compare_exact(name: str, x: jax.Array, y: jax.Array) -> OutputComparison:
 
 
 def _close(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> np.ndarray:
-  """FIB rule, elementwise; -inf pads on both sides match."""
+  """FIB rule, elementwise; a non-finite value matches only the same one
+  (-inf pads on both sides; NaN and NaN, as in `_float_stats`)."""
   both = np.isfinite(a) & np.isfinite(b)
   d = np.abs(np.where(both, a, 0.0) - np.where(both, b, 0.0))
-  return np.where(both, (d <= atol) | (d <= rtol * np.abs(b)), a == b)
+  return np.where(both, (d <= atol) | (d <= rtol * np.abs(b)), (a == b) | (np.isnan(a) & np.isnan(b)))
 
 
 def check_topk_rows(x: np.ndarray, y: np.ndarray, scores: np.ndarray, atol: float, rtol: float):
   """Per row of a top-k selection: (exact, tie_accepted) boolean vectors."""
   x = x.reshape(-1, x.shape[-1]).astype(np.int64)
   y = y.reshape(-1, y.shape[-1]).astype(np.int64)
-  scores = scores.reshape(x.shape[0], -1).astype(np.float32)
+  scores = scores.reshape(x.shape[0], scores.shape[-1]).astype(np.float32)  # zero rows too
   n = scores.shape[-1]
   exact = (x == y).all(-1)
   valid = (x >= 0) & (x < n)

@@ -15,17 +15,32 @@ definition's input names and calls `run` once with its `OpImpl`. `run`:
    inputs per shard where the family's `split` allows (`jaxkern.spmd`), the
    config then chosen for the shard's shapes.
 
+Checked mode (`checks=True`, off by default): before either path, each of
+the family's `OpImpl.preconditions` (valid ranges of index and length
+inputs) becomes a `checkify.check` whose message names the op, the
+argument, the first offending element and value, and the valid range.
+Eager calls on concrete arrays raise `checkify.JaxRuntimeError` at once;
+under `jit` the checks must be functionalized: `checked(jax.jit(f))` (or
+`checkify.checkify` and `Error.throw()` by hand) raises the same error.
+
 Everything that applies to every op call belongs here, so that it is one
 edit: a checked mode that validates index preconditions
 (`jax.experimental.checkify` around the call), sharding (`shard_map` of the
-call over a mesh), differentiable kernels (a family may give its `OpImpl` a
-`jax.custom_vjp` kernel; `run` calls it like any other).
+call over a mesh), gradients (`jaxkern.autodiff`: a kernel with its own
+`jax.custom_vjp` is called as is, any other is differentiated through its
+reference; both paths raise the same clear error where an op has no
+gradient).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping
+import functools
+from typing import Any, Callable, Literal, Mapping
 
+from jax.experimental import checkify
+import jax.numpy as jnp
+
+from jaxkern import autodiff
 from jaxkern import spmd
 from jaxkern import tuning
 from jaxkern.family import OpImpl, bind_axes
@@ -56,28 +71,72 @@ def tuned_config(impl: OpImpl, inputs: Mapping[str, Any], const_axes: Mapping[st
   return choice.config if choice.source == tuning.TUNED else None
 
 
+def check_preconditions(impl: OpImpl, inputs: Mapping[str, Any], const_axes: Mapping[str, int]) -> None:
+  """Checked mode: one `checkify.check` per precondition of `impl`, naming
+  the first invalid element of its argument, the value there and the valid
+  range (`OpImpl.preconditions`)."""
+  if impl.preconditions is None:
+    return
+  op = impl.reference.__module__.rpartition(".")[2]
+  for rule in bind_axes(impl.preconditions, const_axes, impl.axis_params)(inputs):
+    valid = jnp.asarray(rule.valid, bool)
+    value = jnp.asarray(inputs[rule.argument])
+    if valid.shape != value.shape:
+      raise ValueError(f"{op}: precondition of {rule.argument} is shaped {valid.shape}, the input {value.shape}")
+    if valid.size == 0:
+      continue
+    first = jnp.argmin(valid.reshape(-1))  # the first False (0 if none)
+    where = jnp.unravel_index(first, valid.shape)
+    index = f"[{', '.join(['{}'] * valid.ndim)}]" if valid.ndim else ""
+    expected = rule.expected.replace("{", "{{").replace("}", "}}")
+    checkify.check(jnp.all(valid), f"{op}: {rule.argument}{index} = {{}} is outside its valid range: {expected}",
+                   *where, value.reshape(-1)[first])
+
+
+def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """`fn` (jitted or not) with the checks of the ops it calls with
+  `checks=True` functionalized (`checkify.checkify`) and raised after the
+  call: a failing check raises `checkify.JaxRuntimeError`."""
+  functionalized = checkify.checkify(fn)
+
+  @functools.wraps(fn)
+  def run_checked(*args, **kwargs):
+    error, out = functionalized(*args, **kwargs)
+    error.throw()
+    return out
+
+  return run_checked
+
+
 def run(impl: OpImpl, inputs: Mapping[str, Any], *, backend: Backend = None, config: Any = None,
         const_axes: Mapping[str, int] | None = None, params: Mapping[str, Any] | None = None,
-        interpret: bool | None = None) -> Any:
+        interpret: bool | None = None, checks: bool = False) -> Any:
   """One op call: `impl`'s kernel or reference on `inputs`.
 
   `inputs`: the definition's input names (an optional input may be None);
   `const_axes`: constant axes the call sets (bound to keyword-only parameters
   like the registry does); `params`: keyword arguments both paths take that
   are not inputs of the definition (the attention ops' `sm_scale`, the GEMM's
-  `out_dtype`)."""
+  `out_dtype`); `checks`: checked mode (module docstring)."""
   const_axes = dict(const_axes or {})
   given = {k: v for k, v in inputs.items() if v is not None}
   params = dict(params or {})
+  if checks:
+    check_preconditions(impl, given, const_axes)
   pallas = use_pallas(backend)
   interpret = resolve_interpret(interpret)
+  reference = bind_axes(impl.reference, const_axes, impl.axis_params)
 
-  def call(arrays: Mapping[str, Any]) -> Any:
+  def call(shard: Mapping[str, Any]) -> Any:  # on one shard's arrays (all of them off a mesh)
+    arrays, statics = autodiff.split_arrays({**shard, **params})
     if not pallas:
-      return bind_axes(impl.reference, const_axes, impl.axis_params)(**arrays, **params)
-    chosen = tuned_config(impl, arrays, const_axes) if config is None else config
-    kernel = bind_axes(impl.kernel, const_axes, impl.axis_params)
-    return kernel(**arrays, **params, config=chosen, interpret=interpret)
+      return autodiff.xla_path(reference, arrays, statics)
+    chosen = tuned_config(impl, shard, const_axes) if config is None else config
+    kernel = functools.partial(bind_axes(impl.kernel, const_axes, impl.axis_params), config=chosen,
+                               interpret=interpret)
+    if impl.differentiable_kernel:
+      return kernel(**arrays, **statics)
+    return autodiff.pallas_path(kernel, reference, arrays, statics)
 
   # Interpret mode in its own shard_map skips the vma check: an interpreted
   # kernel would otherwise run once per shard on every device (common.pallas_call).

@@ -28,15 +28,25 @@ Conventions:
   heuristic's choice.
 * `cpu_axes(axes) -> axes`: a shrunk copy that keeps the structure but fits an
   interpret-mode CPU budget (`shrink_rows` and `shrink_until` help).
-* `cost(definition, axes, *, inputs=None, record=None) -> (flops, bytes,
-  dtype_class)`: the roofline work of one run (`jaxkern.roofline`). `axes`
-  are every axis of the run; `inputs` (the run's arrays, when at hand) and
-  `record` let a formula count what the data decides (visible keys, routed
-  experts, valid slots) instead of a bound from the axes.
+* `cost(definition, axes, *, inputs=None, record=None, config=None) ->
+  jaxkern.roofline.Work`: the roofline work of one run. `axes` are every axis
+  of the run; `inputs` (the run's arrays, when at hand) and `record` let a
+  formula count what the data decides (visible keys, routed experts, valid
+  slots, referenced pages) instead of a bound from the axes; `config` (the
+  kernel's, when at hand) which MMA instructions the kernel runs, so the
+  FLOPs are judged against the matching peak.
 * `policies`: output name -> `jaxkern.compare.Policy` for outputs not
   compared by their dtype alone (top-k selections, paired values, states).
 * `split`: how the op splits across devices (`jaxkern.spmd.Split`: the
   dimensions it is independent along); None: never.
+* `differentiable_kernel`: the kernel carries its own VJP (Pallas backward
+  kernels); see `jaxkern.autodiff` for every other op's gradient.
+* `preconditions(inputs) -> list[Precondition]`: the valid ranges of the
+  index and length inputs (constant axes as keyword-only parameters, like
+  `reference`), which checked mode (`jaxkern.ops.<op>(..., checks=True)`,
+  `jaxkern.dispatch`) asserts with `jax.experimental.checkify`. Inputs
+  outside them still get the answer the reference defines; checked mode
+  reports them instead. None: the family has no such inputs.
 """
 
 from __future__ import annotations
@@ -53,8 +63,19 @@ from pallas_kernels.common import varying_axes
 
 Inputs = Mapping[str, jax.Array]
 Shapes = Mapping[str, jax.ShapeDtypeStruct]
-# (flops, bytes, dtype_class): see `jaxkern.roofline.Cost`.
-CostFormula = Callable[..., tuple[int, int, str]]
+# -> jaxkern.roofline.Work (flops, bytes, dtype_class, gather_bytes, counted_from).
+CostFormula = Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Precondition:
+  """One checked-mode rule: every element of input `argument` must be valid.
+  `valid`: bool, shaped like the argument (True = valid); `expected`: the
+  valid range in words, with the sizes it depends on (the error names the
+  first invalid element, its value and this)."""
+  argument: str
+  valid: jax.Array
+  expected: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +90,10 @@ class OpImpl:
   policies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   axis_params: Mapping[str, str] = dataclasses.field(default_factory=dict)  # parameter -> const axis
   split: Split | None = None
+  # True when `kernel` is a `jax.custom_vjp` with its own (Pallas) backward;
+  # otherwise `jaxkern.autodiff` differentiates the kernel through `reference`.
+  differentiable_kernel: bool = False
+  preconditions: Callable[..., list[Precondition]] | None = None
 
 
 def bind_axes(fn: Callable[..., Any], const_axes: Mapping[str, int],
@@ -83,6 +108,11 @@ def bind_axes(fn: Callable[..., Any], const_axes: Mapping[str, int],
     if axis in const_axes:
       bound[name] = const_axes[axis]
   return functools.partial(fn, **bound) if bound else fn
+
+
+def in_range(x: jax.Array, lo: Any, hi: Any) -> jax.Array:
+  """`lo <= x < hi` elementwise (bounds broadcast against x)."""
+  return (x >= lo) & (x < hi)
 
 
 def cdiv(a: int, b: int) -> int:

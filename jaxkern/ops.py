@@ -8,12 +8,16 @@ Each op takes a `backend`:
 and a `config` (see `pallas_kernels.<family>`). Without one, the tuned table
 of the current device kind is consulted for the definition whose constant
 axes match the call (`jaxkern.tuning`), else the kernel's heuristic decides.
+`checks=True` validates the op's index and length inputs (checked mode,
+`jaxkern.dispatch`); under jit, wrap the jitted function in `checked`.
+Each op's docstring states its contract: shapes, dtypes, the valid range of
+every index input and what happens outside it.
 
 This module is the stable import path; each function lives with its family
 (`jaxkern/families/<name>.py`) and runs through `jaxkern.dispatch`.
 """
 
-from jaxkern.dispatch import Backend
+from jaxkern.dispatch import Backend, checked
 from jaxkern.families.dense_gemm import dense_gemm
 from jaxkern.families.flash_attention import attention, block_causal_attention, prefix_cached_attention
 from jaxkern.families.gdn_decode import gdn_decode
@@ -27,7 +31,7 @@ from jaxkern.families.qsa_sparse_gqa import qsa_sparse_gqa_decode
 from jaxkern.families.sparse_mla import sparse_mla_prefill
 
 __all__ = [
-    "Backend", "attention", "block_causal_attention", "dense_gemm", "gdn_decode", "gdn_prefill",
+    "Backend", "attention", "block_causal_attention", "checked", "dense_gemm", "gdn_decode", "gdn_prefill",
     "grouped_gemm_fp8_fp4", "mixed_mla_decode", "moe_router", "neighborhood_attention_3d",
     "prefix_cached_attention", "qsa_index_topk", "qsa_sparse_gqa_decode", "sparse_mla_prefill",
 ]

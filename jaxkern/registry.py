@@ -152,18 +152,21 @@ class Op:
     return tuning.Choice(heuristic, tuning.HEURISTIC)
 
   def cost(self, axes: Mapping[str, int], *, inputs: Mapping[str, jax.Array] | None = None,
-           record: Mapping[str, Any] | None = None) -> roofline.Cost:
+           record: Mapping[str, Any] | None = None, config: Any = None) -> roofline.Cost:
     """FLOPs and minimum HBM bytes of a run at `axes` (the family's formula,
     `OpImpl.cost`). Variable axes suffice; constant axes not given take the
     definition's values, given ones win (a run with shrunk constants).
     `inputs` (the run's arrays) and `record` (the workload record) let the
-    formula count what the data decides."""
+    formula count what the data decides; `config` (the kernel's) which
+    instructions, hence which peak, the kernel runs."""
     impl = self._require()
     if impl.cost is None:
       raise NotImplementedError(f"{self.name}: the family has no cost formula (OpImpl.cost)")
     full = {**self.definition.const_axes, **{k: int(v) for k, v in axes.items()}}
-    flops, nbytes, dtype_class = impl.cost(self.definition, full, inputs=inputs, record=record)
-    return roofline.Cost(flops=int(flops), bytes=int(nbytes), dtype_class=dtype_class, family=impl.cost.__name__)
+    work = impl.cost(self.definition, full, inputs=inputs, record=record, config=config)
+    return roofline.Cost(flops=int(work.flops), bytes=int(work.bytes), dtype_class=work.dtype_class,
+                         family=impl.cost.__name__, gather_bytes=int(work.gather_bytes),
+                         counted_from=work.counted_from)
 
   def compare(self, out: Mapping[str, jax.Array], ref: Mapping[str, jax.Array], *,
               inputs: Mapping[str, jax.Array] | None = None,

@@ -131,7 +131,7 @@ def run_workload(op: registry.Op, w: dataset.Workload, cfg: config_dict.ConfigDi
     r = bench.measure(lambda: reference(inputs), **timing)
     ev.performance = performance_json(k, r, cfg, cold_l2=cfg.cold_l2 and on_gpu and not interpret)
     ev.performance.update(roofline.performance_fields(  # speed_of_light_ms; sol_fraction on a GPU
-        lambda: op.cost(plan.axes, inputs=plan.inputs, record=w.record), k["median_ms"],
+        lambda: op.cost(plan.axes, inputs=plan.inputs, record=w.record, config=config), k["median_ms"],
         device_kind=ev.environment.get("hardware"), measured_on_gpu=on_gpu and not interpret))
   except _Failed as f:
     ev.status, ev.log = f.status, str(f)

@@ -21,9 +21,22 @@ What every formula counts:
   come from), paged caches only the pages the page table can reference
   (bounded by the cache), grouped weights only the experts the rows route
   to.
-- Where the data (index values, padding masks, sequence lengths) rather than
-  the axes decides the work, each formula's docstring says which bound it
-  uses; a formula may read the run's `inputs` or `record` to count exactly.
+- The work actually done: where the data (padding masks, segments, routed
+  experts, valid index slots, sequence lengths, page tables) rather than the
+  axes decides how much is computed or read, a formula counts it from the
+  run's `inputs` (the replay passes them); without inputs it falls back to a
+  bound from the axes, and `Cost.counted_from` says which (`"inputs"` or
+  `"axes"`).
+- The peak: each cost names the peak its FLOPs are judged against
+  (`dtype_class`: bf16 or fp8 tensor-core MMA, or fp32 CUDA cores), chosen to
+  match the instructions the kernel runs (a kernel whose dots are bf16 is
+  judged at the bf16 peak even if its operands are stored in FP8), and HBM
+  for the bytes (`Cost.peak_text`).
+- Gathers (sparse and paged attention): `gather_bytes` counts what the
+  per-query gathers move before any reuse (every valid slot's row, once per
+  query row that selects it), reported beside the roofline as its own floor
+  at HBM bandwidth (`gather_floor_ms`): it is what a kernel moves through the
+  memory system when rows are not shared between programs.
 
 `speed_of_light_ms(flops, bytes, device, dtype_class)` is
 `max(flops / peak, bytes / bandwidth)`.
@@ -106,11 +119,25 @@ def speed_of_light_ms(flops: float, bytes: float, device: str = DEFAULT_DEVICE, 
 
 
 @dataclasses.dataclass(frozen=True)
+class Work:
+  """What a family's cost formula returns (`OpImpl.cost`): FLOPs, minimum
+  HBM bytes, the peak class of its FLOPs, the bytes its per-query gathers
+  move (0: no gather), and whether the run's inputs decided the counts."""
+  flops: int
+  bytes: int
+  dtype_class: str = "bf16"
+  gather_bytes: int = 0
+  counted_from: str = "axes"  # "inputs": counted from the run's data; "axes": a bound from the axes
+
+
+@dataclasses.dataclass(frozen=True)
 class Cost:
   flops: int
   bytes: int
-  dtype_class: str  # which peak bounds the FLOPs: "bf16", "fp8" or "fp32"
+  dtype_class: str  # which peak bounds the FLOPs: "bf16", "fp8" (tensor-core MMA) or "fp32" (CUDA cores)
   family: str       # the formula used (its function name)
+  gather_bytes: int = 0
+  counted_from: str = "axes"
 
   def speed_of_light_ms(self, device: str = DEFAULT_DEVICE, basis: str = "datasheet") -> float:
     return speed_of_light_ms(self.flops, self.bytes, device, self.dtype_class, basis)
@@ -120,6 +147,19 @@ class Cost:
     p = peaks(device, basis)
     compute = self.flops / p[f"{self.dtype_class}_tflops"]
     return "compute" if compute >= self.bytes / p["hbm_tb_s"] else "memory"
+
+  def peak_text(self, device: str = DEFAULT_DEVICE, basis: str = "datasheet") -> str:
+    """The peaks this cost is judged against, e.g. 'bf16 MMA 989.4 TFLOP/s,
+    HBM 4.8 TB/s'."""
+    p = peaks(device, basis)
+    unit = "CUDA cores" if self.dtype_class == "fp32" else "MMA"
+    return f"{self.dtype_class} {unit} {p[f'{self.dtype_class}_tflops']:g} TFLOP/s, HBM {p['hbm_tb_s']:g} TB/s"
+
+  def gather_floor_ms(self, device: str = DEFAULT_DEVICE, basis: str = "datasheet") -> float | None:
+    """`gather_bytes` at HBM bandwidth, in ms (None without a gather)."""
+    if not self.gather_bytes:
+      return None
+    return self.gather_bytes / (peaks(device, basis)["hbm_tb_s"] * 1e12) * 1e3
 
 
 def tensor_bytes(d: dataset.Definition, name: str, axes: Mapping[str, int]) -> int:
@@ -139,20 +179,28 @@ def performance_fields(cost: Callable[[], Cost], latency_ms: float | None, *, de
   """What a replay result's `evaluation.performance` gains from `cost()` (the
   run's `Cost`): `speed_of_light_ms` (on the device kind if it is a known
   GPU, else the H200; datasheet peaks), a `roofline` dict (flops, bytes,
-  device, dtype_class, bound), and, only when `measured_on_gpu`,
-  `sol_fraction` = speed of light / latency (1.0 = at the roofline). A run
-  whose cost cannot be computed gets `speed_of_light_ms: None` and the
-  reason, never an exception."""
+  device, dtype_class, the peaks by name, bound, what the counts came from,
+  and for gathering kernels gather_bytes and gather_floor_ms), and, only when
+  `measured_on_gpu`, `sol_fraction` = speed of light / latency (1.0 = at the
+  roofline). A run whose cost cannot be computed gets `speed_of_light_ms:
+  None` and the reason, never an exception."""
   try:
     c = cost()
   except Exception as e:  # pylint: disable=broad-except  # a roofline gap must not fail a workload
     return {"speed_of_light_ms": None, "roofline": {"error": f"{type(e).__name__}: {e}"}}
   device = device_key(device_kind)
   sol = c.speed_of_light_ms(device)
-  out: dict[str, Any] = {
-      "speed_of_light_ms": sol,
-      "roofline": {"flops": c.flops, "bytes": c.bytes, "device": device, "dtype_class": c.dtype_class,
-                   "bound": c.bound(device), "basis": "datasheet"}}
+  line: dict[str, Any] = {"flops": c.flops, "bytes": c.bytes, "device": device, "dtype_class": c.dtype_class,
+                          "peak": c.peak_text(device), "bound": c.bound(device), "basis": "datasheet",
+                          "counted_from": c.counted_from}
+  if c.gather_bytes:
+    line.update(gather_bytes=c.gather_bytes, gather_floor_ms=c.gather_floor_ms(device))
+  out: dict[str, Any] = {"speed_of_light_ms": sol, "roofline": line}
   if measured_on_gpu:
     out["sol_fraction"] = sol / latency_ms if latency_ms else None
   return out
+
+
+def host(x: Any) -> np.ndarray:
+  """An input as a numpy array, for formulas that count from the run's data."""
+  return np.asarray(x)

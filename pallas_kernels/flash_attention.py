@@ -38,7 +38,7 @@ import functools
 from typing import Any, Mapping, NamedTuple
 
 import jax
-from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common
@@ -47,11 +47,10 @@ import jax.numpy as jnp
 from pallas_kernels.common import cdiv, check_pow2_dim, fit_block, fitted_candidates, resolve_interpret
 from pallas_kernels.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field
 from pallas_kernels.device import SHARED_MEMORY_PER_BLOCK, num_sms
-from pallas_kernels.online_softmax import LOG2_E, init_carry, normalize, online_softmax_step
-
-# Padded key rows get this segment id so that no query sees them.
-_INVISIBLE_SEGMENT = jnp.iinfo(jnp.int32).max
-
+from pallas_kernels.flash_attention_bwd import (FlashAttentionBwdConfig, attention_backward, choose_backward_config,
+                                                fit_backward_config)
+from pallas_kernels.flash_attention_keys import Keys, key_block_limits, load_rows, store_rows, walk_keys
+from pallas_kernels.online_softmax import LOG2_E, init_carry, lse_for_backward, normalize, online_softmax_step
 
 @dataclasses.dataclass(frozen=True)
 class FlashAttentionConfig(KernelConfig):
@@ -173,218 +172,58 @@ def candidate_configs(shapes: Mapping[str, Any]) -> list[FlashAttentionConfig]:
 
 
 def _flash_attention_kernel(*refs, has_prefix: bool, has_key_valid: bool,
-                            has_segments: bool, has_block_limits: bool,
-                            qk_scale: float, block_q: int, block_k: int,
+                            has_segments: bool, has_block_limits: bool, with_lse: bool,
+                            block_q: int, block_k: int,
                             q_len: int, kv_len: int, prefix_len: int):
   refs = iter(refs)
+  scale_ref = next(refs)                                     # [1] f32: sm_scale
   q_ref, k_ref, v_ref = next(refs), next(refs), next(refs)  # [bq, D], [Nk, D]
   k_prefix_ref, v_prefix_ref = (next(refs), next(refs)) if has_prefix else (None, None)
-  key_valid_ref = next(refs) if has_key_valid else None      # [Nk] int8
-  segment_ids_ref = next(refs) if has_segments else None     # [Nq] int32
-  block_limits_ref = next(refs) if has_block_limits else None  # [2] int32
+  keys = Keys(k_ref, v_ref, kv_len, block_k, k_prefix_ref, v_prefix_ref, prefix_len,
+              key_valid=next(refs) if has_key_valid else None,        # [Nk] int8
+              segment_ids=next(refs) if has_segments else None,       # [Nq] int32
+              block_limits=next(refs) if has_block_limits else None)  # [2] int32
   o_ref = next(refs)                                         # [bq, D]
-  head_dim = q_ref.shape[-1]
+  lse_ref = next(refs) if with_lse else None                 # [bq] f32, base 2
+  qk_scale = scale_ref[0] * LOG2_E
 
   q_start = pl.program_id(0) * block_q
-  q_rows_valid = q_start + jnp.arange(block_q) < q_len
-  if q_len % block_q:
-    q = plgpu.load(q_ref, mask=q_rows_valid[:, None], other=0.0)
-  else:
-    q = q_ref[...]
+  ragged = q_len % block_q != 0
+  q = load_rows(q_ref, 0, block_q, q_len - q_start, 0.0, ragged)
+  q_segments = None
+  if has_segments:
+    q_segments = load_rows(keys.segment_ids, q_start, block_q, q_len, 0, ragged)
 
   def step(k, v, visible, carry):
     # `visible` None: every row sees the whole block (no mask, no empty rows).
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
     return online_softmax_step(s, carry, v, visible=visible)
 
-  carry = init_carry(block_q, head_dim)
-
-  def unmasked_body(kk_ref, vv_ref):
-    def body(block, carry):
-      keys = pl.ds(block * block_k, block_k)
-      return step(kk_ref[keys, :], vv_ref[keys, :], None, carry)
-    return body
-
-  def load_key_block(kk_ref, vv_ref, start, length):
-    in_bounds = start + jnp.arange(block_k) < length
-    keys = pl.ds(start, block_k)
-    k = plgpu.load(kk_ref.at[keys, :], mask=in_bounds[:, None], other=0.0)
-    # Zeros, not garbage: a 0 probability times a NaN value would be NaN.
-    v = plgpu.load(vv_ref.at[keys, :], mask=in_bounds[:, None], other=0.0)
-    return k, v, in_bounds
-
-  # Prefix keys: visible to every query; only the ragged last block is masked.
-  # (Edge blocks run as loops with a traced index: their slices may extend
-  # past the ref, which a static index would reject; the mask covers it.)
-  if has_prefix:
-    if prefix_len >= block_k:
-      carry = lax.fori_loop(0, prefix_len // block_k,
-                            unmasked_body(k_prefix_ref, v_prefix_ref), carry)
-
-    def prefix_edge_body(block, carry):
-      k, v, in_bounds = load_key_block(k_prefix_ref, v_prefix_ref, block * block_k, prefix_len)
-      return step(k, v, in_bounds[None, :], carry)
-
-    carry = lax.fori_loop(prefix_len // block_k, cdiv(prefix_len, block_k),
-                          prefix_edge_body, carry)
-
-  # Main keys: blocks [0, n_unmasked) are seen whole by every row of this
-  # program; blocks [n_unmasked, n_blocks) are masked; the rest are skipped.
-  if has_block_limits:
-    n_unmasked, n_blocks = block_limits_ref[0], block_limits_ref[1]
-  else:
-    n_unmasked, n_blocks = kv_len // block_k, cdiv(kv_len, block_k)
-
-  if has_segments:
-    q_segments = plgpu.load(segment_ids_ref.at[pl.ds(q_start, block_q)],
-                            mask=q_rows_valid, other=0)
-
-  def masked_body(block, carry):
-    k_start = block * block_k
-    k, v, in_bounds = load_key_block(k_ref, v_ref, k_start, kv_len)
-    keys = pl.ds(k_start, block_k)
-    visible = in_bounds
-    if has_key_valid:
-      visible &= plgpu.load(key_valid_ref.at[keys], mask=in_bounds, other=0) != 0
-    visible = visible[None, :]
-    if has_segments:
-      k_segments = plgpu.load(segment_ids_ref.at[keys], mask=in_bounds,
-                              other=_INVISIBLE_SEGMENT)
-      visible = visible & (k_segments[None, :] <= q_segments[:, None])
-    return step(k, v, visible, carry)
-
-  if kv_len >= block_k:  # Otherwise no whole block exists (n_unmasked = 0).
-    carry = lax.fori_loop(0, n_unmasked, unmasked_body(k_ref, v_ref), carry)
-  o, m, l = lax.fori_loop(n_unmasked, n_blocks, masked_body, carry)
+  o, m, l = walk_keys(step, init_carry(block_q, q_ref.shape[-1]), keys, q_segments)
   o = normalize(o, m, l)  # lonely rows (l == 0) output exactly 0
-  if q_len % block_q:
-    plgpu.store(o_ref, o.astype(o_ref.dtype), mask=q_rows_valid[:, None])
-  else:
-    o_ref[...] = o.astype(o_ref.dtype)
+  store_rows(o_ref, o.astype(o_ref.dtype), q_len - q_start, ragged)
+  if with_lse:  # What the backward recomputes the probabilities from.
+    store_rows(lse_ref, lse_for_backward(m, l), q_len - q_start, ragged)
 
 
-def key_block_limits(key_valid: jax.Array | None, segment_ids: jax.Array | None,
-                     *, batch: int, q_len: int, kv_len: int, block_q: int,
-                     block_k: int) -> jax.Array:
-  """Per (batch row, query block): `[n_unmasked, n_blocks]` key blocks.
-
-  Keys `[0, full)` are visible to every query row of the block and keys from
-  `end` on to none of them; `n_unmasked = full // block_k` and
-  `n_blocks = cdiv(end, block_k)`. Exact for any mask, tight for the recorded
-  ones (a valid prefix of padded text keys, nondecreasing segment ids).
-  Returns int32 `[B, cdiv(q_len, block_q), 2]`.
-  """
-  num_q_blocks = cdiv(q_len, block_q)
-  full = jnp.full((batch, num_q_blocks), kv_len, jnp.int32)
-  end = jnp.full((batch, num_q_blocks), kv_len, jnp.int32)
-  if key_valid is not None:
-    valid = key_valid.astype(bool)
-    first_invalid = jnp.where(jnp.all(valid, axis=1), kv_len, jnp.argmin(valid, axis=1))
-    last_valid_end = jnp.where(jnp.any(valid, axis=1),
-                               kv_len - jnp.argmax(valid[:, ::-1], axis=1), 0)
-    full = jnp.minimum(full, first_invalid.astype(jnp.int32)[:, None])
-    end = jnp.minimum(end, last_valid_end.astype(jnp.int32)[:, None])
-  if segment_ids is not None:
-    seg = segment_ids.astype(jnp.int32)
-    # Per query block: the smallest and largest segment among its valid rows
-    # (edge padding repeats the last row).
-    padded = jnp.pad(seg, ((0, 0), (0, num_q_blocks * block_q - q_len)), mode="edge")
-    blocks = padded.reshape(batch, num_q_blocks, block_q)
-    seg_lo, seg_hi = blocks.min(axis=2), blocks.max(axis=2)
-    # Key j is visible to all rows iff seg[j] <= seg_lo; the leading run of
-    # such keys ends where the running max first exceeds seg_lo. The last key
-    # some row sees is the last j with seg[j] <= seg_hi, found on the suffix
-    # minimum. Both helper sequences are nondecreasing.
-    running_max = lax.cummax(seg, axis=1)
-    suffix_min = lax.cummin(seg, axis=1, reverse=True)
-    # Searching a nondecreasing sequence (side="right") is counting the
-    # entries <= the value: one fused compare-and-sum per (batch row, query
-    # block), where jnp.searchsorted lowers to a while loop before the launch.
-    def count_le(sorted_seq, values):  # [B, N], [B, Q] -> [B, Q]
-      return jnp.sum(sorted_seq[:, None, :] <= values[:, :, None], axis=2, dtype=jnp.int32)
-    full = jnp.minimum(full, count_le(running_max, seg_lo))
-    end = jnp.minimum(end, count_le(suffix_min, seg_hi))
-  n_blocks = (end + block_k - 1) // block_k
-  n_unmasked = jnp.minimum(full // block_k, n_blocks)
-  return jnp.stack([n_unmasked, n_blocks], axis=-1)
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
-def flash_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    key_valid: jax.Array | None = None,
-    k_prefix: jax.Array | None = None,
-    v_prefix: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-    sm_scale: float | None = None,
-    config: FlashAttentionConfig | None = None,
-    interpret: bool | None = None,
-) -> jax.Array:
-  """Softmax attention `softmax(q k^T * sm_scale) v` over the visible keys.
-
-  Args:
-    q: `[B, Nq, H, D]`; `D` a power of two >= 16.
-    k, v: `[B, Nk, H, D]`, same dtype as `q`.
-    key_valid: optional `[B, Nk]` bool; False hides key j of batch row b.
-    k_prefix, v_prefix: optional `[B, Np, H, D]`; keys become
-      `concat(k_prefix, k)`, every prefix key visible to every query.
-      `Np = 0` is the same as no prefix.
-    segment_ids: optional `[B, Nq]` int32 (requires `Nk == Nq`: queries and
-      keys are the same tokens); key j visible to query i iff
-      `segment_ids[j] <= segment_ids[i]`. Exact for any ids; key blocks are
-      skipped when the ids are nondecreasing.
-    sm_scale: defaults to `D ** -0.5`.
-    config: tiling; None = `choose_config`. Blocks larger than the problem
-      are shrunk to it.
-    interpret: None = interpret when no GPU is present.
-
-  Returns:
-    `[B, Nq, H, D]` in `q.dtype`; rows that see no key are 0.
-  """
+def _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, *, config: FlashAttentionConfig,
+             interpret: bool, with_lse: bool):
+  """One launch of the forward kernel (`config` fitted, `scale` `[1]` f32):
+  `o`, and with `with_lse` also `lse [B, H, Nq]` (base 2, +inf for a
+  lonely row)."""
   batch, q_len, num_heads, head_dim = q.shape
   kv_len = k.shape[1]
-  if k.shape != (batch, kv_len, num_heads, head_dim) or v.shape != k.shape:
-    raise ValueError(f"k {k.shape} / v {v.shape} do not match q {q.shape}")
-  if not (k.dtype == v.dtype == q.dtype):
-    raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-  check_pow2_dim("head dim D", head_dim)
-  if q_len < 1 or kv_len < 1:
-    raise ValueError(f"empty sequence: Nq={q_len}, Nk={kv_len}")
-  if (k_prefix is None) != (v_prefix is None):
-    raise ValueError("k_prefix and v_prefix go together")
   prefix_len = 0 if k_prefix is None else k_prefix.shape[1]
-  has_prefix = prefix_len > 0
-  if has_prefix:
-    expected = (batch, prefix_len, num_heads, head_dim)
-    if k_prefix.shape != expected or v_prefix.shape != expected:
-      raise ValueError(f"prefix shapes {k_prefix.shape}/{v_prefix.shape} != {expected}")
-    if not (k_prefix.dtype == v_prefix.dtype == q.dtype):
-      raise ValueError("prefix dtype differs from q")
-  if key_valid is not None and key_valid.shape != (batch, kv_len):
-    raise ValueError(f"key_valid {key_valid.shape} != {(batch, kv_len)}")
-  if segment_ids is not None:
-    if kv_len != q_len or segment_ids.shape != (batch, q_len):
-      raise ValueError(f"segment_ids {segment_ids.shape} need Nk == Nq == {q_len}")
-
-  if sm_scale is None:
-    sm_scale = head_dim ** -0.5
-  if config is None:
-    config = choose_config({"q": q, "k": k, "k_prefix": k_prefix})
-  config = _fit(config, q_len, max(kv_len, prefix_len))
   block_q, block_k = config.block_q, config.block_k
-  num_q_blocks = cdiv(q_len, block_q)
 
   q_spec = pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, i, h, 0))
   # K/V blocks span the whole sequence of one (batch row, head); the kernel
   # slices them with masked loads, so their length need not be a power of two.
   kv_spec = pl.BlockSpec((None, kv_len, None, head_dim), lambda i, b, h: (b, 0, h, 0))
-  inputs, in_specs = [q, k, v], [q_spec, kv_spec, kv_spec]
-  if has_prefix:
-    prefix_spec = pl.BlockSpec((None, prefix_len, None, head_dim),
-                               lambda i, b, h: (b, 0, h, 0))
+  inputs = [scale, q, k, v]
+  in_specs = [pl.BlockSpec((1,), lambda i, b, h: (0,)), q_spec, kv_spec, kv_spec]
+  if prefix_len:
+    prefix_spec = pl.BlockSpec((None, prefix_len, None, head_dim), lambda i, b, h: (b, 0, h, 0))
     inputs += [k_prefix, v_prefix]
     in_specs += [prefix_spec, prefix_spec]
   if key_valid is not None:
@@ -398,22 +237,160 @@ def flash_attention(
     inputs.append(key_block_limits(key_valid, segment_ids, batch=batch, q_len=q_len,
                                    kv_len=kv_len, block_q=block_q, block_k=block_k))
     in_specs.append(pl.BlockSpec((None, None, 2), lambda i, b, h: (b, i, 0)))
+  out_shape, out_specs = [jax.ShapeDtypeStruct(q.shape, q.dtype)], [q_spec]
+  if with_lse:
+    out_shape.append(jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i)))
 
   kernel = functools.partial(
-      _flash_attention_kernel, has_prefix=has_prefix,
+      _flash_attention_kernel, has_prefix=prefix_len > 0,
       has_key_valid=key_valid is not None, has_segments=segment_ids is not None,
-      has_block_limits=has_block_limits, qk_scale=float(sm_scale) * LOG2_E,
+      has_block_limits=has_block_limits, with_lse=with_lse,
       block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len,
       prefix_len=prefix_len)
-  return common.pallas_call(
+  outs = common.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      grid=(num_q_blocks, batch, num_heads),
+      out_shape=out_shape,
+      grid=(cdiv(q_len, block_q), batch, num_heads),
       in_specs=in_specs,
-      out_specs=q_spec,
+      out_specs=out_specs,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
-      interpret=resolve_interpret(interpret),
+      interpret=interpret,
       name="flash_attention",
   )(*inputs)
+  return tuple(outs) if with_lse else outs[0]
 
+
+class _Static(NamedTuple):
+  config: FlashAttentionConfig                      # fitted
+  backward_config: FlashAttentionBwdConfig          # fitted
+  interpret: bool
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Needed:
+  """Which gradients the backward pass makes (residual metadata, no leaves)."""
+  dq: bool
+  dkv: bool
+  dprefix: bool
+  dscale: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, static: _Static):
+  return _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, config=static.config,
+                  interpret=static.interpret, with_lse=False)
+
+
+def _attention_fwd(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, static: _Static):
+  # symbolic_zeros: each array arrives with `.perturbed`, so the backward
+  # launches only the kernels whose gradients are needed.
+  args = (q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale)
+  perturbed = lambda x: x is not None and x.perturbed  # noqa: E731
+  needed = _Needed(dq=perturbed(q), dkv=perturbed(k) or perturbed(v),
+                   dprefix=perturbed(k_prefix) or perturbed(v_prefix), dscale=perturbed(scale))
+  args = [None if x is None else x.value for x in args]
+  o, lse = _forward(*args, config=static.config, interpret=static.interpret, with_lse=True)
+  return o, (*args, o, lse, needed)
+
+
+def _attention_bwd(static: _Static, residuals, do):
+  *args, o, lse, needed = residuals
+  if isinstance(do, SymbolicZero):
+    do = jnp.zeros(o.shape, o.dtype)
+  g = attention_backward(*args, o, lse, do, config=static.backward_config, interpret=static.interpret,
+                         need_dq=needed.dq, need_dkv=needed.dkv, need_dprefix=needed.dprefix,
+                         need_dscale=needed.dscale)
+  return g.dq, g.dk, g.dv, g.dk_prefix, g.dv_prefix, None, None, g.dscale
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backward_config", "interpret"))
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    key_valid: jax.Array | None = None,
+    k_prefix: jax.Array | None = None,
+    v_prefix: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    sm_scale: float | jax.Array | None = None,
+    config: FlashAttentionConfig | None = None,
+    backward_config: FlashAttentionBwdConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+  """Softmax attention `softmax(q k^T * sm_scale) v` over the visible keys.
+
+  Args:
+    q: `[B, Nq, H, D]`; `D` a power of two >= 16.
+    k, v: `[B, Nk, H, D]`, same dtype as `q`.
+    key_valid: optional `[B, Nk]` bool; False hides key j of batch row b.
+      Whatever a hidden key or value holds (NaN, Inf) reaches neither the
+      output nor a gradient.
+    k_prefix, v_prefix: optional `[B, Np, H, D]`; keys become
+      `concat(k_prefix, k)`, every prefix key visible to every query.
+      `Np = 0` is the same as no prefix.
+    segment_ids: optional `[B, Nq]` int32 (requires `Nk == Nq`: queries and
+      keys are the same tokens); key j visible to query i iff
+      `segment_ids[j] <= segment_ids[i]`. Exact for any ids; key blocks are
+      skipped when the ids are nondecreasing. (A NaN in a key that some
+      query sees reaches every row of its head through the value product.)
+    sm_scale: a float or a traced scalar; defaults to `D ** -0.5`.
+    config: tiling; None = `choose_config`. Blocks larger than the problem
+      are shrunk to it.
+    backward_config: tiling of the backward kernels; None =
+      `choose_backward_config`.
+    interpret: None = interpret when no GPU is present.
+
+  Any B, Nq, Nk, Np >= 0 (no query: an empty result; no key: zeros).
+  Differentiable (`jax.custom_vjp`, FlashAttention-2 backward kernels,
+  `flash_attention_bwd`) in q, k, v, the prefix and `sm_scale`; hidden keys
+  get exactly zero gradients.
+
+  Returns:
+    `[B, Nq, H, D]` in `q.dtype`; rows that see no key are 0.
+  """
+  batch, q_len, num_heads, head_dim = q.shape
+  kv_len = k.shape[1]
+  if k.shape != (batch, kv_len, num_heads, head_dim) or v.shape != k.shape:
+    raise ValueError(f"k {k.shape} / v {v.shape} do not match q {q.shape}")
+  if not (k.dtype == v.dtype == q.dtype):
+    raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+  check_pow2_dim("head dim D", head_dim)
+  if (k_prefix is None) != (v_prefix is None):
+    raise ValueError("k_prefix and v_prefix go together")
+  prefix_len = 0 if k_prefix is None else k_prefix.shape[1]
+  if k_prefix is not None:
+    expected = (batch, prefix_len, num_heads, head_dim)
+    if k_prefix.shape != expected or v_prefix.shape != expected:
+      raise ValueError(f"prefix shapes {k_prefix.shape}/{v_prefix.shape} != {expected}")
+    if not (k_prefix.dtype == v_prefix.dtype == q.dtype):
+      raise ValueError("prefix dtype differs from q")
+  if key_valid is not None and key_valid.shape != (batch, kv_len):
+    raise ValueError(f"key_valid {key_valid.shape} != {(batch, kv_len)}")
+  if segment_ids is not None:
+    if kv_len != q_len or segment_ids.shape != (batch, q_len):
+      raise ValueError(f"segment_ids {segment_ids.shape} need Nk == Nq == {q_len}")
+  if sm_scale is not None and jnp.ndim(sm_scale) != 0:
+    raise ValueError(f"sm_scale must be a scalar, got shape {jnp.shape(sm_scale)}")
+
+  if not prefix_len:
+    k_prefix = v_prefix = None
+  if not kv_len and prefix_len:  # only prefix keys: they are the keys
+    k, v, k_prefix, v_prefix, key_valid = k_prefix, v_prefix, None, None, None
+    kv_len, prefix_len = prefix_len, 0
+  if not (batch and q_len and kv_len):
+    return jnp.zeros(q.shape, q.dtype)
+  scale = jnp.asarray(head_dim ** -0.5 if sm_scale is None else sm_scale, jnp.float32).reshape(1)
+  if config is None:
+    config = choose_config({"q": q, "k": k, "k_prefix": k_prefix})
+  longest = max(kv_len, prefix_len)
+  backward_config = fit_backward_config(backward_config or choose_backward_config(
+      batch=batch, heads=num_heads, q_len=q_len, kv_len=longest, head_dim=head_dim), q_len, longest)
+  static = _Static(_fit(config, q_len, longest), backward_config, resolve_interpret(interpret))
+  return _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, static)

@@ -170,6 +170,14 @@ def e2m1_bytes_to_f32(packed):
   return value(low), value(high)
 
 
+def dot_operand_dtype(config: GroupedGemmConfig | None = None):
+  """The dtype the kernel's tensor-core dots take (the roofline judges the
+  FLOPs against that peak): both operands are dequantized to bf16 before
+  the dot, whatever the config."""
+  del config
+  return jnp.bfloat16
+
+
 def work_list_length(m: int, e: int, block_m: int) -> int:
   """Static bound on the (tile, expert) items: every tile has one item, and
   each further item of a tile starts a new expert (experts increase along the

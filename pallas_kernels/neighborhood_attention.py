@@ -61,15 +61,18 @@ import math
 from typing import Any, Mapping, NamedTuple
 
 import jax
-from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common
 import jax.numpy as jnp
 
 from pallas_kernels.common import MIN_DOT_DIM, cdiv, check_pow2_dim, next_pow2, resolve_interpret
-from pallas_kernels.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, at_least, field, pow2
-from pallas_kernels.online_softmax import LOG2_E, init_carry, normalize, online_softmax_step
+from pallas_kernels.config_rules import (DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, at_least, field,
+                                         instance_of, pow2)
+from pallas_kernels.neighborhood_attention_bwd import attention_backward
+from pallas_kernels.neighborhood_attention_tiles import halo_box, query_box, store_tile, tile_points, tile_spec, walk_halo
+from pallas_kernels.online_softmax import LOG2_E, init_carry, lse_for_backward, normalize, online_softmax_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +121,7 @@ class NeighborhoodAttentionSizes(NamedTuple):
 
 def halo_size(tile: tuple[int, int, int], window: tuple[int, int, int]) -> int:
   """Keys in the halo box of a query tile: `prod(block + k - 1)`."""
-  return math.prod(b + w - 1 for b, w in zip(tile, window))
+  return math.prod(halo_box(tile, window))
 
 
 def scored_pairs(config: NeighborhoodAttentionConfig, dims: tuple[int, int, int],
@@ -142,13 +145,14 @@ def _tiles(queries: int, dims: tuple[int, int, int]) -> list[tuple[int, int, int
 
 
 def _best(queries: int, block_k: int, num_warps: int, num_stages: int,
-          dims: tuple[int, int, int], window: tuple[int, int, int]) -> NeighborhoodAttentionConfig:
+          dims: tuple[int, int, int], window: tuple[int, int, int],
+          pairs=scored_pairs) -> NeighborhoodAttentionConfig:
   configs = [NeighborhoodAttentionConfig(*tile, block_k=block_k, num_warps=num_warps,
                                          num_stages=num_stages)
              for tile in _tiles(queries, dims)]
   # Fewest scored pairs; among equals, the flattest tile in t (shares K/V
   # t-planes with the neighbouring programs), then the widest in x.
-  return min(configs, key=lambda c: (scored_pairs(c, dims, window), c.block_t, -c.block_x))
+  return min(configs, key=lambda c: (pairs(c, dims, window), c.block_t, -c.block_x))
 
 
 def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct], *, KT: int, KY: int,
@@ -172,97 +176,149 @@ def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct], *, KT: int, KY
   return list(dict.fromkeys(out))
 
 
+def _dkdv_pairs(config: NeighborhoodAttentionConfig, dims: tuple[int, int, int],
+                window: tuple[int, int, int]) -> int:
+  """(key, query) pairs the dK/dV kernel scores per (batch row, head) with
+  `config` as its key tile and `block_k` queries per chunk."""
+  tiles = math.prod(cdiv(n, b) for n, b in zip(dims, config.tile))
+  return tiles * config.block_queries * cdiv(math.prod(query_box(dims, window, config.tile)),
+                                              config.block_k) * config.block_k
+
+
+@dataclasses.dataclass(frozen=True)
+class NeighborhoodAttentionBwdConfig(KernelConfig):
+  """Tilings of the backward kernels: `dq` as the forward's (query tiles,
+  key chunks); `dkdv` with its tile a key tile and `block_k` the queries
+  walked per chunk."""
+  dq: NeighborhoodAttentionConfig = field(NeighborhoodAttentionConfig(), instance_of(NeighborhoodAttentionConfig))
+  dkdv: NeighborhoodAttentionConfig = field(NeighborhoodAttentionConfig(),
+                                            instance_of(NeighborhoodAttentionConfig))
+
+
+def choose_backward_config(shapes: Mapping[str, jax.ShapeDtypeStruct], *, KT: int, KY: int,
+                           KX: int) -> NeighborhoodAttentionBwdConfig:
+  """Heuristic: dQ as the forward (`choose_config`); dK/dV 64-key tiles of
+  the shape that scores the fewest pairs over its query boxes, 64 queries
+  per chunk, 8 warps (two fp32 `[64, D]` accumulators), two stages."""
+  dims, window = NeighborhoodAttentionSizes.of(shapes).grid, (KT, KY, KX)
+  return NeighborhoodAttentionBwdConfig(
+      dq=choose_config(shapes, KT=KT, KY=KY, KX=KX),
+      dkdv=_best(64, 64, 8, 2, dims, window, pairs=_dkdv_pairs))
+
+
 # ---------------------------------------------------------------------------
 # Kernel.
 
 
-def _window_start(i, length: int, k: int):
-  """NATTEN's window start `clamp(i - k // 2, 0, length - k)`."""
-  return jnp.minimum(jnp.maximum(i - k // 2, 0), length - k)
-
-
-def _as_unsigned(x):
-  """int32 -> uint32 bits: negative values become >= 2**31."""
-  return lax.bitcast_convert_type(x, jnp.uint32)
-
-
-def _unravel(flat, dims: tuple[int, int, int]):
-  """C-order coordinates of nonnegative flat indices over static `dims`."""
-  _, ny, nx = dims
-  return lax.div(flat, ny * nx), lax.rem(lax.div(flat, nx), ny), lax.rem(flat, nx)
-
-
-def _neighborhood_attention_kernel(q_ref, k_ref, v_ref, o_ref, *, dims, window, tile,
-                                   block_k: int):
+def _neighborhood_attention_kernel(q_ref, k_ref, v_ref, o_ref, *lse_ref, dims, window, tile, block_k: int):
   """One query tile of one (batch row, head). Refs are `[N, D]` rows of the
-  flattened grid (`N = T * Y * X`)."""
-  (t_len, y_len, x_len), (kt, ky, kx), (bt, by, bx) = dims, window, tile
-  tiles_y, tiles_x = cdiv(y_len, by), cdiv(x_len, bx)
-  head_dim = q_ref.shape[-1]
-  num_q = bt * by * bx
+  flattened grid (`N = T * Y * X`); with `lse_ref` (the tile's block), also
+  the per-query log-sum-exp the backward recomputes probabilities from."""
+  queries = tile_points(dims, tile)
+  q = q_ref[queries.rows, :]
 
-  pid = pl.program_id(0)
-  t0 = lax.div(pid, tiles_y * tiles_x) * bt
-  y0 = lax.rem(lax.div(pid, tiles_x), tiles_y) * by
-  x0 = lax.rem(pid, tiles_x) * bx
-
-  # Query points of the tile; addresses clamped into the grid.
-  rt, ry, rx = _unravel(jnp.arange(num_q, dtype=jnp.int32), tile)
-  qt, qy, qx = t0 + rt, y0 + ry, x0 + rx
-  qt, qy, qx = jnp.minimum(qt, t_len - 1), jnp.minimum(qy, y_len - 1), jnp.minimum(qx, x_len - 1)
-  q_rows = (qt * y_len + qy) * x_len + qx
-  q = q_ref[q_rows, :]
-
-  # The halo box starts at the tile's first window start on each axis; each
-  # query's window starts `rel_*` into it, with rel in [0, block - 1].
-  box_t = _window_start(t0, t_len, kt)
-  box_y = _window_start(y0, y_len, ky)
-  box_x = _window_start(x0, x_len, kx)
-  rel_t = (_window_start(qt, t_len, kt) - box_t)[:, None]
-  rel_y = (_window_start(qy, y_len, ky) - box_y)[:, None]
-  rel_x = (_window_start(qx, x_len, kx) - box_x)[:, None]
-  halo = (bt + kt - 1, by + ky - 1, bx + kx - 1)
-  num_chunks = cdiv(math.prod(halo), block_k)
-
-  def body(chunk, carry):
-    jt, jy, jx = _unravel(chunk * block_k + jnp.arange(block_k, dtype=jnp.int32), halo)
-    key_t = jnp.minimum(box_t + jt, t_len - 1)
-    key_y = jnp.minimum(box_y + jy, y_len - 1)
-    key_x = jnp.minimum(box_x + jx, x_len - 1)
-    rows = (key_t * y_len + key_y) * x_len + key_x
-    k = k_ref[rows, :]
-    v = v_ref[rows, :]
-    # 0 <= j - rel < k per axis, as one unsigned compare each.
-    visible = ((_as_unsigned(jt[None, :] - rel_t) < kt)
-               & (_as_unsigned(jy[None, :] - rel_y) < ky)
-               & (_as_unsigned(jx[None, :] - rel_x) < kx))
+  def step(k, v, visible, carry):
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * LOG2_E  # q is pre-scaled
     return online_softmax_step(s, carry, v, visible=visible)
 
-  o, m, l = lax.fori_loop(0, num_chunks, body, init_carry(num_q, head_dim))
-  o = normalize(o, m, l).astype(o_ref.dtype)  # every row sees its window: l >= 1
-  o = o.reshape(bt, by, bx, head_dim)
-  if any(n % b for n, b in zip(dims, tile)):  # Edge tiles: store the grid's points only.
-    in_grid = ((t0 + jnp.arange(bt) < t_len)[:, None, None, None]
-               & (y0 + jnp.arange(by) < y_len)[None, :, None, None]
-               & (x0 + jnp.arange(bx) < x_len)[None, None, :, None])
-    plgpu.store(o_ref, o, mask=in_grid)
-  else:
-    o_ref[...] = o
+  o, m, l = walk_halo(step, init_carry(q.shape[0], q.shape[1]), k_ref, v_ref, queries, dims, window, tile,
+                      block_k)
+  store_tile(o_ref, normalize(o, m, l).astype(o_ref.dtype), queries, dims, tile)  # l >= 1: every row sees its window
+  if lse_ref:
+    store_tile(lse_ref[0], lse_for_backward(m, l), queries, dims, tile)
 
 
-@functools.partial(jax.jit, static_argnames=("KT", "KY", "KX", "config", "interpret"))
+def _forward(q, k, v, *, window, config: NeighborhoodAttentionConfig, interpret: bool, with_lse: bool):
+  """One launch of the forward kernel: `o`, and with `with_lse` also
+  `lse [B, H, T, Y, X]` (base 2)."""
+  batch, *dims, num_heads, head_dim = q.shape
+  dims = tuple(dims)
+  n = math.prod(dims)
+  flat = lambda a: a.reshape(batch, n, num_heads, head_dim)  # noqa: E731
+  # K/V (and Q) blocks span the grid of one (batch row, head): the kernel
+  # gathers rows by index, so their length need not be a power of two.
+  spec = pl.BlockSpec((None, n, None, head_dim), lambda i, b, h: (b, 0, h, 0))
+  out_shape, out_specs = [jax.ShapeDtypeStruct(q.shape, q.dtype)], [tile_spec(dims, config.tile, head_dim)]
+  if with_lse:
+    out_shape.append(jax.ShapeDtypeStruct((batch, num_heads, *dims), jnp.float32))
+    out_specs.append(tile_spec(dims, config.tile, None))
+  kernel = functools.partial(_neighborhood_attention_kernel, dims=dims, window=window,
+                             tile=config.tile, block_k=config.block_k)
+  outs = common.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(math.prod(cdiv(d, b) for d, b in zip(dims, config.tile)), batch, num_heads),
+      in_specs=[spec, spec, spec],
+      out_specs=out_specs,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
+      interpret=interpret,
+      name="neighborhood_attention_3d",
+  )(flat(q), flat(k), flat(v))
+  return tuple(outs) if with_lse else outs[0]
+
+
+class _Static(NamedTuple):
+  window: tuple[int, int, int]
+  config: NeighborhoodAttentionConfig
+  backward_config: NeighborhoodAttentionBwdConfig
+  interpret: bool
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Needed:
+  """Which gradients the backward pass makes (residual metadata, no leaves)."""
+  dq: bool
+  dkv: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, static: _Static):
+  return _forward(q, k, v, window=static.window, config=static.config, interpret=static.interpret,
+                  with_lse=False)
+
+
+def _attention_fwd(q, k, v, static: _Static):
+  # symbolic_zeros: `.perturbed` tells which gradients are needed.
+  needed = _Needed(dq=q.perturbed, dkv=k.perturbed or v.perturbed)
+  q, k, v = q.value, k.value, v.value
+  o, lse = _forward(q, k, v, window=static.window, config=static.config, interpret=static.interpret,
+                    with_lse=True)
+  return o, (q, k, v, o, lse, needed)
+
+
+def _attention_bwd(static: _Static, residuals, do):
+  q, k, v, o, lse, needed = residuals
+  if isinstance(do, SymbolicZero):
+    do = jnp.zeros(o.shape, o.dtype)
+  return attention_backward(q, k, v, o, lse, do, window=static.window, dq_config=static.backward_config.dq,
+                            dkdv_config=static.backward_config.dkdv, interpret=static.interpret,
+                            need_dq=needed.dq, need_dkv=needed.dkv)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+@functools.partial(jax.jit, static_argnames=("KT", "KY", "KX", "config", "backward_config", "interpret"))
 def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *, KT: int, KY: int,
                               KX: int, config: NeighborhoodAttentionConfig | None = None,
+                              backward_config: NeighborhoodAttentionBwdConfig | None = None,
                               interpret: bool | None = None) -> jax.Array:
   """3-D neighborhood attention, NATTEN semantics, no extra scale.
 
   Args:
     q, k, v: `[B, T, Y, X, H, D]`, one dtype; `D` a power of two >= 16; `q`
-      already scaled.
-    KT, KY, KX: window sizes along T, Y, X; `T >= KT`, `Y >= KY`, `X >= KX`.
+      already scaled. B = 0 gives an empty result.
+    KT, KY, KX: window sizes along T, Y, X; `1 <= KT <= T`, `1 <= KY <= Y`,
+      `1 <= KX <= X` (a ValueError otherwise).
     config: tiling; None = `choose_config`.
+    backward_config: tilings of the backward kernels; None =
+      `choose_backward_config`.
     interpret: None = interpret when no GPU is present.
+
+  Differentiable (`jax.custom_vjp`) in q, k and v: dQ and dK/dV kernels
+  over the same tiles (`neighborhood_attention_bwd`).
 
   Returns:
     `o [B, T, Y, X, H, D]` in `q.dtype`.
@@ -277,30 +333,10 @@ def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *, KT: i
   dims = (t_len, y_len, x_len)
   if any(w < 1 or n < w for n, w in zip(dims, window)):
     raise ValueError(f"window {window} does not fit the grid {dims} (need 1 <= k <= extent)")
-  if config is None:
-    shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype)}
-    config = choose_config(shapes, KT=KT, KY=KY, KX=KX)
-  num_tiles = math.prod(cdiv(n, b) for n, b in zip(dims, config.tile))
-  n = t_len * y_len * x_len
-
-  flat = lambda a: a.reshape(batch, n, num_heads, head_dim)
-  # K/V (and Q) blocks span the grid of one (batch row, head): the kernel
-  # gathers rows by index, so their length need not be a power of two.
-  spec = pl.BlockSpec((None, n, None, head_dim), lambda i, b, h: (b, 0, h, 0))
-  tiles_y, tiles_x = cdiv(y_len, config.block_y), cdiv(x_len, config.block_x)
-  out_spec = pl.BlockSpec(
-      (None, *config.tile, None, head_dim),
-      lambda i, b, h: (b, i // (tiles_y * tiles_x), (i // tiles_x) % tiles_y, i % tiles_x, h, 0))
-  kernel = functools.partial(_neighborhood_attention_kernel, dims=dims, window=window,
-                             tile=config.tile, block_k=config.block_k)
-  return common.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      grid=(num_tiles, batch, num_heads),
-      in_specs=[spec, spec, spec],
-      out_specs=out_spec,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-      interpret=resolve_interpret(interpret),
-      name="neighborhood_attention_3d",
-  )(flat(q), flat(k), flat(v))
+  if not (batch and num_heads):
+    return jnp.zeros(q.shape, q.dtype)
+  shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype)}
+  static = _Static(window, config or choose_config(shapes, KT=KT, KY=KY, KX=KX),
+                   backward_config or choose_backward_config(shapes, KT=KT, KY=KY, KX=KX),
+                   resolve_interpret(interpret))
+  return _attention(q, k, v, static)

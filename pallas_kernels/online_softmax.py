@@ -99,3 +99,18 @@ def lse_natural(m, l):
   for a lonely row (one that saw no key), as the definitions return it."""
   seen = l > 0.0
   return jnp.where(seen, (jnp.where(seen, m, 0.0) + jnp.log2(jnp.where(seen, l, 1.0))) * LN_2, jnp.inf)
+
+
+def lse_for_backward(m, l):
+  """`log2(sum exp2(s))` of each row (base 2, the forward's scale), +inf for
+  a lonely row: a backward pass recomputes each probability as
+  `exp2(s - lse)`, which is then exactly 0 for a row that saw no key."""
+  seen = l > 0.0
+  return jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
+
+
+def hide_keys(x, visible):
+  """Rows `[keys, width]` of a key or value tile with the hidden keys
+  (`visible [keys]` False) selected to 0: whatever they hold (NaN, Inf)
+  cannot reach a dot product in which their weight is 0."""
+  return jnp.where(visible[:, None], x, jnp.zeros_like(x))

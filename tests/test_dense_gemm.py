@@ -1,18 +1,26 @@
 """Dense BF16 NT GEMM: the kit's data (launches, edge cases: ragged and tiny
 shapes, the K tail, tile groups; lowering at ragged sizes) and the family's
 own checks: every tile order, the chunked reference vs float64 numpy, the
-heuristic, synthesis scales, CPU axes. (The checks themselves:
+heuristic, synthesis scales, CPU axes; any M, N, K; the gradients (custom
+VJP: dA and dB as launches of the same kernel) against the XLA path and
+float64 finite differences, and their lowering. (The checks themselves:
 test_definitions.py and kit.py.)"""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import gradients
+from jaxkern import ops
 from jaxkern import registry
 from jaxkern.families import dense_gemm as gemm
 from kit import Case, TritonCall
+from numerics import assert_bf16_close
 from pallas_kernels import dense_gemm as dg
+from pallas_kernels.common import lower_for_h100, triton_calls
 
 DEFINITIONS = [n for n in registry.names() if n.startswith("dense_gemm")]
 RECORDED_M = (4096, 4125, 6144, 8192, 12288, 16384, 24576)
@@ -54,6 +62,11 @@ KERNEL_CASES = [Case(GEMM, {"M": m, "N": n, "K": k}, config=config, id=label) fo
     (33, 100, 130, SMALL_BLOCKS, "many_tiles_k_tail"),
     (40, 72, 72, SMALL_BLOCKS, "groups_of_2_and_1"),   # 3x5 tiles
     (1, 16, 16, SMALL_BLOCKS, "one_tile_exactly"),
+    # Issue 20: K below the fitted block_k with M a power of two (K 24-48 at
+    # M=64 raised "slice slice_sizes must be less than or equal to operand shape").
+    (64, 40, 48, None, "m64_k48_k_below_block"),
+    (128, 16, 24, None, "m128_k24"),
+    (16, 17, 1, None, "k1"),
 ]]
 LOWERING_CASES = [
     Case(GEMM, {"M": 4125}),
@@ -126,3 +139,106 @@ def test_cpu_axes_shrinks_m_and_keeps_raggedness():
   # Under budget, the constant axes stay as defined.
   assert gemm.cpu_axes({"M": 4096, "N": 4096, "K": 4096}) == {"M": 64, "N": 4096, "K": 4096}
   assert gemm.cpu_axes({"M": 5, "N": 24, "K": 40}) == {"M": 5, "N": 24, "K": 40}
+
+
+# ---------------------------------------------------------------------------
+# Any M, N, K >= 1 on both paths (issue 20).
+
+
+@pytest.mark.parametrize("m,n,k", [(64, 32, 48), (32, 8, 24), (1, 1, 1), (64, 64, 33), (5, 3, 200)])
+def test_any_sizes_on_both_paths(m, n, k):
+  a, b = operands(m, n, k, seed=m + k)
+  want = np.asarray(a, np.float64) @ np.asarray(b, np.float64).T
+  for backend in ("pallas", "xla"):
+    c = jax.jit(functools.partial(ops.dense_gemm, backend=backend))(a, b)
+    assert c.shape == (m, n)
+    assert_bf16_close(c, want)
+
+
+def test_empty_operands_give_zeros():
+  a, b = jnp.zeros((0, 48), jnp.bfloat16), jnp.zeros((16, 48), jnp.bfloat16)
+  assert dg.dense_gemm_nt(a, b, interpret=True).shape == (0, 16)
+  c = dg.dense_gemm_nt(jnp.zeros((3, 0), jnp.bfloat16), jnp.zeros((5, 0), jnp.bfloat16), interpret=True)
+  np.testing.assert_array_equal(np.asarray(c, np.float32), np.zeros((3, 5)))
+
+
+@pytest.mark.parametrize("layout", dg.LAYOUTS)
+def test_every_layout_matches_numpy(layout):
+  """`gemm` in each operand layout: C = op(X) . op(Y) with the stored arrays
+  transposed as the layout says, ragged in every dimension."""
+  m, n, k = 37, 21, 50
+  x, y = operands(m, k, n, seed=5)[0], operands(n, k, n, seed=6)[0]   # [M,K], [N,K] values
+  want = np.asarray(x, np.float64) @ np.asarray(y, np.float64).T
+  x_stored = x if layout[0] == "n" else x.T
+  y_stored = y.T if layout[1] == "n" else y
+  c = dg.gemm(x_stored, y_stored, layout=layout, config=SMALL_BLOCKS, interpret=True)
+  assert_bf16_close(c, want)
+
+
+# ---------------------------------------------------------------------------
+# Gradients.
+
+
+def dense_gemm_op(backend, config=None):
+  return lambda a, b: ops.dense_gemm(a, b, backend=backend, config=config)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 24, 40), (33, 100, 130), (64, 32, 48), (7, 16, 5)])
+def test_pallas_gradients_match_xla_under_jit(m, n, k):
+  a, b = operands(m, n, k, seed=m)
+  pallas = gradients.grads(dense_gemm_op("pallas"), (a, b), (0, 1))
+  xla = gradients.grads(dense_gemm_op("xla"), (a, b), (0, 1))
+  assert pallas[0].dtype == pallas[1].dtype == jnp.bfloat16
+  gradients.assert_grads_close(pallas, xla, ("dA", "dB"))
+
+
+def test_gradients_with_many_tiles_and_batch_dimensions():
+  """Small backward tiles: many tiles, short groups and K tails in both
+  gradient GEMMs; a leading batch dimension on the activations."""
+  a = operands(6, 40, 72, seed=8)[0].reshape(2, 3, 72)
+  b = operands(6, 40, 72, seed=9)[1]
+
+  def pallas(a, b):
+    return dg.dense_gemm_nt(a.reshape(-1, 72), b, config=SMALL_BLOCKS, backward_config=(SMALL_BLOCKS, SMALL_BLOCKS),
+                            interpret=True).reshape(2, 3, 40)
+  got = gradients.grads(pallas, (a, b), (0, 1))
+  want = gradients.grads(dense_gemm_op("xla"), (a, b), (0, 1))
+  gradients.assert_grads_close(got, want, ("dA", "dB"))
+
+
+def test_gradient_runs_pallas_kernels():
+  a, b = operands(5, 24, 40)
+  weights = gradients.weights_like((5, 24))
+  names = gradients.pallas_calls(jax.grad(gradients.loss(dense_gemm_op("pallas"), weights), (0, 1)), a, b)
+  assert {"dense_gemm_nn", "dense_gemm_tn"} <= set(names) and len(names) >= 2, names
+
+
+def test_gradients_match_float64_finite_differences():
+  """float32 operands through the Pallas path (interpret mode) against
+  central differences of the float64 product."""
+  rng = np.random.default_rng(3)
+  a, b = rng.standard_normal((3, 20)), rng.standard_normal((17, 20))
+  weights = gradients.weights_like((3, 17))
+  f = gradients.loss(lambda a, b: dg.dense_gemm_nt(a, b, out_dtype=jnp.float32, interpret=True), weights)
+  got = jax.grad(f, (0, 1))(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+  want = gradients.finite_difference_grads(lambda a, b: a @ b.T, [a, b], np.asarray(weights, np.float64))
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-4, atol=1e-4)
+
+
+def backward_launches(m, n, k):
+  """dA [M,K] (layout nn) and dB [N,K] (layout tn), heuristic configs."""
+  config_da, config_db = dg.backward_configs(m, n, k)
+  return [TritonCall("dense_gemm_nn", (-(-m // config_da.block_m) * -(-k // config_da.block_n), 1, 1),
+                     config_da.num_warps, config_da.num_stages),
+          TritonCall("dense_gemm_tn", (-(-n // config_db.block_m) * -(-k // config_db.block_n), 1, 1),
+                     config_db.num_warps, config_db.num_stages)]
+
+
+@pytest.mark.parametrize("m,n,k", [(4125, 4096, 4096), (1, 4096, 12288), (24576, 12288, 4096), (7, 1000, 4100)])
+def test_backward_lowers_to_its_launches(m, n, k):
+  """The gradient of the loss (C unused: only the backward GEMMs remain)
+  lowers for an H100 to the two launches its configs imply."""
+  shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (n, k))]
+  grad = jax.grad(lambda a, b: jnp.sum(dg.dense_gemm_nt(a, b, interpret=False).astype(jnp.float32)), (0, 1))
+  assert sorted(triton_calls(lower_for_h100(grad, *shapes))) == sorted(backward_launches(m, n, k))

@@ -93,7 +93,7 @@ def test_one_dispatch_serves_every_op():
   """Every public op is its family's function and runs through
   `dispatch.run` once, whatever the backend."""
   for name in ops.__all__:
-    if name != "Backend":
+    if name not in ("Backend", "checked"):
       assert getattr(ops, name).__module__.startswith("jaxkern.families."), name
   calls = []
   real = dispatch.run

@@ -5,6 +5,8 @@ fields (sol_fraction only when timed on a GPU)."""
 
 import json
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxkern import bench
@@ -20,8 +22,9 @@ from jaxkern.families import grouped_gemm as grouped_gemm_family
 DEFS = dataset.load_definitions()
 
 
-def cost(name, **axes):
-  c = registry.get(name).cost(axes)
+def cost(name, inputs=None, **axes):
+  c = registry.get(name).cost(axes, inputs=inputs)
+  assert c.counted_from == ("axes" if inputs is None else "inputs")
   return c.flops, c.bytes, c.dtype_class
 
 
@@ -42,18 +45,42 @@ def test_grouped_gemm_counts_only_routed_experts():
   name = "grouped_gemm_fp8_fp4_e384_n4608_k5120_g32"
   small = dict(N=2, K=64, G=32, K_groups=2, K_packed=32)
   # One row, 4 experts: a 64 + a_scale 2 + expert_ids 4 + C 1x2 bf16 4 = 74, plus one expert's
-  # weights as stored: b 2x32 + b_scale 2x2 = 68.
-  assert cost(name, M=1, E=4, **small) == (2 * 1 * 2 * 64, 74 + 68, "fp8")
-  # Two rows, two experts: expected distinct experts 2 * (1 - 1/4) = 1.5.
+  # weights as stored: b 2x32 + b_scale 2x2 = 68. The kernel's dots are bf16: the bf16 peak.
+  assert cost(name, M=1, E=4, **small) == (2 * 1 * 2 * 64, 74 + 68, "bf16")
+  # Two rows, two experts, no inputs: expected distinct experts 2 * (1 - 1/4) = 1.5.
   assert grouped_gemm_family.expected_experts(2, 2) == 1.5
-  assert cost(name, M=2, E=2, **small) == (2 * 2 * 2 * 64, 128 + 4 + 8 + 8 + round(1.5 * 68), "fp8")
+  assert cost(name, M=2, E=2, **small) == (2 * 2 * 2 * 64, 128 + 4 + 8 + 8 + round(1.5 * 68), "bf16")
   assert grouped_gemm_family.expected_experts(1, 384) == pytest.approx(1.0)
   assert grouped_gemm_family.expected_experts(10**6, 384) == pytest.approx(384)
+  # With the run's ids: rows routed to 3, 0, 3 (the -1 padding row and the out-of-range 7 do no
+  # work), two distinct experts. a and a_scale of 3 rows (66 each), expert_ids 5x4, C 5x2 bf16,
+  # weights of 2 experts.
+  ids = jnp.asarray([3, 0, -1, 3, 7], jnp.int32)
+  assert cost(name, inputs={"expert_ids": ids}, M=5, E=4, **small) == (
+      2 * 3 * 2 * 64, 3 * 66 + 20 + 20 + 2 * 68, "bf16")
 
 
 def test_dense_attention():
   # 4*B*H*Nq*Nk*D; q 16, k 24, v 24, key_valid 3, o 16.
   assert cost("noncausal_dense_attention_h32_d64", B=1, Nq=2, Nk=3, H=1, D=4) == (96, 83, "bf16")
+
+
+def test_padded_attention_counts_only_its_visible_keys():
+  name = "noncausal_dense_attention_h32_d64"
+  # Row 0 sees 1 of 3 keys, row 1 sees 3: 4 visible keys. FLOPs 4*H*Nq*D*4; q 2x2x4 bf16 32,
+  # key_valid 6, o 32, and the k and v rows of the 4 visible keys (8 + 8 bytes each).
+  key_valid = jnp.asarray([[True, False, False], [True, True, True]])
+  assert cost(name, inputs={"key_valid": key_valid}, B=2, Nq=2, Nk=3, H=1, D=4) == (
+      4 * 2 * 4 * 4, 32 + 6 + 32 + 4 * 16, "bf16")
+  # A recorded attn2 (padded text) workload as the replay synthesizes it: only its valid keys.
+  op = registry.get("noncausal_dense_attention_h32_d128")
+  w = next(w for w in dataset.load_workloads(op.name) if w.variant == "attn2")
+  axes = op.cpu_axes(w.axes)
+  inputs = op.make_inputs(axes, seed=0, record=w.record, allow_shrunk_constants=True)
+  visible = int(np.count_nonzero(np.asarray(inputs["key_valid"])))
+  assert 0 < visible < axes["B"] * axes["Nk"]
+  c = op.cost(axes, inputs=inputs, record=w.record)
+  assert c.flops == 4 * axes["H"] * axes["Nq"] * axes["D"] * visible < op.cost(axes).flops
 
 
 def test_prefix_cached_attention():
@@ -72,6 +99,11 @@ def test_block_causal_counts_visible_pairs_only():
   assert registry.get(name).cost(axes, record=record).flops == 4 * 11 * 4
   # The recorded layout [[0,8],[8,4104],[4104,4125]].
   assert attention_family.block_causal_pairs([8, 4104, 4125]) == 8 * 8 + 4096 * 4104 + 21 * 4125
+  # From the run's segment_ids (what the kernel is given): row 0 as the record above (11 pairs),
+  # row 1 one segment (16 pairs).
+  ids = jnp.asarray([[0, 1, 1, 2], [0, 0, 0, 0]], jnp.int32)
+  c = registry.get(name).cost({**axes, "B": 2}, inputs={"segment_ids": ids})
+  assert (c.flops, c.counted_from) == (4 * (11 + 16) * 4, "inputs")
 
 
 def test_neighborhood_attention_counts_the_window():
@@ -105,6 +137,15 @@ def test_sparse_mla_counts_gathered_rows():
   assert cost(name, M=2, Nkv=3, TOPK=2, **small) == (4 * 2 * 2 * 4, 88, "bf16")
   # More slots than rows: each query attends to at most Nkv rows.
   assert cost(name, M=2, Nkv=3, TOPK=4, **small)[0] == 4 * 2 * 3 * 4
+  # With the run's indices: 3 valid slots (-1 and 3 >= Nkv are not), 2 distinct rows (0 twice).
+  indices = jnp.asarray([[[0, -1]], [[0, 3]], [[2, -1]]], jnp.int32)
+  c = registry.get(name).cost(dict(M=3, Nkv=3, TOPK=2, **small), inputs={"indices": indices})
+  # q 24, indices 24, scalars 8, out 24, lse 12 = 92, plus 2 rows of 8 bytes.
+  assert (c.flops, c.bytes) == (4 * 3 * 4, 92 + 16)
+  # The gather floor: every valid slot's row once per query row (1 KiB per slot at D=512).
+  assert c.gather_bytes == 3 * 8
+  full = registry.get(name).cost({"M": 1, "Nkv": 200}, inputs={"indices": jnp.arange(128).reshape(1, 1, 128)})
+  assert full.gather_bytes == 128 * 1024
 
 
 def test_mixed_mla_counts_gathered_tokens_as_stored():
@@ -117,6 +158,13 @@ def test_mixed_mla_counts_gathered_tokens_as_stored():
   full = registry.get("mixed_mla_decode_deepseek41_h64_d512_k8128_k4512").cost({"B": 1, "N8": 1, "N4": 4})
   small_io = 64 * 512 * 2 + (128 + 512) * 4 + 4 + 64 * 4 + 64 * 512 * 2 + 64 * 4
   assert full.bytes == small_io + 128 * 528 + 512 * 288
+  # With the run's indices: fp8 slots [1, -1] (1 valid), fp4 slots [0, 0, 4] (2 valid: 4 >= 4 rows),
+  # distinct tokens 1 + 1.
+  inputs = {"indices_fp8": jnp.asarray([[1]], jnp.int32), "indices_fp4": jnp.asarray([[0, 0, 4]], jnp.int32)}
+  c = registry.get("mixed_mla_decode_deepseek41_h64_d512_k8128_k4512").cost(
+      dict(B=1, N8=1, N4=2, P8=2, P4=2, H=1, HKV=1, D=4, K8=1, K4=3, token_bytes_fp8=8, token_bytes_fp4=6),
+      inputs=inputs)
+  assert (c.flops, c.bytes, c.gather_bytes) == (4 * 3 * 4, 44 + 8 + 6, 8 + 2 * 6)
 
 
 def test_qsa_index_topk_counts_referenced_pages():
@@ -125,6 +173,12 @@ def test_qsa_index_topk_counts_referenced_pages():
   # scores: 2*B*MP*P*H*D = 64; q 16, page_table 16, seq_lens 8, topk_ids 16; pages min(NP=3, B*MP=4)
   # of 2x1x4 bf16 = 16 bytes: 48.
   assert got == (64, 56 + 48, "bf16")
+  # With the run's data: sequence 0 has 9 tokens (2 keys, on page 2), sequence 1 has 16 tokens
+  # (4 keys: its pages 2 and 0, page 2 shared): 6 scored keys, 2 distinct pages.
+  inputs = {"seq_lens": jnp.asarray([9, 16], jnp.int32), "page_table": jnp.asarray([[2, 1], [2, 0]], jnp.int32)}
+  got = cost("qsa_index_topk_decode_qwen38_h4_d128_topk512_c4", inputs=inputs, B=2, MP=2, NP=3, P=2, H=1,
+             HKV=1, D=4, TOPK=2, C=4)
+  assert got == (2 * 6 * 4, 56 + 2 * 16, "bf16")
 
 
 def test_qsa_sparse_gqa_counts_visible_tokens():
@@ -133,6 +187,14 @@ def test_qsa_sparse_gqa_counts_visible_tokens():
   # t = min(MP*P=8, TOPK*C + C-1 = 3) = 3: 4*1*2*3*2; q 8, page_table 8, seq_lens 4, topk_ids 4,
   # sm_scale 4, o 8 = 36; gathered 3 tokens of k and v rows (1x2 bf16 each): 3 * 8.
   assert got == (48, 60, "bf16")
+  # With the run's data: seq_len 7 (n = 3 blocks of 2 and a 1-token tail); ids 2, 2 (once), -1 and
+  # 5 (>= n: ignored): tokens 4, 5 and the tail 6 on logical page 1 -> physical page 0.
+  inputs = {"seq_lens": jnp.asarray([7], jnp.int32), "topk_ids": jnp.asarray([[2, 2, -1, 5]], jnp.int32),
+            "page_table": jnp.asarray([[1, 0]], jnp.int32)}
+  c = registry.get("qsa_sparse_gqa_decode_qwen38_h24_kv2_d256_topk512_c4").cost(
+      dict(B=1, MP=2, NP=2, P=4, HQ=2, HKV=1, D=2, TOPK=4, C=2), inputs=inputs)
+  # q 8, page_table 8, seq_lens 4, topk_ids 16, sm_scale 4, o 8 = 48; 3 rows of 8.
+  assert (c.flops, c.bytes, c.gather_bytes) == (4 * 2 * 2 * 3, 48 + 24, 24)
 
 
 def test_every_definition_has_a_formula_at_its_recorded_axes():
@@ -185,7 +247,8 @@ def test_performance_fields():
   assert "sol_fraction" not in cpu
   assert cpu["speed_of_light_ms"] == pytest.approx(c.speed_of_light_ms("h200"))
   assert cpu["roofline"] == {"flops": c.flops, "bytes": c.bytes, "device": "h200", "dtype_class": "bf16",
-                             "bound": "compute", "basis": "datasheet"}
+                             "peak": "bf16 MMA 989.4 TFLOP/s, HBM 4.8 TB/s", "bound": "compute",
+                             "basis": "datasheet", "counted_from": "axes"}
   gpu = roofline.performance_fields(lambda: c, 0.5, device_kind="NVIDIA H100 80GB HBM3", measured_on_gpu=True)
   assert gpu["roofline"]["device"] == "h100_sxm"
   assert gpu["sol_fraction"] == pytest.approx(c.speed_of_light_ms("h100_sxm") / 0.5)

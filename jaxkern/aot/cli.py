@@ -5,6 +5,7 @@ print (or write) what the toolchain made of them.
   python -m jaxkern.aot --definition moe_router --axes M=1 --all_candidates
   python -m jaxkern.aot --definition dense_gemm --json
   python -m jaxkern.aot --markdown docs/perf/sm90a_compile.md   # the generated page
+  python -m jaxkern.aot --backward --definition noncausal       # the gradients' kernels
 
 The exit code is 1 unless every kernel is `ok`; 2 when the `aot` extra is
 missing.
@@ -43,17 +44,38 @@ def select_ops(patterns: Sequence[str]) -> list:
   return chosen
 
 
+def gradient_of(kernel: Callable[[dict], Any]) -> Callable[[dict, Any], Any]:
+  """`(inputs, cotangent) -> gradients` of `kernel(inputs)` with respect to
+  its floating inputs: what training compiles (the forward that saves the
+  residuals, then the backward kernels)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def fn(inputs, cotangent):
+    floating = {k: v for k, v in inputs.items() if jnp.issubdtype(v.dtype, jnp.floating)}
+    _, vjp = jax.vjp(lambda d: kernel({**inputs, **d}), floating)
+    return vjp(cotangent)
+  return fn
+
+
 def check_op(compiler: Compiler, op, axes: Mapping[str, int], configs: Sequence[Any] | None = None,
-             progress: Callable[[dict], None] | None = None) -> list[dict]:
+             progress: Callable[[dict], None] | None = None, backward: bool = False) -> list[dict]:
   """Compiles `op` at `axes` for each config (default: the heuristic's) and
-  returns one JSON-ready row per config."""
+  returns one JSON-ready row per config; with `backward`, its gradient
+  (`gradient_of`: the forward and the backward kernels, whose configs are
+  their heuristic's)."""
+  import jax  # pylint: disable=g-import-not-at-top
   from jaxkern import tuning  # pylint: disable=g-import-not-at-top
   shapes = op.input_shapes(axes)
   heuristic = op.choose_config(shapes)
   rows = []
   for config in (configs if configs is not None else [heuristic]):
-    rep = compiler.compile(lambda x, config=config: op.kernel(x, interpret=False, config=config), shapes)
-    row = {"definition": op.name, "axes": {a: axes[a] for a in op.definition.var_axes if a in axes},
+    kernel = lambda x, config=config: op.kernel(x, interpret=False, config=config)  # noqa: E731
+    if backward:
+      rep = compiler.compile(gradient_of(kernel), shapes, jax.eval_shape(kernel, shapes))
+    else:
+      rep = compiler.compile(kernel, shapes)
+    row = {"definition": op.name + (" (backward)" if backward else ""), "axes": {a: axes[a] for a in op.definition.var_axes if a in axes},
            "config": tuning.config_to_json(config), "heuristic": config == heuristic, "target": compiler.target,
            "status": rep.status, "compile_seconds": round(rep.compile_seconds, 2), "error": rep.error,
            "kernels": [dataclasses.asdict(k) for k in rep.kernels]}
@@ -72,6 +94,7 @@ class Flags:
   target: Any
   json: Any
   markdown: Any
+  backward: Any
 
 
 _FLAGS: Flags | None = None
@@ -91,7 +114,9 @@ def define_flags() -> Flags:
                                  "part of one)."),
       json=flags.DEFINE_bool("json", False, "Print JSON instead of a table."),
       markdown=flags.DEFINE_string("markdown", "", "Also write the generated markdown page here (e.g. "
-                                   "docs/perf/sm90a_compile.md)."))
+                                   "docs/perf/sm90a_compile.md)."),
+      backward=flags.DEFINE_bool("backward", False, "Compile the gradient instead (forward and backward kernels) "
+                                 "of the definitions whose kernels have Pallas backward kernels."))
   return _FLAGS
 
 
@@ -122,13 +147,17 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(str(e)) from e
   if f.markdown.value and not pathlib.Path(f.markdown.value).resolve().parent.is_dir():
     raise app.UsageError(f"--markdown {f.markdown.value}: no folder {pathlib.Path(f.markdown.value).parent}")
+  if f.backward.value:
+    ops = [op for op in ops if op.impl.differentiable_kernel]
+    if not ops:
+      raise app.UsageError("--backward: none of these definitions has Pallas backward kernels")
   compiler = Compiler(f.target.value)
   print(f"target: {compiler.target} (sm_90a), ptxas {ptxas_binary()}", file=sys.stderr)
   rows = []
   for op in ops:
     axes = op.validated_axes(selection.parse_axes(f.axes.value) if f.axes.value else selection.largest_recorded_axes(op.definition))
     configs = op.candidate_configs(op.input_shapes(axes)) if f.all_candidates.value else None
-    rows += check_op(compiler, op, axes, configs, progress=lambda r: print(
+    rows += check_op(compiler, op, axes, configs, backward=f.backward.value, progress=lambda r: print(
         f"{r['definition']} {r['config']}: {r['status']} ({r['compile_seconds']:.1f} s)", file=sys.stderr, flush=True))
   if f.markdown.value:
     import jax  # pylint: disable=g-import-not-at-top

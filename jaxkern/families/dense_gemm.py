@@ -92,9 +92,9 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def dense_gemm_cost(definition, axes, *, inputs=None, record=None):
+def dense_gemm_cost(definition, axes, *, inputs=None, record=None, config=None):
   """C[M,N] = A[M,K] B[N,K]^T. FLOPs 2MNK; bytes A + B + C once (bf16)."""
-  return 2 * axes["M"] * axes["N"] * axes["K"], roofline.io_bytes(definition, axes), "bf16"
+  return roofline.Work(2 * axes["M"] * axes["N"] * axes["K"], roofline.io_bytes(definition, axes), "bf16")
 
 
 # How the op splits across devices (`jaxkern.spmd`): rows of A, rows of B
@@ -103,7 +103,7 @@ SPLIT = Split(inputs={"A": "m k", "B": "n k"}, outputs=("m n",), independent="m 
               reasons={"k": CONTRACTION})
 IMPL = OpImpl(reference=dense_gemm_reference, kernel=kernel_lib.dense_gemm_nt, make_inputs=make_inputs,
               choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
-              cpu_axes=cpu_axes, cost=dense_gemm_cost, split=SPLIT)
+              cpu_axes=cpu_axes, cost=dense_gemm_cost, split=SPLIT, differentiable_kernel=True)
 IMPLS = (IMPL,)
 
 
@@ -111,10 +111,15 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
-def dense_gemm(a: jax.Array, b: jax.Array, *, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
+def dense_gemm(a: jax.Array, b: jax.Array, *, config: Any = None, backend: dispatch.Backend = None,
+               checks: bool = False) -> jax.Array:
   """`a @ b.T`: activations a [..., K], weight b [N, K] (torch Linear layout);
-  fp32 accumulation, output in a's dtype."""
+  fp32 accumulation, output in a's dtype.
+
+  Contract: a and b bf16 (or the same float dtype), any M (rows of a, 0
+  included), N, K >= 1; no index inputs (`checks=True` has nothing to
+  check); non-finite values reach the outputs that use them."""
   *batch, k = a.shape
   c = dispatch.run(IMPL, {"A": a.reshape(-1, k), "B": b}, params={"out_dtype": a.dtype}, config=config,
-                   backend=backend)
+                   backend=backend, checks=checks)
   return c.reshape(*batch, b.shape[0])

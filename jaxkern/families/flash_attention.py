@@ -19,10 +19,11 @@ from typing import Any, Mapping
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkern import dispatch
 from jaxkern import roofline
-from jaxkern.family import OpImpl, cdiv
+from jaxkern.family import OpImpl, Precondition, cdiv
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import flash_attention as kernel_lib
 
@@ -54,8 +55,18 @@ def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None
   end, lonely rows 0. Memory stays bounded: one head and `q_chunk` query rows
   at a time, i.e. `[B, q_chunk, Np + Nk]` fp32 scores (42 MiB at B=1,
   Np+Nk=10269), via `lax.map` over heads and over query chunks.
+
+  Hidden keys are selected away, never multiplied by zero: their keys and
+  values by `where` (key_valid), their scores by `where`, and under segments
+  each query's sum takes only its visible values (`_visible_values_sum`): a
+  NaN or Inf a query cannot see reaches neither its output nor a gradient,
+  and gradients of hidden keys are exactly 0. Differentiable (plain JAX
+  autodiff; the softmax max is a constant of the gradient, as it is
+  mathematically).
   """
   batch, q_len, num_heads, head_dim = q.shape
+  if q_len == 0:
+    return jnp.zeros(q.shape, q.dtype)
   kv_len = k.shape[1]
   sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
   key_visible = (jnp.ones((batch, kv_len), bool) if key_valid is None
@@ -71,7 +82,8 @@ def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None
     # The smallest segment id: every query sees the prefix.
     k_segments = jnp.concatenate(
         [jnp.full((batch, prefix_len), jnp.iinfo(jnp.int32).min, jnp.int32), k_segments], axis=1)
-
+  hidden = ~key_visible[:, :, None, None]
+  k, v = jnp.where(hidden, jnp.zeros_like(k), k), jnp.where(hidden, jnp.zeros_like(v), v)
   chunk = min(q_chunk, q_len)
   num_chunks = cdiv(q_len, chunk)
   pad = num_chunks * chunk - q_len
@@ -92,10 +104,13 @@ def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None
                      precision=lax.Precision.HIGHEST) * sm_scale
       visible = visible_keys & (k_segments[:, None, :] <= seg_c[:, :, None])
       s = jnp.where(visible, s, -jnp.inf)
-      m = jnp.max(s, axis=-1, keepdims=True)
+      m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf))
       p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))   # 0 where not visible
       l = jnp.sum(p, axis=-1, keepdims=True)
-      o = jnp.einsum("bqk,bkd->bqd", p, v_h, precision=lax.Precision.HIGHEST)
+      if segment_ids is None:  # hidden values are already 0
+        o = jnp.einsum("bqk,bkd->bqd", p, v_h, precision=lax.Precision.HIGHEST)
+      else:
+        o = _visible_values_sum(p, visible, v_h)
       return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(q.dtype)
 
     return lax.map(one_chunk, (q_h, q_segment_chunks))   # [chunks, B, c, D]
@@ -103,6 +118,25 @@ def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None
   o = lax.map(one_head, (q_chunks, k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)))
   o = o.transpose(2, 1, 3, 0, 4).reshape(batch, num_chunks * chunk, num_heads, head_dim)
   return o[:, :q_len]
+
+
+def _visible_values_sum(p: jax.Array, visible: jax.Array, v: jax.Array) -> jax.Array:
+  """sum_k p[b,q,k] v[b,k,:] over the keys visible to each query: `[B, c, D]`.
+
+  Where a query hides a key its neighbours see (segments), p = 0 there but
+  0 * NaN is NaN: when some value is not finite the sum selects per query
+  (`where`, one query row at a time: `[B, Nk, D]` memory); otherwise the
+  matmul is exact (0 * finite = 0)."""
+  def matmul():
+    return jnp.einsum("bqk,bkd->bqd", p, v, precision=lax.Precision.HIGHEST)
+
+  def selected():
+    def one_query(args):
+      p_q, visible_q = args                               # [B, Nk] each
+      return jnp.sum(jnp.where(visible_q[..., None], p_q[..., None] * v, 0.0), axis=1)
+    return lax.map(one_query, (p.transpose(1, 0, 2), visible.transpose(1, 0, 2))).transpose(1, 0, 2)
+
+  return lax.cond(jnp.all(jnp.isfinite(v)), matmul, selected)
 
 
 def noncausal_attention_reference(q, k, v, key_valid=None, *, sm_scale=None) -> jax.Array:
@@ -255,21 +289,28 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def noncausal_attention_cost(definition, axes, *, inputs=None, record=None):
-  """Non-causal attention: FLOPs 4 B H Nq Nk D (QK^T and PV). Keys masked
-  out by `key_valid` (padded text) are data, not axes: all Nk keys are
-  counted, so for padded variants the speed of light is an upper bound.
-  Bytes: q, k, v, key_valid read and o written once (K/V read once per batch
-  row, not once per query block)."""
-  return 4 * axes["B"] * axes["H"] * axes["Nq"] * axes["Nk"] * axes["D"], roofline.io_bytes(definition, axes), "bf16"
+def noncausal_attention_cost(definition, axes, *, inputs=None, record=None, config=None):
+  """Non-causal attention over the visible keys: FLOPs 4 H Nq D times the
+  keys `key_valid` keeps, summed over batch rows (QK^T and PV; padded text
+  keys are never scored). With the run's `key_valid` that count is exact;
+  without it every key is counted (B Nk, a bound). Bytes: q, key_valid read
+  and o written once; of k and v only the visible rows (K/V read once per
+  batch row, not once per query block)."""
+  b, nk = axes["B"], axes["Nk"]
+  key_valid = None if inputs is None else inputs.get("key_valid")
+  keys = b * nk if key_valid is None else int(np.count_nonzero(roofline.host(key_valid)))
+  kv_row = (roofline.tensor_bytes(definition, "k", axes) + roofline.tensor_bytes(definition, "v", axes)) // max(b * nk, 1)
+  nbytes = roofline.io_bytes(definition, axes, skip=("k", "v")) + keys * kv_row
+  return roofline.Work(4 * axes["H"] * axes["Nq"] * axes["D"] * keys, nbytes, "bf16",
+                       counted_from="axes" if key_valid is None else "inputs")
 
 
-def prefix_cached_attention_cost(definition, axes, *, inputs=None, record=None):
+def prefix_cached_attention_cost(definition, axes, *, inputs=None, record=None, config=None):
   """Every target query sees Np prefix keys and Nq target keys: FLOPs
   4 B H Nq (Nq + Np) D. Bytes: q, k, v, k_prefix, v_prefix read and o
   written once."""
   flops = 4 * axes["B"] * axes["H"] * axes["Nq"] * (axes["Nq"] + axes["Np"]) * axes["D"]
-  return flops, roofline.io_bytes(definition, axes), "bf16"
+  return roofline.Work(flops, roofline.io_bytes(definition, axes), "bf16")
 
 
 def block_causal_pairs(segment_ends: list[int]) -> int:
@@ -283,16 +324,32 @@ def block_causal_pairs(segment_ends: list[int]) -> int:
   return pairs
 
 
-def block_causal_attention_cost(definition, axes, *, inputs=None, record=None):
+def visible_pairs(segment_ids: np.ndarray) -> int:
+  """Visible (query, key) pairs of the block-causal masks of `segment_ids`
+  [B, Nq]: query i sees key j iff segment_ids[j] <= segment_ids[i] (any
+  order of ids)."""
+  pairs = 0
+  for row in np.asarray(segment_ids).reshape(-1, np.shape(segment_ids)[-1]):
+    pairs += int(np.searchsorted(np.sort(row), row, side="right").sum())
+  return pairs
+
+
+def block_causal_attention_cost(definition, axes, *, inputs=None, record=None, config=None):
   """Block-causal over segments: only visible pairs are counted, FLOPs
-  4 B H D * pairs with pairs = `block_causal_pairs(ends)`. The segments are
-  the record's `prefix_segments` rescaled to Nq as the replay synthesizes
-  them; without a record one segment (pairs = Nq^2, what the replay runs
-  then). Bytes: q, k, v, segment_ids read and o written once."""
-  nq = axes["Nq"]
-  segments = (record or {}).get("prefix_segments")
-  ends = segment_ends(segments, nq) if segments else [nq]
-  return 4 * axes["B"] * axes["H"] * axes["D"] * block_causal_pairs(ends), roofline.io_bytes(definition, axes), "bf16"
+  4 H D * pairs. The pairs come from the run's `segment_ids`
+  (`visible_pairs`); without inputs, from the record's `prefix_segments`
+  rescaled to Nq as the replay synthesizes them (B times
+  `block_causal_pairs(ends)`); without either, one segment (B Nq^2, a
+  bound). Bytes: q, k, v, segment_ids read and o written once."""
+  b, nq = axes["B"], axes["Nq"]
+  segment_ids = None if inputs is None else inputs.get("segment_ids")
+  if segment_ids is not None:
+    pairs, source = visible_pairs(roofline.host(segment_ids)), "inputs"
+  else:
+    segments = (record or {}).get("prefix_segments")
+    pairs, source = b * block_causal_pairs(segment_ends(segments, nq) if segments else [nq]), "axes"
+  return roofline.Work(4 * axes["H"] * axes["D"] * pairs, roofline.io_bytes(definition, axes), "bf16",
+                       counted_from=source)
 
 
 # ---------------------------------------------------------------------------
@@ -300,10 +357,19 @@ def block_causal_attention_cost(definition, axes, *, inputs=None, record=None):
 # masks are keyword arguments named like the definitions' inputs.
 
 
-def _impl(reference, make_inputs, cost, split) -> OpImpl:
+def segment_preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
+  """Checked mode: segment ids nondecreasing along the tokens of each row."""
+  ids = inputs["segment_ids"]
+  rises = jnp.concatenate([jnp.ones(ids.shape[:-1] + (min(ids.shape[-1], 1),), bool),
+                           ids[..., 1:] >= ids[..., :-1]], axis=-1)
+  return [Precondition("segment_ids", rises, "nondecreasing along Nq (segment_ids[b, i] >= segment_ids[b, i-1])")]
+
+
+def _impl(reference, make_inputs, cost, split, preconditions=None) -> OpImpl:
   return OpImpl(reference=reference, kernel=kernel_lib.flash_attention, make_inputs=make_inputs,
                 choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
-                cpu_axes=cpu_axes, cost=cost, split=split)
+                cpu_axes=cpu_axes, cost=cost, split=split, differentiable_kernel=True,
+                preconditions=preconditions)
 
 
 # How the ops split across devices (`jaxkern.spmd`): batch, heads and, where
@@ -322,7 +388,7 @@ NONCAUSAL = _impl(noncausal_attention_reference, make_noncausal_inputs, noncausa
 PREFIX_CACHED = _impl(prefix_cached_attention_reference, make_prefix_cached_inputs, prefix_cached_attention_cost,
                       PREFIX_CACHED_SPLIT)
 BLOCK_CAUSAL = _impl(block_causal_attention_reference, make_block_causal_inputs, block_causal_attention_cost,
-                     BLOCK_CAUSAL_SPLIT)
+                     BLOCK_CAUSAL_SPLIT, segment_preconditions)
 IMPLS = (NONCAUSAL, PREFIX_CACHED, BLOCK_CAUSAL)
 
 
@@ -331,26 +397,45 @@ IMPLS = (NONCAUSAL, PREFIX_CACHED, BLOCK_CAUSAL)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.Array | None = None,
-              sm_scale: float | None = None, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
-  """Non-causal attention, [B, N, H, D] layout; `key_valid [B, Nk]` hides
-  keys, rows with no visible key are 0; scale defaults to D**-0.5."""
+              sm_scale: float | None = None, config: Any = None, backend: dispatch.Backend = None,
+              checks: bool = False) -> jax.Array:
+  """Non-causal attention, [B, N, H, D] layout.
+
+  Contract: q [B, Nq, H, D], k, v [B, Nk, H, D], one float dtype (bf16);
+  any B, Nq, Nk >= 0. key_valid [B, Nk] bool (optional, all visible
+  without) hides keys from every query of its batch row: a hidden key's k
+  and v are never used, so NaN or Inf there changes nothing. A row with no
+  visible key is 0. sm_scale defaults to D**-0.5. Non-finite values of
+  visible keys reach the rows that see them. No index inputs (`checks=True`
+  has nothing to check)."""
   return dispatch.run(NONCAUSAL, {"q": q, "k": k, "v": v, "key_valid": key_valid}, params={"sm_scale": sm_scale},
-                      config=config, backend=backend)
+                      config=config, backend=backend, checks=checks)
 
 
 def prefix_cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_prefix: jax.Array,
                             v_prefix: jax.Array, *, sm_scale: float | None = None, config: Any = None,
-                            backend: dispatch.Backend = None) -> jax.Array:
+                            backend: dispatch.Backend = None, checks: bool = False) -> jax.Array:
   """Attention of q over keys concat(k_prefix, k), all visible; the
-  concatenation is never materialized by the kernel."""
+  concatenation is never materialized by the kernel.
+
+  Contract: q, k, v [B, Nq, H, D], k_prefix, v_prefix [B, Np, H, D] (Np >= 0),
+  one float dtype; no masks and no index inputs (`checks=True` has nothing
+  to check); non-finite values reach every row."""
   inputs = {"q": q, "k": k, "v": v, "k_prefix": k_prefix, "v_prefix": v_prefix}
-  return dispatch.run(PREFIX_CACHED, inputs, params={"sm_scale": sm_scale}, config=config, backend=backend)
+  return dispatch.run(PREFIX_CACHED, inputs, params={"sm_scale": sm_scale}, config=config, backend=backend,
+                      checks=checks)
 
 
 def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                            sm_scale: float | None = None, config: Any = None,
-                           backend: dispatch.Backend = None) -> jax.Array:
+                           backend: dispatch.Backend = None, checks: bool = False) -> jax.Array:
   """Self-attention where token j is visible to token i iff
-  segment_ids[b, j] <= segment_ids[b, i] (nondecreasing int32 ids)."""
+  segment_ids[b, j] <= segment_ids[b, i].
+
+  Contract: q, k, v [B, N, H, D], segment_ids [B, N] int32, valid:
+  nondecreasing along N (`checks=True` reports the first decrease). The
+  visibility rule is the answer for any ids; a key hidden from a query
+  never reaches it, even when its neighbours see it (a NaN in a later
+  segment leaves earlier rows finite)."""
   return dispatch.run(BLOCK_CAUSAL, {"q": q, "k": k, "v": v, "segment_ids": segment_ids},
-                      params={"sm_scale": sm_scale}, config=config, backend=backend)
+                      params={"sm_scale": sm_scale}, config=config, backend=backend, checks=checks)

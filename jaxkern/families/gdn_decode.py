@@ -153,12 +153,13 @@ def gdn_flops(tokens: int, axes: Mapping[str, int]) -> int:
   return 7 * tokens * axes["num_v_heads"] * axes["head_size"] * axes["head_size"]
 
 
-def gdn_decode_cost(definition, axes, *, inputs=None, record=None):
+def gdn_decode_cost(definition, axes, *, inputs=None, record=None, config=None):
   """Gated delta rule, one token per sequence: FLOPs 7 B HV K V (see
   `gdn_flops`; the per-head gates are not counted), matrix-vector work on
   the FP32 (non-tensor-core) peak. Bytes: all inputs read once (the f32
   state [B,HV,K,V] dominates) and output and new_state written once."""
-  return gdn_flops(axes["batch_size"] * axes["seq_len"], axes), roofline.io_bytes(definition, axes), "fp32"
+  return roofline.Work(gdn_flops(axes["batch_size"] * axes["seq_len"], axes), roofline.io_bytes(definition, axes),
+                       "fp32")
 
 
 # ------------------------------------------------------------------ registry
@@ -186,10 +187,15 @@ IMPLS = (IMPL,)
 
 def gdn_decode(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log: jax.Array,  # pylint: disable=invalid-name
                a: jax.Array, dt_bias: jax.Array, b: jax.Array, scale: float | jax.Array | None = None, *,
-               config: Any = None, backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+               config: Any = None, backend: dispatch.Backend = None,
+               checks: bool = False) -> tuple[jax.Array, jax.Array]:
   """Gated delta net decode step (Qwen3-Next): q, k [B, 1, HQ, D], v [B, 1, HV, D],
   k-last state [B, HV, V, K] f32, a, b [B, 1, HV], A_log, dt_bias [HV];
-  scale None/0 -> D**-0.5. Returns (output [B, 1, HV, D] bf16, new_state f32)."""
+  scale None/0 -> D**-0.5. Returns (output [B, 1, HV, D] bf16, new_state f32).
+
+  Contract: any B >= 0; HV a multiple of HQ; q, k, v, a, b bf16. Rows are
+  independent and there are no index inputs (`checks=True` has nothing to
+  check); non-finite values reach their own row's output and state."""
   inputs = dict(q=q, k=k, v=v, state=state, A_log=A_log, a=a, dt_bias=dt_bias, b=b,
                 scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32))
-  return dispatch.run(IMPL, inputs, config=config, backend=backend)
+  return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

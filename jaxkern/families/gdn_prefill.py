@@ -19,7 +19,7 @@ from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.families.gdn_decode import (STATE_STD, delta_step, gates, gdn_flops, head_params, per_v_head,
                                          resolve_scale, token_inputs)
-from jaxkern.family import OpImpl, varying_like
+from jaxkern.family import OpImpl, Precondition, varying_like
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import gdn_prefill as gdn_kernels
 
@@ -32,12 +32,15 @@ def gdn_prefill_reference(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scal
   sequences and heads: step p advances every sequence longer than p by its
   token cu_seqlens[n] + p. Memory: the [N, HV, V, K] states, the fp32 output
   [T, HV, V] and fp32 per-v-head copies of q, k, v (about 30 + 4*32 MiB at
-  N=57, T=8192)."""
+  N=57, T=8192).
+
+  Bounds outside the contract (`gdn_prefill`) are first clamped to [0, T],
+  then raised to a running maximum (`clamped_cu_seqlens`)."""
   total = q.shape[0]
   hv, d = state.shape[1], state.shape[-1]
   if total == 0:  # No tokens: every sequence is empty.
     return jnp.zeros(v.shape, jnp.bfloat16), jnp.zeros(state.shape, jnp.float32)
-  cu = cu_seqlens.astype(jnp.int32)
+  cu = clamped_cu_seqlens(cu_seqlens, total)
   starts, lengths = cu[:-1], cu[1:] - cu[:-1]
   qh, kh = per_v_head(q, hv), per_v_head(k, hv)                 # [T, HV, D]
   vh = v.astype(jnp.float32)
@@ -58,6 +61,24 @@ def gdn_prefill_reference(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scal
   s, out = lax.fori_loop(0, jnp.max(lengths, initial=0), step, init)
   s = jnp.where((lengths > 0)[:, None, None, None], s, 0.0)
   return out.astype(jnp.bfloat16), s
+
+
+def clamped_cu_seqlens(cu_seqlens: jax.Array, total: int) -> jax.Array:
+  """int32 sequence bounds inside the contract: each clamped to [0, total],
+  then the running maximum, so that a sequence ending before it starts is
+  empty and no token belongs to two sequences."""
+  return lax.cummax(jnp.clip(cu_seqlens.astype(jnp.int32), 0, total))
+
+
+def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
+  """Checked mode: 0 = cu_seqlens[0] <= ... <= cu_seqlens[N] = T."""
+  cu, total = inputs["cu_seqlens"].astype(jnp.int32), inputs["q"].shape[0]
+  i = jnp.arange(cu.shape[0])
+  previous = jnp.concatenate([cu[:1], cu[:-1]])
+  valid = ((cu >= 0) & (cu <= total) & (cu >= previous) & ((i > 0) | (cu == 0))
+           & ((i < cu.shape[0] - 1) | (cu == total)))
+  return [Precondition("cu_seqlens", valid,
+                       f"0 = cu_seqlens[0] <= cu_seqlens[1] <= ... <= cu_seqlens[N] = T with T = {total} (tokens)")]
 
 
 def split_lengths(total: int, num_seqs: int, seed: int) -> np.ndarray:
@@ -114,13 +135,13 @@ def prefill_cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def gdn_prefill_cost(definition, axes, *, inputs=None, record=None):
+def gdn_prefill_cost(definition, axes, *, inputs=None, record=None, config=None):
   """Gated delta rule over total_seq_len tokens: FLOPs 7 T HV K V, the
   sequential recurrence's work (a chunked kernel does somewhat more), on the
   BF16 peak (the chunked form runs on tensor cores). Bytes: all inputs
   (q, k, v, gates, cu_seqlens, the f32 initial state [N,HV,K,V]) read and
   output and new_state written once."""
-  return gdn_flops(axes["total_seq_len"], axes), roofline.io_bytes(definition, axes), "bf16"
+  return roofline.Work(gdn_flops(axes["total_seq_len"], axes), roofline.io_bytes(definition, axes), "bf16")
 
 
 # How the op splits across devices (`jaxkern.spmd`): heads (q/k heads with the
@@ -140,7 +161,8 @@ IMPL = OpImpl(reference=gdn_prefill_reference,
               cpu_axes=prefill_cpu_axes,
               cost=gdn_prefill_cost,
               policies={"new_state": compare.StateMetric()},
-              split=SPLIT)
+              split=SPLIT,
+              preconditions=preconditions)
 IMPLS = (IMPL,)
 
 
@@ -151,10 +173,22 @@ IMPLS = (IMPL,)
 def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log: jax.Array,  # pylint: disable=invalid-name
                 a: jax.Array, dt_bias: jax.Array, b: jax.Array, cu_seqlens: jax.Array,
                 scale: float | jax.Array | None = None, *, config: Any = None,
-                backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+                backend: dispatch.Backend = None, checks: bool = False) -> tuple[jax.Array, jax.Array]:
   """Gated delta net over packed sequences (chunked on the Pallas path): q, k [T, HQ, D],
   v [T, HV, D], a, b [T, HV], initial k-last states [N, HV, V, K] f32, cu_seqlens
-  [N + 1]. Returns (output [T, HV, D] bf16, final states f32; empty sequences 0)."""
+  [N + 1]. Returns (output [T, HV, D] bf16, final states f32; empty sequences 0).
+
+  Contract:
+  * T, N >= 0; HV a multiple of HQ; sequence n covers tokens
+    cu_seqlens[n] .. cu_seqlens[n+1]-1, starting from state[n].
+  * cu_seqlens int32 [N + 1], valid: 0 = cu_seqlens[0] <= cu_seqlens[1]
+    <= ... <= cu_seqlens[N] = T.
+  * Outside it (`checks=True` reports the first offending bound), each
+    bound is clamped to [0, T] and then raised to the running maximum: a
+    sequence that would end before it starts, or past T, is empty or cut
+    at T; a token no sequence covers outputs 0; an empty sequence's
+    new_state is 0. Tokens outside every sequence never reach an output.
+  """
   inputs = dict(q=q, k=k, v=v, state=state, A_log=A_log, a=a, dt_bias=dt_bias, b=b, cu_seqlens=cu_seqlens,
                 scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32))
-  return dispatch.run(IMPL, inputs, config=config, backend=backend)
+  return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

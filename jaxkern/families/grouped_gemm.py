@@ -39,11 +39,12 @@ from typing import Any, Mapping
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkern import dispatch
 from jaxkern import quant
 from jaxkern import roofline
-from jaxkern.family import OpImpl, cdiv, varying_like
+from jaxkern.family import OpImpl, Precondition, cdiv, in_range, varying_like
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import grouped_gemm as kernel_lib
 
@@ -214,18 +215,32 @@ def expected_experts(rows: int, experts: int) -> float:
   return experts * (1.0 - (1.0 - 1.0 / experts) ** rows)
 
 
-def grouped_gemm_cost(definition, axes, *, inputs=None, record=None):
+def grouped_gemm_cost(definition, axes, *, inputs=None, record=None, config=None):
   """C[m] = a[m] (FP8, UE8M0 scale per 32 k) times expert e(m)'s FP4 weight.
-  FLOPs 2MNK, every row counted (padding rows `-1` are data, not axes), on
-  the FP8 peak (Hopper has no FP4 tensor cores). Bytes: a, a_scale,
-  expert_ids read and C written once; of the weights b and b_scale (packed
-  e2m1 and UE8M0 bytes as stored) only the experts the rows route to, the
-  expected number of distinct experts under uniform routing
-  (`expected_experts(M, E)`, exact for M=1; at most min(M, E))."""
+  With the run's `expert_ids`: FLOPs 2 N K per routed row (ids in [0, E);
+  padding rows are only written as zeros), bytes of a and a_scale for those
+  rows, and of the weights b and b_scale (packed e2m1 and UE8M0 bytes as
+  stored) only the distinct experts the rows route to. Without inputs, every
+  row is counted and the experts are the expected number of distinct experts
+  under uniform routing (`expected_experts(M, E)`, exact for M=1; a bound,
+  since real routing is skewed). expert_ids read and C written once. The
+  FLOPs are judged against the peak of the kernel's dot operands
+  (`pallas_kernels.grouped_gemm.dot_operand_dtype`: bf16 today; Hopper has
+  no FP4 tensor cores)."""
   m, e = axes["M"], axes["E"]
   per_expert = (roofline.tensor_bytes(definition, "b", axes) + roofline.tensor_bytes(definition, "b_scale", axes)) / e
-  weights = round(expected_experts(m, e) * per_expert)
-  return 2 * m * axes["N"] * axes["K"], roofline.io_bytes(definition, axes, skip=("b", "b_scale")) + weights, "fp8"
+  per_row = (roofline.tensor_bytes(definition, "a", axes) + roofline.tensor_bytes(definition, "a_scale", axes)) / max(m, 1)
+  ids = None if inputs is None else inputs.get("expert_ids")
+  if ids is None:
+    rows, experts, source = m, expected_experts(m, e), "axes"
+  else:
+    ids = roofline.host(ids)
+    routed = ids[(ids >= 0) & (ids < e)]
+    rows, experts, source = routed.size, np.unique(routed).size, "inputs"
+  nbytes = (roofline.io_bytes(definition, axes, skip=("a", "a_scale", "b", "b_scale"))
+            + round(rows * per_row) + round(experts * per_expert))
+  dtype_class = "fp8" if jnp.dtype(kernel_lib.dot_operand_dtype(config)).itemsize == 1 else "bf16"
+  return roofline.Work(2 * rows * axes["N"] * axes["K"], nbytes, dtype_class, counted_from=source)
 
 
 # How the op splits across devices (`jaxkern.spmd`): rows (with their expert
@@ -237,6 +252,15 @@ SPLIT = Split(inputs={"a": "m k", "a_scale": "m g", "b": "e n kp", "b_scale": "e
               reasons={"k": CONTRACTION, "kp": CONTRACTION, "g": CONTRACTION,
                        "e": "rows carry global expert ids; for expert parallelism call the op inside "
                             "jax.shard_map on each device's rows with local ids (examples/moe_sharded.py)"})
+
+
+def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
+  """Checked mode: every expert id is -1 or an expert of b."""
+  ids, experts = inputs["expert_ids"], inputs["b"].shape[0]
+  return [Precondition("expert_ids", (ids == -1) | in_range(ids, 0, experts),
+                       f"-1 (padding row) or [0, E) with E = {experts} (b.shape[0])")]
+
+
 IMPL = OpImpl(
     reference=grouped_gemm_fp8_fp4_reference,
     kernel=kernel_lib.grouped_gemm_fp8_fp4,
@@ -246,6 +270,7 @@ IMPL = OpImpl(
     cpu_axes=cpu_axes,
     cost=grouped_gemm_cost,
     split=SPLIT,
+    preconditions=preconditions,
 )
 IMPLS = (IMPL,)
 
@@ -255,10 +280,23 @@ IMPLS = (IMPL,)
 
 
 def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
-                         expert_ids: jax.Array, *, config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
-  """MoE expert GEMM, FP8 activations x MXFP4 weights (SPEC 4.3): a [M, K]
-  float8_e4m3fn with UE8M0 a_scale [M, K/32]; b [E, N, K/2] packed e2m1 with
-  UE8M0 b_scale [E, N, K/32]; rows grouped by expert_ids [M] (-1 = padding
-  row -> 0). Returns bf16 [M, N]. Quantizers: `jaxkern.quant`."""
+                         expert_ids: jax.Array, *, config: Any = None, backend: dispatch.Backend = None,
+                         checks: bool = False) -> jax.Array:
+  """MoE expert GEMM, FP8 activations x MXFP4 weights (SPEC 4.3).
+
+  Contract:
+  * a [M, K] float8_e4m3fn with UE8M0 a_scale [M, K/32] uint8; b [E, N, K/2]
+    uint8 packed e2m1 (low nibble = even k) with UE8M0 b_scale [E, N, K/32]
+    uint8; K a multiple of 32; any M >= 0, N, E >= 1. Returns bf16 [M, N]:
+    row m = a[m] times expert expert_ids[m]'s weight, fp32 accumulation.
+    Quantizers: `jaxkern.quant`.
+  * expert_ids [M] int32, valid: -1 (padding row) or [0, E), in any order
+    (grouped rows are the fast layout, not a requirement).
+  * Outside the valid range (< -1 or >= E) a row is invalid like a padding
+    row: it contributes nothing and its output row is 0. `checks=True`
+    reports such an id instead (`jaxkern.dispatch`).
+  * Scale byte 255 (UE8M0's NaN) and non-finite a are not masked: they reach
+    the rows that use them.
+  """
   inputs = {"a": a, "a_scale": a_scale, "b": b, "b_scale": b_scale, "expert_ids": expert_ids}
-  return dispatch.run(IMPL, inputs, config=config, backend=backend)
+  return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

@@ -41,7 +41,7 @@ import numpy as np
 from jaxkern import dispatch
 from jaxkern import quant
 from jaxkern import roofline
-from jaxkern.family import OpImpl
+from jaxkern.family import OpImpl, Precondition, in_range
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import mixed_mla as kernel_lib
 
@@ -214,21 +214,33 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def mixed_mla_decode_cost(definition, axes, *, inputs=None, record=None):
-  """Mixed FP8/FP4 MLA decode: each batch row attends to at most
-  min(K8, N8*P8) FP8 tokens plus min(K4, N4*P4) FP4 tokens: FLOPs
-  4 B H (those) D. Bytes: q, both index tables, sink, scalar read, out and
-  lse written once; of the paged caches only gathered tokens, as stored
+def mixed_mla_decode_cost(definition, axes, *, inputs=None, record=None, config=None):
+  """Mixed FP8/FP4 MLA decode. With the run's index tables: FLOPs 4 H D per
+  valid slot (a flat row in [0, N8 P8) resp. [0, N4 P4)), summed over batch
+  rows; of the paged caches only the distinct tokens gathered, as stored
   (FP8: 512 e4m3 bytes + 4 f32 scales = 528; FP4: 256 packed bytes + 32
-  UE8M0 scales = 288 per token), at most min(B*K8, N8*P8) and
-  min(B*K4, N4*P4) distinct tokens. The dequantized tokens meet the queries
-  on the BF16 peak."""
-  n8, n4 = axes["N8"] * axes["P8"], axes["N4"] * axes["P4"]
-  slots = min(axes["K8"], n8) + min(axes["K4"], n4)
-  gathered = (min(axes["B"] * axes["K8"], n8) * (roofline.tensor_bytes(definition, "kv_fp8", axes) // max(n8, 1))
-              + min(axes["B"] * axes["K4"], n4) * (roofline.tensor_bytes(definition, "kv_fp4", axes) // max(n4, 1)))
-  flops = 4 * axes["B"] * axes["H"] * slots * axes["D"]
-  return flops, roofline.io_bytes(definition, axes, skip=("kv_fp8", "kv_fp4")) + gathered, "bf16"
+  UE8M0 scales = 288 per token); the gather floor is every valid slot's
+  token once per batch row. Without inputs each row has min(K8, N8 P8) +
+  min(K4, N4 P4) valid slots and min(B K8, N8 P8) + min(B K4, N4 P4)
+  distinct tokens (bounds). q, both index tables, sink and the scalar read,
+  out and lse written once. The dequantized tokens meet the queries in bf16
+  dots: the bf16 peak."""
+  slots, tokens, gather, source = 0, 0, 0, "axes"
+  for cache, table, keys, pages, page in (("kv_fp8", "indices_fp8", "K8", "N8", "P8"),
+                                          ("kv_fp4", "indices_fp4", "K4", "N4", "P4")):
+    n = axes[pages] * axes[page]
+    token = roofline.tensor_bytes(definition, cache, axes) // max(n, 1)
+    idx = None if inputs is None else inputs.get(table)
+    if idx is None:
+      valid_slots, distinct = axes["B"] * min(axes[keys], n), min(axes["B"] * axes[keys], n)
+    else:
+      idx = roofline.host(idx)
+      valid = idx[(idx >= 0) & (idx < n)]
+      valid_slots, distinct, source = valid.size, np.unique(valid).size, "inputs"
+    slots, tokens, gather = slots + valid_slots, tokens + distinct * token, gather + valid_slots * token
+  flops = 4 * axes["H"] * axes["D"] * slots
+  nbytes = roofline.io_bytes(definition, axes, skip=("kv_fp8", "kv_fp4")) + tokens
+  return roofline.Work(flops, nbytes, "bf16", gather_bytes=gather, counted_from=source)
 
 
 # ---------------------------------------------------------------------------
@@ -242,6 +254,17 @@ SPLIT = Split(inputs={"q": "b h d", "kv_fp8": "n8 p8 o8 r8", "indices_fp8": "b k
               outputs=("b h d", "b h"), independent="b h",
               reasons={"n8": _CACHE, "p8": _CACHE, "n4": _CACHE, "p4": _CACHE, "d": CONTRACTION,
                        **dict.fromkeys(("k8", "k4"), "the softmax runs over all selected keys")})
+
+
+def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
+  """Checked mode: every index is -1 or a token row of its cache."""
+  def rule(name: str, cache: str) -> Precondition:
+    idx, (pages, page) = inputs[name], inputs[cache].shape[:2]
+    return Precondition(name, (idx == -1) | in_range(idx, 0, pages * page),
+                        f"-1 (empty slot) or [0, N*P) with N*P = {pages}*{page} ({cache} pages x tokens per page)")
+  return [rule("indices_fp8", "kv_fp8"), rule("indices_fp4", "kv_fp4")]
+
+
 IMPL = OpImpl(
     reference=mixed_mla_decode_reference,
     kernel=kernel_lib.mixed_mla_decode,
@@ -251,6 +274,7 @@ IMPL = OpImpl(
     cpu_axes=cpu_axes,
     cost=mixed_mla_decode_cost,
     split=SPLIT,
+    preconditions=preconditions,
 )
 IMPLS = (IMPL,)
 
@@ -262,17 +286,26 @@ IMPLS = (IMPL,)
 def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv_fp4: jax.Array,
                      indices_fp4: jax.Array, attn_sink: jax.Array,
                      sm_scale: float | jax.Array | None = None, *, config: Any = None,
-                     backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+                     backend: dispatch.Backend = None, checks: bool = False) -> tuple[jax.Array, jax.Array]:
   """DeepSeek-V4 MLA decode over an FP8 window cache and an FP4 compressed cache.
 
   q [B, H, D] bf16; kv_fp8 [N8, P8, 1, D + D/32] uint8 token records (see
   `jaxkern.quant.quantize_mla_fp8_tokens`) read at flat rows indices_fp8
   [B, K8]; kv_fp4 [N4, P4, 1, D/2 + D/16] uint8 (`quantize_mla_fp4_tokens`)
-  read at indices_fp4 [B, K4]; negative or out-of-range indices are skipped;
-  attn_sink [H] f32 joins the softmax denominator only; sm_scale defaults to
-  D**-0.5. Returns (out [B, H, D] bf16, lse [B, H] f32 natural log without
-  the sink; rows with no valid index: 0 and +inf)."""
+  read at indices_fp4 [B, K4]; attn_sink [H] f32 joins the softmax
+  denominator only; sm_scale defaults to D**-0.5. Returns (out [B, H, D]
+  bf16, lse [B, H] f32 natural log without the sink).
+
+  Contract:
+  * B >= 0; D a multiple of 128; one latent KV head; N8, N4 >= 1.
+  * indices_fp8 valid: -1 (empty slot) or [0, N8*P8); indices_fp4: -1 or
+    [0, N4*P4) (flat rows page * P + offset). Any other value is an empty
+    slot like -1: it contributes nothing and its record is never read into
+    the output (`checks=True` reports it instead). A row with no valid
+    index gives out 0 and lse +inf.
+  * Records are not validated: a selected record whose scales decode to
+    Inf or NaN reaches its row."""
   sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
   inputs = dict(q=q, kv_fp8=kv_fp8, indices_fp8=indices_fp8, kv_fp4=kv_fp4, indices_fp4=indices_fp4,
                 sm_scale=jnp.asarray(sm_scale, jnp.float32), attn_sink=attn_sink)
-  return dispatch.run(IMPL, inputs, config=config, backend=backend)
+  return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

@@ -97,11 +97,11 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def moe_router_cost(definition, axes, *, inputs=None, record=None):
+def moe_router_cost(definition, axes, *, inputs=None, record=None, config=None):
   """logits = hidden[M,D] weight[E,D]^T, then scoring and top-k on chip.
   FLOPs 2MED (the epilogue's per-logit math is not counted); bytes hidden +
   weight + bias + scalar read, ids and weights [M,TOPK] written."""
-  return 2 * axes["M"] * axes["E"] * axes["D"], roofline.io_bytes(definition, axes), "bf16"
+  return roofline.Work(2 * axes["M"] * axes["E"] * axes["D"], roofline.io_bytes(definition, axes), "bf16")
 
 
 # How the op splits across devices (`jaxkern.spmd`): tokens; the top-k needs
@@ -124,11 +124,24 @@ IMPLS = (IMPL,)
 
 def moe_router(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
                routed_scaling_factor: float | jax.Array = ROUTED_SCALING_FACTOR, *, top_k: int = 6,
-               config: Any = None, backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
-  """DeepSeek-V4 sqrtsoftplus router: hidden [..., D], weight [E, D], bias [E]
-  -> (expert_ids int32 [..., top_k] ascending, expert_weights f32 [..., top_k])."""
+               config: Any = None, backend: dispatch.Backend = None,
+               checks: bool = False) -> tuple[jax.Array, jax.Array]:
+  """DeepSeek-V4 sqrtsoftplus router (SPEC 4.2).
+
+  Contract:
+  * hidden [..., D] bf16 (any number of rows, 0 included), weight [E, D]
+    bf16, bias [E] f32, routed_scaling_factor a scalar; 1 <= top_k <= E.
+    Returns (expert_ids int32 [..., top_k] ascending, expert_weights f32
+    [..., top_k] permuted with them).
+  * No index inputs (`checks=True` has nothing to check). Selection ranks
+    scores + bias; equal values go to the lower expert id; a NaN ranks
+    above every number (`lax.top_k`'s order), so a row of NaN selects
+    experts 0..top_k-1. expert_ids are always in [0, E); a row whose
+    selected scores are not finite gets non-finite weights.
+  """
   *batch, d = hidden.shape
   inputs = {"hidden": hidden.reshape(-1, d), "weight": weight, "bias": bias,
             "routed_scaling_factor": jnp.asarray(routed_scaling_factor, jnp.float32)}
-  ids, weights = dispatch.run(IMPL, inputs, const_axes={"TOPK": top_k}, config=config, backend=backend)
+  ids, weights = dispatch.run(IMPL, inputs, const_axes={"TOPK": top_k}, config=config, backend=backend,
+                              checks=checks)
   return ids.reshape(*batch, top_k), weights.reshape(*batch, top_k)

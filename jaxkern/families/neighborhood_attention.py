@@ -60,6 +60,8 @@ def neighborhood_attention_3d_reference(q, k, v, *, KT: int, KY: int, KX: int) -
   fp32 accumulator, never a `[queries, neighbours, D]` tensor.
   """
   batch, t_len, y_len, x_len, num_heads, head_dim = q.shape
+  if q.size == 0:  # B = 0 or H = 0 (or D = 0): nothing to attend
+    return jnp.zeros(q.shape, q.dtype)
   starts_t, starts_y, starts_x = (window_starts(n, w) for n, w in
                                   ((t_len, KT), (y_len, KY), (x_len, KX)))
   plane = batch * y_len * x_len * num_heads * head_dim
@@ -162,14 +164,14 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def neighborhood_attention_3d_cost(definition, axes, *, inputs=None, record=None):
+def neighborhood_attention_3d_cost(definition, axes, *, inputs=None, record=None, config=None):
   """3-D neighborhood attention: each query sees exactly KT*KY*KX keys (NATTEN
   windows are shifted inward at borders, never truncated), so FLOPs
   4 B T Y X H D KT KY KX. Bytes: q, k, v read and o written once (each key
   row is shared by up to KT*KY*KX queries but read once)."""
   n = axes["B"] * axes["T"] * axes["Y"] * axes["X"]
   flops = 4 * n * axes["H"] * axes["D"] * axes["KT"] * axes["KY"] * axes["KX"]
-  return flops, roofline.io_bytes(definition, axes), "bf16"
+  return roofline.Work(flops, roofline.io_bytes(definition, axes), "bf16")
 
 
 # ---------------------------------------------------------------------------
@@ -190,6 +192,7 @@ IMPL = OpImpl(
     cpu_axes=cpu_axes,
     cost=neighborhood_attention_3d_cost,
     split=SPLIT,
+    differentiable_kernel=True,
 )
 IMPLS = (IMPL,)
 
@@ -200,11 +203,16 @@ IMPLS = (IMPL,)
 
 def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *,
                               kernel_size: int | tuple[int, int, int], config: Any = None,
-                              backend: dispatch.Backend = None) -> jax.Array:
+                              backend: dispatch.Backend = None, checks: bool = False) -> jax.Array:
   """3-D neighborhood attention, NATTEN `na3d` semantics with `scale=1` (q
   already scaled): q, k, v [B, T, Y, X, H, D]; each query attends to the
   `kernel_size` (KT, KY, KX, or one int for all) window around it, shifted
-  inward at the borders. Returns o [B, T, Y, X, H, D] in q's dtype."""
+  inward at the borders. Returns o [B, T, Y, X, H, D] in q's dtype.
+
+  Contract: one float dtype (bf16); B, H >= 0; 1 <= KT <= T, KY <= Y,
+  KX <= X (the windows must fit: every query sees exactly KT*KY*KX keys);
+  no masks and no index inputs (`checks=True` has nothing to check);
+  non-finite values reach the queries whose windows hold them."""
   kt, ky, kx = (kernel_size,) * 3 if isinstance(kernel_size, int) else kernel_size
   return dispatch.run(IMPL, {"q": q, "k": k, "v": v}, const_axes={"KT": kt, "KY": ky, "KX": kx}, config=config,
-                      backend=backend)
+                      backend=backend, checks=checks)

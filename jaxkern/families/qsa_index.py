@@ -36,7 +36,7 @@ import numpy as np
 from jaxkern import compare
 from jaxkern import dispatch
 from jaxkern import roofline
-from jaxkern.family import OpImpl
+from jaxkern.family import OpImpl, Precondition, in_range
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import qsa_index as index_lib
 
@@ -57,37 +57,50 @@ _CPU_PAGES = 40
 # ---------------------------------------------------------------------------
 # References (plain jnp, fp32).
 
+def index_candidates(page_table: jax.Array, seq_lens: jax.Array, num_pages: int, page: int,
+                     compress: int = COMPRESS) -> jax.Array:
+  """bool `[B, MP * P]`: logical id j is a candidate of sequence b iff
+  j < seq_lens[b] // compress (ids beyond the page table do not exist) and
+  its page-table entry page_table[b, j // P] is a page, in [0, NP)."""
+  j = jnp.arange(page_table.shape[1] * page)
+  entry = page_table[:, j // page]
+  return (j < (seq_lens // compress)[:, None]) & (entry >= 0) & (entry < num_pages)
+
+
 def qsa_index_scores(q: jax.Array, index_k: jax.Array, page_table: jax.Array,
                      seq_lens: jax.Array, *, compress: int = COMPRESS) -> jax.Array:
   """score[b, j] = sum_h relu(q[b, h] . index_k[page_table[b, j // P], j % P]) / sqrt(D)
-  for every logical id j < MP * P, -inf where j >= seq_lens[b] // compress.
-  f32 `[B, MP * P]`; one sequence at a time (`[MP * P, D]` f32 keys)."""
-  _, page, _, head_dim = index_k.shape
-  width = page_table.shape[1] * page
-  j = jnp.arange(width)
+  for every candidate logical id j (`index_candidates`), -inf for the
+  others, whose keys are never read. f32 `[B, MP * P]`; one sequence at a
+  time (`[MP * P, D]` f32 keys)."""
+  num_pages, page, _, head_dim = index_k.shape
+  j = jnp.arange(page_table.shape[1] * page)
+  candidates = index_candidates(page_table, seq_lens, num_pages, page, compress)
 
   def row(args):
-    q_b, pages_b, len_b = args
-    keys = index_k[pages_b[j // page], j % page, 0].astype(jnp.float32)  # [width, D]
+    q_b, pages_b, ok_b = args
+    keys = index_k[jnp.where(ok_b, pages_b[j // page], 0), j % page, 0].astype(jnp.float32)  # [width, D]
     dots = jnp.einsum("hd,jd->jh", q_b.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST)
     score = jnp.sum(jnp.maximum(dots, 0.0), axis=-1) / math.sqrt(head_dim)
-    return jnp.where(j < len_b // compress, score, -jnp.inf)
+    return jnp.where(ok_b, score, -jnp.inf)
 
-  return lax.map(row, (q, page_table, seq_lens))
+  return lax.map(row, (q, page_table, candidates))
 
 
 def qsa_index_topk_reference(q: jax.Array, index_k: jax.Array, page_table: jax.Array,
                              seq_lens: jax.Array, *, topk: int = TOPK, compress: int = COMPRESS) -> jax.Array:
-  """SPEC 4.11: the top-`topk` logical ids by `qsa_index_scores` (ties to the
-  lower id: `lax.top_k` orders equal values by index), ids >= n dropped,
-  sorted ascending with a -1 suffix. int32 `[B, topk]`."""
+  """SPEC 4.11: the top-`topk` candidate ids (`index_candidates`) by
+  `qsa_index_scores` (ties to the lower id: `lax.top_k` orders equal values
+  by index), sorted ascending with a -1 suffix. int32 `[B, topk]`."""
   scores = qsa_index_scores(q, index_k, page_table, seq_lens, compress=compress)
+  candidates = index_candidates(page_table, seq_lens, index_k.shape[0], index_k.shape[1], compress)
   if scores.shape[1] < topk:  # top_k needs at least topk candidates
-    scores = jnp.pad(scores, ((0, 0), (0, topk - scores.shape[1])), constant_values=-jnp.inf)
+    pad = ((0, 0), (0, topk - scores.shape[1]))
+    scores = jnp.pad(scores, pad, constant_values=-jnp.inf)
+    candidates = jnp.pad(candidates, pad, constant_values=False)
   _, ids = lax.top_k(scores, topk)
-  n = (seq_lens // compress)[:, None]
   last = jnp.iinfo(jnp.int32).max  # sorts -1 slots after every real id
-  ids = jnp.sort(jnp.where(ids < n, ids, last).astype(jnp.int32), axis=1)
+  ids = jnp.sort(jnp.where(jnp.take_along_axis(candidates, ids, axis=1), ids, last).astype(jnp.int32), axis=1)
   return jnp.where(ids == last, -1, ids)
 
 
@@ -242,18 +255,58 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def qsa_index_topk_cost(definition, axes, *, inputs=None, record=None):
-  """QSA indexer: every sequence scores its compressed keys through its page
-  table; a sequence has at most MP*P of them (its actual count is data), so
-  FLOPs 2 B MP P H D (relu and the head sum are not counted). Top-k: the
-  selection's comparisons are not FLOPs and the scores stay on chip; only
-  the ids [B,TOPK] are written. Bytes: q, page_table, seq_lens read, ids
-  written once; of index_k only the pages the page tables can reference,
-  min(NP, B*MP) pages (shared prefix pages read once)."""
-  pages = min(axes["NP"], axes["B"] * axes["MP"])
+def referenced_pages(page_table: np.ndarray, entries: np.ndarray, per_page: int, num_pages: int) -> np.ndarray:
+  """The distinct physical pages in [0, num_pages) that hold the first
+  `entries[b]` entries of each sequence b (per_page entries a page)."""
+  used = np.arange(page_table.shape[1])[None, :] < -(-np.asarray(entries)[:, None] // per_page)
+  pages = page_table[used]
+  return np.unique(pages[(pages >= 0) & (pages < num_pages)])
+
+
+def qsa_index_topk_cost(definition, axes, *, inputs=None, record=None, config=None):
+  """QSA indexer: every sequence scores its n = seq_len // C compressed keys
+  (at most the page table's MP P) through its page table: FLOPs 2 H D per
+  scored key (relu and the head sum are not counted). With the run's
+  `seq_lens` and `page_table` n is exact and index_k counts only the
+  distinct pages those keys live on (`referenced_pages`: shared prefix pages
+  read once); without them every sequence scores MP P keys and
+  min(NP, B MP) pages are read (bounds). Top-k: the selection's comparisons
+  are not FLOPs and the scores stay on chip; only the ids [B, TOPK] are
+  written. q, page_table, seq_lens read once."""
   page = roofline.tensor_bytes(definition, "index_k", axes) // max(axes["NP"], 1)
-  flops = 2 * axes["B"] * axes["MP"] * axes["P"] * axes["H"] * axes["D"]
-  return flops, roofline.io_bytes(definition, axes, skip=("index_k",)) + pages * page, "bf16"
+  width = axes["MP"] * axes["P"]
+  if inputs is None or inputs.get("seq_lens") is None or inputs.get("page_table") is None:
+    keys, pages, source = axes["B"] * width, min(axes["NP"], axes["B"] * axes["MP"]), "axes"
+  else:
+    n = np.clip(roofline.host(inputs["seq_lens"]).astype(np.int64) // axes["C"], 0, width)
+    keys, source = int(n.sum()), "inputs"
+    pages = referenced_pages(roofline.host(inputs["page_table"]), n, axes["P"], axes["NP"]).size
+  flops = 2 * keys * axes["H"] * axes["D"]
+  return roofline.Work(flops, roofline.io_bytes(definition, axes, skip=("index_k",)) + pages * page, "bf16",
+                       counted_from=source)
+
+
+def page_table_precondition(page_table: jax.Array, tokens_per_entry: jax.Array, tokens_per_page: int,
+                            num_pages: int) -> Precondition:
+  """The page-table entries a sequence uses (the first ceil(tokens / tokens
+  per page)) must be pages, in [0, NP); later entries are never read."""
+  used = -(-tokens_per_entry // tokens_per_page)
+  col = jnp.arange(page_table.shape[1])
+  return Precondition("page_table", (col[None, :] >= used[:, None]) | in_range(page_table, 0, num_pages),
+                      f"[0, NP) with NP = {num_pages} in the entries a sequence uses (the first "
+                      f"ceil(its tokens / {tokens_per_page}))")
+
+
+def index_preconditions(inputs: Mapping[str, jax.Array], *, compress: int = COMPRESS) -> list[Precondition]:
+  """Checked mode: seq_lens within the page table, the entries they use pages."""
+  page_table, seq_lens = inputs["page_table"], inputs["seq_lens"]
+  num_pages, page = inputs["index_k"].shape[:2]
+  capacity = (page_table.shape[1] * page + 1) * compress  # tokens: whole blocks + a tail
+  return [Precondition("seq_lens", in_range(seq_lens, 0, capacity),
+                       f"[0, (MP*P + 1)*C) = [0, {capacity}) tokens (the page table holds "
+                       f"{page_table.shape[1]}*{page} blocks of C = {compress} tokens)"),
+          page_table_precondition(page_table, seq_lens // compress, page, num_pages)]
+
 
 # Keyword-only parameters that receive the definition's constant axes.
 AXIS_PARAMS = {"topk": "TOPK", "compress": "C"}
@@ -275,6 +328,7 @@ IMPL = OpImpl(
     policies={"topk_ids": compare.TopK(scores=index_topk_scores)},
     axis_params=AXIS_PARAMS,
     split=SPLIT,
+    preconditions=index_preconditions,
 )
 IMPLS = (IMPL,)
 
@@ -284,9 +338,23 @@ IMPLS = (IMPL,)
 
 
 def qsa_index_topk(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_lens: jax.Array, *,
-                   config: Any = None, backend: dispatch.Backend = None) -> jax.Array:
+                   config: Any = None, backend: dispatch.Backend = None, checks: bool = False) -> jax.Array:
   """QSA indexer: q [B, 4, 128], paged compressed keys index_k [NP, 16, 1, 128],
   page_table [B, MP], seq_lens [B] tokens -> int32 [B, 512] top-512 block ids
-  (block = 4 tokens) by sum_h relu(q_h . k) / sqrt(128), ascending, -1 suffix."""
+  (block = 4 tokens) by sum_h relu(q_h . k) / sqrt(128), ascending, -1 suffix.
+
+  Contract (P = 16 keys per page, C = 4 tokens per block):
+  * B >= 0. Block j < n = seq_lens[b] // C of sequence b is the key
+    index_k[page_table[b, j // P], j % P]; blocks are the candidates.
+  * seq_lens valid: [0, (MP*P + 1)*C), i.e. n <= MP*P (the table's blocks;
+    a tail of fewer than C tokens has no block). page_table valid: the
+    entries the sequence uses (the first ceil(n / P)) in [0, NP); later
+    entries are never read.
+  * Outside (`checks=True` reports the first offending value instead):
+    a longer sequence is cut to the table (ids beyond MP*P do not exist);
+    a negative length has no blocks; blocks on an entry outside [0, NP)
+    are not candidates. The selection is then the top-512 candidates (ties
+    to the lower id), fewer when there are fewer, -1 suffixed.
+  * NaN scores rank above every number (`lax.top_k`'s order)."""
   inputs = {"q": q, "index_k": index_k, "page_table": page_table, "seq_lens": seq_lens}
-  return dispatch.run(IMPL, inputs, config=config, backend=backend)
+  return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

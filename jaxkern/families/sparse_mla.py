@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxkern import dispatch
 from jaxkern import roofline
-from jaxkern.family import OpImpl
+from jaxkern.family import OpImpl, Precondition, in_range
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import sparse_mla as kernel_lib
 
@@ -77,7 +77,9 @@ _CPU_KEEP_EXTRA = 256
 def sparse_mla_prefill_reference(q, kv, indices, sm_scale, attn_sink):
   """Plain jnp, fp32 at HIGHEST precision, gathering the selected rows per
   chunk of `_REFERENCE_ROW_CHUNK` query rows (never an [M, Nkv] score
-  matrix). Returns `(out [M, H, D] q.dtype, lse [M, H] f32)`."""
+  matrix). Returns `(out [M, H, D] q.dtype, lse [M, H] f32)`. Invalid slots
+  are selected away (scores -inf, gathered rows 0 by `where`): what lies
+  behind them never reaches the output."""
   m, num_heads, head_dim = q.shape
   num_kv = kv.shape[0]
   topk = indices.shape[-1]
@@ -94,6 +96,7 @@ def sparse_mla_prefill_reference(q, kv, indices, sm_scale, attn_sink):
     q_c, idx_c = args                                            # [c, H, D], [c, T]
     valid = (idx_c >= 0) & (idx_c < num_kv)
     rows = jnp.take(kv2, jnp.where(valid, idx_c, 0), axis=0).astype(jnp.float32)  # [c, T, D]
+    rows = jnp.where(valid[..., None], rows, 0.0)
     s = jnp.einsum("chd,ctd->cht", q_c.astype(jnp.float32), rows,
                    precision=lax.Precision.HIGHEST) * scale
     s = jnp.where(valid[:, None, :], s, -jnp.inf)
@@ -272,18 +275,27 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
 # Roofline cost (`OpImpl.cost`, see `jaxkern.roofline`).
 
 
-def sparse_mla_prefill_cost(definition, axes, *, inputs=None, record=None):
-  """Sparse MLA over gathered latent rows (D used as both K and V): each query
-  row attends to at most min(TOPK, Nkv) valid indices (invalid `-1` slots
-  are data: the rest are counted as valid), so FLOPs 4 M H min(TOPK, Nkv) D.
-  Bytes: q, indices, sink, scalar read, out and lse written once; of the
-  workspace kv only the gathered rows, at most min(M*TOPK, Nkv) distinct
-  rows."""
-  slots = min(axes["TOPK"], axes["Nkv"])
+def sparse_mla_prefill_cost(definition, axes, *, inputs=None, record=None, config=None):
+  """Sparse MLA over gathered latent rows (D used as both K and V). With the
+  run's `indices`: FLOPs 4 H D per valid slot (an index in [0, Nkv); -1 and
+  out-of-range slots are never scored), summed over query rows; of the
+  workspace kv only the distinct rows some query gathers; the gather floor
+  (`gather_bytes`) is every valid slot's row once per query row (M TOPK rows
+  of D bf16 = 1 KiB each when every slot is valid). Without inputs every
+  row has min(TOPK, Nkv) valid slots and min(M TOPK, Nkv) distinct rows are
+  gathered (bounds). q, indices, sink and the scalar read, out and lse
+  written once."""
   row = roofline.tensor_bytes(definition, "kv", axes) // max(axes["Nkv"], 1)
-  gathered = min(axes["M"] * axes["TOPK"], axes["Nkv"]) * row
-  nbytes = roofline.io_bytes(definition, axes, skip=("kv",)) + gathered
-  return 4 * axes["M"] * axes["H"] * slots * axes["D"], nbytes, "bf16"
+  indices = None if inputs is None else inputs.get("indices")
+  if indices is None:
+    slots, rows, source = axes["M"] * min(axes["TOPK"], axes["Nkv"]), min(axes["M"] * axes["TOPK"], axes["Nkv"]), "axes"
+  else:
+    idx = roofline.host(indices)
+    valid = idx[(idx >= 0) & (idx < axes["Nkv"])]
+    slots, rows, source = valid.size, np.unique(valid).size, "inputs"
+  nbytes = roofline.io_bytes(definition, axes, skip=("kv",)) + rows * row
+  return roofline.Work(4 * axes["H"] * axes["D"] * slots, nbytes, "bf16", gather_bytes=slots * row,
+                       counted_from=source)
 
 
 # ---------------------------------------------------------------------------
@@ -296,6 +308,15 @@ SPLIT = Split(inputs={"q": "m h d", "kv": "n o d", "indices": "m o k", "sm_scale
               outputs=("m h d", "m h"), independent="m h",
               reasons={"n": "indices address rows of the whole latent workspace", "k": "the softmax runs over all "
                        "selected keys", "d": CONTRACTION})
+
+
+def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
+  """Checked mode: every slot is -1 or a workspace row."""
+  idx, rows = inputs["indices"], inputs["kv"].shape[0]
+  return [Precondition("indices", (idx == -1) | in_range(idx, 0, rows),
+                       f"-1 (empty slot) or [0, Nkv) with Nkv = {rows} (kv.shape[0])")]
+
+
 IMPL = OpImpl(
     reference=sparse_mla_prefill_reference,
     kernel=kernel_lib.sparse_mla_prefill,
@@ -305,6 +326,7 @@ IMPL = OpImpl(
     cpu_axes=cpu_axes,
     cost=sparse_mla_prefill_cost,
     split=SPLIT,
+    preconditions=preconditions,
 )
 IMPLS = (IMPL,)
 
@@ -315,15 +337,23 @@ IMPLS = (IMPL,)
 
 def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, attn_sink: jax.Array, *,
                        sm_scale: float | jax.Array | None = None, config: Any = None,
-                       backend: dispatch.Backend = None) -> tuple[jax.Array, jax.Array]:
+                       backend: dispatch.Backend = None, checks: bool = False) -> tuple[jax.Array, jax.Array]:
   """DeepSeek sparse MLA prefill (FlashMLA sparse semantics): q [M, H, D],
   latent workspace kv [Nkv, D] or [Nkv, 1, D] (key and value), indices
-  [M, TOPK] or [M, 1, TOPK] int32 (negative or >= Nkv = invalid), per-head
-  sink logits attn_sink [H] (denominator only); sm_scale defaults to D**-0.5.
-  Returns (out [M, H, D] in q's dtype, lse [M, H] f32, natural log, sink
-  excluded); a row with no valid index gives 0 and +inf."""
+  [M, TOPK] or [M, 1, TOPK] int32, per-head sink logits attn_sink [H]
+  (denominator only); sm_scale defaults to D**-0.5. Returns (out [M, H, D]
+  in q's dtype, lse [M, H] f32, natural log, sink excluded).
+
+  Contract:
+  * M >= 0 query rows, Nkv >= 1, q and kv bf16.
+  * indices valid: -1 (empty slot) or [0, Nkv). Any other value (< -1 or
+    >= Nkv) is an invalid slot like -1: it contributes nothing, and the
+    row behind it is never read into the output (`checks=True` reports
+    such a value instead). A row repeated in several slots counts once
+    per slot. A row with no valid slot gives out 0 and lse +inf.
+  * Non-finite values in rows a slot selects reach that query row."""
   m, _, d = q.shape
   inputs = dict(q=q, kv=kv.reshape(kv.shape[0], 1, d), indices=indices.reshape(m, 1, indices.shape[-1]),
                 sm_scale=jnp.asarray(d ** -0.5 if sm_scale is None else sm_scale, jnp.float32),
                 attn_sink=attn_sink)
-  return dispatch.run(IMPL, inputs, config=config, backend=backend)
+  return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)
