@@ -19,20 +19,31 @@ no valid index gives `out = 0`, `lse = +inf`.
 Two stages (split-K decode with a logsumexp combine), each its own
 `pallas_call` and its own part of `MixedMlaDecodeConfig`:
 
-1. Split (`_split_kernel`), grid `(B, splits, H / block_h)`. The K8 window
-   slots are cut into `cdiv(K8, keys_per_split)` splits and the K4 compressed
-   slots into `cdiv(K4, keys_per_split)` more; a program owns one split of one
-   sequence for `block_h` heads (one gathered key tile serves all its heads:
-   the MLA "one KV head" reuse). It walks its slots in `block_k` steps: loads
-   the `block_k` indices, gathers the token records by row with index
-   vectors (`kv_ref[rows, ...]`), dequantizes them and runs the online
-   softmax (fp32, base 2). Its partial `(out normalized, lse in base 2)`
-   goes to HBM in fp32. Programs of the window part run only the FP8 loop,
-   the others only the FP4 loop (loop trip counts from `program_id`, no
-   branches).
+1. Split (`_split_kernel`), grid `(B, splits, H / block_h * D / block_d)`.
+   The K8 window slots are cut into `cdiv(K8, keys_per_split)` splits and the
+   K4 compressed slots into `cdiv(K4, keys_per_split)` more; a program owns
+   one split of one sequence for `block_h` heads and `block_d` output columns
+   (one gathered key tile serves all its heads: the MLA "one KV head"
+   reuse). It walks its slots in `block_k` steps: loads the `block_k`
+   indices (the next step's are carried in the loop), gathers the token
+   records by row with index vectors (`kv_ref[rows, ...]`), dequantizes them,
+   computes the full-width scores and runs the online softmax (fp32, base 2)
+   for its columns. Its partial `(out normalized, lse in base 2)` goes to HBM
+   in fp32. Programs of the window part run only the FP8 loop, the others
+   only the FP4 loop (loop trip counts from `program_id`, no branches).
+   Splitting the output columns over programs (each recomputes the scores
+   of its keys: cheap at decode) adds programs without adding partials:
+   the partials are `B x splits x H x D` fp32 whatever `block_d` is.
 2. Combine (`split_kv.combine_splits`), grid `(H / block_h, B, D / block_d)`:
    the logsumexp-weighted sum of the partials, the sink in the denominator,
    the bf16 rounding; lonely rows -> 0 / +inf.
+
+Precision. Probabilities enter the value dots as a bf16 high part plus a
+bf16 low part (`online_softmax_step(..., p_hi_lo=True)`, two dots): with FP4
+outlier blocks (a 16-dim block whose UE8M0 scale is 2^4 above its
+neighbours, values up to 96) the rounding of P to bf16 alone, summed over
+~640 keys, exceeds the bf16 output tolerance; the value tiles themselves are
+exact in bf16. Decode is bound by gathers and latency, not by these dots.
 
 Dequantization and layout. Records are read through power-of-two ref slices,
 never loaded whole (a 528-wide value cannot exist in a Triton kernel). The
@@ -57,17 +68,18 @@ Invalid slots read row 0 (clamped), their keys are zeroed and their scores
 masked to -inf, so no garbage (not even NaN bytes) reaches the sums.
 
 On sm_90a the split stage runs mma.sync tensor-core ops (16-row head tiles
-are below wgmma's 64 rows), and 4 warps spill where 8 do not (register
-counts: docs/perf/sm90a_compile.md and docs/perf/kernel_notes.md).
+are below wgmma's 64 rows; register counts: docs/perf/sm90a_compile.md and
+docs/perf/kernel_notes.md).
 
 Performance (per sequence): 4 * H * 640 * D = 84 MFLOP over ~0.35 MB of
 unique bytes (q, 128 x 528 + 512 x 288 record bytes, out): tiny; a decode
-step is latency-bound (two launches, the index -> gather -> dot chain).
-The fp32 partials (`B x splits x H x D`, 2.6 MB each way at B = 1 with 20
-splits) are the largest HBM traffic; bf16 partials or fewer splits would
-halve it (the sweep's `keys_per_split` trades it against parallelism).
+step is latency-bound (two launches, the index -> gather -> dot chain), so
+the heuristic aims for a program per SM at small B with few splits (64
+slots each: 10 splits, 1.25 MiB of fp32 partials at B = 1) and gets the
+programs from the head and column blocks instead.
 
-Limits: H a multiple of `block_h` (>= 16), D a multiple of 128, q bf16.
+Limits: H a multiple of `block_h` (>= 16), D a multiple of 128, q bf16;
+B = 0 and K8 / K4 = 0 are fine.
 (Whole engine pools work: the Triton lowering switches to 64-bit offsets for
 arrays over 4 GiB.)
 """
@@ -87,25 +99,31 @@ import jax.numpy as jnp
 
 from pallas_kernels import fp_formats
 from pallas_kernels.common import MIN_DOT_DIM, cdiv, resolve_interpret
-from pallas_kernels.config_rules import KernelConfig, field, instance_of
+from pallas_kernels.config_rules import KernelConfig, field, instance_of, pow2
 from pallas_kernels.device import num_sms
 from pallas_kernels.online_softmax import LOG2_E, init_carry, lse_base2, normalize, online_softmax_step
-from pallas_kernels.split_kv import CombineStage, SplitStage, combine_splits, fit_combine
+from pallas_kernels.split_kv import CombineStage, SplitStage, choose_combine, combine_splits, fit_combine
 
-# Split programs the heuristic aims for: about one per SM for 60% of them
-# (see `choose_config`).
-_TARGET_SPLIT_PROGRAMS = 80
 _CHUNK = 128   # dims per FP8 scale group, and per dequantization chunk
 _HALF = _CHUNK // 2
 _FP4_GROUP = 16
 
 
 @dataclasses.dataclass(frozen=True)
+class MixedMlaSplitStage(SplitStage):
+  """`SplitStage` plus `block_d`: output columns per program (a multiple of
+  64 dividing D; D = no column split). Every program computes the scores
+  over all D dims."""
+  block_d: int = field(512, pow2(_HALF))
+
+
+@dataclasses.dataclass(frozen=True)
 class MixedMlaDecodeConfig(KernelConfig):
   """`split`: a program gathers `block_k` token slots per step for `block_h`
-  heads (both >= 16: dot dimensions), `keys_per_split` slots in all;
-  `combine`: `split_kv.combine_splits`' tiling."""
-  split: SplitStage = field(SplitStage(), instance_of(SplitStage))
+  heads (both >= 16: dot dimensions) and `block_d` output columns,
+  `keys_per_split` slots in all; `combine`: `split_kv.combine_splits`'
+  tiling."""
+  split: MixedMlaSplitStage = field(MixedMlaSplitStage(), instance_of(MixedMlaSplitStage))
   combine: CombineStage = field(CombineStage(), instance_of(CombineStage))
 
 
@@ -121,17 +139,23 @@ class _Layout:
   keys4: int
   splits8: int
   splits4: int
+  block_d: int    # output columns per program
 
   @property
   def splits(self) -> int:
     return self.splits8 + self.splits4
 
+  @property
+  def column_blocks(self) -> int:
+    return self.head_dim // self.block_d
 
-def _layout(head_dim, k8, k4, rows8, rows4, split: SplitStage) -> _Layout:
+
+def _layout(head_dim, k8, k4, rows8, rows4, split: MixedMlaSplitStage) -> _Layout:
   def keys(k):
     return min(split.keys_per_split, cdiv(k, split.block_k) * split.block_k)
   keys8, keys4 = keys(k8), keys(k4)
-  return _Layout(head_dim, k8, k4, rows8, rows4, keys8, keys4, cdiv(k8, keys8), cdiv(k4, keys4))
+  return _Layout(head_dim, k8, k4, rows8, rows4, keys8, keys4, cdiv(k8, keys8) if k8 else 0,
+                 cdiv(k4, keys4) if k4 else 0, split.block_d)
 
 
 class MixedMlaSizes(NamedTuple):
@@ -149,58 +173,80 @@ class MixedMlaSizes(NamedTuple):
                int(shapes["indices_fp4"].shape[1]))
 
 
-def _fit(config: MixedMlaDecodeConfig, heads: int, head_dim: int) -> MixedMlaDecodeConfig:
-  """Caps the head blocks to the problem and raises the key step to a dot
-  dimension; the combine's blocks divide H and D."""
+def _fit_block_d(block_d: int, head_dim: int) -> int:
+  """The largest power of two <= block_d dividing D (D a multiple of 128)."""
+  block_d = min(block_d, head_dim)
+  while head_dim % block_d:
+    block_d //= 2
+  return block_d
+
+
+def _fit(config: MixedMlaDecodeConfig, sizes: MixedMlaSizes) -> MixedMlaDecodeConfig:
+  """Caps the head and column blocks to the problem and raises the key step
+  to a dot dimension; the combine's blocks divide H and D."""
   block_k = max(config.split.block_k, MIN_DOT_DIM)
-  split = dataclasses.replace(config.split, block_h=min(config.split.block_h, max(heads, MIN_DOT_DIM)),
-                              block_k=block_k, keys_per_split=max(config.split.keys_per_split, block_k))
-  return MixedMlaDecodeConfig(split=split, combine=fit_combine(config.combine, heads, head_dim))
+  split = dataclasses.replace(config.split, block_h=min(config.split.block_h, max(sizes.heads, MIN_DOT_DIM)),
+                              block_k=block_k, keys_per_split=max(config.split.keys_per_split, block_k),
+                              block_d=_fit_block_d(config.split.block_d, sizes.head_dim))
+  lay = _layout(sizes.head_dim, sizes.k8, sizes.k4, 1, 1, split)
+  return MixedMlaDecodeConfig(split=split, combine=fit_combine(config.combine, sizes.heads, sizes.head_dim,
+                                                               max(lay.splits, 1)))
 
 
-def _split_programs(batch, heads, k8, k4, split: SplitStage) -> int:
-  lay = _layout(_CHUNK, k8, k4, 1, 1, split)
-  return batch * lay.splits * cdiv(heads, split.block_h)
+def _split_programs(sizes: MixedMlaSizes, split: MixedMlaSplitStage) -> int:
+  lay = _layout(sizes.head_dim, sizes.k8, sizes.k4, 1, 1, split)
+  return sizes.batch * lay.splits * cdiv(sizes.heads, split.block_h) * lay.column_blocks
+
+
+# The split tilings the heuristic tries in order, (keys_per_split,
+# block_d): the fewest partials and the least recomputation of scores
+# first. On sm_90a (8 warps, 32-key steps) whole rows and 256-column blocks
+# take 255 registers (1 CTA per SM), 128-column blocks of 64-slot splits
+# 128 (2 CTAs per SM), all without spills; 128-slot splits of 128 columns
+# spill (24 bytes) and are left out.
+_SPLIT_TRIES = ((128, 512), (64, 256), (64, 128))
 
 
 def choose_config(shapes: Mapping[str, Any]) -> MixedMlaDecodeConfig:
   """Heuristic: 16 heads per program (the smallest dot tile) and 32-key
-  steps with 8 warps: the 16 x 512 fp32 accumulator and the 32 x 512 bf16
-  dequantized key tile are 32 registers a thread each (4 warps spill on
-  sm_90a, see docs/perf/kernel_notes.md), and the largest `keys_per_split`
-  of 128, 64, 32 that still gives `_TARGET_SPLIT_PROGRAMS` programs, so small
-  batches (B = 1: 80 programs of 32 keys) spread over the SMs while large
-  ones keep the partials few (each split writes and the combine reads
-  `B x H x D` fp32). The combine uses 64-dim blocks unless 128 already gives
-  a program per SM."""
+  steps with 8 warps (a 32 x 512 bf16 dequantized key tile), and the first
+  of `_SPLIT_TRIES` that gives a program per SM: B = 1: 64-slot splits of
+  128 columns, 10 x 4 x 4 = 160 programs, 1.25 MiB of partials; B = 2-6:
+  64-slot splits of 256 columns (160-480 programs); B >= 7: 128-slot splits
+  of whole rows (5 x 4 x B programs).
+  The combine: `split_kv.choose_combine` for a program per SM too (B = 1:
+  4 heads x 32 columns, 256 programs)."""
   sizes = MixedMlaSizes.of(shapes)
-  for keys_per_split in (128, 64, 32):
-    split = SplitStage(block_h=16, block_k=32, keys_per_split=keys_per_split, num_warps=8,
-                       num_stages=2)
-    if _split_programs(sizes.batch, sizes.heads, sizes.k8, sizes.k4, split) >= _TARGET_SPLIT_PROGRAMS:
+  for keys_per_split, block_d in _SPLIT_TRIES:
+    split = MixedMlaSplitStage(block_h=16, block_k=32, keys_per_split=keys_per_split, num_warps=8,
+                               num_stages=2, block_d=block_d)
+    split = _fit(MixedMlaDecodeConfig(split=split), sizes).split
+    if _split_programs(sizes, split) >= num_sms():
       break
-  combine_programs = sizes.batch * cdiv(sizes.heads, 16) * cdiv(sizes.head_dim, 128)
-  combine = CombineStage(block_h=16, block_d=128 if combine_programs >= num_sms() else 64,
-                         num_warps=4, num_stages=1)
-  return _fit(MixedMlaDecodeConfig(split=split, combine=combine), sizes.heads, sizes.head_dim)
+  lay = _layout(sizes.head_dim, sizes.k8, sizes.k4, 1, 1, split)
+  combine = choose_combine(sizes.batch, sizes.heads, sizes.head_dim, max(lay.splits, 1), num_sms())
+  return _fit(MixedMlaDecodeConfig(split=split, combine=combine), sizes)
 
 
 def candidate_configs(shapes: Mapping[str, Any]) -> list[MixedMlaDecodeConfig]:
   """What a sweep explores, heuristic first, without duplicates: split
-  tilings that compile without spills on sm_90a (64-head blocks and 64-key
-  steps spill and are left out), then the combine's column blocks."""
+  tilings that compile without spills on sm_90a (64-head blocks, 64-key
+  steps, 16-key steps over whole rows, 32-head blocks of 32-key steps and
+  128-slot splits of 128 columns spill and are left out), then other
+  combine tiles."""
   sizes = MixedMlaSizes.of(shapes)
   chosen = choose_config(shapes)
   combine = chosen.combine
   configs = [chosen]
-  for block_h, block_k, keys_per_split, num_warps in (
-      (16, 32, 32, 8), (16, 32, 64, 8), (16, 32, 128, 8), (16, 16, 16, 8), (16, 16, 32, 4),
-      (32, 32, 64, 8), (32, 16, 128, 8)):
-    split = SplitStage(block_h, block_k, keys_per_split, num_warps=num_warps, num_stages=2)
+  for block_h, block_k, keys_per_split, block_d, num_warps in (
+      (16, 32, 64, 128, 8), (16, 32, 64, 256, 8), (16, 32, 128, 512, 8), (16, 32, 64, 512, 8),
+      (16, 32, 32, 512, 8), (16, 32, 128, 64, 8), (32, 16, 128, 256, 8)):
+    split = MixedMlaSplitStage(block_h, block_k, keys_per_split, num_warps=num_warps, num_stages=2,
+                               block_d=block_d)
     configs.append(MixedMlaDecodeConfig(split=split, combine=combine))
-  for block_d in (32, 64, 128):
-    configs.append(MixedMlaDecodeConfig(split=chosen.split, combine=CombineStage(16, block_d)))
-  return list(dict.fromkeys(_fit(c, sizes.heads, sizes.head_dim) for c in configs))
+  for block_h, block_d in ((16, 64), (16, 128), (8, 32)):
+    configs.append(MixedMlaDecodeConfig(split=chosen.split, combine=CombineStage(block_h, block_d)))
+  return list(dict.fromkeys(_fit(c, sizes) for c in configs))
 
 
 # ---------------------------------------------------------------------------
@@ -219,20 +265,50 @@ def _load_rows(idx_ref, start, *, block_k: int, num_slots: int, num_rows: int, m
   return jnp.where(valid, idx, 0), valid
 
 
+def _part_columns(part):
+  """The 64 dims of value part `part` (static or traced): chunk `part // 2`,
+  its even (`part % 2 == 0`) or odd dims."""
+  return pl.ds(_CHUNK * (part // 2) + part % 2, _HALF, stride=2)
+
+
+def _fp8_scale(kv_ref, rows, valid, head_dim, chunk):
+  """The f32 scale of 128-dim chunk `chunk` of each gathered FP8 record
+  (four single-byte columns, little-endian, assembled with shifts); 0 for
+  invalid slots."""
+  word = jnp.zeros(rows.shape, jnp.uint32)
+  for j in range(4):
+    byte = kv_ref[rows, head_dim + 4 * chunk + j]
+    word = word | (byte.astype(jnp.uint32) << (8 * j))
+  return jnp.where(valid, lax.bitcast_convert_type(word, jnp.float32), 0.0)
+
+
+def _fp8_values(raw, valid):
+  """e4m3 bytes `[bk, 64]` -> bf16 (exact), invalid slots selected to 0."""
+  values = lax.bitcast_convert_type(raw, jnp.float8_e4m3fn).astype(jnp.bfloat16)
+  return jnp.where(valid[:, None], values, 0.0).astype(jnp.bfloat16)
+
+
+def _fp4_scales(kv_ref, rows, head_dim, chunk):
+  """f32 UE8M0 scales `[bk, 64]` of the packed bytes of 128-dim chunk `chunk`
+  (byte j of the chunk holds dims 2j, 2j + 1 of one 16-dim scale group)."""
+  scale_cols = jnp.arange(_HALF) // (_FP4_GROUP // 2)
+  scale_bytes = kv_ref[rows[:, None], (head_dim // 2 + (_CHUNK // _FP4_GROUP) * chunk + scale_cols)[None, :]]
+  return fp_formats.ue8m0_to_f32(scale_bytes)
+
+
+def _fp4_values(code, scale, valid):
+  """e2m1 codes times their scales -> bf16 (exact: e2m1 times a power of
+  two), invalid slots selected to 0."""
+  return jnp.where(valid[:, None], fp_formats.e2m1_to_f32(code) * scale, 0.0).astype(jnp.bfloat16)
+
+
 def _fp8_tile(kv_ref, rows, valid, head_dim):
   """Gathered FP8 records -> (bf16 key parts [(chunk, parity)] of [bk, 64]
   unscaled e4m3 values, f32 per-chunk scales [bk])."""
   parts, scales = [], []
   for c in range(head_dim // _CHUNK):
-    word = jnp.zeros(rows.shape, jnp.uint32)
-    for j in range(4):  # little-endian f32
-      byte = kv_ref[rows, head_dim + 4 * c + j]
-      word = word | (byte.astype(jnp.uint32) << (8 * j))
-    scales.append(jnp.where(valid, lax.bitcast_convert_type(word, jnp.float32), 0.0))
-    for parity in (0, 1):
-      raw = kv_ref[rows, pl.ds(_CHUNK * c + parity, _HALF, stride=2)]
-      values = lax.bitcast_convert_type(raw, jnp.float8_e4m3fn).astype(jnp.bfloat16)
-      parts.append(jnp.where(valid[:, None], values, 0.0).astype(jnp.bfloat16))
+    scales.append(_fp8_scale(kv_ref, rows, valid, head_dim, c))
+    parts += [_fp8_values(kv_ref[rows, _part_columns(2 * c + parity)], valid) for parity in (0, 1)]
   return parts, scales
 
 
@@ -240,16 +316,27 @@ def _fp4_tile(kv_ref, rows, valid, head_dim):
   """Gathered FP4 records -> bf16 key parts [(chunk, parity)] of [bk, 64],
   scales applied (exact)."""
   parts = []
-  scale_cols = jnp.arange(_HALF) // (_FP4_GROUP // 2)   # packed byte j -> its scale
   for c in range(head_dim // _CHUNK):
     packed = kv_ref[rows, pl.ds(_HALF * c, _HALF)]     # bytes of dims 128c + 2j, +1
-    scale_bytes = kv_ref[rows[:, None],
-                         (head_dim // 2 + (_CHUNK // _FP4_GROUP) * c + scale_cols)[None, :]]
-    scale = fp_formats.ue8m0_to_f32(scale_bytes)
-    for code in fp_formats.unpack_e2m1(packed):
-      values = fp_formats.e2m1_to_f32(code) * scale
-      parts.append(jnp.where(valid[:, None], values, 0.0).astype(jnp.bfloat16))
+    scale = _fp4_scales(kv_ref, rows, head_dim, c)
+    parts += [_fp4_values(code, scale, valid) for code in fp_formats.unpack_e2m1(packed)]
   return parts
+
+
+def _fp8_value_part(kv_ref, rows, valid, head_dim, part):
+  """Value part `part` (traced) of the gathered FP8 records: (bf16 [bk, 64]
+  unscaled, f32 scale [bk])."""
+  return (_fp8_values(kv_ref[rows, _part_columns(part)], valid),
+          _fp8_scale(kv_ref, rows, valid, head_dim, part // 2))
+
+
+def _fp4_value_part(kv_ref, rows, valid, head_dim, part):
+  """Value part `part` (traced) of the gathered FP4 records: bf16 [bk, 64],
+  scaled. Its nibble: low for even dims, high for odd."""
+  chunk = part // 2
+  packed = kv_ref[rows, pl.ds(_HALF * chunk, _HALF)].astype(jnp.int32)
+  code = (packed >> (4 * (part % 2))) & 0xF
+  return _fp4_values(code, _fp4_scales(kv_ref, rows, head_dim, chunk), valid)
 
 
 def _scores(q_parts, k_parts, scales):
@@ -267,13 +354,20 @@ def _scores(q_parts, k_parts, scales):
 
 def _split_kernel(q_ref, idx8_ref, idx4_ref, kv8_ref, kv4_ref, scale_ref, o_ref, lse_ref, *,
                   lay: _Layout, block_k: int):
+  # q_ref [bh, D]; idx*_ref [K*]; kv*_ref [rows, bytes]; scale_ref [1];
+  # o_ref [bh, D] (this program writes its block_d columns); lse_ref [bh].
   head_dim = lay.head_dim
   block_h = q_ref.shape[0]
   split = pl.program_id(1)
+  num_parts = head_dim // _HALF
+  own_parts = lay.block_d // _HALF
+  every_part = own_parts == num_parts
+  # The value parts (of 64 dims) this program accumulates and writes.
+  first_part = (pl.program_id(2) % lay.column_blocks) * own_parts
+  parts = list(range(num_parts)) if every_part else [first_part + i for i in range(own_parts)]
   qk_scale = scale_ref[0] * LOG2_E
-  q_parts = [q_ref[:, pl.ds(_CHUNK * c + p, _HALF, stride=2)]
-             for c in range(head_dim // _CHUNK) for p in (0, 1)]
-  carry = init_carry(block_h, _HALF, parts=len(q_parts))
+  q_parts = [q_ref[:, _part_columns(j)] for j in range(num_parts)]
+  carry = init_carry(block_h, _HALF, parts=own_parts)
 
   is_fp8 = split < lay.splits8
   base8 = split * lay.keys8
@@ -286,16 +380,21 @@ def _split_kernel(q_ref, idx8_ref, idx4_ref, kv8_ref, kv4_ref, scale_ref, o_ref,
   def fp8_body(t, carry):
     rows, valid = load8(base8 + t * block_k)
     k_parts, scales = _fp8_tile(kv8_ref, rows, valid, head_dim)
-    # FP8 scales multiply the probabilities of their chunk's two parts
-    # (exact keys, one rounding of `p * scale` to bf16).
-    return online_softmax_step(_scores(q_parts, k_parts, scales) * qk_scale, carry, k_parts,
-                               visible=valid[None, :], value_scales=[w for w in scales for _ in (0, 1)])
+    if every_part:
+      values, value_scales = k_parts, [scales[j // 2] for j in parts]
+    else:
+      values, value_scales = map(list, zip(*(_fp8_value_part(kv8_ref, rows, valid, head_dim, j) for j in parts)))
+    # FP8 scales multiply the probabilities of their chunk's parts (exact
+    # values in the dot).
+    return online_softmax_step(_scores(q_parts, k_parts, scales) * qk_scale, carry, values,
+                               visible=valid[None, :], value_scales=value_scales, p_hi_lo=True)
 
   def fp4_body(t, carry):
     rows, valid = load4(base4 + t * block_k)
     k_parts = _fp4_tile(kv4_ref, rows, valid, head_dim)
-    return online_softmax_step(_scores(q_parts, k_parts, None) * qk_scale, carry, k_parts,
-                               visible=valid[None, :])
+    values = k_parts if every_part else [_fp4_value_part(kv4_ref, rows, valid, head_dim, j) for j in parts]
+    return online_softmax_step(_scores(q_parts, k_parts, None) * qk_scale, carry, values,
+                               visible=valid[None, :], p_hi_lo=True)
 
   # Trip counts from program_id. (Not `jnp.where(is_fp8, n, 0)`: XLA's
   # Triton then rejects the loop, "scf.for ... bounds have same type".)
@@ -303,13 +402,25 @@ def _split_kernel(q_ref, idx8_ref, idx4_ref, kv8_ref, kv4_ref, scale_ref, o_ref,
   carry = lax.fori_loop(0, in_fp8 * (lay.keys8 // block_k), fp8_body, carry)
   accs, m, l = lax.fori_loop(0, (1 - in_fp8) * (lay.keys4 // block_k), fp4_body, carry)
 
-  for i, part in enumerate(normalize(accs, m, l)):
-    o_ref[:, pl.ds(_CHUNK * (i // 2) + i % 2, _HALF, stride=2)] = part
+  for j, part in zip(parts, normalize(accs, m, l)):
+    o_ref[:, _part_columns(j)] = part
   lse_ref[...] = lse_base2(m, l)
 
 
 # ---------------------------------------------------------------------------
 # Launcher.
+
+
+def _nonempty(cache: jax.Array, indices: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A cache without rows gets one zero record and an index table without
+  slots one invalid slot: nothing valid either way, and every load of the
+  kernel stays in bounds."""
+  if cache.shape[0] * cache.shape[1] == 0:
+    cache = jnp.zeros((1, 1, *cache.shape[2:]), cache.dtype)
+    indices = jnp.full(indices.shape, -1, jnp.int32)
+  if indices.shape[1] == 0:
+    indices = jnp.full((indices.shape[0], 1), -1, jnp.int32)
+  return cache, indices.astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -320,67 +431,77 @@ def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv
   """Mixed FP8/FP4 MLA decode (SPEC 4.10).
 
   Args:
-    q: `[B, H, D]` bf16; D a multiple of 128.
+    q: `[B, H, D]` bf16; D a multiple of 128; B >= 0.
     kv_fp8: `[N8, P8, 1, D + 4*D/128]` uint8 FP8 token records.
-    indices_fp8: `[B, K8]` int32 flat rows `page*P8 + offset`.
+    indices_fp8: `[B, K8]` int32 flat rows `page*P8 + offset`; valid in
+      `[0, N8*P8)`, anything else (-1 padding, other negatives, past the
+      cache) is an invalid slot that contributes nothing.
     kv_fp4: `[N4, P4, 1, D/2 + D/16]` uint8 FP4 token records.
-    indices_fp4: `[B, K4]` int32 flat rows `page*P4 + offset`.
+    indices_fp4: `[B, K4]` int32 flat rows `page*P4 + offset`; valid in
+      `[0, N4*P4)`, as above.
     sm_scale: f32 scalar (0-d array or float; may be traced).
     attn_sink: `[H]` f32 sink logits (denominator only).
     config: None = `choose_config`.
     interpret: None = interpret when no GPU is present.
 
   Returns:
-    `(out [B, H, D] bf16, lse [B, H] f32)`; negative or out-of-range
-    indices are skipped; rows with none valid give 0 and +inf.
+    `(out [B, H, D] bf16, lse [B, H] f32)`; rows with no valid index give
+    0 and +inf. A token listed twice counts twice, as in the reference.
   """
   batch, heads, head_dim = q.shape
-  k8, k4 = indices_fp8.shape[1], indices_fp4.shape[1]
   if head_dim % _CHUNK:
     raise ValueError(f"D={head_dim} must be a multiple of {_CHUNK}")
-  n8, p8, hkv8, bytes8 = kv_fp8.shape
-  n4, p4, hkv4, bytes4 = kv_fp4.shape
-  if hkv8 != 1 or hkv4 != 1:
+  if kv_fp8.ndim != 4 or kv_fp4.ndim != 4:
+    raise ValueError(f"kv_fp8 {kv_fp8.shape} / kv_fp4 {kv_fp4.shape} must be [pages, page size, 1, bytes]")
+  if kv_fp8.shape[2] != 1 or kv_fp4.shape[2] != 1:
     raise ValueError("one latent KV head expected")
+  bytes8, bytes4 = kv_fp8.shape[3], kv_fp4.shape[3]
   if bytes8 != head_dim + 4 * (head_dim // _CHUNK) or bytes4 != head_dim // 2 + head_dim // _FP4_GROUP:
     raise ValueError(f"token records {bytes8}/{bytes4} bytes do not match D={head_dim}")
-  if indices_fp8.shape[0] != batch or indices_fp4.shape[0] != batch or attn_sink.shape != (heads,):
-    raise ValueError("indices / attn_sink shapes do not match q")
+  if (indices_fp8.ndim != 2 or indices_fp4.ndim != 2 or indices_fp8.shape[0] != batch
+      or indices_fp4.shape[0] != batch or attn_sink.shape != (heads,)):
+    raise ValueError(f"indices_fp8 {indices_fp8.shape}, indices_fp4 {indices_fp4.shape} must be [{batch}, K] "
+                     f"and attn_sink {attn_sink.shape} [{heads}]")
+  if batch == 0:  # nothing to launch
+    return jnp.zeros(q.shape, q.dtype), jnp.zeros((0, heads), jnp.float32)
+  kv_fp8, indices_fp8 = _nonempty(kv_fp8, indices_fp8)
+  kv_fp4, indices_fp4 = _nonempty(kv_fp4, indices_fp4)
   shapes = {"q": q, "indices_fp8": indices_fp8, "indices_fp4": indices_fp4}
-  if config is None:
-    config = choose_config(shapes)
-  config = _fit(config, heads, head_dim)
+  sizes = MixedMlaSizes.of(shapes)
+  config = _fit(config or choose_config(shapes), sizes)
   split_cfg = config.split
   if heads % split_cfg.block_h:
     raise ValueError(f"H={heads} is not a multiple of split.block_h={split_cfg.block_h}")
-  rows8, rows4 = n8 * p8, n4 * p4
-  lay = _layout(head_dim, k8, k4, rows8, rows4, split_cfg)
+  rows8, rows4 = kv_fp8.shape[0] * kv_fp8.shape[1], kv_fp4.shape[0] * kv_fp4.shape[1]
+  lay = _layout(head_dim, sizes.k8, sizes.k4, rows8, rows4, split_cfg)
   interpret = resolve_interpret(interpret)
 
   kv8_flat = kv_fp8.reshape(rows8, bytes8)
   kv4_flat = kv_fp4.reshape(rows4, bytes4)
   scale = jnp.asarray(sm_scale, jnp.float32).reshape(1)
-  block_h = split_cfg.block_h
+  block_h, cols = split_cfg.block_h, lay.column_blocks
   o_part, lse_part = common.pallas_call(
       functools.partial(_split_kernel, lay=lay, block_k=split_cfg.block_k),
       out_shape=(jax.ShapeDtypeStruct((batch, lay.splits, heads, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, lay.splits, heads), jnp.float32)),
-      grid=(batch, lay.splits, heads // block_h),
+      # Axis 2: head block major, column block minor.
+      grid=(batch, lay.splits, heads // block_h * cols),
       in_specs=[
-          pl.BlockSpec((None, block_h, head_dim), lambda b, s, h: (b, h, 0)),
-          pl.BlockSpec((None, k8), lambda b, s, h: (b, 0)),
-          pl.BlockSpec((None, k4), lambda b, s, h: (b, 0)),
-          pl.BlockSpec((rows8, bytes8), lambda b, s, h: (0, 0)),
-          pl.BlockSpec((rows4, bytes4), lambda b, s, h: (0, 0)),
-          pl.BlockSpec((1,), lambda b, s, h: (0,)),
+          pl.BlockSpec((None, block_h, head_dim), lambda b, s, hc: (b, hc // cols, 0)),
+          pl.BlockSpec((None, sizes.k8), lambda b, s, hc: (b, 0)),
+          pl.BlockSpec((None, sizes.k4), lambda b, s, hc: (b, 0)),
+          pl.BlockSpec((rows8, bytes8), lambda b, s, hc: (0, 0)),
+          pl.BlockSpec((rows4, bytes4), lambda b, s, hc: (0, 0)),
+          pl.BlockSpec((1,), lambda b, s, hc: (0,)),
       ],
-      out_specs=(pl.BlockSpec((None, None, block_h, head_dim), lambda b, s, h: (b, s, h, 0)),
-                 pl.BlockSpec((None, None, block_h), lambda b, s, h: (b, s, h))),
+      # Whole rows: the column blocks of a head block write their columns of it.
+      out_specs=(pl.BlockSpec((None, None, block_h, head_dim), lambda b, s, hc: (b, s, hc // cols, 0)),
+                 pl.BlockSpec((None, None, block_h), lambda b, s, hc: (b, s, hc // cols))),
       compiler_params=plgpu.CompilerParams(num_warps=split_cfg.num_warps,
                                            num_stages=split_cfg.num_stages),
       interpret=interpret,
       name="mixed_mla_decode_split",
-  )(q, indices_fp8.astype(jnp.int32), indices_fp4.astype(jnp.int32), kv8_flat, kv4_flat, scale)
+  )(q, indices_fp8, indices_fp4, kv8_flat, kv4_flat, scale)
 
   return combine_splits(o_part, lse_part, attn_sink.astype(jnp.float32), stage=config.combine,
                         out_dtype=q.dtype, with_lse=True, name="mixed_mla_decode_combine",

@@ -33,7 +33,7 @@ def init_carry(rows: int, width: int, parts: int | None = None):
   return acc, jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32)
 
 
-def online_softmax_step(s, carry, values, *, visible=None, value_scales=None):
+def online_softmax_step(s, carry, values, *, visible=None, value_scales=None, p_hi_lo=False):
   """Folds one key block into the carry; returns the new carry.
 
   Args:
@@ -52,6 +52,11 @@ def online_softmax_step(s, carry, values, *, visible=None, value_scales=None):
       (one per tile, or None) that multiply the fp32 probabilities before
       that tile's dot: dequantization scales of the values, applied where
       they cost no rounding of the values themselves.
+    p_hi_lo: the probabilities enter each value dot as two terms of the
+      tile's dtype, `hi = bf16(p)` and `lo = bf16(p - hi)` (two dots, about
+      16 significant bits instead of 8): for values whose magnitudes make
+      the rounding of p visible in the sum (dequantized outlier blocks over
+      hundreds of keys).
   """
   acc, m_prev, l_prev = carry
   if visible is not None:
@@ -63,15 +68,20 @@ def online_softmax_step(s, carry, values, *, visible=None, value_scales=None):
   l_next = correction * l_prev + jnp.sum(p, axis=-1)
   if isinstance(values, (list, tuple)):
     scales = value_scales or [None] * len(values)
-    acc = [correction[:, None] * a + _weighted_values(p if w is None else p * w[None, :], v)
+    acc = [correction[:, None] * a + _weighted_values(p if w is None else p * w[None, :], v, p_hi_lo)
            for a, v, w in zip(acc, values, scales)]
   else:
-    acc = correction[:, None] * acc + _weighted_values(p, values)
+    acc = correction[:, None] * acc + _weighted_values(p, values, p_hi_lo)
   return acc, m_next, l_next
 
 
-def _weighted_values(p, v):
-  return jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+def _weighted_values(p, v, p_hi_lo=False):
+  hi = p.astype(v.dtype)
+  out = jnp.dot(hi, v, preferred_element_type=jnp.float32)
+  if p_hi_lo:
+    lo = (p - hi.astype(jnp.float32)).astype(v.dtype)
+    out = out + jnp.dot(lo, v, preferred_element_type=jnp.float32)
+  return out
 
 
 def normalize(acc, m, l, sink=None):

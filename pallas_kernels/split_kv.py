@@ -23,6 +23,12 @@ write their state as it is, and the combine's weights are single exp2s.
 rounded once to the output dtype. A lonely row (every split empty) gives
 `out = 0` and `lse = +inf`. The sink (optional, one logit per head in natural
 units) only enlarges the denominator.
+
+It walks the splits once, `block_s` of them a step (one `[block_s, block_h,
+block_d]` load, masked past the last split), keeping a running maximum and
+rescaling what it summed so far when the maximum grows: the online softmax
+with the splits' lses as scores. One pass over the partials, and a loop whose
+loads Triton pipelines (`num_stages`).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common
 import jax.numpy as jnp
 
-from pallas_kernels.common import resolve_interpret
+from pallas_kernels.common import cdiv, next_pow2, resolve_interpret
 from pallas_kernels.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field, multiple_of, pow2
 from pallas_kernels.online_softmax import lse_natural, normalize
 
@@ -59,39 +65,83 @@ class SplitStage(KernelConfig):
 @dataclasses.dataclass(frozen=True)
 class CombineStage(KernelConfig):
   """The combine: a program merges the splits of `block_h` heads x `block_d`
-  output columns of one row. No dot: any power of two of heads works."""
+  output columns of one row, `block_s` splits a step. No dot: any power of
+  two of heads works."""
   block_h: int = field(16, pow2())
   block_d: int = field(64, pow2(16))
   num_warps: int = field(4, NUM_WARPS)
-  num_stages: int = field(1, NUM_STAGES)
+  num_stages: int = field(2, NUM_STAGES)
+  block_s: int = field(4, pow2())
 
 
-def fit_combine(stage: CombineStage, heads: int, head_dim: int) -> CombineStage:
+def fit_combine(stage: CombineStage, heads: int, head_dim: int, num_splits: int | None = None) -> CombineStage:
   """Shrinks the blocks to divide the problem: at most the largest power of
-  two dividing H (resp. D), so no program needs a mask."""
+  two dividing H (resp. D), so no program needs a mask; with `num_splits`,
+  no more splits a step than the smallest power of two covering them."""
+  block_s = stage.block_s if num_splits is None else min(stage.block_s, next_pow2(num_splits))
   return dataclasses.replace(stage, block_h=min(stage.block_h, heads & -heads),
-                             block_d=min(stage.block_d, head_dim & -head_dim))
+                             block_d=min(stage.block_d, head_dim & -head_dim), block_s=block_s)
 
 
-def _combine_kernel(*refs, num_splits: int, has_sink: bool, with_lse: bool):
+def combine_programs(stage: CombineStage, rows: int, heads: int, head_dim: int) -> int:
+  """Programs of the combine's grid `(H / block_h, R, D / block_d)`."""
+  stage = fit_combine(stage, heads, head_dim)
+  return (heads // stage.block_h) * rows * (head_dim // stage.block_d)
+
+
+# Combine tiles from the largest down: (block_h, block_d, num_warps); up to
+# 16 values of a split's tile per thread.
+_COMBINE_TILES = ((16, 128, 4), (16, 64, 2), (8, 64, 1), (8, 32, 1), (4, 32, 1))
+# Values of all the splits a step loads, per thread (a register budget).
+_COMBINE_VALUES_PER_THREAD = 64
+
+
+def choose_combine(rows: int, heads: int, head_dim: int, num_splits: int, target_programs: int) -> CombineStage:
+  """The largest tile of `_COMBINE_TILES` whose grid has at least
+  `target_programs` programs (else the smallest), fitted to the problem,
+  with as many splits a step (up to 4) as keep a step's loads at
+  `_COMBINE_VALUES_PER_THREAD` values a thread. Larger tiles stream longer
+  rows; small batches need small tiles to spread over the SMs."""
+  for block_h, block_d, num_warps in _COMBINE_TILES:
+    stage = fit_combine(CombineStage(block_h, block_d, num_warps), heads, head_dim)
+    if combine_programs(stage, rows, heads, head_dim) >= target_programs:
+      break
+  per_split = stage.block_h * stage.block_d // (32 * stage.num_warps)
+  block_s = max(1, min(4, _COMBINE_VALUES_PER_THREAD // max(per_split, 1)))
+  return fit_combine(dataclasses.replace(stage, block_s=1 << (block_s.bit_length() - 1)), heads, head_dim,
+                     num_splits)
+
+
+def _combine_kernel(*refs, num_splits: int, block_s: int, has_sink: bool, with_lse: bool):
   # o_part_ref [S, bh, bd] f32; lse_part_ref [S, bh] (base 2); sink_ref [bh];
   # out_ref [bh, bd]; lse_ref [bh] (natural).
   o_part_ref, lse_part_ref = refs[:2]
   sink_ref = refs[2] if has_sink else None
   out_ref = refs[3 if has_sink else 2]
   block_h, block_d = out_ref.shape
+  ragged = num_splits % block_s != 0
 
-  m = lax.fori_loop(0, num_splits, lambda s, m: jnp.maximum(m, lse_part_ref[s, :]),
-                    jnp.full((block_h,), -jnp.inf, jnp.float32))
+  def body(step, carry):
+    acc, m, l = carry
+    splits = pl.ds(step * block_s, block_s)
+    if ragged:  # splits past the last: lse -inf, weight 0
+      present = step * block_s + jnp.arange(block_s) < num_splits
+      lse = plgpu.load(lse_part_ref.at[splits, :], mask=present[:, None], other=-jnp.inf)
+      o = plgpu.load(o_part_ref.at[splits, :, :], mask=present[:, None, None], other=0.0)
+    else:
+      lse, o = lse_part_ref[splits, :], o_part_ref[splits, :, :]
+    m_next = jnp.maximum(m, jnp.max(lse, axis=0))
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    w = jnp.exp2(lse - m_safe[None, :])  # [bs, bh]; 0 for empty splits
+    # Empty splits are selected away, not multiplied by their zero weight.
+    weighted = jnp.where(w[:, :, None] > 0.0, w[:, :, None] * o, 0.0)
+    correction = jnp.exp2(m - m_safe)
+    return correction[:, None] * acc + jnp.sum(weighted, axis=0), m_next, correction * l + jnp.sum(w, axis=0)
+
+  init = (jnp.zeros((block_h, block_d), jnp.float32), jnp.full((block_h,), -jnp.inf, jnp.float32),
+          jnp.zeros((block_h,), jnp.float32))
+  acc, m, l = lax.fori_loop(0, cdiv(num_splits, block_s), body, init)
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-
-  def body(s, carry):
-    acc, l = carry
-    w = jnp.exp2(lse_part_ref[s, :] - m_safe)  # 0 for empty splits
-    return acc + w[:, None] * o_part_ref[s, :, :], l + w
-
-  acc, l = lax.fori_loop(0, num_splits, body, (jnp.zeros((block_h, block_d), jnp.float32),
-                                               jnp.zeros((block_h,), jnp.float32)))
   out = normalize(acc, m_safe, l, sink_ref[...] if has_sink else None)
   out_ref[...] = out.astype(out_ref.dtype)
   if with_lse:
@@ -127,7 +177,7 @@ def combine_splits(o_part: jax.Array, lse_part: jax.Array, sink: jax.Array | Non
                      f"expected {(rows, num_splits, heads)}")
   if sink is not None and sink.shape != (heads,):
     raise ValueError(f"sink {sink.shape} must be [{heads}]")
-  stage = fit_combine(stage, heads, head_dim)
+  stage = fit_combine(stage, heads, head_dim, num_splits)
   block_h, block_d = stage.block_h, stage.block_d
   # Grid (H / block_h, R, D / block_d): of the six axis orders, the one that
   # compiles to the fewest registers on sm_90a for both callers' shapes
@@ -144,8 +194,8 @@ def combine_splits(o_part: jax.Array, lse_part: jax.Array, sink: jax.Array | Non
     out_shape.append(jax.ShapeDtypeStruct((rows, heads), jnp.float32))
     out_specs.append(pl.BlockSpec((None, block_h), lambda h, r, d: (r, h)))
   outputs = common.pallas_call(
-      functools.partial(_combine_kernel, num_splits=num_splits, has_sink=sink is not None,
-                        with_lse=with_lse),
+      functools.partial(_combine_kernel, num_splits=num_splits, block_s=stage.block_s,
+                        has_sink=sink is not None, with_lse=with_lse),
       out_shape=tuple(out_shape),
       grid=(heads // block_h, rows, head_dim // block_d),
       in_specs=in_specs,

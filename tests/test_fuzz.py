@@ -43,8 +43,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("gdn_prefill", "cu_decreasing"): "decreasing cu_seqlens: other outputs and states (diff 0.66)",
     ("gdn_prefill", "cu_negative_start"): "cu_seqlens[0] < 0: NaN outputs and states",
     ("gdn_prefill", "nan_in_uncovered_tokens"): "NaN in tokens after cu_seqlens[N] reaches outputs",
-    # mla: mixed MLA
-    ("mixed_mla_decode", "b0"): "B=0: TypeError slice_sizes > operand shape",
     # qsa: index and sparse GQA
     ("qsa_index_topk", "entry_past_np"): "selects blocks of a page-table entry >= NP",
     ("qsa_index_topk", "negative_entry"): "selects blocks of a negative page-table entry",

@@ -83,7 +83,7 @@ def test_every_config_class_is_a_frozen_validated_dataclass_that_round_trips():
      "SplitStage.keys_per_split=16 must be a multiple of block_k"),
     (lambda: split_kv.CombineStage(block_d=8), "CombineStage.block_d=8 must be a power of two >= 16"),
     (lambda: mixed_mla.MixedMlaDecodeConfig(split={"block_h": 16}),
-     "MixedMlaDecodeConfig.split={'block_h': 16} must be a SplitStage"),
+     "MixedMlaDecodeConfig.split={'block_h': 16} must be a MixedMlaSplitStage"),
     (lambda: neighborhood_attention.NeighborhoodAttentionConfig(block_t=1, block_y=2, block_x=4),
      "NeighborhoodAttentionConfig.block_queries=8 must be an int >= 16"),
     (lambda: neighborhood_attention.NeighborhoodAttentionConfig(block_t=3),
@@ -99,8 +99,8 @@ def test_replace_and_json_check_the_rules_too():
   config = dense_gemm.DenseGemmConfig()
   with pytest.raises(ValueError, match=r"DenseGemmConfig.block_n=100 must be"):
     dataclasses.replace(config, block_n=100)
-  stage = split_kv.SplitStage()
-  with pytest.raises(ValueError, match=r"SplitStage.block_h=8 must be a power of two >= 16"):
+  stage = mixed_mla.MixedMlaSplitStage()
+  with pytest.raises(ValueError, match=r"MixedMlaSplitStage.block_h=8 must be a power of two >= 16"):
     tuning.config_from_json({"split": {"block_h": 8}}, mixed_mla.MixedMlaDecodeConfig(split=stage))
 
 
@@ -228,6 +228,24 @@ def test_online_step_unmasked_blocks_and_value_parts():
   assert np.all(np.isfinite(np.asarray(normalize(*masked))))
 
 
+def test_online_step_p_hi_lo_carries_about_16_bits_of_p():
+  """bf16 values (exact), a flat softmax over 640 keys: P rounded to bf16
+  alone is off by ~2^-9 relative per term; as hi + lo the sum matches
+  float64 to fp32-accumulation level."""
+  rng = np.random.default_rng(2)
+  s = rng.standard_normal((16, 640)).astype(np.float32) * 0.3
+  v = (rng.choice([-96.0, -64.0, 64.0, 96.0], (640, 32))).astype(np.float32)
+  want, _ = softmax_reference(s, v, np.ones(s.shape, bool))
+  errors = []
+  for p_hi_lo in (False, True):
+    carry = init_carry(16, 32)
+    for start in range(0, 640, 64):
+      carry = online_softmax_step(jnp.asarray(s[:, start:start + 64]) * LOG2_E, carry,
+                                  jnp.asarray(v[start:start + 64], jnp.bfloat16), p_hi_lo=p_hi_lo)
+    errors.append(np.abs(np.asarray(normalize(*carry), np.float64) - want).max())
+  assert errors[1] < 2e-4 < errors[0] and errors[1] < errors[0] / 20, errors
+
+
 # ---------------------------------------------------------------------------
 # Split-KV combine (interpret mode) vs a float64 NumPy combine.
 
@@ -298,6 +316,25 @@ def test_fit_combine_divides_the_problem():
   stage = split_kv.CombineStage(block_h=16, block_d=128)
   assert split_kv.fit_combine(stage, 64, 512) == stage
   assert split_kv.fit_combine(stage, 12, 96) == split_kv.CombineStage(block_h=4, block_d=32)
+
+
+@pytest.mark.parametrize("rows, heads, head_dim, splits, target", [
+    (1, 64, 512, 10, 132),    # mixed MLA at B = 1: the smallest tile, 256 programs
+    (3, 64, 512, 5, 132),     # 8 heads x 32 columns, 384 programs
+    (64, 64, 512, 3, 132),    # the largest tile reaches the target
+    (1, 4, 32, 1, 132),       # under the target anyway: the smallest tile, fitted
+])
+def test_choose_combine_fills_the_target_with_the_largest_tile(rows, heads, head_dim, splits, target):
+  stage = split_kv.choose_combine(rows, heads, head_dim, splits, target)
+  programs = split_kv.combine_programs(stage, rows, heads, head_dim)
+  tiles = [split_kv.fit_combine(split_kv.CombineStage(h, d, w), heads, head_dim)
+           for h, d, w in split_kv._COMBINE_TILES]
+  larger = tiles[:[(t.block_h, t.block_d) for t in tiles].index((stage.block_h, stage.block_d))]
+  assert programs >= target or (stage.block_h, stage.block_d) == (tiles[-1].block_h, tiles[-1].block_d)
+  assert all(split_kv.combine_programs(t, rows, heads, head_dim) < target for t in larger)
+  assert stage.block_s <= min(4, split_kv.next_pow2(splits))
+  values = stage.block_s * stage.block_h * stage.block_d // (32 * stage.num_warps)
+  assert values <= split_kv._COMBINE_VALUES_PER_THREAD
 
 
 def test_combine_lowers_for_h100():

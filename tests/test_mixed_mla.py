@@ -118,7 +118,7 @@ def random_inputs(batch, heads=16, head_dim=256, pages8=2, page8=16, pages4=3, p
   )
 
 
-SMALL = mk.MixedMlaDecodeConfig(split=mk.SplitStage(block_h=16, block_k=16, keys_per_split=32),
+SMALL = mk.MixedMlaDecodeConfig(split=mk.MixedMlaSplitStage(block_h=16, block_k=16, keys_per_split=32),
                                 combine=mk.CombineStage(block_h=16, block_d=64))
 
 
@@ -185,16 +185,18 @@ def test_reference_sink_only_in_denominator():
 
 def launches(config, axes):
   """Split programs over (B, key splits of the FP8 then the FP4 slots, head
-  blocks), then the shared logsumexp combine (`split_kv`) over (head blocks,
-  B, D blocks)."""
+  blocks x output column blocks), then the shared logsumexp combine
+  (`split_kv`) over (head blocks, B, D blocks)."""
   split, combine = config.split, config.combine
 
   def splits(k):
     keys = min(split.keys_per_split, -(-k // split.block_k) * split.block_k)
     return -(-k // keys)
 
+  column_blocks = axes["D"] // min(split.block_d, axes["D"] & -axes["D"])
   return [TritonCall("mixed_mla_decode_split", (axes["B"], splits(axes["K8"]) + splits(axes["K4"]),
-                                                axes["H"] // split.block_h), split.num_warps, split.num_stages),
+                                                axes["H"] // split.block_h * column_blocks),
+                     split.num_warps, split.num_stages),
           TritonCall("mixed_mla_decode_combine",
                      (axes["H"] // min(combine.block_h, axes["H"] & -axes["H"]), axes["B"],
                       axes["D"] // min(combine.block_d, axes["D"] & -axes["D"])),
@@ -262,16 +264,66 @@ KERNEL_CASES = [
     Case(DEFINITION, dict(B=3, N8=4, N4=20), record={"scheduler_sequence_lengths": [35009, 100, 1500]},
          check=valid_counts([128, 100, 128], [512, 50, 512]), id="full_shape_synthesized_batch"),
     Case(DEFINITION, inputs=b1_every_edge_case, id="b1_every_edge_case",
-         config=mk.MixedMlaDecodeConfig(split=mk.SplitStage(16, 32, 128), combine=mk.CombineStage(16, 128))),
+         config=mk.MixedMlaDecodeConfig(split=mk.MixedMlaSplitStage(16, 32, 128), combine=mk.CombineStage(16, 128))),
     Case(DEFINITION, inputs=lonely_and_one_sided_rows, config=SMALL, check=row_0_lonely, id="lonely_and_one_sided"),
     Case(DEFINITION, inputs=garbage_behind_invalid_indices, config=SMALL, id="garbage_behind_invalid_indices"),
     Case(DEFINITION, inputs=shared_pages_ragged_slots, id="shared_pages_ragged_slots",
-         config=mk.MixedMlaDecodeConfig(split=mk.SplitStage(block_h=32, block_k=16, keys_per_split=16),
+         config=mk.MixedMlaDecodeConfig(split=mk.MixedMlaSplitStage(block_h=32, block_k=16, keys_per_split=16),
                                         combine=mk.CombineStage(block_h=32, block_d=128))),
 ]
 LOWERING_CASES = [Case(DEFINITION, axes, config=EVERY_CANDIDATE) for axes in LOWERING_AXES]
 SWEEP_CASE = Case(DEFINITION, inputs=lambda: random_inputs(1, heads=16, head_dim=128, k8=16, k4=32, seed=11),
                   id="b1_h16_d128")
+
+
+# ---------------------------------------------------------------------------
+# Precision: FP4 outlier blocks and arbitrary FP8 scales against float64.
+
+
+def outlier_inputs(batch=2, heads=64, head_dim=512, seed=12):
+  """640 visible tokens a row (128 FP8 + 512 FP4, each row of the caches
+  once, shuffled). FP4: every 16-dim block spans +-3 (UE8M0 scale 2^-1)
+  except two outlier blocks of +-32 / +-48 (scale 2^3: 2^4 above their
+  neighbours). FP8: every 128-dim chunk of every token its own magnitude,
+  log-uniform over 0.01-100 (scales that are not powers of two). Small q:
+  a flat softmax, where the rounding of P over hundreds of keys adds up."""
+  rng = np.random.default_rng(seed)
+  rows8, rows4 = 128, 512
+  tokens8 = rng.standard_normal((rows8, head_dim))
+  tokens8 *= np.repeat(np.exp(rng.uniform(np.log(0.01), np.log(100.0), (rows8, head_dim // 128))), 128, -1)
+  tokens4 = rng.uniform(-3, 3, (rows4, head_dim))
+  tokens4[:, 3::16] = rng.choice([-3.0, 3.0], (rows4, head_dim // 16))   # every block's amax is 3
+  for block in (8, 25):
+    tokens4[:, 16 * block:16 * (block + 1)] = rng.choice([-48.0, -32.0, 32.0, 48.0], (rows4, 16))
+
+  def permutations(rows):
+    return jnp.asarray(np.stack([rng.permutation(rows) for _ in range(batch)]), jnp.int32)
+
+  return dict(
+      q=jnp.asarray(rng.standard_normal((batch, heads, head_dim)) * 0.05, jnp.bfloat16),
+      kv_fp8=quant.quantize_mla_fp8_tokens(jnp.asarray(tokens8.reshape(1, rows8, 1, head_dim), jnp.float32)),
+      indices_fp8=permutations(rows8),
+      kv_fp4=quant.quantize_mla_fp4_tokens(jnp.asarray(tokens4.reshape(4, 128, 1, head_dim), jnp.float32)),
+      indices_fp4=permutations(rows4),
+      sm_scale=jnp.asarray(576 ** -0.5, jnp.float32),
+      attn_sink=jnp.asarray(rng.standard_normal(heads), jnp.float32))
+
+
+def test_kernel_exact_on_fp4_outlier_blocks_and_arbitrary_fp8_scales():
+  """Every output within the bf16 tolerance of a float64 computation (P
+  carried as bf16 hi + lo into the value dots; with P rounded to bf16 alone
+  194 of these 65536 outputs fail, by up to 0.042), and the lse within
+  fp32's."""
+  inputs = outlier_inputs()
+  scales = np.unique(np.asarray(inputs["kv_fp4"])[..., 256:])
+  assert list(scales) == [126, 130]   # the crafted blocks: 2^-1 and 2^3
+  out, lse = mk.mixed_mla_decode(**inputs, interpret=True)
+  ref_out, ref_lse = np_reference(**inputs)
+  err = np.abs(np.asarray(out, np.float64) - ref_out)
+  bad = (err > 0.005) & (err > 0.016 * np.abs(ref_out))
+  assert not bad.any(), f"{bad.sum()} of {bad.size} outputs off; worst {err[bad].max()}"
+  lse_err = np.abs(np.asarray(lse, np.float64) - ref_lse)
+  assert np.all((lse_err <= 2e-5) | (lse_err <= 1e-4 * np.abs(ref_lse))), lse_err.max()
 
 
 # ---------------------------------------------------------------------------
@@ -301,12 +353,16 @@ def abstract_inputs(B, N8, N4):
               attn_sink=s((64,), jnp.float32))
 
 
-def test_heuristic_fills_the_gpu_at_b1():
-  config = mk.choose_config(abstract_inputs(1, 1, 1))
-  splits = mk._layout(512, 128, 512, 256, 128, config.split).splits
-  assert splits * 64 // config.split.block_h >= 80
+@pytest.mark.parametrize("n4", [1, 457])
+def test_heuristic_fills_the_gpu_at_b1(n4):
+  """Both stages launch a program per SM of an H100/H200 (132) at B = 1,
+  and the fp32 partials stay small (<= 10 splits: 1.25 MiB)."""
+  config = mk.choose_config(abstract_inputs(1, 2, n4))
+  split_call, combine_call = launches(config, dict(CONST_AXES, B=1, N8=2, N4=n4))
+  assert np.prod(split_call.grid) >= 132 and np.prod(combine_call.grid) >= 132
+  assert split_call.grid[1] <= 10
   large = mk.choose_config(abstract_inputs(24, 8, 400))
-  assert large.split.keys_per_split == 128
+  assert large.split.keys_per_split == 128 and large.split.block_d == 512
 
 
 def test_config_serializes_as_nested_plain_fields():
@@ -315,7 +371,7 @@ def test_config_serializes_as_nested_plain_fields():
   assert set(d) == {"split", "combine"}
   assert all(isinstance(v, int) for part in d.values() for v in part.values())
   with pytest.raises(ValueError):
-    mk.SplitStage(block_h=16, block_k=32, keys_per_split=16)
+    mk.MixedMlaSplitStage(block_h=16, block_k=32, keys_per_split=16)
 
 
 # ---------------------------------------------------------------------------
@@ -390,3 +446,24 @@ def test_ops_entry_point():
   out, lse = ops.mixed_mla_decode(*args, sm_scale=inputs["sm_scale"], backend="pallas")
   assert_bf16_close(out, ref_out)
   assert_f32_close(lse, ref_lse)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_empty_batch_slots_and_caches(backend):
+  """B = 0 gives empty outputs; no FP4 slots (K4 = 0) attends to the FP8
+  window alone; an empty FP8 cache (N8 = 0) leaves only the FP4 tokens."""
+  from jaxkern import ops
+  inputs = random_inputs(2, heads=16, head_dim=128, seed=13)
+
+  def run(**changes):
+    args = dict(inputs, **changes)
+    out, lse = ops.mixed_mla_decode(*(args[n] for n in ("q", "kv_fp8", "indices_fp8", "kv_fp4", "indices_fp4",
+                                                        "attn_sink")), sm_scale=args["sm_scale"], backend=backend)
+    ref_out, ref_lse = np_reference(**args)
+    assert out.shape == ref_out.shape and out.dtype == jnp.bfloat16 and lse.shape == ref_lse.shape
+    assert_bf16_close(out, ref_out)
+    assert_f32_close(lse, ref_lse)
+
+  run(q=inputs["q"][:0], indices_fp8=inputs["indices_fp8"][:0], indices_fp4=inputs["indices_fp4"][:0])
+  run(indices_fp4=inputs["indices_fp4"][:, :0])
+  run(kv_fp8=inputs["kv_fp8"][:0])

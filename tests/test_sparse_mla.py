@@ -8,6 +8,7 @@ kit.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxkern.families import sparse_mla as fam
-from kit import Case, TritonCall
+from kit import EVERY_CANDIDATE, Case, TritonCall
 from pallas_kernels import sparse_mla as sm
 from numerics import assert_bf16_close, assert_f32_close
 
@@ -28,9 +29,11 @@ TOPK = {K128: 128, K640: 640}
 CONST = dict(H=64, HKV=1, D=512)
 
 # Small tilings for interpret mode: several slot blocks and head groups,
-# and the output-column split.
+# D in chunks, TOPK split over programs (ragged runs), with and without the
+# index carry.
 SMALL = sm.SparseMlaPrefillConfig(block_h=32, block_k=32, block_d=512, num_warps=4)
-SPLIT_D = sm.SparseMlaPrefillConfig(block_h=16, block_k=16, block_d=128, num_warps=4)
+CHUNKED = sm.SparseMlaPrefillConfig(block_h=16, block_k=16, block_d=128, num_warps=4)
+SPLIT = sm.SparseMlaPrefillConfig(block_h=16, block_k=16, block_d=128, splits=3, prefetch=False, num_warps=4)
 
 
 def records(name):
@@ -128,9 +131,20 @@ def test_reference_chunks_rows():
 
 
 def launches(config, axes):
-  """Grid (head blocks, D blocks, query rows)."""
-  return [TritonCall("sparse_mla_prefill", (axes["H"] // config.block_h, axes["D"] // config.block_d, axes["M"]),
-                     config.num_warps, config.num_stages)]
+  """Grid (head blocks, TOPK splits, query rows); with splits, then the
+  shared combine (`split_kv`) over (head blocks, rows, D blocks)."""
+  h, d, m, topk = axes["H"], axes["D"], axes["M"], axes["TOPK"]
+  block_k = max(16, min(config.block_k, 1 << max(topk - 1, 0).bit_length()))
+  blocks = -(-topk // block_k)
+  splits = -(-blocks // -(-blocks // config.splits))   # runs of equal length, the last shorter
+  calls = [TritonCall("sparse_mla_prefill", (h // min(config.block_h, h), splits, m),
+                      config.num_warps, config.num_stages)]
+  if splits > 1:
+    c = config.combine
+    calls.append(TritonCall("sparse_mla_prefill_combine",
+                            (h // min(c.block_h, h & -h), m, d // min(c.block_d, d & -d)),
+                            c.num_warps, c.num_stages))
+  return calls
 
 
 def problem(m, nkv, topk, seed, **kw):
@@ -175,16 +189,21 @@ KERNEL_CASES = [
       for m, nkv, topk, config, label in [
           (6, 300, 80, SMALL, "ragged_last_slot_block"),     # 80 = 2.5 x 32
           (1, 40, 128, SMALL, "one_row"),
-          (3, 200, 640, None, "k640_heuristic"),
-          (4, 64, 24, SPLIT_D, "topk_below_32_column_split")]),
+          (3, 200, 640, None, "k640_heuristic_split"),      # 64 heads, 4 TOPK splits
+          (4, 64, 24, CHUNKED, "topk_below_32_d_chunks"),
+          (5, 300, 80, SPLIT, "split_ragged_runs"),         # 5 blocks of 16 in runs 2, 2, 1
+          (2, 90, 40, dataclasses.replace(CHUNKED, prefetch=False), "no_index_carry")]),
     *(Case(K128, inputs=edge_rows, config=c, check=first_two_rows_lonely, id=f"edge_rows_{i}")
-      for i, c in enumerate((SMALL, SPLIT_D))),
+      for i, c in enumerate((SMALL, CHUNKED, SPLIT))),
     *(Case(name, fam.cpu_axes(full_axes(name, rec["axes"])), record=rec, id=f"record_{rec['uuid'][:8]}")
       for name in (K128, K640) for rec in record_picks(name)),
 ]
 # Each distinct tiling of the candidates (warps and stages do not change
 # interpret-mode semantics).
 SWEEP_CASE = Case(K640, inputs=problem(1, 120, 640, seed=9), id="m1_k640")
+# The smallest recorded M: the heuristic splits TOPK; every candidate too.
+LOWERING_CASES = [Case(K640, dict(M=128, Nkv=256), config=EVERY_CANDIDATE),
+                  Case(K128, dict(M=128, Nkv=128), config=EVERY_CANDIDATE)]
 
 
 # ---------------------------------------------------------------------------
@@ -321,15 +340,38 @@ def largest_shapes(name):
           "attn_sink": jax.ShapeDtypeStruct((64,), jnp.float32)}
 
 
-def test_heuristic_small_m_and_fit():
-  shapes = largest_shapes(K640)
-  shapes["q"] = jax.ShapeDtypeStruct((1, 64, 512), jnp.bfloat16)
-  shapes["indices"] = jax.ShapeDtypeStruct((1, 1, 640), jnp.int32)
-  assert sm.choose_config(shapes).block_h == 16
-  shapes["indices"] = jax.ShapeDtypeStruct((1, 1, 20), jnp.int32)
-  assert sm.choose_config(shapes).block_k == 32
-  with pytest.raises(ValueError):
+def shapes_at(name, m):
+  shapes = largest_shapes(name)
+  shapes["q"] = jax.ShapeDtypeStruct((m, 64, 512), jnp.bfloat16)
+  shapes["indices"] = jax.ShapeDtypeStruct((m, 1, TOPK[name]), jnp.int32)
+  return shapes
+
+
+@pytest.mark.parametrize("name,m,block_k,splits", [(K640, 4096, 64, 1), (K128, 4096, 64, 1), (K640, 448, 64, 1),
+                                                   (K640, 128, 64, 3), (K128, 128, 32, 4), (K640, 1, 64, 4)])
+def test_heuristic_grids(name, m, block_k, splits):
+  """64-head tiles (wgmma) with 128-column D chunks everywhere; TOPK split
+  only under two waves of 132 SMs, into enough runs for two waves at the
+  smallest recorded M = 128 (at most MAX_SPLITS)."""
+  config = sm.choose_config(shapes_at(name, m))
+  assert (config.block_h, config.block_d, config.block_k, config.splits) == (64, 128, block_k, splits)
+  (call, *combine), = [launches(config, full_axes(name, dict(M=m, Nkv=m)))]
+  assert call.grid == (1, splits, m)
+  assert len(combine) == (splits > 1)
+  if m == 128:
+    assert m * splits >= 2 * 132
+  assert splits <= sm.MAX_SPLITS
+
+
+def test_config_rules():
+  with pytest.raises(ValueError, match="block_k=48 must be a power of two"):
     sm.SparseMlaPrefillConfig(block_k=48)
+  with pytest.raises(ValueError, match="splits=0 must be an int >= 1"):
+    sm.SparseMlaPrefillConfig(splits=0)
+  shapes = shapes_at(K640, 1)
+  shapes["indices"] = jax.ShapeDtypeStruct((1, 1, 20), jnp.int32)
+  fitted = sm._fit(sm.SparseMlaPrefillConfig(splits=4), sm.SparseMlaSizes.of(shapes))
+  assert (fitted.block_k, fitted.splits) == (32, 1)   # one 32-slot block: one run
 
 
 def test_ops_function_both_backends_under_jit():
@@ -350,3 +392,16 @@ def test_bad_arguments_raise():
     sm.sparse_mla_prefill(q, kv, jnp.asarray(idx[:, 0]), scale, sink, interpret=True)
   with pytest.raises(ValueError):
     sm.sparse_mla_prefill(q, kv.astype(jnp.float32), jnp.asarray(idx), scale, sink, interpret=True)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_empty_batch_and_lonely_batch(backend):
+  """M = 0 gives empty outputs on both paths; rows whose slots are all
+  invalid (negative, >= Nkv) give 0 and +inf."""
+  from jaxkern import ops  # pylint: disable=g-import-not-at-top
+  q, kv, idx, _, sink = random_problem(2, 10, 32, heads=64, seed=12)
+  out, lse = ops.sparse_mla_prefill(q[:0], kv, jnp.asarray(idx[:0]), sink, backend=backend)
+  assert out.shape == (0, 64, 512) and out.dtype == jnp.bfloat16 and lse.shape == (0, 64)
+  bad = np.where(np.arange(32) % 2 == 0, -5, 10).astype(np.int32)[None, None].repeat(2, 0)
+  out, lse = ops.sparse_mla_prefill(q, kv, jnp.asarray(bad), sink, backend=backend)
+  assert np.all(np.asarray(out, np.float32) == 0) and np.all(np.isposinf(np.asarray(lse)))

@@ -62,6 +62,8 @@ _CPU_MAX_PAGES_FP8 = 4
 def _gather_rows(cache: jax.Array, indices: jax.Array) -> tuple[jax.Array, jax.Array]:
   """cache [N, P, 1, bytes], indices [K] -> (records [K, bytes], valid [K])."""
   flat = cache.reshape(cache.shape[0] * cache.shape[1], cache.shape[-1])
+  if flat.shape[0] == 0:  # an empty cache: every slot invalid (no row to gather)
+    return jnp.zeros((indices.shape[0], flat.shape[1]), flat.dtype), jnp.zeros(indices.shape, bool)
   valid = (indices >= 0) & (indices < flat.shape[0])
   return flat[jnp.where(valid, indices, 0)], valid
 
