@@ -12,13 +12,13 @@ $(STAMP): setup.py constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), "jaxkern needs Python >= 3.12 (see .python-version), got " + sys.version'
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test]'
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,examples]'
 	touch $(STAMP)
 
 AOT_STAMP := $(VENV)/.aot-stamp
 
 $(AOT_STAMP): $(STAMP)
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,aot]'
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,examples,aot]'
 	touch $(AOT_STAMP)
 
 .PHONY: install replay test aot test-aot gpu-run gpu-run-dry bazel

@@ -23,6 +23,8 @@ setuptools.setup(
     ],
     extras_require={
         "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4"],
+        # examples/video_train.py: the optimizer of the training example (its test runs in `make test`).
+        "examples": ["optax>=0.2.8,<0.3"],
         # `python -m jaxkern.aot`: compile for sm_90a without a GPU (README). The
         # plugin without its `with-cuda` extra pulls no CUDA runtime libraries.
         "aot": ["jax-cuda12-plugin>=0.11.2,<0.13", "jax-cuda12-pjrt>=0.11.2,<0.13",

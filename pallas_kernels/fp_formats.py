@@ -11,6 +11,8 @@ Formats:
   byte, the **low nibble holding the even (first) element**.
 * UE8M0: an unsigned byte `s` meaning the power of two `2**(s - 127)`: the
   exponent field of an fp32 with no sign and no mantissa.
+* e4m3 (float8_e4m3fn): bit 7 the sign, bits 6..3 the exponent (bias 7),
+  bits 2..0 the mantissa; subnormals are `m * 2**-9`.
 """
 
 from __future__ import annotations
@@ -50,9 +52,32 @@ def e2m1_to_f32(code):
   return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+# `e2m1_to_e4m3_bits` yields e4m3 values of the e2m1 values times 2**-E2M1_E4M3_EXPONENT.
+E2M1_E4M3_EXPONENT = 6
+
+
+def e2m1_to_e4m3_bits(packed):
+  """Packed e2m1 bytes -> `(even, odd)` uint8 e4m3 bit patterns whose values
+  are the low / high nibbles' e2m1 values times `2**-6`, exactly.
+
+  An e2m1 code's magnitude bits (exponent e, mantissa bit m) moved to bits
+  4..2 of an e4m3 byte form exponent field e and top mantissa bit m: for
+  e > 0 the value `2**(e-7) (1 + m/2)`, the e2m1 value `2**(e-1) (1 + m/2)`
+  times 2**-6; for the subnormal code 1 the e4m3 subnormal `4 * 2**-9`, 0.5
+  times 2**-6; code 0 is 0. The sign moves to bit 7 (code 8 is -0.0). A
+  mask, a shift and an or per element, all in uint8: every e2m1 value is an
+  e4m3 value, so fp8 tensor cores can take the weights without a wider type.
+  """
+  x = packed.astype(jnp.uint8)
+  even = ((x & 0x7) << 2) | ((x & 0x8) << 4)
+  odd = ((x >> 2) & 0x1C) | (x & 0x80)
+  return even, odd
+
+
 def ue8m0_to_f32(s):
   """UE8M0 scale bytes -> float32 `2**(s - 127)`, by shifting `s` into the
-  fp32 exponent field.
+  fp32 exponent field. Any integer type: its low byte is the scale (so a
+  word of packed scales, shifted right by 8 g, gives its byte g).
 
   Edge bytes, as that construction gives them: `s = 0` yields +0.0 (the exact
   value 2**-127 is an fp32 subnormal the construction does not produce; the

@@ -1,40 +1,45 @@
-"""Gated delta net (Qwen3-Next linear attention) chunked prefill over packed
+"""Gated delta net (Qwen3-Next linear attention) prefill over packed
 variable-length sequences on the Pallas Triton lowering, k-last state
-`[.., V, K]`. Math and gates: `pallas_kernels.gdn_decode`.
+`[.., V, K]`, in the chunk-parallel form of flash-linear-attention's
+`chunk_gated_delta_rule`. Math and gates: `pallas_kernels.gdn_decode`; chunk
+table, split dots and the blocked inverse: `pallas_kernels.gdn_chunks`.
 
-Grid `(N, HV, V / block_v)`: a program owns one
-sequence n, one v-head and `block_v` columns of V, i.e. a `[block_v, K]` fp32
-state tile carried in registers through a loop over the sequence's chunks of
-`chunk` tokens (64 in the UT/WY literature and the SPEC; 32 by default here,
-see `choose_config`: chunk 64 spills registers on sm_90a), starting
-at the sequence's own offset `cu_seqlens[n]`.
-Rows past the sequence's end (its last chunk may be partial, and never reaches
-into the next sequence) load as zeros with `beta = 0` and log-decay 0, so they
-change nothing. Per chunk, with `Gam` the inclusive cumulative log-decay,
-`D_ij = exp(Gam_i - Gam_j)` for `j <= i` (else 0) and `S0` the state `[K, V]`
-entering the chunk (the UT / WY form of flash-linear-attention's
-`chunk_gated_delta_rule`):
+Per chunk of C tokens of one sequence and v-head, with G the inclusive
+cumulative log-decay inside the chunk, e = exp(G), D_ij = exp(G_i - G_j) for
+j <= i (else 0) and S the state `[K, V]` entering the chunk:
 
-    A    = strictly_lower(diag(beta) D * (K K^T))              [C, C]
-    T    = (I + A)^-1                                         forward substitution
-    U    = T diag(beta) (V - diag(exp(Gam)) K S0)             [C, V] new values
-    O    = scale (diag(exp(Gam)) Q S0 + (D * Q K^T) U)        [C, V]
-    S1   = exp(Gam_C) S0 + K^T diag(exp(Gam_C - Gam)) U       [K, V]
+    A  = strictly_lower(diag(beta) D * (K K^T))       T = (I + A)^-1
+    W  = T diag(beta e) K                             U = T diag(beta) V
+    M  = D * (Q K^T)                                  (causal, with the diagonal)
+    O_intra = M U                                     Q_e = diag(e) Q - M W
+    V' = U - W S                                      (the chunk's new values)
+    O  = scale (O_intra + Q_e S)
+    S1 = e_C S + K^T diag(e_C / e) V'
 
-(U = U~ - W S0 with W = T diag(beta exp(Gam)) K is the same thing; applying T
-to the residual instead needs no fp32 [C, K] tile.)
+Three launches (form "chunked"):
+1. `gdn_prefill_intra`, grid (chunk slots, HV): the chunk's W, U, O_intra,
+   Q_e (fp32) and G, independent of the state. T comes from a blocked inverse
+   (`gdn_chunks.unit_lower_inverse`: 16x16 diagonal blocks, block forward
+   substitution, exact fp32 dots of 16^3); the rest are tensor-core dots.
+2. `gdn_prefill_state`, grid (N, HV, V / block_v): the state pass, walking
+   the sequence's chunks with two products per chunk (W S and K^T V'),
+   storing the state entering each chunk (H, fp32) and the final state.
+3. `gdn_prefill_output`, grid (chunk slots, HV, V / block_v): O = scale
+   (O_intra + Q_e H), zero on chunks of no sequence.
 
-Every product is a tensor-core dot with fp32 accumulation. `Q K^T`, `K K^T`
-take the bf16 inputs as they are (exact products). Dots with an fp32 operand
-(T, the residuals, U, the state) split it into a bf16 high part and a bf16 low part and sum
-the partial products (`dot_precision="bf16x3"`: about 16 mantissa bits, the
-default) or use only the high part (`"bf16"`: cheaper, ~0.3% relative error per
-dot). The triangular solve is a `chunk`-step masked forward substitution on fp32
-values (CUDA cores), the decay factors never exceed 1 (`Gam` is
-nonincreasing), and the carried state stays fp32 throughout.
+Form "serial" (one launch, grid (N, HV, V / block_v)) walks each sequence's
+chunks in one program and does all of a chunk's work there: fewer launches
+and no intermediate arrays, for prefills so short that every sequence is
+one chunk (`choose_config`).
 
-An empty sequence runs no chunk and writes a zero new_state row (the
-definition's rule). `cu_seqlens` is trusted: nondecreasing, from 0 to T.
+Dots with an fp32 operand split it into bf16 high and low parts
+(`dot_precision="bf16x3"`: about 16 mantissa bits; `"bf16"`: the high part
+only); bf16 inputs enter as they are (exact products); the carried state
+stays fp32.
+
+`cu_seqlens` follows `gdn_chunks.normalize_cu_seqlens` (clamped to [0, T],
+nondecreasing); an empty sequence writes a zero new_state row and tokens of
+no sequence a zero output.
 """
 
 from __future__ import annotations
@@ -48,136 +53,199 @@ from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from pallas_kernels import common
 
+from pallas_kernels import common
+from pallas_kernels import gdn_chunks as gc
 from pallas_kernels.common import resolve_interpret
-from pallas_kernels.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field, one_of
+from pallas_kernels.config_rules import (DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field, instance_of,
+                                         one_of)
 from pallas_kernels.device import num_sms
-from pallas_kernels.gdn_decode import check_common, log_decay, resolve_scale, sigmoid
+from pallas_kernels.gdn_decode import check_common, resolve_scale
 
 _DOT_PRECISIONS = ("bf16x3", "bf16")
+_FORMS = ("chunked", "serial")
+
+
+@dataclasses.dataclass(frozen=True)
+class IntraStage(KernelConfig):
+  """Launch 1: `block_d` columns of K and V per step of the program's column
+  loop (fewer live fp32 tiles); `solve_block`: block of the inverse."""
+  block_d: int = field(64, DOT_BLOCK)
+  solve_block: int = field(16, DOT_BLOCK)
+  num_warps: int = field(8, NUM_WARPS)
+  num_stages: int = field(1, NUM_STAGES)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateStage(KernelConfig):
+  """Launch 2: `block_v` state rows (V) per program; two stages prefetch
+  the next chunk's rows while the current one runs."""
+  block_v: int = field(32, DOT_BLOCK)
+  num_warps: int = field(4, NUM_WARPS)
+  num_stages: int = field(2, NUM_STAGES)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputStage(KernelConfig):
+  """Launch 3: `block_v` output columns (V) per program."""
+  block_v: int = field(64, DOT_BLOCK)
+  num_warps: int = field(8, NUM_WARPS)
+  num_stages: int = field(1, NUM_STAGES)
+
+
+@dataclasses.dataclass(frozen=True)
+class SerialStage(KernelConfig):
+  """Form "serial": `block_v` state rows per program."""
+  block_v: int = field(32, DOT_BLOCK)
+  num_warps: int = field(4, NUM_WARPS)
+  num_stages: int = field(1, NUM_STAGES)
 
 
 @dataclasses.dataclass(frozen=True)
 class GdnPrefillConfig(KernelConfig):
-  """`chunk`: tokens per WY chunk; `block_v`: V columns of the state per
-  program (the chunk's triangular solve is repeated per V block);
-  `dot_precision`: how dots with an fp32 operand are split into bf16 dots.
-  "bf16" (one dot, ~0.3% relative error per product) keeps new_state within
-  the SPEC 5 state metric on the synthesized inputs but misses the bf16
-  output tolerance on correlated keys with beta ~ 1 and decay ~ 1
-  (docs/perf/kernel_notes.md); "bf16x3" is the safe default."""
-  chunk: int = field(32, DOT_BLOCK)
-  block_v: int = field(32, DOT_BLOCK)
-  num_warps: int = field(4, NUM_WARPS)
-  num_stages: int = field(1, NUM_STAGES)
+  """`form`: "chunked" (three launches) or "serial" (one); `chunk`: tokens per
+  chunk of either form; `dot_precision`: how dots with an fp32 operand are
+  split into bf16 dots ("bf16" misses the bf16 output tolerance on
+  correlated keys with beta ~ 1 and decay ~ 1: docs/perf/kernel_notes.md).
+  The stage of the other form is unused."""
+  form: str = field("chunked", one_of(*_FORMS))
+  chunk: int = field(64, DOT_BLOCK)
   dot_precision: str = field("bf16x3", one_of(*_DOT_PRECISIONS))
+  intra: IntraStage = field(IntraStage(), instance_of(IntraStage))
+  state: StateStage = field(StateStage(), instance_of(StateStage))
+  output: OutputStage = field(OutputStage(), instance_of(OutputStage))
+  serial: SerialStage = field(SerialStage(), instance_of(SerialStage))
 
 
-# --------------------------------------------------------------------- prefill
+# ------------------------------------------------------------ launch 1
 
 
-def _split_bf16(x):
-  """fp32 -> (hi, lo) bf16 with hi + lo ~ x to about 16 mantissa bits;
-  a bf16 operand has no low part."""
-  if x.dtype == jnp.bfloat16:
-    return x, None
-  hi = x.astype(jnp.bfloat16)
-  return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+def _intra_kernel(start_ref, end_ref, a_log_ref, dt_bias_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
+                  g_ref, w_ref, qe_ref, u_ref, oi_ref, *, chunk: int, block_d: int, solve_block: int,
+                  precision: str):
+  # q, k, w, qe refs: [T, K]; v, u, oi refs: [T, V]; a, b, g refs: [T].
+  c = pl.program_id(0)
+  t0 = start_ref[c]
+  tokens = pl.ds(t0, chunk)
+  valid = t0 + jnp.arange(chunk) < end_ref[c]
+  mm = functools.partial(gc.mm, precision=precision)
+  gamma, beta = gc.chunk_gates(a_ref, b_ref, tokens, valid, a_log_ref[...], dt_bias_ref[...])
+  cum = jnp.cumsum(gamma)
+  gc.store_rows(g_ref, tokens, valid, cum)
+  k = gc.load_rows(k_ref, tokens, valid)
+  decay = gc.decay_matrix(cum)
+  a_mat = beta[:, None] * gc.strictly_lower(decay * mm(k, k, (1, 1)))
+  tb = gc.unit_lower_inverse(a_mat, solve_block) * beta[None, :]          # T diag(beta)
+  q = gc.load_rows(q_ref, tokens, valid)
+  mtb = mm(decay * mm(q, k, (1, 1)), tb, (1, 0))                          # M T diag(beta)
+  e = jnp.exp(cum)
+  tbe, mtbe = tb * e[None, :], mtb * e[None, :]
+  for j in range(k_ref.shape[1] // block_d):
+    cols = pl.ds(j * block_d, block_d)
+    kj = gc.load_rows(k_ref, tokens, valid, cols)
+    qj = gc.load_rows(q_ref, tokens, valid, cols).astype(jnp.float32)
+    gc.store_rows(w_ref, tokens, valid, mm(tbe, kj, (1, 0)), cols)
+    gc.store_rows(qe_ref, tokens, valid, e[:, None] * qj - mm(mtbe, kj, (1, 0)), cols)
+  for j in range(v_ref.shape[1] // block_d):
+    cols = pl.ds(j * block_d, block_d)
+    vj = gc.load_rows(v_ref, tokens, valid, cols)
+    gc.store_rows(u_ref, tokens, valid, mm(tb, vj, (1, 0)), cols)
+    gc.store_rows(oi_ref, tokens, valid, mm(mtb, vj, (1, 0)), cols)
 
 
-def _mm(x, y, contract: tuple[int, int], precision: str):
-  """Tensor-core `dot_general` contracting `x` dim `contract[0]` with `y` dim
-  `contract[1]`, fp32 accumulation; fp32 operands are split into bf16 parts
-  (`bf16x3`: hi*hi + hi*lo + lo*hi; `bf16`: hi*hi)."""
-  dims = (((contract[0],), (contract[1],)), ((), ()))
-
-  def dot(p, r):
-    return lax.dot_general(p, r, dims, preferred_element_type=jnp.float32)
-
-  x_hi, x_lo = _split_bf16(x)
-  y_hi, y_lo = _split_bf16(y)
-  acc = dot(x_hi, y_hi)
-  if precision == "bf16x3":
-    if x_lo is not None:
-      acc = acc + dot(x_lo, y_hi)
-    if y_lo is not None:
-      acc = acc + dot(x_hi, y_lo)
-  return acc
+# ------------------------------------------------------------ launch 2
 
 
-def _unit_lower_inverse(a, chunk: int):
-  """(I + a)^-1 for strictly lower-triangular `a` [C, C] (fp32), by forward
-  substitution: row i of the inverse is e_i - a[i, :] @ T (rows < i done)."""
+def _state_kernel(first_ref, cu_ref, k_ref, g_ref, w_ref, u_ref, state_ref, h_ref, new_state_ref, *,
+                  chunk: int, precision: str):
+  # k, w refs: [T, K]; u ref: [T, block_v]; g ref: [T]; state refs:
+  # [block_v, K]; h ref: [slots, block_v, K].
+  n = pl.program_id(0)
+  start, end = cu_ref[n], cu_ref[n + 1]
+  mm = functools.partial(gc.mm, precision=precision)
+
+  def body(i, s):  # s: [block_v, K] fp32, the state S^T entering the chunk
+    h_ref[first_ref[n] + i] = s
+    t0 = start + i * chunk
+    tokens = pl.ds(t0, chunk)
+    valid = t0 + jnp.arange(chunk) < end
+    cum = gc.load_rows(g_ref, tokens, valid)
+    last = jnp.min(cum)                        # G at the chunk's last token (rows past it read 0)
+    v_new = gc.load_rows(u_ref, tokens, valid) - mm(gc.load_rows(w_ref, tokens, valid), s, (1, 1))
+    k = gc.load_rows(k_ref, tokens, valid)
+    return jnp.exp(last) * s + mm(jnp.exp(last - cum)[:, None] * v_new, k, (0, 0))
+
+  s = lax.fori_loop(0, (end - start + chunk - 1) // chunk, body, state_ref[...])
+  # An empty sequence gets a zero row (the definition's rule), not its input.
+  new_state_ref[...] = jnp.where(end > start, s, 0.0)
+
+
+# ------------------------------------------------------------ launch 3
+
+
+def _output_kernel(start_ref, end_ref, real_ref, scale_ref, qe_ref, oi_ref, h_ref, o_ref, *, chunk: int,
+                   precision: str):
+  # qe ref: [T, K]; oi, o refs: [T, block_v]; h ref: [block_v, K].
+  c = pl.program_id(0)
+  t0 = start_ref[c]
+  tokens = pl.ds(t0, chunk)
+  valid = t0 + jnp.arange(chunk) < end_ref[c]
+  o = gc.load_rows(oi_ref, tokens, valid) + gc.mm(gc.load_rows(qe_ref, tokens, valid), h_ref[...], (1, 1),
+                                                   precision)
+  # Chunks of no sequence have no state (H unwritten there): selected away.
+  gc.store_rows(o_ref, tokens, valid, jnp.where(real_ref[c] > 0, o * scale_ref[...], 0.0))
+
+
+# ------------------------------------------------------- form "serial"
+
+
+def _substitution_inverse(a):
+  """(I + a)^-1 for strictly lower-triangular `a` [C, C] (fp32) by forward
+  substitution, row i = e_i - a[i, :] @ T: C - 1 masked row steps on CUDA
+  cores. Fewer live registers than the blocked inverse, which spills next
+  to the carried state of this form; fine for its 32-token chunks."""
+  chunk = a.shape[0]
   rows = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
   cols = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
   eye = (rows == cols).astype(jnp.float32)
 
   def body(i, t):
     a_row = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)       # a[i, :] as [C] (index j)
-    row = -jnp.sum(a_row[:, None] * t, axis=0)                   # -(a[i, :] @ t)
-    return jnp.where(rows == i, row[None, :] + eye, t)
+    return jnp.where(rows == i, eye - jnp.sum(a_row[:, None] * t, axis=0)[None, :], t)
 
   return lax.fori_loop(1, chunk, body, eye)
 
 
-def _prefill_kernel(scale_ref, a_log_ref, dt_bias_ref, cu_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
-                    state_ref, o_ref, new_state_ref, *, chunk: int, precision: str):
-  # q_ref, k_ref: [T, K] bf16 (this head's column of the packed tokens);
-  # v_ref, o_ref: [T, block_v]; a_ref, b_ref: [T]; state refs: [block_v, K].
+def _serial_kernel(scale_ref, a_log_ref, dt_bias_ref, cu_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
+                   state_ref, o_ref, new_state_ref, *, chunk: int, precision: str):
+  # q, k refs: [T, K]; v, o refs: [T, block_v]; a, b refs: [T]; state refs:
+  # [block_v, K]. The same chunk math as launches 1-3, in one program per
+  # (sequence, v-head, V block), residual form: V' = T diag(beta) (V - diag(e) K S).
   n = pl.program_id(0)
-  start = cu_ref[n]
-  end = cu_ref[n + 1]
-  num_chunks = (end - start + chunk - 1) // chunk
-  a_log = a_log_ref[...]   # [1]
-  dt_bias = dt_bias_ref[...]
-  scale = scale_ref[...]
+  start, end = cu_ref[n], cu_ref[n + 1]
+  mm = functools.partial(gc.mm, precision=precision)
 
-  rows = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-  cols = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-  causal = cols <= rows
-  strict = cols < rows
-  mm = functools.partial(_mm, precision=precision)
-
-  def decay_matrix(cum):
-    """D_ij = exp(Gam_i - Gam_j) for j <= i, else 0 (entries <= 1)."""
-    diff = cum[:, None] - cum[None, :]
-    return jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
-
-  # The body is ordered to keep few tiles live at once (registers): the
-  # solve sees only k and the gates; v, then q are loaded when needed, and D
-  # is recomputed rather than kept.
-  def body(c, s):  # s: [block_v, K] fp32, the state S0^T entering the chunk
-    t0 = start + c * chunk
+  def body(i, s):  # s: [block_v, K] fp32, the state S^T entering the chunk
+    t0 = start + i * chunk
     tokens = pl.ds(t0, chunk)
     valid = t0 + jnp.arange(chunk) < end
-    gate_a = plgpu.load(a_ref.at[tokens], mask=valid, other=0.0)
-    gate_b = plgpu.load(b_ref.at[tokens], mask=valid, other=0.0)
-    gamma = jnp.where(valid, log_decay(gate_a, a_log, dt_bias), 0.0)   # [C] <= 0
-    beta = jnp.where(valid, sigmoid(gate_b), 0.0)
-    cum = jnp.cumsum(gamma)                                            # Gam, nonincreasing
-    total = jnp.sum(gamma)                                             # Gam at the chunk end
+    gamma, beta = gc.chunk_gates(a_ref, b_ref, tokens, valid, a_log_ref[...], dt_bias_ref[...])
+    cum = jnp.cumsum(gamma)
+    last = jnp.sum(gamma)
+    k = gc.load_rows(k_ref, tokens, valid)
+    t_inv = _substitution_inverse(beta[:, None] * gc.strictly_lower(gc.decay_matrix(cum) * mm(k, k, (1, 1))))
+    v = gc.load_rows(v_ref, tokens, valid).astype(jnp.float32)
+    v_new = mm(t_inv, beta[:, None] * (v - jnp.exp(cum)[:, None] * mm(k, s, (1, 1))), (1, 0))
+    q = gc.load_rows(q_ref, tokens, valid)
+    o = jnp.exp(cum)[:, None] * mm(q, s, (1, 1)) + mm(gc.decay_matrix(cum) * mm(q, k, (1, 1)), v_new, (1, 0))
+    gc.store_rows(o_ref, tokens, valid, o * scale_ref[...])
+    return jnp.exp(last) * s + mm(jnp.exp(last - cum)[:, None] * v_new, k, (0, 0))
 
-    k = plgpu.load(k_ref.at[tokens, :], mask=valid[:, None], other=0.0)
-    kk = mm(k, k, (1, 1))                                              # K K^T, exact products
-    a_mat = jnp.where(strict, beta[:, None] * decay_matrix(cum) * kk, 0.0)
-    t_inv = _unit_lower_inverse(a_mat, chunk)
-    # Residuals against the decayed entering state, then the new values:
-    # U = T diag(beta) (V - diag(exp(Gam)) K S0).
-    v = plgpu.load(v_ref.at[tokens, :], mask=valid[:, None], other=0.0).astype(jnp.float32)
-    ks = mm(k, s, (1, 1))                                              # K S0   [C, block_v]
-    r = beta[:, None] * (v - jnp.exp(cum)[:, None] * ks)
-    u = mm(t_inv, r, (1, 0))                                           # [C, block_v]
-    q = plgpu.load(q_ref.at[tokens, :], mask=valid[:, None], other=0.0)
-    qk = mm(q, k, (1, 1))                                              # [C, C]
-    o = jnp.exp(cum)[:, None] * mm(q, s, (1, 1)) + mm(decay_matrix(cum) * qk, u, (1, 0))
-    plgpu.store(o_ref.at[tokens, :], (o * scale).astype(o_ref.dtype), mask=valid[:, None])
-    u_tail = jnp.exp(total - cum)[:, None] * u                         # decay to the chunk end
-    return jnp.exp(total) * s + mm(u_tail, k, (0, 0))                  # [block_v, K]
-
-  s = lax.fori_loop(0, num_chunks, body, state_ref[...])
-  # An empty sequence gets a zero row (the definition's rule), not its input.
+  s = lax.fori_loop(0, (end - start + chunk - 1) // chunk, body, state_ref[...])
   new_state_ref[...] = jnp.where(end > start, s, 0.0)
+
+
+# ------------------------------------------------------------ heuristic
 
 
 class GdnPrefillSizes(NamedTuple):
@@ -194,85 +262,175 @@ class GdnPrefillSizes(NamedTuple):
 
 
 def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> GdnPrefillConfig:
-  """Chunks of 32 tokens: on sm_90a every chunk-64 tiling spills registers
-  (the [64, 64] fp32 tiles of the intra-chunk products and the solve next to
-  the carried state), while chunk 32 with `block_v` 64 / 8 warps or 32 / 4
-  warps does not (register counts: docs/perf/kernel_notes.md). Chunk 32
-  also does a quarter of the solve's work per token (its cost grows as C^2
-  per token); the price is twice as many sequential chunk steps. `block_v` 64
-  when that still gives two programs per SM, else 32 (more programs for few,
-  long sequences, each repeating the chunk's solve)."""
-  _, num_seqs, hv, v_dim = GdnPrefillSizes.of(shapes)
-  if v_dim >= 64 and num_seqs * hv * (v_dim // 64) >= 2 * num_sms():
-    return GdnPrefillConfig(chunk=32, block_v=64, num_warps=8)
-  return GdnPrefillConfig(chunk=32, block_v=min(32, max(16, v_dim)), num_warps=4)
+  """Chunked with chunk 64 (register figures of every launch:
+  docs/perf/kernel_notes.md), unless T <= 32: then every sequence fits one
+  32-token chunk and the serial form does the same work in one launch
+  instead of three, without the intermediate arrays. The state pass, the
+  critical path, takes `block_v` 32, or 16 where 32 leaves fewer than two
+  programs per SM (few long sequences: twice the programs, each a shorter
+  chunk step); launches 1 and 3 are parallel over chunks anyway."""
+  tokens, num_seqs, hv, v_dim = GdnPrefillSizes.of(shapes)
+  if tokens <= 32:
+    return GdnPrefillConfig(form="serial", chunk=32, serial=SerialStage(block_v=min(32, v_dim)))
+  block_v = min(32, v_dim)
+  if block_v > 16 and num_seqs * hv * (v_dim // block_v) < 2 * num_sms():
+    block_v = 16
+  return GdnPrefillConfig(state=StateStage(block_v=block_v), output=OutputStage(block_v=min(64, v_dim)))
 
 
 def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[GdnPrefillConfig]:
-  """The heuristic's choice first, then the other spill-free chunk-32 and
-  chunk-16 tilings, then chunk 64 (spills on sm_90a, kept for the sweep to
-  measure). The single-bf16 dots are left out: they pass on the synthesized
-  inputs but not on correlated keys (see `GdnPrefillConfig`)."""
+  """The heuristic's choice first, then chunked variants (state blocks 16
+  and 32) and the serial form at chunk 32. Left out: the single-bf16 dots
+  (they miss the output tolerance on correlated keys, see
+  `GdnPrefillConfig`) and the chunked form at chunk 32 (its output launch
+  spills on sm_90a)."""
   v_dim = GdnPrefillSizes.of(shapes).v_dim
-  sweep = [GdnPrefillConfig(chunk=32, block_v=32, num_warps=4),
-           GdnPrefillConfig(chunk=32, block_v=32, num_warps=8),
-           GdnPrefillConfig(chunk=32, block_v=64, num_warps=8),
-           GdnPrefillConfig(chunk=32, block_v=16, num_warps=4),
-           GdnPrefillConfig(chunk=16, block_v=32, num_warps=4),
-           GdnPrefillConfig(chunk=16, block_v=64, num_warps=4),
-           GdnPrefillConfig(chunk=64, block_v=32, num_warps=8),
-           GdnPrefillConfig(chunk=64, block_v=64, num_warps=8)]
-  sweep = [c for c in sweep if c.block_v <= v_dim]
-  return list(dict.fromkeys([choose_config(shapes), *sweep]))
+  fit = lambda block: min(block, v_dim)  # noqa: E731
+  chunked = [GdnPrefillConfig(state=StateStage(block_v=fit(16))),
+             GdnPrefillConfig(state=StateStage(block_v=fit(32)))]
+  serial = [GdnPrefillConfig(form="serial", chunk=32, serial=SerialStage(block_v=fit(32))),
+            GdnPrefillConfig(form="serial", chunk=32, serial=SerialStage(block_v=fit(64), num_warps=8))]
+  return list(dict.fromkeys([choose_config(shapes), *chunked, *serial]))
+
+
+# ------------------------------------------------------------ launchers
+
+
+def _params(stage) -> plgpu.CompilerParams:
+  return plgpu.CompilerParams(num_warps=stage.num_warps, num_stages=stage.num_stages)
+
+
+class Forward(NamedTuple):
+  """What the chunked forward computes: the outputs and, for the backward,
+  the states entering every chunk slot (`h` [slots, HV, V, K] fp32; slots of
+  no sequence unwritten)."""
+  output: jax.Array
+  new_state: jax.Array
+  h: jax.Array
+
+
+def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, scale, *,
+                    config: GdnPrefillConfig, interpret: bool) -> Forward:
+  """Launches 1-3 over the chunk table `table` (`gdn_chunks.chunk_table`)."""
+  total, hq, d = q.shape
+  num_seqs, hv = state.shape[:2]
+  group = hv // hq
+  slots = table.slot_start.shape[0]
+  chunk, intra = config.chunk, config.intra
+  f32 = jnp.float32
+  whole = lambda n: pl.BlockSpec((n,), lambda *_: (0,))  # noqa: E731
+  head = pl.BlockSpec((1,), lambda c, h: (h,))
+  qk_rows = pl.BlockSpec((total, None, d), lambda c, h: (0, h // group, 0))
+  v_rows = pl.BlockSpec((total, None, d), lambda c, h: (0, h, 0))
+  gate_rows = pl.BlockSpec((total, None), lambda c, h: (0, h))
+  g, w, qe, u, oi = common.pallas_call(
+      functools.partial(_intra_kernel, chunk=chunk, block_d=min(intra.block_d, d),
+                        solve_block=min(intra.solve_block, chunk), precision=config.dot_precision),
+      out_shape=(jax.ShapeDtypeStruct((total, hv), f32),
+                 *(jax.ShapeDtypeStruct((total, hv, d), f32) for _ in range(4))),
+      grid=(slots, hv),
+      in_specs=[whole(slots), whole(slots), head, head, qk_rows, qk_rows, v_rows, gate_rows, gate_rows],
+      out_specs=(gate_rows, v_rows, v_rows, v_rows, v_rows),
+      compiler_params=_params(intra), interpret=interpret, name="gdn_prefill_intra",
+  )(table.slot_start, table.slot_end, A_log, dt_bias, q, k, v, a, b)
+
+  bv = min(config.state.block_v, d)
+  h, new_state = common.pallas_call(
+      functools.partial(_state_kernel, chunk=chunk, precision=config.dot_precision),
+      out_shape=(jax.ShapeDtypeStruct((slots, hv, d, d), f32), jax.ShapeDtypeStruct(state.shape, f32)),
+      grid=(num_seqs, hv, d // bv),
+      in_specs=[whole(num_seqs), whole(num_seqs + 1),
+                pl.BlockSpec((total, None, d), lambda n, h, j: (0, h // group, 0)),
+                pl.BlockSpec((total, None), lambda n, h, j: (0, h)),
+                pl.BlockSpec((total, None, d), lambda n, h, j: (0, h, 0)),
+                pl.BlockSpec((total, None, bv), lambda n, h, j: (0, h, j)),
+                pl.BlockSpec((None, None, bv, d), lambda n, h, j: (n, h, j, 0))],
+      out_specs=(pl.BlockSpec((slots, None, bv, d), lambda n, h, j: (0, h, j, 0)),
+                 pl.BlockSpec((None, None, bv, d), lambda n, h, j: (n, h, j, 0))),
+      compiler_params=_params(config.state), interpret=interpret, name="gdn_prefill_state",
+  )(table.seq_first_slot, table.cu, k, g, w, u, state)
+
+  bo = min(config.output.block_v, d)
+  output = common.pallas_call(
+      functools.partial(_output_kernel, chunk=chunk, precision=config.dot_precision),
+      out_shape=jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
+      grid=(slots, hv, d // bo),
+      in_specs=[whole(slots), whole(slots), whole(slots), whole(1),
+                pl.BlockSpec((total, None, d), lambda c, h, j: (0, h, 0)),
+                pl.BlockSpec((total, None, bo), lambda c, h, j: (0, h, j)),
+                pl.BlockSpec((None, None, bo, d), lambda c, h, j: (c, h, j, 0))],
+      out_specs=pl.BlockSpec((total, None, bo), lambda c, h, j: (0, h, j)),
+      compiler_params=_params(config.output), interpret=interpret, name="gdn_prefill_output",
+  )(table.slot_start, table.slot_end, table.slot_real, scale, qe, oi, h)
+  return Forward(output, new_state, h)
+
+
+def serial_forward(q, k, v, state, A_log, a, dt_bias, b, cu, scale, *, config: GdnPrefillConfig,
+                   interpret: bool):
+  """Form "serial": one launch over (sequence, v-head, V block); tokens of
+  no sequence (where `cu` leaves any) are zeroed afterwards."""
+  total, hq, d = q.shape
+  hv = state.shape[1]
+  group = hv // hq
+  bv = min(config.serial.block_v, d)
+  qk_spec = pl.BlockSpec((total, None, d), lambda n, h, j: (0, h // group, 0))
+  v_spec = pl.BlockSpec((total, None, bv), lambda n, h, j: (0, h, j))
+  gate_spec = pl.BlockSpec((total, None), lambda n, h, j: (0, h))
+  head_spec = pl.BlockSpec((1,), lambda n, h, j: (h,))
+  state_spec = pl.BlockSpec((None, None, bv, d), lambda n, h, j: (n, h, j, 0))
+  out, new_state = common.pallas_call(
+      functools.partial(_serial_kernel, chunk=config.chunk, precision=config.dot_precision),
+      out_shape=(jax.ShapeDtypeStruct(v.shape, jnp.bfloat16), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
+      grid=(state.shape[0], hv, d // bv),
+      in_specs=[pl.BlockSpec((1,), lambda n, h, j: (0,)), head_spec, head_spec,
+                pl.BlockSpec((cu.shape[0],), lambda n, h, j: (0,)),
+                qk_spec, qk_spec, v_spec, gate_spec, gate_spec, state_spec],
+      out_specs=(v_spec, state_spec),
+      compiler_params=_params(config.serial), interpret=interpret, name="gdn_prefill_serial",
+  )(scale, A_log, dt_bias, cu, q, k, v, a, b, state)
+  token = jnp.arange(total)
+  covered = (token >= cu[0]) & (token < cu[-1])
+  return jnp.where(covered[:, None, None], out, jnp.zeros((), out.dtype)), new_state
+
+
+def check_prefill(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens) -> None:
+  """Raises ValueError naming the argument whose shape does not fit."""
+  total = q.shape[0]
+  check_common(q, k, v, a, b, A_log, dt_bias, lead=(total,))
+  num_seqs, hv, d = state.shape[0], v.shape[1], v.shape[2]
+  if state.shape != (num_seqs, hv, d, d):
+    raise ValueError(f"state {state.shape} != (num_seqs, {hv}, {d}, {d})")
+  if cu_seqlens.shape != (num_seqs + 1,):
+    raise ValueError(f"cu_seqlens {cu_seqlens.shape} != ({num_seqs + 1},) (num_seqs + 1 from state)")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def gdn_prefill(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale=None, *,
                 config: GdnPrefillConfig | None = None, interpret: bool | None = None):
-  """Chunked gated delta rule over packed variable-length sequences.
+  """Gated delta rule over packed variable-length sequences.
 
   Args:
     q, k: `[T, HQ, D]` bf16; v: `[T, HV, D]` bf16; a, b: `[T, HV]`;
     A_log, dt_bias: `[HV]` f32; state: `[N, HV, D(V), D(K)]` f32 (k-last),
-    the initial state of each sequence; cu_seqlens: `[N + 1]` integer,
-    nondecreasing from 0 to T (converted to int32); scale: 0-d f32 (0 or
-    None -> 1/sqrt(D)).
+    the initial state of each sequence; cu_seqlens: `[N + 1]` integer
+    (clamped to [0, T] and made nondecreasing: `gdn_chunks`); scale: 0-d f32
+    (0 or None -> 1/sqrt(D)).
   Returns:
     `(output [T, HV, D] bf16, new_state [N, HV, D, D] f32)`; a sequence with
-    no tokens gets a zero new_state row.
+    no tokens gets a zero new_state row, a token of no sequence a zero output.
   """
-  total = q.shape[0]
-  hq, hv, d = check_common(q, k, v, a, b, A_log, dt_bias, lead=(total,))
-  num_seqs = state.shape[0]
-  if state.shape != (num_seqs, hv, d, d) or cu_seqlens.shape != (num_seqs + 1,):
-    raise ValueError(f"state {state.shape} / cu_seqlens {cu_seqlens.shape} do not match")
-  shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype),
-            "state": jax.ShapeDtypeStruct(state.shape, state.dtype)}
-  config = choose_config(shapes) if config is None else config
-  block_v = min(config.block_v, d)
-  group = hv // hq
-  scale = resolve_scale(scale, d).reshape(1)
-  if total == 0 or num_seqs == 0:  # Nothing to run: every sequence is empty.
+  check_prefill(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens)
+  total, d = q.shape[0], q.shape[2]
+  if total == 0 or state.shape[0] == 0:  # Nothing to run: every sequence is empty.
     return jnp.zeros(v.shape, jnp.bfloat16), jnp.zeros(state.shape, jnp.float32)
-
-  qk_spec = pl.BlockSpec((total, None, d), lambda n, h, j: (0, h // group, 0))
-  v_spec = pl.BlockSpec((total, None, block_v), lambda n, h, j: (0, h, j))
-  gate_spec = pl.BlockSpec((total, None), lambda n, h, j: (0, h))
-  head_spec = pl.BlockSpec((1,), lambda n, h, j: (h,))
-  state_spec = pl.BlockSpec((None, None, block_v, d), lambda n, h, j: (n, h, j, 0))
-  kernel = functools.partial(_prefill_kernel, chunk=config.chunk, precision=config.dot_precision)
-  return common.pallas_call(
-      kernel,
-      out_shape=(jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
-                 jax.ShapeDtypeStruct(state.shape, jnp.float32)),
-      grid=(num_seqs, hv, d // block_v),
-      in_specs=[pl.BlockSpec((1,), lambda n, h, j: (0,)), head_spec, head_spec,
-                pl.BlockSpec((num_seqs + 1,), lambda n, h, j: (0,)),
-                qk_spec, qk_spec, v_spec, gate_spec, gate_spec, state_spec],
-      out_specs=(v_spec, state_spec),
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-      interpret=resolve_interpret(interpret),
-      name="gdn_prefill",
-  )(scale, A_log.astype(jnp.float32), dt_bias.astype(jnp.float32),
-    cu_seqlens.astype(jnp.int32), q, k, v, a, b, state.astype(jnp.float32))
+  shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype), "state": jax.ShapeDtypeStruct(state.shape, state.dtype)}
+  config = choose_config(shapes) if config is None else config
+  interpret = resolve_interpret(interpret)
+  args = (q, k, v, state.astype(jnp.float32), A_log.astype(jnp.float32), a, dt_bias.astype(jnp.float32), b)
+  scale = resolve_scale(scale, d).reshape(1)
+  if config.form == "serial":
+    cu = gc.normalize_cu_seqlens(cu_seqlens, total)
+    return serial_forward(*args, cu, scale, config=config, interpret=interpret)
+  fwd = chunked_forward(*args, gc.chunk_table(cu_seqlens, total, config.chunk), scale, config=config,
+                        interpret=interpret)
+  return fwd.output, fwd.new_state

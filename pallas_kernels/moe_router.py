@@ -8,34 +8,29 @@ Math (per token row):
 Outputs are the chosen ids in ascending order (int32 [M, top_k]) and their
 weights permuted alongside (f32 [M, top_k]).
 
-Design. E = 384 experts are held as one 512-wide fp32 row tile per token
-(padded experts never selectable), so the routing decision is made in
-registers straight from the GEMM accumulator: there is no XLA matmul and no
-logits array handed to a separate op. Top-k is k argmax passes over that tile
-(lowest id among equal maxima, which gives exact ties to the lower id); a
-second k-pass sweep reads the chosen set back in ascending id order, which is
-the output order, so no sort is needed. TOPK = 6 is held 8 wide and stored
-masked.
-
-Two forms, picked by `MoeRouterConfig.gemm.split_d`:
-* `split_d == 1`: one fused kernel; each program owns `block_m` tokens, walks
-  all of D, routes, and stores ids/weights. Nothing but the outputs reaches
-  HBM. It holds the accumulator and the routing temporaries at once: on
-  sm_90a it spills at 64 and at 32 rows, so it is a sweep candidate with
-  16-row tiles only and the heuristic never picks it.
-* `split_d > 1`: a two-stage design, used for every M. With one program per
-  token block, M=1 would stream the whole 3.9 MB weight through one SM and
-  M=4096 would use 64 of 132 SMs, each doing 335 MFLOP serially. Splitting D
-  over `split_d` programs (at most 16) spreads that work; each program writes
-  its fp32 partial logits for real tokens and real experts only
-  ([split, M, E]: 1.5 KiB per token and split, 24 KiB at M=1 against the
-  3.9 MB weight read), and a small second Pallas kernel sums the partials,
-  several splits per (vector) load, and runs the same routing epilogue on a
-  short row tile. That is the one HBM round trip of (partial) logits.
+Two kernels:
+* `moe_router_logits` (the GEMM): grid `(E blocks, M blocks, D splits)`;
+  a program computes a `[block_m tokens, block_e experts]` fp32 tile over
+  its D range and writes it to the partial logits `[splits, M, E]` (real
+  tokens and experts only). Splitting E as well as D fills the GPU at
+  decode with one pass over the weight: at M = 1, 24 expert blocks x 7 D
+  splits = 168 programs (>= the 132 SMs of an H100/H200), each reading a
+  distinct 16 x 768 slice of the weight, with 10.5 KiB of partials against
+  the 3.9 MB weight. Large M takes large tiles and no D split: at M = 4096,
+  128 x 128 tiles (32 x 3 programs) read the weight once per 128 rows and
+  the hidden states once per 128 experts, and the logits (6.3 MB) make the
+  one fp32 round trip.
+* `moe_router_reduce_route`: sums the splits' partials, several splits per
+  (vector) load, and routes a short row tile in registers: E padded to a
+  power of two (padded experts never selectable), top-k as k argmax passes
+  over a total-order integer key of `scores + bias` (IEEE total order, as
+  XLA's top_k: NaN above +inf, -NaN below -inf; ties to the lowest id, so
+  a row of NaN hidden states selects experts 0..k-1 like the XLA path), a
+  second k-pass sweep reading the chosen set back in ascending id order.
 
 `python -m jaxkern.aot --definition moe_router --all_candidates` checks that
 every candidate compiles without spills for sm_90a (register counts:
-docs/perf/kernel_notes.md).
+docs/perf/kernel_notes.md; grids and traffic: docs/perf/moe_kernels.md).
 """
 
 from __future__ import annotations
@@ -51,44 +46,51 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common
 import jax.numpy as jnp
 
-from pallas_kernels.common import NT_DIMS, cdiv, check_nt_operands, fit_block, next_pow2, resolve_interpret
+from pallas_kernels.common import (NT_DIMS, cdiv, check_nt_operands, fit_block, fitted_candidates, next_pow2,
+                                   resolve_interpret)
 from pallas_kernels.config_rules import (DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, at_least, field,
                                          instance_of, pow2)
+from pallas_kernels.device import num_sms
 
-# Programs that fill an H100/H200 (132 SMs) roughly once; the split heuristic
-# aims for this many (token block, D split) programs.
-_TARGET_PROGRAMS = 128
 # The most D splits the heuristic and the sweep use: past this the partials'
 # traffic and the reduce kernel's loads grow while the GEMM stage gains little.
 _MAX_SPLITS = 16
+# GEMM tiles (block_m, block_e) the heuristic tries, largest first: the first
+# whose programs fill most of the GPU without a D split wins; failing that,
+# the smallest, with D splits.
+_TILES = ((128, 128), (64, 128), (64, 64), (32, 64), (32, 32), (16, 32), (16, 16))
+# "Most of the GPU": a wave at least this fraction of the SMs (96 programs
+# at M = 4096 on 132 SMs: 128 x 128 tiles without partials beat 192 programs
+# of 64 x 128 that read the weight twice as often).
+_FILL = 0.7
 
 
 @dataclasses.dataclass(frozen=True)
 class RouterGemmStage(KernelConfig):
-  """The GEMM kernel (fused, or stage 1 of split-D): `block_m` tokens per
-  program, `block_d` hidden columns per step, `split_d` requested D splits
-  (1 = the fused kernel)."""
+  """The logits GEMM: `block_m` tokens x `block_e` experts per program,
+  `block_d` hidden columns per step, `split_d` requested D ranges (their
+  partial logits summed by the epilogue)."""
   block_m: int = field(64, DOT_BLOCK)
+  block_e: int = field(128, DOT_BLOCK)
   block_d: int = field(64, DOT_BLOCK)
   split_d: int = field(1, at_least(1))
-  num_warps: int = field(8, NUM_WARPS)
-  num_stages: int = field(2, NUM_STAGES)
+  num_warps: int = field(4, NUM_WARPS)
+  num_stages: int = field(3, NUM_STAGES)
 
 
 @dataclasses.dataclass(frozen=True)
 class RouterEpilogueStage(KernelConfig):
-  """The split-D reduce + routing kernel: a short row tile keeps its several
-  [rows, 512] fp32/bool temporaries in registers (16 rows need 8 warps to
-  stay spill-free on sm_90a, 8 rows fit 4). There is no dot here, so any
-  power of two of rows works (decode uses 1 row)."""
+  """The reduce + routing kernel: a short row tile keeps its several
+  [rows, next_pow2(E)] fp32/bool temporaries in registers (16 rows need 8
+  warps to stay spill-free on sm_90a, 8 rows fit 4). There is no dot here,
+  so any power of two of rows works (decode uses 1 row)."""
   block_m: int = field(16, pow2())
   num_warps: int = field(8, NUM_WARPS)
 
 
 @dataclasses.dataclass(frozen=True)
 class MoeRouterConfig(KernelConfig):
-  """Tiling of the router, one part per stage. `gemm.split_d` > 1 selects the
-  two-stage split-D form, which also runs `epilogue`."""
+  """Tiling of the router, one part per kernel."""
   gemm: RouterGemmStage = field(RouterGemmStage(), instance_of(RouterGemmStage))
   epilogue: RouterEpilogueStage = field(RouterEpilogueStage(), instance_of(RouterEpilogueStage))
 
@@ -109,18 +111,19 @@ def _d_blocks_per_split(gemm: RouterGemmStage, d: int) -> int:
   return cdiv(cdiv(d, gemm.block_d), gemm.split_d)
 
 
-def _fit(config: MoeRouterConfig, m: int, d: int) -> MoeRouterConfig:
-  """Clamps blocks to the problem and `split_d` to the splits it yields; the
-  fused form has no epilogue stage (its fields are reset to the defaults so
-  equal kernels compare equal)."""
+def _fit(config: MoeRouterConfig, m: int, d: int, e: int) -> MoeRouterConfig:
+  """Clamps blocks to the problem (powers of two >= 16 covering M, E, D),
+  `split_d` to the D ranges its blocks make, the epilogue's rows to M."""
   gemm = dataclasses.replace(config.gemm, block_m=fit_block(config.gemm.block_m, m),
-                             block_d=fit_block(config.gemm.block_d, d))
+                             block_e=fit_block(config.gemm.block_e, e), block_d=fit_block(config.gemm.block_d, d))
   gemm = dataclasses.replace(gemm, split_d=cdiv(cdiv(d, gemm.block_d), _d_blocks_per_split(gemm, d)))
-  if gemm.split_d == 1:
-    epilogue = RouterEpilogueStage()
-  else:
-    epilogue = dataclasses.replace(config.epilogue, block_m=min(config.epilogue.block_m, next_pow2(m)))
+  epilogue = dataclasses.replace(config.epilogue, block_m=min(config.epilogue.block_m, next_pow2(m)))
   return MoeRouterConfig(gemm=gemm, epilogue=epilogue)
+
+
+def gemm_programs(gemm: RouterGemmStage, m: int, e: int) -> int:
+  """Programs of the GEMM kernel for a fitted stage."""
+  return cdiv(m, gemm.block_m) * cdiv(e, gemm.block_e) * gemm.split_d
 
 
 def _epilogues(m: int) -> list[RouterEpilogueStage]:
@@ -132,77 +135,79 @@ def _epilogues(m: int) -> list[RouterEpilogueStage]:
   return [RouterEpilogueStage(8, 4), RouterEpilogueStage(16, 8)]
 
 
-def choose_config(shapes: Mapping[str, Any]) -> MoeRouterConfig:
-  """Heuristic: token tile from M, then enough D splits to fill the GPU.
+def _gemm_stage(m: int, d: int, e: int, sms: int) -> RouterGemmStage:
+  """The first of `_TILES` whose programs fill `_FILL` of the SMs without a D
+  split (large M: each weight slice read once per 64-128 rows); otherwise
+  16 x 16 tiles with the fewest D splits that give every SM a program
+  (decode: E and D split, one pass over the weight)."""
+  block_d = 128
+  for block_m, block_e in _TILES:
+    gemm = RouterGemmStage(block_m, block_e, block_d, 1, num_warps=8 if block_m * block_e >= 8192 else 4,
+                           num_stages=3)
+    if gemm_programs(_fit(MoeRouterConfig(gemm), m, d, e).gemm, m, e) >= _FILL * sms:
+      return gemm
+  tiles = cdiv(m, 16) * cdiv(e, 16)
+  d_blocks = cdiv(d, block_d)
+  per_split = max(1, d_blocks // cdiv(sms, tiles))
+  return RouterGemmStage(16, 16, block_d, min(_MAX_SPLITS, cdiv(d_blocks, per_split)), num_warps=4, num_stages=3)
 
-  The fp32 logit tile is block_m x next_pow2(E); 64 x 512 is the largest that
-  keeps the accumulator in registers with 8 warps; every GEMM tile uses 8
-  warps (on 4, 32 rows spill and 16 rows come close). Always two stages:
-  the fused kernel holds the accumulator and the routing temporaries at
-  once and spills at 64 rows on sm_90a. D splits
-  aim at `_TARGET_PROGRAMS` programs, at least 2 and at most `_MAX_SPLITS`:
-  decode (M <= 16) gets 16 splits of 5 column blocks, whose partials the
-  reduce kernel loads in one go.
-  """
-  m, d, _ = MoeRouterSizes.of(shapes)  # the expert tile is always next_pow2(E) wide
-  block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-  num_m_blocks = cdiv(m, block_m)
-  split_d = 2
-  while num_m_blocks * split_d * 2 <= _TARGET_PROGRAMS and split_d < _MAX_SPLITS:
-    split_d *= 2
-  gemm = RouterGemmStage(block_m=block_m, block_d=64, split_d=split_d, num_warps=8, num_stages=2)
-  return _fit(MoeRouterConfig(gemm=gemm, epilogue=_epilogues(m)[0]), m, d)
+
+def choose_config(shapes: Mapping[str, Any]) -> MoeRouterConfig:
+  """Heuristic: the GEMM tile and D splits from `_gemm_stage` for this GPU's
+  SM count, the epilogue tile from M."""
+  m, d, e = MoeRouterSizes.of(shapes)
+  return _fit(MoeRouterConfig(_gemm_stage(m, d, e, num_sms()), _epilogues(m)[0]), m, d, e)
 
 
 def candidate_configs(shapes: Mapping[str, Any]) -> list[MoeRouterConfig]:
-  """Configs a sweep may try, the heuristic's first. Only forms that compile
-  without spills on sm_90a (checked with `python -m jaxkern.aot
-  --all_candidates` at M = 1, 3, 128, 4096 and 8192): GEMM tiles on 8
-  warps, the fused form only with 16-row tiles, at most `_MAX_SPLITS` splits."""
-  m, d, _ = MoeRouterSizes.of(shapes)
-  out = [choose_config(shapes)]
-  for block_m in (16, 32, 64):
-    for block_d, num_stages in ((64, 2), (32, 3)):
-      for split_d in (1, 2, 4, 8, _MAX_SPLITS):
-        if split_d == 1 and block_m > 16:
-          continue  # fused with 32+ rows: the accumulator and routing spill
-        gemm = RouterGemmStage(block_m, block_d, split_d, 8, num_stages)
-        for epilogue in _epilogues(m):
-          config = _fit(MoeRouterConfig(gemm, epilogue), m, d)
-          if config not in out:
-            out.append(config)
-  return out
+  """Configs a sweep may try, the heuristic's first: every `_TILES` tile
+  with 1, 2, 4 or 8 D splits, and the heuristic's GEMM stage with a 64-column
+  D step and with the other epilogue tile; all compile without spills on
+  sm_90a (`python -m jaxkern.aot --all_candidates`)."""
+  m, d, e = MoeRouterSizes.of(shapes)
+  chosen = choose_config(shapes)
+  epilogues = _epilogues(m)
+  variants = [MoeRouterConfig(dataclasses.replace(chosen.gemm, block_d=64, num_stages=4), chosen.epilogue)]
+  variants += [MoeRouterConfig(chosen.gemm, epilogue) for epilogue in epilogues]
+  for block_m, block_e in _TILES:
+    for split_d in (1, 2, 4, 8):
+      gemm = RouterGemmStage(block_m, block_e, 128, split_d, 8 if block_m * block_e >= 8192 else 4, 3)
+      variants.append(MoeRouterConfig(gemm, epilogues[0]))
+  return fitted_candidates(chosen, variants, lambda c: _fit(c, m, d, e))
 
 
-def _accumulate_logits(hidden_ref, weight_ref, first_d_block, num_d_blocks, *,
-                       m: int, d: int, e: int, block_m: int, block_d: int,
-                       experts_padded: int, row_start):
-  """fp32 [block_m, experts_padded] = hidden rows @ weight^T over a D range."""
-  rows = row_start + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
-  experts = lax.broadcasted_iota(jnp.int32, (experts_padded, 1), 0)
-  row_ok = rows < m if m % block_m else None
-  expert_ok = experts < e if e != experts_padded else None
+def _logits_kernel(hidden_ref, weight_ref, partial_ref, *, m: int, d: int, e: int, block_m: int, block_e: int,
+                   block_d: int, d_blocks_per_split: int):
+  # Whole-array refs: hidden [M, D], weight [E, D], partial [splits, M, E].
+  expert0 = pl.program_id(0) * block_e
+  row0 = pl.program_id(1) * block_m
+  split = pl.program_id(2)
+  first = split * d_blocks_per_split
+  count = jnp.minimum(d_blocks_per_split, cdiv(d, block_d) - first)
+  rows_ok = (row0 + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < m
+  experts_ok = (expert0 + lax.broadcasted_iota(jnp.int32, (block_e, 1), 0)) < e
 
-  def load(ref, start, lines: int, line_ok):
-    mask = line_ok
-    if d % block_d:  # D tail: zero the columns past D.
-      col_ok = (start + lax.broadcasted_iota(jnp.int32, (1, block_d), 1)) < d
-      mask = col_ok if mask is None else mask & col_ok
-    if mask is None:
-      return ref[pl.ds(0, lines), pl.ds(start, block_d)]
-    # A traced row start: the padded expert tile overhangs the weight ref,
-    # which a static slice rejects at trace time; the mask covers it.
-    return plgpu.load(ref.at[pl.ds(jnp.int32(0), lines), pl.ds(start, block_d)],
-                      mask=mask, other=0.0)
+  def load(ref, line0, lines: int, line_ok, col0):
+    mask = line_ok & ((col0 + lax.broadcasted_iota(jnp.int32, (1, block_d), 1)) < d)
+    return plgpu.load(ref.at[pl.ds(line0, lines), pl.ds(col0, block_d)], mask=mask, other=0.0)
 
   def step(i, acc):
-    start = (first_d_block + i) * block_d
-    x = load(hidden_ref, start, block_m, row_ok)
-    w = load(weight_ref, start, experts_padded, expert_ok)
+    col0 = (first + i) * block_d
+    x = load(hidden_ref, row0, block_m, rows_ok, col0)
+    w = load(weight_ref, expert0, block_e, experts_ok, col0)
     return acc + lax.dot_general(x, w, NT_DIMS, preferred_element_type=jnp.float32)
 
-  acc = jnp.zeros((block_m, experts_padded), jnp.float32)
-  return lax.fori_loop(0, num_d_blocks, step, acc)
+  tile = lax.fori_loop(0, count, step, jnp.zeros((block_m, block_e), jnp.float32))
+  mask = rows_ok & (expert0 + lax.broadcasted_iota(jnp.int32, (1, block_e), 1) < e)
+  plgpu.store(partial_ref.at[split, pl.ds(row0, block_m), pl.ds(expert0, block_e)], tile, mask=mask)
+
+
+def total_order_key(x):
+  """fp32 -> int32 keys ordered as IEEE 754's totalOrder (-NaN < -inf < ...
+  < -0 < +0 < ... < +inf < NaN), the order of XLA's top_k: the sign bit
+  flips the magnitude bits of negative numbers."""
+  bits = lax.bitcast_convert_type(x, jnp.int32)
+  return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 def _route(logits, bias, scale, *, e: int, top_k: int, top_k_padded: int):
@@ -217,15 +222,15 @@ def _route(logits, bias, scale, *, e: int, top_k: int, top_k_padded: int):
   # Stable softplus: max(x, 0) + log1p(exp(-|x|)) never overflows.
   softplus = jnp.maximum(logits, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(logits)))
   scores = jnp.sqrt(softplus)
-  ranking = scores + bias
-  neg_inf = jnp.float32(-jnp.inf)
+  key = total_order_key(scores + bias)
+  lowest_key = jnp.int32(jnp.iinfo(jnp.int32).min)
 
   # Top-k as k argmax passes; among equal maxima the lowest id wins.
   chosen = jnp.zeros(logits.shape, jnp.bool_)
   for _ in range(top_k):
     available = valid & jnp.logical_not(chosen)
-    best = jnp.max(jnp.where(available, ranking, neg_inf), axis=1)[:, None]
-    at_best = available & (ranking == best)
+    best = jnp.max(jnp.where(available, key, lowest_key), axis=1)[:, None]
+    at_best = available & (key == best)
     pick = jnp.min(jnp.where(at_best, expert_ids, experts_padded), axis=1)[:, None]
     chosen = chosen | (expert_ids == pick)
 
@@ -261,45 +266,6 @@ def _store_routes(ids_ref, weights_ref, ids, weights, *, m: int, row_start,
   cols = pl.ds(jnp.int32(0), top_k_padded)
   plgpu.store(ids_ref.at[:, cols], ids, mask=mask)
   plgpu.store(weights_ref.at[:, cols], weights, mask=mask)
-
-
-def _fused_router_kernel(hidden_ref, weight_ref, bias_ref, scale_ref,
-                         ids_ref, weights_ref, *, m, d, e, top_k, block_m,
-                         block_d, experts_padded, top_k_padded):
-  row_start = pl.program_id(0) * block_m
-  logits = _accumulate_logits(
-      hidden_ref, weight_ref, 0, cdiv(d, block_d), m=m, d=d, e=e,
-      block_m=block_m, block_d=block_d, experts_padded=experts_padded,
-      row_start=row_start)
-  bias = _load_bias(bias_ref, e=e, experts_padded=experts_padded)
-  ids, weights = _route(logits, bias, scale_ref[0], e=e, top_k=top_k,
-                        top_k_padded=top_k_padded)
-  _store_routes(ids_ref, weights_ref, ids, weights, m=m, row_start=row_start,
-                top_k=top_k)
-
-
-def _partial_logits_kernel(hidden_ref, weight_ref, partial_ref, *, m, d, e,
-                           block_m, block_d, experts_padded, d_blocks_per_split):
-  split = pl.program_id(1)
-  first = split * d_blocks_per_split
-  count = jnp.minimum(d_blocks_per_split, cdiv(d, block_d) - first)
-  row_start = pl.program_id(0) * block_m
-  partial = _accumulate_logits(
-      hidden_ref, weight_ref, first, count, m=m, d=d, e=e, block_m=block_m,
-      block_d=block_d, experts_padded=experts_padded, row_start=row_start)
-  # Only real tokens and real experts are written: [split, M, E], so decode
-  # (M=1 in a 16-row tile) writes 1.5 KiB per split, not 32 KiB.
-  mask = None
-  if m % block_m:
-    mask = (row_start + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < m
-  if e != experts_padded:
-    col_ok = lax.broadcasted_iota(jnp.int32, (1, experts_padded), 1) < e
-    mask = col_ok if mask is None else mask & col_ok
-  if mask is None:
-    partial_ref[...] = partial
-  else:
-    # Traced start: the padded expert tile overhangs the E-wide ref.
-    plgpu.store(partial_ref.at[:, pl.ds(jnp.int32(0), experts_padded)], partial, mask=mask)
 
 
 def _splits_per_load(block_m: int, num_warps: int, num_splits: int, experts_padded: int = 512) -> int:
@@ -357,64 +323,36 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
     raise ValueError(f"top_k={top_k} must be in [1, {e}]")
   if m == 0:
     return jnp.zeros((0, top_k), jnp.int32), jnp.zeros((0, top_k), jnp.float32)
-  config = _fit(config or choose_config({"hidden": hidden, "weight": weight}), m, d)
+  config = _fit(config or choose_config({"hidden": hidden, "weight": weight}), m, d, e)
   interpret = resolve_interpret(interpret)
   gemm = config.gemm
-  block_m = gemm.block_m
-  num_m_blocks = cdiv(m, block_m)
   experts_padded = next_pow2(e)
   top_k_padded = next_pow2(top_k)
   bias = bias.astype(jnp.float32)
   scale = jnp.reshape(jnp.asarray(routed_scaling_factor, jnp.float32), (1,))
-  out_shape = (jax.ShapeDtypeStruct((m, top_k), jnp.int32),
-               jax.ShapeDtypeStruct((m, top_k), jnp.float32))
-  dims = dict(m=m, d=d, e=e, block_m=block_m, block_d=gemm.block_d,
-              experts_padded=experts_padded)
-
-  if gemm.split_d == 1:
-    return common.pallas_call(
-        functools.partial(_fused_router_kernel, top_k=top_k,
-                          top_k_padded=top_k_padded, **dims),
-        out_shape=out_shape,
-        grid=(num_m_blocks,),
-        in_specs=[
-            pl.BlockSpec((block_m, d), lambda i: (i, 0)),
-            pl.BlockSpec((e, d), lambda i: (0, 0)),
-            pl.BlockSpec((e,), lambda i: (0,)),
-            pl.BlockSpec((1,), lambda i: (0,)),
-        ],
-        out_specs=[pl.BlockSpec((block_m, top_k), lambda i: (i, 0))] * 2,
-        compiler_params=plgpu.CompilerParams(
-            num_warps=gemm.num_warps, num_stages=gemm.num_stages),
-        interpret=interpret,
-        name="moe_router_fused",
-    )(hidden, weight, bias, scale)
-
   num_splits = gemm.split_d
+
+  def whole(x):
+    return pl.BlockSpec(x.shape, lambda *_, nd=x.ndim: (0,) * nd)
+
   partial = common.pallas_call(
-      functools.partial(_partial_logits_kernel,
-                        d_blocks_per_split=_d_blocks_per_split(gemm, d), **dims),
+      functools.partial(_logits_kernel, m=m, d=d, e=e, block_m=gemm.block_m, block_e=gemm.block_e,
+                        block_d=gemm.block_d, d_blocks_per_split=_d_blocks_per_split(gemm, d)),
       out_shape=jax.ShapeDtypeStruct((num_splits, m, e), jnp.float32),
-      grid=(num_m_blocks, num_splits),
-      in_specs=[
-          pl.BlockSpec((block_m, d), lambda i, s: (i, 0)),
-          pl.BlockSpec((e, d), lambda i, s: (0, 0)),
-      ],
-      out_specs=pl.BlockSpec((None, block_m, e), lambda i, s: (s, i, 0)),
-      compiler_params=plgpu.CompilerParams(
-          num_warps=gemm.num_warps, num_stages=gemm.num_stages),
+      grid=(cdiv(e, gemm.block_e), cdiv(m, gemm.block_m), num_splits),
+      in_specs=[whole(hidden), whole(weight)],
+      out_specs=pl.BlockSpec((num_splits, m, e), lambda *_: (0, 0, 0)),
+      compiler_params=plgpu.CompilerParams(num_warps=gemm.num_warps, num_stages=gemm.num_stages),
       interpret=interpret,
-      name="moe_router_partial_logits",
+      name="moe_router_logits",
   )(hidden, weight)
   epilogue_block_m = config.epilogue.block_m
-  splits_per_load = _splits_per_load(epilogue_block_m, config.epilogue.num_warps, num_splits,
-                                     experts_padded)
+  splits_per_load = _splits_per_load(epilogue_block_m, config.epilogue.num_warps, num_splits, experts_padded)
   return common.pallas_call(
-      functools.partial(_reduce_and_route_kernel, m=m, e=e, top_k=top_k,
-                        top_k_padded=top_k_padded, num_splits=num_splits,
-                        block_m=epilogue_block_m, experts_padded=experts_padded,
+      functools.partial(_reduce_and_route_kernel, m=m, e=e, top_k=top_k, top_k_padded=top_k_padded,
+                        num_splits=num_splits, block_m=epilogue_block_m, experts_padded=experts_padded,
                         splits_per_load=splits_per_load),
-      out_shape=out_shape,
+      out_shape=(jax.ShapeDtypeStruct((m, top_k), jnp.int32), jax.ShapeDtypeStruct((m, top_k), jnp.float32)),
       grid=(cdiv(m, epilogue_block_m),),
       in_specs=[
           pl.BlockSpec((num_splits, epilogue_block_m, e), lambda i: (0, i, 0)),
@@ -422,9 +360,7 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
           pl.BlockSpec((1,), lambda i: (0,)),
       ],
       out_specs=[pl.BlockSpec((epilogue_block_m, top_k), lambda i: (i, 0))] * 2,
-      compiler_params=plgpu.CompilerParams(
-          num_warps=config.epilogue.num_warps, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=config.epilogue.num_warps, num_stages=1),
       interpret=interpret,
       name="moe_router_reduce_route",
   )(partial, bias, scale)
-

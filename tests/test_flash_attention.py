@@ -2,8 +2,11 @@
 masks, prefixes and segments for the flash kernel in interpret mode;
 lowering at each recorded extreme) and the family's own checks: masks that
 must not leak, the key-block limits, the reference against float64 numpy,
-the heuristic and input synthesis structure. (The checks themselves:
-test_definitions.py and kit.py.)"""
+the heuristic and input synthesis structure; empty batches and sequences, a
+traced scale, hidden NaN/Inf keys (issue 20); the gradients (custom VJP,
+FlashAttention-2 backward kernels) against the XLA path and float64 finite
+differences, exact zeros where masked, and their lowering. (The checks
+themselves: test_definitions.py and kit.py.)"""
 
 from __future__ import annotations
 
@@ -14,10 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import gradients
+from jaxkern import ops
 from jaxkern import registry
 from jaxkern.families import flash_attention as fam
 from kit import EVERY_CANDIDATE, Case, TritonCall
 from pallas_kernels import flash_attention as fa
+from pallas_kernels import flash_attention_keys as keys_lib
+from pallas_kernels.common import lower_for_h100, triton_calls
 from numerics import assert_bf16_close
 
 # The Triton lowering's deprecation notice is expected (SPEC 2).
@@ -441,3 +448,236 @@ def test_d128_heuristic_and_candidates_follow_the_sm90a_compile():
     assert all(fa.shared_memory_bytes(c, 128, has_prefix="k_prefix" in s) <= 232448 for c in candidates)
   assert F(128, 128, num_warps=8, num_stages=3) in fa.candidate_configs(shapes(128))
   assert F(128, 64, num_warps=4, num_stages=3) in fa.candidate_configs(shapes(64))
+
+
+# ---------------------------------------------------------------------------
+# Issue 20: empty batches and sequences, a traced scale, hidden NaN/Inf keys.
+
+
+BACKENDS = ("pallas", "xla")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch_and_sequences(backend):
+  q, k, v = qkv(0, 8, 8)
+  assert ops.attention(q, k, v, backend=backend).shape == (0, 8, 2, 64)
+  kp, vp = normal(1, (0, 3, 2, 64)), normal(2, (0, 3, 2, 64))
+  assert ops.prefix_cached_attention(q, k, v, kp, vp, backend=backend).shape == (0, 8, 2, 64)
+  assert ops.block_causal_attention(q, k, v, jnp.zeros((0, 8), jnp.int32), backend=backend).shape == (0, 8, 2, 64)
+  q, k, v = qkv(2, 0, 5)
+  assert ops.attention(q, k, v, backend=backend).shape == (2, 0, 2, 64)
+  q, k, v = qkv(2, 5, 0)  # no key: every row is lonely
+  np.testing.assert_array_equal(np.asarray(ops.attention(q, k, v, backend=backend), np.float32), 0.0)
+  kp, vp = normal(3, (2, 4, 2, 64)), normal(4, (2, 4, 2, 64))   # only prefix keys
+  assert_bf16_close(ops.prefix_cached_attention(q, k, v, kp, vp, backend=backend),
+                    numpy_attention(q, kp, vp, np.ones((2, 5, 4), bool), 64 ** -0.5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_traced_sm_scale_under_jit(backend):
+  q, k, v = qkv(1, 20, 30)
+  f = jax.jit(lambda q, k, v, scale: ops.attention(q, k, v, sm_scale=scale, backend=backend))
+  for scale in (0.5, 0.05):
+    assert_bf16_close(f(q, k, v, scale), numpy_attention(q, k, v, np.ones((1, 20, 30), bool), scale))
+
+
+def poisoned(k, v, key_valid):
+  """k and v with NaN and Inf in every key `key_valid` hides."""
+  hidden = ~np.asarray(key_valid)[:, :, None, None]
+  pattern = np.where(np.arange(k.shape[-1]) % 2, np.nan, np.inf)
+  return (jnp.where(hidden, jnp.asarray(pattern, k.dtype), k), jnp.where(hidden, jnp.asarray(-pattern, v.dtype), v))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hidden_keys_never_leak(backend):
+  """NaN/Inf in keys and values that `key_valid` hides reach neither the
+  output nor any gradient: both equal those with zeros there, and the
+  hidden keys' gradients are 0."""
+  q, k, v = qkv(2, 20, 50)
+  key_valid = jnp.stack([jnp.arange(50) < 37, (jnp.arange(50) % 7) == 3])
+  k_bad, v_bad = poisoned(k, v, key_valid)
+  hidden = ~np.asarray(key_valid)[:, :, None, None]
+  k_zero, v_zero = jnp.where(hidden, 0, k), jnp.where(hidden, 0, v)
+  f = lambda q, k, v: ops.attention(q, k, v, key_valid=key_valid, config=SMALL, backend=backend)  # noqa: E731
+  out = jax.jit(f)(q, k_bad, v_bad)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(jax.jit(f)(q, k_zero, v_zero), np.float32))
+  got = gradients.grads(f, (q, k_bad, v_bad), (0, 1, 2))
+  want = gradients.grads(f, (q, k_zero, v_zero), (0, 1, 2))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  for g in got[1:]:
+    assert np.all(np.asarray(g, np.float32)[np.broadcast_to(hidden, g.shape)] == 0.0)
+
+
+# ---------------------------------------------------------------------------
+# Gradients.
+
+SMALL_BWD = fa.FlashAttentionBwdConfig(32, 16, 16, 32, num_warps=4, num_stages=2)
+
+
+def kernel_attention(**fixed):
+  """The kernel with small forward and backward tiles (many blocks)."""
+  def f(q, k, v, *prefix):
+    kp, vp = prefix or (None, None)
+    return fa.flash_attention(q, k, v, k_prefix=kp, v_prefix=vp, config=SMALL, backward_config=SMALL_BWD,
+                              interpret=True, **fixed)
+  return f
+
+
+def reference_attention(**fixed):
+  def f(q, k, v, *prefix):
+    kp, vp = prefix or (None, None)
+    return fam.attention_reference(q, k, v, k_prefix=kp, v_prefix=vp, **fixed)
+  return f
+
+
+def prefixed(q_len, prefix_len, batch=1):
+  q, k, v = qkv(batch, q_len, q_len, head_dim=128)
+  return q, k, v, normal(7, (batch, prefix_len, 2, 128)), normal(8, (batch, prefix_len, 2, 128))
+
+
+GRAD_CASES = {
+    "ragged_unmasked": (dict(), lambda: qkv(2, 37, 50)),
+    "key_valid_lonely_row_and_hole": (dict(key_valid=_HOLED), lambda: qkv(4, 33, 40)),
+    "key_valid_leading_blocks_hidden": (dict(key_valid=jnp.stack([jnp.arange(50) >= 37, (jnp.arange(50) % 7) == 3])),
+                                        lambda: qkv(2, 20, 50)),
+    "prefix": (dict(), lambda: prefixed(40, 37)),
+    "prefix_longer_than_target": (dict(), lambda: prefixed(9, 70)),
+    "segments": (dict(segment_ids=ids_from_ends((10, 33, 45), batch=2)), lambda: qkv(2, 45, 45)),
+    "unsorted_segments": (dict(segment_ids=jnp.asarray(np.random.default_rng(3).integers(0, 4, (2, 50)), jnp.int32)),
+                          lambda: qkv(2, 50, 50)),
+    "everything_and_a_scale": (dict(key_valid=jnp.arange(45)[None] < jnp.array([[45], [30]]),
+                                    segment_ids=ids_from_ends((10, 33, 45), batch=2), sm_scale=0.3),
+                               lambda: (*qkv(2, 45, 45), normal(7, (2, 11, 2, 64)), normal(8, (2, 11, 2, 64)))),
+}
+
+
+@pytest.mark.parametrize("label", list(GRAD_CASES))
+def test_kernel_gradients_match_xla_under_jit(label):
+  fixed, make = GRAD_CASES[label]
+  args = make()
+  argnums = tuple(range(len(args)))
+  got = gradients.grads(kernel_attention(**fixed), args, argnums)
+  want = gradients.grads(reference_attention(**fixed), args, argnums)
+  gradients.assert_grads_close(got, want, ("dq", "dk", "dv", "dk_prefix", "dv_prefix"))
+
+
+def test_public_ops_gradients_match_xla_under_jit():
+  """The three ops on the Pallas path (heuristic tiles) against the XLA
+  path, every floating input and the scale, under jit."""
+  q, k, v = qkv(2, 20, 20)
+  key_valid = jnp.arange(20)[None] < jnp.array([[20], [7]])
+  kp, vp = normal(7, (2, 6, 2, 64)), normal(8, (2, 6, 2, 64))
+  ids = ids_from_ends((5, 12, 20), batch=2)
+  calls = [
+      (lambda backend: lambda q, k, v, s: ops.attention(q, k, v, key_valid=key_valid, sm_scale=s, backend=backend),
+       (q, k, v, jnp.float32(0.2))),
+      (lambda backend: lambda q, k, v, kp, vp, s: ops.prefix_cached_attention(q, k, v, kp, vp, sm_scale=s,
+                                                                               backend=backend),
+       (q, k, v, kp, vp, jnp.float32(0.125))),
+      (lambda backend: lambda q, k, v: ops.block_causal_attention(q, k, v, ids, backend=backend), (q, k, v)),
+  ]
+  for op, args in calls:
+    argnums = tuple(range(len(args)))
+    got = gradients.grads(op("pallas"), args, argnums)
+    want = gradients.grads(op("xla"), args, argnums)
+    gradients.assert_grads_close(got, want)
+
+
+def test_masked_gradients_are_exactly_zero():
+  """Keys hidden by key_valid get dk = dv = 0; rows that see no key get
+  dq = 0 (and so do a key block no query sees)."""
+  q, k, v = qkv(4, 33, 40)
+  got = gradients.grads(kernel_attention(key_valid=_HOLED), (q, k, v), (0, 1, 2))
+  dq, dk, dv = (np.asarray(g, np.float32) for g in got)
+  hidden = ~np.asarray(_HOLED)
+  assert np.all(dk[hidden] == 0.0) and np.all(dv[hidden] == 0.0)
+  assert np.all(dq[1] == 0.0)            # batch row 1 sees no key
+  assert np.all(np.abs(dk[0]).max(axis=(1, 2)) > 0)
+
+
+def test_gradient_runs_pallas_kernels():
+  q, k, v = qkv(1, 20, 20)
+  kp, vp = normal(7, (1, 6, 2, 64)), normal(8, (1, 6, 2, 64))
+  f = lambda q, k, v, kp, vp: ops.prefix_cached_attention(q, k, v, kp, vp, backend="pallas")  # noqa: E731
+  names = gradients.pallas_calls(jax.grad(gradients.loss(f, gradients.weights_like(q.shape)), (0, 1, 2, 3, 4)),
+                                 q, k, v, kp, vp)
+  assert {"flash_attention_bwd_dq", "flash_attention_bwd_dkdv", "flash_attention_bwd_dkdv_prefix"} <= set(names)
+
+
+def test_gradients_match_float64_finite_differences():
+  """float32 inputs through the kernel (interpret mode, small tiles),
+  including the scale, against central differences of float64 numpy
+  attention, with a hidden key and a prefix."""
+  rng = np.random.default_rng(4)
+  q, k, v = (rng.standard_normal((1, n, 1, 16)) for n in (5, 6, 6))
+  kp, vp = rng.standard_normal((2, 1, 3, 1, 16))
+  key_valid = np.array([[True, True, False, True, True, True]])
+  weights = gradients.weights_like(q.shape)
+  visible = np.concatenate([np.ones((1, 5, 3), bool), np.broadcast_to(key_valid[:, None], (1, 5, 6))], axis=2)
+
+  def numpy64(q, k, v, kp, vp, scale):
+    return numpy_attention(q, np.concatenate([kp, k], 1), np.concatenate([vp, v], 1), visible, float(scale))
+
+  def kernel(q, k, v, kp, vp, scale):
+    return fa.flash_attention(q, k, v, key_valid=jnp.asarray(key_valid), k_prefix=kp, v_prefix=vp, sm_scale=scale,
+                              config=SMALL, backward_config=SMALL_BWD, interpret=True)
+  args = [q, k, v, kp, vp, np.array(0.7)]
+  got = jax.grad(gradients.loss(kernel, weights), tuple(range(6)))(*(jnp.asarray(a, jnp.float32) for a in args))
+  want = gradients.finite_difference_grads(numpy64, args, np.asarray(weights, np.float64))
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-4, atol=1e-4)
+
+
+def test_query_block_limits_match_brute_force():
+  """Per key block, the query blocks outside [first, end) see none of its
+  keys; inside, the first and last do (any ids, any key mask)."""
+  rng = np.random.default_rng(0)
+  n, bq, bk = 77, 16, 8
+  for seg in (np.sort(rng.integers(0, 6, (2, n)), axis=1), rng.integers(0, 6, (2, n))):
+    key_valid = rng.random((2, n)) < 0.7
+    key_valid[1, 8:24] = False   # whole key blocks hidden
+    limits = np.asarray(keys_lib.query_block_limits(jnp.asarray(key_valid), jnp.asarray(seg, jnp.int32), batch=2,
+                                                    q_len=n, kv_len=n, block_q=bq, block_k=bk))
+    for b in range(2):
+      sees = (seg[b][None, :] <= seg[b][:, None]) & key_valid[b][None, :]   # [query, key]
+      for j in range(-(-n // bk)):
+        blocks = [i for i in range(-(-n // bq)) if sees[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()]
+        first, end = limits[b, j]
+        if blocks:
+          assert first == blocks[0] and end == blocks[-1] + 1, (b, j, limits[b, j], blocks)
+        else:
+          assert first == end, (b, j, limits[b, j])
+
+
+def backward_launches(name, axes):
+  """The forward (saving lse) and the backward kernels of the heuristic's
+  configs at `axes`: dQ per query block, dK/dV per key block (and per
+  prefix key block)."""
+  a = {**axes, **CONST_AXES[name]}
+  kv_len, prefix_len = a.get("Nk", a["Nq"]), a.get("Np", 0)
+  config = registry.get(name).choose_config(input_avals(name, axes))
+  bwd = fa.choose_backward_config(batch=a["B"], heads=a["H"], q_len=a["Nq"], kv_len=max(kv_len, prefix_len),
+                                  head_dim=a["D"])
+  call = lambda kernel, n, block, c=bwd: TritonCall(kernel, (-(-n // block), a["B"], a["H"]), c.num_warps,  # noqa: E731
+                                                    c.num_stages)
+  out = [call("flash_attention", a["Nq"], config.block_q, config),
+         call("flash_attention_bwd_dq", a["Nq"], bwd.block_q_dq),
+         call("flash_attention_bwd_dkdv", kv_len, bwd.block_k_dkv)]
+  if prefix_len:
+    out.append(call("flash_attention_bwd_dkdv_prefix", prefix_len, bwd.block_k_dkv))
+  return out
+
+
+@pytest.mark.parametrize("name,axes", [(n, a) for n, all_axes in LOWERING_AXES.items() for a in all_axes])
+def test_backward_lowers_to_its_launches(name, axes):
+  avals = input_avals(name, axes)
+  names = list(avals)   # every input an argument (masks too); gradients of the floating ones
+
+  def loss(*args):
+    x = dict(zip(names, args))
+    masks = {k: x[k] for k in ("key_valid", "segment_ids", "k_prefix", "v_prefix") if k in x}
+    return jnp.sum(fa.flash_attention(x["q"], x["k"], x["v"], interpret=False, **masks).astype(jnp.float32))
+  floating = tuple(i for i, k in enumerate(names) if k in ("q", "k", "v", "k_prefix", "v_prefix"))
+  calls = triton_calls(lower_for_h100(jax.grad(loss, floating), *avals.values()))
+  assert sorted(calls) == sorted(backward_launches(name, axes))

@@ -29,20 +29,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("block_causal_attention", "nan_in_a_later_segment"): "NaN values of a later segment reach earlier rows",
     ("neighborhood_attention_3d", "nan_in_one_value"):
         "one NaN value reaches queries whose window excludes it (halo tile: p=0 x NaN)",
-    # grouped: router, grouped GEMM
-    ("moe_router", "nan_hidden_row"): "a NaN hidden row selects id E_pad (32 with E=24), out of range",
-    ("moe_router", "inf_hidden_row"): "an Inf hidden row selects id E_pad (32 with E=24), out of range",
-    ("moe_router", "nan_weight_row"): "a NaN weight row (expert 7) gives ids E_pad in every row",
-    ("grouped_gemm_fp8_fp4", "unsorted"): "unsorted expert ids: NaN rows",
-    ("grouped_gemm_fp8_fp4", "issue_row"): "ids [3,0,2,0,1,-1]: a NaN row",
-    ("grouped_gemm_fp8_fp4", "id_past_e"): "ids >= E: NaN rows and garbage (diff 2.3) instead of 0",
-    ("grouped_gemm_fp8_fp4", "negative_id"): "ids < -1: NaN rows instead of 0",
-    ("grouped_gemm_fp8_fp4", "nan_in_padding_rows"): "padding / out-of-range rows: NaN instead of 0",
-    # gdn: prefill
-    ("gdn_prefill", "cu_past_t"): "cu_seqlens past T: NaN outputs and states (XLA: cut at T)",
-    ("gdn_prefill", "cu_decreasing"): "decreasing cu_seqlens: other outputs and states (diff 0.66)",
-    ("gdn_prefill", "cu_negative_start"): "cu_seqlens[0] < 0: NaN outputs and states",
-    ("gdn_prefill", "nan_in_uncovered_tokens"): "NaN in tokens after cu_seqlens[N] reaches outputs",
     # qsa: index and sparse GQA
     ("qsa_index_topk", "entry_past_np"): "selects blocks of a page-table entry >= NP",
     ("qsa_index_topk", "negative_entry"): "selects blocks of a negative page-table entry",

@@ -2,7 +2,7 @@
 blockings for the kernel in interpret mode; lowering at every recorded
 batch) and the family's own checks: the reference against an independent
 float64 NumPy recurrence (shared with test_gdn_prefill.py), the scale, input
-synthesis and CPU axes. (The checks themselves: test_definitions.py and
+synthesis, CPU axes and the gradients of both paths. (The checks themselves: test_definitions.py and
 kit.py.)"""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkern import ops
 from jaxkern.families import gdn_decode as fam_decode
+import gradients
 from kit import Case, TritonCall
 from pallas_kernels import gdn_decode as gk_decode
 from numerics import assert_bf16_close
@@ -118,6 +120,55 @@ def test_decode_scale_traced_under_jit():
 
 
 # ---------------------------------------------------------------- synthesis
+
+
+# ---------------------------------------------------------------- gradients
+
+DIFFERENTIABLE = ("q", "k", "v", "state", "A_log", "a", "dt_bias", "b")
+
+
+def decode_loss(backend, weights):
+  def f(*args):
+    out, new_state = ops.gdn_decode(*args, 1.0, backend=backend)
+    return jnp.sum(out.astype(jnp.float32) * weights[0]) + jnp.sum(new_state * weights[1])
+  return f
+
+
+def test_decode_gradients_of_both_paths_agree_under_jit():
+  """The Pallas path (interpret mode; backward through the reference's VJP,
+  `jaxkern.autodiff`) against the XLA path for every floating input."""
+  x = decode_inputs(3, seed=6)
+  args = tuple(x[n] for n in DIFFERENTIABLE)
+  weights = (gradients.weights_like(x["v"].shape, 1), gradients.weights_like(x["state"].shape, 2))
+  argnums = tuple(range(len(args)))
+  pallas = jax.jit(jax.grad(decode_loss("pallas", weights), argnums))(*args)
+  xla = jax.jit(jax.grad(decode_loss("xla", weights), argnums))(*args)
+  gradients.assert_grads_close(pallas, xla, DIFFERENTIABLE)
+  assert all(np.abs(np.asarray(g, np.float32)).max() > 0 for g in pallas)
+
+
+def test_decode_gradients_match_float64_finite_differences():
+  """float32 inputs (B=2, HQ=1, HV=2, D=4) on the XLA path against central
+  differences of the float64 recurrence."""
+  rng = np.random.default_rng(8)
+  b, hq, hv, d = 2, 1, 2, 4
+  x64 = {"q": rng.standard_normal((b, 1, hq, d)) * 0.5, "k": rng.standard_normal((b, 1, hq, d)) * 0.5,
+         "v": rng.standard_normal((b, 1, hv, d)), "state": rng.standard_normal((b, hv, d, d)) * 0.5,
+         "A_log": rng.uniform(-1.0, 0.5, hv), "a": rng.standard_normal((b, 1, hv)),
+         "dt_bias": rng.uniform(-1.0, 0.5, hv), "b": rng.standard_normal((b, 1, hv))}
+  weights = (gradients.weights_like((b, 1, hv, d), 3), gradients.weights_like((b, hv, d, d), 4))
+  got = jax.grad(decode_loss("xla", weights), tuple(range(8)))(*(jnp.asarray(x64[n], jnp.float32)
+                                                                 for n in DIFFERENTIABLE))
+
+  def fn64(*values):
+    x = {n: v[:, 0] if n in ("q", "k", "v", "a", "b") else v for n, v in zip(DIFFERENTIABLE, values)}
+    out, new_state = numpy_gdn({**x, "scale": 1.0}, (1,) * b)
+    return np.concatenate([out.ravel(), new_state.ravel()])
+
+  w64 = np.concatenate([np.asarray(w, np.float64).ravel() for w in weights])
+  want = gradients.finite_difference_grads(fn64, [x64[n] for n in DIFFERENTIABLE], w64)
+  for name, g, w in zip(DIFFERENTIABLE, got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-3, atol=2e-3 * np.abs(w).max(), err_msg=name)
 
 
 def check_against_definition(name, inputs, axes):

@@ -1,19 +1,27 @@
-"""Gated delta net chunked prefill (SPEC 4.8): the kit's data (launches;
-edge cases for the kernel in interpret mode: chunk boundaries, empty
-sequences, 64 sequences, other blockings, correlated keys; lowering of one
-long sequence) and the family's own checks: the reference against the
-float64 NumPy recurrence of test_gdn_decode.py, independence of packed
-sequences, the one-token case against decode, input synthesis and CPU axes.
+"""Gated delta net chunked prefill (SPEC 4.8): the kit's data (launches of
+both forms; edge cases for the kernel in interpret mode: chunk boundaries,
+empty sequences, 24 short sequences, other blockings and chunk sizes,
+correlated keys; lowering of the heuristic's launches at T=6, 5709 and 8192)
+and the family's own checks: the reference against the float64 NumPy
+recurrence of test_gdn_decode.py, independence of packed sequences, the
+one-token case against decode, the chunk-parallel grid size, input synthesis
+and CPU axes.
 (The checks themselves: test_definitions.py and kit.py.)"""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkern import ops
+from jaxkern import registry
 from jaxkern.families import gdn_prefill as fam_prefill
+import gradients
+import kit
 from kit import Case, TritonCall
 from pallas_kernels import gdn_decode as gk_decode
 from pallas_kernels import gdn_prefill as gk_prefill
@@ -49,15 +57,28 @@ def state_errors(actual, desired):
 
 
 def launches(config, axes):
-  """Grid (sequences, HV, V blocks)."""
-  d = axes["head_size"]
-  return [TritonCall("gdn_prefill", (axes["num_seqs"], axes["num_v_heads"], d // min(config.block_v, d)),
-                     config.num_warps, config.num_stages)]
+  """Form "chunked": intra and output grids over the chunk slots (T // chunk
+  + N + 2: every sequence's chunks and two gap segments), the state pass over
+  (sequences, HV, V blocks); form "serial": (sequences, HV, V blocks)."""
+  t, n, hv, d = (axes[a] for a in ("total_seq_len", "num_seqs", "num_v_heads", "head_size"))
+  if t == 0 or n == 0:
+    return []
+  if config.form == "serial":
+    s = config.serial
+    return [TritonCall("gdn_prefill_serial", (n, hv, d // min(s.block_v, d)), s.num_warps, s.num_stages)]
+  slots = t // config.chunk + n + 2
+  intra, state, output = config.intra, config.state, config.output
+  return [TritonCall("gdn_prefill_intra", (slots, hv, 1), intra.num_warps, intra.num_stages),
+          TritonCall("gdn_prefill_state", (n, hv, d // min(state.block_v, d)), state.num_warps, state.num_stages),
+          TritonCall("gdn_prefill_output", (slots, hv, d // min(output.block_v, d)), output.num_warps,
+                     output.num_stages)]
 
 
 # One V block per head: fewest programs in interpret mode (each copies the
 # state buffer); other blockings are cases of their own.
-SMALL_PREFILL = gk_prefill.GdnPrefillConfig(chunk=64, block_v=128)
+SMALL_PREFILL = gk_prefill.GdnPrefillConfig(state=gk_prefill.StateStage(block_v=128),
+                                             output=gk_prefill.OutputStage(block_v=128))
+SMALL_SERIAL = gk_prefill.GdnPrefillConfig(form="serial", chunk=32, serial=gk_prefill.SerialStage(block_v=128))
 
 
 def close_to_the_recurrence(lengths):
@@ -89,29 +110,39 @@ def state_within_rounding_noise(out, ref, inputs):
   assert state_errors(out["new_state"], ref["new_state"])[0] < 1e-4
 
 
-def _sixty_four_lengths():
-  lengths = np.random.default_rng(0).integers(0, 4, 64)
+def _many_lengths():
+  lengths = np.random.default_rng(0).integers(0, 4, 24)
   lengths[5] = 0
   return lengths
 
 
+# Chunk boundaries (1, 63, 64, 65 tokens), an empty first and an empty
+# inner sequence, three chunks with a ragged last one.
+BOUNDARY_LENGTHS = (0, 1, 63, 64, 0, 65, 130)
+
 KERNEL_CASES = [
-    *(Case(PREFILL, inputs=lambda lengths=lengths: prefill_inputs(lengths, seed=len(lengths), scale=1.0),
-           config=SMALL_PREFILL, check=close_to_the_recurrence(lengths), id=label)
-      for lengths, label in [((1, 63, 64, 65), "every_chunk_boundary"), ((40, 0, 90), "empty_inside"),
-                             ((0, 17), "empty_first"), ((130,), "three_chunks_ragged_last")]),
-    Case(PREFILL, inputs=lambda: prefill_inputs(_sixty_four_lengths(), seed=64),
-         config=gk_prefill.GdnPrefillConfig(block_v=128), id="sixty_four_sequences"),
+    *(Case(PREFILL, inputs=lambda: prefill_inputs(BOUNDARY_LENGTHS, seed=7, scale=1.0), config=config,
+           check=close_to_the_recurrence(BOUNDARY_LENGTHS), id=f"chunk_boundaries_{config.form}")
+      for config in (SMALL_PREFILL, SMALL_SERIAL)),
+    Case(PREFILL, inputs=lambda: prefill_inputs(_many_lengths(), seed=24),
+         config=SMALL_PREFILL, id="many_short_sequences"),
     *(Case(PREFILL, inputs=lambda: prefill_inputs((70, 1, 33), seed=8, scale=1.0), config=config,
-           id=f"chunk{config.chunk}_block_v{config.block_v}_{config.dot_precision}")
-      for config in (gk_prefill.GdnPrefillConfig(chunk=32, block_v=64),
-                     gk_prefill.GdnPrefillConfig(chunk=16, block_v=32),
-                     gk_prefill.GdnPrefillConfig(chunk=64, block_v=32, dot_precision="bf16"))),
-    Case(PREFILL, inputs=correlated_keys, config=gk_prefill.GdnPrefillConfig(chunk=32, block_v=128),
-         check=state_within_rounding_noise, id="correlated_keys"),
+           id=f"{config.form}_chunk{config.chunk}_{config.dot_precision}_blocks{config.state.block_v}"
+              f"_{config.output.block_v}_{config.intra.block_d}_{config.intra.solve_block}")
+      for config in (gk_prefill.GdnPrefillConfig(chunk=32, intra=gk_prefill.IntraStage(solve_block=32),
+                                                 output=gk_prefill.OutputStage(block_v=32)),
+                     gk_prefill.GdnPrefillConfig(chunk=16, intra=gk_prefill.IntraStage(block_d=128),
+                                                 state=gk_prefill.StateStage(block_v=16)),
+                     gk_prefill.GdnPrefillConfig(dot_precision="bf16", intra=gk_prefill.IntraStage(solve_block=64)))),
+    *(Case(PREFILL, inputs=correlated_keys, config=config, check=state_within_rounding_noise,
+           id=f"correlated_keys_{config.form}") for config in (SMALL_PREFILL, SMALL_SERIAL)),
 ]
-LOWERING_CASES = [Case(PREFILL, {"total_seq_len": 8192, "num_seqs": 1, "len_cu_seqlens": 2},
-                       id="one_long_sequence")]
+# Every candidate on two short sequences (one with a partial second chunk).
+SWEEP_CASE = Case(PREFILL, {"total_seq_len": 90, "num_seqs": 2, "len_cu_seqlens": 3})
+# The heuristic's launches where the issue asks for them: one short prefill
+# (the serial form), two long sequences, 57 sequences (the largest record).
+LOWERING_CASES = [Case(PREFILL, {"total_seq_len": t, "num_seqs": n, "len_cu_seqlens": n + 1}, id=f"t{t}_n{n}")
+                  for t, n in ((8192, 1), (6, 1), (5709, 2), (8192, 57))]
 
 
 @pytest.mark.parametrize("lengths,scale", [((3, 0, 5, 1), 0.0), ((0, 7), 0.7)])
@@ -130,14 +161,17 @@ def test_prefill_reference_matches_float64(lengths, scale):
 
 
 def test_prefill_sequences_are_independent():
-  """A packed sequence sees neither its neighbours' tokens nor their states."""
-  lengths = (50, 70)
-  x = prefill_inputs(lengths, seed=3, scale=1.0)
+  """A packed sequence sees neither its neighbours' tokens nor their states,
+  wherever it starts: sequence B after A (50 tokens) and before other
+  tokens A' gives bit-identical outputs and state (same shapes: one compile)."""
+  x = prefill_inputs((50, 70), seed=3, scale=1.0)
+  y = {**prefill_inputs((70, 50), seed=4, scale=1.0), "A_log": x["A_log"], "dt_bias": x["dt_bias"]}
+  for n in ("q", "k", "v", "a", "b"):
+    y[n] = y[n].at[:70].set(x[n][50:])
+  y["state"] = y["state"].at[0].set(x["state"][1])
   out, new_state = gk_prefill.gdn_prefill(**x, config=SMALL_PREFILL, interpret=True)
-  second = {**x, "q": x["q"][50:], "k": x["k"][50:], "v": x["v"][50:], "a": x["a"][50:],
-            "b": x["b"][50:], "state": x["state"][1:], "cu_seqlens": jnp.array([0, 70], jnp.int32)}
-  out2, state2 = gk_prefill.gdn_prefill(**second, config=SMALL_PREFILL, interpret=True)
-  np.testing.assert_array_equal(np.asarray(out[50:], np.float32), np.asarray(out2, np.float32))
+  out2, state2 = gk_prefill.gdn_prefill(**y, config=SMALL_PREFILL, interpret=True)
+  np.testing.assert_array_equal(np.asarray(out[50:], np.float32), np.asarray(out2[:70], np.float32))
   np.testing.assert_array_equal(np.asarray(new_state[1]), np.asarray(state2[0]))
 
 
@@ -151,12 +185,126 @@ def test_prefill_single_token_matches_decode():
   assert_f32_close(new_state, dec_state)
 
 
+def test_heuristic_grids():
+  """Two waves on 132 SMs at the recorded T=5709 with two sequences (the
+  launches parallel over chunks); the serial form where T <= 32."""
+  op = registry.get(PREFILL)
+  axes = {"total_seq_len": 5709, "num_seqs": 2, "len_cu_seqlens": 3}
+  calls = kit.lowered_calls(op, axes, op.choose_config(op.input_shapes(axes)))
+  assert max(math.prod(c.grid) for c in calls) >= 2 * 132, calls
+  for t, form in ((6, "serial"), (32, "serial"), (33, "chunked"), (8192, "chunked")):
+    assert op.choose_config(op.input_shapes({"total_seq_len": t, "num_seqs": 1, "len_cu_seqlens": 2})).form == form
+
+
 def test_prefill_everything_empty():
   x = prefill_inputs((0, 0), seed=1)
   out, new_state = gk_prefill.gdn_prefill(**x, interpret=True)
   assert out.shape == (0, 8, 128) and np.all(np.asarray(new_state) == 0)
   ref_out, ref_state = fam_prefill.gdn_prefill_reference(**x)
   assert ref_out.shape == (0, 8, 128) and np.all(np.asarray(ref_state) == 0)
+
+
+# ------------------------------------------- cu_seqlens outside the contract
+
+
+@pytest.mark.parametrize("config", [SMALL_PREFILL, SMALL_SERIAL], ids=lambda c: c.form)
+def test_cu_seqlens_outside_the_contract(config):
+  """Bounds past T, negative or decreasing mean their clamped running
+  maximum on both paths (`gdn_chunks.normalize_cu_seqlens`): the kernel
+  gives exactly what it gives on the normalized bounds (no NaN from rows
+  past T), zero outputs for tokens of no sequence, and the reference's
+  answer. The serial form runs where T <= 32."""
+  total = 30 if config.form == "serial" else 50
+  x = prefill_inputs((total, 0, 0), seed=13, scale=1.0)
+  bad = jnp.array([3, total + 40, -2, 12], jnp.int32)
+  good = jnp.array([3, total, total, total], jnp.int32)
+  out, new_state = gk_prefill.gdn_prefill(**{**x, "cu_seqlens": bad}, config=config, interpret=True)
+  want_out, want_state = gk_prefill.gdn_prefill(**{**x, "cu_seqlens": good}, config=config, interpret=True)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+  np.testing.assert_array_equal(np.asarray(new_state), np.asarray(want_state))
+  assert np.all(np.asarray(out[:3], np.float32) == 0) and np.all(np.asarray(new_state[1:]) == 0)
+  ref_out, ref_state = fam_prefill.gdn_prefill_reference(**{**x, "cu_seqlens": bad})
+  assert_bf16_close(out, ref_out)
+  assert state_errors(new_state, ref_state)[0] < 1e-4
+
+
+# ---------------------------------------------------------------- gradients
+
+
+DIFFERENTIABLE = ("q", "k", "v", "state", "A_log", "a", "dt_bias", "b")
+
+
+def op_loss(backend, cu_seqlens, weights):
+  """Weighted sum of both outputs of the public op on `backend`."""
+  w_out, w_state = weights
+  def f(*args):
+    out, new_state = ops.gdn_prefill(*args, cu_seqlens, 1.0, backend=backend)
+    return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(new_state * w_state)
+  return f
+
+
+def test_gradients_of_both_paths_agree_under_jit():
+  """Every floating input (state and gate parameters included) on ragged
+  sequences (an empty one, a partial chunk): the Pallas path (chunked
+  forward, interpret mode; backward through the reference's VJP,
+  `jaxkern.autodiff`) against the XLA path, both under jit(grad); the
+  gradient's jaxpr runs the forward kernel's three launches."""
+  lengths = (45, 0, 20)
+  x = prefill_inputs(lengths, seed=17)
+  args = tuple(x[n] for n in DIFFERENTIABLE)
+  weights = (gradients.weights_like(x["v"].shape, 1), gradients.weights_like(x["state"].shape, 2))
+  argnums = tuple(range(len(args)))
+  pallas = jax.jit(jax.grad(op_loss("pallas", x["cu_seqlens"], weights), argnums))(*args)
+  xla = jax.jit(jax.grad(op_loss("xla", x["cu_seqlens"], weights), argnums))(*args)
+  gradients.assert_grads_close(pallas, xla, DIFFERENTIABLE)
+  assert np.all(np.asarray(pallas[3][1]) == 0)                   # the empty sequence's state
+  assert all(np.abs(np.asarray(g, np.float32)).max() > 0 for g in pallas)
+  names = gradients.pallas_calls(jax.grad(op_loss("pallas", x["cu_seqlens"], weights)), *args)
+  assert {"gdn_prefill_intra", "gdn_prefill_state", "gdn_prefill_output"} <= set(names), names
+
+
+def test_nan_in_tokens_of_no_sequence_reaches_no_gradient():
+  """Tokens before cu_seqlens[0] and after cu_seqlens[N] hold NaN: the XLA
+  path's outputs there are 0 and every gradient is finite (the reference
+  zeroes them before its scan, so where's unselected branch holds no NaN)."""
+  x = prefill_inputs((40,), seed=19)
+  for name in ("q", "k", "v", "a", "b"):
+    x[name] = x[name].at[:3].set(jnp.nan).at[-4:].set(jnp.nan)
+  cu = jnp.array([3, 36], jnp.int32)
+  weights = (gradients.weights_like(x["v"].shape, 1), gradients.weights_like(x["state"].shape, 2))
+  args = tuple(x[n] for n in DIFFERENTIABLE)
+  out, _ = ops.gdn_prefill(*args, cu, 1.0, backend="xla")
+  assert np.all(np.asarray(out[:3], np.float32) == 0) and np.all(np.isfinite(np.asarray(out, np.float32)))
+  grads = jax.jit(jax.grad(op_loss("xla", cu, weights), tuple(range(len(args)))))(*args)
+  for name, g in zip(DIFFERENTIABLE, grads):
+    assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+
+
+def test_gradients_match_float64_finite_differences():
+  """The XLA path's gradients (float32 inputs, a sequence of 2 tokens, an
+  empty one, one of 3) against central differences of the float64
+  recurrence (test_gdn_decode.numpy_gdn), for every floating input."""
+  lengths = (2, 0, 3)
+  rng = np.random.default_rng(5)
+  total, n, hq, hv, d = sum(lengths), len(lengths), 1, 2, 4
+  x64 = {"q": rng.standard_normal((total, hq, d)) * 0.5, "k": rng.standard_normal((total, hq, d)) * 0.5,
+         "v": rng.standard_normal((total, hv, d)), "state": rng.standard_normal((n, hv, d, d)) * 0.5,
+         "A_log": rng.uniform(-1.0, 0.5, hv), "a": rng.standard_normal((total, hv)),
+         "dt_bias": rng.uniform(-1.0, 0.5, hv), "b": rng.standard_normal((total, hv))}
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+  weights = (gradients.weights_like((total, hv, d), 3), gradients.weights_like((n, hv, d, d), 4))
+  f = op_loss("xla", cu, weights)
+  # The float64 loss as one weighted output: outputs and states side by side.
+  got = jax.grad(f, tuple(range(8)))(*(jnp.asarray(x64[k], jnp.float32) for k in DIFFERENTIABLE))
+
+  def fn64(*values):
+    out, new_state = numpy_gdn({**dict(zip(DIFFERENTIABLE, values)), "scale": 1.0}, lengths)
+    return np.concatenate([out.ravel(), new_state.ravel()])
+
+  w64 = np.concatenate([np.asarray(w, np.float64).ravel() for w in weights])
+  want = gradients.finite_difference_grads(fn64, [x64[k] for k in DIFFERENTIABLE], w64)
+  for name, g, w in zip(DIFFERENTIABLE, got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-3, atol=2e-3 * np.abs(w).max(), err_msg=name)
 
 
 # ---------------------------------------------------------------- synthesis

@@ -1,11 +1,14 @@
-"""FP8 x FP4 grouped GEMM: the kit's data (launches; the edge cases of issue
-11 for the kernel in interpret mode: decode M = 6 with six experts, one-row
-experts, group boundaries inside a row tile, -1 padding rows, ragged M/N/K;
-lowering of every candidate at decode M = 6) and the family's own checks:
-the in-kernel e2m1 decode, the work list, the reference vs float64 NumPy,
+"""FP8 x FP4 grouped GEMM: the kit's data (launches; the edge cases of issues
+11 and 20 for the kernel in interpret mode: decode M = 6 with six experts,
+one-row experts, group boundaries inside a row tile, -1 padding rows, ragged
+M/N/K, rows in any order, ids outside [0, E), tiles with more experts than
+slots, both operand roles; lowering of every candidate at decode M = 6) and
+the family's own checks: the e2m1 -> e4m3 decode (jnp, and the PTX text on
+every byte), the tile's expert ranking, the reference vs float64 NumPy,
 synthesis, cpu_axes, the heuristic. (The checks themselves:
 test_definitions.py and kit.py.)"""
 
+import functools
 import json
 import pathlib
 
@@ -16,9 +19,12 @@ import pytest
 
 from jaxkern import quant
 from jaxkern.families import grouped_gemm as fam
+from jaxkern import ops
 from kit import EVERY_CANDIDATE, Case, TritonCall
+from pallas_kernels import fp8_mma
 from pallas_kernels import fp_formats
 from pallas_kernels import grouped_gemm as gg
+from pallas_kernels.common import has_gpu
 
 # The Triton-lowering DeprecationWarning is expected (SPEC 2); pytest resets
 # the process-wide filter per test.
@@ -59,99 +65,178 @@ def grouped(sizes, pad_to=1):
   return ids
 
 
-SMALL = gg.GroupedGemmConfig(16, 32, 64, num_warps=4, num_stages=2)
+SMALL = gg.GroupedGemmConfig(16, 32, 64, expert_slots=2, num_warps=4, num_stages=2)
+SMALL_SWAPPED = gg.GroupedGemmConfig(16, 32, 64, expert_slots=2, swap_ab=True, num_warps=4, num_stages=2)
+# label: (ids, N, K, config, E)
 CASES = {
     # One decode token: six different experts, six rows in one tile.
-    "decode_six_experts": ([1, 4, 5, 9, 12, 15], 96, 128, None),
+    "decode_six_experts": ([1, 4, 5, 9, 12, 15], 96, 128, None, 16),
     # Three decode tokens sharing experts (M = 18), one-row experts included.
-    "decode_three_tokens": (grouped([(0, 2), (3, 1), (4, 3), (7, 2), (8, 1), (9, 3), (13, 4), (15, 2)]), 80, 96, None),
+    "decode_three_tokens": (grouped([(0, 2), (3, 1), (4, 3), (7, 2), (8, 1), (9, 3), (13, 4), (15, 2)]), 80, 96,
+                            None, 16),
     # Group boundaries inside 16-row tiles, experts of one row, a ragged
-    # last tile (M = 37), N and K not block multiples (K = 96: block_k 32).
-    "boundaries_in_tiles": (grouped([(0, 1), (2, 5), (3, 1), (5, 17), (6, 1), (9, 12)]), 40, 96, SMALL),
+    # last tile (M = 37), N and K not block multiples (K = 96: block_k 32);
+    # tiles of three experts on two slots (a slot takes two turns); both
+    # operand roles.
+    "boundaries_in_tiles": (grouped([(0, 1), (2, 5), (3, 1), (5, 17), (6, 1), (9, 12)]), 40, 96, SMALL, 16),
+    "boundaries_in_tiles_swapped": (grouped([(0, 1), (2, 5), (3, 1), (5, 17), (6, 1), (9, 12)]), 40, 96,
+                                    SMALL_SWAPPED, 16),
     # DeepGEMM-style padding: every group padded with -1 rows to 16, so a
     # whole tile is padding; plus a padding tail.
-    "padded_groups": (grouped([(1, 3), (2, 16), (4, 5), (7, 1)], pad_to=16) + [-1] * 19, 32, 64, SMALL),
+    "padded_groups": (grouped([(1, 3), (2, 16), (4, 5), (7, 1)], pad_to=16) + [-1] * 19, 32, 64, SMALL, 16),
     # Padding rows in the middle of a tile shared by two experts.
-    "padding_inside_tile": ([2, 2, -1, -1, 3, 3, 3, -1, 5, -1, -1, 6, 6, 6, 6, -1, 7, 7, -1], 48, 64, SMALL),
-    "one_row": ([3], 16, 32, None),
-    "all_padding": ([-1] * 20, 32, 32, SMALL),
-    # A larger tile: 32-row tiles over 70 rows, 8-warp config shape.
+    "padding_inside_tile": ([2, 2, -1, -1, 3, 3, 3, -1, 5, -1, -1, 6, 6, 6, 6, -1, 7, 7, -1], 48, 64, SMALL, 16),
+    "one_row": ([3], 16, 32, None, 16),
+    "all_padding": ([-1] * 20, 32, 32, SMALL, 16),
+    # A larger tile: 32-row tiles over 70 rows, activations on the M side.
     "block_m_32": (grouped([(e, r) for e, r in enumerate([5, 9, 1, 14, 3, 20, 2, 16])]), 64, 128,
-                   gg.GroupedGemmConfig(32, 64, 128, num_warps=4, num_stages=3)),
+                   gg.GroupedGemmConfig(32, 64, 128, num_warps=4, num_stages=3), 16),
+    # Issue 20: rows in any order (the kernel gave a NaN row) and ids
+    # outside [0, E) (7 with E = 4, -5: rows of zeros; the kernel gave NaN
+    # or garbage).
+    "unsorted_ids": ([3, 0, 2, 0, 1, -1], 32, 64, None, 4),
+    "out_of_range_ids": ([7, 0, -5, 2, 3, 7, 1, -1, 4, -5], 32, 64, None, 4),
+    # Rows shuffled over three 16-row tiles (up to nine experts a tile on
+    # two slots), invalid ids scattered.
+    "shuffled_rows": ([int(x) for x in np.random.default_rng(5).permutation(
+        grouped([(e, r) for e, r in enumerate([4, 7, 1, 9, 3, 6, 2, 5, 8, 1, 3])]) + [-1, -1, 40, -3])],
+                      32, 64, SMALL, 11),
 }
 
 
 def launches(config, axes):
-  """Grid (N blocks, work items): every row tile once, plus one item per
-  further expert a tile holds (at most min(E, M) - 1 in all)."""
-  m = axes["M"]
-  items = -(-m // config.block_m) + max(min(axes["E"], m), 1) - 1
-  return [TritonCall("grouped_gemm_fp8_fp4", (-(-axes["N"] // config.block_n), items, 1), config.num_warps,
+  """Grid (N blocks, expert slots, row tiles), blocks fitted to the problem
+  (powers of two >= 16 covering M and N), the slots to the most experts a
+  row tile can hold (min(E, block_m, M))."""
+  fit = lambda block, size: max(16, min(block, 1 << max(size - 1, 0).bit_length()))  # noqa: E731
+  m, n = axes["M"], axes["N"]
+  block_m, block_n = fit(config.block_m, m), fit(config.block_n, n)
+  slots = min(config.expert_slots, max(1, min(axes["E"], block_m, m)))
+  return [TritonCall("grouped_gemm_fp8_fp4", (-(-n // block_n), slots, -(-m // block_m)), config.num_warps,
                      config.num_stages)]
 
 
-def padding_rows_are_zero(ids):
+def invalid_rows_are_zero(ids, e):
   def check(out, ref, inputs):
-    pad = np.asarray(ids) < 0
-    assert (np.asarray(out["C"], np.float32)[pad] == 0).all()
-    assert np.abs(np.asarray(ref["C"], np.float32)[~pad]).max(initial=1) > 0.1
+    invalid = (np.asarray(ids) < 0) | (np.asarray(ids) >= e)
+    assert (np.asarray(out["C"], np.float32)[invalid] == 0).all()
+    assert np.abs(np.asarray(ref["C"], np.float32)[~invalid]).max(initial=1) > 0.1
   return check
 
 
 KERNEL_CASES = [
-    Case(DEFINITIONS[0], inputs=lambda ids=ids, n=n, k=k: operands(ids, n, k, e=16, seed=len(ids)), config=config,
-         check=padding_rows_are_zero(ids), id=label)
-    for label, (ids, n, k, config) in sorted(CASES.items())]
+    Case(DEFINITIONS[0], inputs=lambda ids=ids, n=n, k=k, e=e: operands(ids, n, k, e=e, seed=len(ids)), config=config,
+         check=invalid_rows_are_zero(ids, e), id=label)
+    for label, (ids, n, k, config, e) in sorted(CASES.items())]
 LOWERING_CASES = [Case(name, {"M": 6}, config=EVERY_CANDIDATE, id="decode_m6") for name in DEFINITIONS]
 SWEEP_CASE = Case(DEFINITIONS[0], {"M": 18, "E": 16, "N": 64, "K": 128, "K_groups": 4, "K_packed": 64})
 
 
-def test_kernel_e2m1_decode_is_fp_formats_exactly():
+@pytest.mark.parametrize("ids", [[3, 0, 2, 0, 1, -1], [7, 0, -5, 2, 3, 7, 1, -1]], ids=["unsorted", "out_of_range"])
+def test_issue20_rows_pallas_matches_xla(ids):
+  """Issue 20: unsorted expert ids, and ids outside [0, E) (E = 4), give the
+  XLA path's answer through `jaxkern.ops` (the kernel in interpret mode):
+  each row its expert's product, zero rows for invalid ids."""
+  x = operands(ids, 32, 64, e=4, seed=1)
+  pallas, xla = (np.asarray(ops.grouped_gemm_fp8_fp4(**x, backend=b), np.float32) for b in ("pallas", "xla"))
+  assert np.isfinite(pallas).all()
+  np.testing.assert_array_equal(pallas, xla)
+  invalid = (np.asarray(ids) < 0) | (np.asarray(ids) >= 4)
+  assert (xla[invalid] == 0).all() and (np.abs(xla[~invalid]).max(axis=1) > 0).all()
+
+
+def test_e2m1_to_e4m3_is_the_e2m1_value_times_2_to_the_minus_6():
   packed = jnp.arange(256, dtype=jnp.uint8)
-  even, odd = gg.e2m1_bytes_to_f32(packed)
-  for got, codes in zip((even, odd), fp_formats.unpack_e2m1(packed)):
-    want = np.asarray(fp_formats.e2m1_to_f32(codes))
-    np.testing.assert_array_equal(np.asarray(got), want)
-    np.testing.assert_array_equal(np.signbit(np.asarray(got)), np.signbit(want))  # -0.0 kept
+  for bits, codes in zip(fp_formats.e2m1_to_e4m3_bits(packed), fp_formats.unpack_e2m1(packed)):
+    got = np.asarray(jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32))
+    want = np.asarray(fp_formats.e2m1_to_f32(codes)) * 2.0**-fp_formats.E2M1_E4M3_EXPONENT
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # -0.0 kept
+  # The operand: even and odd elements interleaved back into k order.
+  operand = fp8_mma.e2m1_to_e4m3_operand(packed.reshape(16, 16), ptx=False)
+  assert operand.shape == (16, 32) and operand.dtype == jnp.float8_e4m3fn
+  values = np.asarray(operand.astype(jnp.float32)).reshape(256, 2) * 64
+  low, high = (np.asarray(x) for x in fp_formats.unpack_e2m1(packed))
+  np.testing.assert_array_equal(values, np.stack([E2M1[low], E2M1[high]], -1))
 
 
-def work_items(ids, e, block_m):
-  tile, expert, first = (np.asarray(x) for x in gg.build_work_list(jnp.asarray(ids, jnp.int32), e, block_m))
-  return tile, expert, first
+def run_ptx_words(asm, words):
+  """Runs a decode's PTX text (shl/shr/and/or .b32 with immediates) on
+  uint32 words with NumPy: `$1` is the input, `$0` the output."""
+  regs = {"$1": words.astype(np.uint32)}
+  value = lambda x: regs[x] if x in regs else np.uint32(int(x, 0))  # noqa: E731
+  alu = {"shl": np.left_shift, "shr": np.right_shift, "and": np.bitwise_and, "or": np.bitwise_or}
+  for line in asm.splitlines():
+    line = line.strip().rstrip(";")
+    if not line or line[0] in "{}.":
+      continue
+    opcode, args = line.split(None, 1)
+    name, kind = opcode.split(".")
+    assert kind == "b32" and name in alu, line
+    dst, a, b = (x.strip() for x in args.split(","))
+    regs[dst] = alu[name](value(a), value(b)).astype(np.uint32)
+  return regs["$0"]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_work_list_covers_every_row_once_within_its_bound(seed):
+def test_ptx_decode_text_matches_jnp_on_every_byte():
+  """The inline-PTX decode (GPU) works on words of four packed bytes. Run
+  as written on every byte value in every byte position (the neighbours
+  varied), it gives `e2m1_to_e4m3_bits`'s bytes: no bit crosses bytes."""
+  byte_values = np.arange(256, dtype=np.uint8)
+  even, odd = (np.asarray(x) for x in fp_formats.e2m1_to_e4m3_bits(jnp.asarray(byte_values)))
+  for position in range(4):
+    packed = np.stack([np.roll(byte_values, 37 * i + 11) for i in range(4)], axis=-1)
+    packed[:, position] = byte_values
+    words = np.ascontiguousarray(packed).view(np.uint32)[:, 0]
+    for asm, want in ((fp8_mma.E2M1_EVEN_TO_E4M3_PTX, even), (fp8_mma.E2M1_ODD_TO_E4M3_PTX, odd)):
+      got = run_ptx_words(asm, words).view(np.uint8).reshape(256, 4)
+      np.testing.assert_array_equal(got, want[packed])
+
+
+@pytest.mark.skipif(not has_gpu(), reason="inline PTX runs only in a Triton kernel on a GPU")
+def test_ptx_decode_and_promotion_equal_the_jnp_forms_on_the_gpu():
+  """On a GPU: the PTX decode of all 256 bytes and the PTX promotion give
+  the jnp forms' results exactly."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+
+  def kernel(packed_ref, part_ref, acc_ref, decoded_ref, promoted_ref, *, ptx):
+    decoded_ref[...] = fp8_mma.e2m1_to_e4m3_operand(packed_ref[...], ptx=ptx).astype(jnp.float32)
+    rows = jax.lax.broadcasted_iota(jnp.float32, (16, 1), 0)
+    cols = jax.lax.broadcasted_iota(jnp.float32, (1, 16), 1)
+    promoted_ref[...] = fp8_mma.promote(acc_ref[...], part_ref[...], jnp.exp2(rows - 8), jnp.exp2(7 - cols), ptx=ptx)
+
+  packed = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
+  part, acc = (jax.random.normal(jax.random.key(s), (16, 16), jnp.float32) for s in (0, 1))
+  out_shape = (jax.ShapeDtypeStruct((16, 32), jnp.float32), jax.ShapeDtypeStruct((16, 16), jnp.float32))
+  ptx, plain = (pl.pallas_call(functools.partial(kernel, ptx=p), out_shape=out_shape, interpret=False)(packed, part, acc)
+                for p in (True, False))
+  for got, want in zip(ptx, plain):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_fp8_dot_nt_off_the_gpu_is_the_fp32_dot():
+  a = jax.random.normal(jax.random.key(0), (16, 64)).astype(jnp.float8_e4m3fn)
+  b = jax.random.normal(jax.random.key(1), (32, 64)).astype(jnp.float8_e4m3fn)
+  want = a.astype(jnp.float32) @ b.astype(jnp.float32).T
+  np.testing.assert_allclose(np.asarray(fp8_mma.fp8_dot_nt(a, b)), np.asarray(want), rtol=1e-6)
+  with pytest.raises(ValueError, match="share an fp8 dtype"):
+    fp8_mma.fp8_dot_nt(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"expected a \[M, K\] and b \[N, K\]"):
+    fp8_mma.fp8_dot_nt(a, b[:, :32])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tile_experts_ranked_by_id_in_any_order(seed):
   rng = np.random.default_rng(seed)
-  e, block_m = 12, 16
-  sizes = [(x, int(rng.integers(1, 20))) for x in sorted(rng.choice(e, size=int(rng.integers(1, e)), replace=False))]
-  ids = grouped(sizes, pad_to=int(rng.choice([1, 4, 16])))
-  ids = ids + [-1] * int(rng.integers(0, 20))
-  tile, expert, first = work_items(ids, e, block_m)
-  assert len(tile) == gg.work_list_length(len(ids), e, block_m) == -(-len(ids) // block_m) + min(e, len(ids)) - 1
-  ids = np.asarray(ids)
-  written = np.zeros(len(ids), int)
-  for t, x, f in zip(tile, expert, first):
-    rows = np.arange(t * block_m, min((t + 1) * block_m, len(ids)))
-    if x >= 0:
-      written[rows[ids[rows] == x]] += 1
-    if f:
-      written[rows[ids[rows] == -1]] += 1
-  np.testing.assert_array_equal(written, 1)
-  # Each tile's items: one "first", experts ascending; unused entries are no-ops.
-  real = (expert >= 0) | (first == 1)
-  assert real[:real.sum()].all() and not real[real.sum():].any()
-  assert (np.diff(tile[real]) >= 0).all()
-  assert first[real].sum() == -(-len(ids) // block_m)
-
-
-def test_decode_work_list_is_one_item_per_expert_not_per_expert_id():
-  # M = 6 at E = 384: one tile, six items; the grid never spans the experts.
-  ids = [3, 77, 120, 200, 301, 383]
-  tile, expert, first = work_items(ids, E, 16)
-  assert list(expert) == ids and list(tile) == [0] * 6 and list(first) == [1, 0, 0, 0, 0, 0]
-  assert gg.work_list_length(6, E, 16) == 6
-  assert gg.work_list_length(LARGEST_M, E, 64) == LARGEST_M // 64 + E - 1
+  e = 12
+  ids = rng.integers(-3, e + 3, size=int(rng.choice([1, 7, 16, 32])))
+  key, first, rank, count = (np.asarray(x) for x in gg.rank_tile_experts(jnp.asarray(ids, jnp.int32), e))
+  valid = (ids >= 0) & (ids < e)
+  distinct = np.unique(ids[valid])
+  np.testing.assert_array_equal(key, np.where(valid, ids, e))
+  assert count == len(distinct) == first.sum()
+  # The expert of rank j is the j-th smallest distinct valid id, once.
+  assert [list(key[first & (rank == j)]) for j in range(count)] == [[x] for x in distinct]
 
 
 def reference_float64(a, a_scale, b, b_scale, expert_ids):
@@ -259,18 +344,43 @@ def test_cpu_axes():
 
 
 def test_heuristic():
+  """Weights on the MMA's M side, 16-row tiles for decode and up to 15 rows
+  per expert, 32-row tiles above; slots for every expert of a decode tile;
+  activations-as-M forms stay sweep candidates."""
   def shapes(m):
     return {"a": jax.ShapeDtypeStruct((m, 5120), jnp.float8_e4m3fn),
             "b": jax.ShapeDtypeStruct((E, 4608, 2560), jnp.uint8)}
-  assert gg.choose_config(shapes(6)).block_m == 16
-  assert gg.choose_config(shapes(768)).block_m == 16
-  assert gg.choose_config(shapes(24576)).block_m == 64
+  decode = gg.choose_config(shapes(6))
+  assert (decode.block_m, decode.expert_slots, decode.swap_ab) == (16, 6, True)
+  assert gg.choose_config(shapes(18)).expert_slots == 16
+  assert gg.choose_config(shapes(2688)).block_m == 16   # 7 rows per expert
+  assert gg.choose_config(shapes(11904)).block_m == 32  # 31 rows per expert
+  prefill = gg.choose_config(shapes(24576))
+  assert (prefill.block_m, prefill.swap_ab) == (32, True)
   for m in RECORDED_M:
-    assert gg.choose_config(shapes(m)) in gg.candidate_configs(shapes(m))
+    candidates = gg.candidate_configs(shapes(m))
+    assert candidates[0] == gg.choose_config(shapes(m))
+    assert {c.swap_ab for c in candidates} == {True, False}
+    assert all(c.block_k in (32, 64, 128) for c in candidates)
 
 
 def test_config_rejects_bad_blocks():
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match="block_m=48 must be a power of two >= 16"):
     gg.GroupedGemmConfig(block_m=48)
-  with pytest.raises(ValueError):
-    gg.GroupedGemmConfig(block_k=16)
+  for block_k in (16, 256):  # a step's scale bytes are one word of at most 4 bytes
+    with pytest.raises(ValueError, match=f"block_k={block_k} must be one of"):
+      gg.GroupedGemmConfig(block_k=block_k)
+  with pytest.raises(ValueError, match="expert_slots=0 must be an int >= 1"):
+    gg.GroupedGemmConfig(expert_slots=0)
+
+
+def test_operand_errors_name_the_input():
+  x = operands([0, 1], 16, 64, e=2)
+  with pytest.raises(ValueError, match=r"b_scale must have shape \(2, 16, 2\)"):
+    gg.grouped_gemm_fp8_fp4(**{**x, "b_scale": x["b_scale"][:, :, :1]}, interpret=True)
+  with pytest.raises(ValueError, match="a must be float8_e4m3fn"):
+    gg.grouped_gemm_fp8_fp4(**{**x, "a": x["a"].astype(jnp.bfloat16)}, interpret=True)
+  with pytest.raises(ValueError, match="expert_ids must be integers"):
+    gg.grouped_gemm_fp8_fp4(**{**x, "expert_ids": x["expert_ids"].astype(jnp.float32)}, interpret=True)
+  with pytest.raises(ValueError, match="K=48 must be a multiple of 32"):
+    gg.grouped_gemm_fp8_fp4(**{**x, "a": x["a"][:, :48]}, interpret=True)

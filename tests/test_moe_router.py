@@ -1,7 +1,9 @@
-"""MoE router GEMM + top-k: the kit's data (launches; edge cases for both
-kernel forms: uneven splits, ragged D, small E; lowering of those) and the
-family's own checks: exact ties, biased selection, the runtime scale, the
-reference vs float64 numpy, the heuristic, synthesis scales, the policies.
+"""MoE router GEMM + top-k: the kit's data (launches; edge cases for the
+decode and wide tilings: uneven D splits, ragged D, M and E blocks, small E;
+lowering of those) and the family's own checks: exact ties, NaN/inf rows,
+M = 0, biased selection, the runtime scale, the reference vs float64 numpy,
+the heuristic (programs at decode, tiles at M = 4096), synthesis scales, the
+policies.
 (The checks themselves: test_definitions.py and kit.py.)"""
 
 import jax
@@ -19,9 +21,12 @@ NAME = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"
 D, E, TOPK = 5120, 384, 6
 RECORDED_M = (1, 2, 3, 128, 448, 1984, 2432, 2944, 3456, 4032, 4096)
 
-FUSED = mr.MoeRouterConfig(mr.RouterGemmStage(block_m=16, block_d=64, split_d=1, num_warps=4, num_stages=2))
-# 7 requested splits of 80 D-blocks: 12 blocks each, a short last split.
-ODD_SPLIT = mr.MoeRouterConfig(mr.RouterGemmStage(block_m=32, block_d=64, split_d=7, num_warps=4, num_stages=2),
+# Large tiles without a D split (the M >= 2k form) and 16 x 16 tiles over 7
+# requested D splits of 80 64-column blocks (12 each, a short last split).
+WIDE = mr.MoeRouterConfig(mr.RouterGemmStage(block_m=64, block_e=128, block_d=128, split_d=1, num_warps=8,
+                                             num_stages=3))
+ODD_SPLIT = mr.MoeRouterConfig(mr.RouterGemmStage(block_m=16, block_e=16, block_d=64, split_d=7, num_warps=4,
+                                                  num_stages=3),
                                mr.RouterEpilogueStage(block_m=16, num_warps=8))
 
 
@@ -66,20 +71,19 @@ def run_kernel(inputs, config=None, top_k=TOPK):
 
 def launches(config, axes):
   """The kernel fits the config to the problem (blocks to the next power of
-  two of M and D, at least 16; `split_d` to the splits its blocks make):
-  one fused kernel over M blocks, or partial logits over (M blocks, splits)
-  then a reduce-and-route kernel over epilogue row blocks (one stage)."""
-  m, d = axes["M"], axes["D"]
-  fit = lambda block, n: max(16, min(block, 1 << max(n - 1, 0).bit_length()))  # noqa: E731
+  two of M, E and D, at least 16; `split_d` to the splits its blocks make):
+  the logits GEMM over (E blocks, M blocks, D splits), then the reduce and
+  route kernel over epilogue row blocks (one stage)."""
+  m, d, e = axes["M"], axes["D"], axes["E"]
+  pow2 = lambda n: 1 << max(n - 1, 0).bit_length()  # noqa: E731
+  fit = lambda block, n: max(16, min(block, pow2(n)))  # noqa: E731
   gemm = config.gemm
-  block_m, block_d = fit(gemm.block_m, m), fit(gemm.block_d, d)
+  block_m, block_e, block_d = fit(gemm.block_m, m), fit(gemm.block_e, e), fit(gemm.block_d, d)
   blocks = -(-d // block_d)
   splits = -(-blocks // -(-blocks // gemm.split_d))
-  m_blocks = -(-m // block_m)
-  if splits == 1:
-    return [TritonCall("moe_router_fused", (m_blocks, 1, 1), gemm.num_warps, gemm.num_stages)]
-  epilogue_m = min(config.epilogue.block_m, 1 << max(m - 1, 0).bit_length())
-  return [TritonCall("moe_router_partial_logits", (m_blocks, splits, 1), gemm.num_warps, gemm.num_stages),
+  epilogue_m = min(config.epilogue.block_m, pow2(m))
+  return [TritonCall("moe_router_logits", (-(-e // block_e), -(-m // block_m), splits), gemm.num_warps,
+                     gemm.num_stages),
           TritonCall("moe_router_reduce_route", (-(-m // epilogue_m), 1, 1), config.epilogue.num_warps, 1)]
 
 
@@ -89,18 +93,18 @@ def weights_sum_to_the_scale(out, ref, inputs):
 
 KERNEL_CASES = [Case(NAME, {"M": m}, config=config, check=weights_sum_to_the_scale, id=label)
                 for m, config, label in [
-                    (1, None, "decode_16_splits_one_row_route"),
+                    (1, None, "decode_e_and_d_split_one_row_route"),
                     (5, None, "five_rows_in_an_8_row_epilogue"),
-                    (3, FUSED, "decode_fused"),
+                    (3, WIDE, "decode_in_one_wide_tile"),
                     (33, None, "ragged_m"),
-                    (33, FUSED, "fused_three_blocks_ragged"),
+                    (70, WIDE, "wide_tiles_ragged_m"),
                     (40, ODD_SPLIT, "uneven_d_splits")]]
-# D not a multiple of block_d, E and top_k not powers of two.
+# D not a multiple of block_d, E and top_k not powers of two (E blocks ragged).
 SMALL_E = {"M": 19, "D": 200, "E": 40, "TOPK": 3}
-KERNEL_CASES += [Case(NAME, SMALL_E, config=c, id=f"ragged_d_small_e_{i}") for i, c in enumerate((None, FUSED))]
+KERNEL_CASES += [Case(NAME, SMALL_E, config=c, id=f"ragged_d_small_e_{i}") for i, c in enumerate((None, WIDE))]
 LOWERING_CASES = [Case(NAME, SMALL_E, config=c, id=f"ragged_d_small_e_{i}")
-                  for i, c in enumerate((None, FUSED, ODD_SPLIT))]
-SWEEP_CASE = Case(NAME, {"M": 5, "D": 128, "E": 16})  # fused and split forms, 5 distinct tilings
+                  for i, c in enumerate((None, WIDE, ODD_SPLIT))]
+SWEEP_CASE = Case(NAME, {"M": 5, "D": 256, "E": 40})  # D splits, E blocks and both epilogues
 
 
 def test_reference_matches_float64():
@@ -141,7 +145,7 @@ def _tied_inputs():
           "bias": jnp.zeros((e,), jnp.float32), "routed_scaling_factor": jnp.float32(1.5)}
 
 
-@pytest.mark.parametrize("config", [None, FUSED])
+@pytest.mark.parametrize("config", [None, WIDE, ODD_SPLIT])
 def test_exact_ties_go_to_lower_expert_id(config):
   inputs = _tied_inputs()
   expected = np.array([[0, 1, 2, 3, 7, 300], [5, 10, 50, 100, 150, 383]], np.int32)
@@ -180,32 +184,66 @@ def test_routed_scaling_factor_is_a_runtime_value():
   np.testing.assert_allclose(np.asarray(f(jnp.float32(3.0))), 2 * np.asarray(f(jnp.float32(1.5))), rtol=1e-6)
 
 
-@pytest.mark.parametrize("m", RECORDED_M + (7, 33))
-def test_heuristic_choice_comes_first_and_every_stage_is_swept(m):
+def test_nan_rows_give_in_range_ids_like_the_xla_path():
+  """A hidden row all NaN: every score is NaN, which XLA's top_k ranks above
+  any number (IEEE total order), ties going to the lowest id: experts
+  0..k-1 with NaN weights, never the padded experts (ids >= E). A row with
+  an inf gives +-inf/NaN logits, ordered the same way."""
+  for config in (None, WIDE, ODD_SPLIT):
+    inputs = inputs_for(4, d=200, e=40, seed=7)
+    hidden = inputs["hidden"].at[1].set(jnp.nan).at[3, 5].set(jnp.inf)
+    inputs = {**inputs, "hidden": hidden}
+    ref_ids, ref_w = fam.moe_router_reference(**inputs, top_k=TOPK)
+    ids, weights = run_kernel(inputs, config)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+    np.testing.assert_array_equal(np.asarray(ids)[1], np.arange(TOPK))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(ref_w), rtol=1e-5, equal_nan=True)
+    assert np.isnan(np.asarray(weights)[1]).all()
+
+
+def test_no_rows():
+  inputs = inputs_for(0, d=64, e=40)
+  ids, weights = run_kernel(inputs)
+  assert ids.shape == weights.shape == (0, TOPK) and ids.dtype == jnp.int32 and weights.dtype == jnp.float32
+
+
+def test_total_order_key_orders_like_ieee_total_order():
+  values = np.array([-np.nan, -np.inf, -3.0, -1e-40, -0.0, 0.0, 1e-40, 2.0, np.inf, np.nan], np.float32)
+  values[0] = -np.abs(values[0])  # a NaN with the sign bit set
+  keys = np.asarray(mr.total_order_key(jnp.asarray(values)))
+  assert (np.diff(keys) > 0).all()
+
+
+@pytest.mark.parametrize("m", RECORDED_M + (7, 33, 8192))
+def test_heuristic_choice_comes_first_and_every_form_is_swept(m):
   candidates = mr.candidate_configs(shapes(m))
   assert candidates[0] == mr.choose_config(shapes(m))
-  split = [c for c in candidates if c.gemm.split_d > 1]
-  assert any(c.gemm.split_d == 1 for c in candidates) and split
-  assert len({c.epilogue for c in split}) > 1  # the epilogue stage's fields are swept too
+  assert any(c.gemm.split_d == 1 for c in candidates) and any(c.gemm.split_d > 1 for c in candidates)
+  assert len({c.epilogue for c in candidates}) > 1  # the epilogue stage's fields are swept too
+  assert len({(c.gemm.block_m, c.gemm.block_e) for c in candidates}) > 1
+  assert len(candidates) <= 32  # the sweep stays affordable
 
 
-def test_heuristic_caps_splits_and_stays_two_stage():
-  """Decode: 16 splits of 5 column blocks (not 80 of one), a one-row
-  epilogue; every M uses the two-stage form on 8-warp GEMM tiles (the fused
-  kernel and 4-warp tiles spill on sm_90a)."""
-  config = mr.choose_config(shapes(1))
-  assert config.gemm == mr.RouterGemmStage(block_m=16, block_d=64, split_d=16, num_warps=8, num_stages=2)
-  assert config.epilogue == mr.RouterEpilogueStage(block_m=1, num_warps=8)
-  assert mr._splits_per_load(1, 8, 16) == 16  # all partials of the row in one load
+def test_heuristic_fills_the_gpu_at_decode_and_reads_the_weight_once_per_128_rows():
+  """Decode: 16 x 16 tiles, E and D split, at least one program per SM (132)
+  and each weight element read by one program; M = 4096: 128 x 128 tiles,
+  no D split (the weight read once per 128 rows, no partials beyond the
+  logits)."""
+  for m in (1, 2, 3, 16):
+    gemm = mr.choose_config(shapes(m)).gemm
+    assert (gemm.block_m, gemm.block_e, gemm.block_d, gemm.split_d) == (16, 16, 128, 7), m
+    assert mr.gemm_programs(gemm, m, E) == 24 * 1 * 7 >= 132
+    blocks, per_split = -(-D // gemm.block_d), mr._d_blocks_per_split(gemm, D)
+    assert (gemm.split_d - 1) * per_split < blocks <= gemm.split_d * per_split  # no empty split
+  assert mr.choose_config(shapes(1)).epilogue == mr.RouterEpilogueStage(block_m=1, num_warps=8)
+  big = mr.choose_config(shapes(4096))
+  assert (big.gemm.block_m, big.gemm.block_e, big.gemm.split_d) == (128, 128, 1)
+  assert mr.gemm_programs(big.gemm, 4096, E) == 3 * 32
+  assert big.epilogue == mr.RouterEpilogueStage(8, 4)
   for m in RECORDED_M + (8192, 100_000):
     c = mr.choose_config(shapes(m))
-    assert 2 <= c.gemm.split_d <= 16 and c.gemm.num_warps == 8, (m, c)
-  assert mr.choose_config(shapes(4096)).epilogue == mr.RouterEpilogueStage(8, 4)
-  assert mr.choose_config(shapes(8192)).gemm.split_d == 2
-  for m in (1, 3, 4096):
-    for c in mr.candidate_configs(shapes(m)):
-      assert c.gemm.num_warps == 8 and c.gemm.split_d <= 16
-      assert c.gemm.split_d > 1 or c.gemm.block_m == 16
+    assert mr.gemm_programs(c.gemm, m, E) >= 0.7 * 132 and c.gemm.split_d <= 16, (m, c)
+    assert c.gemm.num_warps == (8 if c.gemm.block_m * c.gemm.block_e >= 8192 else 4)
 
 
 def test_config_rejects_bad_values():
@@ -217,6 +255,8 @@ def test_config_rejects_bad_values():
     mr.RouterEpilogueStage(block_m=12)
   with pytest.raises(ValueError):
     mr.RouterEpilogueStage(block_m=0)
+  with pytest.raises(ValueError):
+    mr.RouterGemmStage(block_e=8)
   assert mr.RouterEpilogueStage(block_m=1).block_m == 1  # no dot in the epilogue: any power of two
 
 

@@ -4,8 +4,9 @@ to and just above the window, ragged tiles, tiles larger than the grid,
 B > 1) and the family's own checks: the kernel and the reference against a
 brute-force float64 NumPy NATTEN, values outside the window, bounded
 reference memory at the largest recorded grid, the heuristic, input
-synthesis and CPU scaling. (The checks themselves: test_definitions.py and
-kit.py.)"""
+synthesis and CPU scaling; the gradients (custom VJP, dQ and dK/dV
+kernels) against the XLA path and float64 finite differences, and their
+lowering. (The checks themselves: test_definitions.py and kit.py.)"""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import gradients
 from jaxkern import ops
 from jaxkern.families import neighborhood_attention as fam
 from kit import Case, TritonCall
 from pallas_kernels import neighborhood_attention as na
+from pallas_kernels.common import lower_for_h100, triton_calls
 from numerics import assert_bf16_close
 
 DEFINITIONS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "definitions")
@@ -320,3 +323,101 @@ def test_public_op_jits_on_both_backends():
   cube = ops.neighborhood_attention_3d(q[:, :3, :5, :5], k[:, :3, :5, :5], v[:, :3, :5, :5],
                                        kernel_size=3, backend="xla")
   assert_bf16_close(cube, reference(q[:, :3, :5, :5], k[:, :3, :5, :5], v[:, :3, :5, :5], (3, 3, 3)))
+
+
+# ---------------------------------------------------------------------------
+# Gradients (custom VJP: dQ and dK/dV kernels over the forward's tiles).
+
+SMALL_BWD = na.NeighborhoodAttentionBwdConfig(
+    dq=SMALL_TILE, dkdv=na.NeighborhoodAttentionConfig(block_t=2, block_y=2, block_x=4, block_k=16,
+                                                       num_warps=1, num_stages=1))
+GRAD_CASES = [  # (shape, window), ragged against both tilings
+    ((1, 3, 7, 7, 2, 64), (3, 7, 7)),       # extents equal to the window: every query sees every key
+    ((2, 4, 8, 9, 1, 64), (3, 5, 5)),
+    ((1, 5, 6, 11, 1, 32), (1, 3, 5)),      # a window of 1 along T
+    ((1, 2, 3, 17, 2, 16), (2, 3, 3)),      # even windows
+]
+
+
+def kernel_grad_fn(window, config=SMALL_TILE, backward_config=SMALL_BWD):
+  kt, ky, kx = window
+  return lambda q, k, v: na.neighborhood_attention_3d(  # noqa: E731
+      q, k, v, KT=kt, KY=ky, KX=kx, config=config, backward_config=backward_config, interpret=True)
+
+
+@pytest.mark.parametrize("shape,window", GRAD_CASES, ids=lambda x: "x".join(map(str, x)))
+def test_kernel_gradients_match_xla_under_jit(shape, window):
+  q, k, v = qkv(shape, seed=sum(shape))
+  got = gradients.grads(kernel_grad_fn(window), (q, k, v), (0, 1, 2))
+  want = gradients.grads(functools.partial(reference, window=window), (q, k, v), (0, 1, 2))
+  gradients.assert_grads_close(got, want, ("dq", "dk", "dv"))
+
+
+def test_public_op_gradients_match_xla_and_run_backward_kernels():
+  q, k, v = qkv((1, 4, 7, 9, 2, 64), seed=5)
+  op = lambda backend: functools.partial(ops.neighborhood_attention_3d, kernel_size=(3, 5, 5),  # noqa: E731
+                                         backend=backend)
+  gradients.assert_grads_close(gradients.grads(op("pallas"), (q, k, v), (0, 1, 2)),
+                               gradients.grads(op("xla"), (q, k, v), (0, 1, 2)), ("dq", "dk", "dv"))
+  weights = gradients.weights_like(q.shape)
+  names = gradients.pallas_calls(jax.grad(gradients.loss(op("pallas"), weights), (0, 1, 2)), q, k, v)
+  assert sorted(names) == ["neighborhood_attention_3d", "neighborhood_attention_3d_bwd_dkdv",
+                           "neighborhood_attention_3d_bwd_dq"]
+  # Only the kernel a gradient needs launches.
+  assert gradients.pallas_calls(jax.grad(gradients.loss(op("pallas"), weights), 0), q, k, v)[-1] == \
+      "neighborhood_attention_3d_bwd_dq"
+
+
+def natten64(q, k, v, window):
+  """float64 NATTEN (scale 1), vectorized over queries: each query's window
+  as flat key indices."""
+  batch, *dims, heads, head_dim = q.shape
+  starts = [np.clip(np.arange(n) - w // 2, 0, n - w) for n, w in zip(dims, window)]
+  offsets = np.stack(np.meshgrid(*(np.arange(w) for w in window), indexing="ij"), -1).reshape(-1, 3)
+  points = np.stack(np.meshgrid(*(np.arange(n) for n in dims), indexing="ij"), -1).reshape(-1, 3)
+  neighbours = np.stack([s[points[:, a]] for a, s in enumerate(starts)], -1)[:, None] + offsets[None]  # [N, W, 3]
+  index = np.ravel_multi_index(tuple(np.moveaxis(neighbours, -1, 0)), dims)                          # [N, W]
+  flat = lambda a: a.reshape(batch, -1, heads, head_dim)  # noqa: E731
+  kw, vw = flat(k)[:, index], flat(v)[:, index]                                                     # [B, N, W, H, D]
+  s = np.einsum("bnhd,bnwhd->bnhw", flat(q), kw)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  return np.einsum("bnhw,bnwhd->bnhd", p / p.sum(-1, keepdims=True), vw).reshape(q.shape)
+
+
+def test_gradients_match_float64_finite_differences():
+  """float32 inputs through the kernel (interpret mode, small tiles) against
+  central differences of float64 NATTEN; the float64 NATTEN itself against
+  the brute-force one."""
+  shape, window = (1, 3, 4, 5, 1, 16), (3, 3, 3)
+  q, k, v = (np.asarray(x, np.float64) for x in qkv(shape, seed=11, dtype=jnp.float32))
+  np.testing.assert_allclose(natten64(q, k, v, window), natten_numpy(q, k, v, window), rtol=1e-12, atol=1e-12)
+  weights = gradients.weights_like(shape)
+  got = jax.grad(gradients.loss(kernel_grad_fn(window), weights), (0, 1, 2))(
+      *(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
+  want = gradients.finite_difference_grads(functools.partial(natten64, window=window), [q, k, v],
+                                           np.asarray(weights, np.float64))
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-4, atol=1e-4)
+
+
+def backward_launches(name, axes):
+  """The forward (writing lse) and the two backward kernels of the
+  heuristic's configs: grids (tiles, B, H) over their tilings."""
+  a = {**axes, **const_axes(name)}
+  window = window_of(name)
+  avals = input_avals(name, axes)
+  bwd = na.choose_backward_config(avals, KT=window[0], KY=window[1], KX=window[2])
+  call = lambda kernel, c: TritonCall(kernel, launches(c, a)[0].grid, c.num_warps, c.num_stages)  # noqa: E731
+  return [call("neighborhood_attention_3d", na.choose_config(avals, KT=window[0], KY=window[1], KX=window[2])),
+          call("neighborhood_attention_3d_bwd_dq", bwd.dq), call("neighborhood_attention_3d_bwd_dkdv", bwd.dkdv)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_backward_lowers_at_the_largest_recorded_size(name):
+  axes = max((r["axes"] for r in records(name)), key=lambda a: a["B"] * a["T"] * a["Y"] * a["X"])
+  window = window_of(name)
+  avals = input_avals(name, axes)
+  loss = lambda q, k, v: jnp.sum(na.neighborhood_attention_3d(  # noqa: E731
+      q, k, v, KT=window[0], KY=window[1], KX=window[2], interpret=False).astype(jnp.float32))
+  calls = triton_calls(lower_for_h100(jax.grad(loss, (0, 1, 2)), avals["q"], avals["k"], avals["v"]))
+  assert sorted(calls) == sorted(backward_launches(name, axes))

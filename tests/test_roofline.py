@@ -45,11 +45,12 @@ def test_grouped_gemm_counts_only_routed_experts():
   name = "grouped_gemm_fp8_fp4_e384_n4608_k5120_g32"
   small = dict(N=2, K=64, G=32, K_groups=2, K_packed=32)
   # One row, 4 experts: a 64 + a_scale 2 + expert_ids 4 + C 1x2 bf16 4 = 74, plus one expert's
-  # weights as stored: b 2x32 + b_scale 2x2 = 68. The kernel's dots are bf16: the bf16 peak.
-  assert cost(name, M=1, E=4, **small) == (2 * 1 * 2 * 64, 74 + 68, "bf16")
+  # weights as stored: b 2x32 + b_scale 2x2 = 68. The kernel's dots are fp8 (e2m1 weights decoded
+  # to e4m3): the fp8 peak.
+  assert cost(name, M=1, E=4, **small) == (2 * 1 * 2 * 64, 74 + 68, "fp8")
   # Two rows, two experts, no inputs: expected distinct experts 2 * (1 - 1/4) = 1.5.
   assert grouped_gemm_family.expected_experts(2, 2) == 1.5
-  assert cost(name, M=2, E=2, **small) == (2 * 2 * 2 * 64, 128 + 4 + 8 + 8 + round(1.5 * 68), "bf16")
+  assert cost(name, M=2, E=2, **small) == (2 * 2 * 2 * 64, 128 + 4 + 8 + 8 + round(1.5 * 68), "fp8")
   assert grouped_gemm_family.expected_experts(1, 384) == pytest.approx(1.0)
   assert grouped_gemm_family.expected_experts(10**6, 384) == pytest.approx(384)
   # With the run's ids: rows routed to 3, 0, 3 (the -1 padding row and the out-of-range 7 do no
@@ -57,7 +58,7 @@ def test_grouped_gemm_counts_only_routed_experts():
   # weights of 2 experts.
   ids = jnp.asarray([3, 0, -1, 3, 7], jnp.int32)
   assert cost(name, inputs={"expert_ids": ids}, M=5, E=4, **small) == (
-      2 * 3 * 2 * 64, 3 * 66 + 20 + 20 + 2 * 68, "bf16")
+      2 * 3 * 2 * 64, 3 * 66 + 20 + 20 + 2 * 68, "fp8")
 
 
 def test_dense_attention():

@@ -118,7 +118,9 @@ def dense_gemm(a: jax.Array, b: jax.Array, *, config: Any = None, backend: dispa
 
   Contract: a and b bf16 (or the same float dtype), any M (rows of a, 0
   included), N, K >= 1; no index inputs (`checks=True` has nothing to
-  check); non-finite values reach the outputs that use them."""
+  check); non-finite values reach the outputs that use them.
+  Differentiable in a and b (Pallas: dA and dB as launches of the same GEMM
+  kernel)."""
   *batch, k = a.shape
   c = dispatch.run(IMPL, {"A": a.reshape(-1, k), "B": b}, params={"out_dtype": a.dtype}, config=config,
                    backend=backend, checks=checks)

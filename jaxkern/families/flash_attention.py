@@ -10,6 +10,11 @@
 
 Scale `D**-0.5`, fp32 scores and softmax, one rounding to bf16; a lonely row
 (no visible key) is 0. Kernel: `pallas_kernels.flash_attention`.
+
+The ops (contracts in their docstrings) take `sm_scale` as a Python float or
+a traced scalar, and are differentiable in q, k, v, the prefix and
+`sm_scale` (Pallas: FlashAttention-2 backward kernels), hidden keys getting
+gradient 0 (a NaN or Inf in them reaches no gradient either).
 """
 
 from __future__ import annotations
@@ -82,6 +87,8 @@ def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None
     # The smallest segment id: every query sees the prefix.
     k_segments = jnp.concatenate(
         [jnp.full((batch, prefix_len), jnp.iinfo(jnp.int32).min, jnp.int32), k_segments], axis=1)
+  if not k.shape[1]:  # no key: every row lonely
+    return jnp.zeros(q.shape, q.dtype)
   hidden = ~key_visible[:, :, None, None]
   k, v = jnp.where(hidden, jnp.zeros_like(k), k), jnp.where(hidden, jnp.zeros_like(v), v)
   chunk = min(q_chunk, q_len)

@@ -7,6 +7,7 @@ new_state row. Kernel: `pallas_kernels.gdn_prefill`.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import jax
@@ -28,46 +29,72 @@ _CPU_SEQS = 4
 
 
 def gdn_prefill_reference(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale):
-  """The sequential recurrence over packed sequences, vectorized over
-  sequences and heads: step p advances every sequence longer than p by its
-  token cu_seqlens[n] + p. Memory: the [N, HV, V, K] states, the fp32 output
-  [T, HV, V] and fp32 per-v-head copies of q, k, v (about 30 + 4*32 MiB at
-  N=57, T=8192).
+  """The sequential recurrence over the packed tokens: token t advances the
+  state of the sequence covering it. Bounds outside the contract
+  (`gdn_prefill`) are first clamped to [0, T], then raised to a running
+  maximum (`clamped_cu_seqlens`); a token of no sequence outputs 0, a
+  sequence of no tokens gets a zero new_state row.
 
-  Bounds outside the contract (`gdn_prefill`) are first clamped to [0, T],
-  then raised to a running maximum (`clamped_cu_seqlens`)."""
+  A scan of static length, so reverse mode works (`jax.grad` under `jit`),
+  with bounded memory: tokens go in blocks of `remat_block(T, N)`, each block
+  recomputed in the backward pass (`jax.checkpoint`), which then keeps one
+  [N, HV, V, K] state per block and one [HV, V, K] head state per token of
+  one block: about 2 sqrt(T N) head states (0.7 GiB at T=8192, N=57) instead
+  of T."""
   total = q.shape[0]
-  hv, d = state.shape[1], state.shape[-1]
-  if total == 0:  # No tokens: every sequence is empty.
+  num_seqs, hv, d = state.shape[0], state.shape[1], state.shape[-1]
+  if total == 0 or num_seqs == 0:  # No tokens, or no sequence to cover them.
     return jnp.zeros(v.shape, jnp.bfloat16), jnp.zeros(state.shape, jnp.float32)
   cu = clamped_cu_seqlens(cu_seqlens, total)
-  starts, lengths = cu[:-1], cu[1:] - cu[:-1]
-  qh, kh = per_v_head(q, hv), per_v_head(k, hv)                 # [T, HV, D]
-  vh = v.astype(jnp.float32)
+  token = jnp.arange(total)
+  seq = jnp.minimum(jnp.searchsorted(cu[1:], token, side="right"), num_seqs - 1).astype(jnp.int32)
+  live = (token >= cu[0]) & (token < cu[-1])
+  # Tokens of no sequence enter as zeros: their values (NaN included) then
+  # reach neither the forward nor, through where's zero branch, a gradient.
+  dead = lambda x: jnp.where(live.reshape(-1, *(1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))  # noqa: E731
+  q, k, v, a, b = map(dead, (q, k, v, a, b))
   g, beta = gates(a, b, A_log, dt_bias)                          # [T, HV]
   scale = resolve_scale(scale, d)
 
-  def step(p, carry):
-    s, out = carry
-    active = p < lengths                                          # [N]
-    t = jnp.where(active, starts + p, 0)
-    s_next, o = delta_step(s, qh[t], kh[t], vh[t], g[t], beta[t], scale)
-    s = jnp.where(active[:, None, None, None], s_next, s)
-    out = out.at[jnp.where(active, t, total)].set(o, mode="drop")
-    return s, out
+  def token_step(s, x):
+    n, on, qt, kt, vt, gt, bt = x
+    s_n = s[n]                                                    # [HV, V, K]
+    s_next, o = delta_step(s_n, per_v_head(qt, hv), per_v_head(kt, hv), vt.astype(jnp.float32), gt, bt, scale)
+    return s.at[n].set(jnp.where(on, s_next, s_n)), jnp.where(on, o, 0.0)
 
-  init = varying_like((state.astype(jnp.float32), jnp.zeros((total, hv, d), jnp.float32)),
-                      q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale)
-  s, out = lax.fori_loop(0, jnp.max(lengths, initial=0), step, init)
+  @jax.checkpoint
+  def block_step(s, xs):
+    return lax.scan(token_step, s, xs)
+
+  block = remat_block(total, num_seqs)
+  blocks = -(-total // block)
+  pad = blocks * block - total  # padding tokens are live nowhere
+
+  def in_blocks(x):
+    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    return x.reshape(blocks, block, *x.shape[1:])
+
+  xs = tuple(in_blocks(x) for x in (seq, live, q, k, v, g, beta))
+  init = varying_like(state.astype(jnp.float32), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale)
+  s, out = lax.scan(block_step, init, xs)
+  lengths = cu[1:] - cu[:-1]
   s = jnp.where((lengths > 0)[:, None, None, None], s, 0.0)
-  return out.astype(jnp.bfloat16), s
+  return out.reshape(blocks * block, hv, d)[:total].astype(jnp.bfloat16), s
 
 
 def clamped_cu_seqlens(cu_seqlens: jax.Array, total: int) -> jax.Array:
   """int32 sequence bounds inside the contract: each clamped to [0, total],
   then the running maximum, so that a sequence ending before it starts is
-  empty and no token belongs to two sequences."""
+  empty and no token belongs to two sequences (the kernel's rule too:
+  `pallas_kernels.gdn_chunks.normalize_cu_seqlens`)."""
   return lax.cummax(jnp.clip(cu_seqlens.astype(jnp.int32), 0, total))
+
+
+def remat_block(total: int, num_seqs: int) -> int:
+  """Tokens per recomputed block of the reference's scan: sqrt(T N)
+  balances the per-block states (T / block of N head states each) against
+  one block's per-token head states."""
+  return max(1, min(total, math.isqrt(total * max(num_seqs, 1))))
 
 
 def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:

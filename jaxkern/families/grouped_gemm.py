@@ -2,7 +2,8 @@
 `grouped_gemm_fp8_fp4_e384_n{N}_k{K}_g32`.
 
 C[m,n] = sum_k a[m,k] 2^(a_scale[m,k//32]-127) * e2m1(b[e,n,k]) 2^(b_scale[e,n,k//32]-127),
-e = expert_ids[m], fp32 accumulation, bf16 out; rows with e = -1 are 0.
+e = expert_ids[m], fp32 accumulation, bf16 out; rows in any order, rows with
+e outside [0, E) (-1 = padding) are 0.
 Kernel: `pallas_kernels.grouped_gemm`; formats: `jaxkern.quant`.
 
 Input synthesis (SPEC 6), decided from the records:
@@ -225,8 +226,8 @@ def grouped_gemm_cost(definition, axes, *, inputs=None, record=None, config=None
   under uniform routing (`expected_experts(M, E)`, exact for M=1; a bound,
   since real routing is skewed). expert_ids read and C written once. The
   FLOPs are judged against the peak of the kernel's dot operands
-  (`pallas_kernels.grouped_gemm.dot_operand_dtype`: bf16 today; Hopper has
-  no FP4 tensor cores)."""
+  (`pallas_kernels.grouped_gemm.dot_operand_dtype`: fp8, the weights decoded
+  to e4m3; Hopper has no FP4 tensor cores)."""
   m, e = axes["M"], axes["E"]
   per_expert = (roofline.tensor_bytes(definition, "b", axes) + roofline.tensor_bytes(definition, "b_scale", axes)) / e
   per_row = (roofline.tensor_bytes(definition, "a", axes) + roofline.tensor_bytes(definition, "a_scale", axes)) / max(m, 1)
@@ -284,19 +285,25 @@ def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale
                          checks: bool = False) -> jax.Array:
   """MoE expert GEMM, FP8 activations x MXFP4 weights (SPEC 4.3).
 
-  Contract:
-  * a [M, K] float8_e4m3fn with UE8M0 a_scale [M, K/32] uint8; b [E, N, K/2]
-    uint8 packed e2m1 (low nibble = even k) with UE8M0 b_scale [E, N, K/32]
-    uint8; K a multiple of 32; any M >= 0, N, E >= 1. Returns bf16 [M, N]:
-    row m = a[m] times expert expert_ids[m]'s weight, fp32 accumulation.
-    Quantizers: `jaxkern.quant`.
+  Contract (both backends):
+  * a [M, K] float8_e4m3fn with UE8M0 a_scale [M, K/32] uint8 (2^(s-127));
+    b [E, N, K/2] uint8 packed e2m1 (low nibble = even k) with UE8M0 b_scale
+    [E, N, K/32] uint8; K a multiple of 32; any M >= 0, N, E >= 1. Returns
+    bf16 [M, N]: row m = a[m] times expert expert_ids[m]'s weight, fp32
+    accumulation. Quantizers: `jaxkern.quant`.
   * expert_ids [M] int32, valid: -1 (padding row) or [0, E), in any order
-    (grouped rows are the fast layout, not a requirement).
+    (rows grouped by expert, DeepGEMM's contiguous layout, are the fast
+    case, not a requirement).
   * Outside the valid range (< -1 or >= E) a row is invalid like a padding
     row: it contributes nothing and its output row is 0. `checks=True`
     reports such an id instead (`jaxkern.dispatch`).
   * Scale byte 255 (UE8M0's NaN) and non-finite a are not masked: they reach
-    the rows that use them.
+    the rows that use them. Scale byte 0 gives 0 on the Pallas path (2^-127
+    on the XLA path).
+  * The Pallas path rejects other shapes or dtypes with a ValueError naming
+    the input; both paths give the same answer up to fp32 summation order
+    (bit-equal on CPU in the tests; on a GPU the fp8 tensor cores'
+    accumulation within each 32-k group).
   """
   inputs = {"a": a, "a_scale": a_scale, "b": b, "b_scale": b_scale, "expert_ids": expert_ids}
   return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

@@ -212,7 +212,9 @@ def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *,
   Contract: one float dtype (bf16); B, H >= 0; 1 <= KT <= T, KY <= Y,
   KX <= X (the windows must fit: every query sees exactly KT*KY*KX keys);
   no masks and no index inputs (`checks=True` has nothing to check);
-  non-finite values reach the queries whose windows hold them."""
+  non-finite values reach the queries whose windows hold them.
+  Differentiable in q, k, v (Pallas: dQ and dK/dV kernels over the
+  forward's tiles)."""
   kt, ky, kx = (kernel_size,) * 3 if isinstance(kernel_size, int) else kernel_size
   return dispatch.run(IMPL, {"q": q, "k": k, "v": v}, const_axes={"KT": kt, "KY": ky, "KX": kx}, config=config,
                       backend=backend, checks=checks)
