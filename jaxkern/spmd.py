@@ -42,6 +42,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 Arrays = Mapping[str, jax.Array]
 Factors = dict[str, tuple[str, ...]]  # dimension name -> mesh axes splitting it
+# Why a contraction dimension cannot be split (the reason most ops give).
+CONTRACTION = "the contraction: partial sums would need a reduction across devices"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +153,12 @@ def run(split: Split | None, op: str, call: Callable[[Arrays], Any], arrays: Arr
   arrays as they are sharded; see the module docstring."""
   mesh = _mesh(arrays)
   if mesh is None:
+    # No mesh in the types: one device, or shardings only the compiler knows
+    # (jit's in_shardings over a classic mesh); the partitioned call lowers
+    # as a plain one where the program turns out to be on one device.
+    context = jax.sharding.get_abstract_mesh()
+    if pallas and split is not None and jax.device_count() > 1 and AxisType.Manual not in context.axis_types:
+      return _run_partitioned(split, op, call, arrays)
     return call(arrays)
   specs = {n: jax.typeof(x).sharding.spec for n, x in arrays.items()}
   if any(_axes(e) for spec in specs.values() for e in spec):

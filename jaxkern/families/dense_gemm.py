@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, cdiv, shrink_rows, shrink_until
-from jaxkern.spmd import Split
+from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import dense_gemm as kernel_lib
 
 # The reference materializes at most this many bytes of fp32 product at once
@@ -100,7 +100,7 @@ def dense_gemm_cost(definition, axes, *, inputs=None, record=None, config=None):
 # How the op splits across devices (`jaxkern.spmd`): rows of A, rows of B
 # (output columns); K is the contraction.
 SPLIT = Split(inputs={"A": "m k", "B": "n k"}, outputs=("m n",), independent="m n",
-              reasons={"k": "the contraction: partial sums would need a reduction across devices"})
+              reasons={"k": CONTRACTION})
 IMPL = OpImpl(reference=dense_gemm_reference, kernel=kernel_lib.dense_gemm_nt, make_inputs=make_inputs,
               choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
               cpu_axes=cpu_axes, cost=dense_gemm_cost, split=SPLIT, differentiable_kernel=True)

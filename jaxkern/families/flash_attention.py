@@ -29,7 +29,7 @@ import numpy as np
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, Precondition, cdiv
-from jaxkern.spmd import Split
+from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import flash_attention as kernel_lib
 
 # Variants whose keys are padded text tokens (cross-attention to the prompt).
@@ -382,7 +382,7 @@ def _impl(reference, make_inputs, cost, split, preconditions=None) -> OpImpl:
 # How the ops split across devices (`jaxkern.spmd`): batch, heads and, where
 # every query sees the same keys, queries; a softmax runs over all keys.
 _KEYS = "each query's softmax runs over all keys"
-_REASONS = {"t": _KEYS, "p": _KEYS, "d": "the contraction: partial sums would need a reduction across devices"}
+_REASONS = {"t": _KEYS, "p": _KEYS, "d": CONTRACTION}
 _QKV = {"q": "b s h d", "k": "b t h d", "v": "b t h d"}
 NONCAUSAL_SPLIT = Split(inputs={**_QKV, "key_valid": "b t"}, outputs=("b s h d",), independent="b s h",
                         reasons=_REASONS)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl
-from jaxkern.spmd import Split
+from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import gdn_decode as gdn_kernels
 
 # ------------------------------------------------------------------ references
@@ -169,7 +169,7 @@ def gdn_decode_cost(definition, axes, *, inputs=None, record=None, config=None):
 SPLIT = Split(inputs={"q": "b o h dk", "k": "b o h dk", "v": "b o h dv", "state": "b h dv dk", "A_log": "h",
                       "a": "b o h", "dt_bias": "h", "b": "b o h", "scale": ""},
               outputs=("b o h dv", "b h dv dk"), independent="b h",
-              reasons={"dk": "the contraction: partial sums would need a reduction across devices", "dv": "the state's rows are updated from all of them"})
+              reasons={"dk": CONTRACTION, "dv": "the state's rows are updated from all of them"})
 IMPL = OpImpl(reference=gdn_decode_reference,
               kernel=gdn_kernels.gdn_decode,
               make_inputs=make_decode_inputs,

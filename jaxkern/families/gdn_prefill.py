@@ -21,7 +21,7 @@ from jaxkern import roofline
 from jaxkern.families.gdn_decode import (STATE_STD, delta_step, gates, gdn_flops, head_params, per_v_head,
                                          resolve_scale, token_inputs)
 from jaxkern.family import OpImpl, Precondition, varying_like
-from jaxkern.spmd import Split
+from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import gdn_prefill as gdn_kernels
 
 _CPU_TOKENS = 192       # prefill tokens at CPU scale (plus total % 64: ragged chunks stay)
@@ -178,7 +178,7 @@ _PACKED = "cu_seqlens indexes the packed tokens of every sequence (the tokens of
 SPLIT = Split(inputs={"q": "t h dk", "k": "t h dk", "v": "t h dv", "state": "n h dv dk", "A_log": "h", "a": "t h",
                       "dt_bias": "h", "b": "t h", "cu_seqlens": "c", "scale": ""},
               outputs=("t h dv", "n h dv dk"), independent="h",
-              reasons={"t": _PACKED, "n": _PACKED, "c": _PACKED, "dk": "the contraction: partial sums would need a reduction across devices",
+              reasons={"t": _PACKED, "n": _PACKED, "c": _PACKED, "dk": CONTRACTION,
                        "dv": "the state's rows are updated from all of them"})
 IMPL = OpImpl(reference=gdn_prefill_reference,
               kernel=gdn_kernels.gdn_prefill,

@@ -46,7 +46,7 @@ from jaxkern import dispatch
 from jaxkern import quant
 from jaxkern import roofline
 from jaxkern.family import OpImpl, Precondition, cdiv, in_range, varying_like
-from jaxkern.spmd import Split
+from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import grouped_gemm as kernel_lib
 
 TOP_K = 6          # routed experts per token (DeepSeek-V4.1-Flash)
@@ -247,12 +247,14 @@ def grouped_gemm_cost(definition, axes, *, inputs=None, record=None, config=None
 # How the op splits across devices (`jaxkern.spmd`): rows (with their expert
 # ids) and output columns. Experts do not split here, as rows name them by
 # global id: expert parallelism is a shard_map with local ids
-# (examples/moe_block.py).
+# (examples/moe_sharded.py).
 SPLIT = Split(inputs={"a": "m k", "a_scale": "m g", "b": "e n kp", "b_scale": "e n g", "expert_ids": "m"},
               outputs=("m n",), independent="m n",
-              reasons={"k": "the contraction: partial sums would need a reduction across devices", "kp": "the contraction: partial sums would need a reduction across devices", "g": "the contraction: partial sums would need a reduction across devices",
+              reasons={"k": CONTRACTION, "kp": CONTRACTION, "g": CONTRACTION,
                        "e": "rows carry global expert ids; for expert parallelism call the op inside "
-                            "jax.shard_map on each device's rows with local ids (examples/moe_block.py)"})
+                            "jax.shard_map on each device's rows with local ids (examples/moe_sharded.py)"})
+
+
 def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
   """Checked mode: every expert id is -1 or an expert of b."""
   ids, experts = inputs["expert_ids"], inputs["b"].shape[0]

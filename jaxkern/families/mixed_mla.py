@@ -42,7 +42,7 @@ from jaxkern import dispatch
 from jaxkern import quant
 from jaxkern import roofline
 from jaxkern.family import OpImpl, Precondition, in_range
-from jaxkern.spmd import Split
+from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import mixed_mla as kernel_lib
 
 # Compressed tokens per sequence token (inferred from the records, see above).
@@ -254,8 +254,10 @@ _CACHE = "indices address rows of the whole cache"
 SPLIT = Split(inputs={"q": "b h d", "kv_fp8": "n8 p8 o8 r8", "indices_fp8": "b k8", "kv_fp4": "n4 p4 o4 r4",
                       "indices_fp4": "b k4", "sm_scale": "", "attn_sink": "h"},
               outputs=("b h d", "b h"), independent="b h",
-              reasons={"n8": _CACHE, "p8": _CACHE, "n4": _CACHE, "p4": _CACHE, "d": "the contraction: partial sums would need a reduction across devices",
-                       "k8": "the softmax runs over all selected keys", "k4": "the softmax runs over all selected keys"})
+              reasons={"n8": _CACHE, "p8": _CACHE, "n4": _CACHE, "p4": _CACHE, "d": CONTRACTION,
+                       **dict.fromkeys(("k8", "k4"), "the softmax runs over all selected keys")})
+
+
 def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
   """Checked mode: every index is -1 or a token row of its cache."""
   def rule(name: str, cache: str) -> Precondition:

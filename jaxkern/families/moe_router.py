@@ -21,7 +21,7 @@ from jaxkern import compare
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, shrink_rows
-from jaxkern.spmd import Split
+from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import moe_router as kernel_lib
 
 ROUTED_SCALING_FACTOR = 1.5  # DeepSeek-V4.1-Flash
@@ -108,7 +108,7 @@ def moe_router_cost(definition, axes, *, inputs=None, record=None, config=None):
 # every expert's score and each score the whole hidden vector.
 SPLIT = Split(inputs={"hidden": "m d", "weight": "e d", "bias": "e", "routed_scaling_factor": ""},
               outputs=("m t", "m t"), independent="m",
-              reasons={"d": "the contraction: partial sums would need a reduction across devices", "e": "each token's top-k chooses among all experts"})
+              reasons={"d": CONTRACTION, "e": "each token's top-k chooses among all experts"})
 IMPL = OpImpl(reference=moe_router_reference, kernel=kernel_lib.moe_router_topk, make_inputs=make_inputs,
               choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
               cpu_axes=cpu_axes, cost=moe_router_cost, axis_params={"top_k": "TOPK"},

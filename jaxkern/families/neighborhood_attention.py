@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, cdiv, varying_like
-from jaxkern.spmd import Split
+from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import neighborhood_attention as kernel_lib
 
 # The reference processes query t-planes in groups of at most this many
@@ -182,7 +182,7 @@ def neighborhood_attention_3d_cost(definition, axes, *, inputs=None, record=None
 # windows of a split T, Y or X axis would reach across shards.
 _WINDOW = "neighborhood windows reach across a split of it (a halo exchange would be needed)"
 SPLIT = Split(inputs={"q": "b t y x h d", "k": "b t y x h d", "v": "b t y x h d"}, outputs=("b t y x h d",),
-              independent="b h", reasons={"t": _WINDOW, "y": _WINDOW, "x": _WINDOW, "d": "the contraction: partial sums would need a reduction across devices"})
+              independent="b h", reasons={"t": _WINDOW, "y": _WINDOW, "x": _WINDOW, "d": CONTRACTION})
 IMPL = OpImpl(
     reference=neighborhood_attention_3d_reference,
     kernel=kernel_lib.neighborhood_attention_3d,

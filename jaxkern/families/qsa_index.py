@@ -37,7 +37,7 @@ from jaxkern import compare
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, Precondition, in_range
-from jaxkern.spmd import Split
+from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import qsa_index as index_lib
 
 # Defaults of the constant axes the functions cannot read from input shapes
@@ -319,7 +319,7 @@ AXIS_PARAMS = {"topk": "TOPK", "compress": "C"}
 SPLIT = Split(inputs={"q": "b h d", "index_k": "np ps o d", "page_table": "b mp", "seq_lens": "b"},
               outputs=("b k",), independent="b",
               reasons={"h": "a block's score sums over the heads", "np": "page tables address the whole cache",
-                       "d": "the contraction: partial sums would need a reduction across devices"})
+                       "d": CONTRACTION})
 IMPL = OpImpl(
     reference=qsa_index_topk_reference,
     kernel=index_lib.qsa_index_topk,

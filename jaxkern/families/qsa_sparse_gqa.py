@@ -21,7 +21,7 @@ from jaxkern import roofline
 from jaxkern.families.qsa_index import (AXIS_PARAMS, COMPRESS, INDEX_HEADS, cpu_axes, page_table_precondition,
                                         paged_structure, qsa_index_topk_reference)
 from jaxkern.family import OpImpl, Precondition, in_range
-from jaxkern.spmd import Split
+from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import qsa_sparse_gqa as gqa_lib
 
 
@@ -165,7 +165,7 @@ def qsa_sparse_gqa_decode_cost(definition, axes, *, inputs=None, record=None, co
 SPLIT = Split(inputs={"q": "b h d", "k_cache": "np ps h d", "v_cache": "np ps h d", "page_table": "b mp",
                       "seq_lens": "b", "topk_ids": "b k", "sm_scale": ""},
               outputs=("b h d",), independent="b h",
-              reasons={"np": "page tables address the whole cache", "d": "the contraction: partial sums would need a reduction across devices"})
+              reasons={"np": "page tables address the whole cache", "d": CONTRACTION})
 IMPL = OpImpl(
     reference=qsa_sparse_gqa_decode_reference,
     kernel=gqa_lib.qsa_sparse_gqa_decode,

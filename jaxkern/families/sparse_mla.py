@@ -51,7 +51,7 @@ import numpy as np
 from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, Precondition, in_range
-from jaxkern.spmd import Split
+from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels import sparse_mla as kernel_lib
 
 # Recent tokens a query sees (itself included), and cached window rows kept
@@ -307,7 +307,9 @@ def sparse_mla_prefill_cost(definition, axes, *, inputs=None, record=None, confi
 SPLIT = Split(inputs={"q": "m h d", "kv": "n o d", "indices": "m o k", "sm_scale": "", "attn_sink": "h"},
               outputs=("m h d", "m h"), independent="m h",
               reasons={"n": "indices address rows of the whole latent workspace", "k": "the softmax runs over all "
-                       "selected keys", "d": "the contraction: partial sums would need a reduction across devices"})
+                       "selected keys", "d": CONTRACTION})
+
+
 def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
   """Checked mode: every slot is -1 or a workspace row."""
   idx, rows = inputs["indices"], inputs["kv"].shape[0]
