@@ -181,14 +181,18 @@ def unit_lower_inverse(a, block: int):
 # ------------------------------------------------------------ chunk gates
 
 
+def chunk_log_decay(a_ref, tokens, valid, a_log, dt_bias):
+  """Per token of a chunk: the log-decay gamma <= 0, 0 on rows past the
+  segment's end (so that they change nothing)."""
+  gate_a = plgpu.load(a_ref.at[tokens], mask=valid, other=0.0)
+  return jnp.where(valid, log_decay(gate_a, a_log, dt_bias), 0.0)
+
+
 def chunk_gates(a_ref, b_ref, tokens, valid, a_log, dt_bias):
   """Per token of a chunk: (log-decay gamma <= 0, beta), both 0 on rows past
-  the segment's end (so that they change nothing)."""
-  gate_a = plgpu.load(a_ref.at[tokens], mask=valid, other=0.0)
+  the segment's end."""
   gate_b = plgpu.load(b_ref.at[tokens], mask=valid, other=0.0)
-  gamma = jnp.where(valid, log_decay(gate_a, a_log, dt_bias), 0.0)
-  beta = jnp.where(valid, sigmoid(gate_b), 0.0)
-  return gamma, beta
+  return chunk_log_decay(a_ref, tokens, valid, a_log, dt_bias), jnp.where(valid, sigmoid(gate_b), 0.0)
 
 
 def _lower(shape, strict: bool):

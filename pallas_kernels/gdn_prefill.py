@@ -60,7 +60,8 @@ from pallas_kernels.common import resolve_interpret
 from pallas_kernels.config_rules import (DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field, instance_of,
                                          one_of)
 from pallas_kernels.device import num_sms
-from pallas_kernels.gdn_decode import check_common, resolve_scale
+from pallas_kernels.gdn_decode import check_common, log_decay, resolve_scale, sigmoid
+from pallas_kernels.gdn_prefill_bwd import GdnPrefillBwdConfig, chunk_backward, choose_backward_config
 
 _DOT_PRECISIONS = ("bf16x3", "bf16")
 _FORMS = ("chunked", "serial")
@@ -107,7 +108,8 @@ class GdnPrefillConfig(KernelConfig):
   chunk of either form; `dot_precision`: how dots with an fp32 operand are
   split into bf16 dots ("bf16" misses the bf16 output tolerance on
   correlated keys with beta ~ 1 and decay ~ 1: docs/perf/kernel_notes.md).
-  The stage of the other form is unused."""
+  The stage of the other form is unused. `backward`: the gradient's
+  launches (`gdn_prefill_bwd`), whatever the forward's form."""
   form: str = field("chunked", one_of(*_FORMS))
   chunk: int = field(64, DOT_BLOCK)
   dot_precision: str = field("bf16x3", one_of(*_DOT_PRECISIONS))
@@ -115,6 +117,7 @@ class GdnPrefillConfig(KernelConfig):
   state: StateStage = field(StateStage(), instance_of(StateStage))
   output: OutputStage = field(OutputStage(), instance_of(OutputStage))
   serial: SerialStage = field(SerialStage(), instance_of(SerialStage))
+  backward: GdnPrefillBwdConfig = field(GdnPrefillBwdConfig(), instance_of(GdnPrefillBwdConfig))
 
 
 # ------------------------------------------------------------ launch 1
@@ -270,12 +273,14 @@ def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> GdnPrefillConfi
   programs per SM (few long sequences: twice the programs, each a shorter
   chunk step); launches 1 and 3 are parallel over chunks anyway."""
   tokens, num_seqs, hv, v_dim = GdnPrefillSizes.of(shapes)
+  backward = choose_backward_config(num_seqs, hv, v_dim)
   if tokens <= 32:
-    return GdnPrefillConfig(form="serial", chunk=32, serial=SerialStage(block_v=min(32, v_dim)))
+    return GdnPrefillConfig(form="serial", chunk=32, serial=SerialStage(block_v=min(32, v_dim)), backward=backward)
   block_v = min(32, v_dim)
   if block_v > 16 and num_seqs * hv * (v_dim // block_v) < 2 * num_sms():
     block_v = 16
-  return GdnPrefillConfig(state=StateStage(block_v=block_v), output=OutputStage(block_v=min(64, v_dim)))
+  return GdnPrefillConfig(state=StateStage(block_v=block_v), output=OutputStage(block_v=min(64, v_dim)),
+                          backward=backward)
 
 
 def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[GdnPrefillConfig]:
@@ -301,17 +306,21 @@ def _params(stage) -> plgpu.CompilerParams:
 
 
 class Forward(NamedTuple):
-  """What the chunked forward computes: the outputs and, for the backward,
-  the states entering every chunk slot (`h` [slots, HV, V, K] fp32; slots of
-  no sequence unwritten)."""
-  output: jax.Array
+  """What the chunked forward computes: the outputs (None without launch 3)
+  and, for the backward, the states entering every chunk slot (`h` [slots,
+  HV, V, K] fp32; slots of no sequence unwritten), the cumulative log-decay
+  `g` [T, HV] and `w` [T, HV, K]."""
+  output: jax.Array | None
   new_state: jax.Array
   h: jax.Array
+  g: jax.Array
+  w: jax.Array
 
 
 def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, scale, *,
-                    config: GdnPrefillConfig, interpret: bool) -> Forward:
-  """Launches 1-3 over the chunk table `table` (`gdn_chunks.chunk_table`)."""
+                    config: GdnPrefillConfig, interpret: bool, with_output: bool = True) -> Forward:
+  """Launches 1-3 over the chunk table `table` (`gdn_chunks.chunk_table`);
+  launches 1-2 only without `with_output` (what the backward recomputes)."""
   total, hq, d = q.shape
   num_seqs, hv = state.shape[:2]
   group = hv // hq
@@ -349,6 +358,8 @@ def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, 
                  pl.BlockSpec((None, None, bv, d), lambda n, h, j: (n, h, j, 0))),
       compiler_params=_params(config.state), interpret=interpret, name="gdn_prefill_state",
   )(table.seq_first_slot, table.cu, k, g, w, u, state)
+  if not with_output:
+    return Forward(None, new_state, h, g, w)
 
   bo = min(config.output.block_v, d)
   output = common.pallas_call(
@@ -362,7 +373,7 @@ def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, 
       out_specs=pl.BlockSpec((total, None, bo), lambda c, h, j: (0, h, j)),
       compiler_params=_params(config.output), interpret=interpret, name="gdn_prefill_output",
   )(table.slot_start, table.slot_end, table.slot_real, scale, qe, oi, h)
-  return Forward(output, new_state, h)
+  return Forward(output, new_state, h, g, w)
 
 
 def serial_forward(q, k, v, state, A_log, a, dt_bias, b, cu, scale, *, config: GdnPrefillConfig,
@@ -404,6 +415,65 @@ def check_prefill(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens) -> None:
     raise ValueError(f"cu_seqlens {cu_seqlens.shape} != ({num_seqs + 1},) (num_seqs + 1 from state)")
 
 
+def _forward(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, *, config: GdnPrefillConfig,
+             interpret: bool):
+  total = q.shape[0]
+  if config.form == "serial":
+    cu = gc.normalize_cu_seqlens(cu_seqlens, total)
+    return serial_forward(q, k, v, state, A_log, a, dt_bias, b, cu, scale, config=config, interpret=interpret)
+  fwd = chunked_forward(q, k, v, state, A_log, a, dt_bias, b, gc.chunk_table(cu_seqlens, total, config.chunk),
+                        scale, config=config, interpret=interpret)
+  return fwd.output, fwd.new_state
+
+
+class _Static(NamedTuple):
+  config: GdnPrefillConfig
+  interpret: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _prefill(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, static: _Static):
+  return _forward(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, config=static.config,
+                  interpret=static.interpret)
+
+
+def _prefill_fwd(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, static: _Static):
+  # Only the inputs are kept: the backward recomputes launches 1-2 at its
+  # own chunk (`gdn_prefill_bwd`), whatever the forward's form.
+  args = (q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale)
+  return _prefill(*args, static), args
+
+
+def _prefill_bwd(static: _Static, residuals, cotangents):
+  q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale = residuals
+  d_out, d_new_state = cotangents
+  total, hq, d = q.shape
+  config = static.config
+  bwd = config.backward
+  table = gc.chunk_table(cu_seqlens, total, bwd.chunk)
+  fwd = chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table, scale,
+                        config=dataclasses.replace(config, form="chunked", chunk=bwd.chunk),
+                        interpret=static.interpret, with_output=False)
+  grads = chunk_backward(q, k, v, A_log, a, dt_bias, b, table, scale, fwd.g, fwd.w, fwd.h, d_out,
+                         d_new_state.astype(jnp.float32), config=bwd, precision=config.dot_precision,
+                         interpret=static.interpret)
+  per_qk_head = lambda x: x.reshape(total, hq, -1, d).sum(axis=2)  # noqa: E731
+  # The gates' own chain rule, on tokens some sequence covers (elsewhere
+  # dgamma = dbeta = 0, and a NaN gate there must not make 0 * NaN).
+  token = jnp.arange(total)
+  covered = ((token >= table.cu[0]) & (token < table.cu[-1]))[:, None]
+  live = lambda x: jnp.where(covered, x, jnp.zeros((), x.dtype))  # noqa: E731
+  _, gate_vjp = jax.vjp(lambda a, A_log, dt_bias, b: (log_decay(a, A_log, dt_bias), sigmoid(b)),
+                        live(a), A_log, dt_bias, live(b))
+  da, dA_log, ddt_bias, db = gate_vjp((grads.dgamma, grads.dbeta))
+  return (per_qk_head(grads.dq).astype(q.dtype), per_qk_head(grads.dk).astype(k.dtype),
+          grads.dv.astype(v.dtype), grads.dstate, dA_log, da.astype(a.dtype), ddt_bias, db.astype(b.dtype), None,
+          jnp.sum(grads.dscale_rows).reshape(scale.shape))
+
+
+_prefill.defvjp(_prefill_fwd, _prefill_bwd)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def gdn_prefill(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale=None, *,
                 config: GdnPrefillConfig | None = None, interpret: bool | None = None):
@@ -418,6 +488,10 @@ def gdn_prefill(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale=None, *,
   Returns:
     `(output [T, HV, D] bf16, new_state [N, HV, D, D] f32)`; a sequence with
     no tokens gets a zero new_state row, a token of no sequence a zero output.
+
+  Differentiable (`jax.custom_vjp`, chunk-parallel backward kernels,
+  `gdn_prefill_bwd`) in q, k, v, state, the gate inputs (A_log, a,
+  dt_bias, b) and scale; tokens of no sequence get zero gradients.
   """
   check_prefill(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens)
   total, d = q.shape[0], q.shape[2]
@@ -425,12 +499,5 @@ def gdn_prefill(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale=None, *,
     return jnp.zeros(v.shape, jnp.bfloat16), jnp.zeros(state.shape, jnp.float32)
   shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype), "state": jax.ShapeDtypeStruct(state.shape, state.dtype)}
   config = choose_config(shapes) if config is None else config
-  interpret = resolve_interpret(interpret)
   args = (q, k, v, state.astype(jnp.float32), A_log.astype(jnp.float32), a, dt_bias.astype(jnp.float32), b)
-  scale = resolve_scale(scale, d).reshape(1)
-  if config.form == "serial":
-    cu = gc.normalize_cu_seqlens(cu_seqlens, total)
-    return serial_forward(*args, cu, scale, config=config, interpret=interpret)
-  fwd = chunked_forward(*args, gc.chunk_table(cu_seqlens, total, config.chunk), scale, config=config,
-                        interpret=interpret)
-  return fwd.output, fwd.new_state
+  return _prefill(*args, cu_seqlens, resolve_scale(scale, d).reshape(1), _Static(config, resolve_interpret(interpret)))

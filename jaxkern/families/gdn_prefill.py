@@ -189,7 +189,8 @@ IMPL = OpImpl(reference=gdn_prefill_reference,
               cost=gdn_prefill_cost,
               policies={"new_state": compare.StateMetric()},
               split=SPLIT,
-              preconditions=preconditions)
+              preconditions=preconditions,
+              differentiable_kernel=True)
 IMPLS = (IMPL,)
 
 
