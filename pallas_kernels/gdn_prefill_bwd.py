@@ -250,7 +250,7 @@ def _dqk_kernel(start_ref, end_ref, real_ref, scale_ref, a_log_ref, dt_bias_ref,
     return (do_s + mm(do, s, (1, 0)),                            # dO S^T
             dv_s + mm(gc.load_rows(dv_ref, tokens, valid, cols), s, (1, 0)),   # diag(beta) dR S^T
             vf_ds + mm(gc.load_rows(vf_ref, tokens, valid, cols), ds, (1, 0)),  # diag(e_C / e) V' dS_next^T
-            s_ds + jnp.sum(s * ds))
+            s_ds + jnp.sum(jnp.sum(s * ds, axis=1)))   # one axis at a time: lowers under a mesh
 
   tile = jnp.zeros((chunk, q_ref.shape[1]), jnp.float32)
   do_s, dv_s, vf_ds, s_ds = lax.fori_loop(0, do_ref.shape[1] // block_v, v_block,

@@ -10,6 +10,7 @@ and CPU axes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -25,6 +26,8 @@ import kit
 from kit import Case, TritonCall
 from pallas_kernels import gdn_decode as gk_decode
 from pallas_kernels import gdn_prefill as gk_prefill
+from pallas_kernels import gdn_prefill_bwd as gk_bwd
+from pallas_kernels.common import lower_for_h100, triton_calls
 from numerics import assert_bf16_close, assert_f32_close
 from test_gdn_decode import CONST, WHOLE_HEAD, check_against_definition, numpy_gdn, recorded_axes
 
@@ -232,6 +235,9 @@ def test_cu_seqlens_outside_the_contract(config):
 
 
 DIFFERENTIABLE = ("q", "k", "v", "state", "A_log", "a", "dt_bias", "b")
+WITH_SCALE = (*DIFFERENTIABLE, "scale")
+RECOMPUTED = ("gdn_prefill_intra", "gdn_prefill_state")
+BACKWARD_KERNELS = ("gdn_prefill_bwd_dv", "gdn_prefill_bwd_state", "gdn_prefill_bwd_chunk", "gdn_prefill_bwd_dqk")
 
 
 def op_loss(backend, cu_seqlens, weights):
@@ -246,9 +252,9 @@ def op_loss(backend, cu_seqlens, weights):
 def test_gradients_of_both_paths_agree_under_jit():
   """Every floating input (state and gate parameters included) on ragged
   sequences (an empty one, a partial chunk): the Pallas path (chunked
-  forward, interpret mode; backward through the reference's VJP,
-  `jaxkern.autodiff`) against the XLA path, both under jit(grad); the
-  gradient's jaxpr runs the forward kernel's three launches."""
+  forward and backward kernels, interpret mode) against the XLA path, both
+  under jit(grad); the gradient's jaxpr runs the forward's launches and the
+  four backward launches."""
   lengths = (45, 0, 20)
   x = prefill_inputs(lengths, seed=17)
   args = tuple(x[n] for n in DIFFERENTIABLE)
@@ -260,7 +266,7 @@ def test_gradients_of_both_paths_agree_under_jit():
   assert np.all(np.asarray(pallas[3][1]) == 0)                   # the empty sequence's state
   assert all(np.abs(np.asarray(g, np.float32)).max() > 0 for g in pallas)
   names = gradients.pallas_calls(jax.grad(op_loss("pallas", x["cu_seqlens"], weights)), *args)
-  assert {"gdn_prefill_intra", "gdn_prefill_state", "gdn_prefill_output"} <= set(names), names
+  assert {"gdn_prefill_output", *RECOMPUTED, *BACKWARD_KERNELS} <= set(names), names
 
 
 def test_nan_in_tokens_of_no_sequence_reaches_no_gradient():
@@ -280,7 +286,118 @@ def test_nan_in_tokens_of_no_sequence_reaches_no_gradient():
     assert np.all(np.isfinite(np.asarray(g, np.float32))), name
 
 
-def test_gradients_match_float64_finite_differences():
+# Large blocks (few programs in interpret mode) unless a case is about blocks.
+SMALL_BWD = gk_bwd.GdnPrefillBwdConfig(dv=gk_bwd.DvStage(block_v=128), state=gk_bwd.StateBwdStage(block_v=128),
+                                       chunk_grads=gk_bwd.ChunkBwdStage(block_v=64),
+                                       dqk=gk_bwd.DqkStage(block_k=128, block_v=64))
+
+
+def with_backward(config, backward=SMALL_BWD):
+  return dataclasses.replace(config, backward=backward)
+
+
+def kernel_and_reference(x, config):
+  """(kernel, reference) as functions of the WITH_SCALE inputs."""
+  cu = x["cu_seqlens"]
+  kernel = lambda *a: gk_prefill.gdn_prefill(*a[:8], cu, a[8], config=config, interpret=True)  # noqa: E731
+  reference = lambda *a: fam_prefill.gdn_prefill_reference(*a[:8], cu, a[8])  # noqa: E731
+  return kernel, reference
+
+
+def both_outputs_loss(fn, x):
+  w_out, w_state = gradients.weights_like(x["v"].shape, 1), gradients.weights_like(x["state"].shape, 2)
+  def f(*args):
+    out, new_state = fn(*args)
+    return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(new_state * w_state)
+  return f
+
+
+def assert_kernel_grads_match_reference(x, config):
+  kernel, reference = kernel_and_reference(x, config)
+  args, argnums = tuple(x[n] for n in WITH_SCALE), tuple(range(len(WITH_SCALE)))
+  got = jax.jit(jax.grad(both_outputs_loss(kernel, x), argnums))(*args)
+  want = jax.jit(jax.grad(both_outputs_loss(reference, x), argnums))(*args)
+  gradients.assert_grads_close(got, want, WITH_SCALE)
+  return got
+
+
+def _gap_tokens():
+  """Tokens before cu_seqlens[0] and after cu_seqlens[N] hold NaN."""
+  x = prefill_inputs((40,), seed=19, scale=0.6)
+  for name in ("q", "k", "v", "a", "b"):
+    x[name] = x[name].at[:3].set(jnp.nan).at[-4:].set(jnp.nan)
+  x["cu_seqlens"] = jnp.array([3, 36], jnp.int32)
+  return x
+
+
+GRAD_CASES = {
+    # Chunk boundaries (1, 63, 64, 65 tokens), empty sequences, a ragged third chunk; the heuristic's blocks.
+    "chunk_boundaries_default_blocks": (lambda: prefill_inputs(BOUNDARY_LENGTHS, seed=7, scale=0.9),
+                                        with_backward(SMALL_PREFILL, gk_bwd.GdnPrefillBwdConfig())),
+    # The serial forward (T <= 32): the backward recomputes the chunked form.
+    "serial_forward": (lambda: prefill_inputs((5, 0, 9), seed=3, scale=1.1), with_backward(SMALL_SERIAL)),
+    "chunk32_other_blocks": (lambda: prefill_inputs((70, 1, 33), seed=8, scale=1.0), with_backward(
+        SMALL_PREFILL, gk_bwd.GdnPrefillBwdConfig(
+            chunk=32, dv=gk_bwd.DvStage(block_v=32), state=gk_bwd.StateBwdStage(block_v=16),
+            chunk_grads=gk_bwd.ChunkBwdStage(block_v=32, solve_block=32),
+            dqk=gk_bwd.DqkStage(block_k=64, block_v=16)))),
+    "chunk16": (lambda: prefill_inputs((40, 7), seed=9, scale=0.0), with_backward(
+        SMALL_PREFILL, dataclasses.replace(SMALL_BWD, chunk=16))),
+    # Near-duplicate keys, beta ~ 1, no decay: the hardest case for the WY solve's backward.
+    "correlated_keys": (correlated_keys, with_backward(SMALL_PREFILL)),
+    "nan_in_tokens_of_no_sequence": (_gap_tokens, with_backward(SMALL_PREFILL)),
+}
+
+
+@pytest.mark.parametrize("case", GRAD_CASES)
+def test_kernel_gradients_match_the_reference_under_jit(case):
+  """Every floating input, `scale` included, through the backward kernels
+  (interpret mode) against the reference's VJP, both under jit."""
+  make, config = GRAD_CASES[case]
+  x = make()
+  got = assert_kernel_grads_match_reference(x, config)
+  if case == "nan_in_tokens_of_no_sequence":  # zero gradients there, and no NaN anywhere
+    for name, g in zip(WITH_SCALE, got):
+      if g.ndim and g.shape[0] == 40:
+        assert np.all(np.asarray(g[:3], np.float32) == 0) and np.all(np.asarray(g[-4:], np.float32) == 0), name
+
+
+def test_kernel_gradients_match_float64_finite_differences():
+  """float32 inputs through the backward kernels (interpret mode, chunk 16,
+  so that both sequences of 21 and 9 tokens span several chunks, one
+  partial; an empty one) against central differences of the float64
+  recurrence (test_gdn_decode.numpy_gdn), for every floating input."""
+  lengths = (21, 0, 9)
+  rng = np.random.default_rng(5)
+  total, n, hq, hv, d = sum(lengths), len(lengths), 1, 2, 16
+  x64 = {"q": rng.standard_normal((total, hq, d)) * 0.3, "k": rng.standard_normal((total, hq, d)) * 0.3,
+         "v": rng.standard_normal((total, hv, d)), "state": rng.standard_normal((n, hv, d, d)) * 0.5,
+         "A_log": rng.uniform(-2.0, 0.0, hv), "a": rng.standard_normal((total, hv)),
+         "dt_bias": rng.uniform(-1.0, 0.5, hv), "b": rng.standard_normal((total, hv))}
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+  config = gk_prefill.GdnPrefillConfig(chunk=16, backward=gk_bwd.GdnPrefillBwdConfig(
+      chunk=16, dv=gk_bwd.DvStage(block_v=16), state=gk_bwd.StateBwdStage(block_v=16),
+      chunk_grads=gk_bwd.ChunkBwdStage(block_v=16), dqk=gk_bwd.DqkStage(block_k=16, block_v=16)))
+  weights = (gradients.weights_like((total, hv, d), 3), gradients.weights_like((n, hv, d, d), 4))
+
+  def loss(*args):
+    out, new_state = gk_prefill.gdn_prefill(*args, cu, 1.0, config=config, interpret=True)
+    return jnp.sum(out.astype(jnp.float32) * weights[0]) + jnp.sum(new_state * weights[1])
+
+  got = jax.grad(loss, tuple(range(8)))(*(jnp.asarray(x64[k], jnp.float32) for k in DIFFERENTIABLE))
+
+  def fn64(*values):
+    out, new_state = numpy_gdn({**dict(zip(DIFFERENTIABLE, values)), "scale": 1.0}, lengths)
+    return np.concatenate([out.ravel(), new_state.ravel()])
+
+  w64 = np.concatenate([np.asarray(w, np.float64).ravel() for w in weights])
+  want = gradients.finite_difference_grads(fn64, [x64[k] for k in DIFFERENTIABLE], w64)
+  # The output is rounded to bf16 once (as the forward's): about 2^-9 of each output's weight.
+  for name, g, w in zip(DIFFERENTIABLE, got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-2, atol=1e-2 * np.abs(w).max(), err_msg=name)
+
+
+def test_xla_gradients_match_float64_finite_differences():
   """The XLA path's gradients (float32 inputs, a sequence of 2 tokens, an
   empty one, one of 3) against central differences of the float64
   recurrence (test_gdn_decode.numpy_gdn), for every floating input."""
@@ -305,6 +422,42 @@ def test_gradients_match_float64_finite_differences():
   want = gradients.finite_difference_grads(fn64, [x64[k] for k in DIFFERENTIABLE], w64)
   for name, g, w in zip(DIFFERENTIABLE, got, want):
     np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-3, atol=2e-3 * np.abs(w).max(), err_msg=name)
+
+
+def backward_launches(axes):
+  """The gradient's launches for the heuristic's config: the forward (its
+  form), launches 1-2 recomputed at the backward's chunk, and the four
+  backward launches (grids over chunk slots, sequences, V and K blocks)."""
+  shapes = registry.get(PREFILL).input_shapes({**axes, **CONST})
+  config = gk_prefill.choose_config(shapes)
+  bwd = config.backward
+  t, n, hv, d = (axes.get(a, CONST.get(a)) for a in ("total_seq_len", "num_seqs", "num_v_heads", "head_size"))
+  slots = t // bwd.chunk + n + 2
+  recomputed = launches(dataclasses.replace(config, form="chunked", chunk=bwd.chunk), {**axes, **CONST})[:2]
+  call = lambda name, grid, stage: TritonCall(name, grid, stage.num_warps, stage.num_stages)  # noqa: E731
+  return [*launches(config, {**axes, **CONST}), *recomputed,
+          call("gdn_prefill_bwd_dv", (slots, hv, d // bwd.dv.block_v), bwd.dv),
+          call("gdn_prefill_bwd_state", (n, hv, d // bwd.state.block_v), bwd.state),
+          call("gdn_prefill_bwd_chunk", (slots, hv, 1), bwd.chunk_grads),
+          call("gdn_prefill_bwd_dqk", (slots, hv, d // bwd.dqk.block_k), bwd.dqk)]
+
+
+@pytest.mark.parametrize("t,n", [(8192, 57), (8192, 1), (6, 1)], ids=lambda v: str(v))
+def test_gradient_lowers_for_h100(t, n):
+  """jax.grad of the kernel (every floating input) lowers for an abstract
+  H100 with the heuristic's launches: the largest record, one long
+  sequence, and a prefill short enough for the serial forward."""
+  axes = {"total_seq_len": t, "num_seqs": n, "len_cu_seqlens": n + 1}
+  shapes = registry.get(PREFILL).input_shapes({**axes, **CONST})
+  floating = [name for name in WITH_SCALE if name != "scale"]
+
+  def loss(cu_seqlens, *values):
+    out, new_state = gk_prefill.gdn_prefill(**dict(zip(floating, values)), cu_seqlens=cu_seqlens, interpret=False)
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(new_state)
+
+  grad = jax.value_and_grad(loss, tuple(range(1, len(floating) + 1)))   # the value keeps the forward
+  calls = triton_calls(lower_for_h100(grad, shapes["cu_seqlens"], *(shapes[name] for name in floating)))
+  assert sorted(calls) == sorted(backward_launches(axes))
 
 
 # ---------------------------------------------------------------- synthesis
