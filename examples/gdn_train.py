@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
+from examples import training
 from examples.moe_block import rms_norm
 from jaxkern import ops
 
@@ -114,32 +115,14 @@ def make_batch(key: jax.Array, cfg: GdnConfig) -> tuple[jax.Array, jax.Array, di
   return tokens, gdn_layer(teacher, tokens, cfg, backend="xla"), teacher
 
 
-def make_train_step(cfg: GdnConfig, optimizer: optax.GradientTransformation, backend=None) -> Callable:
-  """A jitted `(params, opt_state, tokens, targets) -> (params, opt_state, loss)`."""
-  @jax.jit
-  def step(params, opt_state, tokens, targets):
-    loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets, cfg, backend)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-  return step
-
-
 def train(steps: int, *, cfg: GdnConfig = GdnConfig(), learning_rate: float = 1e-2, backend=None, seed: int = 0,
           log: Callable[[str], None] | None = None) -> list[float]:
   """Trains `steps` Adam steps on one fixed packed batch; the losses."""
   key_params, key_batch = jax.random.split(jax.random.key(seed))
   params = init_params(key_params, cfg)
   tokens, targets, _ = make_batch(key_batch, cfg)
-  optimizer = optax.adam(learning_rate)
-  opt_state = optimizer.init(params)
-  step = make_train_step(cfg, optimizer, backend)
-  losses = []
-  for i in range(steps):
-    params, opt_state, loss = step(params, opt_state, tokens, targets)
-    losses.append(float(loss))
-    if log:
-      log(f"step {i}: loss {losses[-1]:.5f}")
-  return losses
+  return training.adam_losses(functools.partial(loss_fn, cfg=cfg, backend=backend), params, (tokens, targets),
+                              steps, learning_rate, log)
 
 
 def main(argv=None) -> int:
@@ -151,10 +134,8 @@ def main(argv=None) -> int:
   cfg = GdnConfig()
   print(f"training on {jax.default_backend()} (backend={args.backend or 'auto'}), "
         f"{sum(cfg.lengths)} tokens in sequences of {list(cfg.lengths)}")
-  losses = train(args.steps, cfg=cfg, learning_rate=args.learning_rate, backend=args.backend, log=print)
-  decreased = len(losses) > 1 and losses[-1] < losses[0]
-  print(f"loss {losses[0]:.5f} -> {losses[-1]:.5f} ({'decreasing' if decreased else 'NOT decreasing'})")
-  return 0 if decreased else 1
+  return training.report(train(args.steps, cfg=cfg, learning_rate=args.learning_rate, backend=args.backend,
+                               log=print))
 
 
 if __name__ == "__main__":

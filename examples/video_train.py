@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 
+from examples import training
 from examples.moe_block import rms_norm
 from jaxkern import ops
 
@@ -123,32 +124,14 @@ def make_clips(key: jax.Array, batch: int, cfg: VideoConfig) -> tuple[jax.Array,
   return noisy, clean
 
 
-def make_train_step(cfg: VideoConfig, optimizer: optax.GradientTransformation, backend=None) -> Callable:
-  """A jitted `(params, opt_state, noisy, clean) -> (params, opt_state, loss)`."""
-  @jax.jit
-  def step(params, opt_state, noisy, clean):
-    loss, grads = jax.value_and_grad(loss_fn)(params, noisy, clean, cfg, backend)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-  return step
-
-
 def train(steps: int, *, batch: int = 2, cfg: VideoConfig = VideoConfig(), learning_rate: float = 3e-3,
           backend=None, seed: int = 0, log: Callable[[str], None] | None = None) -> list[float]:
   """Trains `steps` Adam steps on one fixed batch of clips; the losses."""
   key_params, key_clips = jax.random.split(jax.random.key(seed))
   params = init_params(key_params, cfg)
   noisy, clean = make_clips(key_clips, batch, cfg)
-  optimizer = optax.adam(learning_rate)
-  opt_state = optimizer.init(params)
-  step = make_train_step(cfg, optimizer, backend)
-  losses = []
-  for i in range(steps):
-    params, opt_state, loss = step(params, opt_state, noisy, clean)
-    losses.append(float(loss))
-    if log:
-      log(f"step {i}: loss {losses[-1]:.5f}")
-  return losses
+  return training.adam_losses(functools.partial(loss_fn, cfg=cfg, backend=backend), params, (noisy, clean), steps,
+                              learning_rate, log)
 
 
 def main(argv=None) -> int:
@@ -159,10 +142,8 @@ def main(argv=None) -> int:
   parser.add_argument("--backend", choices=("pallas", "xla"), default=None)
   args = parser.parse_args(argv)
   print(f"training on {jax.default_backend()} (backend={args.backend or 'auto'}), batch {args.batch}")
-  losses = train(args.steps, batch=args.batch, learning_rate=args.learning_rate, backend=args.backend, log=print)
-  decreased = len(losses) > 1 and losses[-1] < losses[0]
-  print(f"loss {losses[0]:.5f} -> {losses[-1]:.5f} ({'decreasing' if decreased else 'NOT decreasing'})")
-  return 0 if decreased else 1
+  return training.report(train(args.steps, batch=args.batch, learning_rate=args.learning_rate, backend=args.backend,
+                               log=print))
 
 
 if __name__ == "__main__":

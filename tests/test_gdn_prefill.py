@@ -362,66 +362,54 @@ def test_kernel_gradients_match_the_reference_under_jit(case):
         assert np.all(np.asarray(g[:3], np.float32) == 0) and np.all(np.asarray(g[-4:], np.float32) == 0), name
 
 
-def test_kernel_gradients_match_float64_finite_differences():
-  """float32 inputs through the backward kernels (interpret mode, chunk 16,
-  so that both sequences of 21 and 9 tokens span several chunks, one
-  partial; an empty one) against central differences of the float64
-  recurrence (test_gdn_decode.numpy_gdn), for every floating input."""
-  lengths = (21, 0, 9)
+def assert_finite_differences(grad_of, lengths, head_size, rtol):
+  """`grad_of(cu_seqlens, weights, *inputs)` (gradients of sum(out *
+  weights[0]) + sum(new_state * weights[1]) for the float32 DIFFERENTIABLE
+  inputs, scale 1) against central differences of the float64 recurrence
+  (test_gdn_decode.numpy_gdn); one q/k head, two v heads."""
   rng = np.random.default_rng(5)
-  total, n, hq, hv, d = sum(lengths), len(lengths), 1, 2, 16
+  total, n, hq, hv, d = sum(lengths), len(lengths), 1, 2, head_size
   x64 = {"q": rng.standard_normal((total, hq, d)) * 0.3, "k": rng.standard_normal((total, hq, d)) * 0.3,
          "v": rng.standard_normal((total, hv, d)), "state": rng.standard_normal((n, hv, d, d)) * 0.5,
          "A_log": rng.uniform(-2.0, 0.0, hv), "a": rng.standard_normal((total, hv)),
          "dt_bias": rng.uniform(-1.0, 0.5, hv), "b": rng.standard_normal((total, hv))}
   cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+  weights = (gradients.weights_like((total, hv, d), 3), gradients.weights_like((n, hv, d, d), 4))
+  got = grad_of(cu, weights, *(jnp.asarray(x64[k], jnp.float32) for k in DIFFERENTIABLE))
+
+  def fn64(*values):  # the float64 loss as one weighted output: outputs and states side by side
+    out, new_state = numpy_gdn({**dict(zip(DIFFERENTIABLE, values)), "scale": 1.0}, lengths)
+    return np.concatenate([out.ravel(), new_state.ravel()])
+
+  w64 = np.concatenate([np.asarray(w, np.float64).ravel() for w in weights])
+  want = gradients.finite_difference_grads(fn64, [x64[k] for k in DIFFERENTIABLE], w64)
+  for name, g, w in zip(DIFFERENTIABLE, got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=rtol, atol=rtol * np.abs(w).max(), err_msg=name)
+
+
+def test_kernel_gradients_match_float64_finite_differences():
+  """Through the backward kernels (interpret mode, chunk 16, so that the
+  sequences of 21 and 9 tokens span several chunks, one partial; an empty
+  one); 1e-2: the output is rounded to bf16 once, as the forward's."""
   config = gk_prefill.GdnPrefillConfig(chunk=16, backward=gk_bwd.GdnPrefillBwdConfig(
       chunk=16, dv=gk_bwd.DvStage(block_v=16), state=gk_bwd.StateBwdStage(block_v=16),
       chunk_grads=gk_bwd.ChunkBwdStage(block_v=16), dqk=gk_bwd.DqkStage(block_k=16, block_v=16)))
-  weights = (gradients.weights_like((total, hv, d), 3), gradients.weights_like((n, hv, d, d), 4))
 
-  def loss(*args):
-    out, new_state = gk_prefill.gdn_prefill(*args, cu, 1.0, config=config, interpret=True)
-    return jnp.sum(out.astype(jnp.float32) * weights[0]) + jnp.sum(new_state * weights[1])
+  def grad_of(cu, weights, *args):
+    def loss(*args):
+      out, new_state = gk_prefill.gdn_prefill(*args, cu, 1.0, config=config, interpret=True)
+      return jnp.sum(out.astype(jnp.float32) * weights[0]) + jnp.sum(new_state * weights[1])
+    return jax.grad(loss, tuple(range(len(args))))(*args)
 
-  got = jax.grad(loss, tuple(range(8)))(*(jnp.asarray(x64[k], jnp.float32) for k in DIFFERENTIABLE))
-
-  def fn64(*values):
-    out, new_state = numpy_gdn({**dict(zip(DIFFERENTIABLE, values)), "scale": 1.0}, lengths)
-    return np.concatenate([out.ravel(), new_state.ravel()])
-
-  w64 = np.concatenate([np.asarray(w, np.float64).ravel() for w in weights])
-  want = gradients.finite_difference_grads(fn64, [x64[k] for k in DIFFERENTIABLE], w64)
-  # The output is rounded to bf16 once (as the forward's): about 2^-9 of each output's weight.
-  for name, g, w in zip(DIFFERENTIABLE, got, want):
-    np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-2, atol=1e-2 * np.abs(w).max(), err_msg=name)
+  assert_finite_differences(grad_of, (21, 0, 9), head_size=16, rtol=1e-2)
 
 
 def test_xla_gradients_match_float64_finite_differences():
-  """The XLA path's gradients (float32 inputs, a sequence of 2 tokens, an
-  empty one, one of 3) against central differences of the float64
-  recurrence (test_gdn_decode.numpy_gdn), for every floating input."""
-  lengths = (2, 0, 3)
-  rng = np.random.default_rng(5)
-  total, n, hq, hv, d = sum(lengths), len(lengths), 1, 2, 4
-  x64 = {"q": rng.standard_normal((total, hq, d)) * 0.5, "k": rng.standard_normal((total, hq, d)) * 0.5,
-         "v": rng.standard_normal((total, hv, d)), "state": rng.standard_normal((n, hv, d, d)) * 0.5,
-         "A_log": rng.uniform(-1.0, 0.5, hv), "a": rng.standard_normal((total, hv)),
-         "dt_bias": rng.uniform(-1.0, 0.5, hv), "b": rng.standard_normal((total, hv))}
-  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-  weights = (gradients.weights_like((total, hv, d), 3), gradients.weights_like((n, hv, d, d), 4))
-  f = op_loss("xla", cu, weights)
-  # The float64 loss as one weighted output: outputs and states side by side.
-  got = jax.grad(f, tuple(range(8)))(*(jnp.asarray(x64[k], jnp.float32) for k in DIFFERENTIABLE))
+  """The XLA path (the reference's scan) on sequences of 2, 0 and 3 tokens."""
+  def grad_of(cu, weights, *args):
+    return jax.grad(op_loss("xla", cu, weights), tuple(range(len(args))))(*args)
 
-  def fn64(*values):
-    out, new_state = numpy_gdn({**dict(zip(DIFFERENTIABLE, values)), "scale": 1.0}, lengths)
-    return np.concatenate([out.ravel(), new_state.ravel()])
-
-  w64 = np.concatenate([np.asarray(w, np.float64).ravel() for w in weights])
-  want = gradients.finite_difference_grads(fn64, [x64[k] for k in DIFFERENTIABLE], w64)
-  for name, g, w in zip(DIFFERENTIABLE, got, want):
-    np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-3, atol=2e-3 * np.abs(w).max(), err_msg=name)
+  assert_finite_differences(grad_of, (2, 0, 3), head_size=4, rtol=2e-3)
 
 
 def backward_launches(axes):
