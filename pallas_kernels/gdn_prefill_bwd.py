@@ -1,7 +1,7 @@
 """Backward pass of the chunk-parallel gated delta net prefill
 (`pallas_kernels.gdn_prefill`, whose docstring has the forward's chunk
 math and notation), in the form of flash-linear-attention's
-`chunk_gated_delta_rule_bwd`: three launches after the forward's launches 1
+`chunk_gated_delta_rule_bwd`: four launches after the forward's launches 1
 and 2 are recomputed (`gdn_prefill.chunked_forward`: G, W and the state H
 entering every chunk).
 
@@ -25,15 +25,21 @@ and the gradient of the cumulative log-decay G (through e, D, e_C / e and
 e_C), summed from the end of the chunk into the per-token log-decay gamma.
 `gdn_prefill` maps (dgamma, dbeta) to the gate inputs.
 
-1. `gdn_prefill_bwd_dv`, grid (chunk slots, HV, V / block_v): M^T dÔ.
+1. `gdn_prefill_bwd_dv`, grid (chunk slots, HV, V / block_v): M^T dÔ and
+   the carry-free term of the reverse pass, (Q^T diag(e) dÔ)^T, per chunk.
 2. `gdn_prefill_bwd_state`, grid (N, HV, V / block_v): the reverse state
    pass, walking a sequence's chunks from its last, storing dV' and the
    cotangent of the state leaving every chunk; the initial state's
    gradient at the end (0 for an empty sequence, whose new_state is 0
    whatever its state).
-3. `gdn_prefill_bwd_chunk`, grid (chunk slots, HV): everything else, per
-   v-head (q/k gradients of the v-heads sharing a q/k head are summed
-   afterwards), and per token the rows of d(scale).
+3. `gdn_prefill_bwd_chunk`, grid (chunk slots, HV): V' (from the chunk's
+   state), the WY inverse's backward, dV, dbeta, the D-terms of dgamma
+   and d(scale), and the [C, C] cotangents of Q K^T and K K^T.
+4. `gdn_prefill_bwd_dqk`, grid (chunk slots, HV, K / block_k): dq and dk
+   per v-head (the v-heads sharing a q/k head are summed afterwards) and
+   the terms of dgamma and d(scale) through S and dS_next, per K block.
+   (Launches 3 and 4 are one computation split where one launch spilled:
+   docs/perf/kernel_notes.md.)
 
 Chunks of no sequence write zero gradients (their tokens reach no output).
 Dots with fp32 operands are split as in the forward (`gdn_chunks.mm`).
