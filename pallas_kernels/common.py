@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 
 import jax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 # jax >= 0.11 warns that the Triton lowering is deprecated in favour of Mosaic
 # GPU. We target Triton deliberately (SPEC section 2), so the warning is noise.
@@ -106,6 +107,12 @@ def pallas_call(kernel: Callable[..., None], *, out_shape: Any, interpret: bool 
     own = jax.lax.axis_index(mesh_axes)
     return jax.tree.map(lambda o: o[own], outs)
   return call
+
+
+def compiler_params(stage: Any) -> plgpu.CompilerParams:
+  """The Triton launch parameters of a config (or a stage of one) with
+  `num_warps` and `num_stages` fields."""
+  return plgpu.CompilerParams(num_warps=stage.num_warps, num_stages=stage.num_stages)
 
 
 def cdiv(a: int, b: int) -> int:

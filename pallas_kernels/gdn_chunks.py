@@ -24,6 +24,7 @@ from typing import NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gdn_decode import log_decay, sigmoid
@@ -76,6 +77,18 @@ def chunk_table(cu_seqlens: jax.Array, total: int, chunk: int) -> ChunkTable:
   stop = jnp.where(used, bounds[seg + 1], 0)
   real = (used & (seg >= 1) & (seg <= n)).astype(jnp.int32)
   return ChunkTable(start, stop, real, first[1:n + 1], cu)
+
+
+def chunk_rows(t0, end, chunk: int):
+  """(tokens, valid) of the chunk of `chunk` rows from token `t0` of a
+  segment ending at `end` (exclusive): rows past the end are not valid."""
+  return pl.ds(t0, chunk), t0 + jnp.arange(chunk) < end
+
+
+def covered_tokens(cu: jax.Array, total: int) -> jax.Array:
+  """[total] bool: the tokens some sequence covers (normalized `cu`)."""
+  token = jnp.arange(total)
+  return (token >= cu[0]) & (token < cu[-1])
 
 
 # ------------------------------------------------------------------- dots

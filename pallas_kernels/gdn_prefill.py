@@ -52,7 +52,6 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 from pallas_kernels import gdn_chunks as gc
@@ -128,9 +127,7 @@ def _intra_kernel(start_ref, end_ref, a_log_ref, dt_bias_ref, q_ref, k_ref, v_re
                   precision: str):
   # q, k, w, qe refs: [T, K]; v, u, oi refs: [T, V]; a, b, g refs: [T].
   c = pl.program_id(0)
-  t0 = start_ref[c]
-  tokens = pl.ds(t0, chunk)
-  valid = t0 + jnp.arange(chunk) < end_ref[c]
+  tokens, valid = gc.chunk_rows(start_ref[c], end_ref[c], chunk)
   mm = functools.partial(gc.mm, precision=precision)
   gamma, beta = gc.chunk_gates(a_ref, b_ref, tokens, valid, a_log_ref[...], dt_bias_ref[...])
   cum = jnp.cumsum(gamma)
@@ -169,9 +166,7 @@ def _state_kernel(first_ref, cu_ref, k_ref, g_ref, w_ref, u_ref, state_ref, h_re
 
   def body(i, s):  # s: [block_v, K] fp32, the state S^T entering the chunk
     h_ref[first_ref[n] + i] = s
-    t0 = start + i * chunk
-    tokens = pl.ds(t0, chunk)
-    valid = t0 + jnp.arange(chunk) < end
+    tokens, valid = gc.chunk_rows(start + i * chunk, end, chunk)
     cum = gc.load_rows(g_ref, tokens, valid)
     last = jnp.min(cum)                        # G at the chunk's last token (rows past it read 0)
     v_new = gc.load_rows(u_ref, tokens, valid) - mm(gc.load_rows(w_ref, tokens, valid), s, (1, 1))
@@ -190,9 +185,7 @@ def _output_kernel(start_ref, end_ref, real_ref, scale_ref, qe_ref, oi_ref, h_re
                    precision: str):
   # qe ref: [T, K]; oi, o refs: [T, block_v]; h ref: [block_v, K].
   c = pl.program_id(0)
-  t0 = start_ref[c]
-  tokens = pl.ds(t0, chunk)
-  valid = t0 + jnp.arange(chunk) < end_ref[c]
+  tokens, valid = gc.chunk_rows(start_ref[c], end_ref[c], chunk)
   o = gc.load_rows(oi_ref, tokens, valid) + gc.mm(gc.load_rows(qe_ref, tokens, valid), h_ref[...], (1, 1),
                                                    precision)
   # Chunks of no sequence have no state (H unwritten there): selected away.
@@ -229,9 +222,7 @@ def _serial_kernel(scale_ref, a_log_ref, dt_bias_ref, cu_ref, q_ref, k_ref, v_re
   mm = functools.partial(gc.mm, precision=precision)
 
   def body(i, s):  # s: [block_v, K] fp32, the state S^T entering the chunk
-    t0 = start + i * chunk
-    tokens = pl.ds(t0, chunk)
-    valid = t0 + jnp.arange(chunk) < end
+    tokens, valid = gc.chunk_rows(start + i * chunk, end, chunk)
     gamma, beta = gc.chunk_gates(a_ref, b_ref, tokens, valid, a_log_ref[...], dt_bias_ref[...])
     cum = jnp.cumsum(gamma)
     last = jnp.sum(gamma)
@@ -301,10 +292,6 @@ def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[GdnPre
 # ------------------------------------------------------------ launchers
 
 
-def _params(stage) -> plgpu.CompilerParams:
-  return plgpu.CompilerParams(num_warps=stage.num_warps, num_stages=stage.num_stages)
-
-
 class Forward(NamedTuple):
   """What the chunked forward computes: the outputs (None without launch 3)
   and, for the backward, the states entering every chunk slot (`h` [slots,
@@ -340,7 +327,7 @@ def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, 
       grid=(slots, hv),
       in_specs=[whole(slots), whole(slots), head, head, qk_rows, qk_rows, v_rows, gate_rows, gate_rows],
       out_specs=(gate_rows, v_rows, v_rows, v_rows, v_rows),
-      compiler_params=_params(intra), interpret=interpret, name="gdn_prefill_intra",
+      compiler_params=common.compiler_params(intra), interpret=interpret, name="gdn_prefill_intra",
   )(table.slot_start, table.slot_end, A_log, dt_bias, q, k, v, a, b)
 
   bv = min(config.state.block_v, d)
@@ -356,7 +343,7 @@ def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, 
                 pl.BlockSpec((None, None, bv, d), lambda n, h, j: (n, h, j, 0))],
       out_specs=(pl.BlockSpec((slots, None, bv, d), lambda n, h, j: (0, h, j, 0)),
                  pl.BlockSpec((None, None, bv, d), lambda n, h, j: (n, h, j, 0))),
-      compiler_params=_params(config.state), interpret=interpret, name="gdn_prefill_state",
+      compiler_params=common.compiler_params(config.state), interpret=interpret, name="gdn_prefill_state",
   )(table.seq_first_slot, table.cu, k, g, w, u, state)
   if not with_output:
     return Forward(None, new_state, h, g, w)
@@ -371,7 +358,7 @@ def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, 
                 pl.BlockSpec((total, None, bo), lambda c, h, j: (0, h, j)),
                 pl.BlockSpec((None, None, bo, d), lambda c, h, j: (c, h, j, 0))],
       out_specs=pl.BlockSpec((total, None, bo), lambda c, h, j: (0, h, j)),
-      compiler_params=_params(config.output), interpret=interpret, name="gdn_prefill_output",
+      compiler_params=common.compiler_params(config.output), interpret=interpret, name="gdn_prefill_output",
   )(table.slot_start, table.slot_end, table.slot_real, scale, qe, oi, h)
   return Forward(output, new_state, h, g, w)
 
@@ -397,10 +384,9 @@ def serial_forward(q, k, v, state, A_log, a, dt_bias, b, cu, scale, *, config: G
                 pl.BlockSpec((cu.shape[0],), lambda n, h, j: (0,)),
                 qk_spec, qk_spec, v_spec, gate_spec, gate_spec, state_spec],
       out_specs=(v_spec, state_spec),
-      compiler_params=_params(config.serial), interpret=interpret, name="gdn_prefill_serial",
+      compiler_params=common.compiler_params(config.serial), interpret=interpret, name="gdn_prefill_serial",
   )(scale, A_log, dt_bias, cu, q, k, v, a, b, state)
-  token = jnp.arange(total)
-  covered = (token >= cu[0]) & (token < cu[-1])
+  covered = gc.covered_tokens(cu, total)
   return jnp.where(covered[:, None, None], out, jnp.zeros((), out.dtype)), new_state
 
 
@@ -441,7 +427,7 @@ def _prefill_fwd(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, static
   # Only the inputs are kept: the backward recomputes launches 1-2 at its
   # own chunk (`gdn_prefill_bwd`), whatever the forward's form.
   args = (q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale)
-  return _prefill(*args, static), args
+  return _forward(*args, config=static.config, interpret=static.interpret), args
 
 
 def _prefill_bwd(static: _Static, residuals, cotangents):
@@ -460,8 +446,7 @@ def _prefill_bwd(static: _Static, residuals, cotangents):
   per_qk_head = lambda x: x.reshape(total, hq, -1, d).sum(axis=2)  # noqa: E731
   # The gates' own chain rule, on tokens some sequence covers (elsewhere
   # dgamma = dbeta = 0, and a NaN gate there must not make 0 * NaN).
-  token = jnp.arange(total)
-  covered = ((token >= table.cu[0]) & (token < table.cu[-1]))[:, None]
+  covered = gc.covered_tokens(table.cu, total)[:, None]
   live = lambda x: jnp.where(covered, x, jnp.zeros((), x.dtype))  # noqa: E731
   _, gate_vjp = jax.vjp(lambda a, A_log, dt_bias, b: (log_decay(a, A_log, dt_bias), sigmoid(b)),
                         live(a), A_log, dt_bias, live(b))

@@ -55,7 +55,6 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 from pallas_kernels import gdn_chunks as gc
@@ -123,6 +122,12 @@ def choose_backward_config(num_seqs: int, v_heads: int, v_dim: int) -> GdnPrefil
                              dqk=DqkStage(block_k=fit(32), block_v=fit(32)))
 
 
+def _from_the_end(dg):
+  """Gradient of the per-token gamma from that of G_i = sum_{j <= i} gamma_j:
+  dgamma_j = sum_{i >= j} dG_i."""
+  return jnp.sum(dg) - jnp.cumsum(dg) + dg
+
+
 # ------------------------------------------------------------ launch 1
 
 
@@ -132,9 +137,7 @@ def _dv_kernel(start_ref, end_ref, scale_ref, q_ref, k_ref, g_ref, do_ref, dvi_r
   # [block_v, K]. The carry-free parts of the reverse state pass: M^T dÔ
   # and (Q^T diag(e) dÔ)^T.
   c = pl.program_id(0)
-  t0 = start_ref[c]
-  tokens = pl.ds(t0, chunk)
-  valid = t0 + jnp.arange(chunk) < end_ref[c]
+  tokens, valid = gc.chunk_rows(start_ref[c], end_ref[c], chunk)
   cum = gc.load_rows(g_ref, tokens, valid)
   # Rows past the end continue at the last G (as in launch 1 of the forward),
   # not at 0: exp(0 - G_j) would overflow.
@@ -161,9 +164,7 @@ def _state_bwd_kernel(first_ref, cu_ref, k_ref, g_ref, w_ref, dvi_ref, qdo_ref, 
   def body(step, ds):  # ds: [block_v, K] fp32, the cotangent of the state leaving the chunk
     slot = first_ref[n] + chunks - 1 - step
     dsn_ref[slot] = ds
-    t0 = start + (chunks - 1 - step) * chunk
-    tokens = pl.ds(t0, chunk)
-    valid = t0 + jnp.arange(chunk) < end
+    tokens, valid = gc.chunk_rows(start + (chunks - 1 - step) * chunk, end, chunk)
     cum = gc.load_rows(g_ref, tokens, valid)
     last = jnp.min(cum)                        # G at the chunk's last token (rows past it read 0)
     dv = (gc.load_rows(dvi_ref, tokens, valid)
@@ -187,9 +188,7 @@ def _chunk_bwd_kernel(start_ref, end_ref, real_ref, scale_ref, a_log_ref, dt_bia
   # k-last); dm, p refs: [C, C]. The terms of the gate and scale gradients
   # that need S or dS_next by more than V' are launch 4's.
   c = pl.program_id(0)
-  t0 = start_ref[c]
-  tokens = pl.ds(t0, chunk)
-  valid = t0 + jnp.arange(chunk) < end_ref[c]
+  tokens, valid = gc.chunk_rows(start_ref[c], end_ref[c], chunk)
   real = real_ref[c] > 0
   scale = scale_ref[...]
   mm = functools.partial(gc.mm, precision=precision)
@@ -198,7 +197,8 @@ def _chunk_bwd_kernel(start_ref, end_ref, real_ref, scale_ref, a_log_ref, dt_bia
   e, f = jnp.exp(cum), jnp.exp(jnp.sum(gamma) - cum)             # the sum: G at the last row
   k = gc.load_rows(k_ref, tokens, valid)
   decay = gc.decay_matrix(cum)
-  t_inv = gc.unit_lower_inverse(beta[:, None] * gc.strictly_lower(decay * mm(k, k, (1, 1))), solve_block)
+  kk = mm(k, k, (1, 1))
+  t_inv = gc.unit_lower_inverse(beta[:, None] * gc.strictly_lower(decay * kk), solve_block)
   zero = lambda x: jnp.where(real, x, 0.0)  # noqa: E731
 
   def v_block(j, carry):
@@ -217,13 +217,13 @@ def _chunk_bwd_kernel(start_ref, end_ref, real_ref, scale_ref, a_log_ref, dt_bia
   init = (square, square, jnp.zeros((chunk,), jnp.float32))
   drv, dov, dbeta = lax.fori_loop(0, v_ref.shape[1] // block_v, v_block, init)
 
-  kk, qk = mm(k, k, (1, 1)), mm(gc.load_rows(q_ref, tokens, valid), k, (1, 1))
+  qk = mm(gc.load_rows(q_ref, tokens, valid), k, (1, 1))
   da = -gc.strictly_lower(drv)
   dm_ref[...] = zero(scale * dov * decay)                        # d(Q K^T), lower with the diagonal
   p_ref[...] = zero(beta[:, None] * da * decay)                  # d(K K^T), strictly lower
   dd = (beta[:, None] * da * kk + scale * dov * qk) * decay      # d(D) * D: D's share of dG
   dg = jnp.sum(dd, axis=1) - jnp.sum(dd, axis=0)
-  gc.store_rows(dgamma_ref, tokens, valid, zero(jnp.sum(dg) - jnp.cumsum(dg) + dg))   # G_i = sum_{j<=i} gamma_j
+  gc.store_rows(dgamma_ref, tokens, valid, zero(_from_the_end(dg)))
   gc.store_rows(dbeta_ref, tokens, valid, zero(dbeta + jnp.sum(da * decay * kk, axis=1)))
   # d(scale) * scale = <dO, O>: the intra-chunk term (launch 4: the state's).
   gc.store_rows(dscale_ref, tokens, valid, zero(jnp.sum(dov * decay * qk, axis=1)))
@@ -239,9 +239,7 @@ def _dqk_kernel(start_ref, end_ref, real_ref, scale_ref, a_log_ref, dt_bias_ref,
   # refs: [V, block_k]; do, dv, vf refs: [T, V]; dm, p refs: [C, C].
   # dgamma and dscale: this K block's share of the terms through S and dS_next.
   c = pl.program_id(0)
-  t0 = start_ref[c]
-  tokens = pl.ds(t0, chunk)
-  valid = t0 + jnp.arange(chunk) < end_ref[c]
+  tokens, valid = gc.chunk_rows(start_ref[c], end_ref[c], chunk)
   real = real_ref[c] > 0
   scale = scale_ref[...]
   mm = functools.partial(gc.mm, precision=precision)
@@ -275,7 +273,7 @@ def _dqk_kernel(start_ref, end_ref, real_ref, scale_ref, a_log_ref, dt_bias_ref,
   df = jnp.sum(kf * vf_ds, axis=1)
   dg = e * (scale * de_out - jnp.sum(kf * dv_s, axis=1)) - df
   dg = dg + jnp.where(jnp.arange(chunk) == chunk - 1, jnp.sum(df) + jnp.exp(jnp.sum(gamma)) * s_ds, 0.0)
-  gc.store_rows(dgamma_ref, tokens, valid, jnp.where(real, jnp.sum(dg) - jnp.cumsum(dg) + dg, 0.0))
+  gc.store_rows(dgamma_ref, tokens, valid, jnp.where(real, _from_the_end(dg), 0.0))
   gc.store_rows(dscale_ref, tokens, valid, jnp.where(real, e * de_out, 0.0))
 
 
@@ -294,10 +292,6 @@ class ChunkGrads(NamedTuple):
   dbeta: jax.Array
   dscale_rows: jax.Array
   dstate: jax.Array
-
-
-def _params(stage) -> plgpu.CompilerParams:
-  return plgpu.CompilerParams(num_warps=stage.num_warps, num_stages=stage.num_stages)
 
 
 def chunk_backward(q, k, v, A_log, a, dt_bias, b, table: gc.ChunkTable, scale, g, w, h, d_out, d_new_state, *,
@@ -327,7 +321,7 @@ def chunk_backward(q, k, v, A_log, a, dt_bias, b, table: gc.ChunkTable, scale, g
                 pl.BlockSpec((total, None, bd), lambda c, h, j: (0, h, j))],
       out_specs=(pl.BlockSpec((total, None, bd), lambda c, h, j: (0, h, j)),
                  pl.BlockSpec((None, None, bd, d), lambda c, h, j: (c, h, j, 0))),
-      compiler_params=_params(config.dv), interpret=interpret, name="gdn_prefill_bwd_dv",
+      compiler_params=common.compiler_params(config.dv), interpret=interpret, name="gdn_prefill_bwd_dv",
   )(*slot_args, scale, q, k, g, d_out)
 
   bs = min(config.state.block_v, d)
@@ -344,7 +338,7 @@ def chunk_backward(q, k, v, A_log, a, dt_bias, b, table: gc.ChunkTable, scale, g
                 pl.BlockSpec((total, None, d), lambda n, h, j: (0, h, 0)),
                 v_block, slot_states, state_block],
       out_specs=(slot_states, v_block, state_block),
-      compiler_params=_params(config.state), interpret=interpret, name="gdn_prefill_bwd_state",
+      compiler_params=common.compiler_params(config.state), interpret=interpret, name="gdn_prefill_bwd_state",
   )(table.seq_first_slot, table.cu, k, g, w, dvi, qdo, d_new_state)
 
   stage = config.chunk_grads
@@ -363,7 +357,7 @@ def chunk_backward(q, k, v, A_log, a, dt_bias, b, table: gc.ChunkTable, scale, g
       in_specs=[whole(slots), whole(slots), whole(slots), whole(1), head, head, qk_rows, qk_rows, v_rows,
                 gate_rows, gate_rows, slot_state, v_rows, v_rows],
       out_specs=(v_rows, v_rows, slot_square, slot_square, gate_rows, gate_rows, gate_rows),
-      compiler_params=_params(stage), interpret=interpret, name="gdn_prefill_bwd_chunk",
+      compiler_params=common.compiler_params(stage), interpret=interpret, name="gdn_prefill_bwd_chunk",
   )(*slot_args, table.slot_real, scale, A_log, dt_bias, q, k, v, a, b, h, d_out, dvp)
 
   stage = config.dqk
@@ -383,7 +377,7 @@ def chunk_backward(q, k, v, A_log, a, dt_bias, b, table: gc.ChunkTable, scale, g
                 pl.BlockSpec((total, None), lambda c, h, j: (0, h)), slot_state, slot_state, v_rows, v_rows,
                 v_rows, slot_square, slot_square],
       out_specs=(per_v_head, per_v_head, per_k_block, per_k_block),
-      compiler_params=_params(stage), interpret=interpret, name="gdn_prefill_bwd_dqk",
+      compiler_params=common.compiler_params(stage), interpret=interpret, name="gdn_prefill_bwd_dqk",
   )(*slot_args, table.slot_real, scale, A_log, dt_bias, q, k, a, h, dsn, d_out, dv, vf, dm, p)
   return ChunkGrads(dq, dk, dv, dgamma + dgamma_state.sum(axis=2), dbeta, dscale_rows + dscale_state.sum(axis=2),
                     dstate)

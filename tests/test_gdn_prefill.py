@@ -240,13 +240,24 @@ RECOMPUTED = ("gdn_prefill_intra", "gdn_prefill_state")
 BACKWARD_KERNELS = ("gdn_prefill_bwd_dv", "gdn_prefill_bwd_state", "gdn_prefill_bwd_chunk", "gdn_prefill_bwd_dqk")
 
 
-def op_loss(backend, cu_seqlens, weights):
-  """Weighted sum of both outputs of the public op on `backend`."""
+def weighted_loss(fn, weights):
+  """sum(out * weights[0]) + sum(new_state * weights[1]) of `fn(*args)`,
+  which returns (out, new_state)."""
   w_out, w_state = weights
   def f(*args):
-    out, new_state = ops.gdn_prefill(*args, cu_seqlens, 1.0, backend=backend)
+    out, new_state = fn(*args)
     return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(new_state * w_state)
   return f
+
+
+def output_weights(x):
+  """Fixed random weights of both outputs for the inputs `x`."""
+  return gradients.weights_like(x["v"].shape, 1), gradients.weights_like(x["state"].shape, 2)
+
+
+def op_loss(backend, cu_seqlens, weights):
+  """Weighted sum of both outputs of the public op on `backend`."""
+  return weighted_loss(lambda *args: ops.gdn_prefill(*args, cu_seqlens, 1.0, backend=backend), weights)
 
 
 def test_gradients_of_both_paths_agree_under_jit():
@@ -258,7 +269,7 @@ def test_gradients_of_both_paths_agree_under_jit():
   lengths = (45, 0, 20)
   x = prefill_inputs(lengths, seed=17)
   args = tuple(x[n] for n in DIFFERENTIABLE)
-  weights = (gradients.weights_like(x["v"].shape, 1), gradients.weights_like(x["state"].shape, 2))
+  weights = output_weights(x)
   argnums = tuple(range(len(args)))
   pallas = jax.jit(jax.grad(op_loss("pallas", x["cu_seqlens"], weights), argnums))(*args)
   xla = jax.jit(jax.grad(op_loss("xla", x["cu_seqlens"], weights), argnums))(*args)
@@ -277,7 +288,7 @@ def test_nan_in_tokens_of_no_sequence_reaches_no_gradient():
   for name in ("q", "k", "v", "a", "b"):
     x[name] = x[name].at[:3].set(jnp.nan).at[-4:].set(jnp.nan)
   cu = jnp.array([3, 36], jnp.int32)
-  weights = (gradients.weights_like(x["v"].shape, 1), gradients.weights_like(x["state"].shape, 2))
+  weights = output_weights(x)
   args = tuple(x[n] for n in DIFFERENTIABLE)
   out, _ = ops.gdn_prefill(*args, cu, 1.0, backend="xla")
   assert np.all(np.asarray(out[:3], np.float32) == 0) and np.all(np.isfinite(np.asarray(out, np.float32)))
@@ -304,19 +315,11 @@ def kernel_and_reference(x, config):
   return kernel, reference
 
 
-def both_outputs_loss(fn, x):
-  w_out, w_state = gradients.weights_like(x["v"].shape, 1), gradients.weights_like(x["state"].shape, 2)
-  def f(*args):
-    out, new_state = fn(*args)
-    return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(new_state * w_state)
-  return f
-
-
 def assert_kernel_grads_match_reference(x, config):
   kernel, reference = kernel_and_reference(x, config)
   args, argnums = tuple(x[n] for n in WITH_SCALE), tuple(range(len(WITH_SCALE)))
-  got = jax.jit(jax.grad(both_outputs_loss(kernel, x), argnums))(*args)
-  want = jax.jit(jax.grad(both_outputs_loss(reference, x), argnums))(*args)
+  got = jax.jit(jax.grad(weighted_loss(kernel, output_weights(x)), argnums))(*args)
+  want = jax.jit(jax.grad(weighted_loss(reference, output_weights(x)), argnums))(*args)
   gradients.assert_grads_close(got, want, WITH_SCALE)
   return got
 
@@ -396,9 +399,7 @@ def test_kernel_gradients_match_float64_finite_differences():
       chunk_grads=gk_bwd.ChunkBwdStage(block_v=16), dqk=gk_bwd.DqkStage(block_k=16, block_v=16)))
 
   def grad_of(cu, weights, *args):
-    def loss(*args):
-      out, new_state = gk_prefill.gdn_prefill(*args, cu, 1.0, config=config, interpret=True)
-      return jnp.sum(out.astype(jnp.float32) * weights[0]) + jnp.sum(new_state * weights[1])
+    loss = weighted_loss(lambda *a: gk_prefill.gdn_prefill(*a, cu, 1.0, config=config, interpret=True), weights)
     return jax.grad(loss, tuple(range(len(args))))(*args)
 
   assert_finite_differences(grad_of, (21, 0, 9), head_size=16, rtol=1e-2)
