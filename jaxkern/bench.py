@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkern import profile_events
-from pallas_kernels.common import triton_calls
+from pallas_kernels.shared.lowering import triton_calls
 
 TIMER_DEVICE = "device (profiler)"
 TIMER_WALL = "wall"

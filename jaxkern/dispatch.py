@@ -4,12 +4,15 @@ A family's public function (in `jaxkern/families/<name>.py`) only normalizes
 its arguments (batch dimensions, default scales, optional inputs) into the
 definition's input names and calls `run` once with its `OpImpl`. `run`:
 
-1. picks the path (`use_pallas`): `backend=None` is the Pallas kernel on a
-   GPU and the XLA path elsewhere; `"pallas"` the kernel (interpret mode
-   without a GPU); `"xla"` the XLA path; anything else is a ValueError;
-2. on the Pallas path, picks the config: the caller's, else the tuned table
-   entry of the definition that the call matches (`tuned_config`), else None
-   (the kernel's heuristic); and resolves interpret mode;
+1. picks the path (`use_pallas`): `backend=None` is `"pallas"` on a GPU and
+   `"xla"` elsewhere; `"pallas"` the best available kernel, `"triton"` or
+   `"mosaic_gpu"` that backend's kernel (interpret mode without a GPU);
+   `"xla"` the XLA path; anything else is a ValueError;
+2. on a kernel path, picks the backend and config (`jaxkern.backends.select`:
+   the caller's config, else the tuned table's entry for the kernel and the
+   call's shape bucket, else the backend's heuristic, from the call's own
+   shapes) and falls back along the family's backends when a kernel refuses
+   the inputs (`backends.first_supported`); resolves interpret mode;
 3. calls the kernel, or the family's reference, which is the XLA path: the
    definition's own math, never a second hand-written copy; on sharded
    inputs per shard where the family's `split` allows (`jaxkern.spmd`), the
@@ -41,34 +44,38 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 
 from jaxkern import autodiff
+from jaxkern import backends
 from jaxkern import spmd
-from jaxkern import tuning
 from jaxkern.family import OpImpl, bind_axes
-from pallas_kernels.common import has_gpu, resolve_interpret
+from pallas_kernels.shared.common import has_gpu, resolve_interpret
 
-Backend = Literal["pallas", "xla"] | None
-BACKENDS = ("pallas", "xla")
+Backend = Literal["xla", "pallas", "triton", "mosaic_gpu"] | None
 
 
 def use_pallas(backend: Backend) -> bool:
-  """Whether `backend` means the Pallas kernel here."""
+  """Whether `backend` means a kernel here (None: on a GPU)."""
+  backends.check_name(backend)
   if backend is None:
     return has_gpu()
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be None, 'pallas' or 'xla', got {backend!r}")
-  return backend == "pallas"
+  return backend != backends.XLA
 
 
-def tuned_config(impl: OpImpl, inputs: Mapping[str, Any], const_axes: Mapping[str, int]) -> Any:
-  """The tuned table's config (current device kind) of the definition `impl`
-  implements whose constant axes agree with the inputs' shapes and with
-  `const_axes` (axes no shape shows, such as a window), else None."""
-  from jaxkern import registry  # pylint: disable=g-import-not-at-top  (loads the definitions on first use)
-  op = registry.find(impl.reference, inputs, const_axes=const_axes)
-  if op is None:
-    return None
-  choice = op.config_for(inputs)
-  return choice.config if choice.source == tuning.TUNED else None
+def kernel_backend(backend: Backend) -> str:
+  """The kernel backend name `select` takes for a kernel path: None means `"pallas"`."""
+  return backends.PALLAS if backend is None else backend
+
+
+def call_kernel(impl: OpImpl, choice: backends.Choice, arrays: Mapping[str, Any], statics: Mapping[str, Any], *,
+                const_axes: Mapping[str, int], interpret: bool) -> Any:
+  """The chosen kernel on `arrays`: its own VJP where it has one, else
+  differentiated through the family's reference (`jaxkern.autodiff`)."""
+  kernel = impl.kernels[choice.backend]
+  launch = functools.partial(bind_axes(kernel.launch, const_axes, impl.axis_params), config=choice.config,
+                             interpret=interpret)
+  if kernel.own_vjp:
+    return launch(**arrays, **statics)
+  return autodiff.pallas_path(launch, bind_axes(impl.reference, const_axes, impl.axis_params), dict(arrays),
+                              dict(statics))
 
 
 def check_preconditions(impl: OpImpl, inputs: Mapping[str, Any], const_axes: Mapping[str, int]) -> None:
@@ -126,17 +133,18 @@ def run(impl: OpImpl, inputs: Mapping[str, Any], *, backend: Backend = None, con
   pallas = use_pallas(backend)
   interpret = resolve_interpret(interpret)
   reference = bind_axes(impl.reference, const_axes, impl.axis_params)
+  op = autodiff.op_name(impl.reference)
 
   def call(shard: Mapping[str, Any]) -> Any:  # on one shard's arrays (all of them off a mesh)
     arrays, statics = autodiff.split_arrays({**shard, **params})
     if not pallas:
       return autodiff.xla_path(reference, arrays, statics)
-    chosen = tuned_config(impl, shard, const_axes) if config is None else config
-    kernel = functools.partial(bind_axes(impl.kernel, const_axes, impl.axis_params), config=chosen,
-                               interpret=interpret)
-    if impl.differentiable_kernel:
-      return kernel(**arrays, **statics)
-    return autodiff.pallas_path(kernel, reference, arrays, statics)
+    choices = backends.select(impl.kernels, shard, op=op, const_axes=const_axes, axis_params=impl.axis_params,
+                              backend=kernel_backend(backend), config=config)
+    _, out = backends.first_supported(
+        choices, lambda c: call_kernel(impl, c, arrays, statics, const_axes=const_axes, interpret=interpret),
+        op=op, kernels=impl.kernels)
+    return out
 
   # Interpret mode in its own shard_map skips the vma check: an interpreted
   # kernel would otherwise run once per shard on every device (common.pallas_call).

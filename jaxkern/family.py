@@ -1,7 +1,7 @@
 """The contract between a definition and its implementation (`OpImpl`, one
 per family shape), and the helpers family modules share.
 
-A family module `jaxkern/families/<name>.py` (kernel: `pallas_kernels/<name>.py`)
+A family module `jaxkern/families/<name>.py` (kernels: `pallas_kernels/<name>/`)
 exports `IMPLS`, a tuple of `OpImpl`, the reference functions its definition
 files name (`"reference": "jaxkern.families.<name>:<function>"`) and its
 public op functions (re-exported by `jaxkern.ops`, dispatched by
@@ -11,21 +11,23 @@ public op functions (re-exported by `jaxkern.ops`, dispatched by
 no code.
 
 Conventions:
-* `reference(**inputs)` and `kernel(**inputs, config=, interpret=)` take the
-  definition's input names and return one array or a tuple in the
+* `reference(**inputs)` and each kernel's launcher `launch(**inputs, config=,
+  interpret=)` (`kernels`: backend -> `pallas_kernels.shared.kernel.Kernel`,
+  the family's `KERNELS` in its default order) take the definition's input names and return one array or a tuple in the
   definition's output order. Scalars arrive as 0-d arrays. The reference is
   plain jnp and the family's own math: it never calls into
   `pallas_kernels`, so a kernel bug cannot pass its own check.
 * Constant axes reach functions as keyword-only parameters: a parameter named
   like a constant axis (`KT`), or mapped to one by `axis_params`
   (`{"top_k": "TOPK"}`), receives the definition's value. This holds for
-  `reference`, `kernel`, `choose_config` and `candidate_configs`.
+  `reference` and each kernel's `launch`, `choose_config` and
+  `candidate_configs`.
 * `make_inputs(axes, key, record) -> dict`: `axes` holds every axis (var and
   const); `record` is the raw workload dict or None. The record's own axes may
   be larger than `axes` (a scaled run): provenance is rescaled to fit.
-* `choose_config(shapes)` / `candidate_configs(shapes)`: `shapes` maps input
-  name to `jax.ShapeDtypeStruct` (arrays work too); candidates start with the
-  heuristic's choice.
+* A kernel's `choose_config(shapes)` / `candidate_configs(shapes)`: `shapes`
+  maps input name to `jax.ShapeDtypeStruct` (arrays work too); candidates
+  start with the heuristic's choice.
 * `cpu_axes(axes) -> axes`: a shrunk copy that keeps the structure but fits an
   interpret-mode CPU budget (`shrink_rows` and `shrink_until` help).
 * `cost(definition, axes, *, inputs=None, record=None, config=None) ->
@@ -39,8 +41,8 @@ Conventions:
   compared by their dtype alone (top-k selections, paired values, states).
 * `split`: how the op splits across devices (`jaxkern.spmd.Split`: the
   dimensions it is independent along); None: never.
-* `differentiable_kernel`: the kernel carries its own VJP (Pallas backward
-  kernels); see `jaxkern.autodiff` for every other op's gradient.
+* A kernel's `own_vjp`: its launcher carries its own VJP (Pallas backward
+  kernels); see `jaxkern.autodiff` for every other kernel's gradient.
 * `preconditions(inputs) -> list[Precondition]`: the valid ranges of the
   index and length inputs (constant axes as keyword-only parameters, like
   `reference`), which checked mode (`jaxkern.ops.<op>(..., checks=True)`,
@@ -59,7 +61,8 @@ from typing import Any, Callable, Mapping
 import jax
 
 from jaxkern.spmd import Split
-from pallas_kernels.common import varying_axes
+from pallas_kernels.shared.common import varying_axes
+from pallas_kernels.shared.kernel import Kernel
 
 Inputs = Mapping[str, jax.Array]
 Shapes = Mapping[str, jax.ShapeDtypeStruct]
@@ -81,33 +84,54 @@ class Precondition:
 @dataclasses.dataclass(frozen=True)
 class OpImpl:
   reference: Callable[..., Any]
-  kernel: Callable[..., Any]
+  kernels: Mapping[str, Kernel]
   make_inputs: Callable[[Mapping[str, int], jax.Array, dict | None], dict[str, jax.Array]]
-  choose_config: Callable[..., Any]
-  candidate_configs: Callable[..., list[Any]]
   cpu_axes: Callable[[Mapping[str, int]], dict[str, int]]
   cost: CostFormula | None = None
   policies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   axis_params: Mapping[str, str] = dataclasses.field(default_factory=dict)  # parameter -> const axis
   split: Split | None = None
-  # True when `kernel` is a `jax.custom_vjp` with its own (Pallas) backward;
-  # otherwise `jaxkern.autodiff` differentiates the kernel through `reference`.
-  differentiable_kernel: bool = False
   preconditions: Callable[..., list[Precondition]] | None = None
+
+  def __post_init__(self):
+    if not self.kernels:
+      raise ValueError(f"OpImpl of {self.reference.__name__}: no kernels")
+    for backend, kernel in self.kernels.items():
+      if kernel.backend != backend:
+        raise ValueError(f"OpImpl of {self.reference.__name__}: kernels[{backend!r}] is a {kernel.backend} kernel")
+
+  @property
+  def default(self) -> Kernel:
+    """The first kernel of the family's default order."""
+    return next(iter(self.kernels.values()))
+
+
+def _axis_values(fn: Callable[..., Any], const_axes: Mapping[str, int], axis_params: Mapping[str, str],
+                 *, defaults: bool) -> dict[str, Any]:
+  values = {}
+  for name, p in inspect.signature(fn).parameters.items():
+    if p.kind is not inspect.Parameter.KEYWORD_ONLY:
+      continue
+    axis = axis_params.get(name, name)
+    if axis in const_axes:
+      values[name] = const_axes[axis]
+    elif defaults and p.default is not inspect.Parameter.empty:
+      values[name] = p.default
+  return values
 
 
 def bind_axes(fn: Callable[..., Any], const_axes: Mapping[str, int],
               axis_params: Mapping[str, str]) -> Callable[..., Any]:
   """`fn` with its keyword-only constant-axis parameters filled in."""
-  params = inspect.signature(fn).parameters
-  bound = {}
-  for name, p in params.items():
-    if p.kind is not inspect.Parameter.KEYWORD_ONLY:
-      continue
-    axis = axis_params.get(name, name)
-    if axis in const_axes:
-      bound[name] = const_axes[axis]
+  bound = _axis_values(fn, const_axes, axis_params, defaults=False)
   return functools.partial(fn, **bound) if bound else fn
+
+
+def bound_values(fn: Callable[..., Any], const_axes: Mapping[str, int],
+                 axis_params: Mapping[str, str]) -> dict[str, Any]:
+  """The value each keyword-only parameter of `fn` gets from `const_axes`
+  (named like the parameter or mapped by `axis_params`), else its default."""
+  return _axis_values(fn, const_axes, axis_params, defaults=True)
 
 
 def in_range(x: jax.Array, lo: Any, hi: Any) -> jax.Array:

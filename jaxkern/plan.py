@@ -14,11 +14,11 @@ from typing import Any, Mapping
 
 import jax
 
+from jaxkern import backends
 from jaxkern import blobs
 from jaxkern import dataset
 from jaxkern import registry
-from jaxkern import tuning
-from pallas_kernels.common import has_gpu
+from pallas_kernels.shared.common import has_gpu
 
 RUN_SIZES = ("auto", "full", "smoke")
 
@@ -32,7 +32,7 @@ class RunPlan:
   inputs: dict[str, jax.Array]
   inputs_source: str             # "blobs" | "synthesized"
   expected: dict[str, jax.Array] | None  # recorded outputs, only at recorded sizes
-  choice: tuning.Choice
+  choice: backends.Choice        # the kernel backend and config the run uses
 
 
 def run_axes(op: registry.Op, recorded_axes: Mapping[str, int], size: str, on_gpu: bool) -> dict[str, int]:
@@ -46,10 +46,12 @@ def run_axes(op: registry.Op, recorded_axes: Mapping[str, int], size: str, on_gp
 
 
 def plan(op: registry.Op, w: dataset.Workload, *, size: str = "auto", seed: int = 0, blob_root: str = "",
-         on_gpu: bool | None = None, config: Any = None, tuned: bool = True) -> RunPlan:
+         on_gpu: bool | None = None, config: Any = None, tuned: bool = True,
+         backend: str | None = None) -> RunPlan:
   """Everything needed to run one workload: recorded tensors when the blob
   root has them (always at recorded sizes), else synthesized inputs at the
-  run size's axes; and the config with its source."""
+  run size's axes; and the kernel backend (`backend`: a kernel backend, or
+  None / "pallas" for the best available) and config, with its source."""
   on_gpu = has_gpu() if on_gpu is None else on_gpu
   recorded_axes = op.validated_axes(w.axes)
   inputs, expected = blobs.load_recorded(op.definition, w, blob_root, recorded_axes)
@@ -63,4 +65,4 @@ def plan(op: registry.Op, w: dataset.Workload, *, size: str = "auto", seed: int 
   const = op.definition.const_axes
   axes_run = {k: v for k, v in axes.items() if k not in const or v != const[k]}
   return RunPlan(axes=axes, axes_run=axes_run, scaled=scaled, inputs=inputs, inputs_source=source,
-                 expected=None if scaled else expected, choice=op.config_for(inputs, config, tuned=tuned))
+                 expected=None if scaled else expected, choice=op.config_for(inputs, config, backend=backend, tuned=tuned))

@@ -14,7 +14,7 @@ Scales are clamped to bytes 1..254 (2**-126 .. 2**127).
 
 Plain `jax.numpy`, jit-compatible. The decoders here are the references'
 own (a value table for e2m1, `exp2` for UE8M0), independent of the kernels'
-bit-level decoders (`pallas_kernels.fp_formats`), so that a decoding bug in
+bit-level decoders (`pallas_kernels.shared.fp_formats`), so that a decoding bug in
 a kernel cannot pass its own check.
 """
 

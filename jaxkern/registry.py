@@ -9,10 +9,10 @@ missing module. An `Op` is what a definition's operator is (validation,
 synthesis, reference, kernel, configs, cost, comparison); how a recorded
 workload is run lives on the replay side (`jaxkern.plan`).
 
-Configs: `Op.config_for(inputs, config)` is the one place a kernel config is
-chosen: the caller's, else the tuned table of the current device kind (see
-`jaxkern.tuning`), else the family's heuristic. Replay, sweep and
-`jaxkern.ops` (through `jaxkern.dispatch`) all go through it.
+Backends and configs: `Op.config_for(inputs, config, backend=)` and
+`Op.kernel(..., backend=)` go through `jaxkern.backends.select`, the path
+`jaxkern.ops` takes too: the caller's config, else the tuned table of the
+current device kind (`jaxkern.tuning`), else the backend's heuristic.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from jaxkern import backends
 from jaxkern import compare as compare_lib
 from jaxkern import dataset
 from jaxkern import roofline
-from jaxkern import tuning
 from jaxkern.family import OpImpl, bind_axes
-from pallas_kernels.common import resolve_interpret
+from pallas_kernels.shared.kernel import Kernel
+from pallas_kernels.shared.common import resolve_interpret
 
 FAMILIES_PACKAGE = "jaxkern.families"
 
@@ -113,21 +114,55 @@ class Op:
   def reference(self, inputs: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     return self.name_outputs(self._bound("reference")(**inputs))
 
-  def kernel(self, inputs: Mapping[str, jax.Array], interpret: bool | None = None,
-             config: Any = None) -> dict[str, jax.Array]:
-    """The Pallas kernel; `config=None` takes `config_for`'s choice."""
-    config = self.config_for(inputs, config).config
-    return self.name_outputs(self._bound("kernel")(**inputs, config=config,
-                                                   interpret=resolve_interpret(interpret)))
+  def kernel(self, inputs: Mapping[str, jax.Array], interpret: bool | None = None, config: Any = None,
+             backend: str | None = None) -> dict[str, jax.Array]:
+    """A kernel's outputs: `backend` one of the family's kernel backends
+    (`"triton"`, `"mosaic_gpu"`), or None / `"pallas"` for the best
+    available (`jaxkern.backends`); `config=None` takes `config_for`'s
+    choice. Raises `Unsupported` naming each backend's refusal when no
+    kernel takes the inputs."""
+    interpret = resolve_interpret(interpret)
+    impl = self._require()
 
-  # -- configs -------------------------------------------------------------
+    def launch(choice: backends.Choice):
+      fn = self._bound_kernel(choice.backend, "launch")
+      return fn(**inputs, config=choice.config, interpret=interpret)
 
-  def choose_config(self, inputs: Mapping[str, Any]) -> Any:
-    """The family's heuristic config for these inputs (or shapes)."""
-    return self._bound("choose_config")(_shapes(inputs))
+    _, out = backends.first_supported(self.choices(inputs, config, backend=backend), launch, op=self.name,
+                                      kernels=impl.kernels)
+    return self.name_outputs(out)
 
-  def candidate_configs(self, inputs: Mapping[str, Any]) -> list[Any]:
-    return self._bound("candidate_configs")(_shapes(inputs))
+  # -- backends and configs --------------------------------------------------
+
+  @property
+  def backends(self) -> tuple[str, ...]:
+    """The family's kernel backends, in its default order."""
+    return tuple(self._require().kernels)
+
+  def kernel_of(self, backend: str | None = None) -> Kernel:
+    """The family's kernel of `backend` (None: its default one)."""
+    impl = self._require()
+    if backend is None:
+      return impl.default
+    backends.order(impl.kernels, backend, op=self.name)  # raises naming the backends it has
+    return impl.kernels[backend]
+
+  def _bound_kernel(self, backend: str | None, fn_name: str):
+    impl = self._require()
+    return bind_axes(getattr(self.kernel_of(backend), fn_name), self.definition.const_axes, impl.axis_params)
+
+  def choose_config(self, inputs: Mapping[str, Any], backend: str | None = None) -> Any:
+    """A backend's heuristic config for these inputs (or shapes)."""
+    return self._bound_kernel(backend, "choose_config")(_shapes(inputs))
+
+  def candidate_configs(self, inputs: Mapping[str, Any], backend: str | None = None) -> list[Any]:
+    """A backend's sweep candidates (the heuristic's first)."""
+    return self._bound_kernel(backend, "candidate_configs")(_shapes(inputs))
+
+  def bucket(self, inputs: Mapping[str, Any]) -> str:
+    """The tuned table's shape bucket of these inputs (`backends.bucket_of`)."""
+    impl = self._require()
+    return backends.bucket_of(impl.kernels, _shapes(inputs), self.definition.const_axes, impl.axis_params)
 
   def var_axes_of(self, inputs: Mapping[str, Any]) -> dict[str, int]:
     """The variable axes that input shapes imply."""
@@ -139,17 +174,32 @@ class Op:
         found.setdefault(axis, int(size))
     return {a: found[a] for a in self.definition.var_axes if a in found}
 
-  def config_for(self, inputs: Mapping[str, Any], config: Any = None, *, tuned: bool = True,
-                 device_kind: str | None = None) -> tuning.Choice:
-    """The caller's config, else (with `tuned`) the tuned table's for the
-    current device kind and this shape bucket, else the heuristic's."""
-    if config is not None:
-      return tuning.Choice(config, tuning.EXPLICIT)
-    heuristic = self.choose_config(inputs)
-    entry = tuning.lookup(self.name, self.var_axes_of(inputs), device_kind) if tuned else None
-    if entry is not None:
-      return tuning.Choice(tuning.config_from_json(entry["config"], heuristic), tuning.TUNED)
-    return tuning.Choice(heuristic, tuning.HEURISTIC)
+  def choices(self, inputs: Mapping[str, Any], config: Any = None, *, backend: str | None = None,
+              tuned: bool = True, device_kind: str | None = None):
+    """`backends.select` for these inputs: the (backend, config, source) of
+    each backend to try, in order."""
+    impl = self._require()
+    return backends.select(impl.kernels, _shapes(inputs), op=self.name, const_axes=self.definition.const_axes,
+                           axis_params=impl.axis_params, backend=backend or backends.PALLAS, config=config,
+                           tuned=tuned, device_kind=device_kind)
+
+  def config_for(self, inputs: Mapping[str, Any], config: Any = None, *, backend: str | None = None,
+                 tuned: bool = True, device_kind: str | None = None) -> backends.Choice:
+    """The backend `kernel` runs, with its config: the first of `choices`
+    whose kernel takes these inputs (traced on their shapes when there is a
+    backend to fall back to). Its config: the caller's, else (with `tuned`)
+    the tuned table's for the current device kind and this shape bucket,
+    else the heuristic's."""
+    choices = self.choices(inputs, config, backend=backend, tuned=tuned, device_kind=device_kind)
+    if len(self._require().kernels) == 1 or (backend or backends.PALLAS) != backends.PALLAS:
+      return next(choices)
+    shapes = _shapes(inputs)
+
+    def trace(choice: backends.Choice):
+      launch = self._bound_kernel(choice.backend, "launch")
+      return jax.eval_shape(lambda x: launch(**x, config=choice.config, interpret=False), shapes)
+
+    return backends.first_supported(choices, trace, op=self.name, kernels=self._require().kernels)[0]
 
   def cost(self, axes: Mapping[str, int], *, inputs: Mapping[str, jax.Array] | None = None,
            record: Mapping[str, Any] | None = None, config: Any = None) -> roofline.Cost:
@@ -249,26 +299,3 @@ def get(name: str, dataset_dir: str | os.PathLike | None = None) -> Op:
   if name not in ops:
     raise KeyError(f"unknown definition {name!r}; close matches: {dataset.close_matches(name, ops)}")
   return ops[name]
-
-
-def find(reference: Any, shapes: Mapping[str, Any], dataset_dir: str | os.PathLike | None = None, *,
-         const_axes: Mapping[str, int] | None = None) -> Op | None:
-  """The definition implemented by `reference` whose constant axes agree with
-  `shapes` (input name -> shape-like) and with `const_axes` (axes no shape
-  shows, such as a window size), or None: how `jaxkern.dispatch` finds the tuned
-  table entry for a call."""
-  for op in _all(dataset_dir).values():
-    if op.impl is None or op.impl.reference is not reference:
-      continue
-    const = op.definition.const_axes
-    ok = all(const.get(a) == v for a, v in (const_axes or {}).items())
-    for name, spec in op.definition.inputs.items():
-      if name not in shapes or spec.shape is None:
-        continue
-      shape = np.shape(shapes[name])
-      if len(shape) != len(spec.shape) or any(a in const and const[a] != s for a, s in zip(spec.shape, shape)):
-        ok = False
-        break
-    if ok:
-      return op
-  return None

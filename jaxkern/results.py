@@ -4,10 +4,10 @@ Trace / Evaluation shape (SPEC 7), typed here with a JSON round trip.
   {"definition", "workload": {"uuid", "variant", "axes", "axes_run", "scaled",
    "seed", "source"}, "solution",
    "evaluation": {"status", "log", "environment", "timestamp", "correctness",
-                  "performance", "config", "config_source", "expected_output"}}
+                  "performance", "backend", "config", "config_source", "expected_output"}}
 
 `evaluation.performance.timer` names the timer of every timed result
-(`jaxkern.bench`); `summarize` keeps one row per definition and timer.
+(`jaxkern.bench`); `summarize` keeps one row per definition, backend and timer.
 Readers report lines that are not results (a truncated last line among
 them) instead of dropping them silently; `ResultsWriter` never replaces a
 file that holds results. `Status` is the one status enum (shared with
@@ -46,6 +46,7 @@ class Evaluation:
   log: str = ""
   correctness: dict[str, Any] | None = None
   performance: dict[str, Any] | None = None
+  backend: str | None = None  # the kernel backend that ran ("triton", "mosaic_gpu")
   config: dict[str, Any] | None = None
   config_source: str | None = None
   expected_output: dict[str, Any] | None = None
@@ -167,7 +168,7 @@ def read_done_uuids(path: str | os.PathLike) -> set[str]:
   return {t.workload.uuid for t in read_results(path)[0]}
 
 
-SUMMARY_HEADERS = ["definition", "timer", "n", "passed", "failed", "skipped", "kernel ms", "ref ms", "speedup",
+SUMMARY_HEADERS = ["definition", "backend", "timer", "n", "passed", "failed", "skipped", "kernel ms", "ref ms", "speedup",
                    "SOL ms", "SOL frac", "worst status"]
 
 
@@ -178,28 +179,29 @@ def timer_of(t: Trace) -> str | None:
 
 
 def summarize(traces: Iterable[Trace]) -> list[list[Any]]:
-  """One row per definition and timer (see SUMMARY_HEADERS): numbers made
-  by different timers are never mixed. Untimed results (failures) count in
-  the row of their definition's most used timer. Times and ratios are
+  """One row per definition, kernel backend and timer (see SUMMARY_HEADERS):
+  numbers made by different backends or timers are never mixed. Untimed
+  results (failures) count in the row of their definition and backend's
+  most used timer. Times and ratios are
   medians over the row's timed workloads; `SOL ms` is the roofline's speed
   of light (`jaxkern.roofline`) and `SOL frac` speed of light / kernel time,
   only where measured on a GPU ("-" otherwise)."""
-  by_def: dict[str, list[Trace]] = {}
+  by_def: dict[tuple[str, str], list[Trace]] = {}
   for t in traces:
-    by_def.setdefault(t.definition, []).append(t)
+    by_def.setdefault((t.definition, t.evaluation.backend or "-"), []).append(t)
   rows = []
-  for name, ts in sorted(by_def.items()):
+  for (name, backend), ts in sorted(by_def.items()):
     timers = [timer_of(t) for t in ts if timer_of(t)]
     main_timer = max(set(timers), key=timers.count) if timers else None
     groups: dict[str | None, list[Trace]] = {}
     for t in ts:
       groups.setdefault(timer_of(t) or main_timer, []).append(t)
     for timer, group in sorted(groups.items(), key=lambda kv: (kv[0] != main_timer, kv[0] or "")):
-      rows.append(_summary_row(name, timer, group))
+      rows.append(_summary_row(name, backend, timer, group))
   return rows
 
 
-def _summary_row(name: str, timer: str | None, ts: list[Trace]) -> list[Any]:
+def _summary_row(name: str, backend: str, timer: str | None, ts: list[Trace]) -> list[Any]:
   st = [t.status for t in ts]
   perf = [t.evaluation.performance for t in ts if t.evaluation.performance]
 
@@ -208,29 +210,6 @@ def _summary_row(name: str, timer: str | None, ts: list[Trace]) -> list[Any]:
     return f"{statistics.median(values):.3g}" if values else "-"
 
   worst = next((s for s in Status if s in st and s != Status.PASSED), Status.PASSED)
-  return [name, timer or "-", len(ts), st.count(Status.PASSED), sum(s is not None and s.failed for s in st),
+  return [name, backend, timer or "-", len(ts), st.count(Status.PASSED), sum(s is not None and s.failed for s in st),
           st.count(Status.SKIPPED), med("latency_ms"), med("reference_latency_ms"), med("speedup_factor"),
           med("speed_of_light_ms"), med("sol_fraction"), worst.value]
-
-
-def main(argv: list[str] | None = None) -> int:
-  """`python -m jaxkern.results merge --output OUT SHARD.jsonl ...`"""
-  import argparse  # pylint: disable=g-import-not-at-top
-  from jaxkern import shards  # pylint: disable=g-import-not-at-top
-  parser = argparse.ArgumentParser(prog="python -m jaxkern.results")
-  sub = parser.add_subparsers(dest="command", required=True)
-  merge = sub.add_parser("merge", help="join the result files of a sharded replay (checks every uuid once)")
-  merge.add_argument("--output", required=True)
-  merge.add_argument("inputs", nargs="+")
-  args = parser.parse_args(argv)
-  try:
-    n = shards.merge(args.inputs, args.output)
-  except shards.MergeError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
-  print(f"merged {n} results from {len(args.inputs)} files into {args.output}")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -61,7 +61,7 @@ _H100_SHEET = ("NVIDIA H100 Tensor Core GPU Architecture whitepaper, H100 SXM5 c
                "rounds the compute to 989 / 1979 / 67 (its BF16 1979 and FP8 3958 are with sparsity)")
 _H200_SHEET = ("NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: HBM3e 4.8 TB/s; compute as the H100 SXM "
                "(BF16 1979 and FP8 3958 TFLOP/s with sparsity, half that dense; FP32 67)")
-_H200_MEASURED = ("measured on the project's H200 (figures given in the issue 14 work brief; "
+_H200_MEASURED = ("measured on the project's H200 (figures given in a work brief; "
                   "method and date not recorded in this repository)")
 
 DEVICES: dict[str, dict[str, Any]] = {

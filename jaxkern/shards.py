@@ -5,7 +5,9 @@ selected workload starting at the i-th (the selection order is the dataset's,
 identical in every process), writes its own results file
 (`<output stem>.<i>-of-<n>.jsonl`) and, beside it, a manifest naming the
 uuids it was assigned. `merge` joins the files of all shards and checks that
-every shard is present, no uuid is missing and none is doubled.
+every shard is present, no uuid is missing and none is doubled:
+
+  python -m jaxkern.shards merge --output OUT SHARD.jsonl ...
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import sys
 from typing import Sequence, TypeVar
+
+from jaxkern import results
 
 T = TypeVar("T")
 
@@ -60,7 +65,6 @@ def merge(inputs: Sequence[str | pathlib.Path], output: str | pathlib.Path) -> i
   file order); returns the number of lines. Raises MergeError when a shard
   is missing, a file has no manifest, a uuid is doubled or an assigned uuid
   has no result."""
-  from jaxkern import results  # pylint: disable=g-import-not-at-top
   seen: dict[str, str] = {}
   manifests = {}
   lines: list[tuple[int, str]] = []
@@ -95,3 +99,25 @@ def merge(inputs: Sequence[str | pathlib.Path], output: str | pathlib.Path) -> i
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text("".join(line + "\n" for _, line in sorted(lines, key=lambda x: x[0])))
   return len(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  """`python -m jaxkern.shards merge --output OUT SHARD.jsonl ...`"""
+  import argparse  # pylint: disable=g-import-not-at-top
+  parser = argparse.ArgumentParser(prog="python -m jaxkern.shards")
+  sub = parser.add_subparsers(dest="command", required=True)
+  command = sub.add_parser("merge", help="join the result files of a sharded replay (checks every uuid once)")
+  command.add_argument("--output", required=True)
+  command.add_argument("inputs", nargs="+")
+  args = parser.parse_args(argv)
+  try:
+    n = merge(args.inputs, args.output)
+  except MergeError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  print(f"merged {n} results from {len(args.inputs)} files into {args.output}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

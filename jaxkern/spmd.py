@@ -13,7 +13,7 @@ cannot be split.
 Three settings (README, "Sharded models"):
 * Inside `jax.shard_map`: the op sees one shard and runs as is; its Pallas
   calls declare the manual axes their outputs vary over
-  (`pallas_kernels.common.pallas_call`).
+  (`pallas_kernels.shared.common.pallas_call`).
 * `jit` over arrays sharded on Explicit mesh axes (`jax.make_mesh`'s
   default): shardings are part of the types, so `run` wraps the call in a
   `shard_map` over the axes that shard independent dimensions, reshards the

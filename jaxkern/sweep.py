@@ -1,6 +1,8 @@
 """Sweeps kernel configs (block sizes, num_warps, num_stages, splits) of one
-definition at given axes: each candidate is compiled, checked against the
-reference, and timed; the table ends with the fastest correct config.
+definition at given axes, over every kernel backend of its family (or the
+one `--backend` names): each candidate is compiled, checked against the
+reference, and timed; the candidates of all backends form one ranking and
+the table ends with the fastest correct (backend, config).
 
   python -m jaxkern.sweep --definition=dense_gemm_bf16_nt_n4096_k4096 --axes=M=4125
   python -m jaxkern.sweep --definition=noncausal_dense_attention_h32_d64 \
@@ -16,13 +18,15 @@ overflows shared memory or fails to compile is reported (status `spills`,
 `smem_overflow`, `aot_error`) and not run, so `--write_tuned` never records
 one. `--lower_only` checks that every candidate
 lowers for an abstract H100 instead of running it. `--write_tuned` records
-the fastest correct config in `configs/tuned/<device kind>.json` for the
-axes' shape bucket (see `jaxkern.tuning`); replay, sweep and `jaxkern.ops`
-use it from then on for that device kind.
+each backend's fastest correct config in `configs/tuned/<device kind>.json`
+for the inputs' shape bucket (see `jaxkern.tuning`); replay, sweep and
+`jaxkern.ops` use it from then on for that device kind (`backend="pallas"`:
+the backend whose entry is the fastest).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -32,12 +36,13 @@ from absl import flags
 import jax
 
 from jaxkern import aot as aot_lib
+from jaxkern import backends
 from jaxkern import bench
 from jaxkern import registry
 from jaxkern import selection
 from jaxkern import tuning
-from pallas_kernels.common import resolve_interpret
-from pallas_kernels.common import lower_for_h100
+from pallas_kernels.shared.common import resolve_interpret
+from pallas_kernels.shared.lowering import lower_for_h100
 
 _DEFINITION = flags.DEFINE_string("definition", None, "Definition name.", required=True)
 _AXES = flags.DEFINE_string("axes", "", "Variable axes, e.g. 'M=4125' or 'B=1,Nq=2352,Nk=51' "
@@ -53,7 +58,9 @@ _AOT = flags.DEFINE_bool("aot", None, "Compile each candidate for sm_90a first a
                          "overflow shared memory (default: when the aot extra is installed).")
 _AOT_TARGET = flags.DEFINE_string("aot_target", aot_lib.DEFAULT_TARGET, "GPU target of --aot.")
 _WRITE_TUNED = flags.DEFINE_bool("write_tuned", False,
-                                 "Record the fastest correct config in configs/tuned/<device kind>.json.")
+                                 "Record each backend's fastest correct config in configs/tuned/<device kind>.json.")
+_BACKEND = flags.DEFINE_string("backend", "pallas", "Kernel backend whose candidates run: pallas (every backend of "
+                               "the family) | triton | mosaic_gpu.")
 
 
 def parse_axes(text: str) -> dict[str, int]:
@@ -67,27 +74,40 @@ def parse_axes(text: str) -> dict[str, int]:
 AOT_REJECTED = {aot_lib.SPILLS: "spills", aot_lib.SMEM_OVERFLOW: "smem_overflow", aot_lib.ERROR: "aot_error"}
 
 
+def sweep_backends(op: registry.Op, backend: str) -> tuple[str, ...]:
+  """The backends a sweep covers: every one of the family's for "pallas",
+  else `backend` (raising ValueError naming the op's backends if it has none)."""
+  if backend == backends.PALLAS:
+    return op.backends
+  return (op.kernel_of(backend).backend,)
+
+
 def sweep(op: registry.Op, axes: dict[str, int], *, seed: int, warmup: int, iters: int, interpret: bool,
-          max_configs: int, lower_only: bool, compiler: "aot_lib.Compiler | None" = None) -> list[dict]:
-  """One row per candidate. With `compiler` (a `jaxkern.aot.Compiler`), each
-  candidate is compiled for sm_90a first; rejected ones are not run."""
+          max_configs: int, lower_only: bool, compiler: "aot_lib.Compiler | None" = None,
+          backend: str = backends.PALLAS) -> list[dict]:
+  """One row per (backend, candidate config), the backends in the family's
+  order. With `compiler` (a `jaxkern.aot.Compiler`), each candidate is
+  compiled for sm_90a first; rejected ones are not run."""
   # Lowering needs shapes only: no inputs are synthesized for it.
   inputs = op.input_shapes(axes) if lower_only else op.make_inputs(axes, seed=seed)
-  configs = op.candidate_configs(inputs)
-  if max_configs:
-    configs = configs[:max_configs]
-  heuristic = op.choose_config(inputs)
   current = op.config_for(inputs)  # what replay and ops use today (tuned or heuristic)
+  candidates = []
+  for name in sweep_backends(op, backend):
+    configs = op.candidate_configs(inputs, backend=name)
+    heuristic = op.choose_config(inputs, backend=name)
+    candidates += [(name, c, c == heuristic) for c in (configs[:max_configs] if max_configs else configs)]
   ref = None if lower_only else jax.block_until_ready(jax.jit(op.reference)(inputs))
   rows = []
-  for i, config in enumerate(configs, 1):
-    row = {"config": tuning.config_to_json(config), "heuristic": config == heuristic,
-           "current": config == current.config, "current_source": current.source, "status": None,
+  for i, (name, config, is_heuristic) in enumerate(candidates, 1):
+    in_use = name == current.backend and config == current.config
+    row = {"backend": name, "config": tuning.config_to_json(config), "heuristic": is_heuristic,
+           "current": in_use, "current_source": current.source, "status": None,
            "latency_ms": None, "timer": None, "log": ""}
     t0 = time.perf_counter()
+    launch = lambda x, config=config, name=name, interpret=False: op.kernel(  # noqa: E731
+        x, interpret=interpret, config=config, backend=name)
     if compiler is not None:
-      rep = compiler.compile(lambda x, config=config: op.kernel(x, interpret=False, config=config),
-                             op.input_shapes(axes))
+      rep = compiler.compile(launch, op.input_shapes(axes))
       row["aot"] = {"status": rep.status, "summary": rep.summary(), "error": rep.error,
                     "kernels": [{k: getattr(kr, k) for k in ("name", "registers", "smem_bytes", "spill_stores",
                                                              "spill_loads", "matrix_ops", "ctas_per_sm")}
@@ -96,14 +116,15 @@ def sweep(op: registry.Op, axes: dict[str, int], *, seed: int, warmup: int, iter
         row["status"], row["log"] = AOT_REJECTED.get(rep.status, "aot_error"), rep.summary()
         row["seconds"], row["_config"] = time.perf_counter() - t0, config
         rows.append(row)
-        print(f"[{i}/{len(configs)}] {config} -> {row['status']} (sm_90a: {rep.summary()}); skipped", flush=True)
+        print(f"[{i}/{len(candidates)}] {name} {config} -> {row['status']} (sm_90a: {rep.summary()}); skipped",
+              flush=True)
         continue
     try:
       if lower_only:
-        lower_for_h100(lambda x, config=config: op.kernel(x, interpret=False, config=config), inputs)
+        lower_for_h100(launch, inputs)
         row["status"] = "lowered"
       else:
-        fn = jax.jit(lambda x, config=config: op.kernel(x, interpret=interpret, config=config))
+        fn = jax.jit(functools.partial(launch, interpret=interpret))
         out = jax.block_until_ready(fn(inputs))
         cmp = op.compare(out, ref, inputs=inputs)
         row["status"] = cmp.status
@@ -117,9 +138,18 @@ def sweep(op: registry.Op, axes: dict[str, int], *, seed: int, warmup: int, iter
     row["seconds"] = time.perf_counter() - t0
     row["_config"] = config
     rows.append(row)
-    print(f"[{i}/{len(configs)}] {config} -> {row['status']}"
+    print(f"[{i}/{len(candidates)}] {name} {config} -> {row['status']}"
           + (f" {row['latency_ms']:.3f} ms" if row["latency_ms"] is not None else ""), flush=True)
   return rows
+
+
+def ranking(rows: list[dict]) -> list[dict]:
+  """The correct, timed rows of every backend, fastest first, in one
+  timer: the device timer's where any row has it (timers never mix)."""
+  timed = [r for r in rows if r["status"] in ("passed", "lowered") and r["latency_ms"] is not None]
+  if any(r["timer"] == bench.TIMER_DEVICE for r in timed):
+    timed = [r for r in timed if r["timer"] == bench.TIMER_DEVICE]
+  return sorted(timed, key=lambda r: r["latency_ms"])
 
 
 def main(argv: list[str]) -> None:
@@ -139,33 +169,41 @@ def main(argv: list[str]) -> None:
   if use_aot:
     compiler = aot_lib.Compiler(_AOT_TARGET.value)
     print(f"sm_90a compile check on: {compiler.target}", flush=True)
+  try:
+    sweep_backends(op, _BACKEND.value)
+  except ValueError as e:
+    raise app.UsageError(f"--backend: {e}") from None
   rows = sweep(op, axes, seed=_SEED.value, warmup=_WARMUP.value, iters=_ITERS.value, interpret=interpret,
-               max_configs=_MAX_CONFIGS.value, lower_only=_LOWER_ONLY.value, compiler=compiler)
+               max_configs=_MAX_CONFIGS.value, lower_only=_LOWER_ONLY.value, compiler=compiler,
+               backend=_BACKEND.value)
   if _OUTPUT.value:
     with open(_OUTPUT.value, "w", encoding="utf-8") as f:
       for r in rows:
         f.write(json.dumps({"definition": op.name, "axes": axes, "interpret": interpret,
                             **{k: v for k, v in r.items() if k != "_config"}}) + "\n")
-  table = [[json.dumps(r["config"]), "*" if r["heuristic"] else "", r["current_source"] if r["current"] else "",
-            r["status"], "-" if r["latency_ms"] is None else f"{r['latency_ms']:.3f}"]
+  table = [[r["backend"], json.dumps(r["config"]), "*" if r["heuristic"] else "",
+            r["current_source"] if r["current"] else "", r["status"],
+            "-" if r["latency_ms"] is None else f"{r['latency_ms']:.3f}"]
            + ([r["aot"]["summary"] if "aot" in r else "-"] if compiler else []) for r in rows]
-  print(tabulate.tabulate(table, headers=["config", "heuristic", "in use", "status", "ms"]
+  print(tabulate.tabulate(table, headers=["backend", "config", "heuristic", "in use", "status", "ms"]
                           + (["sm_90a"] if compiler else [])))
   rejected = [r for r in rows if r["status"] in AOT_REJECTED.values()]
   if rejected:
     print(f"{len(rejected)} config(s) rejected by the sm_90a compile (not run, never tuned)")
   good = [r for r in rows if r["status"] in ("passed", "lowered")]
-  timed = [r for r in good if r["latency_ms"] is not None]
-  if any(r["timer"] == bench.TIMER_DEVICE for r in timed):  # never compare across timers
-    timed = [r for r in timed if r["timer"] == bench.TIMER_DEVICE]
-  if timed:
-    best = min(timed, key=lambda r: r["latency_ms"])
-    print(f"fastest correct: {best['config']} at {best['latency_ms']:.3f} ms ({best['timer']} timer)"
-          + (" (interpret mode: not a GPU timing)" if interpret else ""))
+  ranked = ranking(rows)
+  if ranked:
+    best = ranked[0]
+    print(f"fastest correct: {best['backend']} {best['config']} at {best['latency_ms']:.3f} ms "
+          f"({best['timer']} timer)" + (" (interpret mode: not a GPU timing)" if interpret else ""))
     if _WRITE_TUNED.value:
-      var_axes = {a: axes[a] for a in op.definition.var_axes}
-      path = tuning.record(op.name, var_axes, best["_config"], latency_ms=best["latency_ms"])
-      print(f"tuned: {op.name} [{tuning.shape_bucket(var_axes)}] -> {path}")
+      bucket = op.bucket(op.input_shapes(axes))
+      kernel = op.kernel_of().name
+      for name in dict.fromkeys(r["backend"] for r in ranked):  # each backend's fastest
+        r = next(r for r in ranked if r["backend"] == name)
+        path = tuning.record(kernel, name, bucket, r["_config"], latency_ms=r["latency_ms"], timer=r["timer"],
+                             definition=op.name)
+        print(f"tuned: {kernel} {name} [{bucket}] -> {path}")
   elif _WRITE_TUNED.value:
     print("tuned: nothing written (no correct, timed config)")
   # Configs the sm_90a compile rejected are an answer, not a failure.

@@ -51,10 +51,10 @@ class Setup:
 
 def _run_one(setup: Setup, w: dataset.Workload, cache: bench.CompileCache, device: Any) -> results_lib.Trace:
   import jax  # pylint: disable=g-import-not-at-top
+  from jaxkern import evaluate  # pylint: disable=g-import-not-at-top  (looked up per call: tests patch it)
   from jaxkern import registry  # pylint: disable=g-import-not-at-top
-  from jaxkern import replay  # pylint: disable=g-import-not-at-top  (looked up per call: tests patch it)
   with jax.default_device(device):
-    return replay.run_workload(registry.get(w.definition, setup.dataset_dir), w, setup.cfg, cache,
+    return evaluate.run_workload(registry.get(w.definition, setup.dataset_dir), w, setup.cfg, cache,
                                setup.interpret, setup.on_gpu)
 
 

@@ -108,7 +108,7 @@ GEMM_CASES = (
     Case("m0", lambda r: gemm(r, m=0)),
     Case("m1_n1_k1", lambda r: gemm(r, 1, 1, 1)),
     Case("small_k8", lambda r: gemm(r, 16, 24, 8)),
-    Case("m64_k48", lambda r: gemm(r, 64, 40, 48)),  # issue 20: any K 24-48 with M a power of two
+    Case("m64_k48", lambda r: gemm(r, 64, 40, 48)),  # any K 24-48 with M a power of two
 )
 
 
@@ -177,7 +177,7 @@ def grouped_poisoned(rng):
 
 GROUPED_CASES = (
     Case("sorted", grouped),
-    Case("unsorted", lambda r: grouped_ids(r, lambda r, ids: r.permutation(ids))),  # issue 20: [3,0,2,0,1,-1]
+    Case("unsorted", lambda r: grouped_ids(r, lambda r, ids: r.permutation(ids))),  # [3,0,2,0,1,-1]
     Case("issue_row", lambda r: grouped(r, m=6, ids=[3, 0, 2, 0, 1, -1])),
     Case("padding_rows", lambda r: grouped_ids(r, lambda r, ids: set_at(ids, some(r, 10), -1))),
     Case("all_padding", lambda r: grouped_ids(r, lambda r, ids: -np.ones_like(ids))),
@@ -455,7 +455,7 @@ QSA_INDEX_CASES = (
          lambda x: put(x, seq_lens=i32([34 * 16 * 4, 700]))),
     Case("table_narrower_than_topk", lambda r: qidx(r, seq_lens=(300, 30), max_pages=5, num_pages=12)),
     Case("seq_len_past_narrow_table", lambda r: qidx(r, seq_lens=(10**6, 30), max_pages=5, num_pages=12), "invalid",
-         "seq_lens", lambda x: put(x, seq_lens=i32([5 * 16 * 4, 30]))),  # issue 20: ids beyond the table
+         "seq_lens", lambda x: put(x, seq_lens=i32([5 * 16 * 4, 30]))),  # ids beyond the table
     Case("negative_seq_len", lambda r: qidx(r, seq_lens=(2150, -9)), "invalid", "seq_lens",
          lambda x: put(x, seq_lens=i32([2150, 0]))),
     Case("nan_in_unread_keys", qidx_poisoned, "masked"),

@@ -2,14 +2,19 @@
 driven by data.
 
 `tests/test_definitions.py` runs these checks on every implemented
-definition. A family adds its data through hooks, module-level names of its
-test file `tests/test_<family>.py` (`<family>`: the name of its module in
-`jaxkern.families` and `pallas_kernels`):
+definition and each of its kernel backends. A family adds its data through
+hooks, module-level names of its test file `tests/test_<family>.py`
+(`<family>`: the name of its module in `jaxkern.families` and its package in
+`pallas_kernels`):
 
   launches(config, axes) -> list[TritonCall]   (required)
-      the Triton calls the kernel makes with `config` at `axes` (every axis,
-      constants included): names, grids, num_warps, num_stages, worked out by
-      the test, not by the kernel; every lowering check compares with it.
+      the Triton calls the family's Triton kernel makes with `config` at
+      `axes` (every axis, constants included): names, grids, num_warps,
+      num_stages, worked out by the test, not by the kernel; every lowering
+      check compares with it.
+  launches_<backend>(config, axes)   (one per further backend)
+      the same for another backend's kernel: `launches_mosaic_gpu` returns
+      the `MosaicGpuCall`s (operand and result types) it lowers to.
   KERNEL_CASES: list[Case]
       edge cases run in interpret mode and compared with the reference under
       SPEC 5 and the family's policies.
@@ -38,9 +43,10 @@ from jaxkern import compare
 from jaxkern import registry
 from jaxkern import tuning
 from jaxkern.family import bind_axes
-from pallas_kernels.common import TritonCall, lower_for_h100, triton_calls
+from pallas_kernels.shared.kernel import TRITON
+from pallas_kernels.shared.lowering import MosaicGpuCall, TritonCall, lower_for_h100
 
-__all__ = ["Case", "EVERY_CANDIDATE", "TritonCall"]
+__all__ = ["Case", "EVERY_CANDIDATE", "MosaicGpuCall", "TritonCall"]
 
 # `Case.config` value: each of the op's candidate configs in turn.
 EVERY_CANDIDATE = "every candidate"
@@ -57,7 +63,8 @@ class Case:
   heuristic's, `EVERY_CANDIDATE`, or a config. `omit`: optional inputs the
   call leaves out (the kernel's path without them). `check(out, ref,
   inputs)`: further assertions on the named outputs after the comparison
-  passed."""
+  passed. `backend`: the kernel backend checked (None: the family's
+  default one)."""
   definition: str
   axes: Mapping[str, int] = dataclasses.field(default_factory=dict)
   inputs: Callable[[], dict[str, jax.Array]] | None = None
@@ -66,6 +73,7 @@ class Case:
   omit: tuple[str, ...] = ()
   check: Callable[[dict, dict, dict], None] | None = None
   id: str = ""
+  backend: str | None = None
 
   @property
   def label(self) -> str:
@@ -100,6 +108,11 @@ def hook(name: str, hook_name: str, default: Any = None) -> Any:
   return getattr(family_tests(family_of(name)), hook_name, default)
 
 
+def launches_hook(backend: str) -> str:
+  """The name of the hook that gives a backend's launches."""
+  return "launches" if backend == TRITON else f"launches_{backend}"
+
+
 def cases(hook_name: str, implemented: list[str]) -> list[Case]:
   """Every family's `hook_name` cases, for the implemented definitions."""
   out = []
@@ -124,10 +137,13 @@ def full_axes(op: registry.Op, axes: Mapping[str, int]) -> dict[str, int]:
   return full
 
 
-def bound(op: registry.Op, fn_name: str, axes: Mapping[str, int]) -> Callable[..., Any]:
-  """The family's function with its constant-axis parameters from `axes`."""
+def bound(op: registry.Op, fn_name: str, axes: Mapping[str, int], backend: str | None = None) -> Callable[..., Any]:
+  """The family's `reference`, or a kernel's (`backend`; None: the default
+  one) `launch`, `choose_config` or `candidate_configs`, with its
+  constant-axis parameters from `axes`."""
   const = {**op.definition.const_axes, **{a: v for a, v in axes.items() if a in op.definition.const_axes}}
-  return bind_axes(getattr(op.impl, fn_name), const, op.impl.axis_params)
+  owner = op.impl if fn_name == "reference" else op.kernel_of(backend)
+  return bind_axes(getattr(owner, fn_name), const, op.impl.axis_params)
 
 
 def shapes_at(op: registry.Op, axes: Mapping[str, int], omit: tuple[str, ...] = ()) -> dict[str, jax.ShapeDtypeStruct]:
@@ -138,9 +154,9 @@ def shapes_at(op: registry.Op, axes: Mapping[str, int], omit: tuple[str, ...] = 
 
 def configs_of(op: registry.Op, case: Case, shapes: Mapping[str, Any]) -> list[Any]:
   if case.config is None:
-    return [bound(op, "choose_config", case.axes)(shapes)]
+    return [bound(op, "choose_config", case.axes, case.backend)(shapes)]
   if isinstance(case.config, str) and case.config == EVERY_CANDIDATE:
-    return bound(op, "candidate_configs", case.axes)(shapes)
+    return bound(op, "candidate_configs", case.axes, case.backend)(shapes)
   return [case.config]
 
 
@@ -152,8 +168,9 @@ def case_inputs(op: registry.Op, case: Case, seed: int = 0) -> dict[str, jax.Arr
   return {k: v for k, v in inputs.items() if k not in case.omit}
 
 
-def run_kernel(op: registry.Op, axes: Mapping[str, int], inputs: Mapping[str, jax.Array], config: Any) -> dict:
-  kernel = bound(op, "kernel", axes)
+def run_kernel(op: registry.Op, axes: Mapping[str, int], inputs: Mapping[str, jax.Array], config: Any,
+               backend: str | None = None) -> dict:
+  kernel = bound(op, "launch", axes, backend)
   return op.name_outputs(jax.jit(lambda x: kernel(**x, config=config, interpret=True))(inputs))
 
 
@@ -176,7 +193,7 @@ def check_kernel_case(case: Case) -> None:
   ref = run_reference(op, case.axes, inputs)
   shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in inputs.items()}
   for config in configs_of(op, case, shapes):
-    out = run_kernel(op, case.axes, inputs, config)
+    out = run_kernel(op, case.axes, inputs, config, case.backend)
     assert_matches(op, out, ref, inputs, config)
     if case.check is not None:
       case.check(out, ref, inputs)
@@ -200,10 +217,10 @@ def check_every_candidate_runs(case: Case) -> int:
   inputs = case_inputs(op, case)
   ref = run_reference(op, case.axes, inputs)
   shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in inputs.items()}
-  candidates = bound(op, "candidate_configs", case.axes)(shapes)
+  candidates = bound(op, "candidate_configs", case.axes, case.backend)(shapes)
   distinct = {interpret_equivalent(c): c for c in reversed(candidates)}
   for config in distinct.values():
-    assert_matches(op, run_kernel(op, case.axes, inputs, config), ref, inputs, config)
+    assert_matches(op, run_kernel(op, case.axes, inputs, config, case.backend), ref, inputs, config)
   return len(distinct)
 
 
@@ -211,17 +228,21 @@ def check_every_candidate_runs(case: Case) -> int:
 # Lowering.
 
 
-def lowered_calls(op: registry.Op, axes: Mapping[str, int], config: Any, omit: tuple[str, ...] = ()) -> list:
-  """The Triton calls of the kernel with `config`, lowered for an abstract
-  H100 at `axes` (shapes only)."""
-  kernel = bound(op, "kernel", axes)
+def lowered_calls(op: registry.Op, axes: Mapping[str, int], config: Any, omit: tuple[str, ...] = (),
+                  backend: str | None = None) -> list:
+  """The launches (`Kernel.calls`: Triton or Mosaic GPU calls) of a
+  backend's kernel with `config`, lowered for an abstract H100 at `axes`
+  (shapes only)."""
+  kernel = bound(op, "launch", axes, backend)
   shapes = shapes_at(op, axes, omit)
-  return triton_calls(lower_for_h100(lambda x: kernel(**x, config=config, interpret=False), shapes))
+  return op.kernel_of(backend).calls(lower_for_h100(lambda x: kernel(**x, config=config, interpret=False), shapes))
 
 
-def check_lowering(op: registry.Op, axes: Mapping[str, int], config: Any, omit: tuple[str, ...] = ()) -> None:
-  """Lowers, then compares the Triton calls (count, names, grids, warps,
-  stages) with the family's `launches` hook."""
-  expected = hook(op.name, "launches")(config, full_axes(op, axes))
-  got = lowered_calls(op, axes, config, omit)
-  assert sorted(got) == sorted(expected), (op.name, dict(axes), config, got, expected)
+def check_lowering(op: registry.Op, axes: Mapping[str, int], config: Any, omit: tuple[str, ...] = (),
+                   backend: str | None = None) -> None:
+  """Lowers, then compares the backend's launches (Triton: count, names,
+  grids, warps, stages) with the family's hook for it (`launches_hook`)."""
+  name = launches_hook(op.kernel_of(backend).backend)
+  expected = hook(op.name, name)(config, full_axes(op, axes))
+  got = lowered_calls(op, axes, config, omit, backend)
+  assert sorted(got) == sorted(expected), (op.name, backend, dict(axes), config, got, expected)

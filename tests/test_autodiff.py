@@ -30,7 +30,7 @@ def first_of_each_family(names):
   return sorted(out.values())
 
 
-THROUGH_REFERENCE = first_of_each_family(n for n in IMPLEMENTED if not registry.get(n).impl.differentiable_kernel)
+THROUGH_REFERENCE = first_of_each_family(n for n in IMPLEMENTED if not registry.get(n).impl.default.own_vjp)
 
 
 def is_float(x, quantized=False):

@@ -143,7 +143,7 @@ def test_measure_names_its_timer():
 
 def test_pallas_call_names_of_a_lowered_kernel():
   from jaxkern import registry, selection  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.common import lower_for_h100  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.shared.lowering import lower_for_h100  # pylint: disable=g-import-not-at-top
   op = registry.get("qsa_sparse_gqa_decode_qwen38_h24_kv2_d256_topk512_c4")
   shapes = op.input_shapes(op.validated_axes(selection.largest_recorded_axes(op.definition)))
   text = lower_for_h100(lambda x: op.kernel(x, interpret=False), shapes)

@@ -1,4 +1,4 @@
-"""Checked mode (issue 20): `jaxkern.ops.<op>(..., checks=True)` asserts the
+"""Checked mode: `jaxkern.ops.<op>(..., checks=True)` asserts the
 family's preconditions (`OpImpl.preconditions`) with checkify. Every bad
 index or length input of the fuzz cases (`fuzz_inputs.py`) raises an error
 naming the op, the argument, an offending element and value and the valid

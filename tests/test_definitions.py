@@ -2,10 +2,11 @@
 through the registry, with axes taken from its own records, plus the data its
 family's test file adds (`tests/test_<family>.py`, see `kit.py`):
 
-* lowering for an abstract H100, every candidate at the largest recorded
-  axes and each family `LOWERING_CASES` entry: the Triton calls (count,
-  names, grids, num_warps, num_stages) are those the family's `launches`
-  says the config implies;
+* lowering for an abstract H100, every candidate of each kernel backend at
+  the largest recorded axes and each family `LOWERING_CASES` entry: the
+  launches (Triton calls: count, names, grids, num_warps, num_stages) are
+  those the family's `launches` hook for that backend says the config
+  implies;
 * the kernel matches the reference (interpret mode) at `cpu_axes` of one
   record per recorded variant, on every family `KERNEL_CASES` edge case, and
   with every distinct candidate config at small axes (`SWEEP_CASE`);
@@ -14,6 +15,7 @@ family's test file adds (`tests/test_<family>.py`, see `kit.py`):
   and every family has its test file and hooks.
 """
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -32,6 +34,9 @@ import kit
 
 IMPLEMENTED = [n for n in registry.names() if registry.get(n).implemented]
 FAMILIES = sorted({kit.family_of(n) for n in IMPLEMENTED})
+# Every implemented definition with each of its kernel backends.
+BACKENDS = [(n, b) for n in IMPLEMENTED for b in registry.get(n).backends]
+FAMILY_BACKENDS = sorted({(kit.family_of(n), b) for n, b in BACKENDS})
 TESTS = pathlib.Path(__file__).resolve().parent
 
 
@@ -64,33 +69,34 @@ def sweep_case(family: str) -> kit.Case:
   return kit.Case(name, registry.get(name).cpu_axes(w.axes), record=w.record)
 
 
-def test_every_family_has_its_test_file_and_launches_hook():
-  for family in FAMILIES:
+def test_every_family_has_its_test_file_and_launches_hooks():
+  for family, backend in FAMILY_BACKENDS:
     assert (TESTS / f"test_{family}.py").exists(), family
-    assert callable(getattr(kit.family_tests(family), "launches", None)), f"test_{family}.launches"
+    hook = kit.launches_hook(backend)
+    assert callable(getattr(kit.family_tests(family), hook, None)), f"test_{family}.{hook}"
 
 
 # ---------------------------------------------------------------------------
 # Lowering for an abstract H100.
 
 
-@pytest.mark.parametrize("name", IMPLEMENTED)
-def test_every_candidate_lowers_to_its_launches_at_largest_recorded_axes(name):
+@pytest.mark.parametrize("name,backend", BACKENDS)
+def test_every_candidate_lowers_to_its_launches_at_largest_recorded_axes(name, backend):
   op = registry.get(name)
   axes = largest_recorded_axes(name)
   shapes = op.input_shapes(axes)
-  configs = op.candidate_configs(shapes)
-  assert configs and configs[0] == op.choose_config(shapes), "the heuristic's config comes first"
+  configs = op.candidate_configs(shapes, backend=backend)
+  assert configs and configs[0] == op.choose_config(shapes, backend=backend), "the heuristic's config comes first"
   assert len(configs) == len(set(configs)), "no candidate twice"
   for config in configs:
-    kit.check_lowering(op, axes, config)
+    kit.check_lowering(op, axes, config, backend=backend)
 
 
 @pytest.mark.parametrize("case", LOWERING_CASES, ids=lambda c: f"{c.definition}-{c.label}")
 def test_family_lowering_cases(case):
   op = registry.get(case.definition)
   for config in kit.configs_of(op, case, kit.shapes_at(op, case.axes, case.omit)):
-    kit.check_lowering(op, case.axes, config, case.omit)
+    kit.check_lowering(op, case.axes, config, case.omit, case.backend)
 
 
 # ---------------------------------------------------------------------------
@@ -103,7 +109,8 @@ def test_kernel_matches_reference_at_cpu_axes_per_variant(name, index):
   w = one_record_per_variant(name)[index]
   plan = plan_lib.plan(op, w, size="smoke", seed=7, on_gpu=False, tuned=False)
   assert plan.choice.source == tuning.HEURISTIC
-  out = jax.jit(lambda x: op.kernel(x, interpret=True, config=plan.choice.config))(plan.inputs)
+  out = jax.jit(lambda x: op.kernel(x, interpret=True, config=plan.choice.config,
+                                    backend=plan.choice.backend))(plan.inputs)
   ref = jax.jit(op.reference)(plan.inputs)
   kit.assert_matches(op, out, ref, plan.inputs, (w.uuid, plan.axes_run))
 
@@ -113,9 +120,10 @@ def test_family_kernel_cases(case):
   kit.check_kernel_case(case)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_candidate_config_runs_in_interpret_mode(family):
-  assert kit.check_every_candidate_runs(sweep_case(family)) >= 1
+@pytest.mark.parametrize("family,backend", FAMILY_BACKENDS)
+def test_every_candidate_config_runs_in_interpret_mode(family, backend):
+  case = sweep_case(family)
+  assert kit.check_every_candidate_runs(dataclasses.replace(case, backend=case.backend or backend)) >= 1
 
 
 # ---------------------------------------------------------------------------
@@ -139,17 +147,17 @@ def test_make_inputs_deterministic_and_valid(name):
                          op.definition.full_axes(axes))
 
 
-@pytest.mark.parametrize("name", IMPLEMENTED)
-def test_implementation_matches_definition_file(name):
-  """Reference and kernel name the definition's outputs with its shapes and
-  dtypes (checked abstractly); the config round-trips through JSON; the
-  family has a cost formula."""
+@pytest.mark.parametrize("name,backend", BACKENDS)
+def test_implementation_matches_definition_file(name, backend):
+  """Reference and each backend's kernel name the definition's outputs with
+  its shapes and dtypes (checked abstractly); the config round-trips
+  through JSON; the family has a cost formula."""
   op = registry.get(name)
   shapes = op.input_shapes(largest_recorded_axes(name))
   full = op.validated_axes(largest_recorded_axes(name))
-  config = op.choose_config(shapes)
+  config = op.choose_config(shapes, backend=backend)
   reference = kit.bound(op, "reference", full)
-  kernel = kit.bound(op, "kernel", full)
+  kernel = kit.bound(op, "launch", full, backend)
   for fn in (lambda x: reference(**x), lambda x: kernel(**x, config=config, interpret=True)):
     # One array, or a tuple in the definition's output order.
     outs = jax.eval_shape(fn, shapes)
@@ -168,4 +176,4 @@ def test_implementation_matches_definition_file(name):
   positional = [p.name for p in inspect.signature(op.impl.reference).parameters.values()
                 if p.kind is p.POSITIONAL_OR_KEYWORD]
   assert positional[:len(names)] == names
-  assert set(names) <= set(inspect.signature(op.impl.kernel).parameters)
+  assert set(names) <= set(inspect.signature(op.kernel_of(backend).launch).parameters)

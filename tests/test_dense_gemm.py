@@ -19,8 +19,8 @@ from jaxkern import registry
 from jaxkern.families import dense_gemm as gemm
 from kit import Case, TritonCall
 from numerics import assert_bf16_close
-from pallas_kernels import dense_gemm as dg
-from pallas_kernels.common import lower_for_h100, triton_calls
+from pallas_kernels.dense_gemm import triton as dg
+from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
 
 DEFINITIONS = [n for n in registry.names() if n.startswith("dense_gemm")]
 RECORDED_M = (4096, 4125, 6144, 8192, 12288, 16384, 24576)
@@ -142,7 +142,7 @@ def test_cpu_axes_shrinks_m_and_keeps_raggedness():
 
 
 # ---------------------------------------------------------------------------
-# Any M, N, K >= 1 on both paths (issue 20).
+# Any M, N, K >= 1 on both paths.
 
 
 @pytest.mark.parametrize("m,n,k", [(64, 32, 48), (32, 8, 24), (1, 1, 1), (64, 64, 33), (5, 3, 200)])

@@ -3,7 +3,7 @@ masks, prefixes and segments for the flash kernel in interpret mode;
 lowering at each recorded extreme) and the family's own checks: masks that
 must not leak, the key-block limits, the reference against float64 numpy,
 the heuristic and input synthesis structure; empty batches and sequences, a
-traced scale, hidden NaN/Inf keys (issue 20); the gradients (custom VJP,
+traced scale, hidden NaN/Inf keys; the gradients (custom VJP,
 FlashAttention-2 backward kernels) against the XLA path and float64 finite
 differences, exact zeros where masked, and their lowering. (The checks
 themselves: test_definitions.py and kit.py.)"""
@@ -22,9 +22,9 @@ from jaxkern import ops
 from jaxkern import registry
 from jaxkern.families import flash_attention as fam
 from kit import EVERY_CANDIDATE, Case, TritonCall
-from pallas_kernels import flash_attention as fa
-from pallas_kernels import flash_attention_keys as keys_lib
-from pallas_kernels.common import lower_for_h100, triton_calls
+from pallas_kernels.flash_attention import triton as fa
+from pallas_kernels.flash_attention import keys as keys_lib
+from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
 from numerics import assert_bf16_close
 
 # The Triton lowering's deprecation notice is expected (SPEC 2).

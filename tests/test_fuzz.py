@@ -1,4 +1,4 @@
-"""Differential fuzz of every public op (issue 20): the Pallas path
+"""Differential fuzz of every public op: the Pallas path
 (interpret mode) against the XLA path (the references) on seeded random
 inputs inside and outside each op's contract (`fuzz_inputs.py`): the same
 answer under SPEC 5 and the family's policies, or the same error. On the

@@ -19,7 +19,7 @@ from jaxkern import ops
 from jaxkern.families import gdn_decode as fam_decode
 import gradients
 from kit import Case, TritonCall
-from pallas_kernels import gdn_decode as gk_decode
+from pallas_kernels.gdn_decode import triton as gk_decode
 from numerics import assert_bf16_close
 
 DECODE = "gdn_decode_qk4_v8_d128_k_last"

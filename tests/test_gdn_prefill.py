@@ -24,10 +24,10 @@ from jaxkern.families import gdn_prefill as fam_prefill
 import gradients
 import kit
 from kit import Case, TritonCall
-from pallas_kernels import gdn_decode as gk_decode
-from pallas_kernels import gdn_prefill as gk_prefill
-from pallas_kernels import gdn_prefill_bwd as gk_bwd
-from pallas_kernels.common import lower_for_h100, triton_calls
+from pallas_kernels.gdn_decode import triton as gk_decode
+from pallas_kernels.gdn_prefill import triton as gk_prefill
+from pallas_kernels.gdn_prefill import triton_bwd as gk_bwd
+from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
 from numerics import assert_bf16_close, assert_f32_close
 from test_gdn_decode import CONST, WHOLE_HEAD, check_against_definition, numpy_gdn, recorded_axes
 

@@ -21,10 +21,10 @@ from jaxkern import quant
 from jaxkern.families import grouped_gemm as fam
 from jaxkern import ops
 from kit import EVERY_CANDIDATE, Case, TritonCall
-from pallas_kernels import fp8_mma
-from pallas_kernels import fp_formats
-from pallas_kernels import grouped_gemm as gg
-from pallas_kernels.common import has_gpu
+from pallas_kernels.shared import fp8_mma
+from pallas_kernels.shared import fp_formats
+from pallas_kernels.grouped_gemm import triton as gg
+from pallas_kernels.shared.common import has_gpu
 
 # The Triton-lowering DeprecationWarning is expected (SPEC 2); pytest resets
 # the process-wide filter per test.

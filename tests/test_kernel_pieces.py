@@ -20,19 +20,27 @@ import pytest
 
 import pallas_kernels
 from jaxkern import tuning
-from pallas_kernels import config_rules, device, split_kv
-from pallas_kernels import (dense_gemm, flash_attention, gdn_decode, gdn_prefill, grouped_gemm, mixed_mla,
-                            neighborhood_attention, qsa_index)
-from pallas_kernels.common import assert_lowers_to_triton
-from pallas_kernels.online_softmax import (LOG2_E, init_carry, lse_base2, lse_natural, normalize,
+from pallas_kernels.shared import config_rules
+from pallas_kernels.shared import device
+from pallas_kernels.shared import split_kv
+from pallas_kernels.dense_gemm import triton as dense_gemm
+from pallas_kernels.flash_attention import triton as flash_attention
+from pallas_kernels.gdn_decode import triton as gdn_decode
+from pallas_kernels.gdn_prefill import triton as gdn_prefill
+from pallas_kernels.grouped_gemm import triton as grouped_gemm
+from pallas_kernels.mixed_mla import triton as mixed_mla
+from pallas_kernels.neighborhood_attention import triton as neighborhood_attention
+from pallas_kernels.qsa_index import triton as qsa_index
+from pallas_kernels.shared.lowering import assert_lowers_to_triton
+from pallas_kernels.shared.online_softmax import (LOG2_E, init_carry, lse_base2, lse_natural, normalize,
                                            online_softmax_step)
 from numerics import assert_bf16_close
 
 
 def all_config_classes() -> list[type]:
   classes = set()
-  for info in pkgutil.iter_modules(pallas_kernels.__path__):
-    module = importlib.import_module(f"pallas_kernels.{info.name}")
+  for info in pkgutil.walk_packages(pallas_kernels.__path__, "pallas_kernels."):
+    module = importlib.import_module(info.name)
     classes.update(v for v in vars(module).values()
                    if isinstance(v, type) and issubclass(v, config_rules.KernelConfig)
                    and v is not config_rules.KernelConfig)

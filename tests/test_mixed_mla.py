@@ -20,7 +20,7 @@ import pytest
 from jaxkern import quant
 from jaxkern.families import mixed_mla as fam
 from kit import EVERY_CANDIDATE, Case, TritonCall
-from pallas_kernels import mixed_mla as mk
+from pallas_kernels.mixed_mla import triton as mk
 from numerics import assert_bf16_close, assert_f32_close
 
 DEFINITION = "mixed_mla_decode_deepseek41_h64_d512_k8128_k4512"

@@ -15,7 +15,7 @@ from jaxkern import compare
 from jaxkern import registry
 from jaxkern.families import moe_router as fam
 from kit import Case, TritonCall
-from pallas_kernels import moe_router as mr
+from pallas_kernels.moe_router import triton as mr
 
 NAME = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"
 D, E, TOPK = 5120, 384, 6

@@ -2,7 +2,7 @@
 in a process of its own with 8 CPU devices: JAX fixes the device count when
 it starts, and this process runs everything else on one.
 
-tests/multidevice_ops.py: issue 25's failures and every op split over a
+tests/multidevice_ops.py: the split failures seen before and every op split over a
 mesh under jit; tests/multidevice_example.py: the expert-parallel MoE block
 on 4 and 8 devices. tests/test_spmd.py checks on one device what needs no
 second one (types inside shard_map, lowering, errors, the split rules)."""

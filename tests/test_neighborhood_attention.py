@@ -25,8 +25,8 @@ import gradients
 from jaxkern import ops
 from jaxkern.families import neighborhood_attention as fam
 from kit import Case, TritonCall
-from pallas_kernels import neighborhood_attention as na
-from pallas_kernels.common import lower_for_h100, triton_calls
+from pallas_kernels.neighborhood_attention import triton as na
+from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
 from numerics import assert_bf16_close
 
 DEFINITIONS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "definitions")
@@ -260,14 +260,14 @@ def test_impl_signatures_follow_the_contract():
     assert definition(name)["reference"] == (
         "jaxkern.families.neighborhood_attention:neighborhood_attention_3d_reference")
   inputs = list(definition(NAMES[0])["inputs"])
-  for fn in (impl.reference, impl.kernel):
+  for fn in (impl.reference, impl.default.launch):
     params = inspect.signature(fn).parameters
     positional = [n for n, p in params.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
     keyword_only = [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY]
     assert positional == inputs
     # Keyword-only parameters named like const axes receive their values.
     assert {"KT", "KY", "KX"} <= set(keyword_only)
-  for fn in (impl.choose_config, impl.candidate_configs):
+  for fn in (impl.default.choose_config, impl.default.candidate_configs):
     params = inspect.signature(fn).parameters
     assert [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY] == ["KT", "KY", "KX"]
 

@@ -3,20 +3,26 @@ definitions' references, with batch dimensions where the signature has them,
 and the tuned-table seam."""
 
 import dataclasses
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkern import backends
+from jaxkern import dataset
 from jaxkern import dispatch
 from jaxkern import ops
 from jaxkern import tuning
 from jaxkern.families import dense_gemm as gemm_family
 from jaxkern.families import flash_attention as attention_family
 from jaxkern.families import moe_router as router_family
-from pallas_kernels import dense_gemm
+from pallas_kernels.dense_gemm import triton as dense_gemm
+from pallas_kernels.moe_router.config import MoeRouterConfig
 from numerics import assert_bf16_close
+import sharding_cases
 
 BACKENDS = ["pallas", "xla", None]  # None: XLA here (no GPU)
 
@@ -71,22 +77,31 @@ def test_bad_backend_is_rejected():
     ops.dense_gemm(normal(0, (2, 16)), normal(1, (16, 16)), backend="cuda")
 
 
-def test_tuned_config_is_used_for_a_matching_definition(tmp_path, monkeypatch):
-  """A call whose constant axes match a definition picks up its tuned entry."""
+def test_tuned_config_is_used_in_its_shape_bucket_and_the_heuristic_once_elsewhere(tmp_path, monkeypatch):
+  """A call in a tuned shape bucket runs the tuned config; any other call
+  gets the heuristic's config, computed once by the dispatch and passed to
+  the kernel (which then computes none)."""
   monkeypatch.setenv("JAXKERN_TUNED_DIR", str(tmp_path))
   tuned = dense_gemm.DenseGemmConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=2)
-  tuning.record("dense_gemm_bf16_nt_n4096_k4096", {"M": 3}, tuned, latency_ms=1.0)
-  seen = []
+  a, b = jax.ShapeDtypeStruct((3, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+  bucket = backends.bucket_of(gemm_family.IMPL.kernels, {"A": a, "B": b}, {}, {})
+  tuning.record("dense_gemm", "triton", bucket, tuned, latency_ms=1.0)
+  seen, heuristics = [], []
 
   def spy(*args, config=None, **kw):
     seen.append(config)
     return dense_gemm.dense_gemm_nt(*args, config=config, **kw)
 
-  monkeypatch.setattr(gemm_family, "IMPL", dataclasses.replace(gemm_family.IMPL, kernel=spy))
-  a, b = jax.ShapeDtypeStruct((3, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+  def counted(shapes):
+    heuristics.append(shapes)
+    return dense_gemm.choose_config(shapes)
+
+  kernel = dataclasses.replace(gemm_family.IMPL.default, launch=spy, choose_config=counted)
+  monkeypatch.setattr(gemm_family, "IMPL", dataclasses.replace(gemm_family.IMPL, kernels={"triton": kernel}))
   jax.eval_shape(lambda a, b: ops.dense_gemm(a, b, backend="pallas"), a, b)
-  jax.eval_shape(lambda a, b: ops.dense_gemm(a[:, :64], b[:, :64], backend="pallas"), a, b)  # no definition
-  assert seen == [tuned, None]
+  assert seen == [tuned] and not heuristics
+  jax.eval_shape(lambda a, b: ops.dense_gemm(a[:, :64], b[:, :64], backend="triton"), a, b)  # another bucket
+  assert len(heuristics) == 1 and seen[1] == dense_gemm.choose_config(heuristics[0])
 
 
 def test_one_dispatch_serves_every_op():
@@ -152,3 +167,62 @@ def test_neighborhood_attention_under_vmap():
   f = lambda q, k, v, backend: ops.neighborhood_attention_3d(q, k, v, kernel_size=(3, 3, 3), backend=backend)  # noqa: E731
   pallas, xla = _vmapped_both_backends(f, q, k, v)
   assert_bf16_close(pallas, xla)
+
+
+# --- backends -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sharding_cases.CASES, ids=lambda c: c.definition)
+def test_triton_is_what_pallas_runs_for_every_op(case):
+  """`backend="triton"` and `"pallas"` trace to the same program for every
+  op (each family's default backend is Triton); so they compute the same."""
+  inputs = case.inputs()
+  pallas = jax.make_jaxpr(case.call("pallas", interpret=True))(inputs)
+  triton = jax.make_jaxpr(case.call("triton", interpret=True))(inputs)
+  assert str(triton) == str(pallas)
+  assert "pallas_call" in str(triton)
+
+
+def test_triton_equals_pallas_on_values():
+  a, b = normal(0, (5, 48)), normal(1, (40, 48), 48 ** -0.5)
+  np.testing.assert_array_equal(np.asarray(ops.dense_gemm(a, b, backend="triton")),
+                                np.asarray(ops.dense_gemm(a, b, backend="pallas")))
+
+
+def test_a_backend_the_op_lacks_names_the_ones_it_has():
+  a, b = normal(0, (2, 16)), normal(1, (16, 16))
+  with pytest.raises(ValueError, match=r"dense_gemm has no 'mosaic_gpu' kernel; its backends: triton"):
+    ops.dense_gemm(a, b, backend="mosaic_gpu")
+  with pytest.raises(TypeError, match=r"config MoeRouterConfig is no config of its kernels \(triton: DenseGemmConfig\)"):
+    ops.dense_gemm(a, b, config=MoeRouterConfig(), backend="pallas")
+
+
+# Set while a test calls ops: the audit hook records what they open then.
+_OPENED: list[str] | None = None
+
+
+def _record_opens(event, args):
+  if _OPENED is not None and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+    _OPENED.append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_record_opens)
+
+
+def test_ops_open_no_dataset_file(tmp_path, monkeypatch):
+  """A model's call picks its config from the kernel's own shapes: no file
+  under `datasets/` is opened (the tuned table, read once, is all)."""
+  global _OPENED  # pylint: disable=global-statement
+  monkeypatch.setenv("JAXKERN_TUNED_DIR", str(tmp_path))
+  calls = [(case.call("pallas", interpret=True), case.inputs()) for case in sharding_cases.CASES]
+  a, b = normal(0, (5, 48)), normal(1, (40, 48), 48 ** -0.5)
+  datasets = str(dataset.default_dataset_dir().resolve())
+  _OPENED = []
+  try:
+    for call, inputs in calls:
+      jax.eval_shape(call, inputs)
+    ops.dense_gemm(a, b, backend="pallas")
+    opened = list(_OPENED)
+  finally:
+    _OPENED = None
+  assert not [p for p in opened if os.path.abspath(p).startswith(datasets)]

@@ -5,7 +5,7 @@ and coarser than the score chunks, records at CPU scale; lowering at the
 largest recorded extremes) and the family's own checks: the stage-1 scores
 with shared pages, ties, the radix selection against a stable sort, the
 lowered index path free of wide sorts, the reference against float64 NumPy,
-the contract on out-of-range inputs (issue 20) in both paths, the paged
+the contract on out-of-range inputs in both paths, the paged
 input synthesis shared with test_qsa_sparse_gqa.py. (The checks themselves:
 test_definitions.py and kit.py.)"""
 
@@ -25,9 +25,9 @@ from jaxkern import ops
 from jaxkern import registry
 from jaxkern.families import qsa_index as fam
 from kit import EVERY_CANDIDATE, Case, TritonCall
-from pallas_kernels import qsa_index as qi
-from pallas_kernels import radix_select
-from pallas_kernels.common import lower_for_h100, triton_calls
+from pallas_kernels.qsa_index import triton as qi
+from pallas_kernels.shared import radix_select
+from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
 
 INDEX = "qsa_index_topk_decode_qwen38_h4_d128_topk512_c4"
 GQA = "qsa_sparse_gqa_decode_qwen38_h24_kv2_d256_topk512_c4"
@@ -282,7 +282,7 @@ def test_index_reference_matches_float64():
 
 
 # ---------------------------------------------------------------------------
-# The contract on inputs outside the definition's range (issue 20): both
+# The contract on inputs outside the definition's range: both
 # paths give the contract's answer (float64 NumPy above).
 
 

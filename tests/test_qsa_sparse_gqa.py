@@ -3,7 +3,7 @@ for the kernel in interpret mode: a tail only, n just above 512, shared
 pages, unsorted and ignored ids, nothing visible, a record at CPU scale;
 lowering at the largest recorded extremes; every candidate) and the family's
 own checks: the traced scale, the reference against float64 NumPy, the
-contract on out-of-range inputs (issue 20) in both paths, the heuristic's
+contract on out-of-range inputs in both paths, the heuristic's
 grids, topk_ids from the indexer. Paged inputs: test_qsa_index.py. (The checks themselves:
 test_definitions.py and kit.py.)"""
 
@@ -18,7 +18,7 @@ from jaxkern import ops
 from jaxkern import registry
 from jaxkern.families import qsa_sparse_gqa as gqa_fam
 from kit import EVERY_CANDIDATE, Case, TritonCall
-from pallas_kernels import qsa_sparse_gqa as qg
+from pallas_kernels.qsa_sparse_gqa import triton as qg
 from numerics import assert_bf16_close
 from test_qsa_index import GQA, GQA_LOWERING_AXES, at_cpu_scale, first_record, normal, page_table_for, records
 
@@ -138,7 +138,7 @@ def test_gqa_reference_matches_float64():
 
 
 # ---------------------------------------------------------------------------
-# The contract on inputs outside the definition's range (issue 20): both
+# The contract on inputs outside the definition's range: both
 # paths give the contract's answer (float64 NumPy above).
 
 

@@ -1,5 +1,5 @@
 """Low-precision formats: the kernels' bit-level decoders
-(`pallas_kernels.fp_formats`), the references' own decoders and the
+(`pallas_kernels.shared.fp_formats`), the references' own decoders and the
 quantizers (`jaxkern.quant`): bit layout, scale bytes, rounding and
 round-trip error bounds."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxkern import quant
-from pallas_kernels import fp_formats
+from pallas_kernels.shared import fp_formats
 
 E2M1_VALUES = [0, 0.5, 1, 1.5, 2, 3, 4, 6]
 

@@ -8,16 +8,18 @@ import pathlib
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkern import backends
 from jaxkern import dataset
 from jaxkern import plan as plan_lib
 from jaxkern import registry
 from jaxkern import selection
 from jaxkern import tuning
 from jaxkern.family import bind_axes, shrink_rows, shrink_until
-from pallas_kernels import dense_gemm
+from pallas_kernels.dense_gemm import triton as dense_gemm
 
 NAMES = registry.names()
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -155,16 +157,16 @@ def test_config_for_explicit_then_tuned_then_heuristic(tuned_dir):
   op = registry.get(GEMM)
   shapes = op.input_shapes({"M": 4125})
   heuristic = op.choose_config(shapes)
-  assert op.config_for(shapes) == tuning.Choice(heuristic, tuning.HEURISTIC)
+  assert op.config_for(shapes) == backends.Choice("triton", heuristic, tuning.HEURISTIC)
   other = dense_gemm.DenseGemmConfig(64, 128, 64, 8, num_warps=4, num_stages=4)
-  path = tuning.record(GEMM, {"M": 4125}, other, latency_ms=1.0)
+  path = tuning.record("dense_gemm", "triton", op.bucket(shapes), other, latency_ms=1.0, definition=GEMM)
   assert path == tuned_dir / f"{tuning.device_kind_slug(tuning.current_device_kind())}.json"
-  assert op.config_for(shapes) == tuning.Choice(other, tuning.TUNED)
+  assert op.config_for(shapes) == backends.Choice("triton", other, tuning.TUNED)
   # Same bucket (M in (4096, 8192]) uses it; another bucket does not.
   assert op.config_for(op.input_shapes({"M": 8000})).source == tuning.TUNED
   assert op.config_for(op.input_shapes({"M": 4000})).source == tuning.HEURISTIC
   assert op.config_for(shapes, tuned=False).source == tuning.HEURISTIC
-  assert op.config_for(shapes, heuristic) == tuning.Choice(heuristic, tuning.EXPLICIT)
+  assert op.config_for(shapes, heuristic) == backends.Choice("triton", heuristic, tuning.EXPLICIT)
   # Another device kind's table is not consulted.
   assert op.config_for(shapes, device_kind="NVIDIA H200").source == tuning.HEURISTIC
 
@@ -192,3 +194,17 @@ def test_config_json_round_trip_with_nested_stages():
 def test_shape_buckets():
   assert tuning.shape_bucket({"M": 4125}) == "M=8192"
   assert tuning.shape_bucket({"Nq": 51, "B": 1}) == "B=1,Nq=64"
+  shapes = {"A": jax.ShapeDtypeStruct((4125, 4096), jnp.bfloat16), "s": jnp.float32(1.0)}
+  assert tuning.shape_bucket(shapes, {"top_k": 6}) == "A=8192x4096,s=scalar,top_k=6"
+
+
+def test_tuned_table_is_read_once_per_process(tuned_dir, monkeypatch):
+  op = registry.get(GEMM)
+  shapes = op.input_shapes({"M": 100})
+  tuning.record("dense_gemm", "triton", op.bucket(shapes), op.choose_config(shapes), latency_ms=1.0)
+  reads = []
+  real = pathlib.Path.read_text
+  monkeypatch.setattr(pathlib.Path, "read_text", lambda self, *a, **k: reads.append(self) or real(self, *a, **k))
+  for _ in range(3):
+    assert op.config_for(shapes).source == tuning.TUNED
+  assert reads == []  # record() left the written table cached

@@ -14,6 +14,7 @@ from ml_collections import config_flags
 import pytest
 
 from jaxkern import registry
+from jaxkern import evaluate
 from jaxkern import replay
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -22,6 +23,7 @@ TOY_FAMILY = '''
 import dataclasses, os, threading
 import jax, jax.numpy as jnp
 from jaxkern.family import OpImpl
+from pallas_kernels.shared.kernel import Kernel, kernels
 
 # M=23 blocks (while tracing the kernel) until a test releases it: a workload
 # that cannot finish, whatever the machine's load (TOY_BLOCK=0 turns it off).
@@ -49,9 +51,10 @@ def kernel(x, s, *, interpret, config):
   y = x * s + (1.0 if m == 13 else 0.0)
   return y.astype(jnp.bfloat16)
 
+KERNEL = Kernel(name="toy", backend="triton", launch=kernel, config_class=ToyConfig,
+                choose_config=lambda shapes: ToyConfig(), candidate_configs=lambda shapes: [ToyConfig()])
 IMPLS = (OpImpl(
-    reference=toy_reference, make_inputs=make_inputs, kernel=kernel,
-    choose_config=lambda shapes: ToyConfig(), candidate_configs=lambda shapes: [ToyConfig()],
+    reference=toy_reference, make_inputs=make_inputs, kernels=kernels(KERNEL),
     cpu_axes=lambda axes: {**axes, "M": min(axes["M"], 11)}),)
 '''
 
@@ -183,6 +186,7 @@ def test_timeout_is_a_status_and_the_run_goes_on(toy, tmp_path):
 
 LIBRARY_CALL = """
 import json, sys
+from jaxkern import evaluate
 from jaxkern import replay
 cfg = replay.default_config()
 cfg.update(json.loads(sys.argv[1]))
@@ -232,7 +236,7 @@ def test_deadline_is_checked_before_timing(toy, tmp_path):
   from jaxkern import bench, dataset as dataset_lib, registry  # pylint: disable=g-import-not-at-top
   [w] = [w for w in dataset_lib.load_workloads("toy_scale", toy, on_error=lambda e: None) if w.uuid == "u0"]
   cfg = make_config(toy, tmp_path, timeout_s=0.0, scale="full")
-  t = replay.run_workload(registry.get("toy_scale", toy), w, cfg, bench.CompileCache(), True, False)
+  t = evaluate.run_workload(registry.get("toy_scale", toy), w, cfg, bench.CompileCache(), True, False)
   assert t.status == "timeout" and "before timing" in t.evaluation.log
   assert t.evaluation.correctness["matched_ratio"] == 1.0 and t.evaluation.performance is None
 
@@ -265,12 +269,12 @@ def test_scale_shrinks_and_records_both_axes(toy, tmp_path):
 
 
 def test_seeds_are_deterministic_per_uuid_and_seed():
-  assert replay.derive_seed("u0", 0) == replay.derive_seed("u0", 0)
-  assert len({replay.derive_seed("u0", 0), replay.derive_seed("u0", 1), replay.derive_seed("u1", 0)}) == 3
+  assert evaluate.derive_seed("u0", 0) == evaluate.derive_seed("u0", 0)
+  assert len({evaluate.derive_seed("u0", 0), evaluate.derive_seed("u0", 1), evaluate.derive_seed("u1", 0)}) == 3
 
 
 def test_resume_after_interrupt_gives_every_workload_once(toy, tmp_path, monkeypatch):
-  real = replay.run_workload
+  real = evaluate.run_workload
   calls = []
 
   def interrupting(op, w, *a):
@@ -279,7 +283,7 @@ def test_resume_after_interrupt_gives_every_workload_once(toy, tmp_path, monkeyp
       raise KeyboardInterrupt
     return real(op, w, *a)
 
-  monkeypatch.setattr(replay, "run_workload", interrupting)
+  monkeypatch.setattr(evaluate, "run_workload", interrupting)
   logs = []
   assert replay.replay(make_config(toy, tmp_path), log=logs.append) == 130
   assert [r["workload"]["uuid"] for r in read(tmp_path / "out.jsonl")] == ["u0", "u1"]
@@ -288,7 +292,7 @@ def test_resume_after_interrupt_gives_every_workload_once(toy, tmp_path, monkeyp
   # off and runs its workload again.
   with open(tmp_path / "out.jsonl", "a") as f:
     f.write('{"definition": "toy_scale", "workl')
-  monkeypatch.setattr(replay, "run_workload", real)
+  monkeypatch.setattr(evaluate, "run_workload", real)
   logs = []
   assert replay.replay(make_config(toy, tmp_path, resume=True), log=logs.append) == 1  # the bad record line 3
   assert any("out.jsonl:3: truncated last line" in l and "runs again" in l for l in logs), logs
@@ -563,7 +567,7 @@ def test_three_processes_with_a_coordinator_merge_to_the_single_process_run(toy_
   assert "shard 2 of 3" in logs[1]
   assert sum(len(read(f)) for f in files) == len(read(single)) == 9
   merged = tmp_path / "merged.jsonl"
-  p = subprocess.run([sys.executable, "-m", "jaxkern.results", "merge", f"--output={merged}", *map(str, files)],
+  p = subprocess.run([sys.executable, "-m", "jaxkern.shards", "merge", f"--output={merged}", *map(str, files)],
                      capture_output=True, text=True, timeout=120, cwd=REPO, env=toy_env(tmp_path))
   assert p.returncode == 0, p.stderr
   assert statuses(merged) == statuses(single)

@@ -72,7 +72,9 @@ def cells(text, name):
 def test_table_counts_and_error_ratios(runs):
   current, _ = runs
   rep = report.build(current, out_dir=current.parent / "rep")
-  rows = {r[0]: r for r in rep.table}
+  # Results written before the backend was recorded: "-" in its column.
+  assert [r[1] for r in rep.table] == ["-"] * (len(rep.table) - 1) + [""]
+  rows = {r[0]: [r[0], *r[2:]] for r in rep.table}
   # Results without a timer field, not in interpret mode: wall clock. The
   # runtime error joins its definition's timer; a definition never timed has none.
   assert [rows[n][1] for n in (GEMM, ROUTER, ATTN, MLA)] == ["wall", "wall", "wall", "-"]
@@ -84,7 +86,7 @@ def test_table_counts_and_error_ratios(runs):
   assert rows[MLA][2:6] == [1, 0, 0, 1] and rows[MLA][6] == "-"
   assert rows["total"][2:6] == [7, 3, 3, 1]
   assert rows[GEMM][7:] == ["1", "2", "0.5", "0.5"]   # medians: kernel, reference, SOL ms, SOL fraction
-  assert cells(rep.text, GEMM)[1:6] == ["wall", "3", "2", "1", "0"]
+  assert cells(rep.text, GEMM)[1:7] == ["-", "wall", "3", "2", "1", "0"]
   assert cells(rep.text, "total")[1:5] == ["7", "3", "3", "1"]
 
 
@@ -131,7 +133,7 @@ def test_page_renders_headless(runs):
   assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20000
 
 
-# -- failures, styles, labels (issue 20) ---------------------------------------
+# -- failures, styles, labels ---------------------------------------
 
 def _points(ax):
   """Every scattered (x, y) point of an axes, with its face colour and the
@@ -231,7 +233,7 @@ def test_21_definitions_have_distinct_colours_and_markers():
   assert len(colours) == 21
 
 
-# -- timers and the markdown summary (issue 18) -------------------------------
+# -- timers and the markdown summary -------------------------------
 
 def timed(uuid, definition, status, latency, timer=None, interpret=False, frac=None):
   t = trace(uuid, definition, status, latency=latency, ref=2 * latency, sol=0.1, frac=frac)
@@ -251,7 +253,7 @@ def test_tables_never_mix_timers(tmp_path):
       timed("r1", ROUTER, Status.PASSED, 0.2, "device (profiler)", frac=0.04),
   ])
   rep = report.build(path, out_dir=tmp_path / "rep")
-  lines = {(r[0], r[1]): r for r in rep.table}
+  lines = {(r[0], r[2]): [r[0], *r[2:]] for r in rep.table}
   assert set(lines) == {(GEMM, "device (profiler)"), (GEMM, "wall"), (GEMM, "interpret"),
                         (ROUTER, "device (profiler)"), ("total", "")}
   assert lines[(GEMM, "device (profiler)")][2:4] == [2, 2] and lines[(GEMM, "device (profiler)")][7] == "2"
@@ -259,6 +261,27 @@ def test_tables_never_mix_timers(tmp_path):
   assert lines[(ROUTER, "device (profiler)")][2:5] == [2, 1, 1]
   # A baseline ratio only between the same timer.
   base = report.rows_of([timed("d1", GEMM, Status.PASSED, 2.0, "wall")])
+  [change], _, _ = report.compare_runs(report.rows_of(results.read_traces(path)), base)
+  assert change.latency_ratio is None
+
+
+def test_tables_keep_backends_apart(tmp_path):
+  def on(backend, t):
+    t.evaluation.backend = backend
+    return t
+
+  path = write(tmp_path / "backends.jsonl", [
+      on("triton", timed("t1", GEMM, Status.PASSED, 2.0, "device (profiler)")),
+      on("mosaic_gpu", timed("m1", GEMM, Status.PASSED, 1.0, "device (profiler)")),
+  ])
+  rep = report.build(path, out_dir=tmp_path / "rep")
+  lines = {(r[0], r[1]): r for r in rep.table}
+  assert set(lines) == {(GEMM, "triton"), (GEMM, "mosaic_gpu"), ("total", "")}
+  assert lines[(GEMM, "triton")][8] == "2" and lines[(GEMM, "mosaic_gpu")][8] == "1"
+  assert [(l.backend, l.kernel_ms) for l in report.summary_lines(report.rows_of(results.read_traces(path)))] == [
+      ("mosaic_gpu", 1.0), ("triton", 2.0)]
+  # A baseline ratio only between the same backend.
+  base = report.rows_of([on("triton", timed("m1", GEMM, Status.PASSED, 2.0, "device (profiler)"))])
   [change], _, _ = report.compare_runs(report.rows_of(results.read_traces(path)), base)
   assert change.latency_ratio is None
 
@@ -276,8 +299,8 @@ def test_markdown_summary(tmp_path, capsys):
   assert f"summary: {md}" in capsys.readouterr().out
   text = md.read_text()
   table = [l for l in text.splitlines() if l.startswith("| `")]
-  assert table[0] == f"| `{GEMM}` | device (profiler) | 1 / 2 | 2 | 4 | 0.3 |"
-  assert f"| `{MLA}` | wall | 1 / 1 | 9 | 18 | - |" in table and len(table) == 4
+  assert table[0] == f"| `{GEMM}` | - | device (profiler) | 1 / 2 | 2 | 4 | 0.3 |"
+  assert f"| `{MLA}` | - | wall | 1 / 1 | 9 | 18 | - |" in table and len(table) == 4
   # Geomean over the three device-timed definitions' medians (0.3, 0.04, 0.8).
   assert f"Geomean SOL fraction (device (profiler)): {(0.3 * 0.04 * 0.8) ** (1 / 3):.3g} over 3 definitions" in text
   furthest = [l for l in text.splitlines() if l[:3] in ("1. ", "2. ", "3. ")]

@@ -12,6 +12,7 @@ import pytest
 from jaxkern import bench
 from jaxkern import dataset
 from jaxkern import registry
+from jaxkern import evaluate
 from jaxkern import replay
 from jaxkern import results
 from jaxkern import roofline
@@ -262,9 +263,11 @@ def test_performance_fields():
 
 
 TOY_GEMM = '''
+import dataclasses
 import jax.numpy as jnp
 from jaxkern.families.dense_gemm import dense_gemm_cost
 from jaxkern.family import OpImpl
+from pallas_kernels.shared.kernel import Kernel, kernels
 
 def toy_matmul(A, B):
   return jnp.dot(A, B.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
@@ -275,8 +278,14 @@ def make_inputs(axes, key, record):
 def kernel(A, B, *, interpret, config):
   return toy_matmul(A, B)
 
-IMPLS = (OpImpl(reference=toy_matmul, make_inputs=make_inputs, kernel=kernel, choose_config=lambda s: None,
-                candidate_configs=lambda s: [None], cpu_axes=lambda axes: axes, cost=dense_gemm_cost),)
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+  block: int = 8
+
+KERNEL = Kernel(name="toy_gemm", backend="triton", launch=kernel, config_class=ToyConfig,
+                choose_config=lambda s: ToyConfig(), candidate_configs=lambda s: [ToyConfig()])
+IMPLS = (OpImpl(reference=toy_matmul, make_inputs=make_inputs, kernels=kernels(KERNEL), cpu_axes=lambda axes: axes,
+                cost=dense_gemm_cost),)
 '''
 
 
@@ -305,12 +314,12 @@ def test_replay_results_carry_speed_of_light_and_sol_fraction_only_on_gpu(tmp_pa
   cfg.warmup, cfg.iters = 0, 2
   expected = roofline.speed_of_light_ms(2 * 8 * 16 * 32, (8 * 32 + 16 * 32 + 8 * 16) * 2, "h200", "bf16")
 
-  interp = replay.run_workload(op, w, cfg, bench.CompileCache(), interpret=True, on_gpu=False)
+  interp = evaluate.run_workload(op, w, cfg, bench.CompileCache(), interpret=True, on_gpu=False)
   perf = interp.evaluation.performance
   assert interp.status == results.Status.PASSED
   assert perf["speed_of_light_ms"] == pytest.approx(expected) and "sol_fraction" not in perf
 
-  timed = replay.run_workload(op, w, cfg, bench.CompileCache(), interpret=False, on_gpu=True)
+  timed = evaluate.run_workload(op, w, cfg, bench.CompileCache(), interpret=False, on_gpu=True)
   perf = timed.evaluation.performance
   assert timed.status == results.Status.PASSED
   assert perf["sol_fraction"] == pytest.approx(perf["speed_of_light_ms"] / perf["latency_ms"])

@@ -19,7 +19,7 @@ import pytest
 
 from jaxkern.families import sparse_mla as fam
 from kit import EVERY_CANDIDATE, Case, TritonCall
-from pallas_kernels import sparse_mla as sm
+from pallas_kernels.sparse_mla import triton as sm
 from numerics import assert_bf16_close, assert_f32_close
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

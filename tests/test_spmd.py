@@ -1,5 +1,5 @@
 """Ops inside sharded programs, on one device (jaxkern.spmd, the split rules
-of the families, pallas_kernels.common.pallas_call): every op inside
+of the families, pallas_kernels.shared.common.pallas_call): every op inside
 `jax.shard_map` with its default `check_vma=True` on both paths and lowered
 for an H100 there, Explicit-mesh sharding errors, and the rule machinery.
 Splitting across several devices: tests/multidevice_ops.py (run by
@@ -18,7 +18,8 @@ import sharding_cases
 from jaxkern import ops
 from jaxkern import registry
 from jaxkern import spmd
-from pallas_kernels import common
+from pallas_kernels.shared import common
+from pallas_kernels.shared import lowering
 
 CASES = {c.label: c for c in sharding_cases.CASES}
 GEMM_SPLIT = spmd.Split(inputs={"A": "m k", "B": "n k"}, outputs=("m n",), independent="m n",
@@ -147,15 +148,15 @@ def test_every_kernel_lowers_for_h100_when_sharded(label):
   mesh under jit) the kernels lower to the same Triton calls as unsharded."""
   case = CASES[label]
   inputs = case_inputs(label)
-  mesh = common.abstract_h100_mesh()
+  mesh = lowering.abstract_h100_mesh()
   specs = case.in_specs(inputs, ("x",))
   shapes = {n: jax.ShapeDtypeStruct(x.shape, x.dtype) for n, x in inputs.items()}
   sharded = {n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, specs[n]))
              for n, x in inputs.items()}
-  plain = common.triton_calls(common.lower_for_h100(case.call("pallas", interpret=False), shapes))
+  plain = lowering.triton_calls(lowering.lower_for_h100(case.call("pallas", interpret=False), shapes))
   assert plain
   for fn in (in_shard_map(case, "pallas", mesh, interpret=False), case.call("pallas", interpret=False)):
-    assert common.triton_calls(common.lower_for_h100(fn, sharded)) == plain
+    assert lowering.triton_calls(lowering.lower_for_h100(fn, sharded)) == plain
 
 
 # ---------------------------------------------------------------------------

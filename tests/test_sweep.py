@@ -26,7 +26,7 @@ def test_sweep_runs_checks_and_times_candidates():
   op = registry.get("moe_router_gemm_topk_deepseek41_d5120_e384_topk6")
   rows = sweep.sweep(op, op.validated_axes({"M": 3}), seed=0, warmup=0, iters=1, interpret=True, max_configs=2,
                      lower_only=False)
-  assert len(rows) == 2
+  assert len(rows) == 2 and {r["backend"] for r in rows} == {"triton"}
   assert all(r["status"] == "passed" and r["latency_ms"] > 0 for r in rows)
   assert any(r["heuristic"] for r in rows)  # the heuristic's choice is among the first candidates
 
@@ -46,8 +46,9 @@ def test_sweep_command_line_lower_only(tmp_path):
 
 @pytest.mark.slow  # a subprocess
 def test_write_tuned_then_replay_uses_it(tmp_path):
-  """`--write_tuned` records the fastest correct config for the shape bucket;
-  the next replay on this device kind runs it and says it came from there."""
+  """`--write_tuned` records the fastest correct (backend, config) for the
+  shape bucket; the next replay on this device kind runs it and says it
+  came from there."""
   from jaxkern import dataset  # pylint: disable=g-import-not-at-top
   name = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"
   env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu",
@@ -57,7 +58,9 @@ def test_write_tuned_then_replay_uses_it(tmp_path):
                      cwd=tmp_path, env=env)
   assert p.returncode == 0, p.stdout + p.stderr
   [table] = (tmp_path / "tuned").glob("*.json")
-  entry = json.loads(table.read_text())["entries"][name]["M=4"]
+  op = registry.get(name)
+  [(backend, entry)] = json.loads(table.read_text())["entries"]["moe_router"][op.bucket(op.input_shapes({"M": 3}))].items()
+  assert backend == "triton" and entry["definition"] == name
   record = next(w for w in dataset.load_workloads(name) if w.axes["M"] == 3)
   out = tmp_path / "r.jsonl"
   p = subprocess.run([sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/smoke.py",
@@ -65,7 +68,7 @@ def test_write_tuned_then_replay_uses_it(tmp_path):
                      capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
   assert p.returncode == 0, p.stdout + p.stderr
   [line] = [json.loads(l) for l in out.read_text().splitlines()]
-  assert line["evaluation"]["config_source"] == "tuned"
+  assert line["evaluation"]["config_source"] == "tuned" and line["evaluation"]["backend"] == "triton"
   assert line["evaluation"]["config"] == entry["config"]
   assert line["evaluation"]["status"] == "passed"
 

@@ -23,7 +23,7 @@ tested everywhere.
 
 from jaxkern.aot.cli import check_op, main, select_ops
 from jaxkern.aot.parsing import Launch, PtxasStats, parse_ptxas_verbose, parse_thunk_sequence
-from pallas_kernels.common import TritonCall, triton_calls
+from pallas_kernels.shared.lowering import TritonCall, triton_calls
 from jaxkern.aot.ptx import InstructionMix, KernelPtx, parse_ptx, ptx_matrix_ops
 from jaxkern.aot.report import (ERROR, OK, SMEM_OVERFLOW, SPILLS, CompileReport, KernelReport, Limits, build_reports,
                                 format_rows, kernel_status, markdown_page, occupancy)

@@ -6,6 +6,7 @@ print (or write) what the toolchain made of them.
   python -m jaxkern.aot --definition dense_gemm --json
   python -m jaxkern.aot --markdown docs/perf/sm90a_compile.md   # the generated page
   python -m jaxkern.aot --backward --definition noncausal       # the gradients' kernels
+  python -m jaxkern.aot --backend mosaic_gpu                     # one kernel backend (default: each one)
 
 The exit code is 1 unless every kernel is `ok`; 2 when the `aot` extra is
 missing.
@@ -59,24 +60,26 @@ def gradient_of(kernel: Callable[[dict], Any]) -> Callable[[dict, Any], Any]:
 
 
 def check_op(compiler: Compiler, op, axes: Mapping[str, int], configs: Sequence[Any] | None = None,
-             progress: Callable[[dict], None] | None = None, backward: bool = False) -> list[dict]:
-  """Compiles `op` at `axes` for each config (default: the heuristic's) and
-  returns one JSON-ready row per config; with `backward`, its gradient
-  (`gradient_of`: the forward and the backward kernels, whose configs are
-  their heuristic's)."""
+             progress: Callable[[dict], None] | None = None, backward: bool = False,
+             backend: str | None = None) -> list[dict]:
+  """Compiles `op`'s kernel of `backend` (None: its default one) at `axes`
+  for each config (default: the heuristic's) and returns one JSON-ready row
+  per config; with `backward`, its gradient (`gradient_of`: the forward and
+  the backward kernels, whose configs are their heuristic's)."""
   import jax  # pylint: disable=g-import-not-at-top
   from jaxkern import tuning  # pylint: disable=g-import-not-at-top
   shapes = op.input_shapes(axes)
-  heuristic = op.choose_config(shapes)
+  backend = op.kernel_of(backend).backend
+  heuristic = op.choose_config(shapes, backend=backend)
   rows = []
   for config in (configs if configs is not None else [heuristic]):
-    kernel = lambda x, config=config: op.kernel(x, interpret=False, config=config)  # noqa: E731
+    kernel = lambda x, config=config: op.kernel(x, interpret=False, config=config, backend=backend)  # noqa: E731
     if backward:
       rep = compiler.compile(gradient_of(kernel), shapes, jax.eval_shape(kernel, shapes))
     else:
       rep = compiler.compile(kernel, shapes)
-    row = {"definition": op.name + (" (backward)" if backward else ""), "axes": {a: axes[a] for a in op.definition.var_axes if a in axes},
-           "config": tuning.config_to_json(config), "heuristic": config == heuristic, "target": compiler.target,
+    row = {"definition": op.name + (" (backward)" if backward else ""), "backend": backend,
+           "axes": {a: axes[a] for a in op.definition.var_axes if a in axes}, "config": tuning.config_to_json(config), "heuristic": config == heuristic, "target": compiler.target,
            "status": rep.status, "compile_seconds": round(rep.compile_seconds, 2), "error": rep.error,
            "kernels": [dataclasses.asdict(k) for k in rep.kernels]}
     rows.append(row)
@@ -95,6 +98,7 @@ class Flags:
   json: Any
   markdown: Any
   backward: Any
+  backend: Any
 
 
 _FLAGS: Flags | None = None
@@ -116,7 +120,9 @@ def define_flags() -> Flags:
       markdown=flags.DEFINE_string("markdown", "", "Also write the generated markdown page here (e.g. "
                                    "docs/perf/sm90a_compile.md)."),
       backward=flags.DEFINE_bool("backward", False, "Compile the gradient instead (forward and backward kernels) "
-                                 "of the definitions whose kernels have Pallas backward kernels."))
+                                 "of the definitions whose kernels have Pallas backward kernels."),
+      backend=flags.DEFINE_string("backend", "pallas", "Kernel backend: pallas (each backend of the family) | "
+                                  "triton | mosaic_gpu."))
   return _FLAGS
 
 
@@ -147,18 +153,22 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(str(e)) from e
   if f.markdown.value and not pathlib.Path(f.markdown.value).resolve().parent.is_dir():
     raise app.UsageError(f"--markdown {f.markdown.value}: no folder {pathlib.Path(f.markdown.value).parent}")
+  jobs = [(op, b) for op in ops for b in op.backends if f.backend.value in ("pallas", b)]
+  if not jobs:
+    raise app.UsageError(f"--backend {f.backend.value}: none of these definitions has such a kernel")
   if f.backward.value:
-    ops = [op for op in ops if op.impl.differentiable_kernel]
-    if not ops:
+    jobs = [(op, b) for op, b in jobs if op.kernel_of(b).own_vjp]
+    if not jobs:
       raise app.UsageError("--backward: none of these definitions has Pallas backward kernels")
   compiler = Compiler(f.target.value)
   print(f"target: {compiler.target} (sm_90a), ptxas {ptxas_binary()}", file=sys.stderr)
   rows = []
-  for op in ops:
+  for op, backend in jobs:
     axes = op.validated_axes(selection.parse_axes(f.axes.value) if f.axes.value else selection.largest_recorded_axes(op.definition))
-    configs = op.candidate_configs(op.input_shapes(axes)) if f.all_candidates.value else None
-    rows += check_op(compiler, op, axes, configs, backward=f.backward.value, progress=lambda r: print(
-        f"{r['definition']} {r['config']}: {r['status']} ({r['compile_seconds']:.1f} s)", file=sys.stderr, flush=True))
+    configs = op.candidate_configs(op.input_shapes(axes), backend=backend) if f.all_candidates.value else None
+    rows += check_op(compiler, op, axes, configs, backward=f.backward.value, backend=backend, progress=lambda r: print(
+        f"{r['definition']} {r['backend']} {r['config']}: {r['status']} ({r['compile_seconds']:.1f} s)",
+        file=sys.stderr, flush=True))
   if f.markdown.value:
     import jax  # pylint: disable=g-import-not-at-top
     page = markdown_page(rows, target=compiler.target, ptxas=ptxas_version(), jax_version=jax.__version__,

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from jaxkern.aot.parsing import Launch, PtxasStats
 from jaxkern.aot.ptx import ALU_CLASSES, KernelPtx
-from pallas_kernels.common import TritonCall
+from pallas_kernels.shared.lowering import MosaicGpuCall, TritonCall
 
 OK, SPILLS, SMEM_OVERFLOW, ERROR = "ok", "spills", "smem_overflow", "error"
 
@@ -130,16 +130,40 @@ def kernel_status(k: KernelReport, limits: Limits) -> str:
   return OK
 
 
-def build_reports(calls: Sequence[TritonCall], launches: Sequence[Launch],
+def _mosaic_gpu_report(call: MosaicGpuCall, entry: str | None, ptxas: Mapping[str, PtxasStats],
+                       ptx: Mapping[str, KernelPtx], limits: Limits, error: str) -> KernelReport:
+  """A Mosaic GPU call's report from the plugin's dump: its kernel entry's
+  ptxas statistics and PTX (the lowering names no kernel, grid or warps)."""
+  k = KernelReport(name=entry or f"mosaic_gpu{call.operands} -> {call.results}")
+  stats = ptxas.get(entry) if entry else None
+  if stats is None:
+    k.error = error or "no ptxas record for this Mosaic GPU kernel (MOSAIC_GPU_DUMP_TO)"
+  else:
+    k.registers, k.spill_stores, k.spill_loads = stats.registers, stats.spill_stores, stats.spill_loads
+    k.stack_frame, k.ptxas_ms, k.smem_bytes = stats.stack_frame, stats.ptxas_ms, stats.static_smem
+    if entry in ptx:
+      k.matrix_ops, k.instruction_mix = ptx[entry].matrix_ops, ptx[entry].to_json()
+  k.status = kernel_status(k, limits)
+  return k
+
+
+def build_reports(calls: Sequence[TritonCall | MosaicGpuCall], launches: Sequence[Launch],
                   ptxas: Mapping[str, PtxasStats], ptx: Mapping[str, KernelPtx],
                   limits: Limits, error: str = "") -> list[KernelReport]:
   """Joins what the lowering (names, warps, stages), XLA's thunks (launch),
-  ptxas and the PTX said about each Pallas kernel, by name and in order."""
+  ptxas and the PTX said about each Pallas kernel, by name and in order. A
+  Mosaic GPU call takes the next ptxas entry no Triton call claims."""
   # XLA may suffix repeated kernel names; match each call to the first unused
   # launch whose name starts with it.
   unused = list(launches)
+  triton_names = [c.name for c in calls if isinstance(c, TritonCall)]
+  mosaic_entries = [e for e in ptxas if not any(e.startswith(n) for n in triton_names)]
   reports = []
   for call in calls:
+    if isinstance(call, MosaicGpuCall):
+      reports.append(_mosaic_gpu_report(call, mosaic_entries.pop(0) if mosaic_entries else None, ptxas, ptx,
+                                        limits, error))
+      continue
     name, num_stages, num_warps = call.name, call.num_stages, call.num_warps
     launch = next((l for l in unused if l.name == name), None) or next(
         (l for l in unused if l.name.startswith(name)), None)

@@ -11,7 +11,10 @@ mesh of them runs XLA's real GPU pipeline: XLA's Triton on each
 `sm_90a`. jax hands XLA `CUDA_ROOT` as the CUDA directory, so we point it at
 a folder whose `bin/ptxas` is a wrapper that keeps each PTX and runs the real
 ptxas with `-v` (registers, spills, stack). XLA's thunk dump gives each
-kernel's launch: grid, threads and (dynamic) shared memory.
+kernel's launch: grid, threads and (dynamic) shared memory. A Mosaic GPU
+kernel (`mosaic_gpu_v2` call) is compiled by the plugin with its own ptxas,
+which the wrapper never sees: its PTX and `ptxas -v` report come from the
+plugin's dump (`MOSAIC_GPU_DUMP_TO`, set for every compile).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import time
 from typing import Any, Callable
 
 from jaxkern.aot.parsing import PtxasStats, parse_ptxas_verbose, parse_thunk_sequence
-from pallas_kernels.common import triton_calls
+from pallas_kernels.shared.lowering import mosaic_gpu_calls, triton_calls
 from jaxkern.aot.ptx import KernelPtx, parse_ptx
 from jaxkern.aot.report import CompileReport, Limits, build_reports
 
@@ -176,8 +179,11 @@ class Compiler:
       atexit.register(shutil.rmtree, self.workdir, True)
     self._cuda_root = os.path.join(self.workdir, "cuda")
     self._logs = os.path.join(self.workdir, "ptxas")
+    self._mosaic_dump = os.path.join(self.workdir, "mosaic_gpu")
     os.makedirs(os.path.join(self._cuda_root, "bin"), exist_ok=True)
     os.makedirs(self._logs, exist_ok=True)
+    os.makedirs(self._mosaic_dump, exist_ok=True)
+    os.environ.update(MOSAIC_GPU_DUMP_TO=self._mosaic_dump, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
     real = ptxas_binary()
     nvvm = os.path.join(os.path.dirname(os.path.dirname(real)), "nvvm")
     if os.path.isdir(nvvm) and not os.path.exists(os.path.join(self._cuda_root, "nvvm")):
@@ -200,8 +206,10 @@ class Compiler:
     jax = self._jax
     self._count += 1
     dump = os.path.join(self.workdir, f"dump{self._count}")
-    for f in glob.glob(os.path.join(self._logs, "*")):
-      os.remove(f)
+    for f in glob.glob(os.path.join(self._logs, "*")) + glob.glob(os.path.join(self._mosaic_dump, "**", "*"),
+                                                                      recursive=True):
+      if os.path.isfile(f):
+        os.remove(f)
     sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
     t0 = time.perf_counter()
@@ -209,7 +217,8 @@ class Compiler:
     try:
       with self._use_mesh():
         lowered = jax.jit(fn).trace(*avals).lower()
-      calls = triton_calls(lowered.as_text())
+      text = lowered.as_text()
+      calls = [*triton_calls(text), *mosaic_gpu_calls(text)]
       # jax sets xla_gpu_cuda_data_dir from CUDA_ROOT (read at import);
       # an explicit option overrides it. A fresh dump folder per compile
       # also keeps jax from reusing a cached executable.
@@ -230,9 +239,18 @@ class Compiler:
       if os.path.exists(ptx):
         with open(ptx, encoding="utf-8", errors="replace") as f:
           kernels.update(parse_ptx(f.read()))
+    for path in sorted(glob.glob(os.path.join(self._mosaic_dump, "**", "*"), recursive=True)):
+      if not os.path.isfile(path):
+        continue
+      with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+      if path.endswith(".ptx"):
+        kernels.update(parse_ptx(text))
+      elif "ptxas" in os.path.basename(path):
+        stats.update(parse_ptxas_verbose(text))
     shutil.rmtree(dump, ignore_errors=True)
     if not calls and not error:
-      error = "no Pallas (Triton) kernel in the lowered function"
+      error = "no Pallas kernel (Triton or Mosaic GPU call) in the lowered function"
     return CompileReport(build_reports(calls, launches, stats, kernels, self.limits, error), seconds, error)
 
 

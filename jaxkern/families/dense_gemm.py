@@ -18,7 +18,7 @@ from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, cdiv, shrink_rows, shrink_until
 from jaxkern.spmd import CONTRACTION, Split
-from pallas_kernels import dense_gemm as kernel_lib
+from pallas_kernels.dense_gemm import KERNELS
 
 # The reference materializes at most this many bytes of fp32 product at once
 # (M = 24576, N = 12288 would otherwise be a 1.2 GB fp32 temporary).
@@ -101,9 +101,8 @@ def dense_gemm_cost(definition, axes, *, inputs=None, record=None, config=None):
 # (output columns); K is the contraction.
 SPLIT = Split(inputs={"A": "m k", "B": "n k"}, outputs=("m n",), independent="m n",
               reasons={"k": CONTRACTION})
-IMPL = OpImpl(reference=dense_gemm_reference, kernel=kernel_lib.dense_gemm_nt, make_inputs=make_inputs,
-              choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
-              cpu_axes=cpu_axes, cost=dense_gemm_cost, split=SPLIT, differentiable_kernel=True)
+IMPL = OpImpl(reference=dense_gemm_reference, kernels=KERNELS, make_inputs=make_inputs,
+              cpu_axes=cpu_axes, cost=dense_gemm_cost, split=SPLIT)
 IMPLS = (IMPL,)
 
 

@@ -30,7 +30,7 @@ from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, Precondition, cdiv
 from jaxkern.spmd import CONTRACTION, Split
-from pallas_kernels import flash_attention as kernel_lib
+from pallas_kernels.flash_attention import KERNELS
 
 # Variants whose keys are padded text tokens (cross-attention to the prompt).
 _PADDED_TEXT_VARIANTS = frozenset({"attn2", "audio_attn2"})
@@ -373,9 +373,8 @@ def segment_preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]
 
 
 def _impl(reference, make_inputs, cost, split, preconditions=None) -> OpImpl:
-  return OpImpl(reference=reference, kernel=kernel_lib.flash_attention, make_inputs=make_inputs,
-                choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
-                cpu_axes=cpu_axes, cost=cost, split=split, differentiable_kernel=True,
+  return OpImpl(reference=reference, kernels=KERNELS, make_inputs=make_inputs,
+                cpu_axes=cpu_axes, cost=cost, split=split,
                 preconditions=preconditions)
 
 

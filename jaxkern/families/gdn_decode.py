@@ -24,7 +24,7 @@ from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl
 from jaxkern.spmd import CONTRACTION, Split
-from pallas_kernels import gdn_decode as gdn_kernels
+from pallas_kernels.gdn_decode import KERNELS
 
 # ------------------------------------------------------------------ references
 
@@ -171,10 +171,7 @@ SPLIT = Split(inputs={"q": "b o h dk", "k": "b o h dk", "v": "b o h dv", "state"
               outputs=("b o h dv", "b h dv dk"), independent="b h",
               reasons={"dk": CONTRACTION, "dv": "the state's rows are updated from all of them"})
 IMPL = OpImpl(reference=gdn_decode_reference,
-              kernel=gdn_kernels.gdn_decode,
-              make_inputs=make_decode_inputs,
-              choose_config=gdn_kernels.choose_config,
-              candidate_configs=gdn_kernels.candidate_configs,
+              kernels=KERNELS, make_inputs=make_decode_inputs,
               cpu_axes=decode_cpu_axes,
               cost=gdn_decode_cost,
               split=SPLIT)

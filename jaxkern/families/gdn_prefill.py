@@ -22,7 +22,7 @@ from jaxkern.families.gdn_decode import (STATE_STD, delta_step, gates, gdn_flops
                                          resolve_scale, token_inputs)
 from jaxkern.family import OpImpl, Precondition, varying_like
 from jaxkern.spmd import CONTRACTION, Split
-from pallas_kernels import gdn_prefill as gdn_kernels
+from pallas_kernels.gdn_prefill import KERNELS
 
 _CPU_TOKENS = 192       # prefill tokens at CPU scale (plus total % 64: ragged chunks stay)
 _CPU_SEQS = 4
@@ -86,7 +86,7 @@ def clamped_cu_seqlens(cu_seqlens: jax.Array, total: int) -> jax.Array:
   """int32 sequence bounds inside the contract: each clamped to [0, total],
   then the running maximum, so that a sequence ending before it starts is
   empty and no token belongs to two sequences (the kernel's rule too:
-  `pallas_kernels.gdn_chunks.normalize_cu_seqlens`)."""
+  `pallas_kernels.gdn_prefill.chunks.normalize_cu_seqlens`)."""
   return lax.cummax(jnp.clip(cu_seqlens.astype(jnp.int32), 0, total))
 
 
@@ -181,16 +181,12 @@ SPLIT = Split(inputs={"q": "t h dk", "k": "t h dk", "v": "t h dv", "state": "n h
               reasons={"t": _PACKED, "n": _PACKED, "c": _PACKED, "dk": CONTRACTION,
                        "dv": "the state's rows are updated from all of them"})
 IMPL = OpImpl(reference=gdn_prefill_reference,
-              kernel=gdn_kernels.gdn_prefill,
-              make_inputs=make_prefill_inputs,
-              choose_config=gdn_kernels.choose_config,
-              candidate_configs=gdn_kernels.candidate_configs,
+              kernels=KERNELS, make_inputs=make_prefill_inputs,
               cpu_axes=prefill_cpu_axes,
               cost=gdn_prefill_cost,
               policies={"new_state": compare.StateMetric()},
               split=SPLIT,
-              preconditions=preconditions,
-              differentiable_kernel=True)
+              preconditions=preconditions)
 IMPLS = (IMPL,)
 
 

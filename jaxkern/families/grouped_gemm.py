@@ -47,7 +47,8 @@ from jaxkern import quant
 from jaxkern import roofline
 from jaxkern.family import OpImpl, Precondition, cdiv, in_range, varying_like
 from jaxkern.spmd import CONTRACTION, Split
-from pallas_kernels import grouped_gemm as kernel_lib
+from pallas_kernels.grouped_gemm import triton as kernel_lib
+from pallas_kernels.grouped_gemm import KERNELS
 
 TOP_K = 6          # routed experts per token (DeepSeek-V4.1-Flash)
 GROUP = 32         # k values per scale byte
@@ -226,7 +227,7 @@ def grouped_gemm_cost(definition, axes, *, inputs=None, record=None, config=None
   under uniform routing (`expected_experts(M, E)`, exact for M=1; a bound,
   since real routing is skewed). expert_ids read and C written once. The
   FLOPs are judged against the peak of the kernel's dot operands
-  (`pallas_kernels.grouped_gemm.dot_operand_dtype`: fp8, the weights decoded
+  (`pallas_kernels.grouped_gemm.triton.dot_operand_dtype`: fp8, the weights decoded
   to e4m3; Hopper has no FP4 tensor cores)."""
   m, e = axes["M"], axes["E"]
   per_expert = (roofline.tensor_bytes(definition, "b", axes) + roofline.tensor_bytes(definition, "b_scale", axes)) / e
@@ -264,10 +265,7 @@ def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
 
 IMPL = OpImpl(
     reference=grouped_gemm_fp8_fp4_reference,
-    kernel=kernel_lib.grouped_gemm_fp8_fp4,
-    make_inputs=make_inputs,
-    choose_config=kernel_lib.choose_config,
-    candidate_configs=kernel_lib.candidate_configs,
+    kernels=KERNELS, make_inputs=make_inputs,
     cpu_axes=cpu_axes,
     cost=grouped_gemm_cost,
     split=SPLIT,

@@ -43,7 +43,7 @@ from jaxkern import quant
 from jaxkern import roofline
 from jaxkern.family import OpImpl, Precondition, in_range
 from jaxkern.spmd import CONTRACTION, Split
-from pallas_kernels import mixed_mla as kernel_lib
+from pallas_kernels.mixed_mla import KERNELS
 
 # Compressed tokens per sequence token (inferred from the records, see above).
 _COMPRESS_RATIO = 2
@@ -269,10 +269,7 @@ def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
 
 IMPL = OpImpl(
     reference=mixed_mla_decode_reference,
-    kernel=kernel_lib.mixed_mla_decode,
-    make_inputs=make_inputs,
-    choose_config=kernel_lib.choose_config,
-    candidate_configs=kernel_lib.candidate_configs,
+    kernels=KERNELS, make_inputs=make_inputs,
     cpu_axes=cpu_axes,
     cost=mixed_mla_decode_cost,
     split=SPLIT,

@@ -22,7 +22,7 @@ from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, shrink_rows
 from jaxkern.spmd import CONTRACTION, Split
-from pallas_kernels import moe_router as kernel_lib
+from pallas_kernels.moe_router import KERNELS
 
 ROUTED_SCALING_FACTOR = 1.5  # DeepSeek-V4.1-Flash
 
@@ -109,8 +109,7 @@ def moe_router_cost(definition, axes, *, inputs=None, record=None, config=None):
 SPLIT = Split(inputs={"hidden": "m d", "weight": "e d", "bias": "e", "routed_scaling_factor": ""},
               outputs=("m t", "m t"), independent="m",
               reasons={"d": CONTRACTION, "e": "each token's top-k chooses among all experts"})
-IMPL = OpImpl(reference=moe_router_reference, kernel=kernel_lib.moe_router_topk, make_inputs=make_inputs,
-              choose_config=kernel_lib.choose_config, candidate_configs=kernel_lib.candidate_configs,
+IMPL = OpImpl(reference=moe_router_reference, kernels=KERNELS, make_inputs=make_inputs,
               cpu_axes=cpu_axes, cost=moe_router_cost, axis_params={"top_k": "TOPK"},
               policies={"expert_ids": compare.TopK(scores=selection_scores),
                         "expert_weights": compare.PairedWith("expert_ids")},

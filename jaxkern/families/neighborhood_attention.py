@@ -25,7 +25,8 @@ from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, cdiv, varying_like
 from jaxkern.spmd import CONTRACTION, Split
-from pallas_kernels import neighborhood_attention as kernel_lib
+from pallas_kernels.neighborhood_attention import triton as kernel_lib
+from pallas_kernels.neighborhood_attention import KERNELS
 
 # The reference processes query t-planes in groups of at most this many
 # `[B, tc, Y, X, H, D]` elements (at least one plane): fp32 accumulator and
@@ -185,14 +186,10 @@ SPLIT = Split(inputs={"q": "b t y x h d", "k": "b t y x h d", "v": "b t y x h d"
               independent="b h", reasons={"t": _WINDOW, "y": _WINDOW, "x": _WINDOW, "d": CONTRACTION})
 IMPL = OpImpl(
     reference=neighborhood_attention_3d_reference,
-    kernel=kernel_lib.neighborhood_attention_3d,
-    make_inputs=make_inputs,
-    choose_config=kernel_lib.choose_config,
-    candidate_configs=kernel_lib.candidate_configs,
+    kernels=KERNELS, make_inputs=make_inputs,
     cpu_axes=cpu_axes,
     cost=neighborhood_attention_3d_cost,
     split=SPLIT,
-    differentiable_kernel=True,
 )
 IMPLS = (IMPL,)
 

@@ -38,7 +38,7 @@ from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, Precondition, in_range
 from jaxkern.spmd import CONTRACTION, Split
-from pallas_kernels import qsa_index as index_lib
+from pallas_kernels.qsa_index import KERNELS
 
 # Defaults of the constant axes the functions cannot read from input shapes
 # (the selection width TOPK and the block size C); the registry passes each
@@ -322,10 +322,7 @@ SPLIT = Split(inputs={"q": "b h d", "index_k": "np ps o d", "page_table": "b mp"
                        "d": CONTRACTION})
 IMPL = OpImpl(
     reference=qsa_index_topk_reference,
-    kernel=index_lib.qsa_index_topk,
-    make_inputs=make_index_inputs,
-    choose_config=index_lib.choose_config,
-    candidate_configs=index_lib.candidate_configs,
+    kernels=KERNELS, make_inputs=make_index_inputs,
     cpu_axes=cpu_axes,
     cost=qsa_index_topk_cost,
     policies={"topk_ids": compare.TopK(scores=index_topk_scores)},

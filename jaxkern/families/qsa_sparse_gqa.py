@@ -22,7 +22,7 @@ from jaxkern.families.qsa_index import (AXIS_PARAMS, COMPRESS, INDEX_HEADS, cpu_
                                         paged_structure, qsa_index_topk_reference)
 from jaxkern.family import OpImpl, Precondition, in_range
 from jaxkern.spmd import CONTRACTION, Split
-from pallas_kernels import qsa_sparse_gqa as gqa_lib
+from pallas_kernels.qsa_sparse_gqa import KERNELS
 
 
 def qsa_sparse_gqa_decode_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -168,10 +168,7 @@ SPLIT = Split(inputs={"q": "b h d", "k_cache": "np ps h d", "v_cache": "np ps h 
               reasons={"np": "page tables address the whole cache", "d": CONTRACTION})
 IMPL = OpImpl(
     reference=qsa_sparse_gqa_decode_reference,
-    kernel=gqa_lib.qsa_sparse_gqa_decode,
-    make_inputs=make_gqa_inputs,
-    choose_config=gqa_lib.choose_config,
-    candidate_configs=gqa_lib.candidate_configs,
+    kernels=KERNELS, make_inputs=make_gqa_inputs,
     cpu_axes=cpu_axes,
     cost=qsa_sparse_gqa_decode_cost,
     axis_params=AXIS_PARAMS,

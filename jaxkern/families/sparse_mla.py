@@ -52,7 +52,7 @@ from jaxkern import dispatch
 from jaxkern import roofline
 from jaxkern.family import OpImpl, Precondition, in_range
 from jaxkern.spmd import CONTRACTION, Split
-from pallas_kernels import sparse_mla as kernel_lib
+from pallas_kernels.sparse_mla import KERNELS
 
 # Recent tokens a query sees (itself included), and cached window rows kept
 # per sequence (the window of the first new token).
@@ -319,10 +319,7 @@ def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
 
 IMPL = OpImpl(
     reference=sparse_mla_prefill_reference,
-    kernel=kernel_lib.sparse_mla_prefill,
-    make_inputs=make_inputs,
-    choose_config=kernel_lib.choose_config,
-    candidate_configs=kernel_lib.candidate_configs,
+    kernels=KERNELS, make_inputs=make_inputs,
     cpu_axes=cpu_axes,
     cost=sparse_mla_prefill_cost,
     split=SPLIT,

@@ -116,6 +116,7 @@ class Row:
   log: str
   axes_run: dict[str, int] | None = None  # the axes the workload ran at
   timer: str = NOT_TIMED
+  backend: str = "-"  # the kernel backend that ran ("-": none recorded)
 
   @property
   def failed(self) -> bool:
@@ -138,7 +139,7 @@ def rows_of(traces: Iterable[results_lib.Trace], dataset_dir: str = "") -> list[
                     latency_ms=number(perf.get("latency_ms")), reference_ms=number(perf.get("reference_latency_ms")),
                     sol_ms=number(perf.get("speed_of_light_ms")), sol_fraction=number(perf.get("sol_fraction")),
                     interpret=bool(t.evaluation.environment.get("interpret")), log=t.evaluation.log or "",
-                    axes_run=t.workload.axes_run or t.workload.axes))
+                    axes_run=t.workload.axes_run or t.workload.axes, backend=t.evaluation.backend or "-"))
     timers.append(recorded_timer(t))
   per_definition: dict[str, set[str]] = {}
   for r, timer in zip(rows, timers):
@@ -157,11 +158,12 @@ def by_definition(rows: Iterable[Row]) -> dict[str, list[Row]]:
   return dict(sorted(out.items()))
 
 
-def by_definition_and_timer(rows: Iterable[Row]) -> dict[tuple[str, str], list[Row]]:
-  """Rows per (definition, timer): times of different timers never meet."""
-  out: dict[tuple[str, str], list[Row]] = {}
+def by_definition_backend_and_timer(rows: Iterable[Row]) -> dict[tuple[str, str, str], list[Row]]:
+  """Rows per (definition, kernel backend, timer): times of different
+  backends or timers never meet."""
+  out: dict[tuple[str, str, str], list[Row]] = {}
   for r in rows:
-    out.setdefault((r.definition, r.timer), []).append(r)
+    out.setdefault((r.definition, r.backend, r.timer), []).append(r)
   return dict(sorted(out.items()))
 
 

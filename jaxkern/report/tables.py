@@ -1,4 +1,4 @@
-"""The report's tables: per definition and timer, against a baseline run,
+"""The report's tables: per definition, kernel backend and timer, against a baseline run,
 and the summary a device run's page (`docs/perf/<device>.md`) holds."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import math
 from typing import Any, Sequence
 
 from jaxkern.compare import Status
-from jaxkern.report.rows import Row, by_definition_and_timer, failed, fmt, median
+from jaxkern.report.rows import Row, by_definition_backend_and_timer, failed, fmt, median
 
-HEADERS = ["definition", "timer", "n", "passed", "failed", "skipped", "worst err/tol", "kernel ms", "ref ms",
+HEADERS = ["definition", "backend", "timer", "n", "passed", "failed", "skipped", "worst err/tol", "kernel ms", "ref ms",
            "SOL ms", "SOL frac"]
 FAILED_COLUMN = HEADERS.index("failed")
 BASELINE_HEADERS = ["definition", "matched", "axes differ", "fixed", "broke", "other changes", "failing in both",
                     "only here", "only in baseline", "latency ratio"]
-SUMMARY_HEADERS = ["definition", "timer", "passed / total", "kernel ms (median)", "reference ms (median)",
+SUMMARY_HEADERS = ["definition", "backend", "timer", "passed / total", "kernel ms (median)", "reference ms (median)",
                    "SOL fraction (median)"]
 FURTHEST = 5  # definitions listed as furthest from their speed of light
 
@@ -26,15 +26,15 @@ def _counts(rows: Sequence[Row]) -> list[int]:
 
 
 def definition_table(rows: list[Row]) -> list[list[Any]]:
-  """One line per definition and timer (HEADERS), then a total line."""
+  """One line per definition, backend and timer (HEADERS), then a total line."""
   table = []
-  for (name, timer), rs in by_definition_and_timer(rows).items():
+  for (name, backend, timer), rs in by_definition_backend_and_timer(rows).items():
     ratios = [(r.worst_ratio, r.worst_output) for r in rs if r.worst_ratio is not None]
     worst = max(ratios, key=lambda x: x[0]) if ratios else None
-    table.append([name, timer, *_counts(rs), f"{fmt(worst[0])} ({worst[1]})" if worst else "-",
+    table.append([name, backend, timer, *_counts(rs), f"{fmt(worst[0])} ({worst[1]})" if worst else "-",
                   fmt(median(r.latency_ms for r in rs)), fmt(median(r.reference_ms for r in rs)),
                   fmt(median(r.sol_ms for r in rs)), fmt(median(r.sol_fraction for r in rs))])
-  table.append(["total", "", *_counts(rows), "", "", "", "", ""])
+  table.append(["total", "", "", *_counts(rows), "", "", "", "", ""])
   return table
 
 
@@ -48,13 +48,13 @@ class Change:
   definition: str
   before: Status | None
   after: Status | None
-  latency_ratio: float | None  # this run / baseline; None unless both ran at the same axes and timer
+  latency_ratio: float | None  # this run / baseline; None unless both ran at the same axes, backend and timer
   same_axes: bool = True
 
 
 def compare_runs(rows: list[Row], base: list[Row]) -> tuple[list[Change], list[Row], list[Row]]:
   """Workloads in both runs (by uuid) with their status and latency change
-  (only between runs at the same axes with the same timer: a CPU run shrinks
+  (only between runs at the same axes, backend and timer: a CPU run shrinks
   them); then the rows only in this run and only in the baseline."""
   base_by = {r.uuid: r for r in base}
   here = {r.uuid for r in rows}
@@ -64,7 +64,8 @@ def compare_runs(rows: list[Row], base: list[Row]) -> tuple[list[Change], list[R
     if b is None:
       continue
     same = r.axes_run == b.axes_run
-    comparable = same and r.timer == b.timer and r.latency_ms is not None and b.latency_ms
+    comparable = (same and r.timer == b.timer and r.backend == b.backend and r.latency_ms is not None
+                  and b.latency_ms)
     changes.append(Change(r.uuid, r.definition, b.status, r.status, r.latency_ms / b.latency_ms if comparable else None,
                           same))
   return changes, [r for r in rows if r.uuid not in base_by], [b for b in base if b.uuid not in here]
@@ -102,6 +103,7 @@ def baseline_table(changes: list[Change], only_here: list[Row], only_base: list[
 @dataclasses.dataclass
 class SummaryLine:
   definition: str
+  backend: str
   timer: str
   passed: int
   total: int
@@ -111,11 +113,11 @@ class SummaryLine:
 
 
 def summary_lines(rows: list[Row]) -> list[SummaryLine]:
-  """Per definition and timer: passed / total and the medians."""
-  return [SummaryLine(name, timer, sum(r.status == Status.PASSED for r in rs), len(rs),
+  """Per definition, backend and timer: passed / total and the medians."""
+  return [SummaryLine(name, backend, timer, sum(r.status == Status.PASSED for r in rs), len(rs),
                       median(r.latency_ms for r in rs), median(r.reference_ms for r in rs),
                       median(r.sol_fraction for r in rs))
-          for (name, timer), rs in by_definition_and_timer(rows).items()]
+          for (name, backend, timer), rs in by_definition_backend_and_timer(rows).items()]
 
 
 def sol_by_timer(lines: list[SummaryLine]) -> dict[str, tuple[float, int, list[SummaryLine]]]:
@@ -147,7 +149,7 @@ def summary_markdown(rows: list[Row], *, title: str, source: str, environment: s
          "checks plumbing, not speed). SOL fraction: the roofline's speed of light / kernel time.", "",
          _md_row(SUMMARY_HEADERS), "|" + " --- |" * len(SUMMARY_HEADERS)]
   for l in lines:
-    out.append(_md_row([f"`{l.definition}`", l.timer, f"{l.passed} / {l.total}", fmt(l.kernel_ms),
+    out.append(_md_row([f"`{l.definition}`", l.backend, l.timer, f"{l.passed} / {l.total}", fmt(l.kernel_ms),
                         fmt(l.reference_ms), fmt(l.sol_fraction)]))
   passed, total = sum(l.passed for l in lines), sum(l.total for l in lines)
   out += ["", f"Passed: {passed} / {total} workloads in {len({l.definition for l in lines})} definitions.", ""]

@@ -1,0 +1,12 @@
+"""Flash attention with key masks, cached prefixes and segments, and its backward.
+
+`KERNELS`: backend -> `Kernel`, in the default order of `backend="pallas"`;
+`config.py` holds the configs, `triton.py` the Triton kernel (`triton_bwd.py` its backward).
+"""
+
+from pallas_kernels.flash_attention import triton
+from pallas_kernels.shared.kernel import Kernel, kernels
+
+KERNELS = kernels(
+    Kernel.of(triton, launch=triton.flash_attention, own_vjp=True),
+)

@@ -1,0 +1,23 @@
+"""Configs of the grouped_gemm kernels (the dataclasses their launchers, heuristics
+and sweeps share)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.shared.config_rules import DOT_BLOCK, KernelConfig, NUM_STAGES, NUM_WARPS, at_least, field, instance_of, one_of
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmConfig(KernelConfig):
+  """Tiling of the grouped GEMM; `block_k` is whole 32-k scale groups;
+  `expert_slots` programs share each (row tile, N tile), one expert each
+  in turn (more slots: more parallelism for tiles of many experts, more
+  programs that find nothing to do)."""
+  block_m: int = field(64, DOT_BLOCK)
+  block_n: int = field(128, DOT_BLOCK)
+  block_k: int = field(128, one_of(32, 64, 128))
+  expert_slots: int = field(2, at_least(1))
+  swap_ab: bool = field(False, instance_of(bool))
+  num_warps: int = field(8, NUM_WARPS)
+  num_stages: int = field(3, NUM_STAGES)

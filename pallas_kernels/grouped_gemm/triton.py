@@ -1,0 +1,332 @@
+"""FP8 x FP4 m-grouped GEMM (DeepSeek MoE experts) on the Pallas Triton lowering.
+
+    C[m, n] = sum_k a[m,k] 2^(a_scale[m,k//32]-127) * e2m1(b[e,n,k]) 2^(b_scale[e,n,k//32]-127)
+
+with `e = expert_ids[m]`. `a` is float8_e4m3fn [M, K] with UE8M0 scale bytes
+[M, K/32]; `b` is packed e2m1 [E, N, K/2] (two codes per byte, low nibble =
+even k) with UE8M0 scale bytes [E, N, K/32]. C is bf16, accumulated in fp32.
+Rows may come in any order; a row whose expert id is outside [0, E) (-1 is
+the padding id) is 0.
+
+FP8 tensor cores (`fp8_mma`). Every e2m1 value is an e4m3 value, so the
+weights are decoded in registers straight to e4m3 (values times 2**-6; on a
+GPU four packed bytes at a time in inline PTX) and the activations are used
+as stored: each 32-k scale group is one fp8 x fp8 dot (`wgmma ... e4m3`,
+fp32 result), promoted into the fp32 accumulator times
+`a_scale[m] * b_scale[n] * 2**6` (one mul and one fma per element,
+DeepGEMM-style promotion, here per scale group). A group's products are
+exact in fp32 (4-bit x 3-bit significands) and the scaling by powers of two
+is exact, so on a CPU only the fp32 summation order differs from the
+reference, which sums bf16 x bf16 products in one dot (results agree to
+fp32 rounding; the tests see them bit-equal at small K). On the GPU the
+wgmma's accumulation inside one 32-k group is the hardware's (fewer bits
+than fp32 for fp8): the promotion bounds it to 32 products.
+
+Operand roles (`swap_ab`). With few rows per expert the weights are the
+MMA's M side (wgmma M = 64 per warpgroup over `block_n` columns) and the
+`block_m` rows its N side (16 or 32): per-column weight scales become one
+register per row of the accumulator, and 16-row tiles still run fp8 wgmma
+(`m64n16k32`) instead of falling back to mma.sync; C^T is computed and
+stored transposed. `swap_ab=False` puts the activation rows on the M side
+(block_m >= 64 for wgmma).
+
+Work without a work list: nothing runs before the launch. Rows are cut into
+`block_m` row tiles; grid `(cdiv(N, block_n), expert_slots, row tiles)`:
+N tiles fastest (programs running together share a tile's activations),
+row tiles slowest (consecutive tiles, which share experts when rows are
+grouped, run close together and find an expert's weight slab in L2). Each
+program reads its tile's expert ids and ranks the distinct valid experts
+in them (`rank_tile_experts`, a [block_m, block_m] comparison, any order);
+slot `s` computes the experts of rank s, s + slots, ...: one K loop each
+over the tile's rows times that expert's weights, stored for the rows of
+that expert; slot 0 also writes the zeros of the tile's rows with invalid
+ids. Every row of C is written by exactly one program. A decode step
+(M = 6, one token's six experts) is one 16-row tile with six slots: six
+weight streams per N tile, never a loop over the 384 experts. Rows grouped
+by expert (DeepGEMM's contiguous layout) put one to three experts in most
+tiles; ungrouped rows stay correct, with up to `block_m` experts per tile.
+
+A program walks K in `block_k` steps (<= 128: a step's scale bytes are one
+word, loaded once per step), each unrolled into its `block_k / 32` scale
+groups. Activations: `[block_m, 32]` fp8 bytes (row indices clamped to
+M-1; rows past M are never stored). Weights: `[block_n, 16]` packed bytes
+decoded to `[block_n, 32]` e4m3, interleaved back into k order (Triton's
+join). K must be a multiple of 32 (the definition's `G`); `block_k` is
+shrunk to divide K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping, NamedTuple
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from pallas_kernels.shared import common
+import jax.numpy as jnp
+
+from pallas_kernels.shared.common import cdiv, fit_block, fitted_candidates, resolve_interpret
+from pallas_kernels.shared.fp8_mma import e2m1_to_e4m3_operand, fp8_dot_nt, promote
+from pallas_kernels.shared.fp_formats import E2M1_E4M3_EXPONENT, ue8m0_to_f32
+from pallas_kernels.grouped_gemm.config import GroupedGemmConfig
+
+GROUP = 32  # k values per UE8M0 scale byte (both operands)
+MIN_BLOCK_K = GROUP  # a step is whole scale groups
+
+
+class GroupedGemmSizes(NamedTuple):
+  """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+  m: int
+  n: int
+  k: int
+  experts: int
+
+  @classmethod
+  def of(cls, shapes: Mapping[str, Any]) -> GroupedGemmSizes:
+    m, k = shapes["a"].shape
+    experts, n, _ = shapes["b"].shape
+    return cls(int(m), int(n), int(k), int(experts))
+
+
+def max_experts_per_tile(m: int, e: int, block_m: int) -> int:
+  """The most distinct experts one row tile can hold."""
+  return max(1, min(e, block_m, m))
+
+
+def _fit(config: GroupedGemmConfig, m: int, n: int, k: int, e: int) -> GroupedGemmConfig:
+  """Clamps blocks to the problem: block_m/block_n to the next power of two
+  of M/N (>= 16), block_k to the largest power of two dividing K (K is a
+  multiple of 32, so the K loop never needs a tail mask), the slots to the
+  most experts a tile can hold."""
+  k_pow2 = k & -k  # largest power of two dividing k
+  block_m = fit_block(config.block_m, m)
+  return dataclasses.replace(
+      config, block_m=block_m, block_n=fit_block(config.block_n, n),
+      block_k=max(MIN_BLOCK_K, min(config.block_k, k_pow2)),
+      expert_slots=min(config.expert_slots, max_experts_per_tile(m, e, block_m)))
+
+
+# Rows per expert (M / E) from which 32-row tiles beat 16-row ones: an item
+# (row tile, expert) streams and decodes its expert's whole weight slab, and
+# the per-32-k promotion costs two fp32 ops per (row, column): per weight
+# byte 8.5 thread-instructions for 16-row tiles and 11.2 for 32-row ones
+# (sm_90a PTX, 128-column tiles on 4 warps, docs/perf/moe_kernels.md), so
+# with grouped rows the total, (M / block_m + E) x ops per byte, favours 32
+# rows above about 15 rows per expert; 64-row tiles (20.8 per byte) only
+# above ~380.
+_ROWS_PER_EXPERT_FOR_32 = 15
+
+
+def _heuristic(m: int, e: int) -> GroupedGemmConfig:
+  """The weights as the MMA's M side (`swap_ab`), rows of activations as its
+  N side, 16- or 32-row tiles (`_ROWS_PER_EXPERT_FOR_32`). Decode (M <= 16)
+  is one 16-row tile with a slot per expert (6 x 36 programs at M = 6,
+  N = 4608): a weight stream."""
+  if m <= 16 or cdiv(m, e) < _ROWS_PER_EXPERT_FOR_32:
+    return GroupedGemmConfig(16, 128, 128, expert_slots=16, swap_ab=True, num_warps=4, num_stages=3)
+  return GroupedGemmConfig(32, 128, 128, expert_slots=2, swap_ab=True, num_warps=4, num_stages=4)
+
+
+def choose_config(shapes: Mapping[str, Any]) -> GroupedGemmConfig:
+  """Heuristic config for the inputs' shapes (input name -> ShapeDtypeStruct)."""
+  m, n, k, e = GroupedGemmSizes.of(shapes)
+  return _fit(_heuristic(m, e), m, n, k, e)
+
+
+_SWEEP_CONFIGS = (
+    GroupedGemmConfig(16, 64, 128, expert_slots=16, swap_ab=True, num_warps=4, num_stages=3),
+    GroupedGemmConfig(16, 128, 128, expert_slots=16, swap_ab=True, num_warps=4, num_stages=3),
+    GroupedGemmConfig(16, 256, 128, expert_slots=4, swap_ab=True, num_warps=8, num_stages=3),
+    GroupedGemmConfig(32, 128, 128, expert_slots=2, swap_ab=True, num_warps=4, num_stages=4),
+    GroupedGemmConfig(32, 256, 128, expert_slots=2, swap_ab=True, num_warps=8, num_stages=3),
+    GroupedGemmConfig(64, 128, 128, expert_slots=2, swap_ab=True, num_warps=8, num_stages=3),
+    GroupedGemmConfig(64, 128, 128, expert_slots=2, num_warps=8, num_stages=3),
+    GroupedGemmConfig(128, 64, 128, expert_slots=2, num_warps=8, num_stages=3),
+)
+
+
+def candidate_configs(shapes: Mapping[str, Any]) -> list[GroupedGemmConfig]:
+  """Configs a sweep may try, the heuristic's first."""
+  m, n, k, e = GroupedGemmSizes.of(shapes)
+  return fitted_candidates(choose_config(shapes), _SWEEP_CONFIGS, lambda c: _fit(c, m, n, k, e))
+
+
+def rank_tile_experts(ids, num_experts: int):
+  """The distinct valid experts of a tile's ids (any order, repeats, invalid
+  ids) ranked by id: `(key, first, rank, count)`.
+
+  `key[r]` is row r's expert, or `num_experts` for an id outside
+  [0, num_experts); `first[r]` marks the first row of each distinct valid
+  expert; `rank[r]` counts the distinct valid experts below `key[r]`; `count`
+  the distinct valid experts. The expert of rank j is `key` at the `first`
+  row whose rank is j. Integer ops only (a kernel body or plain jnp).
+  """
+  rows = ids.shape[0]
+  valid = (ids >= 0) & (ids < num_experts)
+  key = jnp.where(valid, ids, num_experts)
+  row = lax.broadcasted_iota(jnp.int32, (rows, rows), 0)
+  other = lax.broadcasted_iota(jnp.int32, (rows, rows), 1)
+  seen_before = jnp.where((key[:, None] == key[None, :]) & (other < row), 1, 0)
+  first = valid & (jnp.max(seen_before, axis=1) == 0)
+  below = jnp.where(first[None, :] & (key[None, :] < key[:, None]), 1, 0)
+  rank = jnp.sum(below, axis=1)
+  count = jnp.sum(jnp.where(first, 1, 0))
+  return key, first, rank, count
+
+
+def dot_operand_dtype(config: GroupedGemmConfig | None = None):
+  """The dtype the kernel's tensor-core dots take (the roofline judges the
+  FLOPs against that peak): every config decodes the e2m1 weights to e4m3
+  and runs fp8 x fp8 dots (`fp8_mma.fp8_dot_nt`)."""
+  del config
+  return jnp.float8_e4m3fn
+
+
+def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, c_ref, *, m: int, n: int, k: int,
+                         e: int, block_m: int, block_n: int, block_k: int, slots: int, swap_ab: bool, ptx: bool):
+  # Whole-array refs: a/ids [M, ...], b [E, N, K/2], c [M, N]; the scales as
+  # words of one k-step's scale bytes: a_scale [M, K/block_k],
+  # b_scale [E, N, K/block_k] (byte g = scale group g of the step).
+  n0 = pl.program_id(0) * block_n
+  slot = pl.program_id(1)
+  row0 = pl.program_id(2) * block_m
+
+  rows = row0 + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+  rows_c = jnp.minimum(rows, m - 1)            # clamped: loads need no mask
+  ids = jnp.where(rows < m, ids_ref[rows_c], -1)
+  key, first, rank, count = rank_tile_experts(ids, e)
+  cols = n0 + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+  cols_c = jnp.minimum(cols, n - 1)
+  store_ok = (rows < m)[:, None] & (cols < n)[None, :]
+  out_block = c_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)]
+  a_rows = rows_c[:, None]                                           # [block_m, 1]
+  b_rows = cols_c[:, None]                                           # [block_n, 1]
+  k_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP), 1)          # [1, 32]
+  byte_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP // 2), 1)  # [1, 16]
+  groups_per_step = block_k // GROUP
+  # The weights decode to e4m3 values times 2**-6: the a scale restores it.
+  unit = jnp.float32(2.0**E2M1_E4M3_EXPONENT)
+
+  def expert_product(expert):
+    def step(kk, acc):
+      a_words = a_scale_ref[rows_c, kk]                  # [block_m]
+      b_words = b_scale_ref[expert, cols_c, kk]          # [block_n]
+      # One block_k step = block_k / 32 scale groups, unrolled: within a
+      # group both operands have one scale per row, so scales are vectors.
+      for g in range(groups_per_step):
+        group = kk * groups_per_step + g
+        a_op = lax.bitcast_convert_type(a_ref[a_rows, group * GROUP + k_in_group], jnp.float8_e4m3fn)
+        b_op = e2m1_to_e4m3_operand(b_ref[expert, b_rows, group * (GROUP // 2) + byte_in_group], ptx=ptx)
+        a_scale = ue8m0_to_f32(a_words >> (8 * g)) * unit
+        b_scale = ue8m0_to_f32(b_words >> (8 * g))
+        if swap_ab:  # the weights are the MMA's M side: acc is C^T [block_n, block_m]
+          acc = promote(acc, fp8_dot_nt(b_op, a_op), b_scale[:, None], a_scale[None, :], ptx=ptx)
+        else:
+          acc = promote(acc, fp8_dot_nt(a_op, b_op), a_scale[:, None], b_scale[None, :], ptx=ptx)
+      return acc
+
+    shape = (block_n, block_m) if swap_ab else (block_m, block_n)
+    acc = lax.fori_loop(0, k // block_k, step, jnp.zeros(shape, jnp.float32))
+    return acc.T if swap_ab else acc
+
+  def store_expert(j):
+    expert = jnp.max(jnp.where(first & (rank == j), key, -1))
+    mine = (key == expert)[:, None]
+    plgpu.store(out_block, expert_product(expert).astype(c_ref.dtype), mask=mine & store_ok)
+
+  @pl.when(slot == 0)
+  def _zero_invalid_rows():
+    invalid = (key == e)[:, None]
+    plgpu.store(out_block, jnp.zeros((block_m, block_n), c_ref.dtype), mask=invalid & store_ok)
+
+  if slots >= max_experts_per_tile(m, e, block_m):  # every expert of a tile has its own slot
+    pl.when(slot < count)(lambda: store_expert(slot))
+  else:
+    turns = jnp.maximum(count - slot + slots - 1, 0) // slots
+
+    def turn(t, carry):
+      store_expert(slot + t * slots)
+      return carry
+
+    lax.fori_loop(0, turns, turn, 0)
+
+
+_WORD_TYPES = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def scale_words(scales: jax.Array, groups_per_step: int) -> jax.Array:
+  """UE8M0 scale bytes [..., K/32] -> one unsigned word per k-step
+  [..., K/block_k], byte g holding the step's scale group g (a bitcast:
+  the kernel loads a step's scales at once)."""
+  *lead, groups = scales.shape
+  if groups_per_step == 1:
+    return scales
+  return lax.bitcast_convert_type(scales.reshape(*lead, groups // groups_per_step, groups_per_step),
+                                  _WORD_TYPES[groups_per_step])
+
+
+def check_operands(a, a_scale, b, b_scale, expert_ids) -> None:
+  """Raises ValueError naming the input whose shape or dtype breaks the
+  contract of `grouped_gemm_fp8_fp4`."""
+  if a.ndim != 2 or b.ndim != 3:
+    raise ValueError(f"a must be [M, K] and b [E, N, K/2], got a {a.shape} and b {b.shape}")
+  m, k = a.shape
+  e, n, k_packed = b.shape
+  if k % GROUP or k_packed * 2 != k:
+    raise ValueError(f"K={k} must be a multiple of {GROUP} and b [E, N, K/2] = [{e}, {n}, {k // 2}], got b {b.shape}")
+  expected = {"a_scale": (a_scale, (m, k // GROUP), jnp.uint8), "b_scale": (b_scale, (e, n, k // GROUP), jnp.uint8),
+              "expert_ids": (expert_ids, (m,), None), "b": (b, b.shape, jnp.uint8),
+              "a": (a, a.shape, jnp.float8_e4m3fn)}
+  for name, (x, shape, dtype) in expected.items():
+    if x.shape != shape:
+      raise ValueError(f"{name} must have shape {shape} for M={m}, E={e}, N={n}, K={k}, got {x.shape}")
+    if dtype is not None and x.dtype != dtype:
+      raise ValueError(f"{name} must be {jnp.dtype(dtype).name}, got {x.dtype}")
+  if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+    raise ValueError(f"expert_ids must be integers, got {expert_ids.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
+                         expert_ids: jax.Array, *, config: GroupedGemmConfig | None = None,
+                         interpret: bool | None = None) -> jax.Array:
+  """C [M, N] bf16 of the FP8 x FP4 m-grouped GEMM (module docstring).
+
+  a [M, K] float8_e4m3fn, a_scale [M, K/32] uint8, b [E, N, K/2] uint8,
+  b_scale [E, N, K/32] uint8, expert_ids [M] integer: rows in any order,
+  an id outside [0, E) gives a row of zeros. `config=None` picks
+  `choose_config`; a given config is fitted to the problem.
+  `interpret=None` interprets when no GPU is present.
+  """
+  check_operands(a, a_scale, b, b_scale, expert_ids)
+  m, k = a.shape
+  e, n, _ = b.shape
+  if m == 0 or n == 0:
+    return jnp.zeros((m, n), jnp.bfloat16)
+  config = _fit(config or choose_config({"a": a, "b": b}), m, n, k, e)
+  interpret = resolve_interpret(interpret)
+  # fp8 travels as its bytes; the kernel bitcasts them back (masked or
+  # gathered fp8 loads do not lower).
+  steps = config.block_k // GROUP
+  operands = (expert_ids.astype(jnp.int32), lax.bitcast_convert_type(a, jnp.uint8), scale_words(a_scale, steps), b,
+              scale_words(b_scale, steps))
+
+  def whole(x):
+    return pl.BlockSpec(x.shape, lambda *_, nd=x.ndim: (0,) * nd)
+
+  kernel = functools.partial(_grouped_gemm_kernel, m=m, n=n, k=k, e=e, block_m=config.block_m,
+                             block_n=config.block_n, block_k=config.block_k, slots=config.expert_slots,
+                             swap_ab=config.swap_ab, ptx=not interpret)
+  return common.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+      grid=(cdiv(n, config.block_n), config.expert_slots, cdiv(m, config.block_m)),
+      in_specs=[whole(x) for x in operands],
+      out_specs=pl.BlockSpec((m, n), lambda *_: (0, 0)),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret,
+      name="grouped_gemm_fp8_fp4",
+  )(*operands)

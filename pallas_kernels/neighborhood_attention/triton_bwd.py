@@ -1,0 +1,120 @@
+"""3-D neighborhood attention backward on the Pallas Triton lowering.
+
+From the forward's output `o`, its per-query log-sum-exp `lse` (base 2,
+`[B, H, T, Y, X]`) and the output cotangent `do`
+(`q` arrives pre-scaled: no scale anywhere):
+
+    delta_i = sum_d do_id o_id                 (XLA, one fused reduction)
+    p_ij    = exp2(q_i . k_j log2(e) - lse_i)  for j in the window of i, else 0
+    dv_j    = sum_i p_ij do_i
+    ds_ij   = p_ij (do_i . v_j - delta_i)
+    dq_i    = sum_j ds_ij k_j
+    dk_j    = sum_i ds_ij q_i
+
+Two kernels over the same tiles as the forward
+(`neighborhood_attention_tiles`), fp32 with `p` and `ds` rounded to the
+input dtype for their dots:
+
+* `neighborhood_attention_3d_bwd_dq`: grid (query tiles, B, H); walks the
+  halo of its query tile exactly as the forward does.
+* `neighborhood_attention_3d_bwd_dkdv`: grid (key tiles, B, H); walks the
+  box of queries that see some key of its tile (`walk_query_box`), the
+  config's `block_k` queries at a time (the roles of the forward's tile and
+  chunk swapped).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.shared import common
+from pallas_kernels.shared.common import cdiv
+from pallas_kernels.neighborhood_attention.tiles import Dims, store_tile, tile_points, tile_spec, walk_halo, walk_query_box
+from pallas_kernels.shared.online_softmax import LOG2_E
+from pallas_kernels.neighborhood_attention.config import NeighborhoodAttentionConfig
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, dims: Dims, window: Dims,
+               tile: Dims, block_k: int):
+  """One query tile of one (batch row, head); `[N, D]` and `[N]` refs."""
+  queries = tile_points(dims, tile)
+  q, do = q_ref[queries.rows, :], do_ref[queries.rows, :]
+  lse, delta = lse_ref[queries.rows], delta_ref[queries.rows]
+
+  def step(k, v, visible, dq):
+    p = jnp.exp2(jnp.dot(q, k.T, preferred_element_type=jnp.float32) * LOG2_E - lse[:, None])
+    p = jnp.where(visible, p, 0.0)
+    ds = p * (jnp.dot(do, v.T, preferred_element_type=jnp.float32) - delta[:, None])
+    return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+  dq = walk_halo(step, jnp.zeros(q.shape, jnp.float32), k_ref, v_ref, queries, dims, window, tile, block_k)
+  store_tile(dq_ref, dq.astype(dq_ref.dtype), queries, dims, tile)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, dims: Dims,
+                 window: Dims, tile: Dims, block_q: int):
+  """One key tile of one (batch row, head); `[N, D]` and `[N]` refs."""
+  keys = tile_points(dims, tile)
+  k, v = k_ref[keys.rows, :], v_ref[keys.rows, :]
+
+  def step(rows, visible, carry):
+    dk, dv = carry
+    q, do = q_ref[rows, :], do_ref[rows, :]
+    lse, delta = lse_ref[rows], delta_ref[rows]
+    # Transposed scores [P, block_q]: the program's keys are the rows.
+    p = jnp.exp2(jnp.dot(k, q.T, preferred_element_type=jnp.float32) * LOG2_E - lse[None, :])
+    p = jnp.where(visible, p, 0.0)
+    dv = dv + jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    ds = p * (jnp.dot(v, do.T, preferred_element_type=jnp.float32) - delta[None, :])
+    return dk + jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32), dv
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  dk, dv = walk_query_box(step, (zeros, zeros), keys, dims, window, tile, block_q)
+  store_tile(dk_ref, dk.astype(dk_ref.dtype), keys, dims, tile)
+  store_tile(dv_ref, dv.astype(dv_ref.dtype), keys, dims, tile)
+
+
+def attention_backward(q, k, v, o, lse, do, *, window: Dims, dq_config: NeighborhoodAttentionConfig,
+                       dkdv_config: NeighborhoodAttentionConfig, interpret: bool, need_dq: bool,
+                       need_dkv: bool) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
+  """(dq, dk, dv) of `neighborhood_attention_3d` from its inputs, output
+  `o`, `lse [B, H, T, Y, X]` and the cotangent `do` (`[B, T, Y, X, H, D]`);
+  None where not needed (that kernel does not launch)."""
+  batch, *dims, num_heads, head_dim = q.shape
+  dims = tuple(dims)
+  n = math.prod(dims)
+  do = do.astype(q.dtype)
+  delta = jnp.einsum("btyxhd,btyxhd->bhtyx", o.astype(jnp.float32), do.astype(jnp.float32)).reshape(
+      batch, num_heads, n)
+  flat = lambda a: a.reshape(batch, n, num_heads, head_dim)  # noqa: E731
+  rows = pl.BlockSpec((None, n, None, head_dim), lambda i, b, h: (b, 0, h, 0))
+  stats = pl.BlockSpec((None, None, n), lambda i, b, h: (b, h, 0))
+  inputs = (flat(q), flat(k), flat(v), flat(do), lse.reshape(batch, num_heads, n), delta)
+  in_specs = [rows, rows, rows, rows, stats, stats]
+
+  def launch(kernel, config, num_outputs, name):
+    spec = tile_spec(dims, config.tile, head_dim)
+    outs = common.pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)] * num_outputs,
+        grid=(math.prod(cdiv(d, b) for d, b in zip(dims, config.tile)), batch, num_heads),
+        in_specs=in_specs, out_specs=[spec] * num_outputs,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret, name=name)(*inputs)
+    return outs
+
+  dq = dk = dv = None
+  if need_dq:
+    kernel = functools.partial(_dq_kernel, dims=dims, window=window, tile=dq_config.tile,
+                               block_k=dq_config.block_k)
+    [dq] = launch(kernel, dq_config, 1, "neighborhood_attention_3d_bwd_dq")
+  if need_dkv:
+    kernel = functools.partial(_dkdv_kernel, dims=dims, window=window, tile=dkdv_config.tile,
+                               block_q=dkdv_config.block_k)
+    dk, dv = launch(kernel, dkdv_config, 2, "neighborhood_attention_3d_bwd_dkdv")
+  return dq, dk, dv

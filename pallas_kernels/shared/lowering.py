@@ -1,0 +1,110 @@
+"""Deviceless lowering for an abstract H100 and the parsers of the kernel
+launches a lowered module holds, one per backend: Triton calls
+(`__gpu$xla.gpu.triton`, with name, grid, warps and stages) and Mosaic GPU
+calls (`mosaic_gpu_v2`, with operand and result types)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any, Callable
+
+import jax
+
+# The abstract device's SM count: Mosaic GPU's lowering reads it (Triton's does not).
+H100_NUM_SMS = 132
+
+
+def abstract_h100_mesh():
+  from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  return mesh_lib.AbstractMesh(
+      (1,), ("x",), (mesh_lib.AxisType.Explicit,),
+      abstract_device=mesh_lib.AbstractDevice("NVIDIA H100", H100_NUM_SMS, "cuda"))
+
+
+def lower_for_h100(fn: Callable[..., Any], *avals: Any, **static_kwargs: Any) -> str:
+  """Lowers `fn(*avals, **static_kwargs)` for CUDA without a GPU; returns the
+  StableHLO text. Raises if the Pallas kernel cannot be lowered (bad block
+  shapes, unsupported casts or primitives)."""
+  f = functools.partial(fn, **static_kwargs)
+  with jax.sharding.use_abstract_mesh(abstract_h100_mesh()):
+    lowered = jax.jit(f).trace(*avals).lower(lowering_platforms=("cuda",))
+  return lowered.as_text()
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class TritonCall:
+  """One `__gpu$xla.gpu.triton` custom call of a lowered module: the kernel
+  (`pallas_call(name=...)`) and the launch XLA will make of it."""
+  name: str
+  grid: tuple[int, int, int]
+  num_warps: int
+  num_stages: int
+
+
+_TRITON_CALL = re.compile(r'stablehlo\.custom_call @"?__gpu\$xla\.gpu\.triton"?\(')
+# The serialized kernel IR: a quoted string of escaped bytes, dropped before
+# the launch fields are read so that nothing inside it can match.
+_IR_FIELD = re.compile(r'\bir = "(?:[^"\\]|\\.)*"')
+_NAME_FIELD = re.compile(r'\bname = "((?:[^"\\]|\\.)*)"')
+
+
+def _int_field(text: str, name: str) -> int:
+  match = re.search(rf"\b{name} = (-?\d+) : i32", text)
+  if match is None:
+    raise ValueError(f"Triton call without {name}: {text[:200]}")
+  return int(match.group(1))
+
+
+def triton_calls(stablehlo: str) -> list[TritonCall]:
+  """The Triton calls of a lowered module's text (`lower_for_h100`), in
+  text order: name, grid (x, y, z), num_warps, num_stages."""
+  calls = []
+  for line in stablehlo.splitlines():
+    if not _TRITON_CALL.search(line):
+      continue
+    fields = _IR_FIELD.sub("", line)
+    name = _NAME_FIELD.search(fields)
+    calls.append(TritonCall(
+        name=name.group(1) if name else "",
+        grid=tuple(_int_field(fields, f"grid_{axis}") for axis in "xyz"),
+        num_warps=_int_field(fields, "num_warps"), num_stages=_int_field(fields, "num_stages")))
+  return calls
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class MosaicGpuCall:
+  """One `mosaic_gpu_v2` custom call of a lowered module: its operand and
+  result tensor types as written (`tensor<2x128xf32>`); the kernel itself
+  is serialized bytecode, so the types are what the text tells."""
+  operands: tuple[str, ...]
+  results: tuple[str, ...]
+
+
+_MOSAIC_GPU_CALL = re.compile(r'stablehlo\.custom_call @"?mosaic_gpu_v2"?\(')
+_SIGNATURE = re.compile(r"\}\s*:\s*\(([^)]*)\)\s*->\s*(.+)$")
+_TENSOR = re.compile(r"tensor<[^>]*>")
+# Every quoted string (the kernel's bytecode, its hash), dropped before the signature is read.
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def mosaic_gpu_calls(stablehlo: str) -> list[MosaicGpuCall]:
+  """The Mosaic GPU calls of a lowered module's text (`lower_for_h100`), in
+  text order."""
+  calls = []
+  for line in stablehlo.splitlines():
+    if not _MOSAIC_GPU_CALL.search(line):
+      continue
+    signature = _SIGNATURE.search(_QUOTED.sub('""', line))
+    if signature is None:
+      raise ValueError(f"Mosaic GPU call without a type signature: {line[:200]}")
+    calls.append(MosaicGpuCall(tuple(_TENSOR.findall(signature.group(1))), tuple(_TENSOR.findall(signature.group(2)))))
+  return calls
+
+
+def assert_lowers_to_triton(fn: Callable[..., Any], *avals: Any, **static_kwargs: Any) -> str:
+  txt = lower_for_h100(fn, *avals, **static_kwargs)
+  if not triton_calls(txt):
+    raise AssertionError("lowering produced no Triton custom call")
+  return txt
