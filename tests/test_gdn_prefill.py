@@ -25,6 +25,7 @@ import gradients
 import kit
 from kit import Case, TritonCall
 from pallas_kernels.gdn_decode import triton as gk_decode
+from pallas_kernels.gdn_prefill import config as gp_config
 from pallas_kernels.gdn_prefill import triton as gk_prefill
 from pallas_kernels.gdn_prefill import triton_bwd as gk_bwd
 from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
@@ -132,11 +133,11 @@ KERNEL_CASES = [
     *(Case(PREFILL, inputs=lambda: prefill_inputs((70, 1, 33), seed=8, scale=1.0), config=config,
            id=f"{config.form}_chunk{config.chunk}_{config.dot_precision}_blocks{config.state.block_v}"
               f"_{config.output.block_v}_{config.intra.block_d}_{config.intra.solve_block}")
-      for config in (gk_prefill.GdnPrefillConfig(chunk=32, intra=gk_prefill.IntraStage(solve_block=32),
+      for config in (gk_prefill.GdnPrefillConfig(chunk=32, intra=gp_config.IntraStage(solve_block=32),
                                                  output=gk_prefill.OutputStage(block_v=32)),
-                     gk_prefill.GdnPrefillConfig(chunk=16, intra=gk_prefill.IntraStage(block_d=128),
+                     gk_prefill.GdnPrefillConfig(chunk=16, intra=gp_config.IntraStage(block_d=128),
                                                  state=gk_prefill.StateStage(block_v=16)),
-                     gk_prefill.GdnPrefillConfig(dot_precision="bf16", intra=gk_prefill.IntraStage(solve_block=64)))),
+                     gk_prefill.GdnPrefillConfig(dot_precision="bf16", intra=gp_config.IntraStage(solve_block=64)))),
     *(Case(PREFILL, inputs=correlated_keys, config=config, check=state_within_rounding_noise,
            id=f"correlated_keys_{config.form}") for config in (SMALL_PREFILL, SMALL_SERIAL)),
 ]
