@@ -12,6 +12,7 @@ import pytest
 
 from jaxkern import aot
 from jaxkern import selection
+from pallas_kernels.shared.lowering import MosaicGpuCall
 
 # Captured from the tool's ptxas wrapper (ptxas 12.9, XLA's Triton, jax
 # 0.12.0.1): the router at M=1 before its epilogue was made spill-free.
@@ -316,6 +317,21 @@ def test_build_reports_errors_and_overflow():
   clean = aot.KernelReport("k", registers=32, spill_stores=0, spill_loads=0)
   assert aot.CompileReport([clean], 0.5, "XLA failed after the kernels").status == aot.ERROR
   assert aot.CompileReport([clean], 0.5).status == aot.OK
+
+
+def test_build_reports_reads_a_mosaic_gpu_call_from_the_plugins_dump():
+  """A Mosaic GPU call (no name in the lowering) takes the ptxas entry no
+  Triton call claims; without one it is an error naming the dump."""
+  limits = aot.Limits()
+  mosaic = MosaicGpuCall(("tensor<128xf32>",), ("tensor<16x128xf32>",))
+  calls = [aot.TritonCall("flash_attention", (1, 1, 1), 8, 2), mosaic]
+  launches = [aot.Launch("flash_attention", (1, 1, 1), 256, 1024)]
+  stats = {"flash_attention": aot.PtxasStats(registers=128), "mosaic_gpu_kernel": aot.PtxasStats(registers=168)}
+  triton, mgpu = aot.build_reports(calls, launches, stats, {}, limits)
+  assert (triton.name, triton.registers) == ("flash_attention", 128)
+  assert (mgpu.name, mgpu.registers, mgpu.status) == ("mosaic_gpu_kernel", 168, aot.OK)
+  [missing] = aot.build_reports([mosaic], [], {}, {}, limits)
+  assert missing.status == aot.ERROR and "MOSAIC_GPU_DUMP_TO" in missing.error
 
 
 def test_largest_axes_by_input_bytes():
