@@ -2,6 +2,7 @@
 #   make replay   install, then run the replay (ARGS='--config.definitions=...' to narrow it)
 #   make test     install, then run the whole test suite (the Bazel build and its test subset, then pytest)
 #   make aot      install the optional aot extra, then compile every kernel for sm_90a (ARGS='--definition=...')
+#   make device-kit   put the wheels the GPU machine lacks into .whl/ (see README "The prepared device run")
 # The interpreter is `python` as resolved by pyenv through .python-version (3.12).
 
 PYTHON ?= python
@@ -21,16 +22,49 @@ $(AOT_STAMP): $(STAMP)
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,examples,aot]'
 	touch $(AOT_STAMP)
 
-.PHONY: install replay test aot test-aot gpu-run gpu-run-dry bazel
+# The device-stack lane: a second environment with exactly the GPU machine's
+# packages (constraints-device.txt: jax 0.11.2 + the CUDA 13 plugin, no
+# ml_collections), plus pytest; jaxkern and the device kit's wheels come on
+# PYTHONPATH as scripts/gpu_run.sh puts them there.
+DEVICE_VENV := .venv-device
+DEVICE_STAMP := $(DEVICE_VENV)/.installed-stamp
+KIT_STAMP := .whl/.kit-stamp
+
+$(DEVICE_STAMP): constraints-device.txt constraints.txt
+	$(PYTHON) -m venv $(DEVICE_VENV)
+	$(DEVICE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(DEVICE_VENV)/bin/python -m pip install -q -r constraints-device.txt
+	$(DEVICE_VENV)/bin/python -m pip install -q -c constraints.txt pytest pytest-xdist
+	touch $(DEVICE_STAMP)
+
+$(KIT_STAMP): scripts/device_kit.py constraints.txt constraints-device.txt | $(STAMP)
+	$(VENV)/bin/python scripts/device_kit.py --out .whl
+	touch $(KIT_STAMP)
+
+.PHONY: install replay test test-main test-device device-kit aot test-aot gpu-run gpu-run-dry bazel
 install: $(STAMP)
 
 replay: $(STAMP)
 	$(VENV)/bin/python -m jaxkern.replay --config configs/replay.py $(ARGS)
 
-# The Bazel check runs first so that pytest's summary closes the output.
+# The Bazel check and the device-stack lane run first, so that the main
+# suite's pytest summary closes the output.
 test: $(STAMP)
 	$(MAKE) --no-print-directory bazel
+	$(MAKE) --no-print-directory test-device
+	$(MAKE) --no-print-directory test-main
+
+test-main: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2 --durations=15 tests
+
+# What the first GPU run depends on, on the GPU machine's stack (tests marked
+# device_stack: the device run's dry mode with its smoke replay of every
+# definition, H100 lowering of every shipped kernel, sharding and autodiff smoke).
+test-device: $(DEVICE_STAMP) $(KIT_STAMP)
+	PYTHONPATH="$(CURDIR)$$(printf ':%s' $(CURDIR)/.whl/*.whl)" JAXKERN_DEVICE_STACK=1 \
+	  $(DEVICE_VENV)/bin/python -m pytest -q -n 2 -m device_stack --durations=10 tests
+
+device-kit: $(KIT_STAMP)
 
 aot: $(AOT_STAMP)
 	$(VENV)/bin/python -m jaxkern.aot $(ARGS)

@@ -74,6 +74,7 @@ def test_every_family_has_its_test_file_and_launches_hook():
 # Lowering for an abstract H100.
 
 
+@pytest.mark.device_stack
 @pytest.mark.parametrize("name", IMPLEMENTED)
 def test_every_candidate_lowers_to_its_launches_at_largest_recorded_axes(name):
   op = registry.get(name)

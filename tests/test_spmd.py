@@ -97,6 +97,7 @@ def test_sharding_rule_marks_what_must_stay_whole():
   assert rule.need_replication_factors == ("d_8",)
 
 
+@pytest.mark.device_stack
 def test_varying_axes_outside_and_inside_shard_map():
   assert common.varying_axes(jnp.ones(3), 1.0) == frozenset()
   seen = []
@@ -140,6 +141,7 @@ def test_every_op_runs_inside_shard_map_with_vma_checks(label, backend):
   assert_same(out, jax.jit(case.call(backend))(inputs))
 
 
+@pytest.mark.device_stack
 @pytest.mark.parametrize("label", list(CASES))
 def test_every_kernel_lowers_for_h100_when_sharded(label):
   """The Triton path declares how its outputs vary (no interpreter): inside a
