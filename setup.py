@@ -22,7 +22,8 @@ setuptools.setup(
         "matplotlib>=3.8,<4",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4"],
+        # jsonschema: tests/test_fib.py validates exports against FlashInfer-Bench's schemas.
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "jsonschema>=4.20,<5"],
         # examples/video_train.py: the optimizer of the training example (its test runs in `make test`).
         "examples": ["optax>=0.2.8,<0.3"],
         # `python -m jaxkern.aot`: compile for sm_90a without a GPU (README). The
