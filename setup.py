@@ -7,6 +7,8 @@ setuptools.setup(
     version="0.1.0",
     description="JAX/Pallas kernels replaying recorded serving workloads against jnp references",
     packages=setuptools.find_packages(include=["jaxkern", "jaxkern.*", "pallas_kernels", "pallas_kernels.*"]),
+    # FlashInfer-Bench 0.1.2's JSON Schemas (tests/test_fib.py validates exports against them).
+    package_data={"jaxkern.fib": ["schemas/*.json"]},
     python_requires=">=3.12",
     install_requires=[
         "jax>=0.11.2,<0.13",
