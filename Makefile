@@ -87,7 +87,8 @@ fib-check: $(STAMP) $(FIB_STAMP)
 	$(VENV)/bin/python -m jaxkern.fib export --out $(FIB_OUT)/traceset \
 	    --results $(FIB_OUT)/smoke.jsonl $(FIB_OUT)/synthetic.jsonl
 	$(FIB_VENV)/bin/python tools/fib/check.py $(FIB_OUT)/traceset --definitions 21 --workloads 1104 --traces 6 \
-	    --reference dense_gemm_bf16_nt_n4096_k4096 --reference moe_router_gemm_topk_deepseek41_d5120_e384_topk6
+	    --reference dense_gemm_bf16_nt_n4096_k4096 --reference moe_router_gemm_topk_deepseek41_d5120_e384_topk6 \
+	    --reference mixed_mla_decode_deepseek41_h64_d512_k8128_k4512
 	$(VENV)/bin/python -m jaxkern.fib import $(FIB_OUT)/traceset --out $(FIB_OUT)/dataset
 	$(VENV)/bin/python -m jaxkern.replay --config $(FIB_REPLAY_CONFIG) --config.progress=False \
 	    --config.dataset_dir=$(FIB_OUT)/dataset --config.output=$(FIB_OUT)/imported.jsonl

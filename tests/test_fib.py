@@ -65,15 +65,20 @@ def test_every_definition_is_a_fib_definition():
     assert {t["dtype"] for t in [*fib["inputs"].values(), *fib["outputs"].values()]} <= set(formats.FIB_DTYPES)
 
 
-def test_byte_tensors_take_the_stated_fib_dtypes():
+def test_byte_tensors_export_as_int8_and_fp4_imports_too():
   defs = dataset.load_definitions()
-  gg = fib_definitions.to_fib(defs["grouped_gemm_fp8_fp4_e384_n4608_k5120_g32"])["inputs"]
-  assert (gg["b"]["dtype"], gg["b_scale"]["dtype"], gg["a_scale"]["dtype"]) == ("float4_e2m1", "int8", "int8")
+  gemm = defs["grouped_gemm_fp8_fp4_e384_n4608_k5120_g32"]
+  fib = fib_definitions.to_fib(gemm)
+  assert [fib["inputs"][n]["dtype"] for n in ("a", "a_scale", "b", "b_scale")] == \
+      ["float8_e4m3fn", "int8", "int8", "int8"]
   mla = fib_definitions.to_fib(defs["mixed_mla_decode_deepseek41_h64_d512_k8128_k4512"])["inputs"]
   assert (mla["kv_fp8"]["dtype"], mla["kv_fp4"]["dtype"]) == ("int8", "int8")
-  unnamed = dataset.TensorSpec(name="x", shape=("N",), dtype="uint8", description="some bytes")
-  with pytest.raises(dataset.DatasetError, match="x.description"):
-    formats.fib_dtype(unnamed)
+  # FIB's own FP4 type names our packed e2m1 weights, and only those.
+  fib["inputs"]["b"]["dtype"] = "float4_e2m1"
+  assert fib_definitions.match(fib, defs).exact
+  fib["inputs"]["b_scale"]["dtype"] = "float4_e2m1"
+  m = fib_definitions.match(fib, defs)
+  assert m.ours is None and "inputs.b_scale.dtype 'float4_e2m1' (ours 'int8')" in m.message
 
 
 def test_export_writes_fib_traces_by_its_rules(exported):

@@ -23,6 +23,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import torch
 from flashinfer_bench.bench.utils import gen_inputs
@@ -43,7 +44,7 @@ def check_reference(ts: TraceSet, name: str) -> str:
     got = runnable(*inputs)
   got = got if isinstance(got, tuple) else (got,)
   op = registry.get(name)
-  arrays = [bridge.to_our_array(bridge.torch_to_numpy(x), s)
+  arrays = [jnp.asarray(bridge.to_our_array(bridge.torch_to_numpy(x), s))
             for x, s in zip(inputs, op.definition.inputs.values())]
   want = op.reference(dict(zip(op.definition.inputs, arrays)))
   for (out_name, w), g in zip(want.items(), got):
