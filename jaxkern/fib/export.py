@@ -199,8 +199,8 @@ def export(out_dir: str | os.PathLike, *, dataset_dir: str | os.PathLike | None 
   seen: set[str] = set()
   for name, d in defs.items():
     _write_json(formats.definition_path(out, d.op_type, name), fib_definitions.to_fib(d))
-    ws = list(dataset.iter_jsonl(dataset.workloads_path(name, dataset_dir), defs, seen_uuids=seen,
-                                 expect_definition=name)) if dataset.workloads_path(name, dataset_dir).exists() else []
+    wpath = dataset.workloads_path(name, dataset_dir)
+    ws = list(dataset.iter_jsonl(wpath, defs, seen_uuids=seen, expect_definition=name)) if wpath.exists() else []
     _write_jsonl(formats.workloads_path(out, d.op_type, name), [workload_trace(d, w) for w in ws])
     records.update({(name, w.uuid): w.record for w in ws})
     summary.definitions += 1
