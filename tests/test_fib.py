@@ -163,6 +163,8 @@ def test_export_refuses_a_folder_with_files(tmp_path):
   with pytest.raises(FileExistsError, match="not empty"):
     fib_export.export(tmp_path, names=[fib_results.GEMM])
   assert cli.main(["export", "--out", str(tmp_path), "--definitions", fib_results.GEMM]) == 2
+  assert cli.main(["export", "--out", str(tmp_path / "new"), "--definitions", fib_results.GEMM]) == 0
+  assert [p.name for p in (tmp_path / "new" / "definitions" / "gemm").iterdir()] == [f"{fib_results.GEMM}.json"]
   assert cli.main(["import", str(tmp_path / "nothing"), "--out", str(tmp_path / "ds")]) == 2
 
 
