@@ -34,7 +34,7 @@ TEST_TOOLS = {"pytest", "pytest-xdist", "execnet", "iniconfig", "pluggy"}
 
 def tree_as_on_the_gpu_machine(to: pathlib.Path) -> pathlib.Path:
   """The working tree and the kit (.whl/), without .git or environments."""
-  skip = shutil.ignore_patterns(".git", ".venv*", "results", "__pycache__", ".pytest_cache", "bazel-*")
+  skip = shutil.ignore_patterns(".git", ".venv*", "*.egg-info", "results", "__pycache__", ".pytest_cache", "bazel-*")
   shutil.copytree(REPO, to, ignore=skip)
   return to
 
@@ -92,8 +92,9 @@ def test_the_lane_holds_the_gpu_machines_packages_and_the_kit():
   assert jax.__version__ == machine["jax"]
   import ml_collections  # pylint: disable=import-outside-toplevel
   assert ".whl/ml_collections-" in ml_collections.__file__
+  environment = pathlib.Path(sys.prefix).resolve()
   installed = {device_kit.canonicalize_name(d.metadata["Name"]) for d in importlib.metadata.distributions()
-               if ".whl" not in str(d.locate_file(""))}
+               if pathlib.Path(str(d.locate_file(""))).resolve().is_relative_to(environment)}
   assert installed - set(machine) <= {device_kit.canonicalize_name(n) for n in TEST_TOOLS} | {"pip"}
 
 
