@@ -7,6 +7,8 @@ setuptools.setup(
     version="0.1.0",
     description="JAX/Pallas kernels replaying recorded serving workloads against jnp references",
     packages=setuptools.find_packages(include=["jaxkern", "jaxkern.*", "pallas_kernels", "pallas_kernels.*"]),
+    # FlashInfer-Bench 0.1.2's JSON Schemas (tests/test_fib.py validates exports against them).
+    package_data={"jaxkern.fib": ["schemas/*.json"]},
     python_requires=">=3.12",
     install_requires=[
         "jax>=0.11.2,<0.13",
@@ -22,7 +24,8 @@ setuptools.setup(
         "matplotlib>=3.8,<4",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4"],
+        # jsonschema: tests/test_fib.py validates exports against FlashInfer-Bench's schemas.
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "jsonschema>=4.20,<5"],
         # examples/video_train.py: the optimizer of the training example (its test runs in `make test`).
         "examples": ["optax>=0.2.8,<0.3"],
         # `python -m jaxkern.aot`: compile for sm_90a without a GPU (README). The

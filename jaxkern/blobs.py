@@ -114,6 +114,19 @@ def check_present(w: dataset.Workload, blob_root: str) -> None:
                                expected=f"every blob the record names under {blob_root}", got=missing, **_where(w))
 
 
+def recorded_scalars(definition: dataset.Definition, w: dataset.Workload) -> dict[str, jnp.ndarray]:
+  """The scalar inputs a record gives as `{"type": "scalar", "value"}` (a
+  FlashInfer-Bench workload with random tensors and set scalars), as 0-d
+  arrays of the definition's dtype: they hold whether tensors are recorded
+  or synthesized."""
+  recorded = w.record.get("inputs")
+  if not isinstance(recorded, dict):
+    return {}
+  return {name: jnp.asarray(np.asarray(recorded[name]["value"], spec.np_dtype))
+          for name, spec in definition.inputs.items()
+          if spec.shape is None and isinstance(recorded.get(name), dict) and recorded[name].get("type") == "scalar"}
+
+
 def load_recorded(definition: dataset.Definition, w: dataset.Workload, blob_root: str, axes: Mapping[str, int]):
   """(inputs, expected outputs) of a record from `blob_root`: inputs None
   unless every input is recorded (synthesized then), expected outputs None

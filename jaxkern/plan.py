@@ -50,8 +50,9 @@ def plan(op: registry.Op, w: dataset.Workload, *, size: str = "auto", seed: int 
          backend: str | None = None) -> RunPlan:
   """Everything needed to run one workload: recorded tensors when the blob
   root has them (always at recorded sizes), else synthesized inputs at the
-  run size's axes; and the kernel backend (`backend`: a kernel backend, or
-  None / "pallas" for the best available) and config, with its source."""
+  run size's axes with the record's scalar inputs where it gives them; and
+  the kernel backend (`backend`: a kernel backend, or None / "pallas" for
+  the best available) and config, with its source."""
   on_gpu = has_gpu() if on_gpu is None else on_gpu
   recorded_axes = op.validated_axes(w.axes)
   inputs, expected = blobs.load_recorded(op.definition, w, blob_root, recorded_axes)
@@ -60,7 +61,8 @@ def plan(op: registry.Op, w: dataset.Workload, *, size: str = "auto", seed: int 
   else:
     axes, source = run_axes(op, recorded_axes, size, on_gpu), "synthesized"
     inputs = jax.block_until_ready(
-        op.make_inputs(axes, seed=seed, record=w.record, allow_shrunk_constants=True))
+        {**op.make_inputs(axes, seed=seed, record=w.record, allow_shrunk_constants=True),
+         **blobs.recorded_scalars(op.definition, w)})
   scaled = axes != recorded_axes
   const = op.definition.const_axes
   axes_run = {k: v for k, v in axes.items() if k not in const or v != const[k]}

@@ -4,8 +4,8 @@ per workload as it finishes.
 
   python -m jaxkern.replay --config configs/replay.py [--config.FIELD=VALUE ...]
 
-Fields: `jaxkern.replay_config`. Results: `jaxkern.results` (FlashInfer-Bench
-Trace / Evaluation shape; `evaluation.performance.timer` names the timer,
+Fields: `jaxkern.replay_config`. Results: `jaxkern.results` (modelled on
+FlashInfer-Bench's Trace / Evaluation; `evaluation.performance.timer` names the timer,
 see `jaxkern.bench`). Workloads run in worker processes (`jaxkern.workers`):
 one stuck past `timeout_s` is killed, never left behind. The run ends with a
 summary table per definition and timer; the exit code is 1 when any workload

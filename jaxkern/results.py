@@ -1,5 +1,6 @@
-"""Replay results: one JSON line per workload, in FlashInfer-Bench's
-Trace / Evaluation shape (SPEC 7), typed here with a JSON round trip.
+"""Replay results: one JSON line per workload, in a shape modelled on
+FlashInfer-Bench's Trace / Evaluation (SPEC 7; `jaxkern.fib.export` writes
+them as FIB traces), typed here with a JSON round trip.
 
   {"definition", "workload": {"uuid", "variant", "axes", "axes_run", "scaled",
    "seed", "source"}, "solution",

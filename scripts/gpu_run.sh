@@ -22,8 +22,10 @@
 #   GPU_RUN_DEFINITIONS=dense_gemm,moe  # only these definitions (name prefixes)
 #
 # The GPU machine has jax, absl-py, chex, tqdm, tabulate, safetensors and
-# matplotlib but no ml_collections: if a .whl/ folder is here (see the README),
-# its wheels are installed to /tmp/site first.
+# matplotlib but no ml_collections and no network: `make device-kit` puts the
+# missing pure-Python wheels in .whl/, which this script puts on PYTHONPATH
+# (a wheel is a zip that Python imports from; no pip needed). Without .git,
+# GIT_COMMIT names the commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results/gpu_run}
@@ -34,10 +36,9 @@ if [ "$DRY" = 1 ]; then BUDGET=${GPU_RUN_BUDGET_S:-1200}; else BUDGET=${GPU_RUN_
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
 : > "$LOG"
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+for wheel in .whl/*.whl; do
+  [ -f "$wheel" ] && export PYTHONPATH=$PWD/$wheel${PYTHONPATH:+:$PYTHONPATH}
+done
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
 say() { echo "$*" | tee -a "$LOG"; }
@@ -80,11 +81,21 @@ COMMON+=(--config.order=interleave --config.progress=False --config.output="$OUT
 say "== environment"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "git commit: $(git rev-parse HEAD 2>/dev/null || echo "${GIT_COMMIT:-unknown (no .git here)}")"
-  echo "git changes not committed: $(git status --porcelain 2>/dev/null | wc -l)"
+  if git rev-parse HEAD >/dev/null 2>&1; then
+    echo "git commit: $(git rev-parse HEAD)"
+    echo "git changes not committed: $(git status --porcelain | wc -l)"
+  else
+    echo "git commit: ${GIT_COMMIT:-unknown (no .git here and no GIT_COMMIT)}"
+  fi
+  echo "kit wheels on PYTHONPATH: $(ls .whl/*.whl 2>/dev/null | xargs -r -n1 basename | tr '\n' ' ')"
   echo "dry run: $DRY; budget: $BUDGET s; definitions: ${DEFS:-all}"
   $PY -c 'import sys, jax, jaxlib; print("python", sys.version.split()[0]); print("jax", jax.__version__, "jaxlib", jaxlib.__version__); print("devices", jax.devices())' 2>&1
-  $PY -m pip list 2>/dev/null | grep -i -E '^(jax|jaxlib|jax-cuda|ml.collections|nvidia)' || true
+  $PY - <<'EOF' 2>&1
+from importlib import metadata
+names = sorted({d.metadata["Name"] for d in metadata.distributions()}, key=str.lower)
+print("packages:", " ".join(f"{n}=={metadata.version(n)}" for n in names
+                            if n.lower().startswith(("jax", "ml_collections", "ml-collections", "nvidia", "numpy"))))
+EOF
   if command -v nvidia-smi >/dev/null; then nvidia-smi 2>&1; else echo "nvidia-smi: not available"; fi
 } > "$OUT/env.txt"
 cat "$OUT/env.txt" >> "$LOG"

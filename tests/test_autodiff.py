@@ -20,6 +20,10 @@ from jaxkern import plan as plan_lib
 from jaxkern import registry
 from jaxkern.autodiff import NotDifferentiableError
 
+
+# Autodiff smoke of every family: also in the device-stack lane.
+pytestmark = pytest.mark.device_stack
+
 IMPLEMENTED = [n for n in registry.names() if registry.get(n).implemented]
 
 

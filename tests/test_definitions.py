@@ -80,6 +80,7 @@ def test_every_family_has_its_test_file_and_launches_hooks():
 # Lowering for an abstract H100.
 
 
+@pytest.mark.device_stack
 @pytest.mark.parametrize("name,backend", BACKENDS)
 def test_every_candidate_lowers_to_its_launches_at_largest_recorded_axes(name, backend):
   op = registry.get(name)

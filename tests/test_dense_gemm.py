@@ -206,6 +206,7 @@ def test_gradients_with_many_tiles_and_batch_dimensions():
   gradients.assert_grads_close(got, want, ("dA", "dB"))
 
 
+@pytest.mark.device_stack
 def test_gradient_runs_pallas_kernels():
   a, b = operands(5, 24, 40)
   weights = gradients.weights_like((5, 24))

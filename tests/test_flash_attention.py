@@ -596,6 +596,7 @@ def test_masked_gradients_are_exactly_zero():
   assert np.all(np.abs(dk[0]).max(axis=(1, 2)) > 0)
 
 
+@pytest.mark.device_stack
 def test_gradient_runs_pallas_kernels():
   q, k, v = qkv(1, 20, 20)
   kp, vp = normal(7, (1, 6, 2, 64)), normal(8, (1, 6, 2, 64))

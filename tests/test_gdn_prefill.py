@@ -432,6 +432,7 @@ def backward_launches(axes):
           call("gdn_prefill_bwd_dqk", (slots, hv, d // bwd.dqk.block_k), bwd.dqk)]
 
 
+@pytest.mark.device_stack
 @pytest.mark.parametrize("t,n", [(8192, 57), (8192, 1), (6, 1)], ids=lambda v: str(v))
 def test_gradient_lowers_for_h100(t, n):
   """jax.grad of the kernel (every floating input) lowers for an abstract

@@ -1,26 +1,53 @@
 """scripts/gpu_run.sh in its dry mode (CPU, smoke scale, interpret mode):
 phase 1 covers every definition, phase 2 resumes its file, phase 3 sweeps
-(lowering only here), then the report, the environment and one tarball."""
+(lowering only here), then the report, the environment and one tarball; and
+the device kit it imports ml_collections from on the GPU machine.
 
+The dry run is what the first GPU run depends on, so it runs in the
+device-stack lane (`make test-device`: the GPU machine's packages, jax
+0.11.2, plus the kit's wheels), from a copy of the tree without `.git`, as
+the tree reaches the GPU machine."""
+
+import importlib.metadata
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tarfile
+import zipfile
 
+import jax
 import pytest
 
 from jaxkern import registry
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+import device_kit  # noqa: E402  pylint: disable=wrong-import-position
+
+IN_THE_LANE = os.environ.get("JAXKERN_DEVICE_STACK") == "1"
+LANE_ONLY = pytest.mark.skipif(not IN_THE_LANE, reason="runs in the device-stack lane (make test-device)")
+TEST_TOOLS = {"pytest", "pytest-xdist", "execnet", "iniconfig", "pluggy"}
+
+
+def tree_as_on_the_gpu_machine(to: pathlib.Path) -> pathlib.Path:
+  """The working tree and the kit (.whl/), without .git or environments."""
+  skip = shutil.ignore_patterns(".git", ".venv*", "*.egg-info", "results", "__pycache__", ".pytest_cache", "bazel-*")
+  shutil.copytree(REPO, to, ignore=skip)
+  return to
 
 
 @pytest.mark.slow  # a subprocess
+@pytest.mark.device_stack
+@LANE_ONLY
 def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
+  tree = tree_as_on_the_gpu_machine(tmp_path / "tree")
   out = tmp_path / "run"
-  env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu"}
-  p = subprocess.run(["bash", str(REPO / "scripts" / "gpu_run.sh"), str(out)], capture_output=True, text=True,
+  env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu", "GIT_COMMIT": "0123abc"}
+  env.pop("PYTHONPATH", None)  # only what the script puts there: the tree and the kit's wheels
+  p = subprocess.run(["bash", str(tree / "scripts" / "gpu_run.sh"), str(out)], capture_output=True, text=True,
                      timeout=1500, cwd=tmp_path, env=env)
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   log = (out / "run.log").read_text()
@@ -50,6 +77,48 @@ def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
   summary = (out / "summary.md").read_text()  # the page docs/perf/<device>.md takes
   assert "dense_gemm_bf16_nt_n4096_k4096" in summary and "interpret" in summary
   env_txt = (out / "env.txt").read_text()
-  assert "jax " in env_txt and "git commit:" in env_txt and "nvidia-smi" in env_txt
+  assert f"jax {jax.__version__}" in env_txt and "git commit: 0123abc" in env_txt and "nvidia-smi" in env_txt
+  assert "kit wheels on PYTHONPATH: ml_collections-" in env_txt and "ml_collections==" in env_txt
   with tarfile.open(f"{out}.tar.gz") as tar:
     assert {"run/replay.jsonl", "run/env.txt", "run/run.log", "run/summary.md", "run/report/index.html"} <= set(tar.getnames())
+
+
+@pytest.mark.device_stack
+@LANE_ONLY
+def test_the_lane_holds_the_gpu_machines_packages_and_the_kit():
+  """jax as on the GPU machine; ml_collections only from the kit's wheel;
+  nothing installed beyond constraints-device.txt but the test tools."""
+  machine = device_kit.pins(REPO / "constraints-device.txt")
+  assert jax.__version__ == machine["jax"]
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  assert ".whl/ml_collections-" in ml_collections.__file__
+  environment = pathlib.Path(sys.prefix).resolve()
+  installed = {device_kit.canonicalize_name(d.metadata["Name"]) for d in importlib.metadata.distributions()
+               if pathlib.Path(str(d.locate_file(""))).resolve().is_relative_to(environment)}
+  assert installed - set(machine) <= {device_kit.canonicalize_name(n) for n in TEST_TOOLS} | {"pip"}
+
+
+def test_kit_reads_pins_and_wheel_metadata(tmp_path):
+  constraints = tmp_path / "c.txt"
+  constraints.write_text("# a comment\nml_collections==1.1.0\nPyYAML==6.0.4  # trailing\n\n")
+  assert device_kit.pins(constraints) == {"ml-collections": "1.1.0", "pyyaml": "6.0.4"}
+  wheel = tmp_path / "toy-1.0-py3-none-any.whl"
+  with zipfile.ZipFile(wheel, "w") as z:
+    z.writestr("toy-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\n")
+    z.writestr("toy-1.0.dist-info/METADATA", "Name: toy\nRequires-Dist: absl-py\n"
+               "Requires-Dist: PyYAML>=5\nRequires-Dist: pytest; extra == \"test\"\n")
+  pure, reqs = device_kit.metadata(wheel)
+  assert pure and [r.name for r in reqs] == ["absl-py", "PyYAML"]
+
+
+def test_every_package_jaxkern_requires_is_on_the_gpu_machine_or_in_the_kit():
+  """The installed package's run-time requirements (setup.py): each on the
+  machine (constraints-device.txt) or among the kit's packages."""
+  try:
+    requires = importlib.metadata.requires("jaxkern")
+  except importlib.metadata.PackageNotFoundError:
+    pytest.skip("jaxkern is not installed here (the lane puts it on PYTHONPATH)")
+  machine = device_kit.pins(REPO / "constraints-device.txt")
+  needed = {device_kit.canonicalize_name(device_kit.Requirement(r).name) for r in requires
+            if "extra ==" not in r}
+  assert needed - set(machine) == {device_kit.canonicalize_name(n) for n in device_kit.NEEDED}

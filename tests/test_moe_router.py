@@ -207,11 +207,28 @@ def test_no_rows():
   assert ids.shape == weights.shape == (0, TOPK) and ids.dtype == jnp.int32 and weights.dtype == jnp.float32
 
 
-def test_total_order_key_orders_like_ieee_total_order():
-  values = np.array([-np.nan, -np.inf, -3.0, -1e-40, -0.0, 0.0, 1e-40, 2.0, np.inf, np.nan], np.float32)
-  values[0] = -np.abs(values[0])  # a NaN with the sign bit set
+def test_total_order_key_orders_like_ieee_total_order_with_one_nan():
+  values = np.array([-np.inf, -3.0, -1e-40, -0.0, 0.0, 1e-40, 2.0, np.inf, np.nan], np.float32)
   keys = np.asarray(mr.total_order_key(jnp.asarray(values)))
   assert (np.diff(keys) > 0).all()
+  # Whatever its sign and payload, a NaN gets +NaN's key: the top of the order.
+  nan_bits = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF], np.uint32)
+  nan_keys = np.asarray(mr.total_order_key(jnp.asarray(nan_bits.view(np.float32))))
+  assert (nan_keys == keys[-1]).all()
+
+
+def test_a_nan_of_either_sign_routes_the_same_on_both_paths():
+  """Biases of -NaN and +NaN on four experts: kernel and reference rank every
+  NaN above every number, so both pick those four whatever their signs."""
+  inputs = inputs_for(2, d=64, e=40)
+  bias_bits = np.zeros(40, np.uint32)
+  bias_bits[[3, 17]] = 0xFFC00000   # -NaN
+  bias_bits[[9, 30]] = 0x7FC00000   # +NaN
+  inputs = dict(inputs, bias=jnp.asarray(bias_bits.view(np.float32)))
+  ids, _ = run_kernel(inputs)
+  ref_ids = np.asarray(reference(inputs)["expert_ids"])
+  assert all({3, 9, 17, 30} <= set(row) for row in ref_ids.tolist())
+  np.testing.assert_array_equal(np.asarray(ids), ref_ids)
 
 
 @pytest.mark.parametrize("m", RECORDED_M + (7, 33, 8192))

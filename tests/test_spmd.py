@@ -98,6 +98,7 @@ def test_sharding_rule_marks_what_must_stay_whole():
   assert rule.need_replication_factors == ("d_8",)
 
 
+@pytest.mark.device_stack
 def test_varying_axes_outside_and_inside_shard_map():
   assert common.varying_axes(jnp.ones(3), 1.0) == frozenset()
   seen = []
@@ -128,8 +129,13 @@ def in_shard_map(case, backend, mesh, interpret=None):
   return jax.shard_map(case.call(backend, interpret), mesh=mesh, in_specs=(specs,), out_specs=case.out_specs(("x",)))
 
 
+# The device-stack lane's sharding smoke: a GEMM and an attention op.
+LANE_SMOKE = ("dense_gemm_bf16_nt_n4096_k4096-m+n", "noncausal_dense_attention_h32_d64-b+h")
+
+
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-@pytest.mark.parametrize("label", list(CASES))
+@pytest.mark.parametrize("label", [pytest.param(l, marks=pytest.mark.device_stack) if l in LANE_SMOKE else l
+                                   for l in CASES])
 def test_every_op_runs_inside_shard_map_with_vma_checks(label, backend):
   """Failed before for every Pallas kernel ("`manual_axis_type` on
   `jax.ShapeDtypeStruct` must not be `None`") and for the XLA path of the
@@ -141,6 +147,7 @@ def test_every_op_runs_inside_shard_map_with_vma_checks(label, backend):
   assert_same(out, jax.jit(case.call(backend))(inputs))
 
 
+@pytest.mark.device_stack
 @pytest.mark.parametrize("label", list(CASES))
 def test_every_kernel_lowers_for_h100_when_sharded(label):
   """The Triton path declares how its outputs vary (no interpreter): inside a

@@ -1,7 +1,8 @@
 """Typed definitions and workload records, their validation, and the importer.
 
 Layout of a dataset directory (default: the repository's `datasets/`):
-  definitions/<name>.json   one FlashInfer-Bench-compatible definition each
+  definitions/<name>.json   one definition each (modelled on FlashInfer-Bench's;
+                            `jaxkern.fib` exports ones its client loads)
   workloads/<name>.jsonl    the recorded workloads of that definition, one JSON
                             object per line, every recorded field preserved
 

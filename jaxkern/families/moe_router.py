@@ -43,10 +43,14 @@ def router_scores(hidden: jax.Array, weight: jax.Array) -> jax.Array:
 
 def moe_router_reference(hidden, weight, bias, routed_scaling_factor, *, top_k: int = 6):
   """Plain-jnp router. `lax.top_k` returns equal values in index order, so
-  exact ties go to the lower expert id. The [M, E] fp32 scores are small
-  (6 MiB at M=4096, E=384), so no chunking is needed."""
+  exact ties go to the lower expert id. Every NaN is made +NaN before the
+  ranking: XLA may give a NaN either sign (it depends on how it fuses
+  softplus), and `lax.top_k` ranks -NaN below every number but +NaN above.
+  The [M, E] fp32 scores are small (6 MiB at M=4096, E=384), so no chunking
+  is needed."""
   scores = router_scores(hidden, weight)
-  _, ids = lax.top_k(scores + bias.astype(jnp.float32)[None, :], top_k)
+  ranked = scores + bias.astype(jnp.float32)[None, :]
+  _, ids = lax.top_k(jnp.where(jnp.isnan(ranked), jnp.nan, ranked), top_k)
   ids = jnp.sort(ids, axis=1)
   chosen = jnp.take_along_axis(scores, ids, axis=1)
   weights = chosen / jnp.sum(chosen, axis=1, keepdims=True) * jnp.asarray(routed_scaling_factor, jnp.float32)

@@ -172,10 +172,13 @@ def _logits_kernel(hidden_ref, weight_ref, partial_ref, *, m: int, d: int, e: in
 
 
 def total_order_key(x):
-  """fp32 -> int32 keys ordered as IEEE 754's totalOrder (-NaN < -inf < ...
-  < -0 < +0 < ... < +inf < NaN), the order of XLA's top_k: the sign bit
-  flips the magnitude bits of negative numbers."""
+  """fp32 -> int32 keys ordered as IEEE 754's totalOrder (-inf < ... < -0 <
+  +0 < ... < +inf < NaN), the order of XLA's top_k, with every NaN first made
+  the one +NaN: a NaN's sign is not defined by the arithmetic that made it, so
+  it must not decide the ranking. The sign bit flips the magnitude bits of
+  negative numbers."""
   bits = lax.bitcast_convert_type(x, jnp.int32)
+  bits = jnp.where((bits & 0x7FFFFFFF) > 0x7F800000, jnp.int32(0x7FC00000), bits)
   return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 

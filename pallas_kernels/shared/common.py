@@ -6,7 +6,6 @@ Triton deprecation filter, the `pallas_call` every kernel launches through
 from __future__ import annotations
 
 import functools
-import inspect
 import warnings
 from typing import Any, Callable, Iterable, Mapping
 
@@ -45,23 +44,12 @@ def varying_axes(*values: Any) -> frozenset[str]:
   any of the arrays `values` varies over; empty outside a shard_map."""
   axes: frozenset[str] = frozenset()
   for value in jax.tree.leaves(values):
-    aval = jax.typeof(value)
-    mat = getattr(aval, "manual_axis_type", None)
-    # Releases before `manual_axis_type` typed the same as a set, `vma`.
-    axes |= frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", None) or ())
+    axes |= frozenset(jax.typeof(value).manual_axis_type.varying)
   return axes
 
 
-# Whether `jax.ShapeDtypeStruct` takes `manual_axis_type=` (jax 0.12) or the
-# older `vma=` (a set of axis names); the GPU machines may run either.
-_TAKES_MANUAL_AXIS_TYPE = "manual_axis_type" in inspect.signature(jax.ShapeDtypeStruct).parameters
-
-
 def _varying_struct(shape: jax.ShapeDtypeStruct, axes: frozenset[str]) -> jax.ShapeDtypeStruct:
-  if _TAKES_MANUAL_AXIS_TYPE:
-    return jax.ShapeDtypeStruct(shape.shape, shape.dtype,
-                                manual_axis_type=jax.sharding.ManualAxisType(varying=axes))
-  return jax.ShapeDtypeStruct(shape.shape, shape.dtype, vma=axes)
+  return jax.ShapeDtypeStruct(shape.shape, shape.dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=axes))
 
 
 def pallas_call(kernel: Callable[..., None], *, out_shape: Any, interpret: bool = False,

@@ -4,8 +4,8 @@ For each row of f32 `scores [B, W]`, the ids of the `topk` largest scores
 among the row's candidates (every score but -inf, which marks "no candidate"),
 ties to the lower id, returned in increasing id order with a -1 suffix when a
 row has fewer than `topk` candidates. Scores are ranked in the total order of
-floats that XLA's TopK uses (-NaN < -inf < ... < -0 < +0 < ... < +inf < NaN),
-through their order key: the f32 bits as an unsigned integer with the sign bit
+floats that XLA's TopK uses (-inf < ... < -0 < +0 < ... < +inf < NaN, every
+NaN taken as +NaN whatever its sign bit), through their order key: the f32 bits as an unsigned integer with the sign bit
 flipped for positives and every bit flipped for negatives.
 
 The threshold T (the key of the `topk`-th best candidate) is found one 8-bit
@@ -83,8 +83,10 @@ def fit_stage(stage: SelectStage, width: int) -> SelectStage:
 # Pieces shared by the kernels (also the kernel that computes the scores).
 
 def order_key(scores: jax.Array) -> jax.Array:
-  """int32 bits whose *unsigned* order is the total order of the f32 scores."""
+  """int32 bits whose *unsigned* order is the total order of the f32 scores,
+  every NaN counted as +NaN (the top of the order) whatever its sign bit."""
   bits = lax.bitcast_convert_type(scores, jnp.int32)
+  bits = jnp.where((bits & 0x7FFFFFFF) > 0x7F800000, jnp.int32(0x7FC00000), bits)
   return bits ^ ((bits >> 31) | jnp.int32(_SIGN))
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from jaxkern.fib.cli import main
+
+sys.exit(main())
