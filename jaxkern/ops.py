@@ -1,13 +1,20 @@
 """Model-friendly, jit-compatible entry points: plain arrays in, arrays out.
 
 Each op takes a `backend`:
-  None         the Pallas kernel on a GPU, the XLA path otherwise (default)
-  "pallas"     the Pallas kernel (interpret mode when no GPU is present)
-  "xla"        the plain-jnp path (the definitions' references): correct
-               everywhere, fast on CPU
-and a `config` (see `pallas_kernels.<family>`). Without one, the tuned table
-of the current device kind is consulted for the definition whose constant
-axes match the call (`jaxkern.tuning`), else the kernel's heuristic decides.
+  None           "pallas" on a GPU, "xla" otherwise (default)
+  "pallas"       the best available kernel (interpret mode when no GPU is
+                 present): the backend the tuned table has fastest for this
+                 device and shape, else the family's order (Triton first),
+                 falling back when a kernel does not take the inputs
+  "triton", "mosaic_gpu"
+                 that backend's kernel; an op without one raises a
+                 ValueError naming the backends it has
+  "xla"          the plain-jnp path (the definitions' references): correct
+                 everywhere, fast on CPU
+and a `config` (see `pallas_kernels.<family>.config`; its class names the
+backend). Without one, the tuned table of the current device kind is
+consulted for the kernel and the call's shape bucket (`jaxkern.tuning`),
+else the backend's heuristic decides; no dataset file is read.
 `checks=True` validates the op's index and length inputs (checked mode,
 `jaxkern.dispatch`); under jit, wrap the jitted function in `checked`.
 Each op's docstring states its contract: shapes, dtypes, the valid range of
