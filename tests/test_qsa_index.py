@@ -184,10 +184,12 @@ def test_index_no_complete_block_selects_nothing():
 
 
 def numpy_select(scores, topk):
-  """The ids of the topk largest non -inf scores in the total order of floats
-  (-NaN < -inf < -0 < +0 < inf < NaN), ties to the lower id, ascending."""
+  """The ids of the topk largest non -inf scores in XLA TopK's total order
+  of floats (-inf < -0 < +0 < inf < NaN, every NaN taken as +NaN whatever
+  its sign bit), ties to the lower id, ascending."""
   out = -np.ones((len(scores), topk), np.int64)
   for b, row in enumerate(np.asarray(scores, np.float32)):
+    row = np.where(np.isnan(row), np.float32(np.nan), row)  # one NaN, sign bit clear
     bits = row.view(np.int32).astype(np.int64)
     key = np.where(bits < 0, ~bits & 0xFFFFFFFF, bits | 0x80000000)
     candidates = np.flatnonzero(~np.isneginf(row))
