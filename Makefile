@@ -1,25 +1,24 @@
 # Two commands do everything on a fresh machine (see README):
 #   make replay   install, then run the replay (ARGS='--config.definitions=...' to narrow it)
 #   make test     install, then run the whole test suite (the Bazel build and its test subset, then pytest)
-#   make aot      install the optional aot extra, then compile every kernel for sm_90a (ARGS='--definition=...')
+#   make aot      install, then compile every kernel for sm_90a (ARGS='--definition=...')
 # The interpreter is `python` as resolved by pyenv through .python-version (3.12).
 
 PYTHON ?= python
 VENV := .venv
 STAMP := $(VENV)/.installed-stamp
+# The aot extra (setup.py: the CUDA 13 plugin of jax's version, ptxas, libdevice)
+# for jaxkern.aot and its tests; --no-deps: nvidia-cuda-nvcc would also pull a
+# CUDA runtime, which a compile-only target does not use.
+AOT_PACKAGES := jax-cuda13-plugin jax-cuda13-pjrt nvidia-cuda-nvcc nvidia-nvvm
 
 $(STAMP): setup.py constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), "jaxkern needs Python >= 3.12 (see .python-version), got " + sys.version'
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,examples]'
+	$(VENV)/bin/python -m pip install -q --no-deps -c constraints.txt $(AOT_PACKAGES)
 	touch $(STAMP)
-
-AOT_STAMP := $(VENV)/.aot-stamp
-
-$(AOT_STAMP): $(STAMP)
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,examples,aot]'
-	touch $(AOT_STAMP)
 
 .PHONY: install replay test aot test-aot gpu-run gpu-run-dry bazel
 install: $(STAMP)
@@ -32,10 +31,10 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory bazel
 	$(VENV)/bin/python -m pytest -q -n 2 --durations=15 tests
 
-aot: $(AOT_STAMP)
+aot: $(STAMP)
 	$(VENV)/bin/python -m jaxkern.aot $(ARGS)
 
-test-aot: $(AOT_STAMP)
+test-aot: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 0 tests/test_aot.py
 
 # The one prepared device run (see scripts/gpu_run.sh); -dry checks it on a CPU.
