@@ -323,6 +323,22 @@ def test_build_reports_joins_and_judges():
   assert "moe_router_reduce_route: 255 regs" in rep.summary()
 
 
+def test_build_reports_leave_out_calls_xla_did_not_launch():
+  """A repeated call merged into the first and a call whose result is unused
+  (no launch, no ptxas record) get no report when the compile succeeded; with
+  a compile error every call is reported."""
+  limits = aot.Limits()
+  calls = [aot.TritonCall(n, (1, 1, 1), 4, 1) for n in ("fwd", "unused_out", "fwd", "bwd")]
+  launches = [aot.Launch("fwd", (8, 1, 1), 128, 1024), aot.Launch("bwd", (8, 1, 1), 128, 2048)]
+  stats = {"fwd": aot.PtxasStats(registers=64), "bwd": aot.PtxasStats(registers=96)}
+  reports = aot.build_reports(calls, launches, stats, {}, limits)
+  assert [(k.name, k.status, k.registers) for k in reports] == [("fwd", aot.OK, 64), ("bwd", aot.OK, 96)]
+  failed = aot.build_reports(calls, [], {}, {}, limits, error="INTERNAL: boom")
+  assert [k.status for k in failed] == [aot.ERROR] * 4
+  [lost] = aot.build_reports(calls[:1], [aot.Launch("other", (1, 1, 1), 32, 0)], stats, {}, limits)
+  assert lost.status == aot.ERROR and "no ptxas/launch record" in lost.error  # compiled, launch not found
+
+
 def test_build_reports_errors_and_overflow():
   limits = aot.Limits()
   calls = [aot.TritonCall("flash_attention", (1, 1, 1), 8, 2)]

@@ -134,10 +134,16 @@ def build_reports(calls: Sequence[TritonCall], launches: Sequence[Launch],
                   ptxas: Mapping[str, PtxasStats], ptx: Mapping[str, KernelPtx],
                   limits: Limits, error: str = "") -> list[KernelReport]:
   """Joins what the lowering (names, warps, stages), XLA's thunks (launch),
-  ptxas and the PTX said about each Pallas kernel, by name and in order."""
+  ptxas and the PTX said about each Pallas kernel, by name and in order.
+
+  A call XLA compiled without launching it (when the compile succeeded and
+  other kernels launched: one whose result is unused, or a repeat of an
+  identical call that XLA merged, as jax 0.11.2's lowering of a gradient
+  leaves them) gets no report: a report is a launched kernel."""
   # XLA may suffix repeated kernel names; match each call to the first unused
   # launch whose name starts with it.
   unused = list(launches)
+  launched: set[str] = set()
   reports = []
   for call in calls:
     name, num_stages, num_warps = call.name, call.num_stages, call.num_warps
@@ -145,6 +151,9 @@ def build_reports(calls: Sequence[TritonCall], launches: Sequence[Launch],
         (l for l in unused if l.name.startswith(name)), None)
     if launch is not None:
       unused.remove(launch)
+      launched.add(name)
+    elif not error and launches and (name in launched or name not in ptxas):
+      continue
     entry = launch.name if launch else name
     stats = ptxas.get(entry)
     k = KernelReport(name=name, num_warps=num_warps, num_stages=num_stages)
@@ -276,6 +285,6 @@ def markdown_page(sections: Mapping[str, str]) -> str:
       "of one k-step: one iteration of the kernel's main loop (the innermost loop whose body holds MMA "
       "instructions), static PTX counts per warp. `(kernel)`: no such loop, counts of the whole kernel. "
       "ALU = integer and float arithmetic, conversions (cvt), bit operations, compares/selects; address "
-      "arithmetic counts as integer ALU.", "",
+      "arithmetic counts as integer ALU.",
   ]
-  return "\n".join(lines) + "\n".join(sections[v] for v in sorted(sections, key=_version_key))
+  return "\n".join(lines) + "\n" + "".join("\n" + sections[v] for v in sorted(sections, key=_version_key))
