@@ -175,7 +175,10 @@ def main(argv: list[str]) -> None:
     print(f"jaxkern.aot: {reason}", file=sys.stderr)
     sys.exit(2)
   if f.write_targets.value:
-    _write_targets()
+    try:
+      _write_targets()
+    except ValueError as e:  # the plugin embeds none (jax 0.11.2)
+      sys.exit(f"jaxkern.aot --write_targets: {e}")
     return
   try:
     ops = select_ops(f.definition.value or [])
