@@ -24,8 +24,9 @@ $(STAMP): setup.py constraints.txt
 
 # The device-stack lane: a second environment with exactly the GPU machine's
 # packages (constraints-device.txt: jax 0.11.2 + the CUDA 13 plugin, no
-# ml_collections), plus pytest; jaxkern and the device kit's wheels come on
-# PYTHONPATH as scripts/gpu_run.sh puts them there.
+# ml_collections), plus pytest and the sm_90a compile tools (ptxas, libdevice:
+# the aot tests compile with the machine's jax); jaxkern and the device kit's
+# wheels come on PYTHONPATH as scripts/gpu_run.sh puts them there.
 DEVICE_VENV := .venv-device
 DEVICE_STAMP := $(DEVICE_VENV)/.installed-stamp
 KIT_STAMP := .whl/.kit-stamp
@@ -35,6 +36,7 @@ $(DEVICE_STAMP): constraints-device.txt constraints.txt
 	$(DEVICE_VENV)/bin/python -m pip install -q --upgrade pip
 	$(DEVICE_VENV)/bin/python -m pip install -q -r constraints-device.txt
 	$(DEVICE_VENV)/bin/python -m pip install -q -c constraints.txt pytest pytest-xdist
+	$(DEVICE_VENV)/bin/python -m pip install -q --no-deps -c constraints.txt nvidia-cuda-nvcc nvidia-nvvm
 	touch $(DEVICE_STAMP)
 
 $(KIT_STAMP): scripts/device_kit.py constraints.txt constraints-device.txt | $(STAMP)

@@ -412,6 +412,7 @@ def compiler():
   return _compiler()
 
 
+@pytest.mark.device_stack  # sm_90a on the GPU machine's compiler too
 def test_target_configs_of_the_installed_plugin(compiler):
   """Both sm_90a targets resolve whatever the plugin embeds (shipped texts
   fill in); the H200 is the default and has the sm_90 limits."""
@@ -446,6 +447,7 @@ def _shipped():
 SHIPPED = _shipped()
 
 
+@pytest.mark.device_stack  # sm_90a on the GPU machine's compiler too
 @pytest.mark.parametrize("name,axes", SHIPPED)
 def test_shipped_heuristic_configs_compile_clean(compiler, name, axes):
   """No spills, shared memory within the SM, no compile error, for the
