@@ -1,7 +1,7 @@
 # Two commands do everything on a fresh machine (see README):
 #   make replay   install, then run the replay (ARGS='--config.definitions=...' to narrow it)
 #   make test     install, then run the whole test suite (the Bazel build and its test subset, then pytest)
-#   make aot      install the optional aot extra, then compile every kernel for sm_90a (ARGS='--definition=...')
+#   make aot      install, then compile every kernel for sm_90a (ARGS='--definition=...')
 #   make device-kit   put the wheels the GPU machine lacks into .whl/ (see README "The prepared device run")
 #   make fib-check  export the dataset as a FlashInfer-Bench TraceSet and check it with the real client (.venv-fib)
 # The interpreter is `python` as resolved by pyenv through .python-version (3.12).
@@ -9,24 +9,24 @@
 PYTHON ?= python
 VENV := .venv
 STAMP := $(VENV)/.installed-stamp
+# The aot extra (setup.py: the CUDA 13 plugin of jax's version, ptxas, libdevice)
+# for jaxkern.aot and its tests; --no-deps: nvidia-cuda-nvcc would also pull a
+# CUDA runtime, which a compile-only target does not use.
+AOT_PACKAGES := jax-cuda13-plugin jax-cuda13-pjrt nvidia-cuda-nvcc nvidia-nvvm
 
 $(STAMP): setup.py constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), "jaxkern needs Python >= 3.12 (see .python-version), got " + sys.version'
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,examples]'
+	$(VENV)/bin/python -m pip install -q --no-deps -c constraints.txt $(AOT_PACKAGES)
 	touch $(STAMP)
-
-AOT_STAMP := $(VENV)/.aot-stamp
-
-$(AOT_STAMP): $(STAMP)
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,examples,aot]'
-	touch $(AOT_STAMP)
 
 # The device-stack lane: a second environment with exactly the GPU machine's
 # packages (constraints-device.txt: jax 0.11.2 + the CUDA 13 plugin, no
-# ml_collections), plus pytest; jaxkern and the device kit's wheels come on
-# PYTHONPATH as scripts/gpu_run.sh puts them there.
+# ml_collections), plus pytest and the sm_90a compile tools (ptxas, libdevice:
+# the aot tests compile with the machine's jax); jaxkern and the device kit's
+# wheels come on PYTHONPATH as scripts/gpu_run.sh puts them there.
 DEVICE_VENV := .venv-device
 DEVICE_STAMP := $(DEVICE_VENV)/.installed-stamp
 KIT_STAMP := .whl/.kit-stamp
@@ -36,6 +36,7 @@ $(DEVICE_STAMP): constraints-device.txt constraints.txt
 	$(DEVICE_VENV)/bin/python -m pip install -q --upgrade pip
 	$(DEVICE_VENV)/bin/python -m pip install -q -r constraints-device.txt
 	$(DEVICE_VENV)/bin/python -m pip install -q -c constraints.txt pytest pytest-xdist
+	$(DEVICE_VENV)/bin/python -m pip install -q --no-deps -c constraints.txt nvidia-cuda-nvcc nvidia-nvvm
 	touch $(DEVICE_STAMP)
 
 $(KIT_STAMP): scripts/device_kit.py constraints.txt constraints-device.txt | $(STAMP)
@@ -69,10 +70,10 @@ test-device: $(DEVICE_STAMP) $(KIT_STAMP)
 
 device-kit: $(KIT_STAMP)
 
-aot: $(AOT_STAMP)
+aot: $(STAMP)
 	$(VENV)/bin/python -m jaxkern.aot $(ARGS)
 
-test-aot: $(AOT_STAMP)
+test-aot: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 0 tests/test_aot.py
 
 # The one prepared device run (see scripts/gpu_run.sh); -dry checks it on a CPU.

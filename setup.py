@@ -7,8 +7,9 @@ setuptools.setup(
     version="0.1.0",
     description="JAX/Pallas kernels replaying recorded serving workloads against jnp references",
     packages=setuptools.find_packages(include=["jaxkern", "jaxkern.*", "pallas_kernels", "pallas_kernels.*"]),
-    # FlashInfer-Bench 0.1.2's JSON Schemas (tests/test_fib.py validates exports against them).
-    package_data={"jaxkern.fib": ["schemas/*.json"]},
+    # The shipped GPU target texts of jaxkern.aot (jaxkern/aot/targets.py); FlashInfer-Bench 0.1.2's JSON
+    # Schemas (tests/test_fib.py validates exports against them).
+    package_data={"jaxkern.aot": ["gpu_targets/*.txtpb"], "jaxkern.fib": ["schemas/*.json"]},
     python_requires=">=3.12",
     install_requires=[
         "jax>=0.11.2,<0.13",
@@ -28,9 +29,12 @@ setuptools.setup(
         "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "jsonschema>=4.20,<5"],
         # examples/video_train.py: the optimizer of the training example (its test runs in `make test`).
         "examples": ["optax>=0.2.8,<0.3"],
-        # `python -m jaxkern.aot`: compile for sm_90a without a GPU (README). The
-        # plugin without its `with-cuda` extra pulls no CUDA runtime libraries.
-        "aot": ["jax-cuda12-plugin>=0.11.2,<0.13", "jax-cuda12-pjrt>=0.11.2,<0.13",
-                "nvidia-cuda-nvcc-cu12>=12.6,<13"],
+        # `python -m jaxkern.aot`: compile for sm_90a without a GPU (README): the
+        # CUDA 13 plugin of jax's own version (without its `with-cuda` extra it
+        # pulls no CUDA libraries), ptxas and libdevice. `make install` installs
+        # these with --no-deps: nvidia-cuda-nvcc would pull a CUDA runtime that a
+        # compile-only target does not use.
+        "aot": ["jax-cuda13-plugin>=0.11.2,<0.13", "jax-cuda13-pjrt>=0.11.2,<0.13",
+                "nvidia-cuda-nvcc>=13.0,<14", "nvidia-nvvm>=13.0,<14"],
     },
 )

@@ -2,7 +2,7 @@
 one mechanism for every family, applied by `jaxkern.dispatch.run`.
 
 * A family whose kernel is a `jax.custom_vjp` with Pallas backward kernels
-  says so (`OpImpl.differentiable_kernel`); its kernel is called as is.
+  says so (`Kernel.own_vjp`); its kernel is called as is.
 * Any other kernel is wrapped in a `jax.custom_vjp` whose backward pass is
   the VJP of the family's reference at the same inputs (recomputed in the
   backward pass, so only the inputs are kept): the Pallas path then has the

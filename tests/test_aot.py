@@ -235,8 +235,9 @@ def test_instruction_mix_in_table_json_and_markdown():
   assert row["kernels"][0]["instruction_mix"]["k_step"]["alu_per_mma"] == pytest.approx(4.67)
   table = aot.format_rows([row])
   assert "2 wgmma.m64n128k32.e4m3 + 1 wgmma.m64n64k16.bf16" in table and "14 (2/3/2/4/3)" in table
-  page = aot.markdown_page([row], target="NVIDIA H200", ptxas="ptxas 12.9", jax_version="0.12",
-                           command="python -m jaxkern.aot --markdown x.md", date="2026-12-01")
+  section = aot.markdown_section([row], target="NVIDIA H200", toolchain="ptxas 13.5", jax_version="0.12",
+                                 command="python -m jaxkern.aot --markdown x.md", date="2026-12-01")
+  page = aot.markdown_page({"0.12": section})
   line = next(l for l in page.splitlines() if l.startswith("| `grouped`"))
   cells = [c.strip() for c in line.strip("|").split("|")]
   header = next(l for l in page.splitlines() if l.startswith("| definition"))
@@ -244,6 +245,27 @@ def test_instruction_mix_in_table_json_and_markdown():
   assert cells[4:7] == ["132x1x1", "168", "100.0 KiB"] and cells[-4:] == [
       "2 wgmma.m64n128k32.e4m3 + 1 wgmma.m64n64k16.bf16", "14 (2/3/2/4/3)", "4.67", "ok"]
   assert "1/1 configs compile clean" in page and "python -m jaxkern.aot --markdown x.md" in page
+  assert "jax 0.12, ptxas 13.5;" in page
+
+
+def test_markdown_page_keeps_other_versions_sections():
+  """A page holds one section per jax version, oldest first; rewriting one
+  keeps the others byte for byte."""
+  def section(version, status):
+    row = {"definition": "d", "axes": {"M": 1}, "config": {"b": 1}, "heuristic": True, "target": "H200",
+           "status": status, "compile_seconds": 1.0, "error": "" if status == aot.OK else "boom",
+           "kernels": [{"name": "k", "status": status, "registers": 40, "smem_bytes": 0, "spill_stores": 0,
+                        "spill_loads": 0}]}
+    return aot.markdown_section([row], target="H200", toolchain="t", jax_version=version, command="c",
+                                date="2026-12-01")
+  page = aot.markdown_page({"0.12.0.1": section("0.12.0.1", aot.OK), "0.11.2": section("0.11.2", aot.SPILLS)})
+  sections = aot.page_sections(page)
+  assert list(sections) == ["0.11.2", "0.12.0.1"] and "### Not clean" in sections["0.11.2"]
+  assert sections["0.12.0.1"] == section("0.12.0.1", aot.OK)
+  sections["0.11.2"] = section("0.11.2", aot.OK)
+  again = aot.page_sections(aot.markdown_page(sections))
+  assert again["0.11.2"] == section("0.11.2", aot.OK) and again["0.12.0.1"] == section("0.12.0.1", aot.OK)
+  assert aot.page_sections(aot.markdown_page({})) == {}
 
 
 def test_command_line_defines_its_flags_only_when_run():
@@ -302,6 +324,22 @@ def test_build_reports_joins_and_judges():
   assert "moe_router_reduce_route: 255 regs" in rep.summary()
 
 
+def test_build_reports_leave_out_calls_xla_did_not_launch():
+  """A repeated call merged into the first and a call whose result is unused
+  (no launch, no ptxas record) get no report when the compile succeeded; with
+  a compile error every call is reported."""
+  limits = aot.Limits()
+  calls = [aot.TritonCall(n, (1, 1, 1), 4, 1) for n in ("fwd", "unused_out", "fwd", "bwd")]
+  launches = [aot.Launch("fwd", (8, 1, 1), 128, 1024), aot.Launch("bwd", (8, 1, 1), 128, 2048)]
+  stats = {"fwd": aot.PtxasStats(registers=64), "bwd": aot.PtxasStats(registers=96)}
+  reports = aot.build_reports(calls, launches, stats, {}, limits)
+  assert [(k.name, k.status, k.registers) for k in reports] == [("fwd", aot.OK, 64), ("bwd", aot.OK, 96)]
+  failed = aot.build_reports(calls, [], {}, {}, limits, error="INTERNAL: boom")
+  assert [k.status for k in failed] == [aot.ERROR] * 4
+  [lost] = aot.build_reports(calls[:1], [aot.Launch("other", (1, 1, 1), 32, 0)], stats, {}, limits)
+  assert lost.status == aot.ERROR and "no ptxas/launch record" in lost.error  # compiled, launch not found
+
+
 def test_build_reports_errors_and_overflow():
   limits = aot.Limits()
   calls = [aot.TritonCall("flash_attention", (1, 1, 1), 8, 2)]
@@ -343,11 +381,43 @@ def test_largest_axes_by_input_bytes():
     aot.select_ops(["no_such_definition"])
 
 
+# -- target texts --------------------------------------------------------------
+
+def test_shipped_target_texts():
+  """The H100 and H200 texts ship with a header naming their source, and
+  state the sm_90 limits."""
+  shipped = aot.targets.shipped_target_configs()
+  assert sorted(shipped) == sorted(aot.targets.SHIPPED)
+  for name, text in shipped.items():
+    assert text.startswith(f"# GpuTargetConfigProto of `{name}`") and "Extracted unchanged from jax-cuda13-pjrt" in text
+    assert aot.Limits.from_target_config(text) == aot.Limits()
+    assert 'platform_version: "Compute Capability 9.0a"' in text
+
+
+def test_targets_from_a_library_written_and_read_back(tmp_path):
+  """Target texts are found between NUL bytes of a library and written with
+  the header; a device the library lacks is named in the error."""
+  h200 = 'gpu_device_info {\n  shared_memory_per_core: 233472\n}\ndevice_description_str: "NVIDIA H200 141GB HBM3e"\n'
+  other = 'gpu_device_info {\n}\ndevice_description_str: "NVIDIA B200"\n'
+  library = tmp_path / "plugin.so"
+  library.write_bytes(b"\x7fELF\0" + h200.encode() + b"\0junk\0" + other.encode()
+                      + b'\0device_description_str: "not a target"\0')
+  assert aot.targets.embedded_target_configs(str(library)) == {"NVIDIA H200 141GB HBM3e": h200, "NVIDIA B200": other}
+  [path] = aot.targets.write_shipped(str(library), "a test library", str(tmp_path / "out"),
+                                     ("NVIDIA H200 141GB HBM3e",))
+  assert pathlib.Path(path).name == "nvidia_h200_141gb_hbm3e.txtpb"
+  assert aot.targets.shipped_target_configs(str(tmp_path / "out")) == {
+      "NVIDIA H200 141GB HBM3e": aot.targets.header("NVIDIA H200 141GB HBM3e", "a test library") + h200}
+  with pytest.raises(ValueError, match=r"embeds no target for \['NVIDIA H100 80GB HBM3'\]"):
+    aot.targets.write_shipped(str(library), "x", str(tmp_path / "out"), ("NVIDIA H100 80GB HBM3",))
+  (tmp_path / "out" / "broken.txtpb").write_text("gpu_device_info {\n}\n")
+  with pytest.raises(ValueError, match="broken.txtpb: no `device_description_str"):
+    aot.targets.shipped_target_configs(str(tmp_path / "out"))
+
+
 # -- with the extra: real compiles -------------------------------------------
 
 def _compiler():
-  pytest.importorskip("jax_plugins.xla_cuda12")
-  pytest.importorskip("nvidia.cuda_nvcc")
   if aot.available():
     pytest.skip(aot.available())
   return aot.Compiler()
@@ -358,11 +428,26 @@ def compiler():
   return _compiler()
 
 
-def test_target_configs_embedded_in_the_plugin(compiler):
+@pytest.mark.device_stack  # sm_90a on the GPU machine's compiler too
+def test_target_configs_of_the_installed_plugin(compiler):
+  """Both sm_90a targets resolve whatever the plugin embeds (shipped texts
+  fill in); the H200 is the default and has the sm_90 limits."""
   names = aot.target_configs()
-  assert "NVIDIA H100 80GB HBM3" in names and compiler.target in names
+  assert "NVIDIA H100 80GB HBM3" in names and compiler.target == "NVIDIA H200 141GB HBM3e"
   assert aot.resolve_target("H100")[0] == "NVIDIA H100 80GB HBM3"
   assert compiler.limits == aot.Limits()
+
+
+def test_shipped_texts_are_the_plugins_own(compiler):  # pylint: disable=unused-argument
+  """Where the plugin embeds the H100/H200 texts (jax >= 0.12), the shipped
+  files hold exactly them under their header."""
+  import jax  # pylint: disable=g-import-not-at-top
+  embedded = aot.targets.embedded_target_configs(aot.plugin_library())
+  if not set(aot.targets.SHIPPED) <= set(embedded):
+    pytest.skip(f"the jax {jax.__version__} CUDA plugin embeds no H100/H200 target text (the shipped ones are used)")
+  for name, text in aot.targets.shipped_target_configs().items():
+    assert text.endswith(embedded[name].rstrip("\n") + "\n"), name
+    assert aot.target_origin(name) == "plugin"
 
 
 def _shipped():
@@ -378,6 +463,7 @@ def _shipped():
 SHIPPED = _shipped()
 
 
+@pytest.mark.device_stack  # sm_90a on the GPU machine's compiler too
 @pytest.mark.parametrize("name,axes", SHIPPED)
 def test_shipped_heuristic_configs_compile_clean(compiler, name, axes):
   """No spills, shared memory within the SM, no compile error, for the
@@ -403,5 +489,7 @@ def test_markdown_page_from_a_run(compiler, tmp_path):  # pylint: disable=unused
   out = subprocess.run([sys.executable, "-m", "jaxkern.aot", "--definition=dense_gemm_bf16_nt_n4096_k4096",
                         f"--markdown={page}"], capture_output=True, text=True, timeout=600, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
+  import jax  # pylint: disable=g-import-not-at-top
   text = page.read_text()
   assert "1/1 configs compile clean" in text and "wgmma.m64n256k16.bf16" in text and "| `dense_gemm_nt` |" in text
+  assert list(aot.page_sections(text)) == [jax.__version__] and f"jax-cuda13-plugin {jax.__version__}" in text

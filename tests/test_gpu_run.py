@@ -29,7 +29,9 @@ import device_kit  # noqa: E402  pylint: disable=wrong-import-position
 
 IN_THE_LANE = os.environ.get("JAXKERN_DEVICE_STACK") == "1"
 LANE_ONLY = pytest.mark.skipif(not IN_THE_LANE, reason="runs in the device-stack lane (make test-device)")
-TEST_TOOLS = {"pytest", "pytest-xdist", "execnet", "iniconfig", "pluggy"}
+# What the lane adds to the machine's packages: the test runner, and ptxas and
+# libdevice for the sm_90a compile tests (tests/test_aot.py).
+TEST_TOOLS = {"pytest", "pytest-xdist", "execnet", "iniconfig", "pluggy", "nvidia-cuda-nvcc", "nvidia-nvvm"}
 
 
 def tree_as_on_the_gpu_machine(to: pathlib.Path) -> pathlib.Path:

@@ -31,8 +31,8 @@ CONST = dict(H=64, HKV=1, D=512)
 # Small tilings for interpret mode: several slot blocks and head groups,
 # D in chunks, TOPK split over programs (ragged runs), with and without the
 # index carry.
-SMALL = sm.SparseMlaPrefillConfig(block_h=32, block_k=32, block_d=512, num_warps=4)
-CHUNKED = sm.SparseMlaPrefillConfig(block_h=16, block_k=16, block_d=128, num_warps=4)
+SMALL = sm.SparseMlaPrefillConfig(block_h=32, block_k=32, block_d=512, prefetch=True, num_warps=4)
+CHUNKED = sm.SparseMlaPrefillConfig(block_h=16, block_k=16, block_d=128, prefetch=True, num_warps=4)
 SPLIT = sm.SparseMlaPrefillConfig(block_h=16, block_k=16, block_d=128, splits=3, prefetch=False, num_warps=4)
 
 
@@ -189,7 +189,7 @@ KERNEL_CASES = [
       for m, nkv, topk, config, label in [
           (6, 300, 80, SMALL, "ragged_last_slot_block"),     # 80 = 2.5 x 32
           (1, 40, 128, SMALL, "one_row"),
-          (3, 200, 640, None, "k640_heuristic_split"),      # 64 heads, 4 TOPK splits
+          (3, 200, 640, None, "k640_heuristic_split"),      # 32 heads, 4 TOPK splits
           (4, 64, 24, CHUNKED, "topk_below_32_d_chunks"),
           (5, 300, 80, SPLIT, "split_ragged_runs"),         # 5 blocks of 16 in runs 2, 2, 1
           (2, 90, 40, dataclasses.replace(CHUNKED, prefetch=False), "no_index_carry")]),
@@ -348,18 +348,19 @@ def shapes_at(name, m):
 
 
 @pytest.mark.parametrize("name,m,block_k,splits", [(K640, 4096, 64, 1), (K128, 4096, 64, 1), (K640, 448, 64, 1),
-                                                   (K640, 128, 64, 3), (K128, 128, 32, 4), (K640, 1, 64, 4)])
+                                                   (K640, 128, 64, 2), (K128, 128, 64, 2), (K640, 1, 64, 4),
+                                                   (K128, 1, 32, 4)])
 def test_heuristic_grids(name, m, block_k, splits):
-  """64-head tiles (wgmma) with 128-column D chunks everywhere; TOPK split
-  only under two waves of 132 SMs, into enough runs for two waves at the
+  """32-head tiles with 128-column D chunks everywhere; TOPK split only
+  under two waves of 132 SMs, into enough runs for two waves at the
   smallest recorded M = 128 (at most MAX_SPLITS)."""
   config = sm.choose_config(shapes_at(name, m))
-  assert (config.block_h, config.block_d, config.block_k, config.splits) == (64, 128, block_k, splits)
+  assert (config.block_h, config.block_d, config.block_k, config.splits) == (32, 128, block_k, splits)
   (call, *combine), = [launches(config, full_axes(name, dict(M=m, Nkv=m)))]
-  assert call.grid == (1, splits, m)
+  assert call.grid == (2, splits, m)
   assert len(combine) == (splits > 1)
   if m == 128:
-    assert m * splits >= 2 * 132
+    assert 2 * m * splits >= 2 * 132
   assert splits <= sm.MAX_SPLITS
 
 

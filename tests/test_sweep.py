@@ -35,7 +35,7 @@ def test_sweep_runs_checks_and_times_candidates():
 def test_sweep_command_line_lower_only(tmp_path):
   out = tmp_path / "sweep.jsonl"
   p = subprocess.run([sys.executable, "-m", "jaxkern.sweep", "--definition=noncausal_dense_attention_h32_d64",
-                      "--axes=B=1,Nq=2352,Nk=51", "--lower_only", f"--output={out}"],
+                      "--axes=B=1,Nq=2352,Nk=51", "--lower_only", "--noaot", f"--output={out}"],
                      capture_output=True, text=True, timeout=300, cwd=REPO)
   assert p.returncode == 0, p.stderr
   rows = [json.loads(l) for l in out.read_text().splitlines()]
@@ -54,7 +54,7 @@ def test_write_tuned_then_replay_uses_it(tmp_path):
   env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu",
          "JAXKERN_TUNED_DIR": str(tmp_path / "tuned")}
   p = subprocess.run([sys.executable, "-m", "jaxkern.sweep", f"--definition={name}", "--axes=M=3", "--max_configs=3",
-                      "--warmup=0", "--iters=1", "--write_tuned"], capture_output=True, text=True, timeout=300,
+                      "--warmup=0", "--iters=1", "--write_tuned", "--noaot"], capture_output=True, text=True, timeout=300,
                      cwd=tmp_path, env=env)
   assert p.returncode == 0, p.stdout + p.stderr
   [table] = (tmp_path / "tuned").glob("*.json")

@@ -4,9 +4,10 @@ print (or write) what the toolchain made of them.
   python -m jaxkern.aot                                   # every implemented definition
   python -m jaxkern.aot --definition moe_router --axes M=1 --all_candidates
   python -m jaxkern.aot --definition dense_gemm --json
-  python -m jaxkern.aot --markdown docs/perf/sm90a_compile.md   # the generated page
+  python -m jaxkern.aot --markdown docs/perf/sm90a_compile.md   # this jax version's section of the page
   python -m jaxkern.aot --backward --definition noncausal       # the gradients' kernels
   python -m jaxkern.aot --backend mosaic_gpu                     # one kernel backend (default: each one)
+  python -m jaxkern.aot --write_targets   # rewrites the shipped H100/H200 target texts (jax 0.12 plugin)
 
 The exit code is 1 unless every kernel is `ok`; 2 when the `aot` extra is
 missing.
@@ -21,8 +22,10 @@ import pathlib
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
-from jaxkern.aot.report import OK, format_rows, markdown_page
-from jaxkern.aot.toolchain import DEFAULT_TARGET, Compiler, available, ptxas_binary, ptxas_version, skip_cuda_checks
+from jaxkern.aot import targets
+from jaxkern.aot.report import OK, format_rows, markdown_page, markdown_section, page_sections
+from jaxkern.aot.toolchain import (DEFAULT_TARGET, PLUGIN_MODULE, Compiler, available, plugin_library, plugin_version,
+                                   ptxas_binary, ptxas_version, skip_cuda_checks, target_origin)
 
 
 def select_ops(patterns: Sequence[str]) -> list:
@@ -99,6 +102,7 @@ class Flags:
   markdown: Any
   backward: Any
   backend: Any
+  write_targets: Any
 
 
 _FLAGS: Flags | None = None
@@ -117,13 +121,42 @@ def define_flags() -> Flags:
       target=flags.DEFINE_string("target", DEFAULT_TARGET, "GPU target (a device name in the CUDA plugin, or a "
                                  "part of one)."),
       json=flags.DEFINE_bool("json", False, "Print JSON instead of a table."),
-      markdown=flags.DEFINE_string("markdown", "", "Also write the generated markdown page here (e.g. "
-                                   "docs/perf/sm90a_compile.md)."),
+      markdown=flags.DEFINE_string("markdown", "", "Also write this jax version's section of the generated "
+                                   "markdown page here (e.g. docs/perf/sm90a_compile.md), keeping the others."),
       backward=flags.DEFINE_bool("backward", False, "Compile the gradient instead (forward and backward kernels) "
                                  "of the definitions whose kernels have Pallas backward kernels."),
       backend=flags.DEFINE_string("backend", "pallas", "Kernel backend: pallas (each backend of the family) | "
-                                  "triton | mosaic_gpu."))
+                                  "triton | mosaic_gpu."),
+      write_targets=flags.DEFINE_bool("write_targets", False, "Rewrite the shipped H100/H200 target texts "
+                                      "(jaxkern/aot/gpu_targets) from the installed plugin, which must embed them "
+                                      "(jax >= 0.12), then exit."))
   return _FLAGS
+
+
+def _write_targets() -> None:
+  library = plugin_library()
+  source = f"jax-cuda13-pjrt {plugin_version()} ({PLUGIN_MODULE.replace('.', '/')}/{pathlib.Path(library).name})"
+  for path in targets.write_shipped(library, source):
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def toolchain_line(compiler: Compiler) -> str:
+  """The plugin, ptxas and target text a page section names."""
+  origin = ("embedded in the plugin" if target_origin(compiler.target) == "plugin" else
+            "shipped in jaxkern/aot/gpu_targets (the plugin embeds none)")
+  return f"jax-cuda13-plugin {plugin_version()}, {ptxas_version()}, target text {origin}"
+
+
+def _write_markdown(path: pathlib.Path, rows: list[dict], compiler: Compiler) -> None:
+  """Writes `path` with this jax version's section replaced (or added) and
+  the other versions' sections kept."""
+  import jax  # pylint: disable=g-import-not-at-top
+  sections = page_sections(path.read_text(encoding="utf-8")) if path.exists() else {}
+  sections[jax.__version__] = markdown_section(
+      rows, target=compiler.target, toolchain=toolchain_line(compiler), jax_version=jax.__version__,
+      command=_command(sys.argv), date=datetime.date.today().isoformat())
+  path.write_text(markdown_page(sections), encoding="utf-8")
+  print(f"wrote {path} (section jax {jax.__version__})", file=sys.stderr)
 
 
 def _command(argv: Sequence[str]) -> str:
@@ -147,6 +180,12 @@ def main(argv: list[str]) -> None:
   if reason:
     print(f"jaxkern.aot: {reason}", file=sys.stderr)
     sys.exit(2)
+  if f.write_targets.value:
+    try:
+      _write_targets()
+    except ValueError as e:  # the plugin embeds none (jax 0.11.2)
+      sys.exit(f"jaxkern.aot --write_targets: {e}")
+    return
   try:
     ops = select_ops(f.definition.value or [])
   except ValueError as e:
@@ -161,7 +200,7 @@ def main(argv: list[str]) -> None:
     if not jobs:
       raise app.UsageError("--backward: none of these definitions has Pallas backward kernels")
   compiler = Compiler(f.target.value)
-  print(f"target: {compiler.target} (sm_90a), ptxas {ptxas_binary()}", file=sys.stderr)
+  print(f"target: {compiler.target} (sm_90a), {toolchain_line(compiler)}, ptxas {ptxas_binary()}", file=sys.stderr)
   rows = []
   for op, backend in jobs:
     axes = op.validated_axes(selection.parse_axes(f.axes.value) if f.axes.value else selection.largest_recorded_axes(op.definition))
@@ -170,17 +209,15 @@ def main(argv: list[str]) -> None:
         f"{r['definition']} {r['backend']} {r['config']}: {r['status']} ({r['compile_seconds']:.1f} s)",
         file=sys.stderr, flush=True))
   if f.markdown.value:
-    import jax  # pylint: disable=g-import-not-at-top
-    page = markdown_page(rows, target=compiler.target, ptxas=ptxas_version(), jax_version=jax.__version__,
-                         command=_command(sys.argv), date=datetime.date.today().isoformat())
-    pathlib.Path(f.markdown.value).write_text(page, encoding="utf-8")
-    print(f"wrote {f.markdown.value}", file=sys.stderr)
+    _write_markdown(pathlib.Path(f.markdown.value), rows, compiler)
   if f.json.value:
     print(json.dumps({"target": compiler.target, "limits": dataclasses.asdict(compiler.limits), "rows": rows},
                      indent=1))
   else:
     print(format_rows(rows))
     bad = [r for r in rows if r["status"] != OK]
-    print(f"{len(rows) - len(bad)}/{len(rows)} configs compile clean for {compiler.target}"
+    import jax  # pylint: disable=g-import-not-at-top
+    print(f"{len(rows) - len(bad)}/{len(rows)} configs compile clean for {compiler.target} (jax {jax.__version__}, "
+          f"{toolchain_line(compiler)})"
           + "".join(f"\n  {r['definition']} {r['config']}: {r['status']} {r['error'][:300]}" for r in bad))
   sys.exit(0 if all(r["status"] == OK for r in rows) else 1)

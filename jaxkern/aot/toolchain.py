@@ -1,17 +1,19 @@
-"""The compile-only sm_90a toolchain: the CUDA PJRT plugin and ptxas, the
-GPU targets embedded in the plugin, and `Compiler`, which lowers a function
-on a compile-only device and compiles it with XLA's GPU pipeline.
+"""The compile-only sm_90a toolchain: the CUDA 13 PJRT plugin and ptxas,
+the GPU targets, and `Compiler`, which lowers a function on a compile-only
+device and compiles it with XLA's GPU pipeline.
 
-How (SPEC section 2): the CUDA PJRT plugin (`jax-cuda12-plugin`,
-`jax-cuda12-pjrt`) embeds GPU target descriptions (`GpuTargetConfigProto`
-text, one per device); `jax.experimental.topologies.get_topology_desc` turns
-one into compile-only devices, and `.compile()` of a function lowered on a
-mesh of them runs XLA's real GPU pipeline: XLA's Triton on each
-`__gpu$xla.gpu.triton` call, then ptxas (`nvidia-cuda-nvcc-cu12`) for
-`sm_90a`. jax hands XLA `CUDA_ROOT` as the CUDA directory, so we point it at
-a folder whose `bin/ptxas` is a wrapper that keeps each PTX and runs the real
-ptxas with `-v` (registers, spills, stack). XLA's thunk dump gives each
-kernel's launch: grid, threads and (dynamic) shared memory. A Mosaic GPU
+How (SPEC section 2): the CUDA 13 PJRT plugin of the installed jax
+(`jax-cuda13-plugin`, `jax-cuda13-pjrt`) takes a GPU target description
+(`GpuTargetConfigProto` text: the plugin's own where it embeds one, else the
+shipped H100/H200 texts of `jaxkern.aot.targets`);
+`jax.experimental.topologies.get_topology_desc` turns it into compile-only
+devices, and `.compile()` of a function lowered on a mesh of them runs XLA's
+real GPU pipeline: XLA's Triton on each `__gpu$xla.gpu.triton` call, then
+ptxas (`nvidia-cuda-nvcc`, `nvidia/cu13/bin`) for `sm_90a`, with libdevice
+from `nvidia-nvvm`. jax hands XLA `CUDA_ROOT` as the CUDA directory, so we
+point it at a folder whose `bin/ptxas` is a wrapper that keeps each PTX and
+runs the real ptxas with `-v` (registers, spills, stack). XLA's thunk dump
+gives each kernel's launch: grid, threads and (dynamic) shared memory. A Mosaic GPU
 kernel (`mosaic_gpu_v2` call) is compiled by the plugin with its own ptxas,
 which the wrapper never sees: its PTX and `ptxas -v` report come from the
 plugin's dump (`MOSAIC_GPU_DUMP_TO`, set for every compile).
@@ -21,8 +23,8 @@ from __future__ import annotations
 
 import atexit
 import glob
+import importlib.metadata
 import importlib.util
-import mmap
 import os
 import re
 import shlex
@@ -33,6 +35,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from jaxkern.aot import targets
 from jaxkern.aot.parsing import PtxasStats, parse_ptxas_verbose, parse_thunk_sequence
 from pallas_kernels.shared.lowering import mosaic_gpu_calls, triton_calls
 from jaxkern.aot.ptx import KernelPtx, parse_ptx
@@ -59,24 +62,36 @@ def _package_dir(module: str) -> str | None:
   return locations[0] if locations else os.path.dirname(spec.origin or "")
 
 
+PLUGIN_MODULE = "jax_plugins.xla_cuda13"  # jax-cuda13-pjrt
+PLUGIN_PACKAGE = "jax_cuda13_plugin"      # jax-cuda13-plugin
+PTXAS_PACKAGE = "nvidia.cu13"             # nvidia-cuda-nvcc (bin/ptxas) and nvidia-nvvm (nvvm/libdevice)
+
 def plugin_library() -> str | None:
-  """The CUDA PJRT plugin's shared library (from `jax-cuda12-pjrt`)."""
-  d = _package_dir("jax_plugins.xla_cuda12")
+  """The CUDA 13 PJRT plugin's shared library (from `jax-cuda13-pjrt`)."""
+  d = _package_dir(PLUGIN_MODULE)
   path = d and os.path.join(d, "xla_cuda_plugin.so")
   return path if path and os.path.exists(path) else None
 
 
 def ptxas_binary() -> str | None:
-  """`JAXKERN_PTXAS`, else the ptxas of `nvidia-cuda-nvcc-cu12`."""
+  """`JAXKERN_PTXAS`, else the ptxas of `nvidia-cuda-nvcc` (`nvidia/cu13/bin`)."""
   if os.environ.get("JAXKERN_PTXAS"):
     return os.environ["JAXKERN_PTXAS"]
-  d = _package_dir("nvidia.cuda_nvcc")
+  d = _package_dir(PTXAS_PACKAGE)
   path = d and os.path.join(d, "bin", "ptxas")
   return path if path and os.path.exists(path) else None
 
 
+def libdevice_dir() -> str | None:
+  """The `nvvm` folder (libdevice) next to ptxas's `bin`, from `nvidia-nvvm`;
+  XLA's own (non-Triton) fusions link libdevice."""
+  real = ptxas_binary()
+  d = real and os.path.join(os.path.dirname(os.path.dirname(real)), "nvvm")
+  return d if d and os.path.isdir(os.path.join(d, "libdevice")) else None
+
+
 def ptxas_version(binary: str | None = None) -> str:
-  """`ptxas 12.9.86` (the release line of `ptxas --version`), or `ptxas ?`."""
+  """`ptxas 13.5.37` (the release line of `ptxas --version`), or `ptxas ?`."""
   binary = binary or ptxas_binary()
   try:
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
@@ -86,40 +101,55 @@ def ptxas_version(binary: str | None = None) -> str:
   return f"ptxas {m.group(1)}" if m else "ptxas ?"
 
 
+def _version(distribution: str) -> str | None:
+  try:
+    return importlib.metadata.version(distribution)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def plugin_version() -> str:
+  """The installed `jax-cuda13-pjrt` version, or `?`."""
+  return _version("jax-cuda13-pjrt") or "?"
+
+
 def available() -> str | None:
-  """None when the `aot` extra is usable, else why not."""
+  """None when the `aot` extra is usable, else why not: a missing package,
+  or a plugin whose version is not jax's (jax loads only its own)."""
   missing = []
   if plugin_library() is None:
-    missing.append("jax-cuda12-pjrt (jax_plugins/xla_cuda12/xla_cuda_plugin.so)")
+    missing.append("jax-cuda13-pjrt (jax_plugins/xla_cuda13/xla_cuda_plugin.so)")
+  if _package_dir(PLUGIN_PACKAGE) is None:
+    missing.append("jax-cuda13-plugin")
   if ptxas_binary() is None:
-    missing.append("nvidia-cuda-nvcc-cu12 (ptxas)")
-  if _package_dir("jax_cuda12_plugin") is None:
-    missing.append("jax-cuda12-plugin")
+    missing.append("nvidia-cuda-nvcc (nvidia/cu13/bin/ptxas)")
+  elif libdevice_dir() is None:
+    missing.append("nvidia-nvvm (nvidia/cu13/nvvm/libdevice)")
   if missing:
     return ("the aot extra is not installed: missing " + ", ".join(missing)
-            + "; install it with: pip install -c constraints.txt -e '.[aot]'")
+            + "; install it with: make install (or see README: jaxkern.aot)")
+  jax_version = _version("jax")
+  wrong = [f"{d} {_version(d)}" for d in ("jax-cuda13-plugin", "jax-cuda13-pjrt") if _version(d) != jax_version]
+  if wrong:
+    return (f"the aot extra does not match jax {jax_version}: {', '.join(wrong)}; install "
+            f"jax-cuda13-plugin=={jax_version} jax-cuda13-pjrt=={jax_version} (pip install --no-deps)")
   return None
 
 
-_TARGETS_CACHE: dict[str, dict[str, str]] = {}
-
-
 def target_configs(library: str | None = None) -> dict[str, str]:
-  """Device name -> `GpuTargetConfigProto` text embedded in the plugin."""
+  """Device name -> `GpuTargetConfigProto` text: the plugin's own, plus the
+  shipped ones (`jaxkern.aot.targets`) for devices the plugin does not embed."""
   library = library or plugin_library()
   if library is None:
     raise RuntimeError(available() or "no CUDA plugin library")
-  if library not in _TARGETS_CACHE:
-    found = {}
-    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-      for m in re.finditer(rb'device_description_str: "([^"\n]+)"', data):
-        start = data.rfind(b"\0", 0, m.start()) + 1
-        end = data.find(b"\0", m.end())
-        text = data[start:end].decode("utf-8", "replace")
-        if "gpu_device_info" in text:
-          found[m.group(1).decode()] = text
-    _TARGETS_CACHE[library] = found
-  return _TARGETS_CACHE[library]
+  return {**targets.shipped_target_configs(), **targets.embedded_target_configs(library)}
+
+
+def target_origin(name: str, library: str | None = None) -> str:
+  """Where `name`'s target text comes from: `plugin` (embedded in the
+  installed plugin) or `shipped` (`jaxkern.aot.targets.TARGETS_DIR`)."""
+  library = library or plugin_library()
+  return "plugin" if library and name in targets.embedded_target_configs(library) else "shipped"
 
 
 def resolve_target(name: str) -> tuple[str, str]:
@@ -185,8 +215,8 @@ class Compiler:
     os.makedirs(self._mosaic_dump, exist_ok=True)
     os.environ.update(MOSAIC_GPU_DUMP_TO=self._mosaic_dump, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
     real = ptxas_binary()
-    nvvm = os.path.join(os.path.dirname(os.path.dirname(real)), "nvvm")
-    if os.path.isdir(nvvm) and not os.path.exists(os.path.join(self._cuda_root, "nvvm")):
+    nvvm = libdevice_dir()
+    if nvvm and not os.path.exists(os.path.join(self._cuda_root, "nvvm")):
       os.symlink(nvvm, os.path.join(self._cuda_root, "nvvm"))  # libdevice for XLA's own fusions
     wrapper = os.path.join(self._cuda_root, "bin", "ptxas")
     with open(wrapper, "w", encoding="utf-8") as f:

@@ -22,11 +22,11 @@ class SparseMlaPrefillConfig(KernelConfig):
     its gather; False leaves the index loads to Triton's pipeliner (which
     then stages them through shared memory: fewer registers).
   """
-  block_h: int = field(64, DOT_BLOCK)
+  block_h: int = field(32, DOT_BLOCK)
   block_k: int = field(64, DOT_BLOCK)
   block_d: int = field(128, DOT_BLOCK)
   splits: int = field(1, at_least(1))
-  prefetch: bool = field(True, one_of(True, False))
+  prefetch: bool = field(False, one_of(True, False))
   num_warps: int = field(8, NUM_WARPS)
   num_stages: int = field(2, NUM_STAGES)
   combine: CombineStage = field(CombineStage(block_h=16, block_d=128, block_s=2), instance_of(CombineStage))

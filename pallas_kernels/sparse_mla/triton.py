@@ -30,9 +30,9 @@ for 256.5 KiB (more than an H100/H200 CTA has), with 128-wide chunks the
 resident q tile plus two pipeline stages of the gathered tile fit in 192 KiB
 (docs/perf/kernel_notes.md).
 
-The loop carries the next slot block's indices: each step loads the indices
-of the step after it before it gathers its own rows, so the gather never
-waits on its index load.
+With `prefetch` the loop carries the next slot block's indices: each step
+loads the indices of the step after it before it gathers its own rows, so
+the gather never waits on its index load (at a cost in registers).
 
 Split over TOPK (small M). The grid is `(H / block_h, splits, M)`. With
 `splits > 1` the row's slot blocks are cut into `splits` contiguous runs, one
@@ -135,29 +135,32 @@ def split_for(sizes: SparseMlaSizes, config: SparseMlaPrefillConfig,
 # split, applied to each). Shared memory: the resident q tile (block_h * D
 # * 2 B) plus the gathered tiles of the pipeline stages (block_k * D * 2 B
 # each): 64 heads x 64 slots x 2 stages is 192 KiB. The 64-head tilings run
-# wgmma, the 32- and 16-head ones mma.sync. All compile without spills on
-# sm_90a at the recorded sizes; the index carry (`prefetch`) costs registers,
-# so the tilings at the register limit leave it to Triton's pipeliner
-# (figures: docs/perf/kernel_notes.md).
+# wgmma at the register limit, the 32- and 16-head ones mma.sync. The index
+# carry (`prefetch`) costs registers. The 64-head tilings compile without
+# spills with jax 0.12's Triton but spill with jax 0.11.2's (the GPU
+# machine's), the 32- and 16-head ones are clean with both (figures:
+# docs/perf/sm90a_compile.md, docs/perf/kernel_notes.md).
 _SWEEP_CONFIGS = (
-    SparseMlaPrefillConfig(block_h=64, block_k=64, block_d=128, num_warps=8, num_stages=2),
+    SparseMlaPrefillConfig(block_h=64, block_k=64, block_d=128, num_warps=8, num_stages=2, prefetch=True),
     SparseMlaPrefillConfig(block_h=64, block_k=64, block_d=128, num_warps=8, num_stages=2, prefetch=False),
     SparseMlaPrefillConfig(block_h=64, block_k=32, block_d=128, num_warps=8, num_stages=3, prefetch=False),
     SparseMlaPrefillConfig(block_h=64, block_k=32, block_d=128, num_warps=8, num_stages=2, prefetch=False),
     SparseMlaPrefillConfig(block_h=64, block_k=64, block_d=128, num_warps=8, num_stages=1, prefetch=False),
-    SparseMlaPrefillConfig(block_h=32, block_k=64, block_d=128, num_warps=8, num_stages=2),
+    SparseMlaPrefillConfig(block_h=32, block_k=64, block_d=128, num_warps=8, num_stages=2, prefetch=True),
     SparseMlaPrefillConfig(block_h=32, block_k=64, block_d=128, num_warps=8, num_stages=3, prefetch=False),
     SparseMlaPrefillConfig(block_h=32, block_k=64, block_d=512, num_warps=8, num_stages=2, prefetch=False),
-    SparseMlaPrefillConfig(block_h=16, block_k=32, block_d=128, num_warps=4, num_stages=2),
+    SparseMlaPrefillConfig(block_h=16, block_k=32, block_d=128, num_warps=4, num_stages=2, prefetch=True),
 )
 
 
 def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> SparseMlaPrefillConfig:
-  """Heuristic: 64 heads (one wgmma row tile), 64 gathered rows a step,
-  128-column chunks, 8 warps, two pipeline stages (192 KiB of shared
-  memory, no spills on sm_90a); when M x H / 64 programs are fewer than two
-  waves on the GPU's SMs, the fewest TOPK splits that reach two waves (at
-  M = 128: 3 splits of 256 slots at TOPK 640, 4 of 32 at TOPK 128)."""
+  """Heuristic: 32 heads (mma.sync), 64 gathered rows a step, 128-column
+  chunks, no index carry, 8 warps, two pipeline stages: a tiling that
+  compiles for sm_90a without spills, split or not, with both jax 0.11.2's
+  and 0.12's Triton (the 64-head wgmma tilings spill with 0.11.2's); when
+  M x H / 32 programs are fewer than two waves on the GPU's SMs, the
+  fewest TOPK splits that reach two waves (at M = 128: 2 splits for both
+  TOPKs)."""
   sizes = SparseMlaSizes.of(shapes)
   return split_for(sizes, SparseMlaPrefillConfig(), 2 * num_sms())
 
