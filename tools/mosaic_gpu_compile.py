@@ -1,0 +1,148 @@
+"""Compiles the Mosaic GPU dense GEMM for sm_90a without a GPU and reads the
+machine code: registers, spills and shared memory (`ptxas -v`), the
+`setmaxnreg` values, the wgmma kinds and the TMA / mbarrier instructions
+(PTX), and the SASS instruction counts.
+
+    JAX_PLATFORMS=cpu .venv/bin/python tools/mosaic_gpu_compile.py \
+        [--target H100] [--m 24576] [--n 12288] [--k 4096] [--config all|heuristic]
+
+Needs, in the venv: `jax-cuda13-plugin` and `jax-cuda13-pjrt` of jax's
+version (`--no-deps`), `nvidia-cuda-nvcc` 13.x (ptxas), `nvidia-nvvm`
+(libdevice) and `nvidia-cuda-nvdisasm` (SASS). The jax 0.11.2 plugin embeds
+no GPU target descriptions: pass `--plugin` the 0.12 plugin's
+`xla_cuda_plugin.so` to read them from there (SPEC section 2).
+
+How: the plugin embeds `GpuTargetConfigProto` texts; a topology built from
+one gives a compile-only device, and compiling a function lowered on it runs
+XLA's GPU pipeline, in which the plugin compiles the `mosaic_gpu_v2` call
+with its own ptxas. `MOSAIC_GPU_DUMP_TO` (+ `_PTX`, `_PTXAS`, `_SASS`) makes it
+write the PTX, the `ptxas -v` report and the SASS, read here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import importlib.util
+import json
+import os
+import re
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _plugin_library() -> str:
+  spec = importlib.util.find_spec("jax_plugins.xla_cuda13")
+  if spec is None or not spec.submodule_search_locations:
+    raise SystemExit("jax-cuda13-pjrt is not installed (jax_plugins/xla_cuda13)")
+  return os.path.join(list(spec.submodule_search_locations)[0], "xla_cuda_plugin.so")
+
+
+def _setup_env(dump: str) -> None:
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  os.environ["MOSAIC_GPU_DUMP_TO"] = dump
+  for what in ("PTX", "PTXAS", "SASS"):
+    os.environ[f"MOSAIC_GPU_DUMP_{what}"] = "1"
+  # The plugin's ptxas and nvdisasm: nvidia-cuda-nvcc / -nvdisasm put them under nvidia/cu13/bin.
+  spec = importlib.util.find_spec("nvidia")
+  if spec and spec.submodule_search_locations:
+    bin_dir = os.path.join(list(spec.submodule_search_locations)[0], "cu13", "bin")
+    if os.path.isdir(bin_dir):
+      os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+      os.environ.setdefault("CUDA_ROOT", os.path.dirname(bin_dir))
+
+
+_WGMMA = re.compile(r"\b(wgmma\.mma_async\.[\w.]+)")
+_SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)")
+_TMA = re.compile(r"\bcp\.async\.bulk\.tensor\.(\d)d\.(shared::cta\.global|shared::cluster\.global|global\.shared::cta)")
+_MBARRIER = re.compile(r"\b(mbarrier\.[\w:.]+)")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_SASS_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
+
+
+def read_dump(dump: str) -> dict:
+  """The figures of the one kernel dumped under `dump`."""
+  ptx = "\n".join(open(p, encoding="utf-8", errors="replace").read() for p in glob.glob(f"{dump}/**/*.ptx", recursive=True))
+  ptxas = "\n".join(open(p, encoding="utf-8", errors="replace").read()
+                    for p in glob.glob(f"{dump}/**/*ptxas*", recursive=True))
+  sass = "\n".join(open(p, encoding="utf-8", errors="replace").read() for p in glob.glob(f"{dump}/**/*.sass*", recursive=True))
+  regs = _PTXAS_REGS.findall(ptxas)
+  spills = _PTXAS_SPILLS.findall(ptxas)
+  tma = collections.Counter("load" if d.startswith("shared") else "store" for _, d in _TMA.findall(ptx))
+  sass_ops = collections.Counter(op.split(".")[0] for op in _SASS_OP.findall(sass))
+  return {
+      "files": sorted(os.path.relpath(p, dump) for p in glob.glob(f"{dump}/**/*", recursive=True) if os.path.isfile(p)),
+      "registers": int(regs[-1]) if regs else None,
+      "stack_spill_stores_loads": [int(x) for x in spills[-1]] if spills else None,
+      "setmaxnreg": sorted({f"{d}.{n}" for d, n in _SETMAXNREG.findall(ptx)}),
+      "wgmma_ptx": dict(collections.Counter(_WGMMA.findall(ptx))),
+      "tma_ptx": dict(tma),
+      "mbarrier_ptx": dict(collections.Counter(_MBARRIER.findall(ptx))),
+      "sass": {op: sass_ops[op] for op in ("HGMMA", "UTMALDG", "UTMASTG", "SYNCS", "USETMAXREG", "WARPGROUP",
+                                           "BAR", "STS", "LDS", "STL", "LDL") if op in sass_ops},
+      "ptxas_report": ptxas.strip()[-2000:],
+  }
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--target", default="H100")
+  parser.add_argument("--plugin", default=None, help="xla_cuda_plugin.so to read the GPU targets from")
+  parser.add_argument("--m", type=int, default=24576)
+  parser.add_argument("--n", type=int, default=12288)
+  parser.add_argument("--k", type=int, default=4096)
+  parser.add_argument("--config", default="heuristic", choices=("heuristic", "all"))
+  parser.add_argument("--keep", default=None, help="folder to keep the dumps in")
+  args = parser.parse_args(argv)
+
+  root = args.keep or tempfile.mkdtemp(prefix="mosaic_gpu_compile_")
+  os.makedirs(os.path.join(root, "config0"), exist_ok=True)
+  _setup_env(os.path.join(root, "config0"))
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from jaxkern.aot.toolchain import target_configs  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import dense_gemm_mosaic_gpu as mg  # pylint: disable=g-import-not-at-top
+
+  targets = target_configs(args.plugin or _plugin_library())
+  names = sorted((n for n in targets if args.target.lower() in n.lower()), key=lambda n: ("MIG" in n, "PCIe" in n, len(n)))
+  if not names:
+    raise SystemExit(f"no target matching {args.target!r} in {sorted(targets)}")
+  topology = topologies.get_topology_desc(platform="cuda", topology_name="", target_config=targets[names[0]],
+                                          topology="1x1x1")
+  mesh = jax.sharding.Mesh(np.array(topology.devices[:1]), ("x",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  shapes = {"A": jax.ShapeDtypeStruct((args.m, args.k), jnp.bfloat16, sharding=sharding),
+            "B": jax.ShapeDtypeStruct((args.n, args.k), jnp.bfloat16, sharding=sharding)}
+  configs = [mg.choose_config(shapes)] if args.config == "heuristic" else mg.candidate_configs(shapes)
+  grid = getattr(topology.devices[0], "core_count", None) or mg.device.DEFAULT_NUM_SMS
+  results = []
+  for i, config in enumerate(configs):
+    dump = os.path.join(root, f"config{i}")
+    os.makedirs(dump, exist_ok=True)
+    os.environ["MOSAIC_GPU_DUMP_TO"] = dump
+    config = config if config.grid else mg.dataclasses.replace(config, grid=grid)
+    error = ""
+    try:
+      lowered = jax.jit(lambda a, b, c=config: mg.kernel(a, b, config=c, interpret=False)).trace(
+          shapes["A"], shapes["B"]).lower()
+      lowered.compile()
+    except Exception as e:  # pylint: disable=broad-except
+      error = f"{type(e).__name__}: {str(e)[:800]}"
+    result = {"target": names[0], "jax": jax.__version__, "M": args.m, "N": args.n, "K": args.k,
+              "config": mg.dataclasses.asdict(config), "shared_memory_bytes": config.shared_memory_bytes,
+              "error": error, **read_dump(dump)}
+    results.append(result)
+    print(json.dumps(result, indent=1))
+  with open(os.path.join(root, "summary.json"), "w", encoding="utf-8") as f:
+    json.dump(results, f, indent=1)
+  print("dumps under", root, file=sys.stderr)
+
+
+if __name__ == "__main__":
+  main()
