@@ -195,14 +195,15 @@ _SWEEP_CONFIGS = (
 
 
 def check_problem(m: int, n: int, k: int, config: MosaicGemmConfig) -> None:
-  """Raises unless the kernel handles (M, N, K) with `config`: any M >= 0;
-  N a multiple of block_n and K of block_k (the recorded shapes are), K >= 1."""
-  if m < 0:
-    raise ValueError(f"M must be >= 0, got {m}")
-  if n <= 0 or n % config.block_n:
-    raise ValueError(f"N={n} must be a positive multiple of MosaicGemmConfig.block_n={config.block_n}")
-  if k <= 0 or k % config.block_k:
-    raise ValueError(f"K={k} must be a positive multiple of MosaicGemmConfig.block_k={config.block_k}")
+  """Raises unless the kernel handles (M, N, K) with `config`: any M, N,
+  K >= 0 with N a multiple of block_n and K of block_k (the recorded shapes
+  are)."""
+  if min(m, n, k) < 0:
+    raise ValueError(f"M, N and K must be >= 0, got {(m, n, k)}")
+  if n % config.block_n:
+    raise ValueError(f"N={n} must be a multiple of MosaicGemmConfig.block_n={config.block_n}")
+  if k % config.block_k:
+    raise ValueError(f"K={k} must be a multiple of MosaicGemmConfig.block_k={config.block_k}")
 
 
 def choose_config(shapes: Mapping[str, Any]) -> MosaicGemmConfig:
@@ -351,8 +352,8 @@ def _gemm(a: jax.Array, b: jax.Array, config: MosaicGemmConfig, interpret: bool,
     raise ValueError(f"fault must be None or one of {FAULTS}, got {fault!r}")
   (m, k), n = a.shape, b.shape[0]
   check_problem(m, n, k, config)
-  if m == 0:
-    return jnp.zeros((0, n), a.dtype)
+  if m == 0 or n == 0 or k == 0:
+    return jnp.zeros((m, n), a.dtype)
   # Mosaic GPU views a TMA operand as (rows / 8, 8)-row tiles, so the arrays
   # it copies need a multiple of 8 rows: other M pad A by < 8 rows and slice C.
   rows = -(-m // ROW_ALIGN) * ROW_ALIGN
@@ -377,7 +378,8 @@ def kernel(a: jax.Array, b: jax.Array, *, config: MosaicGemmConfig | None = None
            interpret: bool | None = None) -> jax.Array:
   """C = A @ B^T, A [M, K] and B [N, K] bf16 (one dtype), fp32 accumulation,
   C [M, N] in A's dtype rounded once. Any M >= 0; N and K multiples of the
-  config's block_n and block_k (`check_problem` raises otherwise).
+  config's block_n and block_k (`check_problem` raises otherwise); an empty
+  product is zeros.
 
   `config=None` picks `choose_config`; `interpret=None` interprets (Mosaic
   GPU's CPU interpreter) when no GPU is present."""
