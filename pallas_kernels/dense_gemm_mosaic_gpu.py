@@ -25,10 +25,11 @@ Operands live in shared memory in the wgmma layout: (8, 64)-element tiles with
 the 128-byte swizzle, B as stored ([block_n, block_k]) and read transposed by
 wgmma. M need not be a multiple of block_m: rows of A past M read as zeros
 (TMA out-of-bounds fill) and rows of C past M are not written (TMA stores clip
-at the array's bounds), with no padded copy. Mosaic GPU's TMA views global
-memory in 8-row tiles, though, so an M that is not a multiple of 8 (4125 of
-the recorded M) pads A by < 8 zero rows and slices C (one copy of A and of
-C). M = 0 launches nothing. N must be a multiple of `block_n` and K of
+at the array's bounds), with no padded copy. Mosaic GPU's TMA views a copied
+array in the tiles of its shared-memory side, though: (8, 64) for the wgmma
+operands, so an M that is not a multiple of 8 (4125 of the recorded M) pads
+A by < 8 zero rows (one copy of A); the epilogue's pieces use 1-row tiles, so
+C is written in place at any M. M = 0 launches nothing. N must be a multiple of `block_n` and K of
 `block_k` (`check_problem` raises otherwise); the recorded (N, K) are.
 
 Synchronization (the argument; interpret mode does not check asynchrony, so
@@ -94,14 +95,17 @@ from pallas_kernels.dense_gemm import DenseGemmSizes, _tile_coords
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 NUM_CONSUMERS = 2
-# Rows of the arrays a TMA copy reads or writes must be a multiple of this
-# (Mosaic GPU's tiled view of global memory).
+# A's rows must be a multiple of this: Mosaic GPU's TMA views a copied array
+# in the tiles of its shared-memory destination, (8, 64) for a wgmma operand.
 ROW_ALIGN = 8
 
 # The wgmma operand layout: (8, 64)-element tiles of bf16, 128-byte swizzle.
 _SWIZZLE_BYTES = 128
 _TILE_COLS = _SWIZZLE_BYTES // 2
 _TRANSFORMS = (plgpu.TilingTransform((8, _TILE_COLS)), plgpu.SwizzleTransform(_SWIZZLE_BYTES))
+# The epilogue's pieces: the same swizzle in 1-row tiles, so that the TMA store
+# views C in single rows and any M works (8-row tiles need M % 8 == 0).
+_ROW_TRANSFORMS = (plgpu.TilingTransform((1, _TILE_COLS)), plgpu.SwizzleTransform(_SWIZZLE_BYTES))
 
 # Test-only sync faults (`_gemm(fault=...)`): each breaks one rule of the
 # synchronization argument so a test can show the interpret run catches it.
@@ -322,7 +326,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, *, config: MosaicGemmConfig, m: int, n: int,
       scoped,
       plgpu.SMEM((stages, bm, bk), a_gmem.dtype, transforms=_TRANSFORMS),
       plgpu.SMEM((stages, bn, bk), b_gmem.dtype, transforms=_TRANSFORMS),
-      plgpu.SMEM((NUM_CONSUMERS, 2, rows, config.epilogue_n), c_gmem.dtype, transforms=_TRANSFORMS),
+      plgpu.SMEM((NUM_CONSUMERS, 2, rows, config.epilogue_n), c_gmem.dtype, transforms=_ROW_TRANSFORMS),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
       collective_axes="wg",
@@ -354,23 +358,21 @@ def _gemm(a: jax.Array, b: jax.Array, config: MosaicGemmConfig, interpret: bool,
   check_problem(m, n, k, config)
   if m == 0 or n == 0 or k == 0:
     return jnp.zeros((m, n), a.dtype)
-  # Mosaic GPU views a TMA operand as (rows / 8, 8)-row tiles, so the arrays
-  # it copies need a multiple of 8 rows: other M pad A by < 8 rows and slice C.
+  # Other M pad A by < 8 zero rows (see ROW_ALIGN); C keeps its M rows.
   rows = -(-m // ROW_ALIGN) * ROW_ALIGN
   if rows != m:
     a = jnp.pad(a, ((0, rows - m), (0, 0)))
-  grid = grid_size(config, rows, n)
+  grid = grid_size(config, m, n)
   kernel = plgpu.kernel(
-      functools.partial(_kernel, config=config, m=rows, n=n, k=k, grid=grid, fault=fault),
-      out_type=jax.ShapeDtypeStruct((rows, n), a.dtype),
+      functools.partial(_kernel, config=config, m=m, n=n, k=k, grid=grid, fault=fault),
+      out_type=jax.ShapeDtypeStruct((m, n), a.dtype),
       grid=(grid,),
       grid_names=("cta",),
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
       **compat.interpret_kwargs(interpret),
   )
-  c = kernel(a, b)
-  return c if rows == m else c[:m]
+  return kernel(a, b)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))

@@ -4,7 +4,11 @@ machine code: registers, spills and shared memory (`ptxas -v`), the
 (PTX), and the SASS instruction counts.
 
     JAX_PLATFORMS=cpu .venv/bin/python tools/mosaic_gpu_compile.py \
-        [--target H100] [--m 24576] [--n 12288] [--k 4096] [--config all|heuristic]
+        [--target H100] [--m 24576] [--nk 12288x4096 ...] [--config all|heuristic] [--keep DIR]
+
+compiles the chosen configs at M (default: the largest recorded, 24576) and
+each (N, K) (default: the three recorded) and prints one markdown table row
+per compile (the JSON of every figure goes to DIR/summary.json).
 
 Needs, in the venv: `jax-cuda13-plugin` and `jax-cuda13-pjrt` of jax's
 version (`--no-deps`), `nvidia-cuda-nvcc` 13.x (ptxas), `nvidia-nvvm`
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -83,9 +88,24 @@ def read_dump(dump: str) -> dict:
       "tma_ptx": dict(tma),
       "mbarrier_ptx": dict(collections.Counter(_MBARRIER.findall(ptx))),
       "sass": {op: sass_ops[op] for op in ("HGMMA", "UTMALDG", "UTMASTG", "SYNCS", "USETMAXREG", "WARPGROUP",
-                                           "BAR", "STS", "LDS", "STL", "LDL") if op in sass_ops},
+                                           "BAR", "STSM", "STS", "LDS", "STL", "LDL") if op in sass_ops},
       "ptxas_report": ptxas.strip()[-2000:],
   }
+
+
+def markdown_row(r: dict) -> str:
+  """| jax | N x K | config | registers | spills | smem | setmaxnreg | wgmma | TMA | mbarrier | SASS |"""
+  c = r["config"]
+  config = f"{c['block_m']}x{c['block_n']}x{c['block_k']} s{c['stages']} g{c['group_m']} {c['split']} grid {c['grid']}"
+  spills = r["stack_spill_stores_loads"]
+  fmt = lambda d: ", ".join(f"{v} {k}" for k, v in d.items()) or "-"
+  cells = [r["jax"], f"{r['N']}x{r['K']}", config, str(r["registers"]),
+           "-" if spills is None else f"{spills[1]}/{spills[2]}", f"{r['shared_memory_bytes'] / 1024:.0f} KiB",
+           " ".join(r["setmaxnreg"]), fmt({k.replace("wgmma.mma_async.sync.aligned.", ""): v
+                                            for k, v in r["wgmma_ptx"].items()}),
+           fmt(r["tma_ptx"]), fmt({k.replace("mbarrier.", ""): v for k, v in r["mbarrier_ptx"].items()}),
+           fmt(r["sass"]), r["error"][:120] or "ok"]
+  return "| " + " | ".join(cells) + " |"
 
 
 def main(argv=None) -> None:
@@ -93,8 +113,8 @@ def main(argv=None) -> None:
   parser.add_argument("--target", default="H100")
   parser.add_argument("--plugin", default=None, help="xla_cuda_plugin.so to read the GPU targets from")
   parser.add_argument("--m", type=int, default=24576)
-  parser.add_argument("--n", type=int, default=12288)
-  parser.add_argument("--k", type=int, default=4096)
+  parser.add_argument("--nk", nargs="+", default=["12288x4096", "4096x4096", "4096x12288"],
+                      help="(N, K) pairs as NxK")
   parser.add_argument("--config", default="heuristic", choices=("heuristic", "all"))
   parser.add_argument("--keep", default=None, help="folder to keep the dumps in")
   args = parser.parse_args(argv)
@@ -117,28 +137,30 @@ def main(argv=None) -> None:
                                           topology="1x1x1")
   mesh = jax.sharding.Mesh(np.array(topology.devices[:1]), ("x",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  shapes = {"A": jax.ShapeDtypeStruct((args.m, args.k), jnp.bfloat16, sharding=sharding),
-            "B": jax.ShapeDtypeStruct((args.n, args.k), jnp.bfloat16, sharding=sharding)}
-  configs = [mg.choose_config(shapes)] if args.config == "heuristic" else mg.candidate_configs(shapes)
   grid = getattr(topology.devices[0], "core_count", None) or mg.device.DEFAULT_NUM_SMS
   results = []
-  for i, config in enumerate(configs):
-    dump = os.path.join(root, f"config{i}")
-    os.makedirs(dump, exist_ok=True)
-    os.environ["MOSAIC_GPU_DUMP_TO"] = dump
-    config = config if config.grid else mg.dataclasses.replace(config, grid=grid)
-    error = ""
-    try:
-      lowered = jax.jit(lambda a, b, c=config: mg.kernel(a, b, config=c, interpret=False)).trace(
-          shapes["A"], shapes["B"]).lower()
-      lowered.compile()
-    except Exception as e:  # pylint: disable=broad-except
-      error = f"{type(e).__name__}: {str(e)[:800]}"
-    result = {"target": names[0], "jax": jax.__version__, "M": args.m, "N": args.n, "K": args.k,
-              "config": mg.dataclasses.asdict(config), "shared_memory_bytes": config.shared_memory_bytes,
-              "error": error, **read_dump(dump)}
-    results.append(result)
-    print(json.dumps(result, indent=1))
+  for nk in args.nk:
+    n, k = map(int, nk.split("x"))
+    shapes = {"A": jax.ShapeDtypeStruct((args.m, k), jnp.bfloat16, sharding=sharding),
+              "B": jax.ShapeDtypeStruct((n, k), jnp.bfloat16, sharding=sharding)}
+    configs = [mg.choose_config(shapes)] if args.config == "heuristic" else mg.candidate_configs(shapes)
+    for config in configs:
+      # The plugin names its dumps per kernel; one folder per compile keeps them apart.
+      dump = os.path.join(root, f"config{len(results)}")
+      os.makedirs(dump, exist_ok=True)
+      os.environ["MOSAIC_GPU_DUMP_TO"] = dump
+      config = config if config.grid else dataclasses.replace(config, grid=grid)
+      error = ""
+      try:
+        lowered = jax.jit(lambda a, b, c=config: mg.kernel(a, b, config=c, interpret=False)).trace(
+            shapes["A"], shapes["B"]).lower()
+        lowered.compile()
+      except Exception as e:  # pylint: disable=broad-except
+        error = f"{type(e).__name__}: {str(e)[:800]}"
+      results.append({"target": names[0], "jax": jax.__version__, "M": args.m, "N": n, "K": k,
+                      "config": dataclasses.asdict(config), "shared_memory_bytes": config.shared_memory_bytes,
+                      "error": error, **read_dump(dump)})
+      print(markdown_row(results[-1]), flush=True)
   with open(os.path.join(root, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1)
   print("dumps under", root, file=sys.stderr)
