@@ -86,26 +86,11 @@ import jax.numpy as jnp
 
 from pallas_kernels import device
 from pallas_kernels import mosaic_gpu_compat as compat
+from pallas_kernels.mosaic_gpu_common import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_TRANSFORMS,
+                                              WGMMA_TRANSFORMS, num_sms, pad_rows)
 from pallas_kernels.common import check_nt_operands, resolve_interpret
 from pallas_kernels.config_rules import KernelConfig, Rule, at_least, field, one_of
 from pallas_kernels.dense_gemm import DenseGemmSizes, _tile_coords
-
-# setmaxnreg budgets: 128 threads per warpgroup, 64 Ki registers per SM:
-# 40 * 128 + 2 * 232 * 128 = 64512 registers.
-PRODUCER_REGISTERS = 40
-CONSUMER_REGISTERS = 232
-NUM_CONSUMERS = 2
-# A's rows must be a multiple of this: Mosaic GPU's TMA views a copied array
-# in the tiles of its shared-memory destination, (8, 64) for a wgmma operand.
-ROW_ALIGN = 8
-
-# The wgmma operand layout: (8, 64)-element tiles of bf16, 128-byte swizzle.
-_SWIZZLE_BYTES = 128
-_TILE_COLS = _SWIZZLE_BYTES // 2
-_TRANSFORMS = (plgpu.TilingTransform((8, _TILE_COLS)), plgpu.SwizzleTransform(_SWIZZLE_BYTES))
-# The epilogue's pieces: the same swizzle in 1-row tiles, so that the TMA store
-# views C in single rows and any M works (8-row tiles need M % 8 == 0).
-_ROW_TRANSFORMS = (plgpu.TilingTransform((1, _TILE_COLS)), plgpu.SwizzleTransform(_SWIZZLE_BYTES))
 
 # Test-only sync faults (`_gemm(fault=...)`): each breaks one rule of the
 # synchronization argument so a test can show the interpret run catches it.
@@ -325,22 +310,13 @@ def _kernel(a_gmem, b_gmem, c_gmem, *, config: MosaicGemmConfig, m: int, n: int,
 
   pl.run_scoped(
       scoped,
-      plgpu.SMEM((stages, bm, bk), a_gmem.dtype, transforms=_TRANSFORMS),
-      plgpu.SMEM((stages, bn, bk), b_gmem.dtype, transforms=_TRANSFORMS),
-      plgpu.SMEM((NUM_CONSUMERS, 2, rows, config.epilogue_n), c_gmem.dtype, transforms=_ROW_TRANSFORMS),
+      plgpu.SMEM((stages, bm, bk), a_gmem.dtype, transforms=WGMMA_TRANSFORMS),
+      plgpu.SMEM((stages, bn, bk), b_gmem.dtype, transforms=WGMMA_TRANSFORMS),
+      plgpu.SMEM((NUM_CONSUMERS, 2, rows, config.epilogue_n), c_gmem.dtype, transforms=ROW_TRANSFORMS),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
       collective_axes="wg",
   )
-
-
-def num_sms() -> int:
-  """The SM count the persistent grid defaults to: the abstract device's
-  (deviceless lowering under `jax.sharding.use_abstract_mesh`), else the
-  GPU's, else `device.DEFAULT_NUM_SMS`."""
-  abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  cores = getattr(abstract, "num_cores", None)
-  return int(cores) if isinstance(cores, int) and cores > 0 else device.num_sms()
 
 
 def grid_size(config: MosaicGemmConfig, m: int, n: int) -> int:
@@ -359,10 +335,8 @@ def _gemm(a: jax.Array, b: jax.Array, config: MosaicGemmConfig, interpret: bool,
   check_problem(m, n, k, config)
   if m == 0 or n == 0 or k == 0:
     return jnp.zeros((m, n), a.dtype)
-  # Other M pad A by < 8 zero rows (see ROW_ALIGN); C keeps its M rows.
-  rows = -(-m // ROW_ALIGN) * ROW_ALIGN
-  if rows != m:
-    a = jnp.pad(a, ((0, rows - m), (0, 0)))
+  # An M that is not a multiple of 8 pads A (`pad_rows`); C keeps its M rows.
+  a = pad_rows(a, 0)
   grid = grid_size(config, m, n)
   kernel = plgpu.kernel(
       functools.partial(_kernel, config=config, m=m, n=n, k=k, grid=grid, fault=fault),

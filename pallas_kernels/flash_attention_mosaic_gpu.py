@@ -70,19 +70,13 @@ import jax.numpy as jnp
 
 from pallas_kernels import device
 from pallas_kernels import mosaic_gpu_compat as compat
+from pallas_kernels.mosaic_gpu_common import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_ALIGN,
+                                              WGMMA_TRANSFORMS, pad_rows)
 from pallas_kernels.common import resolve_interpret
 from pallas_kernels.config_rules import KernelConfig, Rule, at_least, field, one_of
 from pallas_kernels.online_softmax import LOG2_E
 
-PRODUCER_REGISTERS = 40
-CONSUMER_REGISTERS = 232
-NUM_CONSUMERS = 2
-ROW_ALIGN = 8
 HEAD_DIMS = (64, 128)
-
-_SWIZZLE_BYTES = 128
-_TILE_COLS = _SWIZZLE_BYTES // 2
-_TRANSFORMS = (plgpu.TilingTransform((8, _TILE_COLS)), plgpu.SwizzleTransform(_SWIZZLE_BYTES))
 
 # Test-only sync fault (`_forward(fault=...)`).
 FAULTS = ("release_once",)
@@ -222,11 +216,11 @@ def _kernel(q_gmem, k_gmem, v_gmem, mask_gmem, o_gmem, lse_gmem, *, config: Mosa
   dtype = q_gmem.dtype
   pl.run_scoped(
       scoped,
-      plgpu.SMEM((NUM_CONSUMERS, bq, head_dim), dtype, transforms=_TRANSFORMS),
-      plgpu.SMEM((NUM_CONSUMERS, bq, bk), dtype, transforms=_TRANSFORMS),
+      plgpu.SMEM((NUM_CONSUMERS, bq, head_dim), dtype, transforms=WGMMA_TRANSFORMS),
+      plgpu.SMEM((NUM_CONSUMERS, bq, bk), dtype, transforms=WGMMA_TRANSFORMS),
       plgpu.SMEM((NUM_CONSUMERS, bq), jnp.float32),
-      plgpu.SMEM((stages, bk, head_dim), dtype, transforms=_TRANSFORMS),
-      plgpu.SMEM((stages, bk, head_dim), dtype, transforms=_TRANSFORMS),
+      plgpu.SMEM((stages, bk, head_dim), dtype, transforms=WGMMA_TRANSFORMS),
+      plgpu.SMEM((stages, bk, head_dim), dtype, transforms=WGMMA_TRANSFORMS),
       plgpu.SMEM((stages, bk), jnp.float32),
       plgpu.Barrier(num_barriers=NUM_CONSUMERS),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -235,15 +229,6 @@ def _kernel(q_gmem, k_gmem, v_gmem, mask_gmem, o_gmem, lse_gmem, *, config: Mosa
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
       collective_axes="wg",
   )
-
-
-def _pad_rows(x: jax.Array, axis: int) -> jax.Array:
-  extra = -x.shape[axis] % ROW_ALIGN
-  if not extra:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths)
 
 
 def _forward(q, k, v, key_valid, *, sm_scale: float, config: MosaicAttentionConfig, interpret: bool,
@@ -274,7 +259,7 @@ def _forward(q, k, v, key_valid, *, sm_scale: float, config: MosaicAttentionConf
       thread_name="wg",
       **compat.interpret_kwargs(interpret),
   )
-  o, lse = kernel(_pad_rows(q, 1), _pad_rows(k, 1), _pad_rows(v, 1), mask)
+  o, lse = kernel(pad_rows(q, 1), pad_rows(k, 1), pad_rows(v, 1), mask)
   return (o, lse) if rows == q_len else (o[:, :q_len], lse[..., :q_len])
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from pallas_kernels import dense_gemm_mosaic_gpu as mg
 from pallas_kernels import mosaic_gpu_compat as compat
+from pallas_kernels.mosaic_gpu_common import lower_for_h100
 
 RECORDED_NK = ((12288, 4096), (4096, 4096), (4096, 12288))
 LARGEST_RECORDED_M = 24576
@@ -123,13 +124,10 @@ def test_grid_is_the_sm_count_capped_by_the_tiles():
 
 def lower(m, n, k, config):
   """StableHLO of the kernel lowered for an abstract H100 with 132 SMs."""
-  from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  amesh = mesh_lib.AbstractMesh((1,), ("x",), (mesh_lib.AxisType.Explicit,),
-                                abstract_device=mesh_lib.AbstractDevice("NVIDIA H100", 132, "cuda"))
-  with jax.sharding.use_abstract_mesh(amesh):
+  def fn(a, b):
     assert mg.num_sms() == 132
-    fn = jax.jit(lambda a, b: mg.kernel(a, b, config=config, interpret=False))
-    return fn.trace(*shapes(m, n, k).values()).lower(lowering_platforms=("cuda",)).as_text()
+    return mg.kernel(a, b, config=config, interpret=False)
+  return lower_for_h100(fn, *shapes(m, n, k).values())
 
 
 @pytest.mark.parametrize("n,k", RECORDED_NK)

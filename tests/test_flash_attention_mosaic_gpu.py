@@ -16,6 +16,7 @@ from jaxkern.families.flash_attention import attention_reference
 from numerics import assert_bf16_close, assert_f32_close
 from pallas_kernels import flash_attention_mosaic_gpu as fa
 from pallas_kernels import mosaic_gpu_compat as compat
+from pallas_kernels.mosaic_gpu_common import lower_for_h100
 from pallas_kernels.online_softmax import LOG2_E
 
 
@@ -109,16 +110,12 @@ def test_config_over_shared_memory_is_refused():
 @pytest.mark.parametrize("b,nq,nk,d", [(4, 2560, 2560, 128), (1, 2352, 1024, 128), (4, 51, 1024, 64),
                                        (1, 2352, 51, 64)])
 def test_every_candidate_lowers_for_h100_at_recorded_sizes(b, nq, nk, d):
-  from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  amesh = mesh_lib.AbstractMesh((1,), ("x",), (mesh_lib.AxisType.Explicit,),
-                                abstract_device=mesh_lib.AbstractDevice("NVIDIA H100", 132, "cuda"))
   avals = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((b, nq, 32, d), (b, nk, 32, d), (b, nk, 32, d))]
   avals.append(jax.ShapeDtypeStruct((b, nk), jnp.bool_))
   for config in fa.candidate_configs(d, nk):
     fn = jax.jit(lambda q, k, v, kv, c=config: fa.flash_attention_forward(q, k, v, key_valid=kv, config=c,
                                                                           interpret=False))
-    with jax.sharding.use_abstract_mesh(amesh):
-      assert "mosaic_gpu_v2" in fn.trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu_v2" in lower_for_h100(fn, *avals)
 
 
 def test_key_slot_released_by_one_consumer_is_caught():
