@@ -1,14 +1,17 @@
-"""Compiles the Mosaic GPU dense GEMM for sm_90a without a GPU and reads the
-machine code: registers, spills and shared memory (`ptxas -v`), the
+"""Compiles the Mosaic GPU kernels (dense GEMM, flash attention forward) for
+sm_90a without a GPU and reads the machine code: registers, spills and shared memory (`ptxas -v`), the
 `setmaxnreg` values, the wgmma kinds and the TMA / mbarrier instructions
 (PTX), and the SASS instruction counts.
 
     JAX_PLATFORMS=cpu .venv/bin/python tools/mosaic_gpu_compile.py \
-        [--target H100] [--m 24576] [--nk 12288x4096 ...] [--config all|heuristic] [--keep DIR]
+        [--kernel gemm|attention] [--target H100] [--m 24576] [--nk 12288x4096 ...]
+        [--attention 4x2560x2560x128 ...] [--config all|heuristic] [--keep DIR]
 
-compiles the chosen configs at M (default: the largest recorded, 24576) and
-each (N, K) (default: the three recorded) and prints one markdown table row
-per compile (the JSON of every figure goes to DIR/summary.json).
+compiles the chosen configs of the GEMM at M (default: the largest recorded,
+24576) and each (N, K) (default: the three recorded), or of the attention at
+each B x Nq x Nk x D with 32 heads and key_valid (default: the largest
+recorded of the two non-causal definitions), and prints one markdown table
+row per compile (the JSON of every figure goes to DIR/summary.json).
 
 Needs, in the venv: `jax-cuda13-plugin` and `jax-cuda13-pjrt` of jax's
 version (`--no-deps`), `nvidia-cuda-nvcc` 13.x (ptxas), `nvidia-nvvm`
@@ -62,7 +65,7 @@ def _setup_env(dump: str) -> None:
 
 _WGMMA = re.compile(r"\b(wgmma\.mma_async\.[\w.]+)")
 _SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)")
-_TMA = re.compile(r"\bcp\.async\.bulk\.tensor\.(\d)d\.(shared::cta\.global|shared::cluster\.global|global\.shared::cta)")
+_TMA = re.compile(r"\bcp\.async\.bulk\.(?:tensor\.(\d)d\.)?(shared::cta\.global|shared::cluster\.global|global\.shared::cta)")
 _MBARRIER = re.compile(r"\b(mbarrier\.[\w:.]+)")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -77,7 +80,9 @@ def read_dump(dump: str) -> dict:
   sass = "\n".join(open(p, encoding="utf-8", errors="replace").read() for p in glob.glob(f"{dump}/**/*.sass*", recursive=True))
   regs = _PTXAS_REGS.findall(ptxas)
   spills = _PTXAS_SPILLS.findall(ptxas)
-  tma = collections.Counter("load" if d.startswith("shared") else "store" for _, d in _TMA.findall(ptx))
+  # Tensor copies (TMA with a descriptor) and plain bulk copies (1-D, no descriptor).
+  tma = collections.Counter(("load" if d.startswith("shared") else "store") + ("" if rank else " (bulk 1-D)")
+                            for rank, d in _TMA.findall(ptx))
   sass_ops = collections.Counter(op.split(".")[0] for op in _SASS_OP.findall(sass))
   return {
       "files": sorted(os.path.relpath(p, dump) for p in glob.glob(f"{dump}/**/*", recursive=True) if os.path.isfile(p)),
@@ -94,12 +99,11 @@ def read_dump(dump: str) -> dict:
 
 
 def markdown_row(r: dict) -> str:
-  """| jax | N x K | config | registers | spills | smem | setmaxnreg | wgmma | TMA | mbarrier | SASS |"""
-  c = r["config"]
-  config = f"{c['block_m']}x{c['block_n']}x{c['block_k']} s{c['stages']} g{c['group_m']} {c['split']} grid {c['grid']}"
+  """| jax | sizes | config | registers | spills | smem | setmaxnreg | wgmma | TMA | mbarrier | SASS | status |"""
+  config = " ".join(f"{k}={v}" for k, v in r["config"].items())
   spills = r["stack_spill_stores_loads"]
   fmt = lambda d: ", ".join(f"{v} {k}" for k, v in d.items()) or "-"
-  cells = [r["jax"], f"{r['N']}x{r['K']}", config, str(r["registers"]),
+  cells = [r["jax"], " ".join(f"{k}={v}" for k, v in r["sizes"].items()), config, str(r["registers"]),
            "-" if spills is None else f"{spills[1]}/{spills[2]}", f"{r['shared_memory_bytes'] / 1024:.0f} KiB",
            " ".join(r["setmaxnreg"]), fmt({k.replace("wgmma.mma_async.sync.aligned.", ""): v
                                             for k, v in r["wgmma_ptx"].items()}),
@@ -115,6 +119,9 @@ def main(argv=None) -> None:
   parser.add_argument("--m", type=int, default=24576)
   parser.add_argument("--nk", nargs="+", default=["12288x4096", "4096x4096", "4096x12288"],
                       help="(N, K) pairs as NxK")
+  parser.add_argument("--kernel", default="gemm", choices=("gemm", "attention"))
+  parser.add_argument("--attention", nargs="+", default=["4x2560x2560x128", "4x2560x126x64"],
+                      help="attention sizes as BxNqxNkxD (32 heads, with key_valid)")
   parser.add_argument("--config", default="heuristic", choices=("heuristic", "all"))
   parser.add_argument("--keep", default=None, help="folder to keep the dumps in")
   args = parser.parse_args(argv)
@@ -128,6 +135,7 @@ def main(argv=None) -> None:
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   from jaxkern.aot.toolchain import target_configs  # pylint: disable=g-import-not-at-top
   from pallas_kernels import dense_gemm_mosaic_gpu as mg  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import flash_attention_mosaic_gpu as fa  # pylint: disable=g-import-not-at-top
 
   targets = target_configs(args.plugin or _plugin_library())
   names = sorted((n for n in targets if args.target.lower() in n.lower()), key=lambda n: ("MIG" in n, "PCIe" in n, len(n)))
@@ -138,29 +146,43 @@ def main(argv=None) -> None:
   mesh = jax.sharding.Mesh(np.array(topology.devices[:1]), ("x",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   grid = getattr(topology.devices[0], "core_count", None) or mg.device.DEFAULT_NUM_SMS
+  aval = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+  jobs = []   # (sizes, config, function, avals, shared memory bytes)
+  if args.kernel == "gemm":
+    for nk in args.nk:
+      n, k = map(int, nk.split("x"))
+      shapes = {"A": aval((args.m, k)), "B": aval((n, k))}
+      configs = [mg.choose_config(shapes)] if args.config == "heuristic" else mg.candidate_configs(shapes)
+      for config in configs:
+        config = config if config.grid else dataclasses.replace(config, grid=grid)
+        jobs.append(({"M": args.m, "N": n, "K": k}, config,
+                     lambda a, b, c=config: mg.kernel(a, b, config=c, interpret=False),
+                     (shapes["A"], shapes["B"]), config.shared_memory_bytes))
+  else:
+    for sizes in args.attention:
+      b, nq, nk, d = map(int, sizes.split("x"))
+      configs = [fa.choose_config(d, nk)] if args.config == "heuristic" else fa.candidate_configs(d, nk)
+      for config in configs:
+        jobs.append(({"B": b, "Nq": nq, "Nk": nk, "H": 32, "D": d}, config,
+                     lambda q, k, v, kv, c=config: fa.flash_attention_forward(q, k, v, key_valid=kv, config=c,
+                                                                              interpret=False),
+                     (aval((b, nq, 32, d)), aval((b, nk, 32, d)), aval((b, nk, 32, d)), aval((b, nk), jnp.bool_)),
+                     fa.shared_memory_bytes(config, d)))
   results = []
-  for nk in args.nk:
-    n, k = map(int, nk.split("x"))
-    shapes = {"A": jax.ShapeDtypeStruct((args.m, k), jnp.bfloat16, sharding=sharding),
-              "B": jax.ShapeDtypeStruct((n, k), jnp.bfloat16, sharding=sharding)}
-    configs = [mg.choose_config(shapes)] if args.config == "heuristic" else mg.candidate_configs(shapes)
-    for config in configs:
-      # The plugin names its dumps per kernel; one folder per compile keeps them apart.
-      dump = os.path.join(root, f"config{len(results)}")
-      os.makedirs(dump, exist_ok=True)
-      os.environ["MOSAIC_GPU_DUMP_TO"] = dump
-      config = config if config.grid else dataclasses.replace(config, grid=grid)
-      error = ""
-      try:
-        lowered = jax.jit(lambda a, b, c=config: mg.kernel(a, b, config=c, interpret=False)).trace(
-            shapes["A"], shapes["B"]).lower()
-        lowered.compile()
-      except Exception as e:  # pylint: disable=broad-except
-        error = f"{type(e).__name__}: {str(e)[:800]}"
-      results.append({"target": names[0], "jax": jax.__version__, "M": args.m, "N": n, "K": k,
-                      "config": dataclasses.asdict(config), "shared_memory_bytes": config.shared_memory_bytes,
-                      "error": error, **read_dump(dump)})
-      print(markdown_row(results[-1]), flush=True)
+  for sizes, config, fn, avals, smem in jobs:
+    # The plugin names its dumps per kernel; one folder per compile keeps them apart.
+    dump = os.path.join(root, f"config{len(results)}")
+    os.makedirs(dump, exist_ok=True)
+    os.environ["MOSAIC_GPU_DUMP_TO"] = dump
+    error = ""
+    try:
+      jax.jit(fn).trace(*avals).lower().compile()
+    except Exception as e:  # pylint: disable=broad-except
+      error = f"{type(e).__name__}: {str(e)[:800]}"
+    results.append({"target": names[0], "jax": jax.__version__, "sizes": sizes,
+                    "config": dataclasses.asdict(config), "shared_memory_bytes": smem,
+                    "error": error, **read_dump(dump)})
+    print(markdown_row(results[-1]), flush=True)
   with open(os.path.join(root, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1)
   print("dumps under", root, file=sys.stderr)
