@@ -1,8 +1,8 @@
 """The Mosaic GPU flash attention forward
 (`pallas_kernels.flash_attention_mosaic_gpu`): interpret-mode runs against the
 family's plain-jnp reference (SPEC 5 bf16 rule) and a jnp lse on ragged
-sizes, key masks, lonely rows, hidden non-finite keys and values, d64 and
-d128 and every candidate; the checks on bad input; the H100 lowering of every
+sizes, key masks, prefix keys, block-causal segments, lonely rows, hidden
+non-finite keys and values, d64 and d128 and every candidate; the checks on bad input; the H100 lowering of every
 candidate at recorded sizes; and a synchronization fault the interpreter
 catches."""
 
@@ -29,23 +29,38 @@ def inputs(b, nq, nk, h, d, *, mask=False, seed=0):
   return q, k, v, key_valid
 
 
-def lse_reference(q, k, key_valid):
-  """log2 of sum exp(q.k * D**-0.5) over the visible keys, +inf for a row
-  that sees none: [B, H, Nq]."""
-  s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32),
-                 precision=lax.Precision.HIGHEST) * q.shape[-1] ** -0.5
+def lse_reference(q, k, key_valid=None, k_prefix=None, segment_ids=None):
+  """log2 of sum exp(q.k * D**-0.5) over the visible keys (the prefix's,
+  then k's), +inf for a row that sees none: [B, H, Nq]."""
+  def scores(keys):
+    return jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), keys.astype(jnp.float32),
+                      precision=lax.Precision.HIGHEST) * q.shape[-1] ** -0.5
+  s = scores(k)
+  visible = jnp.ones(s.shape, bool)
   if key_valid is not None:
-    s = jnp.where(key_valid[:, None, None, :], s, -jnp.inf)
+    visible &= key_valid[:, None, None, :]
+  if segment_ids is not None:
+    visible &= segment_ids[:, None, None, :] <= segment_ids[:, None, :, None]
+  s = jnp.where(visible, s, -jnp.inf)
+  if k_prefix is not None:
+    s = jnp.concatenate([scores(k_prefix), s], axis=-1)
   lse = jax.nn.logsumexp(s, axis=-1) * LOG2_E
   return jnp.where(jnp.isneginf(lse), jnp.inf, lse)
 
 
-def check(q, k, v, key_valid, config=None):
-  o, lse = fa.flash_attention_forward(q, k, v, key_valid=key_valid, config=config, interpret=True)
+def check(q, k, v, key_valid=None, config=None, **keys):
+  """Runs the kernel and compares o (SPEC 5 bf16) and lse (f32 rule)."""
+  o, lse = fa.flash_attention_forward(q, k, v, key_valid=key_valid, config=config, interpret=True, **keys)
   assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
-  assert_bf16_close(o, attention_reference(q, k, v, key_valid=key_valid))
-  assert_f32_close(lse, lse_reference(q, k, key_valid))
+  assert_bf16_close(o, attention_reference(q, k, v, key_valid=key_valid, **keys))
+  assert_f32_close(lse, lse_reference(q, k, key_valid, keys.get("k_prefix"), keys.get("segment_ids")))
   return o, lse
+
+
+def segments(batch, ends):
+  """[B, N] int32 segment ids: segment s ends (exclusive) at ends[s]."""
+  ids = jnp.searchsorted(jnp.asarray(ends), jnp.arange(ends[-1]), side="right").astype(jnp.int32)
+  return jnp.broadcast_to(ids, (batch, ends[-1]))
 
 
 @pytest.mark.parametrize("b,nq,nk,h,d,mask", [
@@ -55,6 +70,34 @@ def check(q, k, v, key_valid, config=None):
 ])
 def test_matches_reference(b, nq, nk, h, d, mask):
   check(*inputs(b, nq, nk, h, d, mask=mask, seed=nq))
+
+
+def test_prefix_keys():
+  """Ragged prefix (70 keys: a partial block) before ragged keys."""
+  q, k, v, _ = inputs(1, 150, 150, 1, 64, seed=11)
+  k_prefix, v_prefix, _, _ = inputs(1, 70, 70, 1, 64, seed=12)
+  check(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix)
+
+
+def test_block_causal_segments_with_and_without_prefix():
+  """Three segments of 40, 60 and 50 tokens (block-causal: a token sees its
+  own and the earlier segments), then the same behind a prefix."""
+  q, k, v, _ = inputs(1, 150, 150, 1, 64, seed=13)
+  ids = segments(1, [40, 100, 150])
+  check(q, k, v, segment_ids=ids)
+  k_prefix, v_prefix, _, _ = inputs(1, 30, 30, 1, 64, seed=14)
+  check(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, segment_ids=ids)
+
+
+def test_only_prefix_keys_and_empty_prefix():
+  q, _, _, _ = inputs(1, 20, 0, 1, 64, seed=15)
+  k_prefix, v_prefix, _, _ = inputs(1, 40, 40, 1, 64, seed=16)
+  empty = jnp.zeros((1, 0, 1, 64), jnp.bfloat16)
+  o, _ = fa.flash_attention_forward(q, empty, empty, k_prefix=k_prefix, v_prefix=v_prefix, interpret=True)
+  assert_bf16_close(o, attention_reference(q, k_prefix, v_prefix))
+  k, v = k_prefix, v_prefix
+  o, _ = fa.flash_attention_forward(q, k, v, k_prefix=empty, v_prefix=empty, interpret=True)
+  assert_bf16_close(o, attention_reference(q, k, v))
 
 
 def test_lonely_rows_and_hidden_non_finite_keys():
@@ -74,8 +117,8 @@ def test_lonely_rows_and_hidden_non_finite_keys():
 
 
 def test_every_candidate_matches_reference():
-  q, k, v, key_valid = inputs(1, 64, 130, 1, 64, mask=True, seed=5)
-  for config in fa.candidate_configs(64, 130):
+  q, k, v, key_valid = inputs(1, 64, 70, 1, 64, mask=True, seed=5)
+  for config in fa.candidate_configs(64, 70):
     check(q, k, v, key_valid, config)
 
 
@@ -101,21 +144,47 @@ def test_bad_input_is_refused(change, match):
     fa.flash_attention_forward(q, k, v, key_valid=kv, interpret=True)
 
 
+def test_bad_prefix_or_segments_are_refused():
+  q, k, v, _ = inputs(1, 8, 16, 1, 64)
+  with pytest.raises(ValueError, match="go together"):
+    fa.flash_attention_forward(q, k, v, k_prefix=k, interpret=True)
+  with pytest.raises(ValueError, match="prefix shapes"):
+    fa.flash_attention_forward(q, k, v, k_prefix=k[..., :32], v_prefix=v, interpret=True)
+  with pytest.raises(ValueError, match="need Nk == Nq"):
+    fa.flash_attention_forward(q, k, v, segment_ids=jnp.zeros((1, 8), jnp.int32), interpret=True)
+
+
 def test_config_over_shared_memory_is_refused():
   q, k, v, _ = inputs(1, 8, 16, 1, 128)
   with pytest.raises(ValueError, match="shared memory at D=128"):
     fa.flash_attention_forward(q, k, v, config=fa.MosaicAttentionConfig(block_k=128, stages=3), interpret=True)
 
 
+def bf16(*shape):
+  return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("b,nq,nk,d", [(4, 2560, 2560, 128), (1, 2352, 1024, 128), (4, 51, 1024, 64),
                                        (1, 2352, 51, 64)])
 def test_every_candidate_lowers_for_h100_at_recorded_sizes(b, nq, nk, d):
-  avals = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((b, nq, 32, d), (b, nk, 32, d), (b, nk, 32, d))]
-  avals.append(jax.ShapeDtypeStruct((b, nk), jnp.bool_))
+  avals = [bf16(b, nq, 32, d), bf16(b, nk, 32, d), bf16(b, nk, 32, d), jax.ShapeDtypeStruct((b, nk), jnp.bool_)]
   for config in fa.candidate_configs(d, nk):
-    fn = jax.jit(lambda q, k, v, kv, c=config: fa.flash_attention_forward(q, k, v, key_valid=kv, config=c,
-                                                                          interpret=False))
+    fn = lambda q, k, v, kv, c=config: fa.flash_attention_forward(q, k, v, key_valid=kv, config=c,  # noqa: E731
+                                                                  interpret=False)
     assert "mosaic_gpu_v2" in lower_for_h100(fn, *avals)
+
+
+@pytest.mark.parametrize("nq,np_", [(4096, 4125), (6144, 30)])
+def test_prefix_cached_lowers_at_recorded_sizes(nq, np_):
+  fn = lambda q, k, v, kp, vp: fa.flash_attention_forward(q, k, v, k_prefix=kp, v_prefix=vp,  # noqa: E731
+                                                          interpret=False)
+  assert "mosaic_gpu_v2" in lower_for_h100(fn, *[bf16(1, n, 32, 128) for n in (nq, nq, nq, np_, np_)])
+
+
+def test_block_causal_lowers_at_recorded_sizes():
+  fn = lambda q, k, v, ids: fa.flash_attention_forward(q, k, v, segment_ids=ids, interpret=False)  # noqa: E731
+  avals = [bf16(1, 4125, 32, 128)] * 3 + [jax.ShapeDtypeStruct((1, 4125), jnp.int32)]
+  assert "mosaic_gpu_v2" in lower_for_h100(fn, *avals)
 
 
 def test_key_slot_released_by_one_consumer_is_caught():
@@ -126,7 +195,7 @@ def test_key_slot_released_by_one_consumer_is_caught():
   config = fa.MosaicAttentionConfig(block_k=64, stages=2)   # 8 steps through 2 slots
   try:
     with pytest.raises(Exception, match="phase"):
-      jax.block_until_ready(fa._forward(q, k, v, kv, sm_scale=0.125, config=config, interpret=True,
+      jax.block_until_ready(fa._forward(q, k, v, None, None, kv, None, sm_scale=0.125, config=config, interpret=True,
                                         fault="release_once"))
   finally:
     compat.reset_interpreter()
