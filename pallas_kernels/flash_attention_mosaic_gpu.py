@@ -85,7 +85,8 @@ from pallas_kernels import mosaic_gpu_compat as compat
 from pallas_kernels.mosaic_gpu_common import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_ALIGN,
                                               WGMMA_TRANSFORMS, pad_rows)
 from pallas_kernels.common import resolve_interpret
-from pallas_kernels.config_rules import KernelConfig, Rule, at_least, field, one_of
+from pallas_kernels.config_rules import KernelConfig, at_least, field, one_of
+from pallas_kernels.flash_attention_keys import INVISIBLE_SEGMENT, check_attention_inputs, key_sources
 from pallas_kernels.online_softmax import LOG2_E
 
 HEAD_DIMS = (64, 128)
@@ -261,7 +262,7 @@ def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gm
   )
 
 
-_HIDDEN = jnp.iinfo(jnp.int32).max   # a key id no query reaches
+_HIDDEN = INVISIBLE_SEGMENT          # a key id no query reaches
 _EVERYONE = jnp.iinfo(jnp.int32).min  # a key id every query reaches (prefix keys)
 
 
@@ -337,35 +338,17 @@ def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, key_val
   `sm_scale * LOG2_E`, +inf for a row that sees no key). Any B, Nq, Nk, Np
   >= 0 (no query: empty; no key: zeros and +inf).
   """
+  check_attention_inputs(q, k, v, key_valid, k_prefix, v_prefix, segment_ids)
   batch, q_len, heads, head_dim = q.shape
-  kv_len = k.shape[1]
-  if k.shape != (batch, kv_len, heads, head_dim) or v.shape != k.shape:
-    raise ValueError(f"k {k.shape} / v {v.shape} do not match q {q.shape}")
-  if not q.dtype == k.dtype == v.dtype == jnp.bfloat16:
-    raise ValueError(f"q, k, v must be bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
+  if q.dtype != jnp.bfloat16:
+    raise ValueError(f"q, k, v must be bfloat16, got {q.dtype}")
   if head_dim not in HEAD_DIMS:
     raise ValueError(f"head dim D={head_dim} must be one of {HEAD_DIMS}")
-  if key_valid is not None and key_valid.shape != (batch, kv_len):
-    raise ValueError(f"key_valid {key_valid.shape} != {(batch, kv_len)}")
-  if (k_prefix is None) != (v_prefix is None):
-    raise ValueError("k_prefix and v_prefix go together")
+  k, v, k_prefix, v_prefix, key_valid = key_sources(k, v, k_prefix, v_prefix, key_valid)
+  kv_len = k.shape[1]
   prefix_len = 0 if k_prefix is None else k_prefix.shape[1]
-  if k_prefix is not None:
-    expected = (batch, prefix_len, heads, head_dim)
-    if k_prefix.shape != expected or v_prefix.shape != expected:
-      raise ValueError(f"prefix shapes {k_prefix.shape}/{v_prefix.shape} != {expected}")
-    if not k_prefix.dtype == v_prefix.dtype == q.dtype:
-      raise ValueError(f"prefix dtypes {k_prefix.dtype}/{v_prefix.dtype} differ from q's {q.dtype}")
-  if segment_ids is not None and (kv_len != q_len or segment_ids.shape != (batch, q_len)):
-    raise ValueError(f"segment_ids {segment_ids.shape} need Nk == Nq == {q_len}")
-  lse_shape = (batch, heads, q_len)
-  if not prefix_len:
-    k_prefix = v_prefix = None
-  if not kv_len and prefix_len:  # only prefix keys: they are the keys
-    k, v, k_prefix, v_prefix, key_valid = k_prefix, v_prefix, None, None, None
-    kv_len, prefix_len = prefix_len, 0
   if not (batch and q_len and heads and kv_len):
-    return jnp.zeros(q.shape, q.dtype), jnp.full(lse_shape, jnp.inf, jnp.float32)
+    return jnp.zeros(q.shape, q.dtype), jnp.full((batch, heads, q_len), jnp.inf, jnp.float32)
   config = config or choose_config(head_dim, kv_len + prefix_len)
   if shared_memory_bytes(config, head_dim) > device.SHARED_MEMORY_PER_BLOCK:
     raise ValueError(f"{config} needs {shared_memory_bytes(config, head_dim)} bytes of shared memory at D={head_dim}; "

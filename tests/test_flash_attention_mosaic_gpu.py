@@ -134,7 +134,7 @@ def test_empty_sizes():
 
 @pytest.mark.parametrize("change,match", [
     (lambda q, k, v, kv: (q, k[:, :-1], v, kv), "do not match"),
-    (lambda q, k, v, kv: (q.astype(jnp.float32), k, v, kv), "must be bfloat16"),
+    (lambda q, k, v, kv: (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), kv), "must be bfloat16"),
     (lambda q, k, v, kv: (q[..., :32], k[..., :32], v[..., :32], kv), "head dim D=32"),
     (lambda q, k, v, kv: (q, k, v, kv[:, :-1]), "key_valid"),
 ])
