@@ -120,8 +120,10 @@ def main(argv=None) -> None:
   parser.add_argument("--nk", nargs="+", default=["12288x4096", "4096x4096", "4096x12288"],
                       help="(N, K) pairs as NxK")
   parser.add_argument("--kernel", default="gemm", choices=("gemm", "attention"))
-  parser.add_argument("--attention", nargs="+", default=["4x2560x2560x128", "4x2560x126x64"],
-                      help="attention sizes as BxNqxNkxD (32 heads, with key_valid)")
+  parser.add_argument("--attention", nargs="+",
+                      default=["4x2560x2560x128", "4x2560x126x64", "1x4096x4096x128p4125", "1x4125x4125x128s"],
+                      help="attention sizes as BxNqxNkxD (32 heads) with key_valid; BxNqxNkxDpNp: prefix keys "
+                           "instead; BxNxNxDs: segment_ids instead")
   parser.add_argument("--config", default="heuristic", choices=("heuristic", "all"))
   parser.add_argument("--keep", default=None, help="folder to keep the dumps in")
   args = parser.parse_args(argv)
@@ -159,15 +161,25 @@ def main(argv=None) -> None:
                      lambda a, b, c=config: mg.kernel(a, b, config=c, interpret=False),
                      (shapes["A"], shapes["B"]), config.shared_memory_bytes))
   else:
-    for sizes in args.attention:
-      b, nq, nk, d = map(int, sizes.split("x"))
-      configs = [fa.choose_config(d, nk)] if args.config == "heuristic" else fa.candidate_configs(d, nk)
+    for spec in args.attention:
+      shape, prefix_len = (spec.split("p") + ["0"])[:2] if "p" in spec else (spec.rstrip("s"), "0")
+      b, nq, nk, d = map(int, shape.split("x"))
+      np_ = int(prefix_len)
+      sizes = {"B": b, "Nq": nq, "Nk": nk, "H": 32, "D": d}
+      qkv = (aval((b, nq, 32, d)), aval((b, nk, 32, d)), aval((b, nk, 32, d)))
+      if np_:
+        sizes["Np"] = np_
+        extra, call = (aval((b, np_, 32, d)), aval((b, np_, 32, d))), lambda kp, vp: {"k_prefix": kp, "v_prefix": vp}
+      elif spec.endswith("s"):
+        sizes["segments"] = True
+        extra, call = (aval((b, nq), jnp.int32),), lambda ids: {"segment_ids": ids}
+      else:
+        extra, call = (aval((b, nk), jnp.bool_),), lambda kv: {"key_valid": kv}
+      configs = [fa.choose_config(d, nk + np_)] if args.config == "heuristic" else fa.candidate_configs(d, nk + np_)
       for config in configs:
-        jobs.append(({"B": b, "Nq": nq, "Nk": nk, "H": 32, "D": d}, config,
-                     lambda q, k, v, kv, c=config: fa.flash_attention_forward(q, k, v, key_valid=kv, config=c,
-                                                                              interpret=False),
-                     (aval((b, nq, 32, d)), aval((b, nk, 32, d)), aval((b, nk, 32, d)), aval((b, nk), jnp.bool_)),
-                     fa.shared_memory_bytes(config, d)))
+        def fn(q, k, v, *rest, c=config, call=call):
+          return fa.flash_attention_forward(q, k, v, config=c, interpret=False, **call(*rest))
+        jobs.append((sizes, config, fn, qkv + extra, fa.shared_memory_bytes(config, d)))
   results = []
   for sizes, config, fn, avals, smem in jobs:
     # The plugin names its dumps per kernel; one folder per compile keeps them apart.
