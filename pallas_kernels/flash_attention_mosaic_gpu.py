@@ -60,19 +60,18 @@ Synchronization (interpret mode does not check asynchrony):
   `k_full`/`v_full`, the producer on all of `k_empty`/`v_empty` but each
   slot's first, which nothing precedes).
 - `q_barrier[w]` (2 arrivals: Q and the query ids) guards consumer w's Q
-  tile (one wait); the
-  epilogue overwrites it with O after the last S wgmma that read it has
-  completed. P tile w is
-  written by consumer w only, after its previous P V wgmma completed, and
-  `commit_smem()` makes the writes visible to the wgmma. Epilogue:
-  each consumer writes its own O and lse slots, `commit_smem()`, TMA stores,
-  and waits for them before exiting.
+  tile (one wait); the epilogue overwrites it with O after the last S wgmma
+  that read it has completed. P tile w is written by consumer w only, after
+  its previous P V wgmma completed, and `commit_smem()` makes the writes
+  visible to the wgmma. Epilogue: each consumer writes its own O and lse
+  slots, `commit_smem()`, TMA stores, and waits for them before exiting.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, Mapping
 
 import jax
 from jax import lax
@@ -118,19 +117,27 @@ def shared_memory_bytes(config: MosaicAttentionConfig, head_dim: int) -> int:
   return sum(map(align, buffers)) + barriers + 2048
 
 
-def choose_config(head_dim: int, kv_len: int) -> MosaicAttentionConfig:
-  """128-key steps in a 2-slot ring (FA3's d128 shape); 64-key steps when the
-  keys fit in one 64-key step."""
-  del head_dim
-  return MosaicAttentionConfig(block_k=64 if kv_len <= 64 else 128)
+def _dims(shapes: Mapping[str, Any]) -> tuple[int, int]:
+  """(D, keys per query row: Nk + Np) of the inputs' shapes (input name ->
+  array or ShapeDtypeStruct; `k_prefix` may be absent or None)."""
+  prefix = shapes.get("k_prefix")
+  return int(shapes["q"].shape[-1]), int(shapes["k"].shape[1]) + (0 if prefix is None else int(prefix.shape[1]))
 
 
-def candidate_configs(head_dim: int, kv_len: int) -> list[MosaicAttentionConfig]:
-  """The heuristic's first, then the other shapes that fit 227 KiB."""
-  chosen = choose_config(head_dim, kv_len)
+def choose_config(shapes: Mapping[str, Any]) -> MosaicAttentionConfig:
+  """128-key steps in a 2-slot ring (FA3's d128 shape, 197 KiB at D = 128);
+  64-key steps when all keys fit in one."""
+  _, keys = _dims(shapes)
+  return MosaicAttentionConfig(block_k=64 if keys <= 64 else 128)
+
+
+def candidate_configs(shapes: Mapping[str, Any]) -> list[MosaicAttentionConfig]:
+  """The heuristic's first, then the other shapes that fit 227 KiB at the
+  problem's D."""
+  head_dim, _ = _dims(shapes)
   sweep = [MosaicAttentionConfig(block_k=bk, stages=s) for bk in (128, 64) for s in (2, 3, 4)]
   fits = [c for c in sweep if shared_memory_bytes(c, head_dim) <= device.SHARED_MEMORY_PER_BLOCK]
-  return list(dict.fromkeys([chosen, *fits]))
+  return list(dict.fromkeys([choose_config(shapes), *fits]))
 
 
 def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gmem, o_gmem, lse_gmem, *,
@@ -346,10 +353,9 @@ def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, key_val
     raise ValueError(f"head dim D={head_dim} must be one of {HEAD_DIMS}")
   k, v, k_prefix, v_prefix, key_valid = key_sources(k, v, k_prefix, v_prefix, key_valid)
   kv_len = k.shape[1]
-  prefix_len = 0 if k_prefix is None else k_prefix.shape[1]
   if not (batch and q_len and heads and kv_len):
     return jnp.zeros(q.shape, q.dtype), jnp.full((batch, heads, q_len), jnp.inf, jnp.float32)
-  config = config or choose_config(head_dim, kv_len + prefix_len)
+  config = config or choose_config({"q": q, "k": k, "k_prefix": k_prefix})
   if shared_memory_bytes(config, head_dim) > device.SHARED_MEMORY_PER_BLOCK:
     raise ValueError(f"{config} needs {shared_memory_bytes(config, head_dim)} bytes of shared memory at D={head_dim}; "
                      f"the limit is {device.SHARED_MEMORY_PER_BLOCK} (fewer stages or a smaller block_k)")

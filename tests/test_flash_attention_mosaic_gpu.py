@@ -118,7 +118,7 @@ def test_lonely_rows_and_hidden_non_finite_keys():
 
 def test_every_candidate_matches_reference():
   q, k, v, key_valid = inputs(1, 64, 70, 1, 64, mask=True, seed=5)
-  for config in fa.candidate_configs(64, 70):
+  for config in fa.candidate_configs({"q": q, "k": k}):
     check(q, k, v, key_valid, config)
 
 
@@ -168,7 +168,7 @@ def bf16(*shape):
                                        (1, 2352, 51, 64)])
 def test_every_candidate_lowers_for_h100_at_recorded_sizes(b, nq, nk, d):
   avals = [bf16(b, nq, 32, d), bf16(b, nk, 32, d), bf16(b, nk, 32, d), jax.ShapeDtypeStruct((b, nk), jnp.bool_)]
-  for config in fa.candidate_configs(d, nk):
+  for config in fa.candidate_configs({"q": avals[0], "k": avals[1]}):
     fn = lambda q, k, v, kv, c=config: fa.flash_attention_forward(q, k, v, key_valid=kv, config=c,  # noqa: E731
                                                                   interpret=False)
     assert "mosaic_gpu_v2" in lower_for_h100(fn, *avals)

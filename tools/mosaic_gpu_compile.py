@@ -175,7 +175,8 @@ def main(argv=None) -> None:
         extra, call = (aval((b, nq), jnp.int32),), lambda ids: {"segment_ids": ids}
       else:
         extra, call = (aval((b, nk), jnp.bool_),), lambda kv: {"key_valid": kv}
-      configs = [fa.choose_config(d, nk + np_)] if args.config == "heuristic" else fa.candidate_configs(d, nk + np_)
+      named = {"q": qkv[0], "k": qkv[1], "k_prefix": extra[0] if np_ else None}
+      configs = [fa.choose_config(named)] if args.config == "heuristic" else fa.candidate_configs(named)
       for config in configs:
         def fn(q, k, v, *rest, c=config, call=call):
           return fa.flash_attention_forward(q, k, v, config=c, interpret=False, **call(*rest))
