@@ -18,9 +18,12 @@ forward's scale), what a backward recomputes the probabilities from.
 Visibility is one comparison: the wrapper gives every key an id (the
 prefix's `INT32_MIN`, a key its segment id or 0, a hidden or out-of-range
 key `INT32_MAX`) and every query its segment id or 0; key j is visible to
-query i iff `key_id[j] <= query_id[i]`. Unlike the Triton kernel, key blocks
-a query block cannot see are not skipped (block-causal attention computes
-every block; the mask makes it exact).
+query i iff `key_id[j] <= query_id[i]`. Key blocks past the last one some
+row of a query block sees are not visited: the per-(batch row, query block)
+step count comes from the Triton kernel's table
+(`flash_attention_keys.key_block_limits`), tight for a valid prefix of keys
+and nondecreasing segment ids; key blocks before it are all visited, with
+the mask (the Triton kernel also skips the mask on blocks every row sees).
 
 Structure: grid (H, query blocks of 2 * block_q, B); three warpgroups per CTA.
 
@@ -85,7 +88,7 @@ from pallas_kernels.mosaic_gpu_common import (CONSUMER_REGISTERS, NUM_CONSUMERS,
                                               WGMMA_TRANSFORMS, pad_rows)
 from pallas_kernels.common import resolve_interpret
 from pallas_kernels.config_rules import KernelConfig, at_least, field, one_of
-from pallas_kernels.flash_attention_keys import INVISIBLE_SEGMENT, check_attention_inputs, key_sources
+from pallas_kernels.flash_attention_keys import INVISIBLE_SEGMENT, check_attention_inputs, key_block_limits, key_sources
 from pallas_kernels.online_softmax import LOG2_E
 
 HEAD_DIMS = (64, 128)
@@ -140,13 +143,15 @@ def candidate_configs(shapes: Mapping[str, Any]) -> list[MosaicAttentionConfig]:
   return list(dict.fromkeys([choose_config(shapes), *fits]))
 
 
-def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gmem, o_gmem, lse_gmem, *,
-            config: MosaicAttentionConfig, qk_scale: float, prefix_steps: int, kv_steps: int, fault: str | None):
+def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gmem, steps_gmem, o_gmem, lse_gmem,
+            *, config: MosaicAttentionConfig, qk_scale: float, prefix_steps: int, fault: str | None):
   bq, bk, stages = config.block_q, config.block_k, config.stages
   head_dim = q_gmem.shape[-1]
   head, q_block, batch = lax.axis_index("h"), lax.axis_index("q"), lax.axis_index("b")
 
-  steps = prefix_steps + kv_steps
+  # Key steps of this query block (the prefix's and the keys' up to the last
+  # one some row sees): producer and consumers read the same count.
+  steps = steps_gmem[batch, q_block]
 
   def scoped(q_smem, p_smem, lse_smem, qid_smem, k_smem, v_smem, kid_smem, q_barrier, k_full, v_full, k_empty,
              v_empty):
@@ -184,7 +189,7 @@ def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gm
 
         load(g, vp_gmem, v_gmem, v_smem.at[slot], v_full.at[slot])
 
-      @pl.loop(max(steps - stages, stages), steps)
+      @pl.loop(jnp.maximum(steps - stages, stages), steps)
       def _drain(g):
         plgpu.barrier_wait(k_empty.at[lax.rem(g, stages)])
         plgpu.barrier_wait(v_empty.at[lax.rem(g, stages)])
@@ -299,6 +304,13 @@ def _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, *, sm_scale: f
     key_ids = jnp.concatenate([jnp.broadcast_to(prefix_ids, (batch, prefix_steps * bk)), key_ids], axis=1)
   cta_rows = NUM_CONSUMERS * config.block_q
   q_blocks = -(-q_len // cta_rows)
+  # Key blocks past the last one some row of a query block sees are skipped
+  # (tight for a valid prefix of keys and nondecreasing segment ids).
+  key_blocks = jnp.full((batch, q_blocks), kv_steps, jnp.int32)
+  if key_valid is not None or segment_ids is not None:
+    key_blocks = key_block_limits(key_valid, segment_ids, batch=batch, q_len=q_len, kv_len=kv_len,
+                                  block_q=cta_rows, block_k=bk)[..., 1]
+  steps = prefix_steps + key_blocks
   # Rows past Nq see no key (their output is never stored).
   query_ids = jnp.zeros((batch, q_len), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
   query_ids = jnp.pad(query_ids, ((0, 0), (0, q_blocks * cta_rows - q_len)), constant_values=_EVERYONE)
@@ -307,7 +319,7 @@ def _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, *, sm_scale: f
   rows = -(-q_len // ROW_ALIGN) * ROW_ALIGN
   kernel = plgpu.kernel(
       functools.partial(_kernel, config=config, qk_scale=float(sm_scale) * LOG2_E, prefix_steps=prefix_steps,
-                        kv_steps=kv_steps, fault=fault),
+                        fault=fault),
       out_type=(jax.ShapeDtypeStruct((batch, rows, heads, head_dim), q.dtype),
                 jax.ShapeDtypeStruct((batch, heads, rows), jnp.float32)),
       grid=(heads, q_blocks, batch),
@@ -319,7 +331,7 @@ def _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, *, sm_scale: f
   k, v = pad_rows(k, 1), pad_rows(v, 1)
   # Without prefix keys the prefix operands are k and v again, never read.
   k_prefix, v_prefix = (k, v) if k_prefix is None else (pad_rows(k_prefix, 1), pad_rows(v_prefix, 1))
-  o, lse = kernel(pad_rows(q, 1), k, v, k_prefix, v_prefix, key_ids, query_ids)
+  o, lse = kernel(pad_rows(q, 1), k, v, k_prefix, v_prefix, key_ids, query_ids, steps)
   return (o, lse) if rows == q_len else (o[:, :q_len], lse[..., :q_len])
 
 

@@ -89,6 +89,19 @@ def test_block_causal_segments_with_and_without_prefix():
   check(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, segment_ids=ids)
 
 
+def test_key_blocks_past_a_query_blocks_segments_are_skipped():
+  """Two segments of 128 tokens: the first query block (128 rows) sees only
+  the first two 64-key blocks, so NaN values in the second segment cannot
+  reach it (a visited block would give 0 * NaN in the P V product)."""
+  q, k, v, _ = inputs(1, 256, 256, 1, 64, seed=17)
+  ids = segments(1, [128, 256])
+  v_nan = v.at[:, 128:].set(jnp.nan)
+  o, _ = fa.flash_attention_forward(q, k, v_nan, segment_ids=ids, config=fa.MosaicAttentionConfig(block_k=64),
+                                    interpret=True)
+  want = attention_reference(q, k, v, segment_ids=ids)
+  assert_bf16_close(o[:, :128], want[:, :128])
+
+
 def test_only_prefix_keys_and_empty_prefix():
   q, _, _, _ = inputs(1, 20, 0, 1, 64, seed=15)
   k_prefix, v_prefix, _, _ = inputs(1, 40, 40, 1, 64, seed=16)
