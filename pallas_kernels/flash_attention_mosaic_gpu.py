@@ -58,6 +58,9 @@ Synchronization (interpret mode does not check asynchrony):
   producer waits on `k_empty[s]` before refilling K/ids of step g >= stages
   and on `v_empty[s]` before V, and at the end waits for the last release of
   every slot it waited on, so it observes every completion.
+- Ring position: step g (the prefix's steps first) is in slot g % stages;
+  producer and consumers loop over the same step count, read from the same
+  table entry of their query block, so they agree on every slot and phase.
 - Parity: use u of slot s completes phase u of each of the four barriers;
   every waiter waits on every phase in order (the consumers on all of
   `k_full`/`v_full`, the producer on all of `k_empty`/`v_empty` but each
