@@ -29,6 +29,10 @@ def inputs(b, nq, nk, h, d, *, mask=False, seed=0):
   return q, k, v, key_valid
 
 
+def bf16(*shape):
+  return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+
 def lse_reference(q, k, key_valid=None, k_prefix=None, segment_ids=None):
   """log2 of sum exp(q.k * D**-0.5) over the visible keys (the prefix's,
   then k's), +inf for a row that sees none: [B, H, Nq]."""
@@ -48,6 +52,15 @@ def lse_reference(q, k, key_valid=None, k_prefix=None, segment_ids=None):
   return jnp.where(jnp.isneginf(lse), jnp.inf, lse)
 
 
+# The configs the interpret-mode tests below run with (None: the
+# heuristic's); together they are every candidate at D = 64
+# (`test_the_runs_cover_every_candidate`).
+C = fa.MosaicAttentionConfig
+RUN_CONFIGS = {"aligned": C(block_k=64, stages=4), "ragged_mask": C(block_k=128, stages=3),
+               "prefix": C(block_k=128, stages=4), "segments": C(block_k=64, stages=3),
+               "lonely": C(block_k=64, stages=2), "heuristic": None}
+
+
 def check(q, k, v, key_valid=None, config=None, **keys):
   """Runs the kernel and compares o (SPEC 5 bf16) and lse (f32 rule)."""
   o, lse = fa.flash_attention_forward(q, k, v, key_valid=key_valid, config=config, interpret=True, **keys)
@@ -63,20 +76,20 @@ def segments(batch, ends):
   return jnp.broadcast_to(ids, (batch, ends[-1]))
 
 
-@pytest.mark.parametrize("b,nq,nk,h,d,mask", [
-    pytest.param(1, 128, 256, 1, 64, False, id="aligned_d64_no_mask"),
-    pytest.param(2, 51, 300, 1, 64, True, id="ragged_mask_two_batch_rows"),
-    pytest.param(1, 130, 200, 1, 128, True, id="ragged_d128_two_q_blocks"),
+@pytest.mark.parametrize("b,nq,nk,h,d,mask,run", [
+    pytest.param(1, 128, 256, 1, 64, False, "aligned", id="aligned_d64_no_mask"),
+    pytest.param(2, 51, 300, 1, 64, True, "ragged_mask", id="ragged_mask_two_batch_rows"),
+    pytest.param(1, 130, 200, 1, 128, True, "heuristic", id="ragged_d128_two_q_blocks"),
 ])
-def test_matches_reference(b, nq, nk, h, d, mask):
-  check(*inputs(b, nq, nk, h, d, mask=mask, seed=nq))
+def test_matches_reference(b, nq, nk, h, d, mask, run):
+  check(*inputs(b, nq, nk, h, d, mask=mask, seed=nq), config=RUN_CONFIGS[run])
 
 
 def test_prefix_keys():
   """Ragged prefix (70 keys: a partial block) before ragged keys."""
   q, k, v, _ = inputs(1, 150, 150, 1, 64, seed=11)
   k_prefix, v_prefix, _, _ = inputs(1, 70, 70, 1, 64, seed=12)
-  check(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix)
+  check(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, config=RUN_CONFIGS["prefix"])
 
 
 def test_block_causal_segments_with_and_without_prefix():
@@ -84,9 +97,9 @@ def test_block_causal_segments_with_and_without_prefix():
   own and the earlier segments), then the same behind a prefix."""
   q, k, v, _ = inputs(1, 150, 150, 1, 64, seed=13)
   ids = segments(1, [40, 100, 150])
-  check(q, k, v, segment_ids=ids)
+  check(q, k, v, segment_ids=ids, config=RUN_CONFIGS["segments"])
   k_prefix, v_prefix, _, _ = inputs(1, 30, 30, 1, 64, seed=14)
-  check(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, segment_ids=ids)
+  check(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, segment_ids=ids, config=RUN_CONFIGS["segments"])
 
 
 def test_key_blocks_past_a_query_blocks_segments_are_skipped():
@@ -114,14 +127,14 @@ def test_only_prefix_keys_and_empty_prefix():
 
 
 def test_lonely_rows_and_hidden_non_finite_keys():
-  """Batch row 0 sees no key (output 0, lse +inf); NaN and Inf in hidden
-  keys and values reach no output."""
+  """Batch row 0 sees no key (no key step at all: output 0, lse +inf); NaN
+  and Inf in hidden keys and values reach no output."""
   q, k, v, key_valid = inputs(2, 40, 100, 1, 64, mask=True, seed=3)
   key_valid = key_valid.at[0].set(False)
   hidden = ~key_valid[:, :, None, None]
   k = jnp.where(hidden, jnp.nan, k)
   v = jnp.where(hidden, jnp.inf, v)
-  o, lse = fa.flash_attention_forward(q, k, v, key_valid=key_valid, interpret=True)
+  o, lse = fa.flash_attention_forward(q, k, v, key_valid=key_valid, config=RUN_CONFIGS["lonely"], interpret=True)
   np.testing.assert_array_equal(np.asarray(o[0], np.float32), 0.0)
   assert np.isposinf(np.asarray(lse[0])).all()
   assert np.isfinite(np.asarray(o, np.float32)).all()
@@ -129,10 +142,10 @@ def test_lonely_rows_and_hidden_non_finite_keys():
   assert_bf16_close(o, attention_reference(q, clean_k, clean_v, key_valid=key_valid))
 
 
-def test_every_candidate_matches_reference():
-  q, k, v, key_valid = inputs(1, 64, 70, 1, 64, mask=True, seed=5)
-  for config in fa.candidate_configs({"q": q, "k": k}):
-    check(q, k, v, key_valid, config)
+def test_the_runs_cover_every_candidate():
+  shapes = {"q": bf16(1, 64, 1, 64), "k": bf16(1, 300, 1, 64)}
+  runs = {c or fa.choose_config(shapes) for c in RUN_CONFIGS.values()}
+  assert set(fa.candidate_configs(shapes)) <= runs
 
 
 def test_empty_sizes():
@@ -171,10 +184,6 @@ def test_config_over_shared_memory_is_refused():
   q, k, v, _ = inputs(1, 8, 16, 1, 128)
   with pytest.raises(ValueError, match="shared memory at D=128"):
     fa.flash_attention_forward(q, k, v, config=fa.MosaicAttentionConfig(block_k=128, stages=3), interpret=True)
-
-
-def bf16(*shape):
-  return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("b,nq,nk,d", [(4, 2560, 2560, 128), (1, 2352, 1024, 128), (4, 51, 1024, 64),
