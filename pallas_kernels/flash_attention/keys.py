@@ -30,6 +30,42 @@ from pallas_kernels.shared.online_softmax import hide_keys
 INVISIBLE_SEGMENT = jnp.iinfo(jnp.int32).max
 
 
+def check_attention_inputs(q, k, v, key_valid=None, k_prefix=None, v_prefix=None, segment_ids=None) -> None:
+  """Raises unless the operands of a flash attention forward agree: q
+  `[B, Nq, H, D]`, k and v `[B, Nk, H, D]` and the prefix `[B, Np, H, D]`
+  of q's dtype, `key_valid [B, Nk]`, `segment_ids [B, Nq]` with Nk == Nq."""
+  batch, q_len, num_heads, head_dim = q.shape
+  kv_len = k.shape[1]
+  if k.shape != (batch, kv_len, num_heads, head_dim) or v.shape != k.shape:
+    raise ValueError(f"k {k.shape} / v {v.shape} do not match q {q.shape}")
+  if not (k.dtype == v.dtype == q.dtype):
+    raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+  if (k_prefix is None) != (v_prefix is None):
+    raise ValueError("k_prefix and v_prefix go together")
+  if k_prefix is not None:
+    expected = (batch, k_prefix.shape[1], num_heads, head_dim)
+    if k_prefix.shape != expected or v_prefix.shape != expected:
+      raise ValueError(f"prefix shapes {k_prefix.shape}/{v_prefix.shape} != {expected}")
+    if not (k_prefix.dtype == v_prefix.dtype == q.dtype):
+      raise ValueError("prefix dtype differs from q")
+  if key_valid is not None and key_valid.shape != (batch, kv_len):
+    raise ValueError(f"key_valid {key_valid.shape} != {(batch, kv_len)}")
+  if segment_ids is not None:
+    if kv_len != q_len or segment_ids.shape != (batch, q_len):
+      raise ValueError(f"segment_ids {segment_ids.shape} need Nk == Nq == {q_len}")
+
+
+def key_sources(k, v, k_prefix, v_prefix, key_valid):
+  """`(k, v, k_prefix, v_prefix, key_valid)` with an empty prefix dropped
+  (None) and, when there are no keys but a prefix, the prefix as the keys."""
+  prefix_len = 0 if k_prefix is None else k_prefix.shape[1]
+  if not prefix_len:
+    return k, v, None, None, key_valid
+  if not k.shape[1]:
+    return k_prefix, v_prefix, None, None, None
+  return k, v, k_prefix, v_prefix, key_valid
+
+
 def load_rows(ref, start, block: int, valid, other: Any, masked: bool):
   """Rows `[start, start + block)` of `ref` (`[N]` or `[N, D]`); with
   `masked`, `other` from row `valid` on (a traced start: the slice may

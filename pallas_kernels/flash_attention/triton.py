@@ -47,7 +47,8 @@ from pallas_kernels.shared.common import cdiv, check_pow2_dim, fit_block, fitted
 from pallas_kernels.shared.device import SHARED_MEMORY_PER_BLOCK, num_sms
 from pallas_kernels.flash_attention.triton_bwd import (FlashAttentionBwdConfig, attention_backward, choose_backward_config,
                                                 fit_backward_config)
-from pallas_kernels.flash_attention.keys import Keys, key_block_limits, load_rows, store_rows, walk_keys
+from pallas_kernels.flash_attention.keys import (Keys, check_attention_inputs, key_block_limits, key_sources,
+                                                 load_rows, store_rows, walk_keys)
 from pallas_kernels.shared.online_softmax import LOG2_E, init_carry, lse_for_backward, normalize, online_softmax_step
 from pallas_kernels.flash_attention.config import FlashAttentionConfig
 
@@ -331,35 +332,15 @@ def flash_attention(
   Returns:
     `[B, Nq, H, D]` in `q.dtype`; rows that see no key are 0.
   """
+  check_attention_inputs(q, k, v, key_valid, k_prefix, v_prefix, segment_ids)
   batch, q_len, num_heads, head_dim = q.shape
-  kv_len = k.shape[1]
-  if k.shape != (batch, kv_len, num_heads, head_dim) or v.shape != k.shape:
-    raise ValueError(f"k {k.shape} / v {v.shape} do not match q {q.shape}")
-  if not (k.dtype == v.dtype == q.dtype):
-    raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
   check_pow2_dim("head dim D", head_dim)
-  if (k_prefix is None) != (v_prefix is None):
-    raise ValueError("k_prefix and v_prefix go together")
-  prefix_len = 0 if k_prefix is None else k_prefix.shape[1]
-  if k_prefix is not None:
-    expected = (batch, prefix_len, num_heads, head_dim)
-    if k_prefix.shape != expected or v_prefix.shape != expected:
-      raise ValueError(f"prefix shapes {k_prefix.shape}/{v_prefix.shape} != {expected}")
-    if not (k_prefix.dtype == v_prefix.dtype == q.dtype):
-      raise ValueError("prefix dtype differs from q")
-  if key_valid is not None and key_valid.shape != (batch, kv_len):
-    raise ValueError(f"key_valid {key_valid.shape} != {(batch, kv_len)}")
-  if segment_ids is not None:
-    if kv_len != q_len or segment_ids.shape != (batch, q_len):
-      raise ValueError(f"segment_ids {segment_ids.shape} need Nk == Nq == {q_len}")
   if sm_scale is not None and jnp.ndim(sm_scale) != 0:
     raise ValueError(f"sm_scale must be a scalar, got shape {jnp.shape(sm_scale)}")
 
-  if not prefix_len:
-    k_prefix = v_prefix = None
-  if not kv_len and prefix_len:  # only prefix keys: they are the keys
-    k, v, k_prefix, v_prefix, key_valid = k_prefix, v_prefix, None, None, None
-    kv_len, prefix_len = prefix_len, 0
+  k, v, k_prefix, v_prefix, key_valid = key_sources(k, v, k_prefix, v_prefix, key_valid)
+  kv_len = k.shape[1]
+  prefix_len = 0 if k_prefix is None else k_prefix.shape[1]
   if not (batch and q_len and kv_len):
     return jnp.zeros(q.shape, q.dtype)
   scale = jnp.asarray(head_dim ** -0.5 if sm_scale is None else sm_scale, jnp.float32).reshape(1)

@@ -64,13 +64,15 @@ from pallas_kernels.gdn_prefill.config import DvStage, StateBwdStage, ChunkBwdSt
 def choose_backward_config(num_seqs: int, v_heads: int, v_dim: int) -> GdnPrefillBwdConfig:
   """Chunk 64; the reverse state pass, the critical path, takes `block_v`
   32, or 16 where 32 leaves fewer than two programs per SM (the forward
-  state pass's rule); the other launches are parallel over chunks."""
+  state pass's rule); the other launches are parallel over chunks. The
+  chunk launch inverts in blocks of 32: with blocks of 16 ptxas 13.5 spills
+  its inverse (docs/perf/sm90a_backward.md)."""
   fit = lambda block: min(block, v_dim)  # noqa: E731
   block_v = fit(32)
   if block_v > 16 and num_seqs * v_heads * (v_dim // block_v) < 2 * num_sms():
     block_v = 16
   return GdnPrefillBwdConfig(dv=DvStage(block_v=fit(64)), state=StateBwdStage(block_v=block_v),
-                             chunk_grads=ChunkBwdStage(block_v=fit(16)),
+                             chunk_grads=ChunkBwdStage(block_v=fit(16), solve_block=32),
                              dqk=DqkStage(block_k=fit(32), block_v=fit(32)))
 
 

@@ -1,0 +1,366 @@
+"""Dense GEMM on Mosaic GPU (Hopper-native): C[M,N] = A[M,K] @ B[N,K]^T.
+
+The same contract as the Triton kernel (`pallas_kernels.dense_gemm`, layout
+"nt"): A bf16 activations, B the bf16 weight as stored (`[out, in]`), fp32
+accumulation in the tensor cores, C rounded to bf16 once.
+
+Structure (one CTA per SM, three warpgroups):
+
+- a persistent grid of `config.grid` CTAs (`None`: the device's SM count).
+  CTA `p` computes the output tiles `p, p + grid, p + 2 grid, ...` of the
+  `block_m x block_n` tiling of C, numbered in the grouped (L2-friendly)
+  order of the Triton kernel: `group_m` M-tiles share each sweep over N.
+- warpgroup 2, the producer (`setmaxnreg` down to `PRODUCER_REGISTERS`),
+  streams the A and B tiles of every K step of every tile of its CTA into a
+  ring of `stages` shared-memory slots with TMA (`copy_gmem_to_smem`).
+- warpgroups 0 and 1, the consumers (`setmaxnreg` up to
+  `CONSUMER_REGISTERS`), each own half of the CTA tile (its upper and lower
+  rows, `split="m"`, or its left and right columns, `split="n"`) and
+  accumulate it with async `wgmma` in registers; the epilogue rounds to bf16,
+  writes `block / 2 x epilogue_n` pieces into two shared-memory slots per
+  consumer and stores them with TMA (`copy_smem_to_gmem`) while the next
+  tile's main loop runs.
+
+Operands live in shared memory in the wgmma layout: (8, 64)-element tiles with
+the 128-byte swizzle, B as stored ([block_n, block_k]) and read transposed by
+wgmma. M need not be a multiple of block_m: rows of A past M read as zeros
+(TMA out-of-bounds fill) and rows of C past M are not written (TMA stores clip
+at the array's bounds), with no padded copy. Mosaic GPU's TMA views a copied
+array in the tiles of its shared-memory side, though: (8, 64) for the wgmma
+operands, so an M that is not a multiple of 8 (4125 of the recorded M) pads
+A by < 8 zero rows (one copy of A); the epilogue's pieces use 1-row tiles, so
+C is written in place at any M. M = 0 launches nothing. N must be a multiple of `block_n` and K of
+`block_k` (`check_problem` raises otherwise); the recorded (N, K) are.
+
+Synchronization (the argument; interpret mode does not check asynchrony, so
+this is what makes the kernel correct on the GPU):
+
+- Ring position. Producer and consumers walk the same sequence of steps: the
+  CTA's j-th tile, K step kk is global step g = j * k_steps + kk, held in
+  slot g % stages. Both sides derive g from the same static tile schedule, so
+  they agree on every slot without communicating.
+- `full[s]` (num_arrivals = 2) guards slot s's data. The producer issues the
+  A and B copies of step g with `full[g % stages]`; each TMA copy arrives
+  once with its byte count, so the phase completes when both copies have
+  landed. Each consumer waits on it before its wgmma reads the slot.
+- `empty[s]` (num_arrivals = 2, one per consumer) guards slot s's reuse. A
+  consumer arrives on `empty[g % stages]` only when the wgmma that read step
+  g has completed: after issuing step g+1's wgmma it waits until at most one
+  wgmma is in flight (`wgmma_wait(1)`), which retires step g's, then
+  releases step g's slot; the tile's last step is released after
+  `wgmma_wait(0)`. The producer waits on `empty[g % stages]` before
+  overwriting the slot with step g for every g >= stages (the first
+  `stages` steps fill empty slots), and after its last load it waits for the
+  last release of every slot it waited on before, so it has observed every
+  completion of `empty` when the kernel ends.
+- Phase parity. Mosaic GPU flips each barrier's phase bit per wait, so every
+  waiter must wait on every completion of a barrier, in order: use u of slot
+  s (g = u * stages + s) completes phase u of `full[s]` and of `empty[s]`.
+  The consumers wait on `full[s]` for every use and the producer on
+  `empty[s]` for uses 1, 2, ... (completion u - 1 before loading use u); a
+  skipped or extra wait, or an arrival count that does not match the
+  arrivers, desynchronizes the parity (a slot read before it is loaded or
+  overwritten before it is consumed). Both consumers run every step of every
+  tile, so both barriers see the same arrivals in every phase.
+- Epilogue slots. A consumer's TMA stores are bulk groups of its own
+  warpgroup. Before writing a piece into out slot e it waits until at most
+  one store is in flight (`wait_smem_to_gmem(1, wait_read_only=True)`), so the
+  store that last read slot e (two stores ago) is done; before a tile's first
+  piece it waits for all (`wait_smem_to_gmem(0, ...)`), so a tile with an odd
+  number of pieces cannot reuse a slot under a pending store.
+  `commit_smem()` orders its shared-memory writes before the TMA store
+  reads them; every consumer waits for all its stores before exiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.shared import device
+from pallas_kernels import mosaic_gpu_compat as compat
+from pallas_kernels.mosaic_gpu_common import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_TRANSFORMS,
+                                              WGMMA_TRANSFORMS, num_sms, pad_rows)
+from pallas_kernels.shared.common import check_nt_operands, resolve_interpret
+from pallas_kernels.shared.config_rules import KernelConfig, Rule, at_least, field, one_of
+from pallas_kernels.dense_gemm.triton import DenseGemmSizes, _tile_coords
+
+# Test-only sync faults (`_gemm(fault=...)`): each breaks one rule of the
+# synchronization argument so a test can show the interpret run catches it.
+FAULTS = ("release_once", "wrong_slot")
+
+
+def _multiple_of_64(minimum: int) -> Rule:
+  return Rule(f"a multiple of 64 >= {minimum}",
+              lambda v, _: isinstance(v, int) and not isinstance(v, bool) and v >= minimum and v % 64 == 0)
+
+
+def _grid_rule() -> Rule:
+  return Rule("None (the device's SM count) or an int >= 1",
+              lambda v, _: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGemmConfig(KernelConfig):
+  """Tiling of the warp-specialized NT GEMM.
+
+  `block_m x block_n` is the CTA tile, split between the two consumer
+  warpgroups along `split` ("m": each owns block_m / 2 rows, "n": block_n / 2
+  columns); `block_k` the K step; `stages` the shared-memory ring depth;
+  `group_m` M-tiles per group in the grouped tile order; `epilogue_n` the
+  width of one TMA store; `grid` the persistent CTA count (None: the SM
+  count, `num_sms()`)."""
+  block_m: int = field(128, _multiple_of_64(64))
+  block_n: int = field(256, _multiple_of_64(64))
+  block_k: int = field(64, one_of(64, 128))
+  stages: int = field(4, at_least(2))
+  group_m: int = field(8, at_least(1))
+  split: str = field("m", one_of("m", "n"))
+  epilogue_n: int = field(64, one_of(64, 128))
+  grid: int | None = field(None, _grid_rule())
+
+  @property
+  def consumer_tile(self) -> tuple[int, int]:
+    """(rows, cols) of C one consumer warpgroup accumulates per tile."""
+    if self.split == "m":
+      return self.block_m // NUM_CONSUMERS, self.block_n
+    return self.block_m, self.block_n // NUM_CONSUMERS
+
+  @property
+  def accumulator_elements(self) -> int:
+    rows, cols = self.consumer_tile
+    return rows * cols
+
+  @property
+  def shared_memory_bytes(self) -> int:
+    """The ring (A and B per slot) plus the epilogue slots, in bytes (the
+    barriers add a few dozen bytes)."""
+    ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
+    epilogue = NUM_CONSUMERS * 2 * self.consumer_tile[0] * self.epilogue_n * 2
+    return ring + epilogue
+
+  @property
+  def consumer_rows(self) -> int:
+    return self.consumer_tile[0]
+
+  @property
+  def consumer_cols(self) -> int:
+    return self.consumer_tile[1]
+
+  # A consumer's fp32 accumulator takes accumulator_elements / 128 registers
+  # per thread: 128 leaves room under 232 for addresses and the epilogue.
+  _derived_rules = {
+      "accumulator_elements": (Rule("<= 16384 (128 fp32 registers per consumer thread)",
+                                    lambda v, _: v <= 128 * 128),),
+      "consumer_rows": (Rule("a multiple of 64 (wgmma's M per warpgroup)", lambda v, _: v % 64 == 0),),
+      "consumer_cols": (Rule("a multiple of epilogue_n and <= 256 (wgmma's N)",
+                             lambda v, c: v % c.epilogue_n == 0 and v <= 256),),
+      "shared_memory_bytes": (Rule(f"<= {device.SHARED_MEMORY_PER_BLOCK} (227 KiB per CTA)",
+                                   lambda v, _: v <= device.SHARED_MEMORY_PER_BLOCK),),
+  }
+
+
+# The heuristic's tile: 128x256x64, each consumer 64x256 (wgmma m64n256k16,
+# the shape with the fewest shared-memory bytes per MAC), 4 stages
+# (192 KiB ring + 32 KiB epilogue).
+DEFAULT_CONFIG = MosaicGemmConfig()
+
+# What a sweep explores beside it; each fits the 227 KiB.
+_SWEEP_CONFIGS = (
+    DEFAULT_CONFIG,
+    MosaicGemmConfig(128, 256, 64, stages=4, group_m=16),
+    MosaicGemmConfig(128, 256, 64, stages=3, split="n"),
+    MosaicGemmConfig(256, 128, 64, stages=3, split="m"),
+    MosaicGemmConfig(128, 128, 64, stages=6, split="m"),
+    MosaicGemmConfig(128, 256, 128, stages=2, split="m"),
+)
+
+
+def check_problem(m: int, n: int, k: int, config: MosaicGemmConfig) -> None:
+  """Raises unless the kernel handles (M, N, K) with `config`: any M, N,
+  K >= 0 with N a multiple of block_n and K of block_k (the recorded shapes
+  are)."""
+  if min(m, n, k) < 0:
+    raise ValueError(f"M, N and K must be >= 0, got {(m, n, k)}")
+  if n % config.block_n:
+    raise ValueError(f"N={n} must be a multiple of MosaicGemmConfig.block_n={config.block_n}")
+  if k % config.block_k:
+    raise ValueError(f"K={k} must be a multiple of MosaicGemmConfig.block_k={config.block_k}")
+
+
+def choose_config(shapes: Mapping[str, Any]) -> MosaicGemmConfig:
+  """The heuristic: `DEFAULT_CONFIG` for every shape. At the recorded ones
+  (N and K multiples of 256, M >= 4096) it gives >= 3.9 tiles per CTA on 132
+  SMs. Short M keeps it too: a consumer cannot own fewer than 64 rows
+  (wgmma's M), and such a product is bound by reading B, which the tile
+  shape does not change."""
+  del shapes
+  return DEFAULT_CONFIG
+
+
+def candidate_configs(shapes: Mapping[str, Any]) -> list[MosaicGemmConfig]:
+  """Configs a sweep may try, the heuristic's first; only those whose
+  block_n and block_k divide the problem's N and K."""
+  _, n, k = DenseGemmSizes.of(shapes)
+  chosen = choose_config(shapes)
+  fitting = [c for c in _SWEEP_CONFIGS if n % c.block_n == 0 and k % c.block_k == 0]
+  return list(dict.fromkeys([chosen, *fitting]))
+
+
+def _kernel(a_gmem, b_gmem, c_gmem, *, config: MosaicGemmConfig, m: int, n: int, k: int,
+            grid: int, fault: str | None):
+  bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.stages
+  rows, cols = config.consumer_tile
+  num_pid_m, num_pid_n = -(-m // bm), n // bn
+  num_tiles = num_pid_m * num_pid_n
+  k_steps = k // bk
+  group_m = min(config.group_m, num_pid_m)
+  cta = lax.axis_index("cta")
+  # Tiles of this CTA: cta, cta + grid, ... below num_tiles.
+  my_tiles = lax.div(num_tiles - 1 - cta, grid) + 1
+
+  def tile_of(j):
+    return _tile_coords(cta + j * grid, num_pid_m, num_pid_n, group_m)
+
+  def scoped(a_smem, b_smem, out_smem, full, empty):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+      @pl.loop(0, my_tiles)
+      def _tile(j):
+        tile_m, tile_n = tile_of(j)
+
+        @pl.loop(0, k_steps)
+        def _step(kk):
+          g = j * k_steps + kk
+          slot = lax.rem(g, stages)
+
+          @pl.when(g >= stages)
+          def _():
+            plgpu.barrier_wait(empty.at[slot])
+
+          ks = pl.ds(kk * bk, bk)
+          plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(tile_m * bm, bm), ks], a_smem.at[slot], full.at[slot])
+          plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(tile_n * bn, bn), ks], b_smem.at[slot], full.at[slot])
+
+      # Observe the last release of every slot waited on above, so that each
+      # waiter sees every phase of `empty` (nothing is loaded after it).
+      total = my_tiles * k_steps
+
+      @pl.loop(jnp.maximum(total - stages, stages), total)
+      def _drain(g):
+        plgpu.barrier_wait(empty.at[lax.rem(g, stages)])
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      if config.split == "m":
+        a_part, b_part = pl.ds(wg * rows, rows), slice(None)
+      else:
+        a_part, b_part = slice(None), pl.ds(wg * cols, cols)
+
+      def release(g):
+        plgpu.barrier_arrive(empty.at[lax.rem(g, stages)])
+
+      @pl.loop(0, my_tiles)
+      def _tile(j):
+        tile_m, tile_n = tile_of(j)
+
+        def accumulate(acc_ref):
+          @pl.loop(0, k_steps)
+          def _step(kk):
+            g = j * k_steps + kk
+            slot = lax.rem(g, stages)
+            plgpu.barrier_wait(full.at[slot])
+            read = lax.rem(g + 1, stages) if fault == "wrong_slot" else slot
+            plgpu.wgmma(acc_ref, a_smem.at[read, a_part], b_smem.at[read, b_part].T)
+            # Step g-1's wgmma has retired once at most one is in flight.
+            plgpu.wgmma_wait(1)
+            pl.when(kk > 0)(lambda: release(g - 1))
+
+          plgpu.wgmma_wait(0)
+          release(j * k_steps + k_steps - 1)
+          return acc_ref[...]
+
+        acc = pl.run_scoped(accumulate, plgpu.ACC((rows, cols), jnp.float32))
+        c_tile = acc.astype(c_gmem.dtype)
+        row0 = tile_m * bm + (wg * rows if config.split == "m" else 0)
+        col0 = tile_n * bn + (0 if config.split == "m" else wg * cols)
+        # All of the previous tile's stores have read their slots.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        for piece in range(cols // config.epilogue_n):
+          out = out_smem.at[wg, piece % 2]
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          out[...] = c_tile[:, piece * config.epilogue_n:(piece + 1) * config.epilogue_n]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              out, c_gmem.at[pl.ds(row0, rows), pl.ds(col0 + piece * config.epilogue_n, config.epilogue_n)])
+
+      plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(
+      scoped,
+      plgpu.SMEM((stages, bm, bk), a_gmem.dtype, transforms=WGMMA_TRANSFORMS),
+      plgpu.SMEM((stages, bn, bk), b_gmem.dtype, transforms=WGMMA_TRANSFORMS),
+      plgpu.SMEM((NUM_CONSUMERS, 2, rows, config.epilogue_n), c_gmem.dtype, transforms=ROW_TRANSFORMS),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
+      collective_axes="wg",
+  )
+
+
+def grid_size(config: MosaicGemmConfig, m: int, n: int) -> int:
+  """The persistent CTA count: `config.grid` (or `num_sms()`), never more
+  than the problem's tiles."""
+  tiles = -(-m // config.block_m) * (n // config.block_n)
+  return max(1, min(config.grid or num_sms(), tiles))
+
+
+def _gemm(a: jax.Array, b: jax.Array, config: MosaicGemmConfig, interpret: bool, fault: str | None = None):
+  """The launch; `fault` (tests only, one of `FAULTS`) breaks the
+  synchronization on purpose."""
+  if fault is not None and fault not in FAULTS:
+    raise ValueError(f"fault must be None or one of {FAULTS}, got {fault!r}")
+  (m, k), n = a.shape, b.shape[0]
+  check_problem(m, n, k, config)
+  if m == 0 or n == 0 or k == 0:
+    return jnp.zeros((m, n), a.dtype)
+  # An M that is not a multiple of 8 pads A (`pad_rows`); C keeps its M rows.
+  a = pad_rows(a, 0)
+  grid = grid_size(config, m, n)
+  kernel = plgpu.kernel(
+      functools.partial(_kernel, config=config, m=m, n=n, k=k, grid=grid, fault=fault),
+      out_type=jax.ShapeDtypeStruct((m, n), a.dtype),
+      grid=(grid,),
+      grid_names=("cta",),
+      num_threads=NUM_CONSUMERS + 1,
+      thread_name="wg",
+      **compat.interpret_kwargs(interpret),
+  )
+  return kernel(a, b)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def kernel(a: jax.Array, b: jax.Array, *, config: MosaicGemmConfig | None = None,
+           interpret: bool | None = None) -> jax.Array:
+  """C = A @ B^T, A [M, K] and B [N, K] bf16 (one dtype), fp32 accumulation,
+  C [M, N] in A's dtype rounded once. Any M >= 0; N and K multiples of the
+  config's block_n and block_k (`check_problem` raises otherwise); an empty
+  product is zeros.
+
+  `config=None` picks `choose_config`; `interpret=None` interprets (Mosaic
+  GPU's CPU interpreter) when no GPU is present."""
+  check_nt_operands(a, b, "A", "B")
+  if config is None:
+    config = choose_config({"A": a, "B": b})
+  return _gemm(a, b, config, resolve_interpret(interpret))

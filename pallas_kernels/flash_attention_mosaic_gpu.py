@@ -1,0 +1,385 @@
+"""Flash attention forward on Mosaic GPU (Hopper-native), FA3-style.
+
+Contract: the forward of `pallas_kernels.flash_attention` (the four
+attention definitions): q `[B, Nq, H, D]`, k and v `[B, Nk, H, D]` bf16 with
+D 64 or 128; optional `key_valid [B, Nk]` (False hides key j of batch row b:
+whatever it holds reaches no output), prefix keys `k_prefix`, `v_prefix`
+`[B, Np, H, D]` (the keys are `concat(k_prefix, k)`, every prefix key
+visible to every query) and block-causal `segment_ids [B, Nq]` (Nk == Nq;
+key j visible to query i iff `segment_ids[j] <= segment_ids[i]`).
+`softmax(q k^T * sm_scale) v` with the online softmax of
+`pallas_kernels.shared.online_softmax` in base 2 (scores scaled by
+`sm_scale * LOG2_E`, hidden keys selected away to -inf, a row that has seen
+nothing subtracts 0 so its probabilities are 0), the probabilities rounded
+to bf16 for the value product, the output rounded once; a row that sees no
+key outputs 0 and has lse +inf. Also returns `lse [B, H, Nq]` (base 2, the
+forward's scale), what a backward recomputes the probabilities from.
+
+Visibility is one comparison: the wrapper gives every key an id (the
+prefix's `INT32_MIN`, a key its segment id or 0, a hidden or out-of-range
+key `INT32_MAX`) and every query its segment id or 0; key j is visible to
+query i iff `key_id[j] <= query_id[i]`. Key blocks past the last one some
+row of a query block sees are not visited: the per-(batch row, query block)
+step count comes from the Triton kernel's table
+(`flash_attention_keys.key_block_limits`), tight for a valid prefix of keys
+and nondecreasing segment ids; key blocks before it are all visited, with
+the mask (the Triton kernel also skips the mask on blocks every row sees).
+
+Structure: grid (H, query blocks of 2 * block_q, B); three warpgroups per CTA.
+
+- warpgroup 2, the producer (`setmaxnreg` 40), streams K, V and the key ids
+  of each `block_k` step (the prefix's steps, then the keys') into a ring of
+  `stages` slots with TMA;
+- warpgroups 0 and 1, the consumers (`setmaxnreg` 232), each own `block_q`
+  query rows: Q and its query ids once by TMA, then per step S = Q K^T
+  (wgmma), the masked
+  online-softmax update in registers, and O += P V (wgmma; P goes through a
+  per-consumer shared-memory tile because the CPU interpreter's wgmma reads
+  both operands from shared memory); the epilogue divides by the row sums
+  and stores O and lse through shared memory with TMA.
+
+Ragged sizes: keys past Nk (and past Np in the prefix's last block) are
+hidden by their ids (a few bytes per key, built by the wrapper). Mosaic GPU's
+TMA views q, k, v, the prefix and O in 8-row tiles, so a length that is not
+a multiple of 8 pads that array by < 8 rows (and O and lse are sliced back
+to Nq); a multiple of 8 needs no copy. Rows past a sequence within a tile are
+zero-filled on load and clipped on store.
+
+Synchronization (interpret mode does not check asynchrony):
+
+- `k_full[s]` (2 arrivals: the K copy and the key-id copy) and `v_full[s]`
+  (1: the V copy) guard slot s's data; both consumers wait on them before
+  reading K/ids or V of the slot. Each step issues exactly one K copy (from
+  the prefix or from k) and one V copy, so the arrival counts hold.
+- `k_empty[s]` and `v_empty[s]` (2 arrivals, one per consumer) guard reuse.
+  A consumer releases K and the ids of step g after its S wgmma has
+  completed (reading the accumulator waits for it) and the ids are in
+  registers; it releases V after its P V wgmma completed (same). The
+  producer waits on `k_empty[s]` before refilling K/ids of step g >= stages
+  and on `v_empty[s]` before V, and at the end waits for the last release of
+  every slot it waited on, so it observes every completion.
+- Ring position: step g (the prefix's steps first) is in slot g % stages;
+  producer and consumers loop over the same step count, read from the same
+  table entry of their query block, so they agree on every slot and phase.
+- Parity: use u of slot s completes phase u of each of the four barriers;
+  every waiter waits on every phase in order (the consumers on all of
+  `k_full`/`v_full`, the producer on all of `k_empty`/`v_empty` but each
+  slot's first, which nothing precedes).
+- `q_barrier[w]` (2 arrivals: Q and the query ids) guards consumer w's Q
+  tile (one wait); the epilogue overwrites it with O after the last S wgmma
+  that read it has completed. P tile w is written by consumer w only, after
+  its previous P V wgmma completed, and `commit_smem()` makes the writes
+  visible to the wgmma. Epilogue: each consumer writes its own O and lse
+  slots, `commit_smem()`, TMA stores, and waits for them before exiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.shared import device
+from pallas_kernels import mosaic_gpu_compat as compat
+from pallas_kernels.mosaic_gpu_common import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_ALIGN,
+                                              WGMMA_TRANSFORMS, pad_rows)
+from pallas_kernels.shared.common import resolve_interpret
+from pallas_kernels.shared.config_rules import KernelConfig, at_least, field, one_of
+from pallas_kernels.flash_attention.keys import INVISIBLE_SEGMENT, check_attention_inputs, key_block_limits, key_sources
+from pallas_kernels.shared.online_softmax import LOG2_E
+
+HEAD_DIMS = (64, 128)
+
+# Test-only sync fault (`_forward(fault=...)`).
+FAULTS = ("release_once",)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicAttentionConfig(KernelConfig):
+  """`block_q` query rows per consumer warpgroup (a CTA has two), keys walked
+  `block_k` at a time through a ring of `stages` slots."""
+  block_q: int = field(64, one_of(64))
+  block_k: int = field(128, one_of(64, 128))
+  stages: int = field(2, at_least(2))
+
+
+def shared_memory_bytes(config: MosaicAttentionConfig, head_dim: int) -> int:
+  """The scratch Mosaic GPU allocates: Q (then O) and P tiles, lse rows and
+  query ids of both consumers, K, V and the key ids per slot (bf16
+  operands, 4-byte lse and ids), each buffer aligned to 1 KiB (the 128-byte
+  swizzle's period), the barriers, and the 2 KiB more Mosaic GPU reports at
+  lowering for every config here."""
+  align = lambda n: -(-n // 1024) * 1024  # noqa: E731
+  bq, bk, stages = config.block_q, config.block_k, config.stages
+  buffers = [NUM_CONSUMERS * bq * head_dim * 2, NUM_CONSUMERS * bq * bk * 2, NUM_CONSUMERS * bq * 4,
+             NUM_CONSUMERS * bq * 4, stages * bk * head_dim * 2, stages * bk * head_dim * 2, stages * bk * 4]
+  barriers = 8 * (NUM_CONSUMERS + 4 * stages)
+  return sum(map(align, buffers)) + barriers + 2048
+
+
+def _dims(shapes: Mapping[str, Any]) -> tuple[int, int]:
+  """(D, keys per query row: Nk + Np) of the inputs' shapes (input name ->
+  array or ShapeDtypeStruct; `k_prefix` may be absent or None)."""
+  prefix = shapes.get("k_prefix")
+  return int(shapes["q"].shape[-1]), int(shapes["k"].shape[1]) + (0 if prefix is None else int(prefix.shape[1]))
+
+
+def choose_config(shapes: Mapping[str, Any]) -> MosaicAttentionConfig:
+  """128-key steps in a 2-slot ring (FA3's d128 shape, 197 KiB at D = 128);
+  64-key steps when all keys fit in one."""
+  _, keys = _dims(shapes)
+  return MosaicAttentionConfig(block_k=64 if keys <= 64 else 128)
+
+
+def candidate_configs(shapes: Mapping[str, Any]) -> list[MosaicAttentionConfig]:
+  """The heuristic's first, then the other shapes that fit 227 KiB at the
+  problem's D."""
+  head_dim, _ = _dims(shapes)
+  sweep = [MosaicAttentionConfig(block_k=bk, stages=s) for bk in (128, 64) for s in (2, 3, 4)]
+  fits = [c for c in sweep if shared_memory_bytes(c, head_dim) <= device.SHARED_MEMORY_PER_BLOCK]
+  return list(dict.fromkeys([choose_config(shapes), *fits]))
+
+
+def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gmem, steps_gmem, o_gmem, lse_gmem,
+            *, config: MosaicAttentionConfig, qk_scale: float, prefix_steps: int, fault: str | None):
+  bq, bk, stages = config.block_q, config.block_k, config.stages
+  head_dim = q_gmem.shape[-1]
+  head, q_block, batch = lax.axis_index("h"), lax.axis_index("q"), lax.axis_index("b")
+
+  # Key steps of this query block (the prefix's and the keys' up to the last
+  # one some row sees): producer and consumers read the same count.
+  steps = steps_gmem[batch, q_block]
+
+  def scoped(q_smem, p_smem, lse_smem, qid_smem, k_smem, v_smem, kid_smem, q_barrier, k_full, v_full, k_empty,
+             v_empty):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+      def load(g, prefix_src, src, dst, barrier):
+        """Step g's key block into `dst`: from the prefix for the first
+        `prefix_steps` steps, then from the keys."""
+        def copy(source, first):
+          plgpu.copy_gmem_to_smem(source.at[batch, pl.ds((g - first) * bk, bk), head], dst, barrier)
+        if not prefix_steps:
+          copy(src, 0)
+          return
+        pl.when(g < prefix_steps)(lambda: copy(prefix_src, 0))
+        pl.when(g >= prefix_steps)(lambda: copy(src, prefix_steps))
+
+      @pl.loop(0, steps)
+      def _step(g):
+        slot = lax.rem(g, stages)
+
+        @pl.when(g >= stages)
+        def _():
+          plgpu.barrier_wait(k_empty.at[slot])
+
+        load(g, kp_gmem, k_gmem, k_smem.at[slot], k_full.at[slot])
+        plgpu.copy_gmem_to_smem(key_ids_gmem.at[batch, pl.ds(g * bk, bk)], kid_smem.at[slot], k_full.at[slot])
+
+        @pl.when(g >= stages)
+        def _():
+          plgpu.barrier_wait(v_empty.at[slot])
+
+        load(g, vp_gmem, v_gmem, v_smem.at[slot], v_full.at[slot])
+
+      @pl.loop(jnp.maximum(steps - stages, stages), steps)
+      def _drain(g):
+        plgpu.barrier_wait(k_empty.at[lax.rem(g, stages)])
+        plgpu.barrier_wait(v_empty.at[lax.rem(g, stages)])
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      q0 = (q_block * NUM_CONSUMERS + wg) * bq
+      rows = pl.ds(q0, bq)
+      plgpu.copy_gmem_to_smem(q_gmem.at[batch, rows, head], q_smem.at[wg], q_barrier.at[wg])
+      plgpu.copy_gmem_to_smem(query_ids_gmem.at[batch, rows], qid_smem.at[wg], q_barrier.at[wg])
+      plgpu.barrier_wait(q_barrier.at[wg])
+      query_ids = plgpu.load(qid_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+      row_layout = plgpu.Layout.WGMMA.reduce(1)
+      m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
+      l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+      acc = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+
+      def step(g, carry):
+        acc, m, l = carry
+        slot = lax.rem(g, stages)
+        plgpu.barrier_wait(k_full.at[slot])
+
+        def scores(s_ref):
+          plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].T)
+          return s_ref[...]
+
+        s = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32)) * qk_scale
+        key_ids = plgpu.load(kid_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        plgpu.barrier_arrive(k_empty.at[slot])
+        visible = (lax.broadcast_in_dim(key_ids, s.shape, [1])
+                   <= lax.broadcast_in_dim(query_ids, s.shape, [0]))
+        # The online softmax step of `online_softmax.online_softmax_step`.
+        s = jnp.where(visible, s, -jnp.inf)
+        m_next = jnp.maximum(m, s.max(axis=1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        correction = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+        l_next = correction * l + p.sum(axis=1)
+        plgpu.barrier_wait(v_full.at[slot])
+
+        # P goes through shared memory (the CPU interpreter's wgmma reads
+        # both operands from there); the previous step's P V has completed.
+        p_smem[wg] = p.astype(p_smem.dtype)
+        plgpu.commit_smem()
+
+        def values(pv_ref):
+          plgpu.wgmma(pv_ref, p_smem.at[wg], v_smem.at[slot])
+          return pv_ref[...]
+
+        pv = pl.run_scoped(values, plgpu.ACC((bq, head_dim), jnp.float32))
+        plgpu.barrier_arrive(v_empty.at[slot])
+        return acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv, m_next, l_next
+
+      acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
+      seen = l > 0.0
+      inverse = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+      # O reuses the Q tile: the last S wgmma that read it has completed.
+      q_smem[wg] = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(q_smem.dtype)
+      lse_smem[wg] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem.at[wg], o_gmem.at[batch, rows, head])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[batch, head, rows])
+      plgpu.wait_smem_to_gmem(0)
+
+  dtype = q_gmem.dtype
+  pl.run_scoped(
+      scoped,
+      plgpu.SMEM((NUM_CONSUMERS, bq, head_dim), dtype, transforms=WGMMA_TRANSFORMS),
+      plgpu.SMEM((NUM_CONSUMERS, bq, bk), dtype, transforms=WGMMA_TRANSFORMS),
+      plgpu.SMEM((NUM_CONSUMERS, bq), jnp.float32),
+      plgpu.SMEM((NUM_CONSUMERS, bq), jnp.int32),
+      plgpu.SMEM((stages, bk, head_dim), dtype, transforms=WGMMA_TRANSFORMS),
+      plgpu.SMEM((stages, bk, head_dim), dtype, transforms=WGMMA_TRANSFORMS),
+      plgpu.SMEM((stages, bk), jnp.int32),
+      plgpu.Barrier(num_arrivals=2, num_barriers=NUM_CONSUMERS),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
+      collective_axes="wg",
+  )
+
+
+_HIDDEN = INVISIBLE_SEGMENT          # a key id no query reaches
+_EVERYONE = jnp.iinfo(jnp.int32).min  # a key id every query reaches (prefix keys)
+
+
+def _key_ids(batch, kv_len, steps, block, key_valid, segment_ids):
+  """[B, steps * block] int32: key j is visible to query i iff
+  key_id[j] <= query_id[i]. Keys past `kv_len` and hidden keys get
+  `_HIDDEN`; the others their segment id, or 0 without segments."""
+  ids = jnp.zeros((batch, kv_len), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+  if key_valid is not None:
+    ids = jnp.where(key_valid, ids, _HIDDEN)
+  return jnp.pad(ids, ((0, 0), (0, steps * block - kv_len)), constant_values=_HIDDEN)
+
+
+def _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, *, sm_scale: float,
+             config: MosaicAttentionConfig, interpret: bool, fault: str | None = None):
+  """(o, lse) of one launch; `fault` (tests only, one of `FAULTS`) breaks the
+  synchronization on purpose."""
+  if fault is not None and fault not in FAULTS:
+    raise ValueError(f"fault must be None or one of {FAULTS}, got {fault!r}")
+  batch, q_len, heads, head_dim = q.shape
+  kv_len, bk = k.shape[1], config.block_k
+  prefix_len = 0 if k_prefix is None else k_prefix.shape[1]
+  prefix_steps, kv_steps = -(-prefix_len // bk), -(-kv_len // bk)
+  key_ids = _key_ids(batch, kv_len, kv_steps, bk, key_valid, segment_ids)
+  if prefix_steps:
+    prefix_ids = jnp.where(jnp.arange(prefix_steps * bk) < prefix_len, _EVERYONE, _HIDDEN)
+    key_ids = jnp.concatenate([jnp.broadcast_to(prefix_ids, (batch, prefix_steps * bk)), key_ids], axis=1)
+  cta_rows = NUM_CONSUMERS * config.block_q
+  q_blocks = -(-q_len // cta_rows)
+  # Key blocks past the last one some row of a query block sees are skipped
+  # (tight for a valid prefix of keys and nondecreasing segment ids).
+  key_blocks = jnp.full((batch, q_blocks), kv_steps, jnp.int32)
+  if key_valid is not None or segment_ids is not None:
+    key_blocks = key_block_limits(key_valid, segment_ids, batch=batch, q_len=q_len, kv_len=kv_len,
+                                  block_q=cta_rows, block_k=bk)[..., 1]
+  steps = prefix_steps + key_blocks
+  # Rows past Nq see no key (their output is never stored).
+  query_ids = jnp.zeros((batch, q_len), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+  query_ids = jnp.pad(query_ids, ((0, 0), (0, q_blocks * cta_rows - q_len)), constant_values=_EVERYONE)
+  # O is stored from the (8, 64)-tiled Q tile, so O (and lse, whose rows
+  # TMA needs 16-byte aligned) get a multiple of 8 rows, sliced after.
+  rows = -(-q_len // ROW_ALIGN) * ROW_ALIGN
+  kernel = plgpu.kernel(
+      functools.partial(_kernel, config=config, qk_scale=float(sm_scale) * LOG2_E, prefix_steps=prefix_steps,
+                        fault=fault),
+      out_type=(jax.ShapeDtypeStruct((batch, rows, heads, head_dim), q.dtype),
+                jax.ShapeDtypeStruct((batch, heads, rows), jnp.float32)),
+      grid=(heads, q_blocks, batch),
+      grid_names=("h", "q", "b"),
+      num_threads=NUM_CONSUMERS + 1,
+      thread_name="wg",
+      **compat.interpret_kwargs(interpret),
+  )
+  k, v = pad_rows(k, 1), pad_rows(v, 1)
+  # Without prefix keys the prefix operands are k and v again, never read.
+  k_prefix, v_prefix = (k, v) if k_prefix is None else (pad_rows(k_prefix, 1), pad_rows(v_prefix, 1))
+  o, lse = kernel(pad_rows(q, 1), k, v, k_prefix, v_prefix, key_ids, query_ids, steps)
+  return (o, lse) if rows == q_len else (o[:, :q_len], lse[..., :q_len])
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
+def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.Array | None = None,
+                            k_prefix: jax.Array | None = None, v_prefix: jax.Array | None = None,
+                            segment_ids: jax.Array | None = None, sm_scale: float | None = None,
+                            config: MosaicAttentionConfig | None = None,
+                            interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+  """`(o, lse)` of `softmax(q k^T * sm_scale) v` over the visible keys.
+
+  q `[B, Nq, H, D]`, k and v `[B, Nk, H, D]`, bf16, D 64 or 128. The
+  masks and key sources of `pallas_kernels.flash_attention.triton.flash_attention`:
+  `key_valid [B, Nk]` (False hides key j); `k_prefix`, `v_prefix`
+  `[B, Np, H, D]` (keys `concat(k_prefix, k)`, every prefix key visible);
+  `segment_ids [B, Nq]` int32 with Nk == Nq (key j visible to query i iff
+  `segment_ids[j] <= segment_ids[i]`; ids must stay below 2**31 - 1, the id
+  this kernel gives hidden keys). `sm_scale` a static float, default
+  `D ** -0.5`.
+
+  Returns o `[B, Nq, H, D]` in q's dtype (rows that see no key are 0) and
+  lse `[B, H, Nq]` f32 (log2 of the sum of exp2 of the scores scaled by
+  `sm_scale * LOG2_E`, +inf for a row that sees no key). Any B, Nq, Nk, Np
+  >= 0 (no query: empty; no key: zeros and +inf).
+  """
+  check_attention_inputs(q, k, v, key_valid, k_prefix, v_prefix, segment_ids)
+  batch, q_len, heads, head_dim = q.shape
+  if q.dtype != jnp.bfloat16:
+    raise ValueError(f"q, k, v must be bfloat16, got {q.dtype}")
+  if head_dim not in HEAD_DIMS:
+    raise ValueError(f"head dim D={head_dim} must be one of {HEAD_DIMS}")
+  k, v, k_prefix, v_prefix, key_valid = key_sources(k, v, k_prefix, v_prefix, key_valid)
+  kv_len = k.shape[1]
+  if not (batch and q_len and heads and kv_len):
+    return jnp.zeros(q.shape, q.dtype), jnp.full((batch, heads, q_len), jnp.inf, jnp.float32)
+  config = config or choose_config({"q": q, "k": k, "k_prefix": k_prefix})
+  if shared_memory_bytes(config, head_dim) > device.SHARED_MEMORY_PER_BLOCK:
+    raise ValueError(f"{config} needs {shared_memory_bytes(config, head_dim)} bytes of shared memory at D={head_dim}; "
+                     f"the limit is {device.SHARED_MEMORY_PER_BLOCK} (fewer stages or a smaller block_k)")
+  scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  if key_valid is not None:
+    # A hidden key's probability is 0, but 0 * NaN is NaN in the P V product:
+    # non-finite values of hidden keys are zeroed first (a copy of v, made
+    # only when v holds one).
+    hidden = ~key_valid.astype(bool)[:, :, None, None]
+    v = lax.cond(jnp.all(jnp.isfinite(v)), lambda v: v, lambda v: jnp.where(hidden, jnp.zeros_like(v), v), v)
+  return _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, sm_scale=scale, config=config,
+                  interpret=resolve_interpret(interpret))

@@ -1,0 +1,67 @@
+"""What the warp-specialized Mosaic GPU kernels share: the register split of
+their warpgroups, the shared-memory layouts of wgmma operands and stores, the
+8-row alignment TMA asks of copied arrays, the SM count, and deviceless
+lowering for an H100.
+
+Every kernel runs one producer warpgroup (TMA loads; `setmaxnreg` down to
+`PRODUCER_REGISTERS`) and `NUM_CONSUMERS` consumer warpgroups (wgmma;
+`setmaxnreg` up to `CONSUMER_REGISTERS`): 40 x 128 + 2 x 232 x 128 = 64512 of
+an SM's 65536 registers.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.shared import device
+
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
+NUM_CONSUMERS = 2
+
+# wgmma operands in shared memory: (8, 64)-element tiles of bf16 with the
+# 128-byte swizzle.
+SWIZZLE_BYTES = 128
+TILE_COLS = SWIZZLE_BYTES // 2
+WGMMA_TRANSFORMS = (plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+# The same swizzle in 1-row tiles: a TMA store from such a buffer views the
+# destination row by row, so it needs no 8-row alignment.
+ROW_TRANSFORMS = (plgpu.TilingTransform((1, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+# Mosaic GPU's TMA views a copied array in the tiles of its shared-memory
+# side: an array copied to or from a WGMMA_TRANSFORMS buffer needs a
+# multiple of this many rows.
+ROW_ALIGN = 8
+
+
+def pad_rows(x: jax.Array, axis: int) -> jax.Array:
+  """`x` with zero rows appended along `axis` up to a multiple of
+  `ROW_ALIGN` (x itself when it is one already)."""
+  extra = -x.shape[axis] % ROW_ALIGN
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+def num_sms() -> int:
+  """The SM count a persistent grid sizes itself for: the abstract device's
+  (deviceless lowering under `jax.sharding.use_abstract_mesh`), else the
+  GPU's, else `device.DEFAULT_NUM_SMS`."""
+  abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  cores = getattr(abstract, "num_cores", None)
+  return int(cores) if isinstance(cores, int) and cores > 0 else device.num_sms()
+
+
+def lower_for_h100(fn, *avals) -> str:
+  """StableHLO text of `jax.jit(fn)` lowered for CUDA on an abstract H100
+  with its 132 SMs (no GPU needed); a Mosaic GPU kernel shows up as a
+  `mosaic_gpu_v2` custom call. Layout inference and the shared-memory limit
+  run here."""
+  from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  mesh = mesh_lib.AbstractMesh((1,), ("x",), (mesh_lib.AxisType.Explicit,),
+                               abstract_device=mesh_lib.AbstractDevice("NVIDIA H100", device.DEFAULT_NUM_SMS, "cuda"))
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()

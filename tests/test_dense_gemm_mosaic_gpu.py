@@ -1,0 +1,183 @@
+"""The Mosaic GPU dense GEMM (`pallas_kernels.dense_gemm_mosaic_gpu`):
+interpret-mode runs (Mosaic GPU's CPU interpreter) against a plain-jnp NT
+GEMM on ragged, tiny, empty and many-tile shapes and with every candidate
+config; config and problem checks; the heuristic; the H100 lowering of every
+shipped config at the recorded (N, K); and the synchronization faults the
+interpret run must catch."""
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import dense_gemm_mosaic_gpu as mg
+from pallas_kernels import mosaic_gpu_compat as compat
+from pallas_kernels.mosaic_gpu_common import lower_for_h100
+
+RECORDED_NK = ((12288, 4096), (4096, 4096), (4096, 12288))
+LARGEST_RECORDED_M = 24576
+
+
+def operands(m, n, k, seed=0):
+  key_a, key_b = jax.random.split(jax.random.key(seed))
+  a = jax.random.normal(key_a, (m, k), jnp.bfloat16)
+  b = (jax.random.normal(key_b, (n, k)) / np.sqrt(k)).astype(jnp.bfloat16)
+  return a, b
+
+
+def reference(a, b):
+  """Plain jnp: fp32-accumulated A @ B^T rounded to bf16 once."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def assert_within_one_ulp(c, want):
+  """Equal up to one bf16 ulp of the reference (a different fp32 summation
+  order may round to the neighbouring bf16 value), plus 1e-4 absolute for
+  results that cancel to near zero; no NaN."""
+  c, want = np.asarray(c, np.float32), np.asarray(want, np.float32)
+  assert c.shape == want.shape
+  assert np.isfinite(c).all()
+  ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(want), 2.0**-126))) - 7)
+  err = np.abs(c - want)
+  assert (err <= ulp + 1e-4).all(), f"max error {err.max()} at {np.unravel_index(err.argmax(), err.shape)}"
+
+
+def shapes(m, n, k):
+  return {"A": jax.ShapeDtypeStruct((m, k), jnp.bfloat16), "B": jax.ShapeDtypeStruct((n, k), jnp.bfloat16)}
+
+
+# Small interpret-mode problems: (M, N, K, config overrides).
+CASES = [
+    pytest.param(200, 512, 64, {"grid": 3, "group_m": 2}, id="more_tiles_than_ctas_ragged_m"),
+    pytest.param(64, 256, 192, {"stages": 2, "epilogue_n": 128}, id="m_below_tile_ring_wraps_wide_stores"),
+    pytest.param(5, 256, 64, {}, id="five_rows_not_multiple_of_8"),
+    pytest.param(136, 256, 64, {"grid": 1, "split": "n", "stages": 3}, id="one_cta_two_tiles_split_n"),
+]
+
+
+@pytest.mark.parametrize("m,n,k,overrides", CASES)
+def test_matches_reference(m, n, k, overrides):
+  a, b = operands(m, n, k, seed=m + k)
+  config = mg.MosaicGemmConfig(**overrides)
+  c = mg.kernel(a, b, config=config, interpret=True)
+  assert c.dtype == jnp.bfloat16
+  assert_within_one_ulp(c, reference(a, b))
+
+
+def test_every_candidate_matches_reference():
+  """Each config a sweep may try (at the recorded N, K) on one small ragged
+  problem whose N and K every candidate divides."""
+  a, b = operands(72, 256, 128, seed=1)
+  want = reference(a, b)
+  candidates = {c for nk in RECORDED_NK for c in mg.candidate_configs(shapes(LARGEST_RECORDED_M, *nk))}
+  assert candidates == set(mg.candidate_configs(shapes(72, 256, 128)))
+  for config in mg.candidate_configs(shapes(72, 256, 128)):
+    assert_within_one_ulp(mg.kernel(a, b, config=config, interpret=True), want)
+
+
+@pytest.mark.parametrize("m,n,k", [(0, 256, 64), (3, 0, 64), (3, 256, 0)])
+def test_empty_products_are_zeros(m, n, k):
+  c = mg.kernel(jnp.ones((m, k), jnp.bfloat16), jnp.ones((n, k), jnp.bfloat16), interpret=True)
+  assert c.shape == (m, n) and c.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(c, np.float32), np.zeros((m, n)))
+
+
+@pytest.mark.parametrize("n,k,field", [(4000, 4096, "block_n"), (4096, 4100, "block_k")])
+def test_unsupported_n_or_k_is_refused(n, k, field):
+  a, b = jnp.zeros((8, k), jnp.bfloat16), jnp.zeros((n, k), jnp.bfloat16)
+  with pytest.raises(ValueError, match=f"MosaicGemmConfig.{field}="):
+    mg.kernel(a, b, interpret=True)
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"block_m": 96}, "block_m"),
+    ({"block_k": 32}, "block_k"),
+    ({"stages": 1}, "stages"),
+    ({"split": "k"}, "split"),
+    ({"grid": 0}, "grid"),
+    ({"block_m": 256, "block_n": 256}, "accumulator_elements"),
+    ({"block_n": 512, "split": "m", "block_m": 64}, "consumer_rows"),
+    ({"stages": 5}, "shared_memory_bytes"),
+])
+def test_config_rejects_bad_fields(overrides, field):
+  with pytest.raises(ValueError, match=f"MosaicGemmConfig.{field}="):
+    mg.MosaicGemmConfig(**overrides)
+
+
+@pytest.mark.parametrize("m", [1, 5, 4096, 4125, LARGEST_RECORDED_M])
+def test_heuristic_is_the_first_candidate_and_every_candidate_fits(m):
+  for n, k in RECORDED_NK:
+    candidates = mg.candidate_configs(shapes(m, n, k))
+    assert candidates[0] == mg.choose_config(shapes(m, n, k))
+    assert len(candidates) == len(set(candidates)) >= 5
+    for config in candidates:
+      mg.check_problem(m, n, k, config)
+
+
+def test_grid_is_the_sm_count_capped_by_the_tiles():
+  config = mg.DEFAULT_CONFIG
+  assert mg.grid_size(config, LARGEST_RECORDED_M, 12288) == mg.device.DEFAULT_NUM_SMS
+  assert mg.grid_size(config, 200, 512) == 4   # 2 x 2 tiles
+  assert mg.grid_size(mg.MosaicGemmConfig(grid=7), LARGEST_RECORDED_M, 12288) == 7
+
+
+def lower(m, n, k, config):
+  """StableHLO of the kernel lowered for an abstract H100 with 132 SMs."""
+  def fn(a, b):
+    assert mg.num_sms() == 132
+    return mg.kernel(a, b, config=config, interpret=False)
+  return lower_for_h100(fn, *shapes(m, n, k).values())
+
+
+@pytest.mark.parametrize("n,k", RECORDED_NK)
+def test_every_shipped_config_lowers_for_h100(n, k):
+  """Layout inference and the shared-memory limit run at lowering."""
+  for config in mg.candidate_configs(shapes(LARGEST_RECORDED_M, n, k)):
+    assert "mosaic_gpu_v2" in lower(LARGEST_RECORDED_M, n, k, config)
+
+
+@pytest.mark.parametrize("m", [1, 4125])
+def test_short_and_unaligned_m_lower(m):
+  assert "mosaic_gpu_v2" in lower(m, 4096, 4096, mg.DEFAULT_CONFIG)
+
+
+# ---------------------------------------------------------------------------
+# Synchronization faults. Interpret mode runs each warpgroup as a thread and
+# checks the barrier phase invariants, but not asynchrony (a wgmma is done
+# when issued), so the faults chosen break the ring protocol itself.
+
+FAULT_PROBLEM = (128, 256, 512)       # 8 K steps through a 2-slot ring: 4 uses per slot
+FAULT_CONFIG = mg.MosaicGemmConfig(stages=2, grid=1)
+
+
+def test_correct_protocol_on_the_fault_problem():
+  a, b = operands(*FAULT_PROBLEM, seed=2)
+  assert_within_one_ulp(mg._gemm(a, b, FAULT_CONFIG, True), reference(a, b))
+
+
+def test_slot_released_by_one_consumer_is_caught():
+  """`empty` counting one arrival instead of one per consumer lets the
+  producer refill a slot that the other consumer has not read yet; the
+  phases then run ahead of their waiters, which the interpreter reports."""
+  a, b = operands(*FAULT_PROBLEM, seed=2)
+  try:
+    with pytest.raises(Exception, match="phase"):
+      jax.block_until_ready(mg._gemm(a, b, FAULT_CONFIG, True, fault="release_once"))
+  finally:
+    compat.reset_interpreter()
+
+
+def test_off_by_one_ring_slot_is_caught():
+  """Consumers reading the slot after the one their barrier guards compute
+  with data of another K step (or not loaded yet): the product is wrong."""
+  a, b = operands(*FAULT_PROBLEM, seed=2)
+  c = np.asarray(mg._gemm(a, b, FAULT_CONFIG, True, fault="wrong_slot"), np.float32)
+  want = np.asarray(reference(a, b), np.float32)
+  assert not np.allclose(c, want, atol=0.05, rtol=0.05, equal_nan=False)
+
+
+def test_unknown_fault_is_refused():
+  a, b = operands(8, 256, 64)
+  with pytest.raises(ValueError, match="fault must be None or one of"):
+    mg._gemm(a, b, FAULT_CONFIG, True, fault="skip_everything")
