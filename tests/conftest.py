@@ -1,5 +1,9 @@
 """Set-up shared by every test process (each pytest-xdist worker)."""
 
+import os
+
+import pytest
+
 from jaxkern.aot.toolchain import skip_cuda_checks
 
 # With the aot extra installed (`make install` installs it), the CUDA plugin
@@ -9,3 +13,16 @@ from jaxkern.aot.toolchain import skip_cuda_checks
 # without CUDA the skipped check logs no cuDNN traceback. Devices stay the
 # CPU's. Without the extra this changes nothing.
 skip_cuda_checks()
+
+
+def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
+  """Tests marked `lane_only` run in the device-stack lane (`make
+  test-device`, where JAXKERN_DEVICE_STACK=1): the GPU machine's jax is the
+  one they check, and running them in both environments would double their
+  cost in `make test`."""
+  if os.environ.get("JAXKERN_DEVICE_STACK") == "1":
+    return
+  skip = pytest.mark.skip(reason="runs in the device-stack lane (make test-device)")
+  for item in items:
+    if item.get_closest_marker("lane_only"):
+      item.add_marker(skip)

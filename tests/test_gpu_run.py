@@ -27,8 +27,6 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 import device_kit  # noqa: E402  pylint: disable=wrong-import-position
 
-IN_THE_LANE = os.environ.get("JAXKERN_DEVICE_STACK") == "1"
-LANE_ONLY = pytest.mark.skipif(not IN_THE_LANE, reason="runs in the device-stack lane (make test-device)")
 # What the lane adds to the machine's packages: the test runner, and ptxas and
 # libdevice for the sm_90a compile tests (tests/test_aot.py).
 TEST_TOOLS = {"pytest", "pytest-xdist", "execnet", "iniconfig", "pluggy", "nvidia-cuda-nvcc", "nvidia-nvvm"}
@@ -43,7 +41,7 @@ def tree_as_on_the_gpu_machine(to: pathlib.Path) -> pathlib.Path:
 
 @pytest.mark.slow  # a subprocess
 @pytest.mark.device_stack
-@LANE_ONLY
+@pytest.mark.lane_only
 def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
   tree = tree_as_on_the_gpu_machine(tmp_path / "tree")
   out = tmp_path / "run"
@@ -86,7 +84,7 @@ def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
 
 
 @pytest.mark.device_stack
-@LANE_ONLY
+@pytest.mark.lane_only
 def test_the_lane_holds_the_gpu_machines_packages_and_the_kit():
   """jax as on the GPU machine; ml_collections only from the kit's wheel;
   nothing installed beyond constraints-device.txt but the test tools."""

@@ -115,7 +115,7 @@ def _gemm_stage(m: int, d: int, e: int, sms: int) -> RouterGemmStage:
                            num_stages=3)
     if gemm_programs(_fit(MoeRouterConfig(gemm), m, d, e).gemm, m, e) >= _FILL * sms:
       return gemm
-  tiles = cdiv(m, 16) * cdiv(e, 16)
+  tiles = max(1, cdiv(m, 16) * cdiv(e, 16))  # M = 0: the decode form (the launcher then launches nothing)
   d_blocks = cdiv(d, block_d)
   per_split = max(1, d_blocks // cdiv(sms, tiles))
   return RouterGemmStage(16, 16, block_d, min(_MAX_SPLITS, cdiv(d_blocks, per_split)), num_warps=4, num_stages=3)
