@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from pallas_kernels.shared.common import (NT_DIMS, cdiv, check_nt_operands, fit_block, fitted_candidates, next_pow2,
                                    resolve_interpret)
 from pallas_kernels.shared.device import num_sms
+from pallas_kernels.shared.fp_formats import f32_bits_one_nan
 from pallas_kernels.moe_router.config import RouterGemmStage, RouterEpilogueStage, MoeRouterConfig
 
 # The most D splits the heuristic and the sweep use: past this the partials'
@@ -177,8 +178,7 @@ def total_order_key(x):
   the one +NaN: a NaN's sign is not defined by the arithmetic that made it, so
   it must not decide the ranking. The sign bit flips the magnitude bits of
   negative numbers."""
-  bits = lax.bitcast_convert_type(x, jnp.int32)
-  bits = jnp.where((bits & 0x7FFFFFFF) > 0x7F800000, jnp.int32(0x7FC00000), bits)
+  bits = f32_bits_one_nan(x)
   return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 

@@ -21,6 +21,14 @@ from jax import lax
 import jax.numpy as jnp
 
 
+def f32_bits_one_nan(x):
+  """The int32 bits of f32 `x` with every NaN (any sign, any payload) made
+  the one +NaN, 0x7FC00000: a NaN's sign is not defined by the arithmetic
+  that made it, so the total-order keys built from these bits must not see it."""
+  bits = lax.bitcast_convert_type(x, jnp.int32)
+  return jnp.where((bits & 0x7FFFFFFF) > 0x7F800000, jnp.int32(0x7FC00000), bits)
+
+
 def unpack_e2m1(packed):
   """Splits packed bytes into their two e2m1 codes: `(low, high)`, int32.
 

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.shared import common
 from pallas_kernels.shared.common import cdiv, next_pow2, resolve_interpret
+from pallas_kernels.shared.fp_formats import f32_bits_one_nan
 from pallas_kernels.shared.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field, multiple_of
 
 DIGIT_BITS = 8
@@ -85,8 +86,7 @@ def fit_stage(stage: SelectStage, width: int) -> SelectStage:
 def order_key(scores: jax.Array) -> jax.Array:
   """int32 bits whose *unsigned* order is the total order of the f32 scores,
   every NaN counted as +NaN (the top of the order) whatever its sign bit."""
-  bits = lax.bitcast_convert_type(scores, jnp.int32)
-  bits = jnp.where((bits & 0x7FFFFFFF) > 0x7F800000, jnp.int32(0x7FC00000), bits)
+  bits = f32_bits_one_nan(scores)
   return bits ^ ((bits >> 31) | jnp.int32(_SIGN))
 
 
