@@ -16,10 +16,13 @@ skip_cuda_checks()
 
 
 def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
-  """Tests marked `lane_only` run in the device-stack lane (`make
+  """Slow tests first; tests marked `lane_only` run in the device-stack lane (`make
   test-device`, where JAXKERN_DEVICE_STACK=1): the GPU machine's jax is the
   one they check, and running them in both environments would double their
   cost in `make test`."""
+  # The subprocess tests (`slow`, up to minutes each) go first: scheduled
+  # last, one of them would run alone on one worker at the end.
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)
   if os.environ.get("JAXKERN_DEVICE_STACK") == "1":
     return
   skip = pytest.mark.skip(reason="runs in the device-stack lane (make test-device)")

@@ -23,7 +23,8 @@ hooks, module-level names of its test file `tests/test_<family>.py`
       `launches`, beside every candidate at the largest recorded axes.
   SWEEP_CASE: Case
       small axes where every candidate config runs in interpret mode (default:
-      the CPU axes of the definition's first record).
+      the CPU axes of the definition's first record); `SWEEP_CASE_<BACKEND>`
+      (e.g. `SWEEP_CASE_MOSAIC_GPU`) replaces it for one backend.
 
 The family file keeps only this data and the checks that are truly its own
 (the reference against float64 NumPy, synthesis structure, heuristics).

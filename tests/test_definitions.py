@@ -58,10 +58,12 @@ KERNEL_CASES = kit.cases("KERNEL_CASES", IMPLEMENTED)
 LOWERING_CASES = kit.cases("LOWERING_CASES", IMPLEMENTED)
 
 
-def sweep_case(family: str) -> kit.Case:
-  """The family's `SWEEP_CASE`, else its first definition's first record at
-  CPU axes."""
-  case = getattr(kit.family_tests(family), "SWEEP_CASE", None)
+def sweep_case(family: str, backend: str) -> kit.Case:
+  """The family's `SWEEP_CASE_<BACKEND>` (e.g. `SWEEP_CASE_MOSAIC_GPU`),
+  else its `SWEEP_CASE`, else its first definition's first record at CPU
+  axes."""
+  tests = kit.family_tests(family)
+  case = getattr(tests, f"SWEEP_CASE_{backend.upper()}", None) or getattr(tests, "SWEEP_CASE", None)
   if case is not None:
     return case
   name = next(n for n in IMPLEMENTED if kit.family_of(n) == family)
@@ -126,7 +128,7 @@ def test_family_kernel_cases(case):
 
 @pytest.mark.parametrize("family,backend", FAMILY_BACKENDS)
 def test_every_candidate_config_runs_in_interpret_mode(family, backend):
-  case = sweep_case(family)
+  case = sweep_case(family, backend)
   assert kit.check_every_candidate_runs(dataclasses.replace(case, backend=case.backend or backend)) >= 1
 
 

@@ -17,8 +17,10 @@ import gradients
 from jaxkern import ops
 from jaxkern import registry
 from jaxkern.families import dense_gemm as gemm
-from kit import Case, TritonCall
+from kit import Case, MosaicGpuCall, TritonCall
 from numerics import assert_bf16_close
+from pallas_kernels.dense_gemm import config as dense_gemm_config
+from pallas_kernels.dense_gemm import mosaic_gpu as mg
 from pallas_kernels.dense_gemm import triton as dg
 from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
 
@@ -54,6 +56,14 @@ def launches(config, axes):
   return [TritonCall("dense_gemm_nt", (tiles, 1, 1), config.num_warps, config.num_stages)]
 
 
+def launches_mosaic_gpu(config, axes):
+  """One Mosaic GPU call: A (rows padded to a multiple of 8) and B in, C out."""
+  del config
+  m, n, k = axes["M"], axes["N"], axes["K"]
+  return [MosaicGpuCall((f"tensor<{-(-m // 8) * 8}x{k}xbf16>", f"tensor<{n}x{k}xbf16>"),
+                        (f"tensor<{m}x{n}xbf16>",))] if m else []
+
+
 KERNEL_CASES = [Case(GEMM, {"M": m, "N": n, "K": k}, config=config, id=label) for m, n, k, config, label in [
     (1, 24, 40, None, "decode_row_ragged_nk"),
     (7, 64, 64, None, "seven_rows"),
@@ -73,7 +83,19 @@ LOWERING_CASES = [
     Case("dense_gemm_bf16_nt_n4096_k12288", {"M": 1}),
     Case(GEMM, {"M": 4125, "N": 1000, "K": 4100}, id="ragged_n_and_k"),
 ]
+# The Mosaic GPU kernel in interpret mode: more tiles than CTAs, a ring that
+# wraps, rows not a multiple of 8, a partial last N-tile, both splits.
+KERNEL_CASES += [
+    Case(GEMM, {"M": m, "N": n, "K": k}, config=mg.MosaicGemmConfig(**overrides), id=label, backend="mosaic_gpu")
+    for m, n, k, overrides, label in [
+        (200, 512, 64, {"grid": 3, "group_m": 2}, "mosaic_more_tiles_than_ctas_ragged_m"),
+        (64, 256, 192, {"stages": 2, "epilogue_n": 128}, "mosaic_m_below_tile_ring_wraps_wide_stores"),
+        (5, 256, 64, {}, "mosaic_five_rows"),
+        (136, 256, 64, {"grid": 1, "split": "n", "stages": 3}, "mosaic_one_cta_two_tiles_split_n"),
+        (72, 320, 128, {"grid": 2}, "mosaic_partial_last_n_tile"),
+    ]]
 SWEEP_CASE = Case(GEMM, {"M": 33, "N": 100, "K": 130})
+SWEEP_CASE_MOSAIC_GPU = Case(GEMM, {"M": 72, "N": 256, "K": 128})
 
 
 def test_reference_matches_float64():
@@ -97,7 +119,7 @@ def test_reference_row_chunks_match_one_product(monkeypatch):
 @pytest.mark.parametrize("num_pid_m,num_pid_n,group_m", [(9, 19, 2), (5, 3, 8), (1, 7, 8), (8, 4, 4)])
 def test_grouped_order_visits_every_tile_once(num_pid_m, num_pid_n, group_m):
   pids = jnp.arange(num_pid_m * num_pid_n)
-  tile_m, tile_n = dg._tile_coords(pids, num_pid_m, num_pid_n, min(group_m, num_pid_m))
+  tile_m, tile_n = dense_gemm_config.tile_coords(pids, num_pid_m, num_pid_n, min(group_m, num_pid_m))
   tiles = set(zip(np.asarray(tile_m).tolist(), np.asarray(tile_n).tolist()))
   assert tiles == {(i, j) for i in range(num_pid_m) for j in range(num_pid_n)}
 

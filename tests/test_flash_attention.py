@@ -21,9 +21,10 @@ import gradients
 from jaxkern import ops
 from jaxkern import registry
 from jaxkern.families import flash_attention as fam
-from kit import EVERY_CANDIDATE, Case, TritonCall
+from kit import EVERY_CANDIDATE, Case, MosaicGpuCall, TritonCall
 from pallas_kernels.flash_attention import triton as fa
 from pallas_kernels.flash_attention import keys as keys_lib
+from pallas_kernels.flash_attention.config import MosaicAttentionConfig
 from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
 from numerics import assert_bf16_close
 
@@ -79,6 +80,23 @@ def launches(config, axes):
   """Grid (query blocks, B, H)."""
   return [TritonCall("flash_attention", (-(-axes["Nq"] // config.block_q), axes["B"], axes["H"]),
                      config.num_warps, config.num_stages)]
+
+
+def launches_mosaic_gpu(config, axes):
+  """One Mosaic GPU call, grid (H, query blocks of 2 x block_q, B): q, k, v,
+  the prefix (k and v again without one; sequences padded to multiples of
+  8 rows), the key ids of every step (prefix steps first), the query ids
+  and the key steps per query block in; o and lse (8-row padded) out."""
+  b, nq, h, d = axes["B"], axes["Nq"], axes["H"], axes["D"]
+  nk, np_ = axes.get("Nk", nq), axes.get("Np", 0)
+  pad8 = lambda n: -(-n // 8) * 8  # noqa: E731
+  steps = lambda n: -(-n // config.block_k)  # noqa: E731
+  q_blocks = -(-nq // (2 * config.block_q))
+  seq = lambda n: f"tensor<{b}x{pad8(n)}x{h}x{d}xbf16>"  # noqa: E731
+  prefix = (seq(np_),) * 2 if np_ else (seq(nk),) * 2
+  operands = (seq(nq), seq(nk), seq(nk), *prefix, f"tensor<{b}x{(steps(np_) + steps(nk)) * config.block_k}xi32>",
+              f"tensor<{b}x{q_blocks * 2 * config.block_q}xi32>", f"tensor<{b}x{q_blocks}xi32>")
+  return [MosaicGpuCall(operands, (seq(nq), f"tensor<{b}x{h}x{pad8(nq)}xf32>"))]
 
 
 # ---------------------------------------------------------------------------
@@ -152,7 +170,21 @@ LOWERING_CASES = [
     *(Case(name, axes, config=EVERY_CANDIDATE) for name, all_axes in LOWERING_AXES.items() for axes in all_axes),
     Case(NONCAUSAL_D128, dict(B=4, Nq=2352, Nk=2352), omit=("key_valid",), id="without_key_mask"),
 ]
+# The Mosaic GPU kernel through the op path (its lse and the rest of its
+# edge cases: test_flash_attention_mosaic.py).
+MOSAIC_SMALL = MosaicAttentionConfig(block_k=64)
+KERNEL_CASES += [
+    Case(NONCAUSAL_D64, inputs=with_key_valid(4, 33, 40, _HOLED), config=MOSAIC_SMALL, check=lonely_row_is_zero,
+         id="mosaic_key_valid_lonely_row_and_hole", backend="mosaic_gpu"),
+    Case(PREFIX, inputs=with_prefix(40, 37), config=MOSAIC_SMALL, id="mosaic_prefix_nq40_np37", backend="mosaic_gpu"),
+    Case(PREFIX0, inputs=with_segments(1, 125, functools.partial(ids_from_ends, (8, 104, 125))), config=MOSAIC_SMALL,
+         id="mosaic_segments_8_104_125", backend="mosaic_gpu"),
+    Case(PREFIX0, inputs=with_segments(2, 50, lambda: jnp.asarray(
+        np.random.default_rng(3).integers(0, 4, (2, 50)), jnp.int32), head_dim=64), config=MOSAIC_SMALL,
+         id="mosaic_unsorted_segment_ids", backend="mosaic_gpu"),
+]
 SWEEP_CASE = Case(NONCAUSAL_D64, dict(B=1, Nq=70, Nk=200, H=1))
+SWEEP_CASE_MOSAIC_GPU = Case(NONCAUSAL_D64, dict(B=1, Nq=20, Nk=130, H=1))
 
 
 # ---------------------------------------------------------------------------

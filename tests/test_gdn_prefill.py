@@ -345,8 +345,6 @@ GRAD_CASES = {
             chunk=32, dv=gk_bwd.DvStage(block_v=32), state=gk_bwd.StateBwdStage(block_v=16),
             chunk_grads=gk_bwd.ChunkBwdStage(block_v=32, solve_block=32),
             dqk=gk_bwd.DqkStage(block_k=64, block_v=16)))),
-    "chunk16": (lambda: prefill_inputs((40, 7), seed=9, scale=0.0), with_backward(
-        SMALL_PREFILL, dataclasses.replace(SMALL_BWD, chunk=16))),
     # Near-duplicate keys, beta ~ 1, no decay: the hardest case for the WY solve's backward.
     "correlated_keys": (correlated_keys, with_backward(SMALL_PREFILL)),
     "nan_in_tokens_of_no_sequence": (_gap_tokens, with_backward(SMALL_PREFILL)),

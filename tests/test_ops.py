@@ -21,6 +21,7 @@ from jaxkern.families import flash_attention as attention_family
 from jaxkern.families import moe_router as router_family
 from pallas_kernels.dense_gemm import triton as dense_gemm
 from pallas_kernels.moe_router.config import MoeRouterConfig
+from pallas_kernels.shared.kernel import Unsupported
 from numerics import assert_bf16_close
 import sharding_cases
 
@@ -190,11 +191,23 @@ def test_triton_equals_pallas_on_values():
 
 
 def test_a_backend_the_op_lacks_names_the_ones_it_has():
+  hidden, weight, bias = normal(0, (2, 16)), normal(1, (8, 16)), jnp.zeros((8,), jnp.float32)
+  with pytest.raises(ValueError, match=r"moe_router has no 'mosaic_gpu' kernel; its backends: triton"):
+    ops.moe_router(hidden, weight, bias, 1.0, backend="mosaic_gpu")
   a, b = normal(0, (2, 16)), normal(1, (16, 16))
-  with pytest.raises(ValueError, match=r"dense_gemm has no 'mosaic_gpu' kernel; its backends: triton"):
-    ops.dense_gemm(a, b, backend="mosaic_gpu")
-  with pytest.raises(TypeError, match=r"config MoeRouterConfig is no config of its kernels \(triton: DenseGemmConfig\)"):
+  with pytest.raises(TypeError, match=r"config MoeRouterConfig is no config of its kernels "
+                                      r"\(triton: DenseGemmConfig, mosaic_gpu: MosaicGemmConfig\)"):
     ops.dense_gemm(a, b, config=MoeRouterConfig(), backend="pallas")
+
+
+def test_pallas_falls_back_to_triton_where_the_mosaic_gpu_gemm_refuses():
+  """N = 40 is off the Mosaic GPU GEMM's 64-column store tiles: asked for
+  by name it refuses with the reason; `pallas` (Triton first) runs."""
+  a, b = normal(0, (2, 64)), normal(1, (40, 64), 64 ** -0.5)
+  with pytest.raises(Unsupported, match=r"dense_gemm: no kernel takes these inputs .*mosaic_gpu: N=40 must be"):
+    ops.dense_gemm(a, b, backend="mosaic_gpu")
+  np.testing.assert_array_equal(np.asarray(ops.dense_gemm(a, b, backend="pallas")),
+                                np.asarray(ops.dense_gemm(a, b, backend="triton")))
 
 
 # Set while a test calls ops: the audit hook records what they open then.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import jax
 from jax import lax
@@ -32,19 +32,7 @@ from pallas_kernels.shared import common
 import jax.numpy as jnp
 
 from pallas_kernels.shared.common import cdiv, check_nt_operands, fit_block, fitted_candidates, resolve_interpret
-from pallas_kernels.dense_gemm.config import DenseGemmConfig
-
-
-class DenseGemmSizes(NamedTuple):
-  """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
-  m: int
-  n: int
-  k: int
-
-  @classmethod
-  def of(cls, shapes: Mapping[str, Any]) -> DenseGemmSizes:
-    m, k = shapes["A"].shape
-    return cls(int(m), int(shapes["B"].shape[0]), int(k))
+from pallas_kernels.dense_gemm.config import DenseGemmConfig, DenseGemmSizes, tile_coords
 
 
 def _fit(config: DenseGemmConfig, m: int, n: int, k: int) -> DenseGemmConfig:
@@ -93,20 +81,6 @@ def candidate_configs(shapes: Mapping[str, Any]) -> list[DenseGemmConfig]:
   return fitted_candidates(choose_config(shapes), _SWEEP_CONFIGS, lambda c: _fit(c, m, n, k))
 
 
-def _tile_coords(pid, num_pid_m: int, num_pid_n: int, group_m: int):
-  """Maps the 1-D program id to (tile_m, tile_n) in grouped order.
-
-  Programs walk `group_m` M-tiles down one N column before moving right, so
-  concurrently running programs share B tiles (and A tiles across columns).
-  """
-  programs_per_group = group_m * num_pid_n
-  group = lax.div(pid, programs_per_group)
-  first_m = group * group_m
-  group_rows = jnp.minimum(num_pid_m - first_m, group_m)
-  within = lax.rem(pid, programs_per_group)
-  return first_m + lax.rem(within, group_rows), lax.div(within, group_rows)
-
-
 # Operand layouts, BLAS style: `layout[0]` is "n" when the left operand X is
 # stored [rows, K] and "t" when stored [K, rows]; `layout[1]` is "n" when the
 # right operand Y is stored [K, cols] and "t" when stored [cols, K]. The
@@ -142,7 +116,7 @@ def _dense_gemm_kernel(x_ref, y_ref, c_ref, *, layout: str, m: int, n: int, k: i
   # and out of memory.
   x_k_first, y_k_first = layout[0] == "t", layout[1] == "n"
   dims = (((0 if x_k_first else 1,), (0 if y_k_first else 1,)), ((), ()))
-  tile_m, tile_n = _tile_coords(pl.program_id(0), num_pid_m, num_pid_n, group_m)
+  tile_m, tile_n = tile_coords(pl.program_id(0), num_pid_m, num_pid_n, group_m)
   rows = tile_m * block_m + jnp.arange(block_m, dtype=jnp.int32)
   cols = tile_n * block_n + jnp.arange(block_n, dtype=jnp.int32)
   row_ok = rows < m if m % block_m else None
@@ -203,7 +177,7 @@ def gemm(x: jax.Array, y: jax.Array, *, layout: str = "nt", config: DenseGemmCon
   k_pad = cdiv(k, config.block_k) * config.block_k
 
   def tile(pid):
-    return _tile_coords(pid, num_pid_m, num_pid_n, group_m)
+    return tile_coords(pid, num_pid_m, num_pid_n, group_m)
 
   def operand_spec(lines: int, k_first: bool, which: int):
     if k_first:

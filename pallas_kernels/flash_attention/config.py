@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.shared.config_rules import DOT_BLOCK, KernelConfig, NUM_STAGES, NUM_WARPS, field
+from pallas_kernels.shared.config_rules import DOT_BLOCK, KernelConfig, NUM_STAGES, NUM_WARPS, at_least, field, one_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,3 +29,12 @@ class FlashAttentionBwdConfig(KernelConfig):
   block_q_dkv: int = field(64, DOT_BLOCK)
   num_warps: int = field(4, NUM_WARPS)
   num_stages: int = field(2, NUM_STAGES)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicAttentionConfig(KernelConfig):
+  """`block_q` query rows per consumer warpgroup (a CTA has two), keys walked
+  `block_k` at a time through a ring of `stages` slots."""
+  block_q: int = field(64, one_of(64))
+  block_k: int = field(128, one_of(64, 128))
+  stages: int = field(2, at_least(2))

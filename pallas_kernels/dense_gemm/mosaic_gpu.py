@@ -23,14 +23,15 @@ Structure (one CTA per SM, three warpgroups):
 
 Operands live in shared memory in the wgmma layout: (8, 64)-element tiles with
 the 128-byte swizzle, B as stored ([block_n, block_k]) and read transposed by
-wgmma. M need not be a multiple of block_m: rows of A past M read as zeros
-(TMA out-of-bounds fill) and rows of C past M are not written (TMA stores clip
-at the array's bounds), with no padded copy. Mosaic GPU's TMA views a copied
+wgmma. M and N need not be multiples of block_m and block_n: rows of A and B
+past M and N read as zeros (TMA out-of-bounds fill) and C past them is not
+written (TMA stores clip at the array's bounds), with no padded copy. Mosaic GPU's TMA views a copied
 array in the tiles of its shared-memory side, though: (8, 64) for the wgmma
 operands, so an M that is not a multiple of 8 (4125 of the recorded M) pads
 A by < 8 zero rows (one copy of A); the epilogue's pieces use 1-row tiles, so
-C is written in place at any M. M = 0 launches nothing. N must be a multiple of `block_n` and K of
-`block_k` (`check_problem` raises otherwise); the recorded (N, K) are.
+C is written in place at any M. M = 0 launches nothing. The same tiles need
+N to be a multiple of 64 and K one of `block_k` (`check_problem` raises
+`Unsupported` otherwise); the recorded (N, K) are.
 
 Synchronization (the argument; interpret mode does not check asynchrony, so
 this is what makes the kernel correct on the GPU):
@@ -84,87 +85,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.shared import device
-from pallas_kernels import mosaic_gpu_compat as compat
-from pallas_kernels.mosaic_gpu_common import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_TRANSFORMS,
-                                              WGMMA_TRANSFORMS, num_sms, pad_rows)
+from pallas_kernels.dense_gemm.config import DenseGemmSizes, MosaicGemmConfig, tile_coords
+from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import check_nt_operands, resolve_interpret
-from pallas_kernels.shared.config_rules import KernelConfig, Rule, at_least, field, one_of
-from pallas_kernels.dense_gemm.triton import DenseGemmSizes, _tile_coords
+from pallas_kernels.shared.kernel import Unsupported
+from pallas_kernels.shared.mosaic_gpu import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_TRANSFORMS,
+                                              TILE_COLS, WGMMA_TRANSFORMS, num_sms, pad_rows)
 
 # Test-only sync faults (`_gemm(fault=...)`): each breaks one rule of the
 # synchronization argument so a test can show the interpret run catches it.
 FAULTS = ("release_once", "wrong_slot")
-
-
-def _multiple_of_64(minimum: int) -> Rule:
-  return Rule(f"a multiple of 64 >= {minimum}",
-              lambda v, _: isinstance(v, int) and not isinstance(v, bool) and v >= minimum and v % 64 == 0)
-
-
-def _grid_rule() -> Rule:
-  return Rule("None (the device's SM count) or an int >= 1",
-              lambda v, _: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1))
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicGemmConfig(KernelConfig):
-  """Tiling of the warp-specialized NT GEMM.
-
-  `block_m x block_n` is the CTA tile, split between the two consumer
-  warpgroups along `split` ("m": each owns block_m / 2 rows, "n": block_n / 2
-  columns); `block_k` the K step; `stages` the shared-memory ring depth;
-  `group_m` M-tiles per group in the grouped tile order; `epilogue_n` the
-  width of one TMA store; `grid` the persistent CTA count (None: the SM
-  count, `num_sms()`)."""
-  block_m: int = field(128, _multiple_of_64(64))
-  block_n: int = field(256, _multiple_of_64(64))
-  block_k: int = field(64, one_of(64, 128))
-  stages: int = field(4, at_least(2))
-  group_m: int = field(8, at_least(1))
-  split: str = field("m", one_of("m", "n"))
-  epilogue_n: int = field(64, one_of(64, 128))
-  grid: int | None = field(None, _grid_rule())
-
-  @property
-  def consumer_tile(self) -> tuple[int, int]:
-    """(rows, cols) of C one consumer warpgroup accumulates per tile."""
-    if self.split == "m":
-      return self.block_m // NUM_CONSUMERS, self.block_n
-    return self.block_m, self.block_n // NUM_CONSUMERS
-
-  @property
-  def accumulator_elements(self) -> int:
-    rows, cols = self.consumer_tile
-    return rows * cols
-
-  @property
-  def shared_memory_bytes(self) -> int:
-    """The ring (A and B per slot) plus the epilogue slots, in bytes (the
-    barriers add a few dozen bytes)."""
-    ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
-    epilogue = NUM_CONSUMERS * 2 * self.consumer_tile[0] * self.epilogue_n * 2
-    return ring + epilogue
-
-  @property
-  def consumer_rows(self) -> int:
-    return self.consumer_tile[0]
-
-  @property
-  def consumer_cols(self) -> int:
-    return self.consumer_tile[1]
-
-  # A consumer's fp32 accumulator takes accumulator_elements / 128 registers
-  # per thread: 128 leaves room under 232 for addresses and the epilogue.
-  _derived_rules = {
-      "accumulator_elements": (Rule("<= 16384 (128 fp32 registers per consumer thread)",
-                                    lambda v, _: v <= 128 * 128),),
-      "consumer_rows": (Rule("a multiple of 64 (wgmma's M per warpgroup)", lambda v, _: v % 64 == 0),),
-      "consumer_cols": (Rule("a multiple of epilogue_n and <= 256 (wgmma's N)",
-                             lambda v, c: v % c.epilogue_n == 0 and v <= 256),),
-      "shared_memory_bytes": (Rule(f"<= {device.SHARED_MEMORY_PER_BLOCK} (227 KiB per CTA)",
-                                   lambda v, _: v <= device.SHARED_MEMORY_PER_BLOCK),),
-  }
 
 
 # The heuristic's tile: 128x256x64, each consumer 64x256 (wgmma m64n256k16,
@@ -184,33 +114,37 @@ _SWEEP_CONFIGS = (
 
 
 def check_problem(m: int, n: int, k: int, config: MosaicGemmConfig) -> None:
-  """Raises unless the kernel handles (M, N, K) with `config`: any M, N,
-  K >= 0 with N a multiple of block_n and K of block_k (the recorded shapes
+  """Raises `Unsupported` unless the kernel handles (M, N, K) with `config`:
+  any M, N, K >= 0 with N a multiple of 64 (the width of C's store tiles;
+  the last N-tile may be partial) and K of block_k (the recorded shapes
   are)."""
   if min(m, n, k) < 0:
     raise ValueError(f"M, N and K must be >= 0, got {(m, n, k)}")
-  if n % config.block_n:
-    raise ValueError(f"N={n} must be a multiple of MosaicGemmConfig.block_n={config.block_n}")
+  if n % TILE_COLS:
+    raise Unsupported(f"N={n} must be a multiple of {TILE_COLS} for the Mosaic GPU GEMM")
   if k % config.block_k:
-    raise ValueError(f"K={k} must be a multiple of MosaicGemmConfig.block_k={config.block_k}")
+    raise Unsupported(f"K={k} must be a multiple of MosaicGemmConfig.block_k={config.block_k}")
 
 
 def choose_config(shapes: Mapping[str, Any]) -> MosaicGemmConfig:
-  """The heuristic: `DEFAULT_CONFIG` for every shape. At the recorded ones
-  (N and K multiples of 256, M >= 4096) it gives >= 3.9 tiles per CTA on 132
-  SMs. Short M keeps it too: a consumer cannot own fewer than 64 rows
-  (wgmma's M), and such a product is bound by reading B, which the tile
-  shape does not change."""
-  del shapes
+  """The heuristic: `DEFAULT_CONFIG`, with block_n 128 where N is a multiple
+  of 128 but not of 256 (a narrower tile instead of a half-empty last one).
+  At the recorded shapes (N and K multiples of 256, M >= 4096) the default
+  gives >= 3.9 tiles per CTA on 132 SMs. Short M keeps it too: a consumer
+  cannot own fewer than 64 rows (wgmma's M), and such a product is bound by
+  reading B, which the tile shape does not change."""
+  _, n, _ = DenseGemmSizes.of(shapes)
+  if n % DEFAULT_CONFIG.block_n and n % 128 == 0:
+    return dataclasses.replace(DEFAULT_CONFIG, block_n=128)
   return DEFAULT_CONFIG
 
 
 def candidate_configs(shapes: Mapping[str, Any]) -> list[MosaicGemmConfig]:
   """Configs a sweep may try, the heuristic's first; only those whose
-  block_n and block_k divide the problem's N and K."""
-  _, n, k = DenseGemmSizes.of(shapes)
+  block_k divides the problem's K."""
+  _, _, k = DenseGemmSizes.of(shapes)
   chosen = choose_config(shapes)
-  fitting = [c for c in _SWEEP_CONFIGS if n % c.block_n == 0 and k % c.block_k == 0]
+  fitting = [c for c in _SWEEP_CONFIGS if k % c.block_k == 0]
   return list(dict.fromkeys([chosen, *fitting]))
 
 
@@ -218,7 +152,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, *, config: MosaicGemmConfig, m: int, n: int,
             grid: int, fault: str | None):
   bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.stages
   rows, cols = config.consumer_tile
-  num_pid_m, num_pid_n = -(-m // bm), n // bn
+  num_pid_m, num_pid_n = -(-m // bm), -(-n // bn)
   num_tiles = num_pid_m * num_pid_n
   k_steps = k // bk
   group_m = min(config.group_m, num_pid_m)
@@ -227,7 +161,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, *, config: MosaicGemmConfig, m: int, n: int,
   my_tiles = lax.div(num_tiles - 1 - cta, grid) + 1
 
   def tile_of(j):
-    return _tile_coords(cta + j * grid, num_pid_m, num_pid_n, group_m)
+    return tile_coords(cta + j * grid, num_pid_m, num_pid_n, group_m)
 
   def scoped(a_smem, b_smem, out_smem, full, empty):
     wg = lax.axis_index("wg")
@@ -322,11 +256,12 @@ def _kernel(a_gmem, b_gmem, c_gmem, *, config: MosaicGemmConfig, m: int, n: int,
 def grid_size(config: MosaicGemmConfig, m: int, n: int) -> int:
   """The persistent CTA count: `config.grid` (or `num_sms()`), never more
   than the problem's tiles."""
-  tiles = -(-m // config.block_m) * (n // config.block_n)
+  tiles = -(-m // config.block_m) * -(-n // config.block_n)
   return max(1, min(config.grid or num_sms(), tiles))
 
 
-def _gemm(a: jax.Array, b: jax.Array, config: MosaicGemmConfig, interpret: bool, fault: str | None = None):
+def _gemm(a: jax.Array, b: jax.Array, config: MosaicGemmConfig, interpret: bool, out_dtype,
+          fault: str | None = None):
   """The launch; `fault` (tests only, one of `FAULTS`) breaks the
   synchronization on purpose."""
   if fault is not None and fault not in FAULTS:
@@ -334,13 +269,13 @@ def _gemm(a: jax.Array, b: jax.Array, config: MosaicGemmConfig, interpret: bool,
   (m, k), n = a.shape, b.shape[0]
   check_problem(m, n, k, config)
   if m == 0 or n == 0 or k == 0:
-    return jnp.zeros((m, n), a.dtype)
+    return jnp.zeros((m, n), out_dtype)
   # An M that is not a multiple of 8 pads A (`pad_rows`); C keeps its M rows.
   a = pad_rows(a, 0)
   grid = grid_size(config, m, n)
   kernel = plgpu.kernel(
       functools.partial(_kernel, config=config, m=m, n=n, k=k, grid=grid, fault=fault),
-      out_type=jax.ShapeDtypeStruct((m, n), a.dtype),
+      out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
       grid=(grid,),
       grid_names=("cta",),
       num_threads=NUM_CONSUMERS + 1,
@@ -350,17 +285,28 @@ def _gemm(a: jax.Array, b: jax.Array, config: MosaicGemmConfig, interpret: bool,
   return kernel(a, b)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def kernel(a: jax.Array, b: jax.Array, *, config: MosaicGemmConfig | None = None,
-           interpret: bool | None = None) -> jax.Array:
-  """C = A @ B^T, A [M, K] and B [N, K] bf16 (one dtype), fp32 accumulation,
-  C [M, N] in A's dtype rounded once. Any M >= 0; N and K multiples of the
-  config's block_n and block_k (`check_problem` raises otherwise); an empty
-  product is zeros.
+# The tensor-core operand and output types this kernel's layouts assume (two
+# bytes per element: the 128-byte swizzle holds 64 of them per row).
+DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "out_dtype"))
+def dense_gemm_nt(A: jax.Array, B: jax.Array, *,  # pylint: disable=invalid-name
+                  config: MosaicGemmConfig | None = None, interpret: bool | None = None,
+                  out_dtype=jnp.bfloat16) -> jax.Array:
+  """C = A @ B^T, A [M, K] and B [N, K] of one dtype (bf16 or f16), fp32
+  accumulation, C [M, N] rounded once to `out_dtype` (bf16 or f16). Any
+  M >= 0; N and K multiples of the config's block_n and block_k; an empty
+  product is zeros. Inputs this kernel does not take (another dtype, N or K
+  off its tiles) raise `Unsupported`, so `backend="pallas"` falls back.
 
   `config=None` picks `choose_config`; `interpret=None` interprets (Mosaic
-  GPU's CPU interpreter) when no GPU is present."""
-  check_nt_operands(a, b, "A", "B")
+  GPU's CPU interpreter) when no GPU is present. Not differentiable by
+  itself: `jaxkern.autodiff` differentiates it through the reference."""
+  check_nt_operands(A, B, "A", "B")
+  if A.dtype not in DTYPES or jnp.dtype(out_dtype) not in DTYPES:
+    raise Unsupported(f"A, B and out_dtype must be bfloat16 or float16 for the Mosaic GPU GEMM, "
+                      f"got {A.dtype} and {jnp.dtype(out_dtype)}")
   if config is None:
-    config = choose_config({"A": a, "B": b})
-  return _gemm(a, b, config, resolve_interpret(interpret))
+    config = choose_config({"A": A, "B": B})
+  return _gemm(A, B, config, resolve_interpret(interpret), jnp.dtype(out_dtype))

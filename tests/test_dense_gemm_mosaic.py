@@ -1,9 +1,10 @@
-"""The Mosaic GPU dense GEMM (`pallas_kernels.dense_gemm_mosaic_gpu`):
-interpret-mode runs (Mosaic GPU's CPU interpreter) against a plain-jnp NT
-GEMM on ragged, tiny, empty and many-tile shapes and with every candidate
-config; config and problem checks; the heuristic; the H100 lowering of every
-shipped config at the recorded (N, K); and the synchronization faults the
-interpret run must catch."""
+"""What is the Mosaic GPU dense GEMM's own (`pallas_kernels.dense_gemm.mosaic_gpu`):
+empty products, the inputs it refuses, config and problem checks, the
+heuristic and grid, the H100 lowering of every shipped config at the
+recorded (N, K) on the main environment's jax, and the synchronization
+faults the interpret run must catch. Its interpret-mode runs against the
+reference (ragged M and N, many tiles, every candidate) are kit cases in
+`test_dense_gemm.py`."""
 
 import jax
 from jax import lax
@@ -11,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dense_gemm_mosaic_gpu as mg
-from pallas_kernels import mosaic_gpu_compat as compat
-from pallas_kernels.mosaic_gpu_common import lower_for_h100
+from pallas_kernels.dense_gemm import mosaic_gpu as mg
+from pallas_kernels.shared import device
+from pallas_kernels.shared import mosaic_gpu_compat as compat
+from pallas_kernels.shared.kernel import Unsupported
+from pallas_kernels.shared.lowering import lower_for_h100
 
 RECORDED_NK = ((12288, 4096), (4096, 4096), (4096, 12288))
 LARGEST_RECORDED_M = 24576
@@ -47,47 +50,32 @@ def shapes(m, n, k):
   return {"A": jax.ShapeDtypeStruct((m, k), jnp.bfloat16), "B": jax.ShapeDtypeStruct((n, k), jnp.bfloat16)}
 
 
-# Small interpret-mode problems: (M, N, K, config overrides).
-CASES = [
-    pytest.param(200, 512, 64, {"grid": 3, "group_m": 2}, id="more_tiles_than_ctas_ragged_m"),
-    pytest.param(64, 256, 192, {"stages": 2, "epilogue_n": 128}, id="m_below_tile_ring_wraps_wide_stores"),
-    pytest.param(5, 256, 64, {}, id="five_rows_not_multiple_of_8"),
-    pytest.param(136, 256, 64, {"grid": 1, "split": "n", "stages": 3}, id="one_cta_two_tiles_split_n"),
-]
-
-
-@pytest.mark.parametrize("m,n,k,overrides", CASES)
-def test_matches_reference(m, n, k, overrides):
-  a, b = operands(m, n, k, seed=m + k)
-  config = mg.MosaicGemmConfig(**overrides)
-  c = mg.kernel(a, b, config=config, interpret=True)
-  assert c.dtype == jnp.bfloat16
-  assert_within_one_ulp(c, reference(a, b))
-
-
-def test_every_candidate_matches_reference():
-  """Each config a sweep may try (at the recorded N, K) on one small ragged
-  problem whose N and K every candidate divides."""
-  a, b = operands(72, 256, 128, seed=1)
-  want = reference(a, b)
-  candidates = {c for nk in RECORDED_NK for c in mg.candidate_configs(shapes(LARGEST_RECORDED_M, *nk))}
-  assert candidates == set(mg.candidate_configs(shapes(72, 256, 128)))
-  for config in mg.candidate_configs(shapes(72, 256, 128)):
-    assert_within_one_ulp(mg.kernel(a, b, config=config, interpret=True), want)
-
-
 @pytest.mark.parametrize("m,n,k", [(0, 256, 64), (3, 0, 64), (3, 256, 0)])
 def test_empty_products_are_zeros(m, n, k):
-  c = mg.kernel(jnp.ones((m, k), jnp.bfloat16), jnp.ones((n, k), jnp.bfloat16), interpret=True)
+  c = mg.dense_gemm_nt(jnp.ones((m, k), jnp.bfloat16), jnp.ones((n, k), jnp.bfloat16), interpret=True)
   assert c.shape == (m, n) and c.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(c, np.float32), np.zeros((m, n)))
 
 
-@pytest.mark.parametrize("n,k,field", [(4000, 4096, "block_n"), (4096, 4100, "block_k")])
-def test_unsupported_n_or_k_is_refused(n, k, field):
+@pytest.mark.parametrize("n,k,match", [(4000, 4096, "N=4000 must be a multiple of 64"),
+                                       (4096, 4100, "MosaicGemmConfig.block_k=64")])
+def test_unsupported_n_or_k_is_refused(n, k, match):
   a, b = jnp.zeros((8, k), jnp.bfloat16), jnp.zeros((n, k), jnp.bfloat16)
-  with pytest.raises(ValueError, match=f"MosaicGemmConfig.{field}="):
-    mg.kernel(a, b, interpret=True)
+  with pytest.raises(Unsupported, match=match):
+    mg.dense_gemm_nt(a, b, interpret=True)
+
+
+def test_unsupported_dtypes_are_refused():
+  a = jnp.zeros((8, 64), jnp.float32)
+  with pytest.raises(Unsupported, match="bfloat16 or float16"):
+    mg.dense_gemm_nt(a, a, interpret=True)
+  with pytest.raises(Unsupported, match="bfloat16 or float16"):
+    mg.dense_gemm_nt(a.astype(jnp.bfloat16), a.astype(jnp.bfloat16), out_dtype=jnp.float32, interpret=True)
+
+
+def test_heuristic_narrows_block_n_to_a_multiple_of_128():
+  assert mg.choose_config(shapes(64, 384, 64)).block_n == 128
+  assert mg.choose_config(shapes(64, 320, 64)).block_n == 256   # a partial last tile instead
 
 
 @pytest.mark.parametrize("overrides,field", [
@@ -117,7 +105,7 @@ def test_heuristic_is_the_first_candidate_and_every_candidate_fits(m):
 
 def test_grid_is_the_sm_count_capped_by_the_tiles():
   config = mg.DEFAULT_CONFIG
-  assert mg.grid_size(config, LARGEST_RECORDED_M, 12288) == mg.device.DEFAULT_NUM_SMS
+  assert mg.grid_size(config, LARGEST_RECORDED_M, 12288) == device.DEFAULT_NUM_SMS
   assert mg.grid_size(config, 200, 512) == 4   # 2 x 2 tiles
   assert mg.grid_size(mg.MosaicGemmConfig(grid=7), LARGEST_RECORDED_M, 12288) == 7
 
@@ -126,7 +114,7 @@ def lower(m, n, k, config):
   """StableHLO of the kernel lowered for an abstract H100 with 132 SMs."""
   def fn(a, b):
     assert mg.num_sms() == 132
-    return mg.kernel(a, b, config=config, interpret=False)
+    return mg.dense_gemm_nt(a, b, config=config, interpret=False)
   return lower_for_h100(fn, *shapes(m, n, k).values())
 
 
@@ -153,7 +141,7 @@ FAULT_CONFIG = mg.MosaicGemmConfig(stages=2, grid=1)
 
 def test_correct_protocol_on_the_fault_problem():
   a, b = operands(*FAULT_PROBLEM, seed=2)
-  assert_within_one_ulp(mg._gemm(a, b, FAULT_CONFIG, True), reference(a, b))
+  assert_within_one_ulp(mg._gemm(a, b, FAULT_CONFIG, True, jnp.bfloat16), reference(a, b))
 
 
 def test_slot_released_by_one_consumer_is_caught():
@@ -163,7 +151,7 @@ def test_slot_released_by_one_consumer_is_caught():
   a, b = operands(*FAULT_PROBLEM, seed=2)
   try:
     with pytest.raises(Exception, match="phase"):
-      jax.block_until_ready(mg._gemm(a, b, FAULT_CONFIG, True, fault="release_once"))
+      jax.block_until_ready(mg._gemm(a, b, FAULT_CONFIG, True, jnp.bfloat16, fault="release_once"))
   finally:
     compat.reset_interpreter()
 
@@ -172,7 +160,7 @@ def test_off_by_one_ring_slot_is_caught():
   """Consumers reading the slot after the one their barrier guards compute
   with data of another K step (or not loaded yet): the product is wrong."""
   a, b = operands(*FAULT_PROBLEM, seed=2)
-  c = np.asarray(mg._gemm(a, b, FAULT_CONFIG, True, fault="wrong_slot"), np.float32)
+  c = np.asarray(mg._gemm(a, b, FAULT_CONFIG, True, jnp.bfloat16, fault="wrong_slot"), np.float32)
   want = np.asarray(reference(a, b), np.float32)
   assert not np.allclose(c, want, atol=0.05, rtol=0.05, equal_nan=False)
 
@@ -180,4 +168,4 @@ def test_off_by_one_ring_slot_is_caught():
 def test_unknown_fault_is_refused():
   a, b = operands(8, 256, 64)
   with pytest.raises(ValueError, match="fault must be None or one of"):
-    mg._gemm(a, b, FAULT_CONFIG, True, fault="skip_everything")
+    mg._gemm(a, b, FAULT_CONFIG, True, jnp.bfloat16, fault="skip_everything")

@@ -1,5 +1,5 @@
 """The Mosaic GPU flash attention forward
-(`pallas_kernels.flash_attention_mosaic_gpu`): interpret-mode runs against the
+(`pallas_kernels.flash_attention.mosaic_gpu`): interpret-mode runs against the
 family's plain-jnp reference (SPEC 5 bf16 rule) and a jnp lse on ragged
 sizes, key masks, prefix keys, block-causal segments, lonely rows, hidden
 non-finite keys and values, d64 and d128 and every candidate; the checks on bad input; the H100 lowering of every
@@ -14,9 +14,9 @@ import pytest
 
 from jaxkern.families.flash_attention import attention_reference
 from numerics import assert_bf16_close, assert_f32_close
-from pallas_kernels import flash_attention_mosaic_gpu as fa
-from pallas_kernels import mosaic_gpu_compat as compat
-from pallas_kernels.mosaic_gpu_common import lower_for_h100
+from pallas_kernels.flash_attention import mosaic_gpu as fa
+from pallas_kernels.shared import mosaic_gpu_compat as compat
+from pallas_kernels.shared.lowering import lower_for_h100
 from pallas_kernels.shared.online_softmax import LOG2_E
 
 
@@ -53,11 +53,9 @@ def lse_reference(q, k, key_valid=None, k_prefix=None, segment_ids=None):
 
 
 # The configs the interpret-mode tests below run with (None: the
-# heuristic's); together they are every candidate at D = 64
-# (`test_the_runs_cover_every_candidate`).
+# heuristic's); every candidate runs in the kit's sweep (test_definitions.py).
 C = fa.MosaicAttentionConfig
 RUN_CONFIGS = {"aligned": C(block_k=64, stages=4), "ragged_mask": C(block_k=128, stages=3),
-               "prefix": C(block_k=128, stages=4), "segments": C(block_k=64, stages=3),
                "lonely": C(block_k=64, stages=2), "heuristic": None}
 
 
@@ -83,23 +81,6 @@ def segments(batch, ends):
 ])
 def test_matches_reference(b, nq, nk, h, d, mask, run):
   check(*inputs(b, nq, nk, h, d, mask=mask, seed=nq), config=RUN_CONFIGS[run])
-
-
-def test_prefix_keys():
-  """Ragged prefix (70 keys: a partial block) before ragged keys."""
-  q, k, v, _ = inputs(1, 150, 150, 1, 64, seed=11)
-  k_prefix, v_prefix, _, _ = inputs(1, 70, 70, 1, 64, seed=12)
-  check(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, config=RUN_CONFIGS["prefix"])
-
-
-def test_block_causal_segments_with_and_without_prefix():
-  """Three segments of 40, 60 and 50 tokens (block-causal: a token sees its
-  own and the earlier segments), then the same behind a prefix."""
-  q, k, v, _ = inputs(1, 150, 150, 1, 64, seed=13)
-  ids = segments(1, [40, 100, 150])
-  check(q, k, v, segment_ids=ids, config=RUN_CONFIGS["segments"])
-  k_prefix, v_prefix, _, _ = inputs(1, 30, 30, 1, 64, seed=14)
-  check(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, segment_ids=ids, config=RUN_CONFIGS["segments"])
 
 
 def test_key_blocks_past_a_query_blocks_segments_are_skipped():
@@ -140,12 +121,6 @@ def test_lonely_rows_and_hidden_non_finite_keys():
   assert np.isfinite(np.asarray(o, np.float32)).all()
   clean_k, clean_v = jnp.where(hidden, 0, k), jnp.where(hidden, 0, v)
   assert_bf16_close(o, attention_reference(q, clean_k, clean_v, key_valid=key_valid))
-
-
-def test_the_runs_cover_every_candidate():
-  shapes = {"q": bf16(1, 64, 1, 64), "k": bf16(1, 300, 1, 64)}
-  runs = {c or fa.choose_config(shapes) for c in RUN_CONFIGS.values()}
-  assert set(fa.candidate_configs(shapes)) <= runs
 
 
 def test_empty_sizes():

@@ -75,7 +75,6 @@ Synchronization (interpret mode does not check asynchrony):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Mapping
 
@@ -85,12 +84,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from pallas_kernels.flash_attention.config import MosaicAttentionConfig
 from pallas_kernels.shared import device
-from pallas_kernels import mosaic_gpu_compat as compat
-from pallas_kernels.mosaic_gpu_common import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_ALIGN,
-                                              WGMMA_TRANSFORMS, pad_rows)
+from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import resolve_interpret
-from pallas_kernels.shared.config_rules import KernelConfig, at_least, field, one_of
+from pallas_kernels.shared.kernel import Unsupported
+from pallas_kernels.shared.mosaic_gpu import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_ALIGN,
+                                              WGMMA_TRANSFORMS, pad_rows)
 from pallas_kernels.flash_attention.keys import INVISIBLE_SEGMENT, check_attention_inputs, key_block_limits, key_sources
 from pallas_kernels.shared.online_softmax import LOG2_E
 
@@ -98,15 +98,6 @@ HEAD_DIMS = (64, 128)
 
 # Test-only sync fault (`_forward(fault=...)`).
 FAULTS = ("release_once",)
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicAttentionConfig(KernelConfig):
-  """`block_q` query rows per consumer warpgroup (a CTA has two), keys walked
-  `block_k` at a time through a ring of `stages` slots."""
-  block_q: int = field(64, one_of(64))
-  block_k: int = field(128, one_of(64, 128))
-  stages: int = field(2, at_least(2))
 
 
 def shared_memory_bytes(config: MosaicAttentionConfig, head_dim: int) -> int:
@@ -362,10 +353,7 @@ def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, key_val
   """
   check_attention_inputs(q, k, v, key_valid, k_prefix, v_prefix, segment_ids)
   batch, q_len, heads, head_dim = q.shape
-  if q.dtype != jnp.bfloat16:
-    raise ValueError(f"q, k, v must be bfloat16, got {q.dtype}")
-  if head_dim not in HEAD_DIMS:
-    raise ValueError(f"head dim D={head_dim} must be one of {HEAD_DIMS}")
+  check_supported(q, sm_scale)
   k, v, k_prefix, v_prefix, key_valid = key_sources(k, v, k_prefix, v_prefix, key_valid)
   kv_len = k.shape[1]
   if not (batch and q_len and heads and kv_len):
@@ -383,3 +371,32 @@ def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, key_val
     v = lax.cond(jnp.all(jnp.isfinite(v)), lambda v: v, lambda v: jnp.where(hidden, jnp.zeros_like(v), v), v)
   return _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, sm_scale=scale, config=config,
                   interpret=resolve_interpret(interpret))
+
+
+def check_supported(q: jax.Array, sm_scale: Any) -> None:
+  """Raises `Unsupported` for inputs this kernel does not take: q (and k, v)
+  not bf16, a head dim other than `HEAD_DIMS`, or an `sm_scale` that is not
+  a Python number (the scale is compiled into the kernel)."""
+  if q.dtype != jnp.bfloat16:
+    raise Unsupported(f"q, k, v must be bfloat16 for the Mosaic GPU attention, got {q.dtype}")
+  if q.shape[-1] not in HEAD_DIMS:
+    raise Unsupported(f"head dim D={q.shape[-1]} must be one of {HEAD_DIMS} for the Mosaic GPU attention")
+  if sm_scale is not None and not isinstance(sm_scale, (int, float)):
+    raise Unsupported("sm_scale must be a Python float (or None) for the Mosaic GPU attention, "
+                      f"got {type(sm_scale).__name__}")
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.Array | None = None,
+                    k_prefix: jax.Array | None = None, v_prefix: jax.Array | None = None,
+                    segment_ids: jax.Array | None = None, sm_scale: float | None = None,
+                    config: MosaicAttentionConfig | None = None, interpret: bool | None = None) -> jax.Array:
+  """The output of `flash_attention_forward` (its contract; lse dropped):
+  the forward of the Triton kernel's `flash_attention` on the inputs this
+  kernel takes (`check_supported`: bf16, D 64 or 128, a static scale),
+  `Unsupported` otherwise so that `backend="pallas"` falls back. Not
+  differentiable by itself: `jaxkern.autodiff` differentiates it through
+  the reference."""
+  check_supported(q, sm_scale)
+  return flash_attention_forward(q, k, v, key_valid=key_valid, k_prefix=k_prefix, v_prefix=v_prefix,
+                                 segment_ids=segment_ids, sm_scale=None if sm_scale is None else float(sm_scale),
+                                 config=config, interpret=interpret)[0]

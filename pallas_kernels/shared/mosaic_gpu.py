@@ -1,7 +1,6 @@
 """What the warp-specialized Mosaic GPU kernels share: the register split of
 their warpgroups, the shared-memory layouts of wgmma operands and stores, the
-8-row alignment TMA asks of copied arrays, the SM count, and deviceless
-lowering for an H100.
+8-row alignment TMA asks of copied arrays, and the SM count.
 
 Every kernel runs one producer warpgroup (TMA loads; `setmaxnreg` down to
 `PRODUCER_REGISTERS`) and `NUM_CONSUMERS` consumer warpgroups (wgmma;
@@ -53,15 +52,3 @@ def num_sms() -> int:
   abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
   cores = getattr(abstract, "num_cores", None)
   return int(cores) if isinstance(cores, int) and cores > 0 else device.num_sms()
-
-
-def lower_for_h100(fn, *avals) -> str:
-  """StableHLO text of `jax.jit(fn)` lowered for CUDA on an abstract H100
-  with its 132 SMs (no GPU needed); a Mosaic GPU kernel shows up as a
-  `mosaic_gpu_v2` custom call. Layout inference and the shared-memory limit
-  run here."""
-  from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  mesh = mesh_lib.AbstractMesh((1,), ("x",), (mesh_lib.AxisType.Explicit,),
-                               abstract_device=mesh_lib.AbstractDevice("NVIDIA H100", device.DEFAULT_NUM_SMS, "cuda"))
-  with jax.sharding.use_abstract_mesh(mesh):
-    return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
