@@ -212,6 +212,42 @@ def test_instruction_mix_of_a_k_loop():
   assert whole["other"] == 8  # + the mov before the loop and ret
 
 
+WARP_SPECIALIZED = """\
+.visible .entry ws(
+	.param .u64 ws_param_0
+)
+{
+	.loc	1 171 6
+	// begin inline asm
+	setmaxnreg.dec.sync.aligned.u32 40;
+	// end inline asm
+	.loc	1 172 6
+	mbarrier.init.shared::cta.b64 [%r1], 2;
+	mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%r1], 16384;
+	cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%r2], [%rd1, {%r3, %r4}], [%r1];
+	.loc	1 200 6
+	setmaxnreg.inc.sync.aligned.u32 232;
+	mbarrier.try_wait.parity.shared.b64 %p1, [%r1], %r5;
+	mbarrier.arrive.release.cta.shared::cta.b64 _, [%r1];
+	cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%rd2, {%r3, %r4}], [%r6];
+	cp.async.ca.shared.global [%r7], [%rd3], 16;
+	cp.async.commit_group;
+	ret;
+}
+"""
+
+
+def test_hopper_evidence_and_instructions_after_line_directives():
+  """Register budgets, TMA loads and stores, plain cp.async and mbarrier
+  kinds; an instruction right after a `.loc` line (which has no `;`) still
+  counts."""
+  [(name, k)] = aot.parse_ptx(WARP_SPECIALIZED).items()
+  assert name == "ws"
+  assert k.hopper.to_json() == {"setmaxnreg": ["dec.40", "inc.232"], "tma_loads": 1, "tma_stores": 1, "cp_async": 1,
+                                "mbarrier": {"arrive": 1, "arrive.expect_tx": 1, "init": 1, "try_wait": 1}}
+  assert k.kernel.memory == 8   # 4 mbarrier, 2 bulk tensor copies, cp.async and its commit
+
+
 def test_instruction_mix_innermost_mma_loop_and_straight_code():
   kernels = aot.parse_ptx(NESTED)
   attn, straight = kernels["attn"], kernels["straight"]
@@ -370,6 +406,11 @@ def test_build_reports_reads_a_mosaic_gpu_call_from_the_plugins_dump():
   assert (mgpu.name, mgpu.registers, mgpu.status) == ("mosaic_gpu_kernel", 168, aot.OK)
   [missing] = aot.build_reports([mosaic], [], {}, {}, limits)
   assert missing.status == aot.ERROR and "MOSAIC_GPU_DUMP_TO" in missing.error
+  # XLA's own fusions go through ptxas too: the plugin's dump decides.
+  xla_fusion = {"input_reduce_fusion": aot.PtxasStats(registers=32)}
+  [mgpu] = aot.build_reports([mosaic], [], xla_fusion, {}, limits,
+                             mosaic_ptxas={"mosaic_gpu_kernel": aot.PtxasStats(registers=168)})
+  assert (mgpu.name, mgpu.registers) == ("mosaic_gpu_kernel", 168)
 
 
 def test_largest_axes_by_input_bytes():
@@ -451,12 +492,12 @@ def test_shipped_texts_are_the_plugins_own(compiler):  # pylint: disable=unused-
 
 
 def _shipped():
-  """Every implemented definition at its largest recorded axes, and the
-  router's decode (M=1), few-row and above-recorded sizes."""
+  """Every implemented definition's kernel backends at its largest recorded
+  axes, and the router's decode (M=1), few-row and above-recorded sizes."""
   from jaxkern import registry  # pylint: disable=g-import-not-at-top
-  out = [(n, None) for n in registry.names() if registry.get(n).implemented]
+  out = [(n, None, b) for n in registry.names() if registry.get(n).implemented for b in registry.get(n).backends]
   router = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"
-  out += [(router, {"M": m}) for m in (1, 3, 128, 8192)]
+  out += [(router, {"M": m}, "triton") for m in (1, 3, 128, 8192)]
   return out
 
 
@@ -464,17 +505,20 @@ SHIPPED = _shipped()
 
 
 @pytest.mark.device_stack  # sm_90a on the GPU machine's compiler too
-@pytest.mark.parametrize("name,axes", SHIPPED)
-def test_shipped_heuristic_configs_compile_clean(compiler, name, axes):
+@pytest.mark.parametrize("name,axes,backend", SHIPPED)
+def test_shipped_heuristic_configs_compile_clean(compiler, name, axes, backend):
   """No spills, shared memory within the SM, no compile error, for the
   heuristic's config at the largest recorded axes (and more router sizes);
-  GEMM and attention keep their wgmma."""
+  GEMM and attention keep their wgmma; the Mosaic GPU kernels show their
+  warp specialization (register budgets 40/232, TMA loads, mbarriers)."""
   from jaxkern import registry  # pylint: disable=g-import-not-at-top
   op = registry.get(name)
-  [row] = aot.check_op(compiler, op, op.validated_axes(axes or selection.largest_recorded_axes(op.definition)))
-  assert row["status"] == aot.OK, (row["error"], row["kernels"])
+  [row] = aot.check_op(compiler, op, op.validated_axes(axes or selection.largest_recorded_axes(op.definition)),
+                       backend=backend)
+  assert row["status"] == aot.OK and row["backend"] == backend, (row["error"], row["kernels"])
   for k in row["kernels"]:
-    assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["ctas_per_sm"] >= 1, k
+    assert k["spill_stores"] == 0 and k["spill_loads"] == 0, k
+    assert backend == "mosaic_gpu" or k["ctas_per_sm"] >= 1, k
   if name.startswith(("dense_gemm", "noncausal", "prefix")):
     assert all(k["matrix_ops"] == "wgmma" for k in row["kernels"]), row["kernels"]
   for k in row["kernels"]:
@@ -482,6 +526,11 @@ def test_shipped_heuristic_configs_compile_clean(compiler, name, axes):
     assert mix is not None and (mix["kernel"]["mma_total"] > 0) == (k["matrix_ops"] != "none"), k
   if name.startswith("dense_gemm"):  # a pipelined k-loop of bf16 wgmma
     assert set(row["kernels"][0]["instruction_mix"]["k_step"]["mma"]) == {"wgmma.m64n256k16.bf16"}
+  if backend == "mosaic_gpu":
+    for k in row["kernels"]:
+      hopper = k["instruction_mix"]["hopper"]
+      assert hopper["setmaxnreg"] == ["dec.40", "inc.232"] and hopper["tma_loads"] > 0, hopper
+      assert hopper["mbarrier"].get("try_wait", 0) > 0 and hopper["mbarrier"].get("arrive.expect_tx", 0) > 0, hopper
 
 
 def test_markdown_page_from_a_run(compiler, tmp_path):  # pylint: disable=unused-argument
@@ -491,5 +540,6 @@ def test_markdown_page_from_a_run(compiler, tmp_path):  # pylint: disable=unused
   assert out.returncode == 0, out.stderr[-3000:]
   import jax  # pylint: disable=g-import-not-at-top
   text = page.read_text()
-  assert "1/1 configs compile clean" in text and "wgmma.m64n256k16.bf16" in text and "| `dense_gemm_nt` |" in text
+  assert "2/2 configs compile clean" in text and "wgmma.m64n256k16.bf16" in text and "| `dense_gemm_nt` |" in text
+  assert "| setmaxnreg |" in text and "dec.40 inc.232" in text   # the Mosaic GPU kernel's row
   assert list(aot.page_sections(text)) == [jax.__version__] and f"jax-cuda13-plugin {jax.__version__}" in text

@@ -136,8 +136,8 @@ def main(argv=None) -> None:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   from jaxkern.aot.toolchain import target_configs  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import dense_gemm_mosaic_gpu as mg  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import flash_attention_mosaic_gpu as fa  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.dense_gemm import mosaic_gpu as mg  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.flash_attention import mosaic_gpu as fa  # pylint: disable=g-import-not-at-top
 
   targets = target_configs(args.plugin or _plugin_library())
   names = sorted((n for n in targets if args.target.lower() in n.lower()), key=lambda n: ("MIG" in n, "PCIe" in n, len(n)))
@@ -147,7 +147,7 @@ def main(argv=None) -> None:
                                           topology="1x1x1")
   mesh = jax.sharding.Mesh(np.array(topology.devices[:1]), ("x",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  grid = getattr(topology.devices[0], "core_count", None) or mg.device.DEFAULT_NUM_SMS
+  grid = getattr(topology.devices[0], "core_count", None) or 132
   aval = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
   jobs = []   # (sizes, config, function, avals, shared memory bytes)
   if args.kernel == "gemm":
@@ -158,7 +158,7 @@ def main(argv=None) -> None:
       for config in configs:
         config = config if config.grid else dataclasses.replace(config, grid=grid)
         jobs.append(({"M": args.m, "N": n, "K": k}, config,
-                     lambda a, b, c=config: mg.kernel(a, b, config=c, interpret=False),
+                     lambda a, b, c=config: mg.dense_gemm_nt(a, b, config=c, interpret=False),
                      (shapes["A"], shapes["B"]), config.shared_memory_bytes))
   else:
     for spec in args.attention:

@@ -13,6 +13,11 @@ input type, e.g. `wgmma.m64n256k16.bf16` or `wgmma.m64n128k32.e4m3`); ALU
 permutes), `compare` (setp, selp)); `memory` (loads, stores, async copies,
 ldmatrix); `other` (moves, barriers, branches, shuffles, wgmma fences).
 Static PTX counts, not SASS: ptxas may still fuse or expand instructions.
+
+Beside the mix, the Hopper machinery a warp-specialized kernel rests on
+(`HopperEvidence`): the `setmaxnreg` register budgets, TMA copies
+(`cp.async.bulk.tensor`, loads into and stores from shared memory), other
+async copies, and the mbarrier operations by kind.
 """
 
 from __future__ import annotations
@@ -125,11 +130,52 @@ class InstructionMix:
 
 
 @dataclasses.dataclass
+class HopperEvidence:
+  """Static counts of one kernel's async machinery: `setmaxnreg` as
+  `inc.232` / `dec.40`, TMA loads and stores, other `cp.async` copies, and
+  mbarrier operations (`arrive`, `try_wait`, `expect_tx`, ...)."""
+  setmaxnreg: list[str] = dataclasses.field(default_factory=list)
+  tma_loads: int = 0
+  tma_stores: int = 0
+  cp_async: int = 0
+  mbarrier: dict[str, int] = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def of(cls, instructions: list[Instruction]) -> "HopperEvidence":
+    ev = cls()
+    for ins in instructions:
+      parts = ins.opcode.split(".")
+      if parts[0] == "setmaxnreg":
+        budget = f"{parts[1]}.{ins.operands.strip().rstrip(',')}"
+        if budget not in ev.setmaxnreg:
+          ev.setmaxnreg.append(budget)
+      elif ins.opcode.startswith("cp.async.bulk.tensor"):
+        # cp.async.bulk.tensor.Nd.<dst>.<src>: a load lands in shared memory.
+        if parts[5].startswith("shared"):
+          ev.tma_loads += 1
+        else:
+          ev.tma_stores += 1
+      elif parts[0] == "cp" and parts[1] == "async" and parts[2] not in ("bulk", "commit_group", "wait_group",
+                                                                            "wait_all", "mbarrier"):
+        ev.cp_async += 1
+      elif parts[0] == "mbarrier":
+        kind = "arrive.expect_tx" if parts[1] == "arrive" and "expect_tx" in parts else parts[1]
+        ev.mbarrier[kind] = ev.mbarrier.get(kind, 0) + 1
+    return ev
+
+  def to_json(self) -> dict[str, Any]:
+    return {"setmaxnreg": sorted(self.setmaxnreg), "tma_loads": self.tma_loads, "tma_stores": self.tma_stores,
+            "cp_async": self.cp_async, "mbarrier": dict(sorted(self.mbarrier.items()))}
+
+
+@dataclasses.dataclass
 class KernelPtx:
-  """One `.entry` function: its instruction mix, and the k-step's if it has a main loop."""
+  """One `.entry` function: its instruction mix, the k-step's if it has a
+  main loop, and its Hopper async machinery."""
   name: str
   kernel: InstructionMix
   k_step: InstructionMix | None
+  hopper: HopperEvidence = dataclasses.field(default_factory=HopperEvidence)
 
   @property
   def matrix_ops(self) -> str:
@@ -138,11 +184,18 @@ class KernelPtx:
     return "wgmma" if "wgmma" in ops else "mma" if "mma" in ops else "none"
 
   def to_json(self) -> dict[str, Any]:
-    return {"kernel": self.kernel.to_json(), "k_step": self.k_step.to_json() if self.k_step else None}
+    return {"kernel": self.kernel.to_json(), "k_step": self.k_step.to_json() if self.k_step else None,
+            "hopper": self.hopper.to_json()}
+
+
+# Debug-line directives end at the line, without a `;`: left in, they would
+# hide the instruction that follows them.
+_LINE_DIRECTIVE = re.compile(r"^\s*\.(?:loc|file)\b[^\n]*$", re.M)
 
 
 def _strip_comments(text: str) -> str:
-  return re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", text, flags=re.S))
+  """The text without comments and debug-line directives."""
+  return _LINE_DIRECTIVE.sub("", re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", text, flags=re.S)))
 
 
 def statements(body: str) -> list[tuple[str, Any]]:
@@ -193,7 +246,7 @@ def kernel_ptx(name: str, body: str) -> KernelPtx:
       with_mma.append((last - first, -mix.mma_total, mix))
   if with_mma:  # the innermost loop that holds MMAs
     k_step = min(with_mma, key=lambda t: t[:2])[2]
-  return KernelPtx(name, InstructionMix.of(instructions), k_step)
+  return KernelPtx(name, InstructionMix.of(instructions), k_step, HopperEvidence.of(instructions))
 
 
 def parse_ptx(ptx: str) -> dict[str, KernelPtx]:

@@ -261,6 +261,7 @@ class Compiler:
       with open(path, encoding="utf-8") as f:
         launches += parse_thunk_sequence(f.read())
     stats: dict[str, PtxasStats] = {}
+    mosaic_stats: dict[str, PtxasStats] = {}   # the plugin's dump: Mosaic GPU kernels only
     kernels: dict[str, KernelPtx] = {}
     for path in sorted(glob.glob(os.path.join(self._logs, "*.log"))):
       with open(path, encoding="utf-8", errors="replace") as f:
@@ -277,11 +278,12 @@ class Compiler:
       if path.endswith(".ptx"):
         kernels.update(parse_ptx(text))
       elif "ptxas" in os.path.basename(path):
-        stats.update(parse_ptxas_verbose(text))
+        mosaic_stats.update(parse_ptxas_verbose(text))
     shutil.rmtree(dump, ignore_errors=True)
     if not calls and not error:
       error = "no Pallas kernel (Triton or Mosaic GPU call) in the lowered function"
-    return CompileReport(build_reports(calls, launches, stats, kernels, self.limits, error), seconds, error)
+    return CompileReport(build_reports(calls, launches, stats, kernels, self.limits, error, mosaic_ptxas=mosaic_stats),
+                         seconds, error)
 
 
 def _short(e: BaseException, limit: int = 600) -> str:
