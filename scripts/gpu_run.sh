@@ -9,6 +9,9 @@
 #      sizes, device timer (jax.profiler), cold L2, definitions interleaved so
 #      that all are reached early, a per-workload timeout; stopped at 5/8 of
 #      the budget if not done;
+#   1b. the same workloads of every definition that has a second kernel
+#      backend (Mosaic GPU: dense GEMM, the attention definitions) on that
+#      backend, same timer, into replay_mosaic_gpu.jsonl, until 6/8;
 #   2. the remaining records, resuming phase 1's results file, until 7/8;
 #   3. config sweeps at the largest recorded axes, worst SOL fraction first,
 #      only with the time left;
@@ -105,7 +108,8 @@ head -n 6 "$OUT/env.txt"
 phase() {
   local n=$1 name=$2 deadline=$3
   shift 3
-  local left t0 code
+  local left t0 code file="$OUT/replay.jsonl" arg
+  for arg in "$@"; do [[ $arg == --config.output=* ]] && file=${arg#--config.output=}; done
   left=$(left_until "$deadline")
   if [ "$left" -le 10 ]; then
     say "== phase $n ($name): skipped, no time left ($(elapsed) s elapsed)"
@@ -115,10 +119,25 @@ phase() {
   t0=$(date +%s)
   timeout -s INT -k 30 "$left" $PY -m jaxkern.replay "${COMMON[@]}" "$@" 2>&1 | tee -a "$LOG"
   code=${PIPESTATUS[0]}
-  say "== phase $n ($name): end after $(( $(date +%s) - t0 )) s, $([ "$code" = 124 ] && echo "stopped at its budget" || echo "exit $code"); file: $(count "$OUT/replay.jsonl")"
+  say "== phase $n ($name): end after $(( $(date +%s) - t0 )) s, $([ "$code" = 124 ] && echo "stopped at its budget" || echo "exit $code"); file: $(count "$file")"
 }
 
 phase 1 "one workload per recorded variant" $(( BUDGET * 5 / 8 )) "${PHASE1[@]}"
+# The definitions with a kernel of the second backend (their full names).
+MOSAIC_DEFS=$($PY - "$DEFS" <<'EOF'
+import sys
+from jaxkern import registry
+wanted = [w for w in sys.argv[1].split(",") if w]
+print(",".join(n for n in registry.names() if registry.get(n).implemented and "mosaic_gpu" in registry.get(n).backends
+               and (not wanted or any(n.startswith(w) for w in wanted))))
+EOF
+)
+# Dry run: one definition of each Mosaic GPU kernel (its interpret mode is slow).
+[ "$DRY" = 1 ] && MOSAIC_DEFS=${GPU_RUN_MOSAIC_DEFINITIONS:-dense_gemm_bf16_nt_n4096_k4096,noncausal_dense_attention_h32_d64}
+if [ -n "$MOSAIC_DEFS" ]; then
+  phase 1b "the same workloads on mosaic_gpu" $(( BUDGET * 6 / 8 )) "${PHASE1[@]}" --config.backend=mosaic_gpu \
+    --config.definitions="$MOSAIC_DEFS" --config.output="$OUT/replay_mosaic_gpu.jsonl"
+fi
 phase 2 "the remaining records" $(( BUDGET * 7 / 8 )) "${PHASE2[@]}" --config.resume=True
 
 # Sweep order: worst median SOL fraction first (device-timed), then the rest.
@@ -151,7 +170,9 @@ say "== phase 3 (sweeps): end after $(( $(date +%s) - t0 )) s, $swept definition
 
 say "== report"
 # summary.md is the table that replaces docs/perf/<device>.md (docs/perf/README.md).
-$PY -m jaxkern.report "$OUT/replay.jsonl" --out "$OUT/report" --markdown "$OUT/summary.md" 2>&1 | tee "$OUT/summary.txt" | tee -a "$LOG"
+REPORTED=("$OUT/replay.jsonl")
+[ -s "$OUT/replay_mosaic_gpu.jsonl" ] && REPORTED+=("$OUT/replay_mosaic_gpu.jsonl")
+$PY -m jaxkern.report "${REPORTED[@]}" --out "$OUT/report" --markdown "$OUT/summary.md" 2>&1 | tee "$OUT/summary.txt" | tee -a "$LOG"
 say "done after $(elapsed) s: $OUT ($(count "$OUT/replay.jsonl"))"
 tar -czf "$OUT.tar.gz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
 echo "tarball: $OUT.tar.gz ($(du -h "$OUT.tar.gz" | cut -f1))"

@@ -125,6 +125,7 @@ def test_every_shipped_config_lowers_for_h100(n, k):
     assert "mosaic_gpu_v2" in lower(LARGEST_RECORDED_M, n, k, config)
 
 
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
 @pytest.mark.parametrize("m", [1, 4125])
 def test_short_and_unaligned_m_lower(m):
   assert "mosaic_gpu_v2" in lower(m, 4096, 4096, mg.DEFAULT_CONFIG)
@@ -139,11 +140,13 @@ FAULT_PROBLEM = (128, 256, 512)       # 8 K steps through a 2-slot ring: 4 uses 
 FAULT_CONFIG = mg.MosaicGemmConfig(stages=2, grid=1)
 
 
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
 def test_correct_protocol_on_the_fault_problem():
   a, b = operands(*FAULT_PROBLEM, seed=2)
   assert_within_one_ulp(mg._gemm(a, b, FAULT_CONFIG, True, jnp.bfloat16), reference(a, b))
 
 
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
 def test_slot_released_by_one_consumer_is_caught():
   """`empty` counting one arrival instead of one per consumer lets the
   producer refill a slot that the other consumer has not read yet; the
@@ -156,6 +159,7 @@ def test_slot_released_by_one_consumer_is_caught():
     compat.reset_interpreter()
 
 
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
 def test_off_by_one_ring_slot_is_caught():
   """Consumers reading the slot after the one their barrier guards compute
   with data of another K step (or not loaded yet): the product is wrong."""

@@ -107,6 +107,7 @@ def test_only_prefix_keys_and_empty_prefix():
   assert_bf16_close(o, attention_reference(q, k, v))
 
 
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
 def test_lonely_rows_and_hidden_non_finite_keys():
   """Batch row 0 sees no key (no key step at all: output 0, lse +inf); NaN
   and Inf in hidden keys and values reach no output."""
@@ -178,12 +179,14 @@ def test_prefix_cached_lowers_at_recorded_sizes(nq, np_):
   assert "mosaic_gpu_v2" in lower_for_h100(fn, *[bf16(1, n, 32, 128) for n in (nq, nq, nq, np_, np_)])
 
 
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
 def test_block_causal_lowers_at_recorded_sizes():
   fn = lambda q, k, v, ids: fa.flash_attention_forward(q, k, v, segment_ids=ids, interpret=False)  # noqa: E731
   avals = [bf16(1, 4125, 32, 128)] * 3 + [jax.ShapeDtypeStruct((1, 4125), jnp.int32)]
   assert "mosaic_gpu_v2" in lower_for_h100(fn, *avals)
 
 
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
 def test_key_slot_released_by_one_consumer_is_caught():
   """`k_empty` counting one arrival instead of one per consumer lets the
   producer refill K before the other consumer read it; the interpreter

@@ -45,7 +45,9 @@ def tree_as_on_the_gpu_machine(to: pathlib.Path) -> pathlib.Path:
 def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
   tree = tree_as_on_the_gpu_machine(tmp_path / "tree")
   out = tmp_path / "run"
-  env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu", "GIT_COMMIT": "0123abc"}
+  # Phase 1b on one Mosaic GPU definition: its interpret mode is slow.
+  env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu", "GIT_COMMIT": "0123abc",
+         "GPU_RUN_MOSAIC_DEFINITIONS": "noncausal_dense_attention_h32_d64"}
   env.pop("PYTHONPATH", None)  # only what the script puts there: the tree and the kit's wheels
   p = subprocess.run(["bash", str(tree / "scripts" / "gpu_run.sh"), str(out)], capture_output=True, text=True,
                      timeout=1500, cwd=tmp_path, env=env)
@@ -58,6 +60,11 @@ def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
   assert {l["definition"] for l in phase1} == names and len(names) == 21
   assert "== phase 1 (one workload per recorded variant): start" in log
   assert "== phase 1 (one workload per recorded variant): end after" in log and "21 results (21 passed" in log
+  # Phase 1b: phase 1's workload of a definition with a Mosaic GPU kernel, on it, in a file of its own.
+  [mosaic] = [json.loads(l) for l in (out / "replay_mosaic_gpu.jsonl").read_text().splitlines()]
+  assert mosaic["definition"] == "noncausal_dense_attention_h32_d64" and mosaic["evaluation"]["backend"] == "mosaic_gpu"
+  assert mosaic["workload"]["uuid"] in {l["workload"]["uuid"] for l in phase1}
+  assert mosaic["evaluation"]["status"] == "passed" and "== phase 1b (the same workloads on mosaic_gpu): end" in log
   # Phase 2 resumed phase 1's file and added the second workload of two definitions.
   assert "resume: 21 workloads already in" in log and len(lines) == 23
   assert {l["definition"] for l in lines[21:]} == {"gdn_decode_qk4_v8_d128_k_last",
@@ -76,6 +83,7 @@ def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
   assert "dense_gemm_bf16_nt_n4096_k4096" in (out / "summary.txt").read_text()
   summary = (out / "summary.md").read_text()  # the page docs/perf/<device>.md takes
   assert "dense_gemm_bf16_nt_n4096_k4096" in summary and "interpret" in summary
+  assert "| `noncausal_dense_attention_h32_d64` | mosaic_gpu | interpret | 1 / 1 |" in summary   # both backends
   env_txt = (out / "env.txt").read_text()
   assert f"jax {jax.__version__}" in env_txt and "git commit: 0123abc" in env_txt and "nvidia-smi" in env_txt
   assert "kit wheels on PYTHONPATH: ml_collections-" in env_txt and "ml_collections==" in env_txt

@@ -35,13 +35,13 @@ from jaxkern.report.page import build
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m jaxkern.report", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("results", help="replay results JSONL")
+  parser.add_argument("results", nargs="+", help="replay results JSONL (several: read together, e.g. one per backend)")
   parser.add_argument("--baseline", default=None, help="another run's results JSONL to compare with")
   parser.add_argument("--out", default=None, help="output folder (default: <results>_report beside the results)")
   parser.add_argument("--dataset_dir", default="", help="dataset with the definitions (default: the package's)")
   parser.add_argument("--markdown", default=None, help="also write the summary table as markdown to this file")
   args = parser.parse_args(argv)
-  for path in (args.results, args.baseline):
+  for path in (*args.results, args.baseline):
     if path is not None and not pathlib.Path(path).is_file():
       print(f"error: no results file {path}", file=sys.stderr)
       return 2

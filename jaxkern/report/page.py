@@ -7,7 +7,7 @@ import dataclasses
 import html
 import os
 import pathlib
-from typing import Any
+from typing import Any, Sequence
 
 from jaxkern import results as results_lib
 from jaxkern.report import plots
@@ -77,18 +77,22 @@ class Report:
   summary_markdown: str = ""
 
 
-def build(results_path: str | os.PathLike, *, baseline: str | os.PathLike | None = None,
-          out_dir: str | os.PathLike | None = None, dataset_dir: str = "",
-          markdown: str | os.PathLike | None = None) -> Report:
-  """Reads the results (and baseline), writes the page and plots (and the
+def build(results_path: str | os.PathLike | Sequence[str | os.PathLike], *,
+          baseline: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None,
+          dataset_dir: str = "", markdown: str | os.PathLike | None = None) -> Report:
+  """Reads the results (one file or several, e.g. one per kernel backend of
+  the same workloads) and the baseline, writes the page and plots (and the
   summary as markdown to `markdown`), and returns the tables and the printed
-  text. ValueError when there is no result."""
+  text. The default folder sits beside the first results file. ValueError
+  when there is no result."""
   import tabulate  # pylint: disable=g-import-not-at-top
 
-  results_path = pathlib.Path(results_path)
-  traces = results_lib.read_traces(results_path)
+  paths = [pathlib.Path(results_path)] if isinstance(results_path, (str, os.PathLike)) else [
+      pathlib.Path(p) for p in results_path]
+  traces = [t for path in paths for t in results_lib.read_traces(path)]
   if not traces:
-    raise ValueError(f"no result lines in {results_path}")
+    raise ValueError(f"no result lines in {', '.join(map(str, paths))}")
+  results_path = paths[0]
   out = pathlib.Path(out_dir) if out_dir else results_path.with_name(results_path.stem + "_report")
   out.mkdir(parents=True, exist_ok=True)
   rows = rows_of(traces, dataset_dir)
