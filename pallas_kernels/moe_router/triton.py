@@ -185,12 +185,9 @@ def candidate_configs(shapes: Mapping[str, Any]) -> list[MoeRouterConfig]:
   return fitted_candidates(chosen, variants, lambda c: _fit(c, m, d, e))
 
 
-def _logits_tile(hidden_ref, weight_ref, *, m: int, d: int, e: int, block_m: int, block_e: int, block_d: int,
-                 d_blocks_per_split: int):
-  """This program's fp32 partial logits `[block_m, block_e]` over its D range
-  (grid `(E blocks, M blocks, D splits)`, whole-array refs hidden [M, D] and
-  weight [E, D]), and the store of it into partial logits [splits, M, E]
-  (real tokens and experts only), as `(tile, store)`."""
+def _logits_kernel(hidden_ref, weight_ref, partial_ref, *, m: int, d: int, e: int, block_m: int, block_e: int,
+                   block_d: int, d_blocks_per_split: int):
+  # Whole-array refs: hidden [M, D], weight [E, D], partial [splits, M, E].
   expert0 = pl.program_id(0) * block_e
   row0 = pl.program_id(1) * block_m
   split = pl.program_id(2)
@@ -210,17 +207,8 @@ def _logits_tile(hidden_ref, weight_ref, *, m: int, d: int, e: int, block_m: int
     return acc + lax.dot_general(x, w, NT_DIMS, preferred_element_type=jnp.float32)
 
   tile = lax.fori_loop(0, count, step, jnp.zeros((block_m, block_e), jnp.float32))
-
-  def store(partial_ref):
-    mask = rows_ok & (expert0 + lax.broadcasted_iota(jnp.int32, (1, block_e), 1) < e)
-    plgpu.store(partial_ref.at[split, pl.ds(row0, block_m), pl.ds(expert0, block_e)], tile, mask=mask)
-
-  return tile, store
-
-
-def _logits_kernel(hidden_ref, weight_ref, partial_ref, **tiling):
-  _, store = _logits_tile(hidden_ref, weight_ref, **tiling)
-  store(partial_ref)
+  mask = rows_ok & (expert0 + lax.broadcasted_iota(jnp.int32, (1, block_e), 1) < e)
+  plgpu.store(partial_ref.at[split, pl.ds(row0, block_m), pl.ds(expert0, block_e)], tile, mask=mask)
 
 
 def total_order_key(x):
@@ -335,7 +323,7 @@ def _reduce_and_route_kernel(partial_ref, bias_ref, scale_ref, ids_ref, weights_
 def _one_launch_kernel(hidden_ref, weight_ref, bias_ref, scale_ref, arrivals_in_ref, partial_ref, arrivals_ref,
                        ids_ref, weights_ref, *, tiling, routing, programs_per_row_block: int, route_rows: int,
                        cta_barrier: bool):
-  """The GEMM program of `_logits_tile`, then, in the last program of its
+  """The GEMM program of `_logits_kernel`, then, in the last program of its
   row block to finish, the reduce-and-route of that row block's rows,
   `route_rows` at a time (whole-array refs; `arrivals [M blocks]` int32,
   zero at launch; `arrivals_in_ref` is the same buffer, unused).
@@ -355,14 +343,13 @@ def _one_launch_kernel(hidden_ref, weight_ref, bias_ref, scale_ref, arrivals_in_
   operations that contains every other program's increment; its acquire
   half synchronizes with each of them. Its threads' later loads of the
   partials follow that acquire in causality order (the broadcast barrier,
-  then the data dependence of the branch), so by the PTX memory model they
+  then the branch on the count), so by the PTX memory model they
   see every program's tile. No program waits for another (no spinning), so
   the launch needs no co-residency of its programs. Interpret mode runs the
   programs one after another in grid order, so there the last grid program
   routes; the barrier has no meaning there (nor a CPU rule) and is left
   out."""
-  _, store = _logits_tile(hidden_ref, weight_ref, **tiling)
-  store(partial_ref)
+  _logits_kernel(hidden_ref, weight_ref, partial_ref, **tiling)
   if cta_barrier:
     plgpu.debug_barrier()
   row_block = pl.program_id(1)
@@ -415,10 +402,10 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
   grid = (cdiv(e, gemm.block_e), cdiv(m, gemm.block_m), num_splits)
   partial_shape = jax.ShapeDtypeStruct((num_splits, m, e), jnp.float32)
   routes_shape = (jax.ShapeDtypeStruct((m, top_k), jnp.int32), jax.ShapeDtypeStruct((m, top_k), jnp.float32))
-  warps = gemm.num_warps if config.one_launch else config.epilogue.num_warps
   routing = dict(m=m, e=e, top_k=top_k, top_k_padded=top_k_padded, num_splits=num_splits,
                  experts_padded=experts_padded,
-                 splits_per_load=_splits_per_load(config.epilogue.block_m, warps, num_splits, experts_padded))
+                 splits_per_load=_splits_per_load(config.epilogue.block_m, config.epilogue.num_warps, num_splits,
+                                                  experts_padded))
 
   def whole(x):
     return pl.BlockSpec(x.shape, lambda *_, nd=x.ndim: (0,) * nd)
