@@ -1,9 +1,10 @@
 """MoE router GEMM + top-k: the kit's data (launches; edge cases for the
-decode and wide tilings: uneven D splits, ragged D, M and E blocks, small E;
+decode and wide tilings: one launch at decode (one or several route steps,
+several row blocks), uneven D splits, ragged D, M and E blocks, small E;
 lowering of those) and the family's own checks: exact ties, NaN/inf rows,
 M = 0, biased selection, the runtime scale, the reference vs float64 numpy,
-the heuristic (programs at decode, tiles at M = 4096), synthesis scales, the
-policies.
+the heuristic (one launch and its programs at decode, tiles at M = 4096),
+synthesis scales, the policies.
 (The checks themselves: test_definitions.py and kit.py.)"""
 
 import jax
@@ -15,6 +16,7 @@ from jaxkern import compare
 from jaxkern import registry
 from jaxkern.families import moe_router as fam
 from kit import Case, TritonCall
+from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
 from pallas_kernels.moe_router import triton as mr
 
 NAME = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"
@@ -28,6 +30,17 @@ WIDE = mr.MoeRouterConfig(mr.RouterGemmStage(block_m=64, block_e=128, block_d=12
 ODD_SPLIT = mr.MoeRouterConfig(mr.RouterGemmStage(block_m=16, block_e=16, block_d=64, split_d=7, num_warps=4,
                                                   num_stages=3),
                                mr.RouterEpilogueStage(block_m=16, num_warps=8))
+# The decode tiling in two launches (the one-launch form's alternative).
+TWO_LAUNCHES = mr.MoeRouterConfig(mr.RouterGemmStage(block_m=16, block_e=16, block_d=128, split_d=7, num_warps=4,
+                                                     num_stages=3),
+                                  mr.RouterEpilogueStage(block_m=8, num_warps=4))
+# One launch over 2 D splits of 64-column blocks and 16-expert blocks: with
+# SMALL_E (M = 19, D = 200, E = 40) two row blocks, each with its own
+# arrival count, ragged E and D blocks, and 4-row route steps (the second
+# row block's 3 rows in one short step).
+ONE_LAUNCH = mr.MoeRouterConfig(mr.RouterGemmStage(block_m=16, block_e=16, block_d=64, split_d=2, num_warps=4,
+                                                   num_stages=2),
+                                mr.RouterEpilogueStage(block_m=4, num_warps=4), one_launch=True)
 
 
 def shapes(m, d=D, e=E):
@@ -71,9 +84,10 @@ def run_kernel(inputs, config=None, top_k=TOPK):
 
 def launches(config, axes):
   """The kernel fits the config to the problem (blocks to the next power of
-  two of M, E and D, at least 16; `split_d` to the splits its blocks make):
-  the logits GEMM over (E blocks, M blocks, D splits), then the reduce and
-  route kernel over epilogue row blocks (one stage)."""
+  two of M, E and D, at least 16; `split_d` to the splits its blocks make).
+  Two launches: the logits GEMM over (E blocks, M blocks, D splits), then
+  the reduce and route kernel over epilogue row blocks (one stage). One
+  launch: the GEMM's grid, warps and stages only."""
   m, d, e = axes["M"], axes["D"], axes["E"]
   pow2 = lambda n: 1 << max(n - 1, 0).bit_length()  # noqa: E731
   fit = lambda block, n: max(16, min(block, pow2(n)))  # noqa: E731
@@ -81,9 +95,11 @@ def launches(config, axes):
   block_m, block_e, block_d = fit(gemm.block_m, m), fit(gemm.block_e, e), fit(gemm.block_d, d)
   blocks = -(-d // block_d)
   splits = -(-blocks // -(-blocks // gemm.split_d))
+  grid = (-(-e // block_e), -(-m // block_m), splits)
+  if config.one_launch:
+    return [TritonCall("moe_router_one_launch", grid, gemm.num_warps, gemm.num_stages)]
   epilogue_m = min(config.epilogue.block_m, pow2(m))
-  return [TritonCall("moe_router_logits", (-(-e // block_e), -(-m // block_m), splits), gemm.num_warps,
-                     gemm.num_stages),
+  return [TritonCall("moe_router_logits", grid, gemm.num_warps, gemm.num_stages),
           TritonCall("moe_router_reduce_route", (-(-m // epilogue_m), 1, 1), config.epilogue.num_warps, 1)]
 
 
@@ -93,18 +109,21 @@ def weights_sum_to_the_scale(out, ref, inputs):
 
 KERNEL_CASES = [Case(NAME, {"M": m}, config=config, check=weights_sum_to_the_scale, id=label)
                 for m, config, label in [
-                    (1, None, "decode_e_and_d_split_one_row_route"),
-                    (5, None, "five_rows_in_an_8_row_epilogue"),
+                    (1, None, "decode_one_launch_one_row"),
+                    (16, None, "decode_one_launch_two_8_row_steps"),
+                    (5, TWO_LAUNCHES, "two_launches_five_rows_in_an_8_row_epilogue"),
                     (3, WIDE, "decode_in_one_wide_tile"),
                     (33, None, "ragged_m"),
                     (70, WIDE, "wide_tiles_ragged_m"),
                     (40, ODD_SPLIT, "uneven_d_splits")]]
 # D not a multiple of block_d, E and top_k not powers of two (E blocks ragged).
 SMALL_E = {"M": 19, "D": 200, "E": 40, "TOPK": 3}
-KERNEL_CASES += [Case(NAME, SMALL_E, config=c, id=f"ragged_d_small_e_{i}") for i, c in enumerate((None, WIDE))]
+KERNEL_CASES += [Case(NAME, SMALL_E, config=c, id=f"ragged_d_small_e_{i}")
+                 for i, c in enumerate((None, WIDE, ONE_LAUNCH))]
 LOWERING_CASES = [Case(NAME, SMALL_E, config=c, id=f"ragged_d_small_e_{i}")
-                  for i, c in enumerate((None, WIDE, ODD_SPLIT))]
-SWEEP_CASE = Case(NAME, {"M": 5, "D": 256, "E": 40})  # D splits, E blocks and both epilogues
+                  for i, c in enumerate((None, WIDE, ODD_SPLIT, ONE_LAUNCH))]
+LOWERING_CASES += [Case(NAME, {"M": m}, id=f"decode_one_launch_m{m}") for m in (1, 16)]
+SWEEP_CASE = Case(NAME, {"M": 5, "D": 256, "E": 40})  # D splits, E blocks, both epilogues, both launch forms
 
 
 def test_reference_matches_float64():
@@ -239,28 +258,47 @@ def test_heuristic_choice_comes_first_and_every_form_is_swept(m):
   assert len({c.epilogue for c in candidates}) > 1  # the epilogue stage's fields are swept too
   assert len({(c.gemm.block_m, c.gemm.block_e) for c in candidates}) > 1
   assert len(candidates) <= 32  # the sweep stays affordable
+  forms = {c.one_launch for c in candidates}
+  assert forms == ({True, False} if m <= 16 else {False})  # decode: one launch beside two; prefill as it was
 
 
 def test_heuristic_fills_the_gpu_at_decode_and_reads_the_weight_once_per_128_rows():
   """Decode: 16 x 16 tiles, E and D split, at least one program per SM (132)
-  and each weight element read by one program; M = 4096: 128 x 128 tiles,
-  no D split (the weight read once per 128 rows, no partials beyond the
-  logits)."""
+  and each weight element read by one program, all in one launch: the last
+  program routes the rows, one row per warp and step at most; M = 4096:
+  128 x 128 tiles, no D split (the weight read once per 128 rows, no
+  partials beyond the logits), then the route kernel."""
   for m in (1, 2, 3, 16):
-    gemm = mr.choose_config(shapes(m)).gemm
+    config = mr.choose_config(shapes(m))
+    gemm = config.gemm
     assert (gemm.block_m, gemm.block_e, gemm.block_d, gemm.split_d) == (16, 16, 128, 7), m
     assert mr.gemm_programs(gemm, m, E) == 24 * 1 * 7 >= 132
     blocks, per_split = -(-D // gemm.block_d), mr._d_blocks_per_split(gemm, D)
     assert (gemm.split_d - 1) * per_split < blocks <= gemm.split_d * per_split  # no empty split
-  assert mr.choose_config(shapes(1)).epilogue == mr.RouterEpilogueStage(block_m=1, num_warps=8)
+    assert config.one_launch and config.epilogue.num_warps == gemm.num_warps == (4 if m <= 4 else 8)
+    assert config.epilogue.block_m == min(mr.next_pow2(m), gemm.num_warps)
+  assert mr.choose_config(shapes(1)).epilogue == mr.RouterEpilogueStage(block_m=1, num_warps=4)
+  assert not mr.choose_config(shapes(17)).one_launch
   big = mr.choose_config(shapes(4096))
   assert (big.gemm.block_m, big.gemm.block_e, big.gemm.split_d) == (128, 128, 1)
   assert mr.gemm_programs(big.gemm, 4096, E) == 3 * 32
-  assert big.epilogue == mr.RouterEpilogueStage(8, 4)
+  assert big.epilogue == mr.RouterEpilogueStage(8, 4) and not big.one_launch
   for m in RECORDED_M + (8192, 100_000):
     c = mr.choose_config(shapes(m))
     assert mr.gemm_programs(c.gemm, m, E) >= 0.7 * 132 and c.gemm.split_d <= 16, (m, c)
-    assert c.gemm.num_warps == (8 if c.gemm.block_m * c.gemm.block_e >= 8192 else 4)
+    if not c.one_launch:
+      assert c.gemm.num_warps == (8 if c.gemm.block_m * c.gemm.block_e >= 8192 else 4)
+
+
+@pytest.mark.parametrize("m", (1, 16))
+def test_decode_lowers_to_one_launch_that_fills_the_gpu(m):
+  """For an abstract H100: one Triton launch (no reduce-and-route kernel
+  after it) of 24 E blocks x 7 D splits = 168 programs, >= 132 SMs."""
+  bias = jax.ShapeDtypeStruct((E,), jnp.float32)
+  text = lower_for_h100(lambda h, w, b: mr.moe_router_topk(h, w, b, 1.5, interpret=False), *shapes(m).values(), bias)
+  calls = triton_calls(text)
+  assert [(c.name, c.grid) for c in calls] == [("moe_router_one_launch", (24, 1, 7))]
+  assert np.prod(calls[0].grid) >= 132
 
 
 def test_config_rejects_bad_values():
@@ -275,6 +313,10 @@ def test_config_rejects_bad_values():
   with pytest.raises(ValueError):
     mr.RouterGemmStage(block_e=8)
   assert mr.RouterEpilogueStage(block_m=1).block_m == 1  # no dot in the epilogue: any power of two
+  with pytest.raises(ValueError, match="one launch, one warp count"):
+    mr.MoeRouterConfig(mr.RouterGemmStage(num_warps=4), mr.RouterEpilogueStage(num_warps=8), one_launch=True)
+  with pytest.raises(ValueError):
+    mr.MoeRouterConfig(one_launch=1)
 
 
 def test_synthesis_scales():

@@ -8,7 +8,7 @@ Math (per token row):
 Outputs are the chosen ids in ascending order (int32 [M, top_k]) and their
 weights permuted alongside (f32 [M, top_k]).
 
-Two kernels:
+Two kernels, or both in one launch:
 * `moe_router_logits` (the GEMM): grid `(E blocks, M blocks, D splits)`;
   a program computes a `[block_m tokens, block_e experts]` fp32 tile over
   its D range and writes it to the partial logits `[splits, M, E]` (real
@@ -24,10 +24,21 @@ Two kernels:
   (vector) load, and routes a short row tile in registers: E padded to a
   power of two (padded experts never selectable), top-k as k argmax passes
   over a total-order integer key of `scores + bias` (IEEE total order, as
-  XLA's top_k: NaN above +inf, -NaN below -inf; ties to the lowest id, so
-  a row of NaN hidden states selects experts 0..k-1 like the XLA path), a
-  second k-pass sweep reading the chosen set back in ascending id order.
-
+  XLA's top_k, every NaN first made +NaN: NaN above +inf; ties to the
+  lowest id, so a row of NaN hidden states selects experts 0..k-1 like the
+  XLA path), a second k-pass sweep reading the chosen set back in
+  ascending id order.
+* `moe_router_one_launch` (`MoeRouterConfig.one_launch`, the decode
+  heuristic): the GEMM's grid and programs, each of which then counts
+  itself into its row block's arrivals (an int32 per row block, zeroed by
+  XLA before the launch); the program that arrives last in its row block
+  sums that block's partials and routes its rows as the reduce-and-route
+  kernel does, `epilogue.block_m` rows a step. No program waits for
+  another. The memory-ordering argument: `_one_launch_kernel`. Splitting E
+  alone cannot fill the GPU at decode: a dot needs 16 experts a program
+  (E / 16 programs), and dot-free programs of a few experts would each
+  read all the hidden states; so the one launch keeps the E x D split of
+  the GEMM kernel.
 `python -m jaxkern.aot --definition moe_router --all_candidates` checks that
 every candidate compiles without spills for sm_90a (register counts:
 docs/perf/kernel_notes.md; grids and traffic: docs/perf/moe_kernels.md).
@@ -63,6 +74,9 @@ _TILES = ((128, 128), (64, 128), (64, 64), (32, 64), (32, 32), (16, 32), (16, 16
 # at M = 4096 on 132 SMs: 128 x 128 tiles without partials beat 192 programs
 # of 64 x 128 that read the weight twice as often).
 _FILL = 0.7
+# The most rows of the one-launch form: one row block of the decode tiles
+# (16 rows), routed by the GEMM program that finishes last.
+_ONE_LAUNCH_MAX_M = 16
 
 
 class MoeRouterSizes(NamedTuple):
@@ -83,12 +97,15 @@ def _d_blocks_per_split(gemm: RouterGemmStage, d: int) -> int:
 
 def _fit(config: MoeRouterConfig, m: int, d: int, e: int) -> MoeRouterConfig:
   """Clamps blocks to the problem (powers of two >= 16 covering M, E, D),
-  `split_d` to the D ranges its blocks make, the epilogue's rows to M."""
+  `split_d` to the D ranges its blocks make, the epilogue's rows to M (and,
+  in one launch, to a row block)."""
   gemm = dataclasses.replace(config.gemm, block_m=fit_block(config.gemm.block_m, m),
                              block_e=fit_block(config.gemm.block_e, e), block_d=fit_block(config.gemm.block_d, d))
   gemm = dataclasses.replace(gemm, split_d=cdiv(cdiv(d, gemm.block_d), _d_blocks_per_split(gemm, d)))
-  epilogue = dataclasses.replace(config.epilogue, block_m=min(config.epilogue.block_m, next_pow2(m)))
-  return MoeRouterConfig(gemm=gemm, epilogue=epilogue)
+  rows = min(config.epilogue.block_m, next_pow2(m))
+  if config.one_launch:  # a step routes rows of one row block
+    rows = min(rows, gemm.block_m)
+  return dataclasses.replace(config, gemm=gemm, epilogue=dataclasses.replace(config.epilogue, block_m=rows))
 
 
 def gemm_programs(gemm: RouterGemmStage, m: int, e: int) -> int:
@@ -122,23 +139,45 @@ def _gemm_stage(m: int, d: int, e: int, sms: int) -> RouterGemmStage:
   return RouterGemmStage(16, 16, block_d, min(_MAX_SPLITS, cdiv(d_blocks, per_split)), num_warps=4, num_stages=3)
 
 
+def _one_launch(gemm: RouterGemmStage, m: int, warps: int) -> MoeRouterConfig:
+  """The one-launch form of a GEMM stage on `warps` warps: route steps of
+  up to one row per warp (each [rows, next_pow2(E)] temporary of the
+  routing then holds 16 fp32 values a thread at E = 384, spill-free on
+  sm_90a with the GEMM's registers)."""
+  return MoeRouterConfig(dataclasses.replace(gemm, num_warps=warps),
+                         RouterEpilogueStage(min(next_pow2(m), warps), warps), one_launch=True)
+
+
 def choose_config(shapes: Mapping[str, Any]) -> MoeRouterConfig:
   """Heuristic: the GEMM tile and D splits from `_gemm_stage` for this GPU's
-  SM count, the epilogue tile from M."""
+  SM count. Decode (M <= 16, one row block): one launch, on 4 warps up to 4
+  rows and 8 warps above; otherwise two launches, the epilogue tile from M."""
   m, d, e = MoeRouterSizes.of(shapes)
-  return _fit(MoeRouterConfig(_gemm_stage(m, d, e, num_sms()), _epilogues(m)[0]), m, d, e)
+  gemm = _gemm_stage(m, d, e, num_sms())
+  if m <= _ONE_LAUNCH_MAX_M:
+    return _fit(_one_launch(gemm, m, 4 if m <= 4 else 8), m, d, e)
+  return _fit(MoeRouterConfig(gemm, _epilogues(m)[0]), m, d, e)
 
 
 def candidate_configs(shapes: Mapping[str, Any]) -> list[MoeRouterConfig]:
   """Configs a sweep may try, the heuristic's first: every `_TILES` tile
   with 1, 2, 4 or 8 D splits, and the heuristic's GEMM stage with a 64-column
-  D step and with the other epilogue tile; all compile without spills on
-  sm_90a (`python -m jaxkern.aot --all_candidates`)."""
+  D step and with the other epilogue tile; at decode also the one-launch
+  form on 4 and 8 warps, with 16-row route steps and with the 64-column D
+  step, beside the two-launch forms; all compile without spills on sm_90a
+  (`python -m jaxkern.aot --all_candidates`)."""
   m, d, e = MoeRouterSizes.of(shapes)
   chosen = choose_config(shapes)
   epilogues = _epilogues(m)
-  variants = [MoeRouterConfig(dataclasses.replace(chosen.gemm, block_d=64, num_stages=4), chosen.epilogue)]
-  variants += [MoeRouterConfig(chosen.gemm, epilogue) for epilogue in epilogues]
+  two_launch = _fit(MoeRouterConfig(_gemm_stage(m, d, e, num_sms()), epilogues[0]), m, d, e)
+  variants = []
+  if m <= _ONE_LAUNCH_MAX_M:
+    one = [_one_launch(two_launch.gemm, m, warps) for warps in (4, 8)]
+    variants += one + [dataclasses.replace(one[1], epilogue=RouterEpilogueStage(16, 8)),
+                       dataclasses.replace(chosen, gemm=dataclasses.replace(chosen.gemm, block_d=64, num_stages=4))]
+  variants += [two_launch, MoeRouterConfig(dataclasses.replace(two_launch.gemm, block_d=64, num_stages=4),
+                                           two_launch.epilogue)]
+  variants += [MoeRouterConfig(two_launch.gemm, epilogue) for epilogue in epilogues]
   for block_m, block_e in _TILES:
     for split_d in (1, 2, 4, 8):
       gemm = RouterGemmStage(block_m, block_e, 128, split_d, 8 if block_m * block_e >= 8192 else 4, 3)
@@ -229,15 +268,17 @@ def _load_bias(bias_ref, *, e: int, experts_padded: int):
   return bias[None, :]
 
 
-def _store_routes(ids_ref, weights_ref, ids, weights, *, m: int, row_start,
+def _store_routes(ids_ref, weights_ref, ids, weights, *, m: int, row_start, ref_row0,
                   top_k: int):
+  """Stores rows `row_start..` (masks: rows < m, slots < top_k) at rows
+  `ref_row0..` of the refs (a row block's refs: 0; whole arrays: row_start)."""
   rows, top_k_padded = ids.shape
   row_ok = (row_start + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)) < m
   mask = row_ok & (lax.broadcasted_iota(jnp.int32, (1, top_k_padded), 1) < top_k)
-  # Traced start: the padded slot range overhangs the top_k-wide refs.
-  cols = pl.ds(jnp.int32(0), top_k_padded)
-  plgpu.store(ids_ref.at[:, cols], ids, mask=mask)
-  plgpu.store(weights_ref.at[:, cols], weights, mask=mask)
+  # Traced starts: the padded slot range overhangs the top_k-wide refs.
+  at = (pl.ds(ref_row0, rows), pl.ds(jnp.int32(0), top_k_padded))
+  plgpu.store(ids_ref.at[at], ids, mask=mask)
+  plgpu.store(weights_ref.at[at], weights, mask=mask)
 
 
 def _splits_per_load(block_m: int, num_warps: int, num_splits: int, experts_padded: int = 512) -> int:
@@ -249,30 +290,83 @@ def _splits_per_load(block_m: int, num_warps: int, num_splits: int, experts_padd
   return min(next_pow2(num_splits), 1 << (budget.bit_length() - 1))
 
 
-def _reduce_and_route_kernel(partial_ref, bias_ref, scale_ref, ids_ref,
-                             weights_ref, *, m, e, top_k, top_k_padded,
-                             num_splits, block_m, experts_padded, splits_per_load):
-  # partial_ref: [num_splits, block_m, E] fp32 rows of M.
-  row_start = pl.program_id(0) * block_m
+def _reduce_and_route_rows(partial_ref, bias_ref, scale_ref, ids_ref, weights_ref, *, row_start, ref_row0, m, e, top_k,
+                           top_k_padded, num_splits, rows, experts_padded, splits_per_load):
+  """Sums the splits' partial logits of `rows` rows (global rows
+  `row_start..`, at rows `ref_row0..` of `partial_ref [num_splits, *, E]`
+  and of the output refs), routes them and stores their ids and weights."""
   split_ids = lax.broadcasted_iota(jnp.int32, (splits_per_load, 1, 1), 0)
-  rows = row_start + lax.broadcasted_iota(jnp.int32, (1, block_m, 1), 1)
+  row_ids = row_start + lax.broadcasted_iota(jnp.int32, (1, rows, 1), 1)
   cols = lax.broadcasted_iota(jnp.int32, (1, 1, experts_padded), 2)
-  row_col_ok = (rows < m) & (cols < e)
+  row_col_ok = (row_ids < m) & (cols < e)
 
   def add_splits(chunk, acc):
     first = chunk * splits_per_load
     tile = plgpu.load(
-        partial_ref.at[pl.ds(first, splits_per_load), :, pl.ds(jnp.int32(0), experts_padded)],
+        partial_ref.at[pl.ds(first, splits_per_load), pl.ds(ref_row0, rows), pl.ds(jnp.int32(0), experts_padded)],
         mask=row_col_ok & (first + split_ids < num_splits), other=0.0)
     return acc + jnp.sum(tile, axis=0)
 
   logits = lax.fori_loop(0, cdiv(num_splits, splits_per_load), add_splits,
-                         jnp.zeros((block_m, experts_padded), jnp.float32))
+                         jnp.zeros((rows, experts_padded), jnp.float32))
   bias = _load_bias(bias_ref, e=e, experts_padded=experts_padded)
-  ids, weights = _route(logits, bias, scale_ref[0], e=e, top_k=top_k,
-                        top_k_padded=top_k_padded)
-  _store_routes(ids_ref, weights_ref, ids, weights, m=m, row_start=row_start,
-                top_k=top_k)
+  ids, weights = _route(logits, bias, scale_ref[0], e=e, top_k=top_k, top_k_padded=top_k_padded)
+  _store_routes(ids_ref, weights_ref, ids, weights, m=m, row_start=row_start, ref_row0=ref_row0, top_k=top_k)
+
+
+def _reduce_and_route_kernel(partial_ref, bias_ref, scale_ref, ids_ref, weights_ref, *, block_m, routing):
+  # partial_ref: [num_splits, block_m, E] fp32 rows of M; ids/weights: [block_m, top_k] blocks.
+  _reduce_and_route_rows(partial_ref, bias_ref, scale_ref, ids_ref, weights_ref, row_start=pl.program_id(0) * block_m,
+                         ref_row0=jnp.int32(0), rows=block_m, **routing)
+
+
+def _one_launch_kernel(hidden_ref, weight_ref, bias_ref, scale_ref, arrivals_in_ref, partial_ref, arrivals_ref,
+                       ids_ref, weights_ref, *, tiling, routing, programs_per_row_block: int, route_rows: int,
+                       cta_barrier: bool):
+  """The GEMM program of `_logits_kernel`, then, in the last program of its
+  row block to finish, the reduce-and-route of that row block's rows,
+  `route_rows` at a time (whole-array refs; `arrivals [M blocks]` int32,
+  zero at launch; `arrivals_in_ref` is the same buffer, unused).
+
+  Memory ordering on the GPU: every program stores its partial tile with
+  plain stores, then its threads meet at a CTA barrier (`cta_barrier`:
+  `bar.sync`, which orders each thread's earlier stores before whatever
+  follows the barrier in any thread of the program), then one thread adds 1
+  to its row block's arrival count with an `atom.add.acq_rel.gpu` (the
+  Triton lowering's semantics and scope for atomics; the count is broadcast
+  to the program's threads through shared memory behind another barrier).
+  The release half of that atomic publishes, at GPU scope, every store
+  ordered before it: the program's own partial tile, by the barrier. The
+  atomics on one count form a single modification order, each a
+  read-modify-write reading the one before it, so the program that reads
+  `programs_per_row_block - 1` reads from the end of a chain of release
+  operations that contains every other program's increment; its acquire
+  half synchronizes with each of them. Its threads' later loads of the
+  partials follow that acquire in causality order (the broadcast barrier,
+  then the branch on the count), so by the PTX memory model they
+  see every program's tile. No program waits for another (no spinning), so
+  the launch needs no co-residency of its programs. Interpret mode runs the
+  programs one after another in grid order, so there the last grid program
+  routes; the barrier has no meaning there (nor a CPU rule) and is left
+  out."""
+  _logits_kernel(hidden_ref, weight_ref, partial_ref, **tiling)
+  if cta_barrier:
+    plgpu.debug_barrier()
+  row_block = pl.program_id(1)
+  arrived = plgpu.atomic_add(arrivals_ref, (row_block,), jnp.int32(1))
+
+  @pl.when(arrived == programs_per_row_block - 1)
+  def _():
+    row0 = row_block * tiling["block_m"]
+    rows_here = jnp.minimum(tiling["block_m"], routing["m"] - row0)
+
+    def route_step(i, carry):
+      start = row0 + i * route_rows
+      _reduce_and_route_rows(partial_ref, bias_ref, scale_ref, ids_ref, weights_ref, row_start=start, ref_row0=start,
+                             rows=route_rows, **routing)
+      return carry
+
+    lax.fori_loop(0, cdiv(rows_here, route_rows), route_step, jnp.int32(0))
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "config", "interpret"))
@@ -303,28 +397,50 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
   bias = bias.astype(jnp.float32)
   scale = jnp.reshape(jnp.asarray(routed_scaling_factor, jnp.float32), (1,))
   num_splits = gemm.split_d
+  tiling = dict(m=m, d=d, e=e, block_m=gemm.block_m, block_e=gemm.block_e, block_d=gemm.block_d,
+                d_blocks_per_split=_d_blocks_per_split(gemm, d))
+  grid = (cdiv(e, gemm.block_e), cdiv(m, gemm.block_m), num_splits)
+  partial_shape = jax.ShapeDtypeStruct((num_splits, m, e), jnp.float32)
+  routes_shape = (jax.ShapeDtypeStruct((m, top_k), jnp.int32), jax.ShapeDtypeStruct((m, top_k), jnp.float32))
+  routing = dict(m=m, e=e, top_k=top_k, top_k_padded=top_k_padded, num_splits=num_splits,
+                 experts_padded=experts_padded,
+                 splits_per_load=_splits_per_load(config.epilogue.block_m, config.epilogue.num_warps, num_splits,
+                                                  experts_padded))
 
   def whole(x):
     return pl.BlockSpec(x.shape, lambda *_, nd=x.ndim: (0,) * nd)
 
+  if config.one_launch:
+    arrivals = jnp.zeros((grid[1],), jnp.int32)
+    _, _, ids, weights = common.pallas_call(
+        functools.partial(_one_launch_kernel, tiling=tiling, routing=routing,
+                          programs_per_row_block=grid[0] * grid[2], route_rows=config.epilogue.block_m,
+                          cta_barrier=not interpret),
+        out_shape=(partial_shape, jax.ShapeDtypeStruct(arrivals.shape, jnp.int32), *routes_shape),
+        grid=grid,
+        in_specs=[whole(hidden), whole(weight), whole(bias), whole(scale), whole(arrivals)],
+        out_specs=[whole(partial_shape), whole(arrivals), whole(routes_shape[0]), whole(routes_shape[1])],
+        input_output_aliases={4: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=gemm.num_warps, num_stages=gemm.num_stages),
+        interpret=interpret,
+        name="moe_router_one_launch",
+    )(hidden, weight, bias, scale, arrivals)
+    return ids, weights
+
   partial = common.pallas_call(
-      functools.partial(_logits_kernel, m=m, d=d, e=e, block_m=gemm.block_m, block_e=gemm.block_e,
-                        block_d=gemm.block_d, d_blocks_per_split=_d_blocks_per_split(gemm, d)),
-      out_shape=jax.ShapeDtypeStruct((num_splits, m, e), jnp.float32),
-      grid=(cdiv(e, gemm.block_e), cdiv(m, gemm.block_m), num_splits),
+      functools.partial(_logits_kernel, **tiling),
+      out_shape=partial_shape,
+      grid=grid,
       in_specs=[whole(hidden), whole(weight)],
-      out_specs=pl.BlockSpec((num_splits, m, e), lambda *_: (0, 0, 0)),
+      out_specs=whole(partial_shape),
       compiler_params=plgpu.CompilerParams(num_warps=gemm.num_warps, num_stages=gemm.num_stages),
       interpret=interpret,
       name="moe_router_logits",
   )(hidden, weight)
   epilogue_block_m = config.epilogue.block_m
-  splits_per_load = _splits_per_load(epilogue_block_m, config.epilogue.num_warps, num_splits, experts_padded)
   return common.pallas_call(
-      functools.partial(_reduce_and_route_kernel, m=m, e=e, top_k=top_k, top_k_padded=top_k_padded,
-                        num_splits=num_splits, block_m=epilogue_block_m, experts_padded=experts_padded,
-                        splits_per_load=splits_per_load),
-      out_shape=(jax.ShapeDtypeStruct((m, top_k), jnp.int32), jax.ShapeDtypeStruct((m, top_k), jnp.float32)),
+      functools.partial(_reduce_and_route_kernel, block_m=epilogue_block_m, routing=routing),
+      out_shape=routes_shape,
       grid=(cdiv(m, epilogue_block_m),),
       in_specs=[
           pl.BlockSpec((num_splits, epilogue_block_m, e), lambda i: (0, i, 0)),
