@@ -40,7 +40,10 @@ def test_sweep_command_line_lower_only(tmp_path):
   assert p.returncode == 0, p.stderr
   rows = [json.loads(l) for l in out.read_text().splitlines()]
   op = registry.get("noncausal_dense_attention_h32_d64")
-  assert len(rows) == len(op.candidate_configs(op.make_inputs({"B": 1, "Nq": 2352, "Nk": 51})))
+  inputs = op.make_inputs({"B": 1, "Nq": 2352, "Nk": 51})
+  per_backend = {b: len(op.candidate_configs(inputs, backend=b)) for b in op.backends}
+  assert set(per_backend) == {"triton", "mosaic_gpu"}   # one ranking over both backends' candidates
+  assert len(rows) == sum(per_backend.values()) and {r["backend"] for r in rows} == set(per_backend)
   assert all(r["status"] == "lowered" for r in rows) and "heuristic" in p.stdout
 
 
