@@ -199,3 +199,21 @@ def test_key_slot_released_by_one_consumer_is_caught():
                                         fault="release_once"))
   finally:
     compat.reset_interpreter()
+
+
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
+def test_ping_pong_rendezvous_counted_once_is_caught():
+  """`turn` completing a phase on one arrival instead of both consumers'
+  lets a consumer's waits run ahead of the rendezvous they belong to; the
+  interpreter reports the phase mismatch. Without ping-pong the same
+  problem matches the reference (every other test runs with it)."""
+  q, k, v, kv = inputs(1, 128, 384, 1, 64, mask=True, seed=9)
+  config = fa.MosaicAttentionConfig(block_k=64, stages=2)
+  assert config.ping_pong
+  check(q, k, v, kv, config=fa.MosaicAttentionConfig(block_k=64, stages=2, ping_pong=False))
+  try:
+    with pytest.raises(Exception, match="phase"):
+      jax.block_until_ready(fa._forward(q, k, v, None, None, kv, None, sm_scale=0.125, config=config, interpret=True,
+                                        fault="turn_once"))
+  finally:
+    compat.reset_interpreter()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.shared.config_rules import DOT_BLOCK, KernelConfig, NUM_STAGES, NUM_WARPS, at_least, field, one_of
+from pallas_kernels.shared.config_rules import (DOT_BLOCK, KernelConfig, NUM_STAGES, NUM_WARPS, at_least, field,
+                                                instance_of, one_of)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,10 @@ class FlashAttentionBwdConfig(KernelConfig):
 @dataclasses.dataclass(frozen=True)
 class MosaicAttentionConfig(KernelConfig):
   """`block_q` query rows per consumer warpgroup (a CTA has two), keys walked
-  `block_k` at a time through a ring of `stages` slots."""
+  `block_k` at a time through a ring of `stages` slots; `ping_pong`: the two
+  consumers take turns on the tensor cores (one's softmax under the other's
+  wgmma, FlashAttention-3's schedule) instead of running freely."""
   block_q: int = field(64, one_of(64))
   block_k: int = field(128, one_of(64, 128))
   stages: int = field(2, at_least(2))
+  ping_pong: bool = field(True, instance_of(bool))

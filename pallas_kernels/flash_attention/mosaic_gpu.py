@@ -36,7 +36,9 @@ Structure: grid (H, query blocks of 2 * block_q, B); three warpgroups per CTA.
   online-softmax update in registers, and O += P V (wgmma; P goes through a
   per-consumer shared-memory tile because the CPU interpreter's wgmma reads
   both operands from shared memory); the epilogue divides by the row sums
-  and stores O and lse through shared memory with TMA.
+  and stores O and lse through shared memory with TMA. With
+  `config.ping_pong` the two consumers alternate (FlashAttention-3's
+  schedule): while one runs its softmax the other's S or P V wgmma runs.
 
 Ragged sizes: keys past Nk (and past Np in the prefix's last block) are
 hidden by their ids (a few bytes per key, built by the wrapper). Mosaic GPU's
@@ -65,6 +67,18 @@ Synchronization (interpret mode does not check asynchrony):
   every waiter waits on every phase in order (the consumers on all of
   `k_full`/`v_full`, the producer on all of `k_empty`/`v_empty` but each
   slot's first, which nothing precedes).
+- Ping-pong (`config.ping_pong`): `turn` (2 arrivals, one per consumer)
+  is a rendezvous of the consumers: each arrives and then waits, so a phase
+  completes once both reached it. Per step a consumer meets the other twice,
+  after issuing its S wgmma and after its softmax (before its P V wgmma);
+  consumer 1 meets once more before its first step and consumer 0 once more
+  after its last, which puts consumer 1 one rendezvous behind: its S wgmma
+  is issued while consumer 0 runs its softmax, and the other way round.
+  Both consumers of a CTA walk the same step count, so each makes
+  2 * steps + 1 arrivals and waits, in the same order, and every wait sees
+  every phase (the parity rule below); the rendezvous never waits on the
+  producer, which waits only on the consumers' releases of earlier steps,
+  so no cycle of waits exists.
 - `q_barrier[w]` (2 arrivals: Q and the query ids) guards consumer w's Q
   tile (one wait); the epilogue overwrites it with O after the last S wgmma
   that read it has completed. P tile w is written by consumer w only, after
@@ -75,6 +89,7 @@ Synchronization (interpret mode does not check asynchrony):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Mapping
 
@@ -97,7 +112,7 @@ from pallas_kernels.shared.online_softmax import LOG2_E
 HEAD_DIMS = (64, 128)
 
 # Test-only sync fault (`_forward(fault=...)`).
-FAULTS = ("release_once",)
+FAULTS = ("release_once", "turn_once")
 
 
 def shared_memory_bytes(config: MosaicAttentionConfig, head_dim: int) -> int:
@@ -110,7 +125,7 @@ def shared_memory_bytes(config: MosaicAttentionConfig, head_dim: int) -> int:
   bq, bk, stages = config.block_q, config.block_k, config.stages
   buffers = [NUM_CONSUMERS * bq * head_dim * 2, NUM_CONSUMERS * bq * bk * 2, NUM_CONSUMERS * bq * 4,
              NUM_CONSUMERS * bq * 4, stages * bk * head_dim * 2, stages * bk * head_dim * 2, stages * bk * 4]
-  barriers = 8 * (NUM_CONSUMERS + 4 * stages)
+  barriers = 8 * (NUM_CONSUMERS + 4 * stages + 1)
   return sum(map(align, buffers)) + barriers + 2048
 
 
@@ -132,9 +147,10 @@ def candidate_configs(shapes: Mapping[str, Any]) -> list[MosaicAttentionConfig]:
   """The heuristic's first, then the other shapes that fit 227 KiB at the
   problem's D."""
   head_dim, _ = _dims(shapes)
+  chosen = choose_config(shapes)
   sweep = [MosaicAttentionConfig(block_k=bk, stages=s) for bk in (128, 64) for s in (2, 3, 4)]
   fits = [c for c in sweep if shared_memory_bytes(c, head_dim) <= device.SHARED_MEMORY_PER_BLOCK]
-  return list(dict.fromkeys([choose_config(shapes), *fits]))
+  return list(dict.fromkeys([chosen, dataclasses.replace(chosen, ping_pong=False), *fits]))
 
 
 def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gmem, steps_gmem, o_gmem, lse_gmem,
@@ -148,8 +164,14 @@ def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gm
   steps = steps_gmem[batch, q_block]
 
   def scoped(q_smem, p_smem, lse_smem, qid_smem, k_smem, v_smem, kid_smem, q_barrier, k_full, v_full, k_empty,
-             v_empty):
+             v_empty, turn):
     wg = lax.axis_index("wg")
+
+    def meet():
+      """A rendezvous of the two consumers (ping-pong only)."""
+      if config.ping_pong:
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
@@ -209,6 +231,7 @@ def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gm
 
         def scores(s_ref):
           plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].T)
+          meet()   # the other consumer's softmax runs under this wgmma
           return s_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32)) * qk_scale
@@ -223,7 +246,11 @@ def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gm
         correction = jnp.exp2(m - m_safe)
         p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
         l_next = correction * l + p.sum(axis=1)
+        if config.ping_pong:   # done with the softmax; the tensor cores are free once the other arrives
+          plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(v_full.at[slot])
+        if config.ping_pong:
+          plgpu.barrier_wait(turn)
 
         # P goes through shared memory (the CPU interpreter's wgmma reads
         # both operands from there); the previous step's P V has completed.
@@ -238,7 +265,9 @@ def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gm
         plgpu.barrier_arrive(v_empty.at[slot])
         return acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv, m_next, l_next
 
+      pl.when(wg == 1)(meet)   # consumer 1 starts one rendezvous behind
       acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
+      pl.when(wg == 0)(meet)   # ... and consumer 0 makes up for it at the end
       seen = l > 0.0
       inverse = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
       # O reuses the Q tile: the last S wgmma that read it has completed.
@@ -264,6 +293,7 @@ def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gm
       plgpu.Barrier(num_arrivals=1, num_barriers=stages),
       plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=1 if fault == "turn_once" else NUM_CONSUMERS),
       collective_axes="wg",
   )
 
