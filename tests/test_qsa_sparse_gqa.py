@@ -4,7 +4,8 @@ pages, unsorted and ignored ids, nothing visible, a record at CPU scale;
 lowering at the largest recorded extremes; every candidate) and the family's
 own checks: the traced scale, the reference against float64 NumPy, the
 contract on out-of-range inputs in both paths, the heuristic's
-grids, topk_ids from the indexer. Paged inputs: test_qsa_index.py. (The checks themselves:
+grids, topk_ids from the indexer, the lowered path without a sort. Paged inputs:
+test_qsa_index.py. (The checks themselves:
 test_definitions.py and kit.py.)"""
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from jaxkern.families import qsa_sparse_gqa as gqa_fam
 from kit import EVERY_CANDIDATE, Case, TritonCall
 from pallas_kernels.qsa_sparse_gqa import triton as qg
 from numerics import assert_bf16_close
-from test_qsa_index import GQA, GQA_LOWERING_AXES, at_cpu_scale, first_record, normal, page_table_for, records
+from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
+from test_qsa_index import (GQA, GQA_LOWERING_AXES, at_cpu_scale, first_record, normal, page_table_for, records,
+                            sorted_widths)
 
 GQA_SMALL = qg.QsaDecodeConfig(qg.SplitStage(block_k=4, keys_per_split=32, num_warps=4))
 # Value columns in four blocks of 64, two-step splits (the B=1 heuristic's
@@ -256,6 +259,15 @@ def test_heuristic_fills_the_gpu_with_two_step_splits():
     assert np.prod(grid) >= 264 and config.split.keys_per_split // config.split.block_k >= 2, (rec["axes"], config)
     if axes["B"] == 1:
       assert grid == (1, 8, 33), config
+
+
+def test_gqa_path_sorts_nothing():
+  """The lowered kernel path at the largest batch has no sort or top_k: the
+  repeat check runs in the split kernel."""
+  op = registry.get(GQA)
+  shapes = op.input_shapes(op.validated_axes(GQA_LOWERING_AXES[1]))
+  kernel = lower_for_h100(lambda x: op.kernel(x, interpret=False), shapes)
+  assert [c.name for c in triton_calls(kernel)] == ["qsa_sparse_gqa_split"] and sorted_widths(kernel) == []
 
 
 def test_bad_configs_raise():

@@ -39,8 +39,8 @@ digits of 11, 11 and 10 bits (`DIGIT_BITS`). Every pass has the grid
    items in id order (chunk by chunk, offsets from the counts: at most
    `topk` above P plus the boundary group, whatever the row's width), takes
    every item above T and the ties whose rank is below r, and stores each
-   taken id at its output position (prefix sums within the step), then the
-   -1 suffix. The output is therefore already in increasing id order.
+   taken id at its output position (prefix sums within the step), until
+   every selected id is taken, then writes the -1 suffix. The output is therefore already in increasing id order.
 
 Launches: the zeroed totals (an XLA memset), the first digit's histogram
 (a pass here, or the kernel that computes the scores), the second digit's,
@@ -266,8 +266,8 @@ def _write_kernel(s_ref, totals_in_ref, totals_ref, item_id_ref, item_key_ref, c
     items = jnp.sum(counts)
     slot = jnp.arange(write_block, dtype=jnp.int32)
 
-    def walk(i, carry):
-      taken, tied = carry
+    def walk(carry):
+      i, taken, tied = carry
       k = i * write_block + slot                       # the row's k-th item
       present = k < items
       # Its chunk: the last whose offset is <= k (offsets never decrease).
@@ -283,9 +283,13 @@ def _write_kernel(s_ref, totals_in_ref, totals_ref, item_id_ref, item_key_ref, c
       take_i = take.astype(jnp.int32)
       pos = jnp.where(take, taken + _exclusive_cumsum(take_i), topk)
       _scatter(o_ref, pos, ids, take)
-      return taken + jnp.sum(take_i), tied + jnp.sum(tie)
+      return i + 1, taken + jnp.sum(take_i), tied + jnp.sum(tie)
 
-    lax.fori_loop(0, (items + write_block - 1) // write_block, walk, (jnp.int32(0), jnp.int32(0)))
+    # Until every item is seen or every selected id is taken (a row of ties
+    # stops after its first topk items).
+    steps = (items + write_block - 1) // write_block
+    lax.while_loop(lambda carry: (carry[0] < steps) & (carry[1] < selected), walk,
+                   (jnp.int32(0), jnp.int32(0), jnp.int32(0)))
     out_slot = jnp.arange(next_pow2(topk), dtype=jnp.int32)
     empty = (out_slot >= selected) & (out_slot < topk)
     _scatter(o_ref, jnp.where(empty, out_slot, topk), jnp.full(out_slot.shape, -1, jnp.int32), empty)
