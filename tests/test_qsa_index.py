@@ -85,20 +85,22 @@ def assert_topk_ok(ids, expected, inputs):
 
 def launches(config, axes):
   """Stage 1 over (sequences, score chunks of the page table's ids), then the
-  radix selection's three digit histograms and its write pass over
-  (sequences, selection chunks); both stages' blocks fitted to the ids."""
+  radix selection's second digit histogram and its write pass over
+  (sequences, selection chunks); both stages' blocks fitted to the ids, the
+  selection's chunks widened to at most 64 a padded row."""
   ids = axes["MP"] * axes["P"]
   pow2 = lambda n: 1 << max(n - 1, 0).bit_length()
   score, select = config.score, config.select
   score_block = max(16, pow2(axes["P"]), min(score.block_keys, pow2(ids)))
   score_chunk = max(score_block, min(score.chunk_keys, pow2(ids)))
   select_block = max(16, min(select.block_keys, pow2(ids)))
-  select_chunk = max(select_block, min(select.chunk_keys, pow2(ids)))
-  width = -(-ids // max(score_chunk, select_chunk)) * max(score_chunk, select_chunk)
-  passes = [f"qsa_index_hist{d}" for d in (1, 2, 3)] + ["qsa_index_write"]
-  return [TritonCall("qsa_index_scores", (axes["B"], width // score_chunk, 1), score.num_warps, score.num_stages),
-          *(TritonCall(name, (axes["B"], width // select_chunk, 1), select.num_warps, select.num_stages)
-            for name in passes)]
+  select_chunk = max(select_block, min(select.chunk_keys, pow2(ids)), pow2(-(-ids // 64)))
+  width = lambda: -(-ids // max(score_chunk, select_chunk)) * max(score_chunk, select_chunk)
+  while width() // select_chunk > 64:
+    select_chunk *= 2
+  return [TritonCall("qsa_index_scores", (axes["B"], width() // score_chunk, 1), score.num_warps, score.num_stages),
+          *(TritonCall(name, (axes["B"], width() // select_chunk, 1), select.num_warps, select.num_stages)
+            for name in ("qsa_index_hist1", "qsa_index_write"))]
 
 
 def minus_one_suffix(out, ref, inputs):

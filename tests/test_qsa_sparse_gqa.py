@@ -4,7 +4,8 @@ pages, unsorted and ignored ids, nothing visible, a record at CPU scale;
 lowering at the largest recorded extremes; every candidate) and the family's
 own checks: the traced scale, the reference against float64 NumPy, the
 contract on out-of-range inputs in both paths, the heuristic's
-grids, topk_ids from the indexer. Paged inputs: test_qsa_index.py. (The checks themselves:
+grids, topk_ids from the indexer, the lowered path without a sort. Paged inputs:
+test_qsa_index.py. (The checks themselves:
 test_definitions.py and kit.py.)"""
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from jaxkern.families import qsa_sparse_gqa as gqa_fam
 from kit import EVERY_CANDIDATE, Case, TritonCall
 from pallas_kernels.qsa_sparse_gqa import triton as qg
 from numerics import assert_bf16_close
-from test_qsa_index import GQA, GQA_LOWERING_AXES, at_cpu_scale, first_record, normal, page_table_for, records
+from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
+from test_qsa_index import (GQA, GQA_LOWERING_AXES, at_cpu_scale, first_record, normal, page_table_for, records,
+                            sorted_widths)
 
-GQA_SMALL = qg.QsaDecodeConfig(qg.SplitStage(block_k=4, keys_per_split=32, num_warps=4), qg.CombineStage(block_d=64))
-# Value columns in four blocks of 64, two-step splits (the B=1 heuristic's shape).
-GQA_VALUE_BLOCKS = qg.QsaDecodeConfig(qg.SplitStage(block_k=4, keys_per_split=8, num_warps=4),
-                                      qg.CombineStage(block_d=64), block_dv=64)
+GQA_SMALL = qg.QsaDecodeConfig(qg.SplitStage(block_k=4, keys_per_split=32, num_warps=4))
+# Value columns in four blocks of 64, two-step splits (the B=1 heuristic's
+# shape), a merge of 4 splits a step over 65 splits (ragged).
+GQA_VALUE_BLOCKS = qg.QsaDecodeConfig(qg.SplitStage(block_k=4, keys_per_split=8, num_warps=4), block_dv=64,
+                                      merge_block=4)
 
 
 def gqa_case(seq_lens, max_pages, seed=0, num_pages=None, shared=(), topk_ids=None):
@@ -47,20 +51,16 @@ def gqa_case(seq_lens, max_pages, seed=0, num_pages=None, shared=(), topk_ids=No
 
 
 def launches(config, axes):
-  """Split over (B, HKV x value blocks of block_dv columns, id splits of
-  TOPK + 1 ids: the selection and the tail), then the shared combine
-  (`split_kv`) over (padded group heads / block_h, B * HKV rows, D blocks)."""
-  split, combine, d = config.split, config.combine, axes["D"]
+  """One launch: the split over (B, HKV x value blocks of block_dv columns,
+  id splits of TOPK + 1 slots: the listed ids and the tail), whose last
+  program per (sequence, kv head, value block) also merges."""
+  split, d = config.split, axes["D"]
   value_blocks = d // min(config.block_dv, d)
-  group = max(16, 1 << (axes["HQ"] // axes["HKV"] - 1).bit_length())   # padded to a dot dimension
   step = max(split.block_k, 1 << (-(-16 // axes["C"]) - 1).bit_length())  # >= 16 tokens per step
   per_split = max(step, min(split.keys_per_split, 1 << axes["TOPK"].bit_length()))
-  block_h, block_d = min(combine.block_h, group & -group), min(combine.block_d, d & -d)
   return [TritonCall("qsa_sparse_gqa_split",
                      (axes["B"], axes["HKV"] * value_blocks, -(-(axes["TOPK"] + 1) // per_split)),
-                     split.num_warps, split.num_stages),
-          TritonCall("qsa_sparse_gqa_combine", (group // block_h, axes["B"] * axes["HKV"], d // block_d),
-                     combine.num_warps, combine.num_stages)]
+                     split.num_warps, split.num_stages)]
 
 
 def shared_pages_unsorted_and_ignored_ids():
@@ -261,12 +261,21 @@ def test_heuristic_fills_the_gpu_with_two_step_splits():
       assert grid == (1, 8, 33), config
 
 
+def test_gqa_path_sorts_nothing():
+  """The lowered kernel path at the largest batch has no sort or top_k: the
+  repeat check runs in the split kernel."""
+  op = registry.get(GQA)
+  shapes = op.input_shapes(op.validated_axes(GQA_LOWERING_AXES[1]))
+  kernel = lower_for_h100(lambda x: op.kernel(x, interpret=False), shapes)
+  assert [c.name for c in triton_calls(kernel)] == ["qsa_sparse_gqa_split"] and sorted_widths(kernel) == []
+
+
 def test_bad_configs_raise():
   with pytest.raises(ValueError, match="SplitStage.block_k=3 must be a power of two"):
     qg.SplitStage(block_k=3)
   with pytest.raises(ValueError, match="SplitStage.keys_per_split=4 must be a multiple of block_k"):
     qg.SplitStage(block_k=8, keys_per_split=4)
-  with pytest.raises(ValueError):
-    qg.CombineStage(block_d=8)
+  with pytest.raises(ValueError, match="QsaDecodeConfig.merge_block=3 must be a power of two"):
+    qg.QsaDecodeConfig(merge_block=3)
   with pytest.raises(ValueError, match="QsaDecodeConfig.block_dv=8 must be a power of two >= 16"):
     qg.QsaDecodeConfig(block_dv=8)

@@ -13,7 +13,8 @@ no candidate. The output is the top-`TOPK` candidate ids by score (ties to
 the lower id; NaN scores rank first, as in XLA's TopK), ascending, with a -1
 suffix when there are fewer than `TOPK` candidates.
 
-Two stages (`QsaIndexConfig(score=ScoreStage, select=SelectStage)`):
+Two stages (`QsaIndexConfig(score=ScoreStage, select=SelectStage)`), three
+Pallas launches and one XLA memset (the selection's zeroed row totals):
 
 1. Scores (Pallas). Grid `(B, chunks)`: program (b, c) owns the `chunk_keys`
    logical ids `[c * chunk_keys, (c + 1) * chunk_keys)` of sequence b, so one
@@ -23,19 +24,21 @@ Two stages (`QsaIndexConfig(score=ScoreStage, select=SelectStage)`):
    gather; `block_keys` is a multiple of P, so a step covers whole pages),
    gathers the `[block_keys, D]` key rows from the flattened `[NP * P, D]`
    cache (runs of P contiguous rows, coalesced), and does one tensor-core dot
-   with the query heads zero-padded from H=4 to 16 rows (`[block_keys, D] x
-   [D, 16]`, fp32 accumulation). The padded heads score 0 and relu(0) = 0, so
-   the head sum runs over all 16 columns. Ids that are no candidate are
-   written as -inf without touching the cache (steps wholly past n skip the
-   loads). The program also counts its candidates by the first 8-bit digit
-   of their order key and adds the counts to the row's totals: the first
-   histogram of the selection, for free. Output: f32 `[B, W]` scores.
-2. Selection (`radix_select.select_topk`, Pallas): three more digit
-   histograms and a write pass over the score rows (4 bytes per id, against
-   the 256 bytes per id stage 1 reads), each program replaying the digits
-   chosen so far from the row's totals, so nothing runs between the
-   launches; exact, ties to the lower id, the ids come out ascending. No
-   sort anywhere.
+   with the query heads, gathered from q's `[H, D]` rows into 16 rows whose
+   padding rows are masked to zero (`[block_keys, D] x [D, 16]`, fp32
+   accumulation). The padded heads score 0 and relu(0) = 0, so the head sum
+   runs over all 16 columns. Ids that are no candidate are written as -inf
+   without touching the cache (steps wholly past n skip the loads). The
+   program also counts its candidates by the first 11-bit digit of their
+   order key and adds the counts to the row's totals: the first histogram of
+   the selection, for free. Output: f32 `[B, W]` scores.
+2. Selection (`radix_select.select_topk`, Pallas): the second digit's
+   histogram, then the write pass, which counts the last digit of the
+   boundary group and whose last program per row writes the ids (4 bytes
+   per id read by each, against the 256 bytes per id stage 1 reads); each
+   program replays the digits chosen so far from the row's totals, so
+   nothing runs between the launches; exact, ties to the lower id, the ids
+   come out ascending. No sort anywhere.
 
 Masks come from `program_id` and iotas; page-table and cache gathers are
 masked (and their indices clamped) so nothing outside the inputs is read.
@@ -58,7 +61,7 @@ import jax.numpy as jnp
 from pallas_kernels.shared import radix_select
 from pallas_kernels.shared.common import MIN_DOT_DIM, cdiv, check_pow2_dim, next_pow2, resolve_interpret
 from pallas_kernels.shared.device import num_sms
-from pallas_kernels.shared.radix_select import NIBBLE, SelectStage
+from pallas_kernels.shared.radix_select import HIST_COLS, HIST_ROWS, SelectStage
 from pallas_kernels.qsa_index.config import ScoreStage, QsaIndexConfig
 
 
@@ -75,12 +78,18 @@ class QsaIndexSizes(NamedTuple):
 
 
 def _fit(config: QsaIndexConfig, ids: int, page: int) -> QsaIndexConfig:
-  """Shrinks the blocks to the id range (tiny MP); keeps whole pages per step."""
+  """Shrinks the blocks to the id range (tiny MP); keeps whole pages per
+  step; widens the selection's chunks to at most `radix_select.MAX_CHUNKS`
+  per padded row."""
   score = config.score
   block = max(MIN_DOT_DIM, next_pow2(page), min(score.block_keys, next_pow2(ids)))
   chunk = max(block, min(score.chunk_keys, next_pow2(ids)))
-  score = dataclasses.replace(score, block_keys=block, chunk_keys=chunk)
-  return QsaIndexConfig(score=score, select=radix_select.fit_stage(config.select, ids))
+  fitted = QsaIndexConfig(score=dataclasses.replace(score, block_keys=block, chunk_keys=chunk),
+                          select=radix_select.fit_stage(config.select, ids))
+  while score_width(fitted, ids) // fitted.select.chunk_keys > radix_select.MAX_CHUNKS:
+    select = fitted.select
+    fitted = dataclasses.replace(fitted, select=dataclasses.replace(select, chunk_keys=2 * select.chunk_keys))
+  return fitted
 
 
 def score_width(config: QsaIndexConfig, ids: int) -> int:
@@ -91,28 +100,34 @@ def score_width(config: QsaIndexConfig, ids: int) -> int:
 
 def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> QsaIndexConfig:
   """Heuristic: 128-id steps (8 pages, 32 KiB of keys per step, 2 stages in
-  flight) and the longest chunk in [256, 8192] ids that still gives about two
-  programs per SM, for both stages. Recorded extremes: B=1, MP=3895 (n up to
-  62k ids) gets 256-id chunks, 244 programs per pass; B=23, MP=517 gets
-  512-id chunks, 391 programs. Long chunks amortize the query load and the
-  program start; short ones fill the GPU. The selection's passes read 4
-  bytes per id: 256-id steps, 4 warps."""
+  flight) and the longest score chunk in [256, 8192] ids that still gives
+  about two programs per SM. Recorded extremes: B=1, MP=3895 (n up to 62k
+  ids) gets 256-id score chunks, 244 programs; B=23, MP=517 gets 512-id
+  chunks, 391 programs. Long chunks amortize the query load and the program
+  start; short ones fill the GPU. The selection's passes read 4 bytes per
+  id in 128-id steps (the one-hot operands of a 2048-bin histogram of 256
+  ids need about twice the registers), 4 warps, over the same chunks where
+  a row has at most `radix_select.MAX_CHUNKS` of them (B=1, MP=3895: 61
+  chunks of 1024 ids); the last program's walk takes 128 items a step
+  (about topk items in all on real scores: 4 steps)."""
   batch, max_pages, page = QsaIndexSizes.of(shapes)
   ids = max_pages * page
   chunk = 8192
   while chunk > 256 and batch * cdiv(ids, chunk) < 2 * num_sms():
     chunk //= 2
   score = ScoreStage(block_keys=128, chunk_keys=chunk, num_warps=4, num_stages=2)
-  select = SelectStage(block_keys=min(256, chunk), chunk_keys=chunk, num_warps=4, num_stages=2)
+  select = SelectStage(block_keys=min(128, chunk), chunk_keys=chunk, num_warps=4, num_stages=2, write_block=128)
   return _fit(QsaIndexConfig(score=score, select=select), ids, page)
 
 
 _SWEEP = (
     QsaIndexConfig(ScoreStage(128, 1024, num_warps=4, num_stages=2), SelectStage(256, 1024, num_warps=4)),
     QsaIndexConfig(ScoreStage(128, 2048, num_warps=4, num_stages=3), SelectStage(256, 2048, num_warps=8)),
-    QsaIndexConfig(ScoreStage(256, 2048, num_warps=8, num_stages=2), SelectStage(128, 512, num_warps=4)),
-    QsaIndexConfig(ScoreStage(64, 512, num_warps=4, num_stages=3), SelectStage(128, 256, num_warps=4)),
-    QsaIndexConfig(ScoreStage(256, 4096, num_warps=8, num_stages=3), SelectStage(512, 4096, num_warps=8)),
+    QsaIndexConfig(ScoreStage(256, 2048, num_warps=8, num_stages=2), SelectStage(128, 512, num_warps=4,
+                                                                                 write_block=64)),
+    QsaIndexConfig(ScoreStage(64, 512, num_warps=4, num_stages=3), SelectStage(128, 256, num_warps=4,
+                                                                               write_block=256)),
+    QsaIndexConfig(ScoreStage(256, 4096, num_warps=8, num_stages=3), SelectStage(256, 4096, num_warps=8)),
 )
 
 
@@ -124,20 +139,24 @@ def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[QsaInd
 
 
 def _score_kernel(q_ref, k_ref, pt_ref, len_ref, _, o_ref, totals_ref, *, block_keys: int, chunk_keys: int,
-                  page: int, max_pages: int, num_pages: int, compress: int, scale: float):
-  # q_ref [Hp, D] (heads zero-padded), k_ref [NP * P, D], pt_ref [MP],
-  # len_ref [1] (tokens), o_ref [chunk_keys] f32,
-  # totals_ref [4, 16, 16] the row's selection counts (aliased to the zeroed
-  # input `_`): this chunk's candidates by first key digit are added.
+                  page: int, max_pages: int, num_pages: int, compress: int, scale: float, interpret: bool):
+  # q_ref [H, D], k_ref [NP * P, D], pt_ref [MP], len_ref [1] (tokens),
+  # o_ref [chunk_keys] f32, totals_ref the row's selection counts (aliased
+  # to the zeroed input `_`): this chunk's candidates by first key digit are
+  # added.
   chunk_start = pl.program_id(1) * chunk_keys
   # Complete blocks, clamped to the ids the page table reaches (a negative
   # length truncates or floors to at most 0: either way n = 0).
   n = jnp.clip(len_ref[0] // compress, 0, max_pages * page)
   steps = chunk_keys // block_keys
   live = jnp.clip((n - chunk_start + block_keys - 1) // block_keys, 0, steps)
-  q = q_ref[...]
+  heads, head_dim = q_ref.shape
+  cols = jnp.arange(head_dim, dtype=jnp.int32)
+  # The heads as the 16 rows of a dot operand: rows past H read as zero.
+  head = jnp.arange(max(MIN_DOT_DIM, next_pow2(heads)), dtype=jnp.int32)
+  q = plgpu.load(q_ref.at[jnp.minimum(head, heads - 1)[:, None], cols[None, :]], mask=(head < heads)[:, None],
+                 other=0.0)
   lane = jnp.arange(block_keys, dtype=jnp.int32)
-  cols = jnp.arange(q.shape[-1], dtype=jnp.int32)
 
   def score_step(i, hist):
     ids = chunk_start + i * block_keys + lane
@@ -162,9 +181,9 @@ def _score_kernel(q_ref, k_ref, pt_ref, len_ref, _, o_ref, totals_ref, *, block_
     o_ref[pl.ds(i * block_keys, block_keys)] = jnp.full((block_keys,), -jnp.inf, jnp.float32)
     return carry
 
-  hist = lax.fori_loop(0, live, score_step, jnp.zeros((NIBBLE, NIBBLE), jnp.int32))
+  hist = lax.fori_loop(0, live, score_step, jnp.zeros((HIST_ROWS, HIST_COLS), jnp.int32))
   lax.fori_loop(live, steps, empty_step, 0)
-  radix_select.add_histogram(totals_ref, 0, hist)
+  radix_select.add_histogram(totals_ref, 0, hist, interpret=interpret)
 
 
 def index_scores(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_lens: jax.Array, *,
@@ -185,18 +204,17 @@ def index_scores(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_le
     raise ValueError(f"block_keys={score.block_keys} must cover whole pages of {page} keys")
   width = score_width(config, max_pages * page)
   chunks = width // score.chunk_keys
-  heads_p = max(MIN_DOT_DIM, next_pow2(heads))
-  q_p = jnp.pad(q, ((0, 0), (0, heads_p - heads), (0, 0)))
+  interpret = resolve_interpret(interpret)
   k_flat = index_k.reshape(num_pages * page, head_dim)
   kernel = functools.partial(_score_kernel, block_keys=score.block_keys, chunk_keys=score.chunk_keys,
                              page=page, max_pages=max_pages, num_pages=num_pages, compress=compress,
-                             scale=1.0 / math.sqrt(head_dim))
+                             scale=1.0 / math.sqrt(head_dim), interpret=interpret)
   return common.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((batch, width), jnp.float32), radix_select.totals_shape(batch)),
       grid=(batch, chunks),
       in_specs=[
-          pl.BlockSpec((None, heads_p, head_dim), lambda b, c: (b, 0, 0)),
+          pl.BlockSpec((None, heads, head_dim), lambda b, c: (b, 0, 0)),
           pl.BlockSpec((num_pages * page, head_dim), lambda b, c: (0, 0)),
           pl.BlockSpec((None, max_pages), lambda b, c: (b, 0)),
           pl.BlockSpec((None, 1), lambda b, c: (b, 0)),
@@ -205,9 +223,9 @@ def index_scores(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_le
       out_specs=(pl.BlockSpec((None, score.chunk_keys), lambda b, c: (b, c)), radix_select.totals_spec()),
       input_output_aliases={4: 1},
       compiler_params=plgpu.CompilerParams(num_warps=score.num_warps, num_stages=score.num_stages),
-      interpret=resolve_interpret(interpret),
+      interpret=interpret,
       name="qsa_index_scores",
-  )(q_p, k_flat, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32).reshape(batch, 1), jnp.zeros(radix_select.totals_shape(batch).shape, jnp.int32))
+  )(q, k_flat, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32).reshape(batch, 1), jnp.zeros(radix_select.totals_shape(batch).shape, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "compress", "config", "interpret"))

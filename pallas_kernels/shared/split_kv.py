@@ -112,13 +112,14 @@ def choose_combine(rows: int, heads: int, head_dim: int, num_splits: int, target
                      num_splits)
 
 
-def _combine_kernel(*refs, num_splits: int, block_s: int, has_sink: bool, with_lse: bool):
-  # o_part_ref [S, bh, bd] f32; lse_part_ref [S, bh] (base 2); sink_ref [bh];
-  # out_ref [bh, bd]; lse_ref [bh] (natural).
-  o_part_ref, lse_part_ref = refs[:2]
-  sink_ref = refs[2] if has_sink else None
-  out_ref = refs[3 if has_sink else 2]
-  block_h, block_d = out_ref.shape
+def merge_splits(o_part_ref, lse_part_ref, *, num_splits: int, block_s: int):
+  """The combine's merge inside a kernel: `o_part_ref [>= S, bh, bd]` f32
+  normalized partials and `lse_part_ref [>= S, bh]` their base-2 lses (the
+  first `num_splits` are read, `block_s` a step) -> `(acc, m, l)`: the
+  lse-weighted sum of the partials, the running maximum m (0 where every
+  split is empty) and the sum of the weights `2**(lse_s - m)`;
+  `online_softmax.normalize(acc, m, l)` is the merged output."""
+  block_h, block_d = o_part_ref.shape[1:]
   ragged = num_splits % block_s != 0
 
   def body(step, carry):
@@ -141,7 +142,16 @@ def _combine_kernel(*refs, num_splits: int, block_s: int, has_sink: bool, with_l
   init = (jnp.zeros((block_h, block_d), jnp.float32), jnp.full((block_h,), -jnp.inf, jnp.float32),
           jnp.zeros((block_h,), jnp.float32))
   acc, m, l = lax.fori_loop(0, cdiv(num_splits, block_s), body, init)
-  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  return acc, jnp.where(m == -jnp.inf, 0.0, m), l
+
+
+def _combine_kernel(*refs, num_splits: int, block_s: int, has_sink: bool, with_lse: bool):
+  # o_part_ref [S, bh, bd] f32; lse_part_ref [S, bh] (base 2); sink_ref [bh];
+  # out_ref [bh, bd]; lse_ref [bh] (natural).
+  o_part_ref, lse_part_ref = refs[:2]
+  sink_ref = refs[2] if has_sink else None
+  out_ref = refs[3 if has_sink else 2]
+  acc, m_safe, l = merge_splits(o_part_ref, lse_part_ref, num_splits=num_splits, block_s=block_s)
   out = normalize(acc, m_safe, l, sink_ref[...] if has_sink else None)
   out_ref[...] = out.astype(out_ref.dtype)
   if with_lse:
