@@ -59,6 +59,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.shared.common import (NT_DIMS, cdiv, check_nt_operands, fit_block, fitted_candidates, next_pow2,
                                    resolve_interpret)
+from pallas_kernels.shared import last_program
 from pallas_kernels.shared.device import num_sms
 from pallas_kernels.shared.fp_formats import f32_bits_one_nan
 from pallas_kernels.moe_router.config import RouterGemmStage, RouterEpilogueStage, MoeRouterConfig
@@ -322,38 +323,19 @@ def _reduce_and_route_kernel(partial_ref, bias_ref, scale_ref, ids_ref, weights_
 
 def _one_launch_kernel(hidden_ref, weight_ref, bias_ref, scale_ref, arrivals_in_ref, partial_ref, arrivals_ref,
                        ids_ref, weights_ref, *, tiling, routing, programs_per_row_block: int, route_rows: int,
-                       cta_barrier: bool):
+                       interpret: bool):
   """The GEMM program of `_logits_kernel`, then, in the last program of its
   row block to finish, the reduce-and-route of that row block's rows,
   `route_rows` at a time (whole-array refs; `arrivals [M blocks]` int32,
   zero at launch; `arrivals_in_ref` is the same buffer, unused).
 
-  Memory ordering on the GPU: every program stores its partial tile with
-  plain stores, then its threads meet at a CTA barrier (`cta_barrier`:
-  `bar.sync`, which orders each thread's earlier stores before whatever
-  follows the barrier in any thread of the program), then one thread adds 1
-  to its row block's arrival count with an `atom.add.acq_rel.gpu` (the
-  Triton lowering's semantics and scope for atomics; the count is broadcast
-  to the program's threads through shared memory behind another barrier).
-  The release half of that atomic publishes, at GPU scope, every store
-  ordered before it: the program's own partial tile, by the barrier. The
-  atomics on one count form a single modification order, each a
-  read-modify-write reading the one before it, so the program that reads
-  `programs_per_row_block - 1` reads from the end of a chain of release
-  operations that contains every other program's increment; its acquire
-  half synchronizes with each of them. Its threads' later loads of the
-  partials follow that acquire in causality order (the broadcast barrier,
-  then the branch on the count), so by the PTX memory model they
-  see every program's tile. No program waits for another (no spinning), so
-  the launch needs no co-residency of its programs. Interpret mode runs the
-  programs one after another in grid order, so there the last grid program
-  routes; the barrier has no meaning there (nor a CPU rule) and is left
-  out."""
+  The arrival and the memory ordering that makes every program's partial
+  tile visible to the last one are `last_program.arrive`'s (its docstring);
+  no program waits for another, so the launch needs no co-residency of its
+  programs."""
   _logits_kernel(hidden_ref, weight_ref, partial_ref, **tiling)
-  if cta_barrier:
-    plgpu.debug_barrier()
   row_block = pl.program_id(1)
-  arrived = plgpu.atomic_add(arrivals_ref, (row_block,), jnp.int32(1))
+  arrived = last_program.arrive(arrivals_ref, (row_block,), interpret=interpret)
 
   @pl.when(arrived == programs_per_row_block - 1)
   def _():
@@ -415,7 +397,7 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
     _, _, ids, weights = common.pallas_call(
         functools.partial(_one_launch_kernel, tiling=tiling, routing=routing,
                           programs_per_row_block=grid[0] * grid[2], route_rows=config.epilogue.block_m,
-                          cta_barrier=not interpret),
+                          interpret=interpret),
         out_shape=(partial_shape, jax.ShapeDtypeStruct(arrivals.shape, jnp.int32), *routes_shape),
         grid=grid,
         in_specs=[whole(hidden), whole(weight), whole(bias), whole(scale), whole(arrivals)],
