@@ -13,10 +13,13 @@ weights are decoded in registers straight to e4m3 (values times 2**-6; on a
 GPU four packed bytes at a time in inline PTX) and the activations are used
 as stored: each 32-k scale group is one fp8 x fp8 dot (`wgmma ... e4m3`,
 fp32 result), promoted into the fp32 accumulator times
-`a_scale[m] * b_scale[n] * 2**6` (one mul and one fma per element,
-DeepGEMM-style promotion, here per scale group). A group's products are
-exact in fp32 (4-bit x 3-bit significands) and the scaling by powers of two
-is exact, so on a CPU only the fp32 summation order differs from the
+`a_scale[m] * b_scale[n]` (one mul and one fma per element, DeepGEMM-style
+promotion, here per scale group); the decode's 2**-6 is undone once, on
+the finished accumulator. A group's products are exact in fp32 (4-bit x
+3-bit significands) and the scalings by powers of two are exact (unless
+a partial sum's magnitude falls below 2**-120, where the accumulator, which
+holds it times 2**-6, would be subnormal), so on a CPU only the fp32
+summation order differs from the
 reference, which sums bf16 x bf16 products in one dot (results agree to
 fp32 rounding; the tests see them bit-equal at small K). On the GPU the
 wgmma's accumulation inside one 32-k group is the hardware's (fewer bits
@@ -207,7 +210,8 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, c_ref,
   k_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP), 1)          # [1, 32]
   byte_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP // 2), 1)  # [1, 16]
   groups_per_step = block_k // GROUP
-  # The weights decode to e4m3 values times 2**-6: the a scale restores it.
+  # The weights decode to e4m3 values times 2**-6: restored on the finished
+  # accumulator (once per output, not once per scale group).
   unit = jnp.float32(2.0**E2M1_E4M3_EXPONENT)
 
   def expert_product(expert):
@@ -220,7 +224,7 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, c_ref,
         group = kk * groups_per_step + g
         a_op = lax.bitcast_convert_type(a_ref[a_rows, group * GROUP + k_in_group], jnp.float8_e4m3fn)
         b_op = e2m1_to_e4m3_operand(b_ref[expert, b_rows, group * (GROUP // 2) + byte_in_group], ptx=ptx)
-        a_scale = ue8m0_to_f32(a_words >> (8 * g)) * unit
+        a_scale = ue8m0_to_f32(a_words >> (8 * g))
         b_scale = ue8m0_to_f32(b_words >> (8 * g))
         if swap_ab:  # the weights are the MMA's M side: acc is C^T [block_n, block_m]
           acc = promote(acc, fp8_dot_nt(b_op, a_op), b_scale[:, None], a_scale[None, :], ptx=ptx)
@@ -229,7 +233,7 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, c_ref,
       return acc
 
     shape = (block_n, block_m) if swap_ab else (block_m, block_n)
-    acc = lax.fori_loop(0, k // block_k, step, jnp.zeros(shape, jnp.float32))
+    acc = lax.fori_loop(0, k // block_k, step, jnp.zeros(shape, jnp.float32)) * unit
     return acc.T if swap_ab else acc
 
   def store_expert(j):
