@@ -8,8 +8,10 @@ The differences found are behavioural, and handled where they arise: the
 0.11.2 interpreter also requires every thread that waited on a barrier to
 have observed all of its phases when the barrier is freed (the kernels'
 producers drain their last releases), and the 0.11.2 CUDA plugin embeds no
-GPU target descriptions (`tools/mosaic_gpu_compile.py --plugin` reads them
-from the 0.12 plugin).
+GPU target descriptions (`jaxkern.aot` compiles with the H100/H200 texts
+shipped in `jaxkern/aot/gpu_targets/`). Both are tested in the device-stack
+lane (the fault tests and the sm_90a compile of the shipped configs on
+0.11.2).
 """
 
 from __future__ import annotations
