@@ -76,7 +76,9 @@ def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
   # Phase 3: sweeps (lowering only in the dry run) at the largest recorded axes.
   for name in ("dense_gemm_bf16_nt_n4096_k4096", "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"):
     rows = [json.loads(l) for l in (out / f"sweep_{name}.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(r["status"] == "lowered" for r in rows)
+    backends = registry.get(name).backends   # the sweep ranks every backend's candidates (2 each here)
+    assert len(rows) == 2 * len(backends) and {r["backend"] for r in rows} == set(backends)
+    assert all(r["status"] == "lowered" for r in rows)
     assert rows[0]["axes"]["M"] == (24576 if name.startswith("dense") else 4096)
   assert "== phase 3 (sweeps): end after" in log and "2 definitions swept" in log
   assert (out / "report" / "index.html").stat().st_size > 0
