@@ -108,7 +108,7 @@ def _state_kernel(first_ref, cu_ref, k_ref, g_ref, w_ref, u_ref, state_ref, h_re
   mm = functools.partial(gc.mm, precision=precision)
 
   def body(i, s):  # s: [block_v, K] fp32, the state S^T entering the chunk
-    h_ref[first_ref[n] + i] = s
+    h_ref[first_ref[n] + i] = s.astype(h_ref.dtype)
     tokens, valid = gc.chunk_rows(start + i * chunk, end, chunk)
     cum = gc.load_rows(g_ref, tokens, valid)
     last = jnp.min(cum)                        # G at the chunk's last token (rows past it read 0)
@@ -250,7 +250,11 @@ class Forward(NamedTuple):
 def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, scale, *,
                     config: GdnPrefillConfig, interpret: bool, with_output: bool = True) -> Forward:
   """Launches 1-3 over the chunk table `table` (`gdn_chunks.chunk_table`);
-  launches 1-2 only without `with_output` (what the backward recomputes)."""
+  launches 1-2 only without `with_output` (what the backward recomputes).
+  The chunk states `h` are stored rounded to bf16 for launch 3 (an output
+  rounding within the bf16 output tolerance; the carried state and
+  new_state stay fp32), in fp32 for the backward, whose V' recompute
+  subtracts near-equal terms."""
   total, hq, d = q.shape
   num_seqs, hv = state.shape[:2]
   group = hv // hq
@@ -276,7 +280,8 @@ def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, 
   bv = min(config.state.block_v, d)
   h, new_state = common.pallas_call(
       functools.partial(_state_kernel, chunk=chunk, precision=config.dot_precision),
-      out_shape=(jax.ShapeDtypeStruct((slots, hv, d, d), f32), jax.ShapeDtypeStruct(state.shape, f32)),
+      out_shape=(jax.ShapeDtypeStruct((slots, hv, d, d), jnp.bfloat16 if with_output else f32),
+                 jax.ShapeDtypeStruct(state.shape, f32)),
       grid=(num_seqs, hv, d // bv),
       in_specs=[whole(num_seqs), whole(num_seqs + 1),
                 pl.BlockSpec((total, None, d), lambda n, h, j: (0, h // group, 0)),
