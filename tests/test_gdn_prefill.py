@@ -4,8 +4,8 @@ empty sequences, 24 short sequences, other blockings and chunk sizes,
 correlated keys; lowering of the heuristic's launches at T=6, 5709 and 8192)
 and the family's own checks: the reference against the float64 NumPy
 recurrence of test_gdn_decode.py, independence of packed sequences, the
-one-token case against decode, the chunk-parallel grid size, input synthesis
-and CPU axes.
+one-token case against decode, the chunk-parallel grid size, the buffers
+the chunked launches move, input synthesis and CPU axes.
 (The checks themselves: test_definitions.py and kit.py.)"""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pallas_kernels.gdn_decode import triton as gk_decode
 from pallas_kernels.gdn_prefill import config as gp_config
 from pallas_kernels.gdn_prefill import triton as gk_prefill
 from pallas_kernels.gdn_prefill import triton_bwd as gk_bwd
-from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
+from pallas_kernels.shared.lowering import lower_for_h100, triton_buffers, triton_calls
 from numerics import assert_bf16_close, assert_f32_close
 from test_gdn_decode import CONST, WHOLE_HEAD, check_against_definition, numpy_gdn, recorded_axes
 
@@ -198,6 +198,33 @@ def test_heuristic_grids():
   assert max(math.prod(c.grid) for c in calls) >= 2 * 132, calls
   for t, form in ((6, "serial"), (32, "serial"), (33, "chunked"), (8192, "chunked")):
     assert op.choose_config(op.input_shapes({"total_seq_len": t, "num_seqs": 1, "len_cu_seqlens": 2})).form == form
+
+
+@pytest.mark.device_stack
+def test_chunked_launches_move_each_intermediate_once():
+  """The heuristic's chunked forward at two long sequences: the launches'
+  buffers (operands and results) add up to the op's inputs and outputs,
+  what launches re-read of q, k, v and the gates, and G, W, U, V' (fp32)
+  and the chunk states (bf16) each written once and read once."""
+  op = registry.get(PREFILL)
+  axes = {"total_seq_len": 5709, "num_seqs": 2, "len_cu_seqlens": 3}
+  shapes = op.input_shapes({**axes, **CONST})
+  config = op.choose_config(shapes)
+  assert config.form == "chunked"
+  txt = lower_for_h100(lambda x: gk_prefill.gdn_prefill(**x, config=config, interpret=False), shapes)
+  calls = triton_buffers(txt)
+  assert [c.name for c in calls] == ["gdn_prefill_intra", "gdn_prefill_state", "gdn_prefill_output"]
+  size = lambda x: math.prod(x.shape) * x.dtype.itemsize  # noqa: E731
+  t, n, hv, d = axes["total_seq_len"], axes["num_seqs"], CONST["num_v_heads"], CONST["head_size"]
+  slots = t // config.chunk + n + 2
+  outputs = t * hv * d * 2 + n * hv * d * d * 4
+  io = sum(size(x) for name, x in shapes.items() if name != "cu_seqlens") + outputs
+  g, rows, states = t * hv * 4, t * hv * d * 4, slots * hv * d * d * 2          # G; W, U, V'; H
+  tables = 5 * slots * 4 + (2 * n + 1) * 4                                     # the chunk table's arrays
+  # k is read by all three launches, G by two.
+  expected = io + 2 * size(shapes["k"]) + 3 * g + 2 * (3 * rows + states) + tables
+  total = sum(c.operand_bytes + c.result_bytes for c in calls)
+  assert total <= expected, (total, expected, calls)
 
 
 def test_prefill_everything_empty():

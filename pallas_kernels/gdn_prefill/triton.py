@@ -11,21 +11,27 @@ j <= i (else 0) and S the state `[K, V]` entering the chunk:
     A  = strictly_lower(diag(beta) D * (K K^T))       T = (I + A)^-1
     W  = T diag(beta e) K                             U = T diag(beta) V
     M  = D * (Q K^T)                                  (causal, with the diagonal)
-    O_intra = M U                                     Q_e = diag(e) Q - M W
     V' = U - W S                                      (the chunk's new values)
-    O  = scale (O_intra + Q_e S)
+    O  = scale (diag(e) Q S + M V')
     S1 = e_C S + K^T diag(e_C / e) V'
 
 Three launches (form "chunked"):
-1. `gdn_prefill_intra`, grid (chunk slots, HV): the chunk's W, U, O_intra,
-   Q_e (fp32) and G, independent of the state. T comes from a blocked inverse
+1. `gdn_prefill_intra`, grid (chunk slots, HV): the chunk's W, U (fp32)
+   and G, independent of the state. T comes from a blocked inverse
    (`gdn_chunks.unit_lower_inverse`: 16x16 diagonal blocks, block forward
    substitution, exact fp32 dots of 16^3); the rest are tensor-core dots.
 2. `gdn_prefill_state`, grid (N, HV, V / block_v): the state pass, walking
    the sequence's chunks with two products per chunk (W S and K^T V'),
-   storing the state entering each chunk (H, fp32) and the final state.
-3. `gdn_prefill_output`, grid (chunk slots, HV, V / block_v): O = scale
-   (O_intra + Q_e H), zero on chunks of no sequence.
+   storing V' (fp32) and the state entering each chunk (H, rounded to
+   bf16; the carried state stays fp32) and the final state.
+3. `gdn_prefill_output`, grid (chunk slots, HV, V / block_v): M recomputed
+   from Q, K and G, then O = scale (diag(e) Q H + M V'), zero on chunks of
+   no sequence.
+
+What crosses HBM between launches is G, W, U, V' and H: no [C, K] or
+[C, V] array that launch 3 could recompute from the inputs. V' stays
+fp32: with near-duplicate keys it has large entries that cancel in M V',
+and bf16 V' misses the bf16 output tolerance there.
 
 Form "serial" (one launch, grid (N, HV, V / block_v)) walks each sequence's
 chunks in one program and does all of a chunk's work there: fewer launches
@@ -65,10 +71,9 @@ from pallas_kernels.gdn_prefill.config import StateStage, OutputStage, SerialSta
 # ------------------------------------------------------------ launch 1
 
 
-def _intra_kernel(start_ref, end_ref, a_log_ref, dt_bias_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
-                  g_ref, w_ref, qe_ref, u_ref, oi_ref, *, chunk: int, block_d: int, solve_block: int,
-                  precision: str):
-  # q, k, w, qe refs: [T, K]; v, u, oi refs: [T, V]; a, b, g refs: [T].
+def _intra_kernel(start_ref, end_ref, a_log_ref, dt_bias_ref, k_ref, v_ref, a_ref, b_ref,
+                  g_ref, w_ref, u_ref, *, chunk: int, block_d: int, solve_block: int, precision: str):
+  # k, w refs: [T, K]; v, u refs: [T, V]; a, b, g refs: [T].
   c = pl.program_id(0)
   tokens, valid = gc.chunk_rows(start_ref[c], end_ref[c], chunk)
   mm = functools.partial(gc.mm, precision=precision)
@@ -79,40 +84,34 @@ def _intra_kernel(start_ref, end_ref, a_log_ref, dt_bias_ref, q_ref, k_ref, v_re
   decay = gc.decay_matrix(cum)
   a_mat = beta[:, None] * gc.strictly_lower(decay * mm(k, k, (1, 1)))
   tb = gc.unit_lower_inverse(a_mat, solve_block) * beta[None, :]          # T diag(beta)
-  q = gc.load_rows(q_ref, tokens, valid)
-  mtb = mm(decay * mm(q, k, (1, 1)), tb, (1, 0))                          # M T diag(beta)
-  e = jnp.exp(cum)
-  tbe, mtbe = tb * e[None, :], mtb * e[None, :]
+  tbe = tb * jnp.exp(cum)[None, :]                                        # T diag(beta e)
   for j in range(k_ref.shape[1] // block_d):
     cols = pl.ds(j * block_d, block_d)
-    kj = gc.load_rows(k_ref, tokens, valid, cols)
-    qj = gc.load_rows(q_ref, tokens, valid, cols).astype(jnp.float32)
-    gc.store_rows(w_ref, tokens, valid, mm(tbe, kj, (1, 0)), cols)
-    gc.store_rows(qe_ref, tokens, valid, e[:, None] * qj - mm(mtbe, kj, (1, 0)), cols)
+    gc.store_rows(w_ref, tokens, valid, mm(tbe, gc.load_rows(k_ref, tokens, valid, cols), (1, 0)), cols)
   for j in range(v_ref.shape[1] // block_d):
     cols = pl.ds(j * block_d, block_d)
-    vj = gc.load_rows(v_ref, tokens, valid, cols)
-    gc.store_rows(u_ref, tokens, valid, mm(tb, vj, (1, 0)), cols)
-    gc.store_rows(oi_ref, tokens, valid, mm(mtb, vj, (1, 0)), cols)
+    gc.store_rows(u_ref, tokens, valid, mm(tb, gc.load_rows(v_ref, tokens, valid, cols), (1, 0)), cols)
 
 
 # ------------------------------------------------------------ launch 2
 
 
-def _state_kernel(first_ref, cu_ref, k_ref, g_ref, w_ref, u_ref, state_ref, h_ref, new_state_ref, *,
+def _state_kernel(first_ref, cu_ref, k_ref, g_ref, w_ref, u_ref, state_ref, h_ref, new_state_ref, *vn_ref,
                   chunk: int, precision: str):
-  # k, w refs: [T, K]; u ref: [T, block_v]; g ref: [T]; state refs:
-  # [block_v, K]; h ref: [slots, block_v, K].
+  # k, w refs: [T, K]; u ref and the optional vn ref (V', for launch 3):
+  # [T, block_v]; g ref: [T]; state refs: [block_v, K]; h ref: [slots, block_v, K].
   n = pl.program_id(0)
   start, end = cu_ref[n], cu_ref[n + 1]
   mm = functools.partial(gc.mm, precision=precision)
 
   def body(i, s):  # s: [block_v, K] fp32, the state S^T entering the chunk
-    h_ref[first_ref[n] + i] = s
+    h_ref[first_ref[n] + i] = s.astype(h_ref.dtype)
     tokens, valid = gc.chunk_rows(start + i * chunk, end, chunk)
     cum = gc.load_rows(g_ref, tokens, valid)
     last = jnp.min(cum)                        # G at the chunk's last token (rows past it read 0)
     v_new = gc.load_rows(u_ref, tokens, valid) - mm(gc.load_rows(w_ref, tokens, valid), s, (1, 1))
+    for ref in vn_ref:
+      gc.store_rows(ref, tokens, valid, v_new)
     k = gc.load_rows(k_ref, tokens, valid)
     return jnp.exp(last) * s + mm(jnp.exp(last - cum)[:, None] * v_new, k, (0, 0))
 
@@ -124,13 +123,19 @@ def _state_kernel(first_ref, cu_ref, k_ref, g_ref, w_ref, u_ref, state_ref, h_re
 # ------------------------------------------------------------ launch 3
 
 
-def _output_kernel(start_ref, end_ref, real_ref, scale_ref, qe_ref, oi_ref, h_ref, o_ref, *, chunk: int,
-                   precision: str):
-  # qe ref: [T, K]; oi, o refs: [T, block_v]; h ref: [block_v, K].
+def _output_kernel(start_ref, end_ref, real_ref, scale_ref, q_ref, k_ref, g_ref, vn_ref, h_ref, o_ref, *,
+                   chunk: int, precision: str):
+  # q, k refs: [T, K]; g ref: [T]; vn (V'), o refs: [T, block_v]; h ref:
+  # [block_v, K]. O = scale (diag(e) Q S + M V'), M recomputed from Q, K, G.
   c = pl.program_id(0)
   tokens, valid = gc.chunk_rows(start_ref[c], end_ref[c], chunk)
-  o = gc.load_rows(oi_ref, tokens, valid) + gc.mm(gc.load_rows(qe_ref, tokens, valid), h_ref[...], (1, 1),
-                                                   precision)
+  cum = gc.load_rows(g_ref, tokens, valid)
+  # Rows past the end continue at the last G, not at 0: exp(0 - G_j) would overflow.
+  cum = jnp.where(valid, cum, jnp.min(cum))
+  q = gc.load_rows(q_ref, tokens, valid)
+  m = gc.decay_matrix(cum) * gc.mm(q, gc.load_rows(k_ref, tokens, valid), (1, 1), precision)
+  o = (jnp.exp(cum)[:, None] * gc.mm(q, h_ref[...], (1, 1), precision)
+       + gc.mm(m, gc.load_rows(vn_ref, tokens, valid), (1, 0), precision))
   # Chunks of no sequence have no state (H unwritten there): selected away.
   gc.store_rows(o_ref, tokens, valid, jnp.where(real_ref[c] > 0, o * scale_ref[...], 0.0))
 
@@ -238,8 +243,8 @@ def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[GdnPre
 class Forward(NamedTuple):
   """What the chunked forward computes: the outputs (None without launch 3)
   and, for the backward, the states entering every chunk slot (`h` [slots,
-  HV, V, K] fp32; slots of no sequence unwritten), the cumulative log-decay
-  `g` [T, HV] and `w` [T, HV, K]."""
+  HV, V, K], fp32 without launch 3, else bf16; slots of no sequence
+  unwritten), the cumulative log-decay `g` [T, HV] and `w` [T, HV, K]."""
   output: jax.Array | None
   new_state: jax.Array
   h: jax.Array
@@ -250,7 +255,11 @@ class Forward(NamedTuple):
 def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, scale, *,
                     config: GdnPrefillConfig, interpret: bool, with_output: bool = True) -> Forward:
   """Launches 1-3 over the chunk table `table` (`gdn_chunks.chunk_table`);
-  launches 1-2 only without `with_output` (what the backward recomputes)."""
+  launches 1-2 only without `with_output` (what the backward recomputes).
+  With launch 3, launch 2 also stores V' and rounds the chunk states `h` to
+  bf16 (they only reach the bf16 output; the carried state and new_state
+  stay fp32); without it (the backward, whose V' recompute from `h`
+  subtracts near-equal terms) `h` stays fp32 and V' is not stored."""
   total, hq, d = q.shape
   num_seqs, hv = state.shape[:2]
   group = hv // hq
@@ -262,30 +271,34 @@ def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, 
   qk_rows = pl.BlockSpec((total, None, d), lambda c, h: (0, h // group, 0))
   v_rows = pl.BlockSpec((total, None, d), lambda c, h: (0, h, 0))
   gate_rows = pl.BlockSpec((total, None), lambda c, h: (0, h))
-  g, w, qe, u, oi = common.pallas_call(
+  g, w, u = common.pallas_call(
       functools.partial(_intra_kernel, chunk=chunk, block_d=min(intra.block_d, d),
                         solve_block=min(intra.solve_block, chunk), precision=config.dot_precision),
       out_shape=(jax.ShapeDtypeStruct((total, hv), f32),
-                 *(jax.ShapeDtypeStruct((total, hv, d), f32) for _ in range(4))),
+                 *(jax.ShapeDtypeStruct((total, hv, d), f32) for _ in range(2))),
       grid=(slots, hv),
-      in_specs=[whole(slots), whole(slots), head, head, qk_rows, qk_rows, v_rows, gate_rows, gate_rows],
-      out_specs=(gate_rows, v_rows, v_rows, v_rows, v_rows),
+      in_specs=[whole(slots), whole(slots), head, head, qk_rows, v_rows, gate_rows, gate_rows],
+      out_specs=(gate_rows, v_rows, v_rows),
       compiler_params=common.compiler_params(intra), interpret=interpret, name="gdn_prefill_intra",
-  )(table.slot_start, table.slot_end, A_log, dt_bias, q, k, v, a, b)
+  )(table.slot_start, table.slot_end, A_log, dt_bias, k, v, a, b)
 
   bv = min(config.state.block_v, d)
-  h, new_state = common.pallas_call(
+  v_block = pl.BlockSpec((total, None, bv), lambda n, h, j: (0, h, j))
+  # For launch 3: V' (bf16) and the chunk states in bf16; fp32 states for the backward.
+  for_output = ((jax.ShapeDtypeStruct(v.shape, f32),), (v_block,)) if with_output else ((), ())
+  h, new_state, *v_new = common.pallas_call(
       functools.partial(_state_kernel, chunk=chunk, precision=config.dot_precision),
-      out_shape=(jax.ShapeDtypeStruct((slots, hv, d, d), f32), jax.ShapeDtypeStruct(state.shape, f32)),
+      out_shape=(jax.ShapeDtypeStruct((slots, hv, d, d), jnp.bfloat16 if with_output else f32),
+                 jax.ShapeDtypeStruct(state.shape, f32), *for_output[0]),
       grid=(num_seqs, hv, d // bv),
       in_specs=[whole(num_seqs), whole(num_seqs + 1),
                 pl.BlockSpec((total, None, d), lambda n, h, j: (0, h // group, 0)),
                 pl.BlockSpec((total, None), lambda n, h, j: (0, h)),
                 pl.BlockSpec((total, None, d), lambda n, h, j: (0, h, 0)),
-                pl.BlockSpec((total, None, bv), lambda n, h, j: (0, h, j)),
+                v_block,
                 pl.BlockSpec((None, None, bv, d), lambda n, h, j: (n, h, j, 0))],
       out_specs=(pl.BlockSpec((slots, None, bv, d), lambda n, h, j: (0, h, j, 0)),
-                 pl.BlockSpec((None, None, bv, d), lambda n, h, j: (n, h, j, 0))),
+                 pl.BlockSpec((None, None, bv, d), lambda n, h, j: (n, h, j, 0)), *for_output[1]),
       compiler_params=common.compiler_params(config.state), interpret=interpret, name="gdn_prefill_state",
   )(table.seq_first_slot, table.cu, k, g, w, u, state)
   if not with_output:
@@ -297,12 +310,14 @@ def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, 
       out_shape=jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
       grid=(slots, hv, d // bo),
       in_specs=[whole(slots), whole(slots), whole(slots), whole(1),
-                pl.BlockSpec((total, None, d), lambda c, h, j: (0, h, 0)),
+                pl.BlockSpec((total, None, d), lambda c, h, j: (0, h // group, 0)),
+                pl.BlockSpec((total, None, d), lambda c, h, j: (0, h // group, 0)),
+                pl.BlockSpec((total, None), lambda c, h, j: (0, h)),
                 pl.BlockSpec((total, None, bo), lambda c, h, j: (0, h, j)),
                 pl.BlockSpec((None, None, bo, d), lambda c, h, j: (c, h, j, 0))],
       out_specs=pl.BlockSpec((total, None, bo), lambda c, h, j: (0, h, j)),
       compiler_params=common.compiler_params(config.output), interpret=interpret, name="gdn_prefill_output",
-  )(table.slot_start, table.slot_end, table.slot_real, scale, qe, oi, h)
+  )(table.slot_start, table.slot_end, table.slot_real, scale, q, k, g, v_new[0], h)
   return Forward(output, new_state, h, g, w)
 
 

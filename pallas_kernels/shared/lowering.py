@@ -103,6 +103,48 @@ def mosaic_gpu_calls(stablehlo: str) -> list[MosaicGpuCall]:
   return calls
 
 
+_ELEMENT_BYTES = {"i1": 1, "i8": 1, "ui8": 1, "f8E4M3FN": 1, "f8E5M2": 1, "f8E4M3FNUZ": 1, "f8E5M2FNUZ": 1,
+                  "f4E2M1FN": 0.5, "i16": 2, "bf16": 2, "f16": 2, "i32": 4, "ui32": 4, "f32": 4, "i64": 8,
+                  "f64": 8}
+
+
+def tensor_bytes(tensor_type: str) -> float:
+  """Bytes of one `tensor<2x128xf32>` type (a 0-d `tensor<f32>` too)."""
+  *dims, element = tensor_type[len("tensor<"):-1].split("x")
+  if element not in _ELEMENT_BYTES:
+    raise ValueError(f"unknown element type in {tensor_type}")
+  size = _ELEMENT_BYTES[element]
+  for dim in dims:
+    size *= int(dim)
+  return size
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonBuffers:
+  """The buffers of one Triton call: its name and the bytes of its operands
+  and results (whole buffers: an upper bound on what the kernel reads and
+  writes, exact where every element is touched once)."""
+  name: str
+  operand_bytes: float
+  result_bytes: float
+
+
+def triton_buffers(stablehlo: str) -> list[TritonBuffers]:
+  """Operand and result sizes of the Triton calls of a lowered module's text
+  (`lower_for_h100`), in text order."""
+  calls = []
+  for line in stablehlo.splitlines():
+    if not _TRITON_CALL.search(line):
+      continue
+    name = _NAME_FIELD.search(_IR_FIELD.sub("", line))
+    signature = _SIGNATURE.search(_QUOTED.sub('""', line))
+    if signature is None:
+      raise ValueError(f"Triton call without a type signature: {line[:200]}")
+    operands, results = (sum(map(tensor_bytes, _TENSOR.findall(part))) for part in signature.groups())
+    calls.append(TritonBuffers(name.group(1) if name else "", operands, results))
+  return calls
+
+
 def assert_lowers_to_triton(fn: Callable[..., Any], *avals: Any, **static_kwargs: Any) -> str:
   txt = lower_for_h100(fn, *avals, **static_kwargs)
   if not triton_calls(txt):
