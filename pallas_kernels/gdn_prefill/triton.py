@@ -62,7 +62,6 @@ from jax.experimental import pallas as pl
 from pallas_kernels.shared import common
 from pallas_kernels.gdn_prefill import chunks as gc
 from pallas_kernels.shared.common import resolve_interpret
-from pallas_kernels.shared.device import num_sms
 from pallas_kernels.gdn_decode.triton import check_common, log_decay, resolve_scale, sigmoid
 from pallas_kernels.gdn_prefill.triton_bwd import chunk_backward, choose_backward_config
 from pallas_kernels.gdn_prefill.config import StateStage, OutputStage, SerialStage, GdnPrefillConfig
@@ -208,18 +207,17 @@ def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> GdnPrefillConfi
   docs/perf/kernel_notes.md), unless T <= 32: then every sequence fits one
   32-token chunk and the serial form does the same work in one launch
   instead of three, without the intermediate arrays. The state pass, the
-  critical path, takes `block_v` 32, or 16 where 32 leaves fewer than two
-  programs per SM (few long sequences: twice the programs, each a shorter
-  chunk step); launches 1 and 3 are parallel over chunks anyway."""
+  critical path, takes `block_v` 16 in one stage: with V' and the bf16
+  chunk states written from it, 32 rows (or a second stage's prefetch)
+  reach 255 registers and spill with jax 0.11.2's compiler (the sm_90a
+  report); 16 rows also give twice the programs for few long sequences.
+  Launches 1 and 3 are parallel over chunks anyway."""
   tokens, num_seqs, hv, v_dim = GdnPrefillSizes.of(shapes)
   backward = choose_backward_config(num_seqs, hv, v_dim)
   if tokens <= 32:
     return GdnPrefillConfig(form="serial", chunk=32, serial=SerialStage(block_v=min(32, v_dim)), backward=backward)
-  block_v = min(32, v_dim)
-  if block_v > 16 and num_seqs * hv * (v_dim // block_v) < 2 * num_sms():
-    block_v = 16
-  return GdnPrefillConfig(state=StateStage(block_v=block_v), output=OutputStage(block_v=min(64, v_dim)),
-                          backward=backward)
+  return GdnPrefillConfig(state=StateStage(block_v=min(16, v_dim), num_stages=1),
+                          output=OutputStage(block_v=min(64, v_dim)), backward=backward)
 
 
 def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[GdnPrefillConfig]:
