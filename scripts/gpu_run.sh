@@ -123,8 +123,12 @@ phase() {
 }
 
 phase 1 "one workload per recorded variant" $(( BUDGET * 5 / 8 )) "${PHASE1[@]}"
-# The definitions with a kernel of the second backend (their full names).
-MOSAIC_DEFS=$($PY - "$DEFS" <<'EOF'
+if [ "$DRY" = 1 ]; then
+  # One definition of each Mosaic GPU kernel (its interpret mode is slow).
+  MOSAIC_DEFS=${GPU_RUN_MOSAIC_DEFINITIONS:-dense_gemm_bf16_nt_n4096_k4096,noncausal_dense_attention_h32_d64}
+else
+  # The definitions with a kernel of the second backend (their full names).
+  MOSAIC_DEFS=$($PY - "$DEFS" <<'EOF'
 import sys
 from jaxkern import registry
 wanted = [w for w in sys.argv[1].split(",") if w]
@@ -132,8 +136,7 @@ print(",".join(n for n in registry.names() if registry.get(n).implemented and "m
                and (not wanted or any(n.startswith(w) for w in wanted))))
 EOF
 )
-# Dry run: one definition of each Mosaic GPU kernel (its interpret mode is slow).
-[ "$DRY" = 1 ] && MOSAIC_DEFS=${GPU_RUN_MOSAIC_DEFINITIONS:-dense_gemm_bf16_nt_n4096_k4096,noncausal_dense_attention_h32_d64}
+fi
 if [ -n "$MOSAIC_DEFS" ]; then
   phase 1b "the same workloads on mosaic_gpu" $(( BUDGET * 6 / 8 )) "${PHASE1[@]}" --config.backend=mosaic_gpu \
     --config.definitions="$MOSAIC_DEFS" --config.output="$OUT/replay_mosaic_gpu.jsonl"

@@ -186,19 +186,25 @@ def test_block_causal_lowers_at_recorded_sizes():
   assert "mosaic_gpu_v2" in lower_for_h100(fn, *avals)
 
 
+def assert_interpreter_reports_phase(q, k, v, key_valid, config, fault):
+  """The launch with `fault` fails in the interpreter with a barrier phase
+  error (its state reset afterwards, so later kernels can run)."""
+  try:
+    with pytest.raises(Exception, match="phase"):
+      jax.block_until_ready(fa._forward(q, k, v, None, None, key_valid, None, sm_scale=0.125, config=config,
+                                        interpret=True, fault=fault))
+  finally:
+    compat.reset_interpreter()
+
+
 @pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
 def test_key_slot_released_by_one_consumer_is_caught():
   """`k_empty` counting one arrival instead of one per consumer lets the
   producer refill K before the other consumer read it; the interpreter
   reports the barrier phases running ahead of their waiters."""
   q, k, v, kv = inputs(1, 128, 512, 1, 64, mask=True, seed=7)
-  config = fa.MosaicAttentionConfig(block_k=64, stages=2)   # 8 steps through 2 slots
-  try:
-    with pytest.raises(Exception, match="phase"):
-      jax.block_until_ready(fa._forward(q, k, v, None, None, kv, None, sm_scale=0.125, config=config, interpret=True,
-                                        fault="release_once"))
-  finally:
-    compat.reset_interpreter()
+  # 8 steps through 2 slots.
+  assert_interpreter_reports_phase(q, k, v, kv, fa.MosaicAttentionConfig(block_k=64, stages=2), "release_once")
 
 
 @pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
@@ -211,9 +217,4 @@ def test_ping_pong_rendezvous_counted_once_is_caught():
   config = fa.MosaicAttentionConfig(block_k=64, stages=2)
   assert config.ping_pong
   check(q, k, v, kv, config=fa.MosaicAttentionConfig(block_k=64, stages=2, ping_pong=False))
-  try:
-    with pytest.raises(Exception, match="phase"):
-      jax.block_until_ready(fa._forward(q, k, v, None, None, kv, None, sm_scale=0.125, config=config, interpret=True,
-                                        fault="turn_once"))
-  finally:
-    compat.reset_interpreter()
+  assert_interpreter_reports_phase(q, k, v, kv, config, "turn_once")

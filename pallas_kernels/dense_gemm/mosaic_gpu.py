@@ -25,11 +25,11 @@ Operands live in shared memory in the wgmma layout: (8, 64)-element tiles with
 the 128-byte swizzle, B as stored ([block_n, block_k]) and read transposed by
 wgmma. M and N need not be multiples of block_m and block_n: rows of A and B
 past M and N read as zeros (TMA out-of-bounds fill) and C past them is not
-written (TMA stores clip at the array's bounds), with no padded copy. Mosaic GPU's TMA views a copied
-array in the tiles of its shared-memory side, though: (8, 64) for the wgmma
-operands, so an M that is not a multiple of 8 (4125 of the recorded M) pads
-A by < 8 zero rows (one copy of A); the epilogue's pieces use 1-row tiles, so
-C is written in place at any M. M = 0 launches nothing. The same tiles need
+written (TMA stores clip at the array's bounds), with no padded copy.
+Mosaic GPU's TMA views a copied array in the tiles of its shared-memory
+side, though: (8, 64) for the wgmma operands, so an M that is not a multiple
+of 8 (4125 of the recorded M) pads A by < 8 zero rows (one copy of A); the
+epilogue's pieces use 1-row tiles, so C is written in place at any M. M = 0 launches nothing. The same tiles need
 N to be a multiple of 64 and K one of `block_k` (`check_problem` raises
 `Unsupported` otherwise); the recorded (N, K) are.
 
@@ -87,7 +87,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.dense_gemm.config import DenseGemmSizes, MosaicGemmConfig, tile_coords
 from pallas_kernels.shared import mosaic_gpu_compat as compat
-from pallas_kernels.shared.common import check_nt_operands, resolve_interpret
+from pallas_kernels.shared.common import cdiv, check_nt_operands, resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
 from pallas_kernels.shared.mosaic_gpu import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_TRANSFORMS,
                                               TILE_COLS, WGMMA_TRANSFORMS, num_sms, pad_rows)
@@ -152,7 +152,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, *, config: MosaicGemmConfig, m: int, n: int,
             grid: int, fault: str | None):
   bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.stages
   rows, cols = config.consumer_tile
-  num_pid_m, num_pid_n = -(-m // bm), -(-n // bn)
+  num_pid_m, num_pid_n = cdiv(m, bm), cdiv(n, bn)
   num_tiles = num_pid_m * num_pid_n
   k_steps = k // bk
   group_m = min(config.group_m, num_pid_m)
@@ -256,7 +256,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, *, config: MosaicGemmConfig, m: int, n: int,
 def grid_size(config: MosaicGemmConfig, m: int, n: int) -> int:
   """The persistent CTA count: `config.grid` (or `num_sms()`), never more
   than the problem's tiles."""
-  tiles = -(-m // config.block_m) * -(-n // config.block_n)
+  tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
   return max(1, min(config.grid or num_sms(), tiles))
 
 

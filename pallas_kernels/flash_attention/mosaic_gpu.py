@@ -76,7 +76,7 @@ Synchronization (interpret mode does not check asynchrony):
   is issued while consumer 0 runs its softmax, and the other way round.
   Both consumers of a CTA walk the same step count, so each makes
   2 * steps + 1 arrivals and waits, in the same order, and every wait sees
-  every phase (the parity rule below); the rendezvous never waits on the
+  every phase (the parity rule above); the rendezvous never waits on the
   producer, which waits only on the consumers' releases of earlier steps,
   so no cycle of waits exists.
 - `q_barrier[w]` (2 arrivals: Q and the query ids) guards consumer w's Q

@@ -57,17 +57,24 @@ def _int_field(text: str, name: str) -> int:
   return int(match.group(1))
 
 
+def _call_lines(stablehlo: str, call: re.Pattern) -> list[str]:
+  """The lines of a lowered module's text holding a `call` custom call."""
+  return [line for line in stablehlo.splitlines() if call.search(line)]
+
+
+def _triton_name(line: str) -> str:
+  name = _NAME_FIELD.search(_IR_FIELD.sub("", line))
+  return name.group(1) if name else ""
+
+
 def triton_calls(stablehlo: str) -> list[TritonCall]:
   """The Triton calls of a lowered module's text (`lower_for_h100`), in
   text order: name, grid (x, y, z), num_warps, num_stages."""
   calls = []
-  for line in stablehlo.splitlines():
-    if not _TRITON_CALL.search(line):
-      continue
+  for line in _call_lines(stablehlo, _TRITON_CALL):
     fields = _IR_FIELD.sub("", line)
-    name = _NAME_FIELD.search(fields)
     calls.append(TritonCall(
-        name=name.group(1) if name else "",
+        name=_triton_name(line),
         grid=tuple(_int_field(fields, f"grid_{axis}") for axis in "xyz"),
         num_warps=_int_field(fields, "num_warps"), num_stages=_int_field(fields, "num_stages")))
   return calls
@@ -89,18 +96,18 @@ _TENSOR = re.compile(r"tensor<[^>]*>")
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
+def _signature(line: str, kind: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(operand types, result types) of the custom call on `line`."""
+  signature = _SIGNATURE.search(_QUOTED.sub('""', line))
+  if signature is None:
+    raise ValueError(f"{kind} call without a type signature: {line[:200]}")
+  return tuple(_TENSOR.findall(signature.group(1))), tuple(_TENSOR.findall(signature.group(2)))
+
+
 def mosaic_gpu_calls(stablehlo: str) -> list[MosaicGpuCall]:
   """The Mosaic GPU calls of a lowered module's text (`lower_for_h100`), in
   text order."""
-  calls = []
-  for line in stablehlo.splitlines():
-    if not _MOSAIC_GPU_CALL.search(line):
-      continue
-    signature = _SIGNATURE.search(_QUOTED.sub('""', line))
-    if signature is None:
-      raise ValueError(f"Mosaic GPU call without a type signature: {line[:200]}")
-    calls.append(MosaicGpuCall(tuple(_TENSOR.findall(signature.group(1))), tuple(_TENSOR.findall(signature.group(2)))))
-  return calls
+  return [MosaicGpuCall(*_signature(line, "Mosaic GPU")) for line in _call_lines(stablehlo, _MOSAIC_GPU_CALL)]
 
 
 _ELEMENT_BYTES = {"i1": 1, "i8": 1, "ui8": 1, "f8E4M3FN": 1, "f8E5M2": 1, "f8E4M3FNUZ": 1, "f8E5M2FNUZ": 1,
@@ -133,15 +140,9 @@ def triton_buffers(stablehlo: str) -> list[TritonBuffers]:
   """Operand and result sizes of the Triton calls of a lowered module's text
   (`lower_for_h100`), in text order."""
   calls = []
-  for line in stablehlo.splitlines():
-    if not _TRITON_CALL.search(line):
-      continue
-    name = _NAME_FIELD.search(_IR_FIELD.sub("", line))
-    signature = _SIGNATURE.search(_QUOTED.sub('""', line))
-    if signature is None:
-      raise ValueError(f"Triton call without a type signature: {line[:200]}")
-    operands, results = (sum(map(tensor_bytes, _TENSOR.findall(part))) for part in signature.groups())
-    calls.append(TritonBuffers(name.group(1) if name else "", operands, results))
+  for line in _call_lines(stablehlo, _TRITON_CALL):
+    operands, results = (sum(map(tensor_bytes, types)) for types in _signature(line, "Triton"))
+    calls.append(TritonBuffers(_triton_name(line), operands, results))
   return calls
 
 
