@@ -91,7 +91,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 from jax import lax
@@ -99,7 +99,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels.flash_attention.config import MosaicAttentionConfig
+from pallas_kernels.flash_attention.config import FlashAttentionBwdConfig, MosaicAttentionConfig
 from pallas_kernels.shared import device
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import resolve_interpret
@@ -107,6 +107,7 @@ from pallas_kernels.shared.kernel import Unsupported
 from pallas_kernels.shared.mosaic_gpu import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_ALIGN,
                                               WGMMA_TRANSFORMS, pad_rows)
 from pallas_kernels.flash_attention.keys import INVISIBLE_SEGMENT, check_attention_inputs, key_block_limits, key_sources
+from pallas_kernels.flash_attention.triton_bwd import attention_backward, choose_backward_config, fit_backward_config
 from pallas_kernels.shared.online_softmax import LOG2_E
 
 HEAD_DIMS = (64, 128)
@@ -416,17 +417,66 @@ def check_supported(q: jax.Array, sm_scale: Any) -> None:
                       f"got {type(sm_scale).__name__}")
 
 
+class _Static(NamedTuple):
+  sm_scale: float | None
+  config: MosaicAttentionConfig | None
+  backward_config: FlashAttentionBwdConfig   # fitted
+  interpret: bool | None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, static: _Static):
+  return _attention_fwd(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, static)[0]
+
+
+def _attention_fwd(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, static: _Static):
+  o, lse = flash_attention_forward(q, k, v, key_valid=key_valid, k_prefix=k_prefix, v_prefix=v_prefix,
+                                   segment_ids=segment_ids, sm_scale=static.sm_scale, config=static.config,
+                                   interpret=static.interpret)
+  return o, (q, k, v, k_prefix, v_prefix, key_valid, segment_ids, o, lse)
+
+
+def _attention_bwd(static: _Static, residuals, do):
+  # The Triton backward recomputes each probability as exp2(s - lse) from
+  # this kernel's lse: both are base 2 at the scale sm_scale * LOG2_E, +inf
+  # for a row that sees no key (`flash_attention_forward`).
+  *args, o, lse = residuals
+  q, k_prefix = args[0], args[3]
+  scale = jnp.asarray(q.shape[-1] ** -0.5 if static.sm_scale is None else static.sm_scale, jnp.float32).reshape(1)
+  g = attention_backward(*args, scale, o, lse, do, config=static.backward_config,
+                         interpret=resolve_interpret(static.interpret), need_dq=True, need_dkv=True,
+                         need_dprefix=k_prefix is not None, need_dscale=False)
+  return g.dq, g.dk, g.dv, g.dk_prefix, g.dv_prefix, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.Array | None = None,
                     k_prefix: jax.Array | None = None, v_prefix: jax.Array | None = None,
                     segment_ids: jax.Array | None = None, sm_scale: float | None = None,
-                    config: MosaicAttentionConfig | None = None, interpret: bool | None = None) -> jax.Array:
+                    config: MosaicAttentionConfig | None = None,
+                    backward_config: FlashAttentionBwdConfig | None = None,
+                    interpret: bool | None = None) -> jax.Array:
   """The output of `flash_attention_forward` (its contract; lse dropped):
   the forward of the Triton kernel's `flash_attention` on the inputs this
   kernel takes (`check_supported`: bf16, D 64 or 128, a static scale),
-  `Unsupported` otherwise so that `backend="pallas"` falls back. Not
-  differentiable by itself: `jaxkern.autodiff` differentiates it through
-  the reference."""
+  `Unsupported` otherwise so that `backend="pallas"` falls back.
+
+  Differentiable in q, k, v and the prefix (`jax.custom_vjp`): the
+  backward is the Triton kernel's (`triton_bwd.attention_backward`, tiled
+  by `backward_config`, None = its heuristic) from this kernel's o and lse;
+  the scale is static, so it has no gradient. Hidden keys get exactly zero
+  gradients."""
+  check_attention_inputs(q, k, v, key_valid, k_prefix, v_prefix, segment_ids)
   check_supported(q, sm_scale)
-  return flash_attention_forward(q, k, v, key_valid=key_valid, k_prefix=k_prefix, v_prefix=v_prefix,
-                                 segment_ids=segment_ids, sm_scale=None if sm_scale is None else float(sm_scale),
-                                 config=config, interpret=interpret)[0]
+  k, v, k_prefix, v_prefix, key_valid = key_sources(k, v, k_prefix, v_prefix, key_valid)
+  batch, q_len, heads, head_dim = q.shape
+  kv_len = k.shape[1]
+  if not (batch and q_len and heads and kv_len):
+    return jnp.zeros(q.shape, q.dtype)
+  longest = max(kv_len, 0 if k_prefix is None else k_prefix.shape[1])
+  backward_config = fit_backward_config(backward_config or choose_backward_config(
+      batch=batch, heads=heads, q_len=q_len, kv_len=longest, head_dim=head_dim), q_len, longest)
+  static = _Static(None if sm_scale is None else float(sm_scale), config, backward_config, interpret)
+  return _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, static)
