@@ -107,7 +107,7 @@ from pallas_kernels.shared.kernel import Unsupported
 from pallas_kernels.shared.mosaic_gpu import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_ALIGN,
                                               WGMMA_TRANSFORMS, pad_rows)
 from pallas_kernels.flash_attention.keys import INVISIBLE_SEGMENT, check_attention_inputs, key_block_limits, key_sources
-from pallas_kernels.flash_attention.triton_bwd import attention_backward, choose_backward_config, fit_backward_config
+from pallas_kernels.flash_attention.triton_bwd import attention_backward, backward_config_for
 from pallas_kernels.shared.online_softmax import LOG2_E
 
 HEAD_DIMS = (64, 128)
@@ -389,18 +389,29 @@ def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, key_val
   kv_len = k.shape[1]
   if not (batch and q_len and heads and kv_len):
     return jnp.zeros(q.shape, q.dtype), jnp.full((batch, heads, q_len), jnp.inf, jnp.float32)
+  return _checked_forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids,
+                          sm_scale=head_dim ** -0.5 if sm_scale is None else float(sm_scale), config=config,
+                          interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
+def _checked_forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, *, sm_scale: float,
+                     config: MosaicAttentionConfig | None, interpret: bool | None):
+  """`flash_attention_forward` past its checks: inputs checked and
+  supported, key sources resolved (`key_sources`), at least one query and
+  one key, `sm_scale` a float."""
+  head_dim = q.shape[-1]
   config = config or choose_config({"q": q, "k": k, "k_prefix": k_prefix})
   if shared_memory_bytes(config, head_dim) > device.SHARED_MEMORY_PER_BLOCK:
     raise ValueError(f"{config} needs {shared_memory_bytes(config, head_dim)} bytes of shared memory at D={head_dim}; "
                      f"the limit is {device.SHARED_MEMORY_PER_BLOCK} (fewer stages or a smaller block_k)")
-  scale = head_dim ** -0.5 if sm_scale is None else sm_scale
   if key_valid is not None:
     # A hidden key's probability is 0, but 0 * NaN is NaN in the P V product:
     # non-finite values of hidden keys are zeroed first (a copy of v, made
     # only when v holds one).
     hidden = ~key_valid.astype(bool)[:, :, None, None]
     v = lax.cond(jnp.all(jnp.isfinite(v)), lambda v: v, lambda v: jnp.where(hidden, jnp.zeros_like(v), v), v)
-  return _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, sm_scale=scale, config=config,
+  return _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, sm_scale=sm_scale, config=config,
                   interpret=resolve_interpret(interpret))
 
 
@@ -418,7 +429,7 @@ def check_supported(q: jax.Array, sm_scale: Any) -> None:
 
 
 class _Static(NamedTuple):
-  sm_scale: float | None
+  sm_scale: float
   config: MosaicAttentionConfig | None
   backward_config: FlashAttentionBwdConfig   # fitted
   interpret: bool | None
@@ -430,9 +441,8 @@ def _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, static: _Sta
 
 
 def _attention_fwd(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, static: _Static):
-  o, lse = flash_attention_forward(q, k, v, key_valid=key_valid, k_prefix=k_prefix, v_prefix=v_prefix,
-                                   segment_ids=segment_ids, sm_scale=static.sm_scale, config=static.config,
-                                   interpret=static.interpret)
+  o, lse = _checked_forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, sm_scale=static.sm_scale,
+                            config=static.config, interpret=static.interpret)
   return o, (q, k, v, k_prefix, v_prefix, key_valid, segment_ids, o, lse)
 
 
@@ -441,11 +451,10 @@ def _attention_bwd(static: _Static, residuals, do):
   # this kernel's lse: both are base 2 at the scale sm_scale * LOG2_E, +inf
   # for a row that sees no key (`flash_attention_forward`).
   *args, o, lse = residuals
-  q, k_prefix = args[0], args[3]
-  scale = jnp.asarray(q.shape[-1] ** -0.5 if static.sm_scale is None else static.sm_scale, jnp.float32).reshape(1)
+  scale = jnp.full((1,), static.sm_scale, jnp.float32)
   g = attention_backward(*args, scale, o, lse, do, config=static.backward_config,
                          interpret=resolve_interpret(static.interpret), need_dq=True, need_dkv=True,
-                         need_dprefix=k_prefix is not None, need_dscale=False)
+                         need_dprefix=args[3] is not None, need_dscale=False)
   return g.dq, g.dk, g.dv, g.dk_prefix, g.dv_prefix, None, None
 
 
@@ -476,7 +485,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.
   if not (batch and q_len and heads and kv_len):
     return jnp.zeros(q.shape, q.dtype)
   longest = max(kv_len, 0 if k_prefix is None else k_prefix.shape[1])
-  backward_config = fit_backward_config(backward_config or choose_backward_config(
-      batch=batch, heads=heads, q_len=q_len, kv_len=longest, head_dim=head_dim), q_len, longest)
-  static = _Static(None if sm_scale is None else float(sm_scale), config, backward_config, interpret)
+  backward_config = backward_config_for(backward_config, batch=batch, heads=heads, q_len=q_len, kv_len=longest,
+                                        head_dim=head_dim)
+  static = _Static(head_dim ** -0.5 if sm_scale is None else float(sm_scale), config, backward_config, interpret)
   return _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, static)

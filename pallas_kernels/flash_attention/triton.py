@@ -45,8 +45,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.shared.common import cdiv, check_pow2_dim, fit_block, fitted_candidates, resolve_interpret
 from pallas_kernels.shared.device import SHARED_MEMORY_PER_BLOCK, num_sms
-from pallas_kernels.flash_attention.triton_bwd import (FlashAttentionBwdConfig, attention_backward, choose_backward_config,
-                                                fit_backward_config)
+from pallas_kernels.flash_attention.triton_bwd import (FlashAttentionBwdConfig, attention_backward, backward_config_for,
+                                                choose_backward_config)
 from pallas_kernels.flash_attention.keys import (Keys, check_attention_inputs, key_block_limits, key_sources,
                                                  load_rows, store_rows, walk_keys)
 from pallas_kernels.shared.online_softmax import LOG2_E, init_carry, lse_for_backward, normalize, online_softmax_step
@@ -347,7 +347,7 @@ def flash_attention(
   if config is None:
     config = choose_config({"q": q, "k": k, "k_prefix": k_prefix})
   longest = max(kv_len, prefix_len)
-  backward_config = fit_backward_config(backward_config or choose_backward_config(
-      batch=batch, heads=num_heads, q_len=q_len, kv_len=longest, head_dim=head_dim), q_len, longest)
+  backward_config = backward_config_for(backward_config, batch=batch, heads=num_heads, q_len=q_len, kv_len=longest,
+                                        head_dim=head_dim)
   static = _Static(_fit(config, q_len, longest), backward_config, resolve_interpret(interpret))
   return _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, static)

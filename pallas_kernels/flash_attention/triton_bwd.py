@@ -78,6 +78,16 @@ def choose_backward_config(*, batch: int, heads: int, q_len: int, kv_len: int,
   return fit_backward_config(config, q_len, kv_len)
 
 
+def backward_config_for(config: FlashAttentionBwdConfig | None, *, batch: int, heads: int, q_len: int, kv_len: int,
+                        head_dim: int) -> FlashAttentionBwdConfig:
+  """A launcher's backward tiling: the caller's `config` fitted to the
+  problem, else `choose_backward_config`'s. `kv_len` is the longer key
+  source."""
+  if config is None:
+    return choose_backward_config(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim)
+  return fit_backward_config(config, q_len, kv_len)
+
+
 def _dq_kernel(*, scale_ref, q_ref, k_ref, v_ref, k_prefix_ref, v_prefix_ref, key_valid_ref, segment_ids_ref,
                block_limits_ref, do_ref, lse_ref, delta_ref, dq_ref, dscale_ref, block_q: int, block_k: int,
                q_len: int, kv_len: int, prefix_len: int):
