@@ -129,11 +129,15 @@ KERNEL_CASES = [Case(NAMES[0], case_axes(shape, window), id=label) for shape, wi
 # Tiles larger than the grid (a 64-point tile on a 3x7x7 grid, a 16x1x4 tile
 # on 3 planes): most of the tile is off the grid and must not be stored.
 _SMALL_GRID = case_axes((2, 3, 7, 7, 1, 64), (3, 7, 7))
-_BIG_TILES = [na.NeighborhoodAttentionConfig(*tile, block_k=32) for tile in ((4, 4, 4), (16, 1, 4), (1, 1, 16))]
+_BIG_TILES = [na.NeighborhoodAttentionConfig(*tile, block_k=32) for tile in ((4, 4, 4), (16, 1, 4), (1, 1, 16), (1, 1, 32))]
 KERNEL_CASES += [Case(NAMES[0], _SMALL_GRID, config=c, id=f"tile_{'x'.join(map(str, c.tile))}_over_grid")
                  for c in _BIG_TILES]
 LOWERING_CASES = [Case(NAMES[0], _SMALL_GRID, config=c, id=f"tile_{'x'.join(map(str, c.tile))}_over_grid")
                   for c in _BIG_TILES]
+# Tiles longer than the halo's window bits (34 > 31 points along the axes):
+# the halo walk tests packed coordinates instead.
+KERNEL_CASES.append(Case(NAMES[0], case_axes((1, 4, 5, 45, 1, 32), (3, 3, 7)), id="long_tile_packed_halo_test",
+                         config=na.NeighborhoodAttentionConfig(1, 1, 32, block_k=32)))
 SWEEP_CASE = Case(NAMES[0], case_axes((1, 4, 9, 11, 1, 64), (3, 7, 7)))
 
 
@@ -161,6 +165,68 @@ def test_unaffected_by_values_outside_the_window():
   out2 = kernel(q, k2, v2, window)
   np.testing.assert_array_equal(np.asarray(out2[:, 0, 0, 0], np.float32),
                                 np.asarray(out[:, 0, 0, 0], np.float32))
+
+
+@pytest.mark.parametrize("dims,window,tile", [
+    ((121, 80, 128), (11, 11, 11), (4, 4, 4)),
+    ((9, 28, 48), (3, 7, 7), (2, 4, 8)),
+    ((5, 6, 7), (2, 3, 4), (1, 8, 8)),
+    ((4, 5, 45), (3, 3, 7), (1, 1, 32)),   # packed coordinates: 34 tile points > 31 window bits
+])
+def test_halo_slot_tables_are_the_window_test(dims, window, tile):
+  """`halo_slots`: every slot's row offset is its box point's flat offset
+  and its window test (bits against `window_probe`, or packed coordinates)
+  says `0 <= o - rel < k` on every axis for every query start offset `rel`
+  in the tile; padding slots pass no test."""
+  from pallas_kernels.neighborhood_attention import tiles  # pylint: disable=g-import-not-at-top
+  block_k = 64
+  halo = tiles.halo_box(tile, window)
+  table = tiles.halo_slots(dims, window, tile, block_k)
+  size = math.prod(halo)
+  assert len(table.offsets) == -(-size // block_k) * block_k and table.bits == (sum(tile) <= 31)
+  coords = np.stack(np.unravel_index(np.arange(size), halo))
+  np.testing.assert_array_equal(table.offsets[:size], (coords[0] * dims[1] + coords[1]) * dims[2] + coords[2])
+  rels = np.stack(np.meshgrid(*(np.arange(b) for b in tile), indexing="ij")).reshape(3, -1)
+  want = np.ones((rels.shape[1], size), bool)
+  for axis in range(3):
+    d = coords[axis][None, :] - rels[axis][:, None]
+    want &= (d >= 0) & (d < window[axis])
+  if table.bits:
+    probe = np.asarray(tiles.window_probe([jnp.asarray(r) for r in rels], tile))[:, None]
+    got = (table.tests[None, :] & probe) == probe
+  else:
+    got = np.ones((rels.shape[1], len(table.offsets)), bool)
+    for axis, offset in enumerate(tiles.unpack(table.tests, table.shifts)):
+      d = offset[None, :] - rels[axis][:, None]
+      got &= (d >= 0) & (d < window[axis])
+  np.testing.assert_array_equal(got[:, :size], want)
+  assert not got[:, size:].any() and not table.offsets[size:].any()
+
+
+@pytest.mark.parametrize("dims,window,tile", [((12, 13, 11), (11, 11, 11), (4, 4, 4)), ((9, 10, 17), (3, 7, 7), (2, 4, 8)),
+                                              ((5, 6, 7), (2, 3, 4), (1, 8, 8))])
+def test_query_box_slot_tables_are_the_window_test(dims, window, tile):
+  """`query_box_slots` with `walk_query_box`'s test: for every key tile
+  (edge tiles included), key j and slot o pass iff the query at
+  `first_query(first key) + o` is in the grid and its window holds j."""
+  from pallas_kernels.neighborhood_attention import tiles  # pylint: disable=g-import-not-at-top
+  box = tiles.query_box(dims, window, tile)
+  table = tiles.query_box_slots(dims, window, tile, 64)
+  size = math.prod(box)
+  offsets = np.stack(tiles.unpack(table.tests, table.shifts))
+  np.testing.assert_array_equal(offsets[:, :size], np.stack(np.unravel_index(np.arange(size), box)))
+  start = lambda i, n, w: np.clip(i - w // 2, 0, n - w)  # noqa: E731
+  for axis, (n, w, b) in enumerate(zip(dims, window, tile)):
+    for first in range(0, n, b):
+      keys = np.arange(first, min(first + b, n))
+      low = np.asarray(tiles.first_query(keys, w)) - int(tiles.first_query(first, w))
+      run = np.asarray(tiles.last_query(keys, n, w, np.minimum)) - np.asarray(tiles.first_query(keys, w)) + 1
+      got = (offsets[axis][None, :] - low[:, None] >= 0) & (offsets[axis][None, :] - low[:, None] < run[:, None])
+      query = int(tiles.first_query(first, w)) + offsets[axis]
+      want = ((query < n)[None, :] & (start(query, n, w)[None, :] <= keys[:, None])
+              & (keys[:, None] < start(query, n, w)[None, :] + w))
+      want[:, size:] = False  # padding slots
+      np.testing.assert_array_equal(got, want, err_msg=f"axis {axis}, key tile at {first}")
 
 
 # ---------------------------------------------------------------------------

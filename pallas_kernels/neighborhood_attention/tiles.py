@@ -15,9 +15,23 @@ nondecreasing, so the queries that see key `j` are a run
   covers every query seeing one of its keys, gathered `block_q` queries at
   a time, each pair tested the same way.
 
-Coordinates past the grid are clamped for the address and masked by the
-window test (keys) or an in-grid test (queries): such rows are computed but
-never stored and never counted.
+Slot tables. A box's shape is static, so everything about its `s`-th slot
+(the flat box index, C order) that does not depend on where the box starts
+is computed once, at trace time, with NumPy (`halo_slots`,
+`query_box_slots`) and passed to the kernel as small int32 operands, read
+one chunk at a time: the slot's row offset `(o_t * Y + o_y) * X + o_x`
+(so a gathered row is `base + offset`, no division by the box's extents)
+and either its window bits (`halo_slots`, tiles of at most 31 points along
+the three axes together: one bit per (axis, query start offset) that sees
+the slot, so a pair's whole window test is one `and` and one compare) or
+its packed box coordinates. Slots past the box (the last chunk's padding)
+have offset 0 and coordinates that fail every test.
+
+Rows past the grid: `base + offset` of a slot beyond the grid's end on some
+axis is a row of another line of the grid (or past the last row: clamped
+to it), never one a window of the tile holds: every such pair fails the
+window test (it is done on box coordinates, not rows), so it is computed,
+masked, and never counted.
 """
 
 from __future__ import annotations
@@ -87,9 +101,10 @@ def flat_rows(coords, dims: Dims):
   return (t * dims[1] + y) * dims[2] + x
 
 
-def in_window(key, start, k: int):
-  """`0 <= key - start < k` as one unsigned compare."""
-  return as_unsigned(key - start) < k
+def in_window(key, start, k):
+  """`0 <= key - start < k` as one unsigned compare (`k` an int or a
+  nonnegative int32 array)."""
+  return as_unsigned(key - start) < (k if isinstance(k, int) else as_unsigned(k))
 
 
 class TilePoints(NamedTuple):
@@ -115,53 +130,164 @@ def tile_points(dims: Dims, tile: Dims) -> TilePoints:
   return TilePoints(first, coords, flat_rows(coords, dims), in_grid)
 
 
-def walk_halo(step: Callable[..., Any], carry: Any, k_ref, v_ref, queries: TilePoints, dims: Dims,
-              window: Dims, tile: Dims, block_k: int) -> Any:
+WINDOW_BITS = 31  # bits of an int32 slot mask (the sign bit unused)
+
+
+class SlotTables(NamedTuple):
+  """Static per-slot data of a box walked in chunks (module docstring):
+  `offsets` the row offset of each slot; `tests` its window bits
+  (`bits=True`) or its packed box coordinates (`shifts` per axis). Both
+  `[chunks * chunk]` int32, slots past the box padded."""
+  offsets: np.ndarray
+  tests: np.ndarray
+  bits: bool
+  shifts: tuple[int, int, int]
+
+
+def _slot_offsets(dims: Dims, box: Dims, chunk: int):
+  """Box coordinates `[3, size]` of every slot, the padded slot count and
+  the row offsets `[slots]` (0 past the box)."""
+  size = math.prod(box)
+  slots = cdiv(size, chunk) * chunk
+  coords = np.stack(np.unravel_index(np.arange(size), box)).astype(np.int64)
+  offsets = np.zeros(slots, np.int32)
+  offsets[:size] = (coords[0] * dims[1] + coords[1]) * dims[2] + coords[2]
+  return coords, slots, offsets
+
+
+def _packed(coords: np.ndarray, slots: int, limits: Dims) -> tuple[np.ndarray, tuple[int, int, int]]:
+  """Coordinates packed into one int32 each (`shifts` per axis, fields wide
+  enough for 0..limit), padding slots at each axis's `limit`. A
+  ValueError when the fields do not fit in 31 bits (extents near 1024 on
+  every axis at once: grids of about 2**30 points)."""
+  widths = [int(limit).bit_length() for limit in limits]
+  if sum(widths) > WINDOW_BITS:
+    raise ValueError(f"box extents {limits} do not pack into {WINDOW_BITS} bits")
+  shifts = (widths[1] + widths[2], widths[2], 0)
+  packed = np.zeros(slots, np.int64)
+  padded = np.array(limits, np.int64)[:, None].repeat(slots, 1)
+  padded[:, :coords.shape[1]] = coords
+  for axis in range(3):
+    packed |= padded[axis] << shifts[axis]
+  return packed.astype(np.int32), shifts
+
+
+def unpack(packed, shifts: tuple[int, int, int]):
+  """The three box coordinates of packed slot codes (`_packed`)."""
+  t = packed >> shifts[0]
+  y = (packed >> shifts[1]) & ((1 << (shifts[0] - shifts[1])) - 1)
+  x = packed & ((1 << shifts[1]) - 1)
+  return t, y, x
+
+
+def halo_slots(dims: Dims, window: Dims, tile: Dims, block_k: int) -> SlotTables:
+  """Slot tables of a query tile's halo (`walk_halo`). Window bits when the
+  tile's sides fit in `WINDOW_BITS`: bit `field(axis) + r` of a slot is set
+  iff a query whose window starts `r` into the box on that axis sees it
+  (`0 <= o - r < k`), fields in axis order, `tile[axis]` bits each."""
+  halo = halo_box(tile, window)
+  coords, slots, offsets = _slot_offsets(dims, halo, block_k)
+  if sum(tile) > WINDOW_BITS:
+    packed, shifts = _packed(coords, slots, halo)
+    return SlotTables(offsets, packed, False, shifts)
+  bits = np.zeros(slots, np.int64)
+  field = 0
+  for axis, (block, k) in enumerate(zip(tile, window)):
+    for r in range(block):
+      seen = (coords[axis] >= r) & (coords[axis] < r + k)
+      bits[:coords.shape[1]] |= seen.astype(np.int64) << (field + r)
+    field += block
+  return SlotTables(offsets, bits.astype(np.int32), True, (0, 0, 0))
+
+
+def window_probe(rel, tile: Dims):
+  """Each query's bits for `halo_slots`' window bits: one bit per axis,
+  `field(axis) + rel[axis]` (`rel` its window starts into the box)."""
+  field, probe = 0, 0
+  for r, block in zip(rel, tile):
+    probe = probe | (1 << (field + r))
+    field += block
+  return probe
+
+
+def query_box_slots(dims: Dims, window: Dims, tile: Dims, block_q: int) -> SlotTables:
+  """Slot tables of a key tile's query box (`walk_query_box`): row offsets
+  and packed box coordinates (padding at the box's extents)."""
+  box = query_box(dims, window, tile)
+  coords, slots, offsets = _slot_offsets(dims, box, block_q)
+  packed, shifts = _packed(coords, slots, box)
+  return SlotTables(offsets, packed, False, shifts)
+
+
+def slot_operands(tables: SlotTables):
+  """The tables as kernel operands and the BlockSpecs (whole, shared by
+  every program of a `(tiles, B, H)` grid) that pass them."""
+  arrays = [jnp.asarray(tables.offsets), jnp.asarray(tables.tests)]
+  return arrays, [pl.BlockSpec(a.shape, lambda i, b, h: (0,)) for a in arrays]
+
+
+def walk_halo(step: Callable[..., Any], carry: Any, k_ref, v_ref, slot_refs, tables: SlotTables,
+              queries: TilePoints, dims: Dims, window: Dims, tile: Dims, block_k: int) -> Any:
   """Folds `step(k, v, visible, carry)` over the halo of a query tile in
   chunks of `block_k` keys: `k`, `v` `[block_k, D]` gathered from the
-  `[N, D]` refs, `visible [P, block_k]` the window test.
+  `[N, D]` refs, `visible [P, block_k]` the window test; `slot_refs` the
+  `halo_slots` tables' refs, `tables` their static description.
 
   The box starts at the tile's first window start on each axis; each
   query's window starts `rel` into it, `rel` in `[0, block - 1]` (`s` grows
-  by at most 1 per index), so `block + k - 1` keys per axis cover it.
-  Clamped duplicates and the last chunk's padding lie outside every
-  window."""
+  by at most 1 per index), so `block + k - 1` keys per axis cover it."""
+  offsets_ref, tests_ref = slot_refs
   box = [window_start(f, n, w) for f, n, w in zip(queries.first, dims, window)]
-  rel = [(window_start(c, n, w) - b)[:, None] for c, n, w, b in zip(queries.coords, dims, window, box)]
-  halo = halo_box(tile, window)
+  rel = [window_start(c, n, w) - b for c, n, w, b in zip(queries.coords, dims, window, box)]
+  base = flat_rows(box, dims)
+  last_row = math.prod(dims) - 1
+  if tables.bits:
+    probe = window_probe(rel, tile)[:, None]
 
   def body(chunk, carry):
-    offsets = unravel(chunk * block_k + jnp.arange(block_k, dtype=jnp.int32), halo)
-    rows = flat_rows([jnp.minimum(b + o, n - 1) for b, o, n in zip(box, offsets, dims)], dims)
-    visible = (in_window(offsets[0][None, :], rel[0], window[0])
-               & in_window(offsets[1][None, :], rel[1], window[1])
-               & in_window(offsets[2][None, :], rel[2], window[2]))
+    slots = pl.ds(chunk * block_k, block_k)
+    rows = jnp.minimum(base + offsets_ref[slots], last_row)
+    if tables.bits:
+      visible = (tests_ref[slots][None, :] & probe) == probe
+    else:
+      offsets = unpack(tests_ref[slots], tables.shifts)
+      visible = (in_window(offsets[0][None, :], rel[0][:, None], window[0])
+                 & in_window(offsets[1][None, :], rel[1][:, None], window[1])
+                 & in_window(offsets[2][None, :], rel[2][:, None], window[2]))
     return step(k_ref[rows, :], v_ref[rows, :], visible, carry)
 
-  return lax.fori_loop(0, cdiv(math.prod(halo), block_k), body, carry)
+  return lax.fori_loop(0, len(tables.offsets) // block_k, body, carry)
 
 
-def walk_query_box(step: Callable[..., Any], carry: Any, keys: TilePoints, dims: Dims, window: Dims,
-                   tile: Dims, block_q: int) -> Any:
+def walk_query_box(step: Callable[..., Any], carry: Any, slot_refs, tables: SlotTables, keys: TilePoints,
+                   dims: Dims, window: Dims, block_q: int) -> Any:
   """Folds `step(rows, visible, carry)` over the queries that may see a key
   of the tile, in chunks of `block_q`: `rows [block_q]` the queries' grid
-  rows (clamped), `visible [P, block_q]` (key, query) pairs in the query's
-  window, False for queries past the grid or the box."""
+  rows (`query_box_slots`: rows past the grid belong to no window of these
+  keys), `visible [P, block_q]` (key, query) pairs in the query's window.
+
+  Key `j` is seen by the queries `[first_query(j), last_query(j)]` on each
+  axis, so with `o` a slot's box coordinate the test is
+  `0 <= o - (first_query(j) - box) < last_query(j) - first_query(j) + 1`:
+  queries past the grid (`o` beyond `last_query`) and padding slots (`o` at
+  the box's extent) fail it."""
+  offsets_ref, tests_ref = slot_refs
   box = [first_query(f, w) for f, w in zip(keys.first, window)]
-  extents = query_box(dims, window, tile)
-  size = math.prod(extents)
+  low = [(first_query(j, w) - b)[:, None] for j, w, b in zip(keys.coords, window, box)]
+  runs = [(last_query(j, n, w) - first_query(j, w) + 1)[:, None] for j, n, w in zip(keys.coords, dims, window)]
+  base = flat_rows(box, dims)
+  last_row = math.prod(dims) - 1
 
   def body(chunk, carry):
-    flat = chunk * block_q + jnp.arange(block_q, dtype=jnp.int32)
-    points = [b + o for b, o in zip(box, unravel(flat, extents))]
-    coords = [jnp.minimum(p, n - 1) for p, n in zip(points, dims)]
-    ok = (flat < size) & (points[0] < dims[0]) & (points[1] < dims[1]) & (points[2] < dims[2])
-    visible = ok[None, :]
-    for key, query, n, w in zip(keys.coords, coords, dims, window):
-      visible &= in_window(key[:, None], window_start(query, n, w)[None, :], w)
-    return step(flat_rows(coords, dims), visible, carry)
+    slots = pl.ds(chunk * block_q, block_q)
+    rows = jnp.minimum(base + offsets_ref[slots], last_row)
+    offsets = unpack(tests_ref[slots], tables.shifts)
+    visible = (in_window(offsets[0][None, :], low[0], runs[0])
+               & in_window(offsets[1][None, :], low[1], runs[1])
+               & in_window(offsets[2][None, :], low[2], runs[2]))
+    return step(rows, visible, carry)
 
-  return lax.fori_loop(0, cdiv(size, block_q), body, carry)
+  return lax.fori_loop(0, len(tables.offsets) // block_q, body, carry)
 
 
 def tile_spec(dims: Dims, tile: Dims, head_dim: int | None) -> pl.BlockSpec:

@@ -25,14 +25,15 @@ run together and share their key halos in L2. A program:
    at most `block - 1` further, since `s` grows by at most 1 per index);
 3. walks the halo box, flattened in (t, y, x) order, in chunks of `block_k`
    keys (no per-row padding: only the last chunk is partial). Each chunk is
-   gathered by row index into `[block_k, D]` K and V operands (addresses
-   clamped into the grid), scored with one `[Q, D] x [D, block_k]` dot in
-   fp32, masked with the per-(query, key) window test
-   `0 <= key - start(query) < k` on each axis (from iotas; it also hides the
-   clamped duplicates and the padding of the last chunk, which lie outside
-   every window), and folded into the online softmax (`online_softmax`:
-   FlashAttention-2, base 2, fp32); the probabilities are rounded to the
-   value dtype for the second dot, as every flash kernel does;
+   gathered by row index into `[block_k, D]` K and V operands (rows from
+   the halo's static slot table, `tiles.halo_slots`), scored with one
+   `[Q, D] x [D, block_k]` dot in fp32, masked with the per-(query, key)
+   window test `0 <= key - start(query) < k` on each axis (from the slot
+   table's window bits: it also hides the rows past the grid and the padding
+   of the last chunk, which lie outside every window), and folded into the
+   online softmax (`online_softmax`: FlashAttention-2, base 2, fp32, the
+   `log2 e` scale fused into the exponent's fma); the probabilities are
+   rounded to the value dtype for the second dot, as every flash kernel does;
 4. divides by the row sums and stores the tile as a `[block_t, block_y,
    block_x, D]` block of the output (masked at the grid's edges).
 
@@ -45,9 +46,10 @@ box, `prod(block + k - 1)` keys rounded up to `block_k`, of which its window
 is `KT * KY * KX`. The heuristic picks the tile shape that minimizes the
 scored pairs (including edge tiles) for the problem (the useful fractions
 at the recorded grids: docs/perf/kernel_notes.md). Besides the two dots,
-each scored pair costs about 15 CUDA-core operations (three unsigned window
-tests, the select, the online-softmax update and one exp2), which bounds the
-small windows more than the tensor cores do.
+each scored pair costs about 8 CUDA-core operations (the window bits' and
+and compare, the select, the online-softmax update with one fma and one
+exp2), which still bounds the kernel more than the tensor cores do
+(docs/perf/kernel_notes.md).
 
 On sm_90a the 64-query tiles run both dots as wgmma and the gathered K/V
 chunks through `cp.async`, without spills (docs/perf/sm90a_compile.md).
@@ -69,7 +71,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.shared.common import cdiv, check_pow2_dim, next_pow2, resolve_interpret
 from pallas_kernels.neighborhood_attention.triton_bwd import attention_backward
-from pallas_kernels.neighborhood_attention.tiles import halo_box, query_box, store_tile, tile_points, tile_spec, walk_halo
+from pallas_kernels.neighborhood_attention.tiles import (SlotTables, halo_box, halo_slots, query_box, slot_operands, store_tile,
+                                                        tile_points, tile_spec, walk_halo)
 from pallas_kernels.shared.online_softmax import LOG2_E, init_carry, lse_for_backward, normalize, online_softmax_step
 from pallas_kernels.neighborhood_attention.config import NeighborhoodAttentionConfig, NeighborhoodAttentionBwdConfig
 
@@ -177,19 +180,21 @@ def choose_backward_config(shapes: Mapping[str, jax.ShapeDtypeStruct], *, KT: in
 # Kernel.
 
 
-def _neighborhood_attention_kernel(q_ref, k_ref, v_ref, o_ref, *lse_ref, dims, window, tile, block_k: int):
+def _neighborhood_attention_kernel(q_ref, k_ref, v_ref, offsets_ref, tests_ref, o_ref, *lse_ref, dims, window, tile,
+                                   block_k: int, tables: SlotTables, ptx: bool):
   """One query tile of one (batch row, head). Refs are `[N, D]` rows of the
-  flattened grid (`N = T * Y * X`); with `lse_ref` (the tile's block), also
-  the per-query log-sum-exp the backward recomputes probabilities from."""
+  flattened grid (`N = T * Y * X`) and the halo's slot tables (`tables`
+  describes them); with `lse_ref` (the tile's block), also the per-query
+  log-sum-exp the backward recomputes probabilities from."""
   queries = tile_points(dims, tile)
   q = q_ref[queries.rows, :]
 
   def step(k, v, visible, carry):
-    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * LOG2_E  # q is pre-scaled
-    return online_softmax_step(s, carry, v, visible=visible)
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # q is pre-scaled
+    return online_softmax_step(s, carry, v, visible=visible, score_scale=LOG2_E, fma_ptx=ptx)
 
-  o, m, l = walk_halo(step, init_carry(q.shape[0], q.shape[1]), k_ref, v_ref, queries, dims, window, tile,
-                      block_k)
+  o, m, l = walk_halo(step, init_carry(q.shape[0], q.shape[1]), k_ref, v_ref, (offsets_ref, tests_ref), tables,
+                      queries, dims, window, tile, block_k)
   store_tile(o_ref, normalize(o, m, l).astype(o_ref.dtype), queries, dims, tile)  # l >= 1: every row sees its window
   if lse_ref:
     store_tile(lse_ref[0], lse_for_backward(m, l), queries, dims, tile)
@@ -209,19 +214,21 @@ def _forward(q, k, v, *, window, config: NeighborhoodAttentionConfig, interpret:
   if with_lse:
     out_shape.append(jax.ShapeDtypeStruct((batch, num_heads, *dims), jnp.float32))
     out_specs.append(tile_spec(dims, config.tile, None))
+  tables = halo_slots(dims, window, config.tile, config.block_k)
+  slots, slot_specs = slot_operands(tables)
   kernel = functools.partial(_neighborhood_attention_kernel, dims=dims, window=window,
-                             tile=config.tile, block_k=config.block_k)
+                             tile=config.tile, block_k=config.block_k, tables=tables, ptx=not interpret)
   outs = common.pallas_call(
       kernel,
       out_shape=out_shape,
       grid=(math.prod(cdiv(d, b) for d, b in zip(dims, config.tile)), batch, num_heads),
-      in_specs=[spec, spec, spec],
+      in_specs=[spec, spec, spec, *slot_specs],
       out_specs=out_specs,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
       interpret=interpret,
       name="neighborhood_attention_3d",
-  )(flat(q), flat(k), flat(v))
+  )(flat(q), flat(k), flat(v), *slots)
   return tuple(outs) if with_lse else outs[0]
 
 

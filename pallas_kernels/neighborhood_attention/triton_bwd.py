@@ -35,31 +35,35 @@ import jax.numpy as jnp
 
 from pallas_kernels.shared import common
 from pallas_kernels.shared.common import cdiv
-from pallas_kernels.neighborhood_attention.tiles import Dims, store_tile, tile_points, tile_spec, walk_halo, walk_query_box
-from pallas_kernels.shared.online_softmax import LOG2_E
+from pallas_kernels.neighborhood_attention.tiles import (Dims, SlotTables, halo_slots, query_box_slots, slot_operands,
+                                                        store_tile, tile_points, tile_spec, walk_halo, walk_query_box)
+from pallas_kernels.shared.online_softmax import LOG2_E, scaled_minus
 from pallas_kernels.neighborhood_attention.config import NeighborhoodAttentionConfig
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, dims: Dims, window: Dims,
-               tile: Dims, block_k: int):
-  """One query tile of one (batch row, head); `[N, D]` and `[N]` refs."""
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, offsets_ref, tests_ref, dq_ref, *, dims: Dims,
+               window: Dims, tile: Dims, block_k: int, tables: SlotTables, ptx: bool):
+  """One query tile of one (batch row, head); `[N, D]` and `[N]` refs, the
+  halo's slot tables; `ptx`: inline PTX (compiled, not interpreted)."""
   queries = tile_points(dims, tile)
   q, do = q_ref[queries.rows, :], do_ref[queries.rows, :]
   lse, delta = lse_ref[queries.rows], delta_ref[queries.rows]
 
   def step(k, v, visible, dq):
-    p = jnp.exp2(jnp.dot(q, k.T, preferred_element_type=jnp.float32) * LOG2_E - lse[:, None])
+    p = jnp.exp2(scaled_minus(jnp.dot(q, k.T, preferred_element_type=jnp.float32), LOG2_E, lse[:, None], ptx=ptx))
     p = jnp.where(visible, p, 0.0)
     ds = p * (jnp.dot(do, v.T, preferred_element_type=jnp.float32) - delta[:, None])
     return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-  dq = walk_halo(step, jnp.zeros(q.shape, jnp.float32), k_ref, v_ref, queries, dims, window, tile, block_k)
+  dq = walk_halo(step, jnp.zeros(q.shape, jnp.float32), k_ref, v_ref, (offsets_ref, tests_ref), tables, queries,
+                 dims, window, tile, block_k)
   store_tile(dq_ref, dq.astype(dq_ref.dtype), queries, dims, tile)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, dims: Dims,
-                 window: Dims, tile: Dims, block_q: int):
-  """One key tile of one (batch row, head); `[N, D]` and `[N]` refs."""
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, offsets_ref, tests_ref, dk_ref, dv_ref, *,
+                 dims: Dims, window: Dims, tile: Dims, block_q: int, tables: SlotTables, ptx: bool):
+  """One key tile of one (batch row, head); `[N, D]` and `[N]` refs, the
+  query box's slot tables; `ptx` as `_dq_kernel`'s."""
   keys = tile_points(dims, tile)
   k, v = k_ref[keys.rows, :], v_ref[keys.rows, :]
 
@@ -68,14 +72,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     q, do = q_ref[rows, :], do_ref[rows, :]
     lse, delta = lse_ref[rows], delta_ref[rows]
     # Transposed scores [P, block_q]: the program's keys are the rows.
-    p = jnp.exp2(jnp.dot(k, q.T, preferred_element_type=jnp.float32) * LOG2_E - lse[None, :])
+    p = jnp.exp2(scaled_minus(jnp.dot(k, q.T, preferred_element_type=jnp.float32), LOG2_E, lse[None, :], ptx=ptx))
     p = jnp.where(visible, p, 0.0)
     dv = dv + jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
     ds = p * (jnp.dot(v, do.T, preferred_element_type=jnp.float32) - delta[None, :])
     return dk + jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32), dv
 
   zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = walk_query_box(step, (zeros, zeros), keys, dims, window, tile, block_q)
+  dk, dv = walk_query_box(step, (zeros, zeros), (offsets_ref, tests_ref), tables, keys, dims, window, block_q)
   store_tile(dk_ref, dk.astype(dk_ref.dtype), keys, dims, tile)
   store_tile(dv_ref, dv.astype(dv_ref.dtype), keys, dims, tile)
 
@@ -98,23 +102,26 @@ def attention_backward(q, k, v, o, lse, do, *, window: Dims, dq_config: Neighbor
   inputs = (flat(q), flat(k), flat(v), flat(do), lse.reshape(batch, num_heads, n), delta)
   in_specs = [rows, rows, rows, rows, stats, stats]
 
-  def launch(kernel, config, num_outputs, name):
+  def launch(kernel, config, tables, num_outputs, name):
     spec = tile_spec(dims, config.tile, head_dim)
+    slots, slot_specs = slot_operands(tables)
     outs = common.pallas_call(
-        kernel, out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)] * num_outputs,
+        functools.partial(kernel, tables=tables, ptx=not interpret), out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)] * num_outputs,
         grid=(math.prod(cdiv(d, b) for d, b in zip(dims, config.tile)), batch, num_heads),
-        in_specs=in_specs, out_specs=[spec] * num_outputs,
+        in_specs=[*in_specs, *slot_specs], out_specs=[spec] * num_outputs,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret, name=name)(*inputs)
+        interpret=interpret, name=name)(*inputs, *slots)
     return outs
 
   dq = dk = dv = None
   if need_dq:
     kernel = functools.partial(_dq_kernel, dims=dims, window=window, tile=dq_config.tile,
                                block_k=dq_config.block_k)
-    [dq] = launch(kernel, dq_config, 1, "neighborhood_attention_3d_bwd_dq")
+    tables = halo_slots(dims, window, dq_config.tile, dq_config.block_k)
+    [dq] = launch(kernel, dq_config, tables, 1, "neighborhood_attention_3d_bwd_dq")
   if need_dkv:
     kernel = functools.partial(_dkdv_kernel, dims=dims, window=window, tile=dkdv_config.tile,
                                block_q=dkdv_config.block_k)
-    dk, dv = launch(kernel, dkdv_config, 2, "neighborhood_attention_3d_bwd_dkdv")
+    tables = query_box_slots(dims, window, dkdv_config.tile, dkdv_config.block_k)
+    dk, dv = launch(kernel, dkdv_config, tables, 2, "neighborhood_attention_3d_bwd_dkdv")
   return dq, dk, dv

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import jax
+from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 LOG2_E = math.log2(math.e)
@@ -33,11 +34,25 @@ def init_carry(rows: int, width: int, parts: int | None = None):
   return acc, jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32)
 
 
-def online_softmax_step(s, carry, values, *, visible=None, value_scales=None, p_hi_lo=False):
+def scaled_minus(s, scale: float, m, *, ptx: bool):
+  """`s * scale - m` (fp32, `m` broadcasting to `s`): with `ptx` one
+  `fma.rn.f32` a score (inline PTX, a Triton kernel on a GPU: the Triton
+  lowering never contracts jnp's multiply and subtract), else jnp's two
+  roundings."""
+  if not ptx:
+    return s * scale - m
+  args = [s, jnp.full(s.shape, scale, jnp.float32), jnp.broadcast_to(-m, s.shape)]
+  return plgpu.elementwise_inline_asm("fma.rn.f32 $0, $1, $2, $3;", args=args, constraints="=f,f,f,f", pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(s.shape, jnp.float32)])[0]
+
+
+def online_softmax_step(s, carry, values, *, visible=None, value_scales=None, p_hi_lo=False, score_scale=None,
+                        fma_ptx=False):
   """Folds one key block into the carry; returns the new carry.
 
   Args:
-    s: `[rows, keys]` fp32 scores, already scaled by `LOG2_E * sm_scale`.
+    s: `[rows, keys]` fp32 scores, already scaled by `LOG2_E * sm_scale`,
+      or with `score_scale` the raw dot.
     carry: `(acc, m, l)`, see the module docstring.
     values: the value tile `[keys, width]`, or a list of tiles (the value
       dimension in parts; `acc` is then a list of as many parts). The update
@@ -57,14 +72,23 @@ def online_softmax_step(s, carry, values, *, visible=None, value_scales=None, p_
       16 significant bits instead of 8): for values whose magnitudes make
       the rounding of p visible in the sum (dequantized outlier blocks over
       hundreds of keys).
+    score_scale: a positive float that the step applies to `s` itself:
+      the row max is taken on the raw scores and then scaled (a positive
+      scale commutes with max, roundings included) and each probability is
+      `exp2(s * score_scale - m)` in one `scaled_minus` (`fma_ptx`: one fma
+      a score instead of a multiply and a subtract).
   """
   acc, m_prev, l_prev = carry
   if visible is not None:
     s = jnp.where(visible, s, -jnp.inf)
-  m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1))
+  block_max = jnp.max(s, axis=-1)
+  m_next = jnp.maximum(m_prev, block_max if score_scale is None else block_max * score_scale)
   m_safe = m_next if visible is None else jnp.where(m_next == -jnp.inf, 0.0, m_next)
   correction = jnp.exp2(m_prev - m_safe)
-  p = jnp.exp2(s - m_safe[:, None])
+  if score_scale is None:
+    p = jnp.exp2(s - m_safe[:, None])
+  else:
+    p = jnp.exp2(scaled_minus(s, score_scale, m_safe[:, None], ptx=fma_ptx))
   l_next = correction * l_prev + jnp.sum(p, axis=-1)
   if isinstance(values, (list, tuple)):
     scales = value_scales or [None] * len(values)
