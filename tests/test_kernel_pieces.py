@@ -33,7 +33,7 @@ from pallas_kernels.neighborhood_attention import triton as neighborhood_attenti
 from pallas_kernels.qsa_index import triton as qsa_index
 from pallas_kernels.shared.lowering import assert_lowers_to_triton
 from pallas_kernels.shared.online_softmax import (LOG2_E, init_carry, lse_base2, lse_natural, normalize,
-                                           online_softmax_step)
+                                           online_softmax_step, row_sums)
 from numerics import assert_bf16_close, assert_f32_close
 
 
@@ -232,6 +232,51 @@ def test_online_step_unmasked_blocks_and_value_parts():
   s_inf = s.at[:, 0].set(jnp.inf)
   masked = online_softmax_step(s_inf, init_carry(4, 8), v, visible=jnp.arange(32)[None, :] > 0)
   assert np.all(np.isfinite(np.asarray(normalize(*masked))))
+
+
+def test_online_step_raw_scores_dot_row_sums_and_finite_max():
+  """The options a kernel's inner loop may take give the plain step's
+  softmax: `score_scale` (raw scores, the max scaled after), row sums as a
+  dot of the bf16-rounded probabilities (exactly the weights the value dot
+  used), a finite starting max (no empty-row guard: a block hiding all of
+  a row's keys leaves it unchanged, infinite hidden scores included)."""
+  rng = np.random.default_rng(3)
+  rows, keys, width, block = 16, 64, 16, 16
+  s = rng.standard_normal((rows, keys)).astype(np.float32) * 4
+  v = rng.standard_normal((keys, width)).astype(np.float32)
+  visible = rng.random((rows, keys)) < 0.6
+  visible[:, :block] = False          # nobody sees the first block
+  visible[3, block:2 * block] = False  # row 3 sees nothing in the second either
+  visible[:, 0] = False
+  s[:, 0] = np.inf                    # hidden infinities are selected away
+  visible[:, -1] = True               # every row sees a key
+  v16 = jnp.asarray(v, jnp.bfloat16)
+  plain = init_carry(rows, width)
+  fused = init_carry(rows, width, row_sums_by_dot=True, finite_max=True)
+  assert fused[2].shape == (rows, 16) and np.isfinite(np.asarray(fused[1])).all()
+  for start in range(0, keys, block):
+    cols = slice(start, start + block)
+    vis = jnp.asarray(visible[:, cols])
+    plain = online_softmax_step(jnp.asarray(s[:, cols]) * LOG2_E, plain, v16[cols], visible=vis)
+    fused = online_softmax_step(jnp.asarray(s[:, cols]), fused, v16[cols], visible=vis, score_scale=LOG2_E,
+                                row_sums_by_dot=True, finite_max=True)
+  acc, m, l = fused
+  want, _ = softmax_reference(s, v16.astype(jnp.float32), visible)
+  np.testing.assert_allclose(np.asarray(normalize(acc, m, row_sums(l))), want, rtol=2e-2, atol=2e-3)
+  assert_f32_close(m, plain[1])
+  assert np.all(np.asarray(l) == np.asarray(l)[:, :1])  # equal columns
+  # One block whose probabilities all round down in bf16 (0.998 -> 0.99609):
+  # the dot's row sum is the rounded weights' sum, 0.2% below the fp32 one.
+  raw = np.full((2, 16), np.log2(0.998) / LOG2_E, np.float32)
+  raw[:, 0] = 0.0
+  _, _, l_dot = online_softmax_step(jnp.asarray(raw), init_carry(2, width, row_sums_by_dot=True, finite_max=True),
+                                    v16[:16], score_scale=LOG2_E, row_sums_by_dot=True, finite_max=True)
+  weights = np.exp2(raw * LOG2_E)
+  rounded = np.asarray(jnp.asarray(weights).astype(jnp.bfloat16).astype(jnp.float32)).sum(1)
+  np.testing.assert_allclose(np.asarray(row_sums(l_dot)), rounded, rtol=1e-6)
+  assert np.all(np.abs(np.asarray(row_sums(l_dot)) - weights.sum(1)) > 1e-3 * weights.sum(1))
+  with pytest.raises(ValueError, match="one value tile"):
+    online_softmax_step(jnp.asarray(s[:, :block]), fused, [v16[:block]], row_sums_by_dot=True)
 
 
 def test_online_step_p_hi_lo_carries_about_16_bits_of_p():

@@ -32,8 +32,10 @@ run together and share their key halos in L2. A program:
    table's window bits: it also hides the rows past the grid and the padding
    of the last chunk, which lie outside every window), and folded into the
    online softmax (`online_softmax`: FlashAttention-2, base 2, fp32, the
-   `log2 e` scale fused into the exponent's fma); the probabilities are
-   rounded to the value dtype for the second dot, as every flash kernel does;
+   `log2 e` scale fused into the exponent's fma, the running max started
+   finite); the probabilities are rounded to the value dtype for the second
+   dot, as every flash kernel does, and their row sums come from a third,
+   narrow dot with ones (the denominator sums the numerator's weights);
 4. divides by the row sums and stores the tile as a `[block_t, block_y,
    block_x, D]` block of the output (masked at the grid's edges).
 
@@ -46,10 +48,9 @@ box, `prod(block + k - 1)` keys rounded up to `block_k`, of which its window
 is `KT * KY * KX`. The heuristic picks the tile shape that minimizes the
 scored pairs (including edge tiles) for the problem (the useful fractions
 at the recorded grids: docs/perf/kernel_notes.md). Besides the two dots,
-each scored pair costs about 8 CUDA-core operations (the window bits' and
-and compare, the select, the online-softmax update with one fma and one
-exp2), which still bounds the kernel more than the tensor cores do
-(docs/perf/kernel_notes.md).
+each scored pair costs about 6 CUDA-core operations (the window bits' and
+and compare, the select, the max, one fma and one exp2), about as much
+issue time as the tensor cores take (docs/perf/kernel_notes.md).
 
 On sm_90a the 64-query tiles run both dots as wgmma and the gathered K/V
 chunks through `cp.async`, without spills (docs/perf/sm90a_compile.md).
@@ -73,7 +74,8 @@ from pallas_kernels.shared.common import cdiv, check_pow2_dim, next_pow2, resolv
 from pallas_kernels.neighborhood_attention.triton_bwd import attention_backward
 from pallas_kernels.neighborhood_attention.tiles import (SlotTables, halo_box, halo_slots, query_box, slot_operands, store_tile,
                                                         tile_points, tile_spec, walk_halo)
-from pallas_kernels.shared.online_softmax import LOG2_E, init_carry, lse_for_backward, normalize, online_softmax_step
+from pallas_kernels.shared.online_softmax import (LOG2_E, init_carry, lse_for_backward, normalize, online_softmax_step,
+                                                  row_sums)
 from pallas_kernels.neighborhood_attention.config import NeighborhoodAttentionConfig, NeighborhoodAttentionBwdConfig
 
 
@@ -191,10 +193,12 @@ def _neighborhood_attention_kernel(q_ref, k_ref, v_ref, offsets_ref, tests_ref, 
 
   def step(k, v, visible, carry):
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # q is pre-scaled
-    return online_softmax_step(s, carry, v, visible=visible, score_scale=LOG2_E, fma_ptx=ptx)
+    return online_softmax_step(s, carry, v, visible=visible, score_scale=LOG2_E, fma_ptx=ptx, row_sums_by_dot=True,
+                               finite_max=True)
 
-  o, m, l = walk_halo(step, init_carry(q.shape[0], q.shape[1]), k_ref, v_ref, (offsets_ref, tests_ref), tables,
-                      queries, dims, window, tile, block_k)
+  carry = init_carry(q.shape[0], q.shape[1], row_sums_by_dot=True, finite_max=True)
+  o, m, l = walk_halo(step, carry, k_ref, v_ref, (offsets_ref, tests_ref), tables, queries, dims, window, tile, block_k)
+  l = row_sums(l)
   store_tile(o_ref, normalize(o, m, l).astype(o_ref.dtype), queries, dims, tile)  # l >= 1: every row sees its window
   if lse_ref:
     store_tile(lse_ref[0], lse_for_backward(m, l), queries, dims, tile)

@@ -26,12 +26,29 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
-def init_carry(rows: int, width: int, parts: int | None = None):
+# Columns of the row-sum dot (`online_softmax_step(..., row_sums_by_dot=True)`):
+# the narrowest tensor-core tile.
+ROW_SUM_COLUMNS = 16
+
+
+def init_carry(rows: int, width: int, parts: int | None = None, *, row_sums_by_dot: bool = False,
+               finite_max: bool = False):
   """`(acc, m, l)` of rows that have seen nothing: acc `[rows, width]` zeros,
-  or a list of `parts` such arrays."""
+  or a list of `parts` such arrays; `l` `[rows]`, or with `row_sums_by_dot`
+  `[rows, ROW_SUM_COLUMNS]` (`row_sums` reads it); `m` -inf, or with
+  `finite_max` the lowest finite fp32 (`online_softmax_step`'s
+  `finite_max`)."""
   zeros = lambda: jnp.zeros((rows, width), jnp.float32)
   acc = zeros() if parts is None else [zeros() for _ in range(parts)]
-  return acc, jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32)
+  l = jnp.zeros((rows, ROW_SUM_COLUMNS) if row_sums_by_dot else (rows,), jnp.float32)
+  m = jnp.full((rows,), jnp.finfo(jnp.float32).min if finite_max else -jnp.inf, jnp.float32)
+  return acc, m, l
+
+
+def row_sums(l):
+  """The `[rows]` row sums of a carry's `l` (either form of `init_carry`;
+  the dot form's columns are equal)."""
+  return l if l.ndim == 1 else jnp.max(l, axis=1)
 
 
 def scaled_minus(s, scale: float, m, *, ptx: bool):
@@ -47,7 +64,7 @@ def scaled_minus(s, scale: float, m, *, ptx: bool):
 
 
 def online_softmax_step(s, carry, values, *, visible=None, value_scales=None, p_hi_lo=False, score_scale=None,
-                        fma_ptx=False):
+                        fma_ptx=False, row_sums_by_dot=False, finite_max=False):
   """Folds one key block into the carry; returns the new carry.
 
   Args:
@@ -77,19 +94,37 @@ def online_softmax_step(s, carry, values, *, visible=None, value_scales=None, p_
       scale commutes with max, roundings included) and each probability is
       `exp2(s * score_scale - m)` in one `scaled_minus` (`fma_ptx`: one fma
       a score instead of a multiply and a subtract).
+    row_sums_by_dot: `l` is `[rows, ROW_SUM_COLUMNS]` (`init_carry`) and
+      the block's row sums come from a dot of the probabilities, rounded to
+      the value dtype as for the value dot, with ones: a narrow tensor-core
+      op instead of an add a score and a cross-lane reduction. The
+      denominator is then the sum of exactly the weights the numerator
+      used (one value tile, no `p_hi_lo`).
+    finite_max: the carry's `m` started finite (`init_carry(...,
+      finite_max=True)`), so it stays finite and a row whose block hides
+      every key needs no guard: its probabilities are `exp2(-inf - m) = 0`
+      and its correction `exp2(0) = 1`. (A finite score is at least the
+      lowest fp32, so the running max is still the scores' max once a row
+      has seen a key; a score that overflowed to -inf counts as hidden.)
   """
   acc, m_prev, l_prev = carry
   if visible is not None:
     s = jnp.where(visible, s, -jnp.inf)
   block_max = jnp.max(s, axis=-1)
   m_next = jnp.maximum(m_prev, block_max if score_scale is None else block_max * score_scale)
-  m_safe = m_next if visible is None else jnp.where(m_next == -jnp.inf, 0.0, m_next)
+  m_safe = m_next if visible is None or finite_max else jnp.where(m_next == -jnp.inf, 0.0, m_next)
   correction = jnp.exp2(m_prev - m_safe)
   if score_scale is None:
     p = jnp.exp2(s - m_safe[:, None])
   else:
     p = jnp.exp2(scaled_minus(s, score_scale, m_safe[:, None], ptx=fma_ptx))
-  l_next = correction * l_prev + jnp.sum(p, axis=-1)
+  if row_sums_by_dot:
+    if p_hi_lo or isinstance(values, (list, tuple)):
+      raise ValueError("row_sums_by_dot takes one value tile and no p_hi_lo")
+    ones = jnp.ones((values.shape[0], ROW_SUM_COLUMNS), values.dtype)
+    l_next = correction[:, None] * l_prev + jnp.dot(p.astype(values.dtype), ones, preferred_element_type=jnp.float32)
+  else:
+    l_next = correction * l_prev + jnp.sum(p, axis=-1)
   if isinstance(values, (list, tuple)):
     scales = value_scales or [None] * len(values)
     acc = [correction[:, None] * a + _weighted_values(p if w is None else p * w[None, :], v, p_hi_lo)
