@@ -108,13 +108,16 @@ CASES = {
 def launches(config, axes):
   """Grid (N blocks, expert slots, row tiles), blocks fitted to the problem
   (powers of two >= 16 covering M and N), the slots to the most experts a
-  row tile can hold (min(E, block_m, M))."""
+  row tile can hold (min(E, block_m, M)); with expert items (N blocks, 1,
+  item slots: row tiles plus one per key, E + 1 keys at most)."""
   fit = lambda block, size: max(16, min(block, 1 << max(size - 1, 0).bit_length()))  # noqa: E731
   m, n = axes["M"], axes["N"]
   block_m, block_n = fit(config.block_m, m), fit(config.block_n, n)
-  slots = min(config.expert_slots, max(1, min(axes["E"], block_m, m)))
-  return [TritonCall("grouped_gemm_fp8_fp4", (-(-n // block_n), slots, -(-m // block_m)), config.num_warps,
-                     config.num_stages)]
+  if config.expert_items:
+    grid = (-(-n // block_n), 1, -(-m // block_m) + min(axes["E"] + 1, m))
+  else:
+    grid = (-(-n // block_n), min(config.expert_slots, max(1, min(axes["E"], block_m, m))), -(-m // block_m))
+  return [TritonCall("grouped_gemm_fp8_fp4", grid, config.num_warps, config.num_stages)]
 
 
 def invalid_rows_are_zero(ids, e):
@@ -129,6 +132,18 @@ KERNEL_CASES = [
     Case(DEFINITIONS[0], inputs=lambda ids=ids, n=n, k=k, e=e: operands(ids, n, k, e=e, seed=len(ids)), config=config,
          check=invalid_rows_are_zero(ids, e), id=label)
     for label, (ids, n, k, config, e) in sorted(CASES.items())]
+# Expert items (a work list: rows gathered and scattered by index) on the
+# same ids: unsorted and shuffled rows, invalid ids, padding, experts of more
+# rows than an item, ragged N and K; both operand roles.
+ITEMS = gg.GroupedGemmConfig(16, 32, 64, swap_ab=True, expert_items=True, num_warps=4, num_stages=2)
+ITEMS_UNSWAPPED = gg.GroupedGemmConfig(16, 32, 64, expert_items=True, num_warps=4, num_stages=2)
+KERNEL_CASES += [
+    Case(DEFINITIONS[0], inputs=lambda ids=CASES[label][0], n=CASES[label][1], k=CASES[label][2], e=CASES[label][4]:
+         operands(ids, n, k, e=e, seed=len(ids)), config=config,
+         check=invalid_rows_are_zero(CASES[label][0], CASES[label][4]), id=f"{label}_{name}")
+    for label in ("boundaries_in_tiles", "padded_groups", "unsorted_ids", "out_of_range_ids", "shuffled_rows",
+                  "all_padding", "one_row", "block_m_32")
+    for name, config in (("items", ITEMS), ("items_unswapped", ITEMS_UNSWAPPED))]
 LOWERING_CASES = [Case(name, {"M": 6}, config=EVERY_CANDIDATE, id="decode_m6") for name in DEFINITIONS]
 SWEEP_CASE = Case(DEFINITIONS[0], {"M": 18, "E": 16, "N": 64, "K": 128, "K_groups": 4, "K_packed": 64})
 
@@ -346,8 +361,8 @@ def test_cpu_axes():
 
 def test_heuristic():
   """Weights on the MMA's M side, 16-row tiles for decode and up to 15 rows
-  per expert, 32-row tiles above; slots for every expert of a decode tile;
-  activations-as-M forms stay sweep candidates."""
+  per expert, 32-row expert items above; slots for every expert of a
+  decode tile; activations-as-M forms stay sweep candidates."""
   def shapes(m):
     return {"a": jax.ShapeDtypeStruct((m, 5120), jnp.float8_e4m3fn),
             "b": jax.ShapeDtypeStruct((E, 4608, 2560), jnp.uint8)}
@@ -355,14 +370,40 @@ def test_heuristic():
   assert (decode.block_m, decode.expert_slots, decode.swap_ab) == (16, 6, True)
   assert gg.choose_config(shapes(18)).expert_slots == 16
   assert gg.choose_config(shapes(2688)).block_m == 16   # 7 rows per expert
-  assert gg.choose_config(shapes(11904)).block_m == 32  # 31 rows per expert
-  prefill = gg.choose_config(shapes(24576))
-  assert (prefill.block_m, prefill.swap_ab) == (32, True)
+  for m in (11904, 24576):                           # 31 and 64 rows per expert: 32-row expert items
+    prefill = gg.choose_config(shapes(m))
+    assert (prefill.block_m, prefill.swap_ab, prefill.expert_items) == (32, True, True)
+  assert not gg.choose_config(shapes(18)).expert_items
   for m in RECORDED_M:
     candidates = gg.candidate_configs(shapes(m))
     assert candidates[0] == gg.choose_config(shapes(m))
     assert {c.swap_ab for c in candidates} == {True, False}
     assert all(c.block_k in (32, 64, 128) for c in candidates)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_expert_items_cover_every_row_once(seed):
+  """`expert_items`: every row in exactly one item, an item's rows share one
+  key (the expert, or E for invalid ids) and number 1..block_m, keys
+  ascending, empty slots at the end; the bound on the slots holds."""
+  rng = np.random.default_rng(seed)
+  e, block_m = int(rng.integers(1, 12)), int(rng.choice([16, 32, 64]))
+  m = int(rng.integers(1, 300))
+  ids = rng.integers(-3, e + 3, m) if seed % 2 else np.sort(rng.integers(0, e, m))
+  order, table = (np.asarray(x) for x in gg.expert_items(jnp.asarray(ids, jnp.int32), e, block_m))
+  key = np.where((ids >= 0) & (ids < e), ids, e)
+  assert table.shape == (3, gg.item_slots(m, e, block_m))
+  covered = np.zeros(m, int)
+  used = table[2] > 0
+  assert used[:used.sum()].all()                    # items first, then empty slots
+  assert np.all(np.diff(table[0][used]) >= 0)       # keys ascending
+  for expert, start, rows in table.T[used]:
+    assert 1 <= rows <= block_m
+    members = order[start:start + rows]
+    assert np.all(key[members] == expert)
+    covered[members] += 1
+  assert np.all(covered == 1)
+  assert np.all(table[0][~used] == e) and np.all(table[2][~used] == 0)
 
 
 def test_config_rejects_bad_blocks():

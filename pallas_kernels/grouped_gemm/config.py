@@ -13,11 +13,15 @@ class GroupedGemmConfig(KernelConfig):
   """Tiling of the grouped GEMM; `block_k` is whole 32-k scale groups;
   `expert_slots` programs share each (row tile, N tile), one expert each
   in turn (more slots: more parallelism for tiles of many experts, more
-  programs that find nothing to do)."""
+  programs that find nothing to do). `expert_items`: instead of row tiles,
+  items of up to `block_m` rows of one expert from a work list built
+  before the launch (each weight tile decoded once per item; the slots
+  are unused)."""
   block_m: int = field(64, DOT_BLOCK)
   block_n: int = field(128, DOT_BLOCK)
   block_k: int = field(128, one_of(32, 64, 128))
   expert_slots: int = field(2, at_least(1))
   swap_ab: bool = field(False, instance_of(bool))
+  expert_items: bool = field(False, instance_of(bool))
   num_warps: int = field(8, NUM_WARPS)
   num_stages: int = field(3, NUM_STAGES)

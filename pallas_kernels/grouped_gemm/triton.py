@@ -49,6 +49,19 @@ weight streams per N tile, never a loop over the 384 experts. Rows grouped
 by expert (DeepGEMM's contiguous layout) put one to three experts in most
 tiles; ungrouped rows stay correct, with up to `block_m` experts per tile.
 
+Expert items (`expert_items`, prefill). A row tile holding the end of one
+expert's rows and the start of the next decodes both experts' weights for
+a few rows each: at M = 24576 the 768 32-row tiles make 1067 (tile, expert)
+items over 306 experts, each weight byte decoded 3.5 times. With many rows
+per expert the wrapper instead builds a work list in XLA (`expert_items`:
+rows ordered by expert, a stable sort, and per expert `ceil(rows /
+block_m)` items of (expert, first row in that order, rows)); grid `(N
+tiles, 1, item slots)`, the slots an upper bound, empty ones exit. An
+item gathers its rows by index (any order) and scatters its result rows;
+the rows with invalid ids form items of their own that write zeros. At M =
+24576, 32-row items are 966 (3.16 decodes per weight byte), 64-row ones
+601 (1.96).
+
 A program walks K in `block_k` steps (<= 128: a step's scale bytes are one
 word, loaded once per step), each unrolled into its `block_k / 32` scale
 groups. Activations: `[block_m, 32]` fp8 bytes (row indices clamped to
@@ -106,10 +119,10 @@ def _fit(config: GroupedGemmConfig, m: int, n: int, k: int, e: int) -> GroupedGe
   most experts a tile can hold."""
   k_pow2 = k & -k  # largest power of two dividing k
   block_m = fit_block(config.block_m, m)
+  slots = 1 if config.expert_items else min(config.expert_slots, max_experts_per_tile(m, e, block_m))
   return dataclasses.replace(
       config, block_m=block_m, block_n=fit_block(config.block_n, n),
-      block_k=max(MIN_BLOCK_K, min(config.block_k, k_pow2)),
-      expert_slots=min(config.expert_slots, max_experts_per_tile(m, e, block_m)))
+      block_k=max(MIN_BLOCK_K, min(config.block_k, k_pow2)), expert_slots=slots)
 
 
 # Rows per expert (M / E) from which 32-row tiles beat 16-row ones: an item
@@ -125,12 +138,19 @@ _ROWS_PER_EXPERT_FOR_32 = 15
 
 def _heuristic(m: int, e: int) -> GroupedGemmConfig:
   """The weights as the MMA's M side (`swap_ab`), rows of activations as its
-  N side, 16- or 32-row tiles (`_ROWS_PER_EXPERT_FOR_32`). Decode (M <= 16)
-  is one 16-row tile with a slot per expert (6 x 36 programs at M = 6,
-  N = 4608): a weight stream."""
+  N side: 16-row tiles up to `_ROWS_PER_EXPERT_FOR_32` rows per expert,
+  32-row expert items above. Decode (M <= 16) is one 16-row tile with a
+  slot per expert (6 x 36 programs at M = 6, N = 4608): a weight stream.
+
+  Why 32-row items and not 64 (sm_90a PTX, thread-instructions a k-step
+  and 128-column tile, the records' synthesized routing at M = 24576):
+  32-row tiles 687 x 128 over 1067 (tile, expert) items, 93.8 M; 32-row
+  items 709 x 128 over 966, 87.7 M; 64-row items 640 x 256 over 601, 98.4
+  M (the per-32-k promotion grows with the rows, the decode does not:
+  docs/perf/moe_kernels.md)."""
   if m <= 16 or cdiv(m, e) < _ROWS_PER_EXPERT_FOR_32:
     return GroupedGemmConfig(16, 128, 128, expert_slots=16, swap_ab=True, num_warps=4, num_stages=3)
-  return GroupedGemmConfig(32, 128, 128, expert_slots=2, swap_ab=True, num_warps=4, num_stages=4)
+  return GroupedGemmConfig(32, 128, 128, swap_ab=True, expert_items=True, num_warps=4, num_stages=4)
 
 
 def choose_config(shapes: Mapping[str, Any]) -> GroupedGemmConfig:
@@ -148,6 +168,9 @@ _SWEEP_CONFIGS = (
     GroupedGemmConfig(64, 128, 128, expert_slots=2, swap_ab=True, num_warps=8, num_stages=3),
     GroupedGemmConfig(64, 128, 128, expert_slots=2, num_warps=8, num_stages=3),
     GroupedGemmConfig(128, 64, 128, expert_slots=2, num_warps=8, num_stages=3),
+    GroupedGemmConfig(32, 128, 128, swap_ab=True, expert_items=True, num_warps=4, num_stages=4),
+    GroupedGemmConfig(64, 128, 128, swap_ab=True, expert_items=True, num_warps=8, num_stages=3),
+    GroupedGemmConfig(128, 64, 128, expert_items=True, num_warps=8, num_stages=3),
 )
 
 
@@ -188,23 +211,39 @@ def dot_operand_dtype(config: GroupedGemmConfig | None = None):
   return jnp.float8_e4m3fn
 
 
-def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, c_ref, *, m: int, n: int, k: int,
-                         e: int, block_m: int, block_n: int, block_k: int, slots: int, swap_ab: bool, ptx: bool):
+def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, *refs, m: int, n: int, k: int,
+                         e: int, block_m: int, block_n: int, block_k: int, slots: int, swap_ab: bool, items: bool,
+                         ptx: bool):
   # Whole-array refs: a/ids [M, ...], b [E, N, K/2], c [M, N]; the scales as
   # words of one k-step's scale bytes: a_scale [M, K/block_k],
-  # b_scale [E, N, K/block_k] (byte g = scale group g of the step).
+  # b_scale [E, N, K/block_k] (byte g = scale group g of the step). With
+  # `items`, `refs` starts with the work list (`expert_items`): the row
+  # order [M] and the item table [3, item slots].
+  *work_refs, c_ref = refs
   n0 = pl.program_id(0) * block_n
-  slot = pl.program_id(1)
-  row0 = pl.program_id(2) * block_m
-
-  rows = row0 + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
-  rows_c = jnp.minimum(rows, m - 1)            # clamped: loads need no mask
-  ids = jnp.where(rows < m, ids_ref[rows_c], -1)
-  key, first, rank, count = rank_tile_experts(ids, e)
   cols = n0 + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
   cols_c = jnp.minimum(cols, n - 1)
-  store_ok = (rows < m)[:, None] & (cols < n)[None, :]
-  out_block = c_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)]
+  in_block = lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+  if items:
+    order_ref, table_ref = work_refs
+    item = pl.program_id(2)
+    item_expert, item_start, item_rows = table_ref[0, item], table_ref[1, item], table_ref[2, item]
+    # The item's rows (any order); lanes past its rows repeat them
+    # (`in_block mod rows`), as clamped columns repeat column N - 1: such
+    # lanes compute and store the same values as the lanes they repeat, so
+    # the scatter needs no mask but the empty slot's (a masked lane would,
+    # in interpret mode, store the old value back over its duplicate).
+    lane = lax.rem(in_block, jnp.maximum(item_rows, 1))
+    rows_c = order_ref[jnp.minimum(item_start + lane, m - 1)]
+  else:
+    slot = pl.program_id(1)
+    row0 = pl.program_id(2) * block_m
+    rows = row0 + in_block
+    rows_c = jnp.minimum(rows, m - 1)            # clamped: loads need no mask
+    ids = jnp.where(rows < m, ids_ref[rows_c], -1)
+    key, first, rank, count = rank_tile_experts(ids, e)
+    store_ok = (rows < m)[:, None] & (cols < n)[None, :]
+    out_block = c_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)]
   a_rows = rows_c[:, None]                                           # [block_m, 1]
   b_rows = cols_c[:, None]                                           # [block_n, 1]
   k_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP), 1)          # [1, 32]
@@ -236,6 +275,15 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, c_ref,
     acc = lax.fori_loop(0, k // block_k, step, jnp.zeros(shape, jnp.float32)) * unit
     return acc.T if swap_ab else acc
 
+  if items:
+    out_rows = c_ref.at[rows_c[:, None], cols_c[None, :]]
+    item_ok = jnp.broadcast_to(item_rows > 0, (block_m, block_n))  # an empty item slot stores nothing
+    pl.when(item_expert < e)(
+        lambda: plgpu.store(out_rows, expert_product(item_expert).astype(c_ref.dtype), mask=item_ok))
+    pl.when(item_expert == e)(  # the rows with invalid ids (and empty item slots: no rows)
+        lambda: plgpu.store(out_rows, jnp.zeros((block_m, block_n), c_ref.dtype), mask=item_ok))
+    return
+
   def store_expert(j):
     expert = jnp.max(jnp.where(first & (rank == j), key, -1))
     mine = (key == expert)[:, None]
@@ -256,6 +304,36 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, c_ref,
       return carry
 
     lax.fori_loop(0, turns, turn, 0)
+
+
+def item_slots(m: int, e: int, block_m: int) -> int:
+  """An upper bound on the items of `expert_items`: sum over the ids' keys
+  (E + 1 with the invalid one) of ceil(rows / block_m) <= M / block_m plus
+  one per key present."""
+  return cdiv(m, block_m) + min(e + 1, m)
+
+
+def expert_items(expert_ids: jax.Array, num_experts: int, block_m: int) -> tuple[jax.Array, jax.Array]:
+  """The work list of expert items (XLA, before the launch): `order` [M]
+  int32, the rows stably sorted by key (the expert id, `num_experts` for an
+  id outside [0, E)), and `table` [3, item_slots] int32 whose column `i` is
+  item i's (key, first position in `order`, rows): each key's rows cut
+  into items of `block_m` in order, keys ascending, every row in exactly
+  one item; slots past the last item have key `num_experts` and 0 rows."""
+  m = expert_ids.shape[0]
+  ids = expert_ids.astype(jnp.int32)
+  key = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+  order = jnp.argsort(key, stable=True).astype(jnp.int32)
+  rows = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)
+  first_row = jnp.cumsum(rows) - rows
+  items = (rows + block_m - 1) // block_m
+  items_end = jnp.cumsum(items)
+  slot = jnp.arange(item_slots(m, num_experts, block_m), dtype=jnp.int32)
+  owner = jnp.minimum(jnp.searchsorted(items_end, slot, side="right", method="compare_all"), num_experts)
+  local = slot - (items_end[owner] - items[owner])
+  count = jnp.where(slot < items_end[-1], jnp.clip(rows[owner] - local * block_m, 0, block_m), 0)
+  table = jnp.stack([owner, first_row[owner] + local * block_m, count]).astype(jnp.int32)
+  return order, table
 
 
 _WORD_TYPES = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
@@ -321,13 +399,18 @@ def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale
   def whole(x):
     return pl.BlockSpec(x.shape, lambda *_, nd=x.ndim: (0,) * nd)
 
+  row_programs = cdiv(m, config.block_m)
+  if config.expert_items:
+    operands += expert_items(expert_ids, e, config.block_m)
+    row_programs = operands[-1].shape[1]
+
   kernel = functools.partial(_grouped_gemm_kernel, m=m, n=n, k=k, e=e, block_m=config.block_m,
                              block_n=config.block_n, block_k=config.block_k, slots=config.expert_slots,
-                             swap_ab=config.swap_ab, ptx=not interpret)
+                             swap_ab=config.swap_ab, items=config.expert_items, ptx=not interpret)
   return common.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
-      grid=(cdiv(n, config.block_n), config.expert_slots, cdiv(m, config.block_m)),
+      grid=(cdiv(n, config.block_n), config.expert_slots, row_programs),
       in_specs=[whole(x) for x in operands],
       out_specs=pl.BlockSpec((m, n), lambda *_: (0, 0)),
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
