@@ -52,10 +52,12 @@ tiles; ungrouped rows stay correct, with up to `block_m` experts per tile.
 A program walks K in `block_k` steps (<= 128: a step's scale bytes are one
 word, loaded once per step), each unrolled into its `block_k / 32` scale
 groups. Activations: `[block_m, 32]` fp8 bytes (row indices clamped to
-M-1; rows past M are never stored). Weights: `[block_n, 16]` packed bytes
-decoded to `[block_n, 32]` e4m3, interleaved back into k order (Triton's
-join). K must be a multiple of 32 (the definition's `G`); `block_k` is
-shrunk to divide K.
+M-1; rows past M are never stored). Weights: `[block_n, 8]` pairs of
+packed bytes (b viewed as uint16 [E, N, K/4], `byte_pairs`: the layout of
+the MMA operand, where a thread's register holds four consecutive k of a
+row, is one pair's) decoded to `[block_n, 32]` e4m3 in k order, two pairs
+per inline-asm instance. K must be a multiple of 32 (the definition's
+`G`); `block_k` is shrunk to divide K.
 """
 
 from __future__ import annotations
@@ -72,8 +74,8 @@ from pallas_kernels.shared import common
 import jax.numpy as jnp
 
 from pallas_kernels.shared.common import cdiv, fit_block, fitted_candidates, resolve_interpret
-from pallas_kernels.shared.fp8_mma import e2m1_to_e4m3_operand, fp8_dot_nt, promote
-from pallas_kernels.shared.fp_formats import E2M1_E4M3_EXPONENT, ue8m0_to_f32
+from pallas_kernels.shared.fp8_mma import e2m1_to_e4m3_operand, fp8_dot_nt, promote, scale_byte_to_f32
+from pallas_kernels.shared.fp_formats import E2M1_E4M3_EXPONENT
 from pallas_kernels.grouped_gemm.config import GroupedGemmConfig
 
 GROUP = 32  # k values per UE8M0 scale byte (both operands)
@@ -208,7 +210,7 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, c_ref,
   a_rows = rows_c[:, None]                                           # [block_m, 1]
   b_rows = cols_c[:, None]                                           # [block_n, 1]
   k_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP), 1)          # [1, 32]
-  byte_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP // 2), 1)  # [1, 16]
+  pair_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP // 4), 1)  # [1, 8]
   groups_per_step = block_k // GROUP
   # The weights decode to e4m3 values times 2**-6: restored on the finished
   # accumulator (once per output, not once per scale group).
@@ -223,9 +225,9 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, c_ref,
       for g in range(groups_per_step):
         group = kk * groups_per_step + g
         a_op = lax.bitcast_convert_type(a_ref[a_rows, group * GROUP + k_in_group], jnp.float8_e4m3fn)
-        b_op = e2m1_to_e4m3_operand(b_ref[expert, b_rows, group * (GROUP // 2) + byte_in_group], ptx=ptx)
-        a_scale = ue8m0_to_f32(a_words >> (8 * g))
-        b_scale = ue8m0_to_f32(b_words >> (8 * g))
+        b_op = e2m1_to_e4m3_operand(b_ref[expert, b_rows, group * (GROUP // 4) + pair_in_group], ptx=ptx)
+        a_scale = scale_byte_to_f32(a_words, g, ptx=ptx)
+        b_scale = scale_byte_to_f32(b_words, g, ptx=ptx)
         if swap_ab:  # the weights are the MMA's M side: acc is C^T [block_n, block_m]
           acc = promote(acc, fp8_dot_nt(b_op, a_op), b_scale[:, None], a_scale[None, :], ptx=ptx)
         else:
@@ -272,6 +274,13 @@ def scale_words(scales: jax.Array, groups_per_step: int) -> jax.Array:
                                   _WORD_TYPES[groups_per_step])
 
 
+def byte_pairs(packed: jax.Array) -> jax.Array:
+  """Packed e2m1 bytes [..., K/2] -> uint16 pairs [..., K/4] (a bitcast,
+  the low byte first): the kernel loads a pair's four k values at once."""
+  *lead, width = packed.shape
+  return lax.bitcast_convert_type(packed.reshape(*lead, width // 2, 2), jnp.uint16)
+
+
 def check_operands(a, a_scale, b, b_scale, expert_ids) -> None:
   """Raises ValueError naming the input whose shape or dtype breaks the
   contract of `grouped_gemm_fp8_fp4`."""
@@ -315,8 +324,8 @@ def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale
   # fp8 travels as its bytes; the kernel bitcasts them back (masked or
   # gathered fp8 loads do not lower).
   steps = config.block_k // GROUP
-  operands = (expert_ids.astype(jnp.int32), lax.bitcast_convert_type(a, jnp.uint8), scale_words(a_scale, steps), b,
-              scale_words(b_scale, steps))
+  operands = (expert_ids.astype(jnp.int32), lax.bitcast_convert_type(a, jnp.uint8), scale_words(a_scale, steps),
+              byte_pairs(b), scale_words(b_scale, steps))
 
   def whole(x):
     return pl.BlockSpec(x.shape, lambda *_, nd=x.ndim: (0,) * nd)

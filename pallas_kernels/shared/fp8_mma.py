@@ -12,14 +12,16 @@ operand, and the promotion of a partial product into an fp32 accumulator.
   Callers keep K at one scale group (32) and promote each partial product
   into their own fp32 accumulator (DeepGEMM-style), so the hardware's
   in-instruction accumulation never spans more than one call.
-* `e2m1_to_e4m3_operand`: packed e2m1 bytes -> the e4m3 operand of their
-  values times 2**-6 (`fp_formats.e2m1_to_e4m3_bits`), in k order.
+* `e2m1_to_e4m3_operand`: pairs of packed e2m1 bytes -> the e4m3 operand
+  of their values times 2**-6 (`fp_formats.e2m1_to_e4m3_bits`), in k order.
+* `scale_byte_to_f32`: a UE8M0 scale byte of a word -> its fp32 power of two.
 * `promote`: `acc + part * a_scale * b_scale` as one multiply and one fused
   multiply-add per element.
 
-The decode and the promotion have two forms with equal results: inline PTX
-(`ptx=True`, a Triton kernel on a GPU: the decode works on 32-bit words of
-four packed bytes, and the promotion is a real `fma`, which the Triton
+The decode, the scale conversion and the promotion have two forms with
+equal results: inline PTX (`ptx=True`, a Triton kernel on a GPU: the decode
+works on 32-bit words of two byte pairs and hands each pair's e4m3 bytes
+back in k order, and the promotion is a real `fma`, which the Triton
 lowering never forms from jnp's multiply and add) and plain jnp
 (`ptx=False`: interpret mode, CPUs). Outside a Triton kernel `fp8_dot_nt`
 is `lax.dot_general` with fp32 accumulation.
@@ -34,9 +36,11 @@ import jax.numpy as jnp
 from jax._src import core as jax_core  # a primitive with its own Triton lowering
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
+from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import lowering as triton_lowering
 
 from pallas_kernels.shared.common import NT_DIMS
+from pallas_kernels.shared import fp_formats
 from pallas_kernels.shared.fp_formats import e2m1_to_e4m3_bits
 
 FP8_TYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -84,25 +88,29 @@ def _triton_lowering(ctx, a, b):
   return out
 
 
-# e2m1_to_e4m3_bits on a 32-bit word of four packed bytes: `$1` the word,
-# `$0` the four even (low-nibble) or odd (high-nibble) elements' e4m3 bytes.
-# Only shl/shr/and/or with immediates (tests/test_grouped_gemm.py runs these
-# lines on every byte value with NumPy).
-E2M1_EVEN_TO_E4M3_PTX = """{
-.reg .b32 t;
-shl.b32 t, $1, 4;
-and.b32 t, t, 0x80808080;
-shl.b32 $0, $1, 2;
-and.b32 $0, $0, 0x1C1C1C1C;
-or.b32 $0, $0, t;
+# e2m1_to_e4m3_bits on a word `$2` of two 16-bit pairs of packed bytes
+# (pair j = bits 16j..16j+15; four e2m1 codes each, k order from the low
+# nibble up): the even (low-nibble) codes' e4m3 bytes `e` and the odd ones'
+# `o` (magnitude to bits 4..2, sign to bit 7; `lop3` immLut 0xEC is
+# (a & c) | b), then `prmt` puts each pair's first two bytes in k order into
+# `$0` (pair j at bits 16j..16j+15) and its last two into `$1`.
+# tests/test_grouped_gemm.py runs these lines on every byte value with NumPy.
+E2M1_PAIRS_TO_E4M3_PTX = """{
+.reg .b32 e, o, t;
+shl.b32 e, $2, 2;
+and.b32 e, e, 0x1C1C1C1C;
+shl.b32 t, $2, 4;
+lop3.b32 e, t, e, 0x80808080, 0xEC;
+shr.b32 o, $2, 2;
+and.b32 o, o, 0x1C1C1C1C;
+lop3.b32 o, $2, o, 0x80808080, 0xEC;
+prmt.b32 $0, e, o, 0x6240;
+prmt.b32 $1, e, o, 0x7351;
 }"""
-E2M1_ODD_TO_E4M3_PTX = """{
-.reg .b32 t;
-and.b32 t, $1, 0x80808080;
-shr.b32 $0, $1, 2;
-and.b32 $0, $0, 0x1C1C1C1C;
-or.b32 $0, $0, t;
-}"""
+# UE8M0 byte 0 of `$1` as fp32 2**(s-127): the byte inserted into the
+# exponent field of a zero word (one instruction where jnp's form, a shift
+# and a mask, takes two).
+UE8M0_TO_F32_PTX = "bfi.b32 $0, $1, 0, 23, 8;"
 # acc + part * a_scale * b_scale: $0 = fma(part * a_scale, b_scale, acc).
 PROMOTE_PTX = """{
 .reg .f32 t;
@@ -111,25 +119,67 @@ fma.rn.f32 $0, t, $3, $4;
 }"""
 
 
-def _word_asm(asm: str, packed: jax.Array) -> jax.Array:
-  # Triton's inline asm takes signless integers: int8, four to a register.
-  out = jax.ShapeDtypeStruct(packed.shape, jnp.int8)
-  return plgpu.elementwise_inline_asm(asm, args=[lax.bitcast_convert_type(packed, jnp.int8)], constraints="=r,r",
-                                      pack=4, result_shape_dtypes=[out])[0]
+# Pallas's rule for `plgpu.elementwise_inline_asm` hands an asm with several
+# results back as one value (jax 0.11.2 and 0.12.0.1), so the two-result
+# decode has a primitive of its own whose Triton rule returns each result.
+inline_asm_p = jax_core.Primitive("fp8_mma_inline_asm")
+inline_asm_p.multiple_results = True
 
 
-def e2m1_to_e4m3_operand(packed: jax.Array, *, ptx: bool) -> jax.Array:
-  """Packed e2m1 bytes [rows, B] (low nibble = even k) -> float8_e4m3fn
-  [rows, 2B] in k order, each value the e2m1 value times 2**-6, exactly.
-  `ptx`: decode 32-bit words with inline PTX (Triton kernels on a GPU;
-  B a multiple of 4), else jnp (any B)."""
+@inline_asm_p.def_abstract_eval
+def _inline_asm_abstract_eval(*avals, asm, constraints, pack, results):
+  del asm, constraints, pack
+  if any(a.shape != avals[0].shape for a in avals) or any(r.shape != avals[0].shape for r in results):
+    raise ValueError("inline asm: every argument and result must have one shape (elementwise)")
+  return [jax_core.ShapedArray(r.shape, r.dtype) for r in results]
+
+
+@triton_lowering.register_lowering(inline_asm_p)
+def _inline_asm_lowering(ctx, *args, asm, constraints, pack, results):
+  del results
+  types = [mlir.aval_to_ir_type(ctx.context.mlir_ctx, aval) for aval in ctx.avals_out]
+  op = tt_dialect.ElementwiseInlineAsmOp(types, asm, constraints=constraints, pure=True, packed_element=pack,
+                                         args=args)
+  return list(op.results)
+
+
+def _pairs_to_e4m3_halves(pairs: jax.Array) -> tuple[jax.Array, jax.Array]:
+  # int16 pairs, two per asm instance in one register; per pair the int16
+  # of its first two e4m3 bytes and of its last two.
+  halves = jax.ShapeDtypeStruct(pairs.shape, jnp.int16)
+  return tuple(inline_asm_p.bind(lax.bitcast_convert_type(pairs, jnp.int16), asm=E2M1_PAIRS_TO_E4M3_PTX,
+                                 constraints="=r,=r,r", pack=2, results=(halves, halves)))
+
+
+def e2m1_to_e4m3_operand(pairs: jax.Array, *, ptx: bool) -> jax.Array:
+  """Pairs of packed e2m1 bytes, uint16 [rows, P] (the low byte first; low
+  nibble = even k, so a pair is four k values) -> float8_e4m3fn [rows, 4P]
+  in k order, each value the e2m1 value times 2**-6, exactly
+  (`fp_formats.e2m1_to_e4m3_bits`). `ptx`: inline PTX on words of two
+  pairs (Triton kernels on a GPU; P even), else jnp (any P)."""
+  rows, width = pairs.shape
   if ptx:
-    even, odd = (_word_asm(asm, packed) for asm in (E2M1_EVEN_TO_E4M3_PTX, E2M1_ODD_TO_E4M3_PTX))
+    first, last = _pairs_to_e4m3_halves(pairs)
+    halves = lax.bitcast_convert_type(jnp.stack([first, last], axis=-1), jnp.uint16)  # [rows, P, 2]
   else:
-    even, odd = (lax.bitcast_convert_type(x, jnp.int8) for x in e2m1_to_e4m3_bits(packed))
-  rows, width = packed.shape
-  interleaved = jnp.stack([even, odd], axis=-1).reshape(rows, 2 * width)  # Triton's join: back in k order
-  return lax.bitcast_convert_type(interleaved, jnp.float8_e4m3fn)
+    even, odd = e2m1_to_e4m3_bits(jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1))  # [rows, P, 2] bytes
+    halves = even.astype(jnp.uint16) | odd.astype(jnp.uint16) << 8
+  # Each uint16 holds two e4m3 bytes in k order, the low one first (Triton's
+  # joins: no bitcast between widths).
+  decoded = jnp.stack([halves, halves >> 8], axis=-1).astype(jnp.uint8).reshape(rows, 4 * width)
+  return lax.bitcast_convert_type(decoded, jnp.float8_e4m3fn)
+
+
+def scale_byte_to_f32(words: jax.Array, byte: int, *, ptx: bool) -> jax.Array:
+  """UE8M0 byte `byte` of each unsigned word (uint8/16/32) as the fp32
+  `2**(s - 127)`, bit for bit `fp_formats.ue8m0_to_f32`. `ptx` (Triton
+  kernels on a GPU): byte 0 in one `bfi` (UE8M0_TO_F32_PTX); another byte
+  takes a shift and a mask either way, so it keeps jnp's form."""
+  if byte or not ptx:
+    return fp_formats.ue8m0_to_f32(words >> (8 * byte))
+  out = jax.ShapeDtypeStruct(words.shape, jnp.float32)
+  return plgpu.elementwise_inline_asm(UE8M0_TO_F32_PTX, args=[words.astype(jnp.uint32)], constraints="=f,r",
+                                      pack=1, result_shape_dtypes=[out])[0]
 
 
 def promote(acc: jax.Array, part: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *, ptx: bool) -> jax.Array:
