@@ -74,8 +74,8 @@ from pallas_kernels.shared import common
 import jax.numpy as jnp
 
 from pallas_kernels.shared.common import cdiv, fit_block, fitted_candidates, resolve_interpret
-from pallas_kernels.shared.fp8_mma import e2m1_to_e4m3_operand, fp8_dot_nt, promote, scale_byte_to_f32
-from pallas_kernels.shared.fp_formats import E2M1_E4M3_EXPONENT
+from pallas_kernels.shared.fp8_mma import e2m1_to_e4m3_operand, fp8_dot_nt, promote
+from pallas_kernels.shared.fp_formats import E2M1_E4M3_EXPONENT, ue8m0_to_f32
 from pallas_kernels.grouped_gemm.config import GroupedGemmConfig
 
 GROUP = 32  # k values per UE8M0 scale byte (both operands)
@@ -226,8 +226,8 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, c_ref,
         group = kk * groups_per_step + g
         a_op = lax.bitcast_convert_type(a_ref[a_rows, group * GROUP + k_in_group], jnp.float8_e4m3fn)
         b_op = e2m1_to_e4m3_operand(b_ref[expert, b_rows, group * (GROUP // 4) + pair_in_group], ptx=ptx)
-        a_scale = scale_byte_to_f32(a_words, g, ptx=ptx)
-        b_scale = scale_byte_to_f32(b_words, g, ptx=ptx)
+        a_scale = ue8m0_to_f32(a_words >> (8 * g))
+        b_scale = ue8m0_to_f32(b_words >> (8 * g))
         if swap_ab:  # the weights are the MMA's M side: acc is C^T [block_n, block_m]
           acc = promote(acc, fp8_dot_nt(b_op, a_op), b_scale[:, None], a_scale[None, :], ptx=ptx)
         else:

@@ -14,12 +14,10 @@ operand, and the promotion of a partial product into an fp32 accumulator.
   in-instruction accumulation never spans more than one call.
 * `e2m1_to_e4m3_operand`: pairs of packed e2m1 bytes -> the e4m3 operand
   of their values times 2**-6 (`fp_formats.e2m1_to_e4m3_bits`), in k order.
-* `scale_byte_to_f32`: a UE8M0 scale byte of a word -> its fp32 power of two.
 * `promote`: `acc + part * a_scale * b_scale` as one multiply and one fused
   multiply-add per element.
 
-The decode, the scale conversion and the promotion have two forms with
-equal results: inline PTX (`ptx=True`, a Triton kernel on a GPU: the decode
+The decode and the promotion have two forms with equal results: inline PTX (`ptx=True`, a Triton kernel on a GPU: the decode
 works on 32-bit words of two byte pairs and hands each pair's e4m3 bytes
 back in k order, and the promotion is a real `fma`, which the Triton
 lowering never forms from jnp's multiply and add) and plain jnp
@@ -40,7 +38,6 @@ from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import lowering as triton_lowering
 
 from pallas_kernels.shared.common import NT_DIMS
-from pallas_kernels.shared import fp_formats
 from pallas_kernels.shared.fp_formats import e2m1_to_e4m3_bits
 
 FP8_TYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -107,10 +104,6 @@ lop3.b32 o, $2, o, 0x80808080, 0xEC;
 prmt.b32 $0, e, o, 0x6240;
 prmt.b32 $1, e, o, 0x7351;
 }"""
-# UE8M0 byte 0 of `$1` as fp32 2**(s-127): the byte inserted into the
-# exponent field of a zero word (one instruction where jnp's form, a shift
-# and a mask, takes two).
-UE8M0_TO_F32_PTX = "bfi.b32 $0, $1, 0, 23, 8;"
 # acc + part * a_scale * b_scale: $0 = fma(part * a_scale, b_scale, acc).
 PROMOTE_PTX = """{
 .reg .f32 t;
@@ -168,18 +161,6 @@ def e2m1_to_e4m3_operand(pairs: jax.Array, *, ptx: bool) -> jax.Array:
   # joins: no bitcast between widths).
   decoded = jnp.stack([halves, halves >> 8], axis=-1).astype(jnp.uint8).reshape(rows, 4 * width)
   return lax.bitcast_convert_type(decoded, jnp.float8_e4m3fn)
-
-
-def scale_byte_to_f32(words: jax.Array, byte: int, *, ptx: bool) -> jax.Array:
-  """UE8M0 byte `byte` of each unsigned word (uint8/16/32) as the fp32
-  `2**(s - 127)`, bit for bit `fp_formats.ue8m0_to_f32`. `ptx` (Triton
-  kernels on a GPU): byte 0 in one `bfi` (UE8M0_TO_F32_PTX); another byte
-  takes a shift and a mask either way, so it keeps jnp's form."""
-  if byte or not ptx:
-    return fp_formats.ue8m0_to_f32(words >> (8 * byte))
-  out = jax.ShapeDtypeStruct(words.shape, jnp.float32)
-  return plgpu.elementwise_inline_asm(UE8M0_TO_F32_PTX, args=[words.astype(jnp.uint32)], constraints="=f,r",
-                                      pack=1, result_shape_dtypes=[out])[0]
 
 
 def promote(acc: jax.Array, part: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *, ptx: bool) -> jax.Array:
