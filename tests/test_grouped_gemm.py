@@ -233,44 +233,45 @@ def run_ptx(asm, inputs):
 
 
 def test_ptx_decode_text_matches_jnp_on_every_byte():
-  """The inline-PTX decode (GPU) works on words of two pairs of packed
-  bytes. Run as written on every byte value in every byte position (the
-  neighbours varied), it gives `e2m1_to_e4m3_bits`'s bytes, each pair's
-  four in k order: the first two of pair j in `$0`, the last two in `$1`
-  (bits 16j..16j+15 of each)."""
+  """The inline-PTX decode (GPU) works on words of four packed bytes. Run
+  as written on every byte value in every byte position (the neighbours
+  varied), it gives `e2m1_to_e4m3_bits`'s bytes, the even codes' in `$0`,
+  the odd ones' in `$1`: no bit crosses bytes. Also with either output in
+  the input's register (the constraints let the compiler do that)."""
   byte_values = np.arange(256, dtype=np.uint8)
   even, odd = (np.asarray(x) for x in fp_formats.e2m1_to_e4m3_bits(jnp.asarray(byte_values)))
   for position in range(4):
     packed = np.stack([np.roll(byte_values, 37 * i + 11) for i in range(4)], axis=-1)
     packed[:, position] = byte_values
     words = np.ascontiguousarray(packed).view(np.uint32)[:, 0]
-    regs = run_ptx(fp8_mma.E2M1_PAIRS_TO_E4M3_PTX, {"$2": words})
-    k_order = np.stack([even[packed], odd[packed]], axis=-1).reshape(256, 2, 4)  # [word, pair, k]
-    for out, ks in (("$0", slice(0, 2)), ("$1", slice(2, 4))):
-      got = regs[out].view(np.uint8).reshape(256, 2, 2)
-      np.testing.assert_array_equal(got, k_order[:, :, ks])
+    for shared in (None, "$0", "$1"):
+      asm = fp8_mma.E2M1_TO_E4M3_PTX if shared is None else fp8_mma.E2M1_TO_E4M3_PTX.replace(shared, "$2")
+      regs = run_ptx(asm, {"$2": words})
+      for out, want in (("$0", even), ("$1", odd)):
+        got = regs["$2" if out == shared else out]
+        np.testing.assert_array_equal(got.view(np.uint8).reshape(256, 4), want[packed])
 
 
 def test_ptx_operand_path_matches_jnp(monkeypatch):
   """`e2m1_to_e4m3_operand(ptx=True)` with its asm run by the emulator
-  equals the jnp form on every byte value: the asm's two results and the
-  joins after them put each pair's four e4m3 bytes in k order. The
-  emulator pairs the pairs at random into words (Triton chooses which two
-  elements share an instance): each result depends on its own pair only."""
+  equals the jnp form on every byte value: the interleave after the asm
+  puts each pair's four e4m3 bytes in k order. The emulator pairs the
+  pairs at random into words (Triton chooses which two elements share an
+  instance): each result depends on its own pair only."""
   rng = np.random.default_rng(3)
 
-  def emulated_halves(pairs):
+  def emulated_even_odd(pairs):
     flat = np.asarray(pairs).astype(np.uint32).ravel()
     order = rng.permutation(flat.size).reshape(-1, 2)
-    regs = run_ptx(fp8_mma.E2M1_PAIRS_TO_E4M3_PTX, {"$2": flat[order[:, 0]] | flat[order[:, 1]] << 16})
+    regs = run_ptx(fp8_mma.E2M1_TO_E4M3_PTX, {"$2": flat[order[:, 0]] | flat[order[:, 1]] << 16})
     results = []
     for out in ("$0", "$1"):
       half = np.empty(flat.size, np.uint16)
       half[order[:, 0]], half[order[:, 1]] = regs[out] & 0xFFFF, regs[out] >> 16
-      results.append(jnp.asarray(half.view(np.int16).reshape(pairs.shape)))
+      results.append(jnp.asarray(half.reshape(pairs.shape)))
     return tuple(results)
 
-  monkeypatch.setattr(fp8_mma, "_pairs_to_e4m3_halves", emulated_halves)
+  monkeypatch.setattr(fp8_mma, "_even_odd", emulated_even_odd)
   packed = np.random.default_rng(4).permutation(np.tile(np.arange(256, dtype=np.uint8), 2)).reshape(16, 32)
   pairs = gg.byte_pairs(jnp.asarray(packed))
   ptx, plain = (np.asarray(fp8_mma.e2m1_to_e4m3_operand(pairs, ptx=p)).view(np.uint8) for p in (True, False))

@@ -18,8 +18,7 @@ operand, and the promotion of a partial product into an fp32 accumulator.
   multiply-add per element.
 
 The decode and the promotion have two forms with equal results: inline PTX (`ptx=True`, a Triton kernel on a GPU: the decode
-works on 32-bit words of two byte pairs and hands each pair's e4m3 bytes
-back in k order, and the promotion is a real `fma`, which the Triton
+works on 32-bit words of two byte pairs, and the promotion is a real `fma`, which the Triton
 lowering never forms from jnp's multiply and add) and plain jnp
 (`ptx=False`: interpret mode, CPUs). Outside a Triton kernel `fp8_dot_nt`
 is `lax.dot_general` with fp32 accumulation.
@@ -85,24 +84,22 @@ def _triton_lowering(ctx, a, b):
   return out
 
 
-# e2m1_to_e4m3_bits on a word `$2` of two 16-bit pairs of packed bytes
-# (pair j = bits 16j..16j+15; four e2m1 codes each, k order from the low
-# nibble up): the even (low-nibble) codes' e4m3 bytes `e` and the odd ones'
-# `o` (magnitude to bits 4..2, sign to bit 7; `lop3` immLut 0xEC is
-# (a & c) | b), then `prmt` puts each pair's first two bytes in k order into
-# `$0` (pair j at bits 16j..16j+15) and its last two into `$1`.
+# e2m1_to_e4m3_bits on a word `$2` of four packed bytes (two of the
+# kernel's byte pairs): `$1` the four odd (high-nibble) codes' e4m3 bytes,
+# `$0` the four even (low-nibble) ones', byte i from byte i (magnitude to
+# bits 4..2, sign to bit 7; `lop3` immLut 0xEC is (a & c) | b). The last
+# instruction to read `$2` is the one writing `$1`, and no output is read
+# after being written: an output may share the input's register.
 # tests/test_grouped_gemm.py runs these lines on every byte value with NumPy.
-E2M1_PAIRS_TO_E4M3_PTX = """{
+E2M1_TO_E4M3_PTX = """{
 .reg .b32 e, o, t;
 shl.b32 e, $2, 2;
 and.b32 e, e, 0x1C1C1C1C;
 shl.b32 t, $2, 4;
-lop3.b32 e, t, e, 0x80808080, 0xEC;
 shr.b32 o, $2, 2;
 and.b32 o, o, 0x1C1C1C1C;
-lop3.b32 o, $2, o, 0x80808080, 0xEC;
-prmt.b32 $0, e, o, 0x6240;
-prmt.b32 $1, e, o, 0x7351;
+lop3.b32 $1, $2, o, 0x80808080, 0xEC;
+lop3.b32 $0, t, e, 0x80808080, 0xEC;
 }"""
 # acc + part * a_scale * b_scale: $0 = fma(part * a_scale, b_scale, acc).
 PROMOTE_PTX = """{
@@ -136,30 +133,33 @@ def _inline_asm_lowering(ctx, *args, asm, constraints, pack, results):
   return list(op.results)
 
 
-def _pairs_to_e4m3_halves(pairs: jax.Array) -> tuple[jax.Array, jax.Array]:
-  # int16 pairs, two per asm instance in one register; per pair the int16
-  # of its first two e4m3 bytes and of its last two.
-  halves = jax.ShapeDtypeStruct(pairs.shape, jnp.int16)
-  return tuple(inline_asm_p.bind(lax.bitcast_convert_type(pairs, jnp.int16), asm=E2M1_PAIRS_TO_E4M3_PTX,
-                                 constraints="=r,=r,r", pack=2, results=(halves, halves)))
+def _even_odd(pairs: jax.Array) -> tuple[jax.Array, jax.Array]:
+  # Two uint16 pairs per asm instance, one register: per pair the e4m3
+  # bytes of its two even codes (low byte first) and of its two odd ones.
+  out = jax.ShapeDtypeStruct(pairs.shape, jnp.int16)
+  even, odd = inline_asm_p.bind(lax.bitcast_convert_type(pairs, jnp.int16), asm=E2M1_TO_E4M3_PTX,
+                                constraints="=r,=r,r", pack=2, results=(out, out))
+  return lax.bitcast_convert_type(even, jnp.uint16), lax.bitcast_convert_type(odd, jnp.uint16)
 
 
 def e2m1_to_e4m3_operand(pairs: jax.Array, *, ptx: bool) -> jax.Array:
   """Pairs of packed e2m1 bytes, uint16 [rows, P] (the low byte first; low
   nibble = even k, so a pair is four k values) -> float8_e4m3fn [rows, 4P]
   in k order, each value the e2m1 value times 2**-6, exactly
-  (`fp_formats.e2m1_to_e4m3_bits`). `ptx`: inline PTX on words of two
-  pairs (Triton kernels on a GPU; P even), else jnp (any P)."""
+  (`fp_formats.e2m1_to_e4m3_bits`). `ptx`: the decode in inline PTX, on
+  words of two pairs (Triton kernels on a GPU; P even), else jnp (any P)."""
   rows, width = pairs.shape
   if ptx:
-    first, last = _pairs_to_e4m3_halves(pairs)
-    halves = lax.bitcast_convert_type(jnp.stack([first, last], axis=-1), jnp.uint16)  # [rows, P, 2]
+    even, odd = _even_odd(pairs)
   else:
-    even, odd = e2m1_to_e4m3_bits(jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1))  # [rows, P, 2] bytes
-    halves = even.astype(jnp.uint16) | odd.astype(jnp.uint16) << 8
-  # Each uint16 holds two e4m3 bytes in k order, the low one first (Triton's
-  # joins: no bitcast between widths).
-  decoded = jnp.stack([halves, halves >> 8], axis=-1).astype(jnp.uint8).reshape(rows, 4 * width)
+    even, odd = (x.astype(jnp.uint16) for x in e2m1_to_e4m3_bits(jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1)))
+    even, odd = (x[..., 0] | x[..., 1] << 8 for x in (even, odd))
+  # A pair's k order is even, odd, even, odd: as uint16 halves (Triton has
+  # no bitcast between widths), which the lowering turns into one `prmt`
+  # per MMA operand register.
+  first, last = (even & 0xFF) | (odd << 8), (even >> 8) | (odd & 0xFF00)
+  decoded = jnp.stack([first, last], axis=-1)  # [rows, P, 2]
+  decoded = jnp.stack([decoded, decoded >> 8], axis=-1).astype(jnp.uint8).reshape(rows, 4 * width)
   return lax.bitcast_convert_type(decoded, jnp.float8_e4m3fn)
 
 
