@@ -53,11 +53,13 @@ A program walks K in `block_k` steps (<= 128: a step's scale bytes are one
 word, loaded once per step), each unrolled into its `block_k / 32` scale
 groups. Activations: `[block_m, 32]` fp8 bytes (row indices clamped to
 M-1; rows past M are never stored). Weights: `[block_n, 8]` pairs of
-packed bytes (b viewed as uint16 [E, N, K/4], `byte_pairs`: the layout of
-the MMA operand, where a thread's register holds four consecutive k of a
-row, is one pair's) decoded to `[block_n, 32]` e4m3 in k order, two pairs
-per inline-asm instance. K must be a multiple of 32 (the definition's
-`G`); `block_k` is shrunk to divide K.
+packed bytes (b viewed as uint16 [E, N, K/4], `byte_pairs`) decoded to
+`[block_n, 32]` e4m3 in k order, two pairs per inline-asm instance
+(`fp8_mma.e2m1_to_e4m3_operand`). A pair is four k values: with `swap_ab`
+one register of the wgmma's register operand (four consecutive k of a
+row), so each thread loads exactly its pairs and no bytes are repacked.
+K must be a multiple of 32 (the definition's `G`); `block_k` is shrunk to
+divide K.
 """
 
 from __future__ import annotations

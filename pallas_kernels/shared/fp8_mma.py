@@ -109,9 +109,11 @@ fma.rn.f32 $0, t, $3, $4;
 }"""
 
 
-# Pallas's rule for `plgpu.elementwise_inline_asm` hands an asm with several
-# results back as one value (jax 0.11.2 and 0.12.0.1), so the two-result
-# decode has a primitive of its own whose Triton rule returns each result.
+# Pallas's Triton rule for `plgpu.elementwise_inline_asm` wraps the op's
+# results in a one-element list (jax 0.11.2 and 0.12.0.1: binding an asm
+# with two results fails, "2 outvars do not match 1 outvals"), so the
+# two-result decode has a primitive of its own, lowered only inside a Triton
+# kernel, whose rule returns each result.
 inline_asm_p = jax_core.Primitive("fp8_mma_inline_asm")
 inline_asm_p.multiple_results = True
 
