@@ -17,8 +17,9 @@ operand, and the promotion of a partial product into an fp32 accumulator.
 * `promote`: `acc + part * a_scale * b_scale` as one multiply and one fused
   multiply-add per element.
 
-The decode and the promotion have two forms with equal results: inline PTX (`ptx=True`, a Triton kernel on a GPU: the decode
-works on 32-bit words of two byte pairs, and the promotion is a real `fma`, which the Triton
+The decode and the promotion have two forms with equal results: inline PTX
+(`ptx=True`, a Triton kernel on a GPU: the decode works on 32-bit words of
+two byte pairs, and the promotion is a real `fma`, which the Triton
 lowering never forms from jnp's multiply and add) and plain jnp
 (`ptx=False`: interpret mode, CPUs). Outside a Triton kernel `fp8_dot_nt`
 is `lax.dot_general` with fp32 accumulation.
