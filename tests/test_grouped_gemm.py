@@ -168,45 +168,130 @@ def test_e2m1_to_e4m3_is_the_e2m1_value_times_2_to_the_minus_6():
     want = np.asarray(fp_formats.e2m1_to_f32(codes)) * 2.0**-fp_formats.E2M1_E4M3_EXPONENT
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # -0.0 kept
-  # The operand: even and odd elements interleaved back into k order.
-  operand = fp8_mma.e2m1_to_e4m3_operand(packed.reshape(16, 16), ptx=False)
+  # The operand, from pairs of packed bytes: even and odd elements
+  # interleaved back into k order.
+  operand = fp8_mma.e2m1_to_e4m3_operand(gg.byte_pairs(packed.reshape(16, 16)), ptx=False)
   assert operand.shape == (16, 32) and operand.dtype == jnp.float8_e4m3fn
   values = np.asarray(operand.astype(jnp.float32)).reshape(256, 2) * 64
   low, high = (np.asarray(x) for x in fp_formats.unpack_e2m1(packed))
   np.testing.assert_array_equal(values, np.stack([E2M1[low], E2M1[high]], -1))
 
 
-def run_ptx_words(asm, words):
-  """Runs a decode's PTX text (shl/shr/and/or .b32 with immediates) on
-  uint32 words with NumPy: `$1` is the input, `$0` the output."""
-  regs = {"$1": words.astype(np.uint32)}
+def prmt(a, b, selector):
+  """PTX `prmt.b32` (default mode): byte i of the result is byte
+  `selector[4i+2:4i]` of the 8 bytes {b, a} (a = bytes 0..3), replaced by
+  its sign bit replicated (0x00 or 0xFF) when `selector` bit 4i+3 is set;
+  the selector's upper 16 bits are ignored."""
+  source = a.astype(np.uint64) | b.astype(np.uint64) << np.uint64(32)
+  selector = np.asarray(selector).astype(np.uint64)
+  out = np.zeros(np.broadcast(a, b, selector).shape, np.uint64)
+  for i in range(4):
+    nibble = selector >> np.uint64(4 * i) & np.uint64(0xF)
+    byte = source >> (np.uint64(8) * (nibble & np.uint64(7))) & np.uint64(0xFF)
+    byte = np.where(nibble & np.uint64(8), np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0)), byte)
+    out |= byte << np.uint64(8 * i)
+  return out.astype(np.uint32)
+
+
+def lop3(a, b, c, lut):
+  """PTX `lop3.b32`: each result bit is bit (a << 2 | b << 1 | c) of the
+  8-bit `lut` (so lut = F(0xF0, 0xCC, 0xAA) for the function F)."""
+  out = np.zeros(np.broadcast(a, b, c).shape, np.uint32)
+  for i in range(8):
+    if lut >> i & 1:
+      out |= (a if i & 4 else ~a) & (b if i & 2 else ~b) & (c if i & 1 else ~c)
+  return out
+
+
+def test_ptx_emulator_opcodes():
+  """The emulator's `prmt` and `lop3` on cases worked out from the PTX ISA
+  text (so the decode test below rests on them)."""
+  a, b = np.uint32(0x33221100), np.uint32(0x77665544)
+  assert prmt(a, b, 0x3210) == a and prmt(a, b, 0x7654) == b
+  assert prmt(a, b, 0x5140) == 0x55114400 and prmt(a, b, 0x7362) == 0x77336622
+  assert prmt(np.uint32(0x80017F00), np.uint32(0), 0x0123) == 0x007F0180
+  # Sign replicate: 0x80 -> 0xFF, 0x7F and 0x01 -> 0x00; upper selector bits ignored.
+  assert prmt(np.uint32(0x80017F00), np.uint32(0), 0xFFFF3B9A) == 0x80FF0000
+  x, y, z = (np.uint32(v) for v in (0x0F0F00FF, 0x00FF0F0F, 0x33333333))
+  assert lop3(x, y, z, 0xEC) == (x & z) | y
+  assert lop3(x, y, z, 0x96) == x ^ y ^ z
+  assert lop3(x, y, z, 0xF0 & 0xCC) == x & y
+
+
+def run_ptx(asm, inputs):
+  """Runs an inline-PTX text (shl/shr/and/or/prmt/lop3 .b32, immediate or
+  register operands) with NumPy: `inputs` maps `$n` to uint32 arrays;
+  returns every register it wrote."""
+  regs = {name: np.asarray(v, np.uint32) for name, v in inputs.items()}
   value = lambda x: regs[x] if x in regs else np.uint32(int(x, 0))  # noqa: E731
-  alu = {"shl": np.left_shift, "shr": np.right_shift, "and": np.bitwise_and, "or": np.bitwise_or}
+  shifts = {"shl": np.left_shift, "shr": np.right_shift}
   for line in asm.splitlines():
     line = line.strip().rstrip(";")
     if not line or line[0] in "{}.":
       continue
     opcode, args = line.split(None, 1)
     name, kind = opcode.split(".")
-    assert kind == "b32" and name in alu, line
-    dst, a, b = (x.strip() for x in args.split(","))
-    regs[dst] = alu[name](value(a), value(b)).astype(np.uint32)
-  return regs["$0"]
+    assert kind == "b32", line
+    dst, *src = (x.strip() for x in args.split(","))
+    if name in shifts:
+      out = shifts[name](value(src[0]), value(src[1]))
+    elif name in ("and", "or"):
+      out = value(src[0]) & value(src[1]) if name == "and" else value(src[0]) | value(src[1])
+    elif name == "prmt":
+      out = prmt(value(src[0]), value(src[1]), value(src[2]))
+    elif name == "lop3":
+      out = lop3(value(src[0]), value(src[1]), value(src[2]), int(src[3], 0))
+    else:
+      raise AssertionError(f"opcode the emulator does not know: {line}")
+    regs[dst] = np.asarray(out).astype(np.uint32)
+  return regs
 
 
 def test_ptx_decode_text_matches_jnp_on_every_byte():
   """The inline-PTX decode (GPU) works on words of four packed bytes. Run
   as written on every byte value in every byte position (the neighbours
-  varied), it gives `e2m1_to_e4m3_bits`'s bytes: no bit crosses bytes."""
+  varied), it gives `e2m1_to_e4m3_bits`'s bytes, the even codes' in `$0`,
+  the odd ones' in `$1`: no bit crosses bytes. Also with either output in
+  the input's register (the constraints let the compiler do that)."""
   byte_values = np.arange(256, dtype=np.uint8)
   even, odd = (np.asarray(x) for x in fp_formats.e2m1_to_e4m3_bits(jnp.asarray(byte_values)))
   for position in range(4):
     packed = np.stack([np.roll(byte_values, 37 * i + 11) for i in range(4)], axis=-1)
     packed[:, position] = byte_values
     words = np.ascontiguousarray(packed).view(np.uint32)[:, 0]
-    for asm, want in ((fp8_mma.E2M1_EVEN_TO_E4M3_PTX, even), (fp8_mma.E2M1_ODD_TO_E4M3_PTX, odd)):
-      got = run_ptx_words(asm, words).view(np.uint8).reshape(256, 4)
-      np.testing.assert_array_equal(got, want[packed])
+    for shared in (None, "$0", "$1"):
+      asm = fp8_mma.E2M1_TO_E4M3_PTX if shared is None else fp8_mma.E2M1_TO_E4M3_PTX.replace(shared, "$2")
+      regs = run_ptx(asm, {"$2": words})
+      for out, want in (("$0", even), ("$1", odd)):
+        got = regs["$2" if out == shared else out]
+        np.testing.assert_array_equal(got.view(np.uint8).reshape(256, 4), want[packed])
+
+
+def test_ptx_operand_path_matches_jnp(monkeypatch):
+  """`e2m1_to_e4m3_operand(ptx=True)` with its asm run by the emulator
+  equals the jnp form on every byte value: the interleave after the asm
+  puts each pair's four e4m3 bytes in k order. The emulator pairs the
+  pairs at random into words (Triton chooses which two elements share an
+  instance): each result depends on its own pair only."""
+  rng = np.random.default_rng(3)
+
+  def emulated_even_odd(pairs):
+    flat = np.asarray(pairs).astype(np.uint32).ravel()
+    order = rng.permutation(flat.size).reshape(-1, 2)
+    regs = run_ptx(fp8_mma.E2M1_TO_E4M3_PTX, {"$2": flat[order[:, 0]] | flat[order[:, 1]] << 16})
+    results = []
+    for out in ("$0", "$1"):
+      half = np.empty(flat.size, np.uint16)
+      half[order[:, 0]], half[order[:, 1]] = regs[out] & 0xFFFF, regs[out] >> 16
+      results.append(jnp.asarray(half.reshape(pairs.shape)))
+    return tuple(results)
+
+  monkeypatch.setattr(fp8_mma, "_even_odd", emulated_even_odd)
+  packed = np.random.default_rng(4).permutation(np.tile(np.arange(256, dtype=np.uint8), 2)).reshape(16, 32)
+  pairs = gg.byte_pairs(jnp.asarray(packed))
+  ptx, plain = (np.asarray(fp8_mma.e2m1_to_e4m3_operand(pairs, ptx=p)).view(np.uint8) for p in (True, False))
+  np.testing.assert_array_equal(ptx, plain)
+  assert ptx.shape == (16, 64)
 
 
 @pytest.mark.skipif(not has_gpu(), reason="inline PTX runs only in a Triton kernel on a GPU")
@@ -215,16 +300,16 @@ def test_ptx_decode_and_promotion_equal_the_jnp_forms_on_the_gpu():
   the jnp forms' results exactly."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
 
-  def kernel(packed_ref, part_ref, acc_ref, decoded_ref, promoted_ref, *, ptx):
-    decoded_ref[...] = fp8_mma.e2m1_to_e4m3_operand(packed_ref[...], ptx=ptx).astype(jnp.float32)
+  def kernel(pairs_ref, part_ref, acc_ref, decoded_ref, promoted_ref, *, ptx):
+    decoded_ref[...] = fp8_mma.e2m1_to_e4m3_operand(pairs_ref[...], ptx=ptx).astype(jnp.float32)
     rows = jax.lax.broadcasted_iota(jnp.float32, (16, 1), 0)
     cols = jax.lax.broadcasted_iota(jnp.float32, (1, 16), 1)
     promoted_ref[...] = fp8_mma.promote(acc_ref[...], part_ref[...], jnp.exp2(rows - 8), jnp.exp2(7 - cols), ptx=ptx)
 
-  packed = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
+  pairs = gg.byte_pairs(jnp.arange(256, dtype=jnp.uint8).reshape(16, 16))
   part, acc = (jax.random.normal(jax.random.key(s), (16, 16), jnp.float32) for s in (0, 1))
   out_shape = (jax.ShapeDtypeStruct((16, 32), jnp.float32), jax.ShapeDtypeStruct((16, 16), jnp.float32))
-  ptx, plain = (pl.pallas_call(functools.partial(kernel, ptx=p), out_shape=out_shape, interpret=False)(packed, part, acc)
+  ptx, plain = (pl.pallas_call(functools.partial(kernel, ptx=p), out_shape=out_shape, interpret=False)(pairs, part, acc)
                 for p in (True, False))
   for got, want in zip(ptx, plain):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

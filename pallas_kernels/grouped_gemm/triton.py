@@ -65,10 +65,14 @@ the rows with invalid ids form items of their own that write zeros. At M =
 A program walks K in `block_k` steps (<= 128: a step's scale bytes are one
 word, loaded once per step), each unrolled into its `block_k / 32` scale
 groups. Activations: `[block_m, 32]` fp8 bytes (row indices clamped to
-M-1; rows past M are never stored). Weights: `[block_n, 16]` packed bytes
-decoded to `[block_n, 32]` e4m3, interleaved back into k order (Triton's
-join). K must be a multiple of 32 (the definition's `G`); `block_k` is
-shrunk to divide K.
+M-1; rows past M are never stored). Weights: `[block_n, 8]` pairs of
+packed bytes (b viewed as uint16 [E, N, K/4], `byte_pairs`) decoded to
+`[block_n, 32]` e4m3 in k order, two pairs per inline-asm instance
+(`fp8_mma.e2m1_to_e4m3_operand`). A pair is four k values: with `swap_ab`
+one register of the wgmma's register operand (four consecutive k of a
+row), so each thread loads exactly its pairs and no bytes are repacked.
+K must be a multiple of 32 (the definition's `G`); `block_k` is shrunk to
+divide K.
 """
 
 from __future__ import annotations
@@ -247,7 +251,7 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, *refs,
   a_rows = rows_c[:, None]                                           # [block_m, 1]
   b_rows = cols_c[:, None]                                           # [block_n, 1]
   k_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP), 1)          # [1, 32]
-  byte_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP // 2), 1)  # [1, 16]
+  pair_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP // 4), 1)  # [1, 8]
   groups_per_step = block_k // GROUP
   # The weights decode to e4m3 values times 2**-6: restored on the finished
   # accumulator (once per output, not once per scale group).
@@ -262,7 +266,7 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, *refs,
       for g in range(groups_per_step):
         group = kk * groups_per_step + g
         a_op = lax.bitcast_convert_type(a_ref[a_rows, group * GROUP + k_in_group], jnp.float8_e4m3fn)
-        b_op = e2m1_to_e4m3_operand(b_ref[expert, b_rows, group * (GROUP // 2) + byte_in_group], ptx=ptx)
+        b_op = e2m1_to_e4m3_operand(b_ref[expert, b_rows, group * (GROUP // 4) + pair_in_group], ptx=ptx)
         a_scale = ue8m0_to_f32(a_words >> (8 * g))
         b_scale = ue8m0_to_f32(b_words >> (8 * g))
         if swap_ab:  # the weights are the MMA's M side: acc is C^T [block_n, block_m]
@@ -350,6 +354,13 @@ def scale_words(scales: jax.Array, groups_per_step: int) -> jax.Array:
                                   _WORD_TYPES[groups_per_step])
 
 
+def byte_pairs(packed: jax.Array) -> jax.Array:
+  """Packed e2m1 bytes [..., K/2] -> uint16 pairs [..., K/4] (a bitcast,
+  the low byte first): the kernel loads a pair's four k values at once."""
+  *lead, width = packed.shape
+  return lax.bitcast_convert_type(packed.reshape(*lead, width // 2, 2), jnp.uint16)
+
+
 def check_operands(a, a_scale, b, b_scale, expert_ids) -> None:
   """Raises ValueError naming the input whose shape or dtype breaks the
   contract of `grouped_gemm_fp8_fp4`."""
@@ -393,8 +404,8 @@ def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale
   # fp8 travels as its bytes; the kernel bitcasts them back (masked or
   # gathered fp8 loads do not lower).
   steps = config.block_k // GROUP
-  operands = (expert_ids.astype(jnp.int32), lax.bitcast_convert_type(a, jnp.uint8), scale_words(a_scale, steps), b,
-              scale_words(b_scale, steps))
+  operands = (expert_ids.astype(jnp.int32), lax.bitcast_convert_type(a, jnp.uint8), scale_words(a_scale, steps),
+              byte_pairs(b), scale_words(b_scale, steps))
 
   def whole(x):
     return pl.BlockSpec(x.shape, lambda *_, nd=x.ndim: (0,) * nd)

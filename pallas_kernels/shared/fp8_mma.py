@@ -12,14 +12,14 @@ operand, and the promotion of a partial product into an fp32 accumulator.
   Callers keep K at one scale group (32) and promote each partial product
   into their own fp32 accumulator (DeepGEMM-style), so the hardware's
   in-instruction accumulation never spans more than one call.
-* `e2m1_to_e4m3_operand`: packed e2m1 bytes -> the e4m3 operand of their
-  values times 2**-6 (`fp_formats.e2m1_to_e4m3_bits`), in k order.
+* `e2m1_to_e4m3_operand`: pairs of packed e2m1 bytes -> the e4m3 operand
+  of their values times 2**-6 (`fp_formats.e2m1_to_e4m3_bits`), in k order.
 * `promote`: `acc + part * a_scale * b_scale` as one multiply and one fused
   multiply-add per element.
 
 The decode and the promotion have two forms with equal results: inline PTX
 (`ptx=True`, a Triton kernel on a GPU: the decode works on 32-bit words of
-four packed bytes, and the promotion is a real `fma`, which the Triton
+two byte pairs, and the promotion is a real `fma`, which the Triton
 lowering never forms from jnp's multiply and add) and plain jnp
 (`ptx=False`: interpret mode, CPUs). Outside a Triton kernel `fp8_dot_nt`
 is `lax.dot_general` with fp32 accumulation.
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax._src import core as jax_core  # a primitive with its own Triton lowering
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
+from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import lowering as triton_lowering
 
 from pallas_kernels.shared.common import NT_DIMS
@@ -84,24 +85,22 @@ def _triton_lowering(ctx, a, b):
   return out
 
 
-# e2m1_to_e4m3_bits on a 32-bit word of four packed bytes: `$1` the word,
-# `$0` the four even (low-nibble) or odd (high-nibble) elements' e4m3 bytes.
-# Only shl/shr/and/or with immediates (tests/test_grouped_gemm.py runs these
-# lines on every byte value with NumPy).
-E2M1_EVEN_TO_E4M3_PTX = """{
-.reg .b32 t;
-shl.b32 t, $1, 4;
-and.b32 t, t, 0x80808080;
-shl.b32 $0, $1, 2;
-and.b32 $0, $0, 0x1C1C1C1C;
-or.b32 $0, $0, t;
-}"""
-E2M1_ODD_TO_E4M3_PTX = """{
-.reg .b32 t;
-and.b32 t, $1, 0x80808080;
-shr.b32 $0, $1, 2;
-and.b32 $0, $0, 0x1C1C1C1C;
-or.b32 $0, $0, t;
+# e2m1_to_e4m3_bits on a word `$2` of four packed bytes (two of the
+# kernel's byte pairs): `$1` the four odd (high-nibble) codes' e4m3 bytes,
+# `$0` the four even (low-nibble) ones', byte i from byte i (magnitude to
+# bits 4..2, sign to bit 7; `lop3` immLut 0xEC is (a & c) | b). The last
+# instruction to read `$2` is the one writing `$1`, and no output is read
+# after being written: an output may share the input's register.
+# tests/test_grouped_gemm.py runs these lines on every byte value with NumPy.
+E2M1_TO_E4M3_PTX = """{
+.reg .b32 e, o, t;
+shl.b32 e, $2, 2;
+and.b32 e, e, 0x1C1C1C1C;
+shl.b32 t, $2, 4;
+shr.b32 o, $2, 2;
+and.b32 o, o, 0x1C1C1C1C;
+lop3.b32 $1, $2, o, 0x80808080, 0xEC;
+lop3.b32 $0, t, e, 0x80808080, 0xEC;
 }"""
 # acc + part * a_scale * b_scale: $0 = fma(part * a_scale, b_scale, acc).
 PROMOTE_PTX = """{
@@ -111,25 +110,60 @@ fma.rn.f32 $0, t, $3, $4;
 }"""
 
 
-def _word_asm(asm: str, packed: jax.Array) -> jax.Array:
-  # Triton's inline asm takes signless integers: int8, four to a register.
-  out = jax.ShapeDtypeStruct(packed.shape, jnp.int8)
-  return plgpu.elementwise_inline_asm(asm, args=[lax.bitcast_convert_type(packed, jnp.int8)], constraints="=r,r",
-                                      pack=4, result_shape_dtypes=[out])[0]
+# Pallas's Triton rule for `plgpu.elementwise_inline_asm` wraps the op's
+# results in a one-element list (jax 0.11.2 and 0.12.0.1: binding an asm
+# with two results fails, "2 outvars do not match 1 outvals"), so the
+# two-result decode has a primitive of its own, lowered only inside a Triton
+# kernel, whose rule returns each result.
+inline_asm_p = jax_core.Primitive("fp8_mma_inline_asm")
+inline_asm_p.multiple_results = True
 
 
-def e2m1_to_e4m3_operand(packed: jax.Array, *, ptx: bool) -> jax.Array:
-  """Packed e2m1 bytes [rows, B] (low nibble = even k) -> float8_e4m3fn
-  [rows, 2B] in k order, each value the e2m1 value times 2**-6, exactly.
-  `ptx`: decode 32-bit words with inline PTX (Triton kernels on a GPU;
-  B a multiple of 4), else jnp (any B)."""
+@inline_asm_p.def_abstract_eval
+def _inline_asm_abstract_eval(*avals, asm, constraints, pack, results):
+  del asm, constraints, pack
+  if any(a.shape != avals[0].shape for a in avals) or any(r.shape != avals[0].shape for r in results):
+    raise ValueError("inline asm: every argument and result must have one shape (elementwise)")
+  return [jax_core.ShapedArray(r.shape, r.dtype) for r in results]
+
+
+@triton_lowering.register_lowering(inline_asm_p)
+def _inline_asm_lowering(ctx, *args, asm, constraints, pack, results):
+  del results
+  types = [mlir.aval_to_ir_type(ctx.context.mlir_ctx, aval) for aval in ctx.avals_out]
+  op = tt_dialect.ElementwiseInlineAsmOp(types, asm, constraints=constraints, pure=True, packed_element=pack,
+                                         args=args)
+  return list(op.results)
+
+
+def _even_odd(pairs: jax.Array) -> tuple[jax.Array, jax.Array]:
+  # Two uint16 pairs per asm instance, one register: per pair the e4m3
+  # bytes of its two even codes (low byte first) and of its two odd ones.
+  out = jax.ShapeDtypeStruct(pairs.shape, jnp.int16)
+  even, odd = inline_asm_p.bind(lax.bitcast_convert_type(pairs, jnp.int16), asm=E2M1_TO_E4M3_PTX,
+                                constraints="=r,=r,r", pack=2, results=(out, out))
+  return lax.bitcast_convert_type(even, jnp.uint16), lax.bitcast_convert_type(odd, jnp.uint16)
+
+
+def e2m1_to_e4m3_operand(pairs: jax.Array, *, ptx: bool) -> jax.Array:
+  """Pairs of packed e2m1 bytes, uint16 [rows, P] (the low byte first; low
+  nibble = even k, so a pair is four k values) -> float8_e4m3fn [rows, 4P]
+  in k order, each value the e2m1 value times 2**-6, exactly
+  (`fp_formats.e2m1_to_e4m3_bits`). `ptx`: the decode in inline PTX, on
+  words of two pairs (Triton kernels on a GPU; P even), else jnp (any P)."""
+  rows, width = pairs.shape
   if ptx:
-    even, odd = (_word_asm(asm, packed) for asm in (E2M1_EVEN_TO_E4M3_PTX, E2M1_ODD_TO_E4M3_PTX))
+    even, odd = _even_odd(pairs)
   else:
-    even, odd = (lax.bitcast_convert_type(x, jnp.int8) for x in e2m1_to_e4m3_bits(packed))
-  rows, width = packed.shape
-  interleaved = jnp.stack([even, odd], axis=-1).reshape(rows, 2 * width)  # Triton's join: back in k order
-  return lax.bitcast_convert_type(interleaved, jnp.float8_e4m3fn)
+    even, odd = (x.astype(jnp.uint16) for x in e2m1_to_e4m3_bits(jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1)))
+    even, odd = (x[..., 0] | x[..., 1] << 8 for x in (even, odd))
+  # A pair's k order is even, odd, even, odd: as uint16 halves (Triton has
+  # no bitcast between widths), which the lowering turns into one `prmt`
+  # per MMA operand register.
+  first, last = (even & 0xFF) | (odd << 8), (even >> 8) | (odd & 0xFF00)
+  decoded = jnp.stack([first, last], axis=-1)  # [rows, P, 2]
+  decoded = jnp.stack([decoded, decoded >> 8], axis=-1).astype(jnp.uint8).reshape(rows, 4 * width)
+  return lax.bitcast_convert_type(decoded, jnp.float8_e4m3fn)
 
 
 def promote(acc: jax.Array, part: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *, ptx: bool) -> jax.Array:
