@@ -148,10 +148,10 @@ def _heuristic(m: int, e: int) -> GroupedGemmConfig:
 
   Why 32-row items and not 64 (sm_90a PTX, thread-instructions a k-step
   and 128-column tile, the records' synthesized routing at M = 24576):
-  32-row tiles 687 x 128 over 1067 (tile, expert) items, 93.8 M; 32-row
-  items 709 x 128 over 966, 87.7 M; 64-row items 640 x 256 over 601, 98.4
+  32-row tiles 541 x 128 over 1067 (tile, expert) items, 73.9 M; 32-row
+  items 563 x 128 over 966, 69.6 M; 64-row items 570 x 256 over 601, 87.7
   M (the per-32-k promotion grows with the rows, the decode does not:
-  docs/perf/moe_kernels.md)."""
+  docs/perf/moe_kernels.md, "Expert items")."""
   if m <= 16 or cdiv(m, e) < _ROWS_PER_EXPERT_FOR_32:
     return GroupedGemmConfig(16, 128, 128, expert_slots=16, swap_ab=True, num_warps=4, num_stages=3)
   return GroupedGemmConfig(32, 128, 128, swap_ab=True, expert_items=True, num_warps=4, num_stages=4)
