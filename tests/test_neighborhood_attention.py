@@ -25,6 +25,7 @@ import gradients
 from jaxkern import ops
 from jaxkern.families import neighborhood_attention as fam
 from kit import Case, TritonCall
+from pallas_kernels.neighborhood_attention import tiles
 from pallas_kernels.neighborhood_attention import triton as na
 from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
 from numerics import assert_bf16_close
@@ -178,7 +179,6 @@ def test_halo_slot_tables_are_the_window_test(dims, window, tile):
   and its window test (bits against `window_probe`, or packed coordinates)
   says `0 <= o - rel < k` on every axis for every query start offset `rel`
   in the tile; padding slots pass no test."""
-  from pallas_kernels.neighborhood_attention import tiles  # pylint: disable=g-import-not-at-top
   block_k = 64
   halo = tiles.halo_box(tile, window)
   table = tiles.halo_slots(dims, window, tile, block_k)
@@ -209,7 +209,6 @@ def test_query_box_slot_tables_are_the_window_test(dims, window, tile):
   """`query_box_slots` with `walk_query_box`'s test: for every key tile
   (edge tiles included), key j and slot o pass iff the query at
   `first_query(first key) + o` is in the grid and its window holds j."""
-  from pallas_kernels.neighborhood_attention import tiles  # pylint: disable=g-import-not-at-top
   box = tiles.query_box(dims, window, tile)
   table = tiles.query_box_slots(dims, window, tile, 64)
   size = math.prod(box)
