@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxkern.families import sparse_mla as fam
-from kit import EVERY_CANDIDATE, Case, TritonCall
+from kit import EVERY_CANDIDATE, Case, MosaicGpuCall, TritonCall
 from pallas_kernels.sparse_mla import triton as sm
 from numerics import assert_bf16_close, assert_f32_close
 
@@ -147,6 +147,19 @@ def launches(config, axes):
   return calls
 
 
+def launches_mosaic_gpu(config, axes):
+  """One Mosaic GPU call, grid (head blocks of 64, query rows): q, the
+  workspace as [Nkv, D], a zeros row, the indices padded with -1 to whole
+  slot blocks as [M, blocks, block_k], the slot block table, the sinks and
+  the per-head scales in; out and lse out."""
+  h, d, m, nkv, topk = axes["H"], axes["D"], axes["M"], axes["Nkv"], axes["TOPK"]
+  blocks = -(-topk // config.block_k)
+  operands = (f"tensor<{m}x{h}x{d}xbf16>", f"tensor<{nkv}x{d}xbf16>", f"tensor<1x{d}xbf16>",
+              f"tensor<{m}x{blocks}x{config.block_k}xi32>", f"tensor<{m}x2xi32>", f"tensor<{h}xf32>",
+              f"tensor<{h}xf32>")
+  return [MosaicGpuCall(operands, (f"tensor<{m}x{h}x{d}xbf16>", f"tensor<{m}x{h}xf32>"))]
+
+
 def problem(m, nkv, topk, seed, **kw):
   """`random_problem` as the definition's named inputs."""
   def build():
@@ -197,10 +210,19 @@ KERNEL_CASES = [
       for i, c in enumerate((SMALL, CHUNKED, SPLIT))),
     *(Case(name, fam.cpu_axes(full_axes(name, rec["axes"])), record=rec, id=f"record_{rec['uuid'][:8]}")
       for name in (K128, K640) for rec in record_picks(name)),
+    # The Mosaic GPU kernel (its own checks: test_sparse_mla_mosaic.py).
+    *(Case(K128, inputs=problem(m, nkv, topk, seed=m + topk), id=f"mosaic_{label}", backend="mosaic_gpu")
+      for m, nkv, topk, label in [(6, 300, 80, "ragged_last_slot_block"), (1, 40, 128, "one_row"),
+                                  (3, 200, 640, "k640"), (4, 64, 24, "topk_below_one_block")]),
+    Case(K128, inputs=edge_rows, check=first_two_rows_lonely, id="mosaic_edge_rows", backend="mosaic_gpu"),
+    *(Case(name, fam.cpu_axes(full_axes(name, rec["axes"])), record=rec, id=f"mosaic_record_{rec['uuid'][:8]}",
+           backend="mosaic_gpu")
+      for name in (K128, K640) for rec in record_picks(name)),
 ]
 # Each distinct tiling of the candidates (warps and stages do not change
 # interpret-mode semantics).
 SWEEP_CASE = Case(K640, inputs=problem(1, 120, 640, seed=9), id="m1_k640")
+SWEEP_CASE_MOSAIC_GPU = Case(K640, inputs=problem(2, 120, 640, seed=9), id="m2_k640")
 # The smallest recorded M: the heuristic splits TOPK; every candidate too.
 LOWERING_CASES = [Case(K640, dict(M=128, Nkv=256), config=EVERY_CANDIDATE),
                   Case(K128, dict(M=128, Nkv=128), config=EVERY_CANDIDATE)]

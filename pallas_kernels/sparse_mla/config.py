@@ -30,3 +30,13 @@ class SparseMlaPrefillConfig(KernelConfig):
   num_warps: int = field(8, NUM_WARPS)
   num_stages: int = field(2, NUM_STAGES)
   combine: CombineStage = field(CombineStage(block_h=16, block_d=128, block_s=2), instance_of(CombineStage))
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicSparseMlaConfig(KernelConfig):
+  """Tiling of the Mosaic GPU sparse MLA prefill (64 heads per CTA, one wgmma
+  row tile): `block_k` index slots gathered per step, through a ring of
+  `stages` wgmma-tiled slots (beside one untiled staging buffer the
+  producer gathers into)."""
+  block_k: int = field(64, one_of(32, 64))
+  stages: int = field(1, at_least(1))

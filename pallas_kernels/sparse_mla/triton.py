@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple
+from typing import Mapping
 
 import jax
 from jax import lax
@@ -64,12 +64,13 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.shared import common
 import jax.numpy as jnp
 
-from pallas_kernels.shared.common import MIN_DOT_DIM, cdiv, check_pow2_dim, fit_block, resolve_interpret
+from pallas_kernels.shared.common import MIN_DOT_DIM, cdiv, fit_block, resolve_interpret
 from pallas_kernels.shared.device import num_sms
 from pallas_kernels.shared.online_softmax import (LOG2_E, init_carry, lse_base2, lse_natural, normalize,
                                            online_softmax_step)
 from pallas_kernels.shared.split_kv import combine_splits
 from pallas_kernels.sparse_mla.config import SparseMlaPrefillConfig
+from pallas_kernels.sparse_mla.slots import SparseMlaSizes, check_inputs, slot_block_limits
 
 
 # The TOPK splits the heuristic makes at most. Each split costs a 128 KiB
@@ -80,19 +81,6 @@ from pallas_kernels.sparse_mla.config import SparseMlaPrefillConfig
 # nothing is recorded; and the combine's cost in interpret mode grows with
 # splits x programs (the CPU-scale runs use M = 16).
 MAX_SPLITS = 4
-
-
-class SparseMlaSizes(NamedTuple):
-  """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
-  m: int
-  heads: int
-  head_dim: int
-  topk: int
-
-  @classmethod
-  def of(cls, shapes: Mapping[str, Any]) -> SparseMlaSizes:
-    m, heads, head_dim = shapes["q"].shape
-    return cls(int(m), int(heads), int(head_dim), int(shapes["indices"].shape[-1]))
 
 
 def blocks_per_split(topk: int, block_k: int, splits: int) -> int:
@@ -176,19 +164,6 @@ def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[Sparse
                              _fit(dataclasses.replace(chosen, splits=1), sizes)]))
 
 
-def slot_block_limits(indices: jax.Array, num_kv: int, block_k: int) -> jax.Array:
-  """`[M, 2]` int32: per query row, the first slot block holding a valid
-  index and one past the last (both 0 for a lonely row). `indices [M, TOPK]`."""
-  topk = indices.shape[-1]
-  valid = (indices >= 0) & (indices < num_kv)
-  any_valid = jnp.any(valid, axis=-1)
-  first = jnp.argmax(valid, axis=-1)
-  end = topk - jnp.argmax(valid[:, ::-1], axis=-1)
-  start_block = jnp.where(any_valid, first // block_k, 0)
-  end_block = jnp.where(any_valid, (end + block_k - 1) // block_k, 0)
-  return jnp.stack([start_block, end_block], axis=-1).astype(jnp.int32)
-
-
 def _sparse_mla_prefill_kernel(q_ref, kv_ref, idx_ref, limits_ref, sink_ref, scale_ref, out_ref, lse_ref, *,
                                num_kv: int, topk: int, block_k: int, block_d: int, blocks_per_split: int,
                                split: bool, prefetch: bool):
@@ -263,17 +238,9 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale
   Returns:
     `(out [M, H, D] q.dtype, lse [M, H] f32)`; lonely rows give 0 and +inf.
   """
+  check_inputs(q, kv, indices, attn_sink)
   m, num_heads, head_dim = q.shape
   num_kv = kv.shape[0]
-  if kv.ndim != 3 or kv.shape[1] != 1 or kv.shape[2] != head_dim:
-    raise ValueError(f"kv {kv.shape} must be [Nkv, 1, {head_dim}]")
-  if indices.ndim != 3 or indices.shape[:2] != (m, 1):
-    raise ValueError(f"indices {indices.shape} must be [{m}, 1, TOPK]")
-  if kv.dtype != q.dtype:
-    raise ValueError(f"q and kv dtypes differ: {q.dtype}, {kv.dtype}")
-  if attn_sink.shape != (num_heads,):
-    raise ValueError(f"attn_sink {attn_sink.shape} must be [{num_heads}]")
-  check_pow2_dim("head dim D", head_dim)
   topk = indices.shape[-1]
   sizes = SparseMlaSizes(m, num_heads, head_dim, topk)
   shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype),

@@ -1,0 +1,350 @@
+"""DeepSeek sparse MLA prefill on Mosaic GPU (Hopper): a producer warpgroup
+gathers the selected latent rows, two consumer warpgroups run the 64-head
+tile on wgmma.
+
+Contract: the Triton kernel's (`pallas_kernels.sparse_mla.triton`): q
+`[M, H, D]` bf16, kv `[Nkv, 1, D]`, indices `[M, 1, TOPK]` (valid:
+`0 <= idx < Nkv`; anything else is an invalid slot that contributes nothing
+and whose row is never read), a scalar `sm_scale` (may be traced),
+`attn_sink [H]` f32 in the denominator only. Returns `(out [M, H, D] bf16,
+lse [M, H] f32 natural log, no sink)`; a lonely row (no valid slot) gives 0
+and +inf. This kernel takes H a multiple of 64 and D 256 or 512
+(`check_supported`; `Unsupported` otherwise, so `backend="pallas"` falls
+back to Triton).
+
+Structure: grid (H / 64, M); a CTA owns one query row and 64 heads and walks
+the row's slot blocks of `block_k` (from the first to one past the last
+block holding a valid index: `slots.slot_block_limits`). Three warpgroups:
+
+- warpgroup 2, the producer (`setmaxnreg` 40): Q (two halves of D), the
+  sinks, the scales and the row's indices once by TMA; per step, one TMA per
+  slot and half of D (`D / 2 <= 256` columns: a TMA box) gathers row
+  `kv[idx]` into an untiled staging buffer (an invalid slot copies a row of
+  zeros instead, so every step makes the same number of copies and no
+  invalid index is ever dereferenced); then it copies the staged rows
+  through registers (WGMMA layout, 64-column chunks) into a ring slot in
+  the wgmma operand layout. Mosaic GPU's TMA cannot write one row into an
+  (8, 64)-tiled buffer, hence the staging (docs/perf/mosaic_gpu.md, "Sparse
+  MLA prefill: gathering rows on Hopper"). The next step's gather runs while
+  the consumers compute on the ring.
+- warpgroups 0 and 1, the consumers (`setmaxnreg` 232): each computes the
+  full scores `S = Q K^T` (two wgmmas over the halves of D; both consumers
+  compute it, so m and l are the same in both), the masked online softmax in
+  base 2, and `O += P V` for its own half of the value columns (consumer w:
+  columns `[w D/2, (w+1) D/2)`), in 64-column wgmmas whose results are added
+  to the fp32 accumulator by value (the accumulator, 64 x 256 fp32, is 128
+  registers a thread; a whole-half product beside it would spill). P goes
+  through a per-consumer shared-memory tile (the CPU interpreter's wgmma
+  reads both operands from shared memory).
+- epilogue: once both consumers are past their last step (a rendezvous: the
+  other one's last S wgmma reads all of Q), each writes its half of
+  `acc / (l + exp(sink) 2**-m)` into its half of the Q buffer and stores it
+  by TMA; consumer 0 stores lse.
+
+Synchronization (interpret mode does not check asynchrony):
+
+- `start` (5 arrivals: two Q halves, sinks, scales, indices): every
+  warpgroup waits on it once before it reads any of them.
+- `staged` (`2 * block_k` arrivals: one per gather copy, the zeros copies of
+  invalid slots included) guards the staging buffer; only the producer waits
+  on it, once per step, so its phases are waited in order. The producer
+  reads the staging buffer (generic proxy) and then issues the next step's
+  TMAs into it (async proxy): `commit_smem()` between them (a proxy fence
+  and a warpgroup barrier) orders every thread's reads before the copies.
+- `ring_full[s]` (1 arrival: the producer, after `commit_smem()` made its
+  stores to slot s visible to the async proxy) guards slot s's data; both
+  consumers wait on it before their wgmmas read the slot.
+- `ring_empty[s]` (2 arrivals, one per consumer) guards reuse: a consumer
+  arrives after its last P V wgmma of the step completed (reading its
+  result waits for it), and its S wgmmas completed before (their result was
+  read). The producer waits on it before re-laying step g >= stages into
+  slot s and, at the end, on the last release of every slot it waited on.
+- Ring position and parity: step g is in slot g % stages; producer and
+  consumers walk the same steps (from the same `limits` entry), so use u of
+  slot s completes phase u of `ring_full[s]` and `ring_empty[s]`, and every
+  waiter waits on every phase in order (the producer on all of
+  `ring_empty[s]` but its first, which nothing precedes).
+- The indices (consumers load each step's block of them for the mask) and
+  sinks are written once, before `start` completes, and never again.
+- `done` (2 arrivals) is the consumers' rendezvous before the epilogue
+  overwrites Q; P tile w is written by consumer w only, after its previous
+  P V wgmmas completed, and made visible by `commit_smem()`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.shared import device
+from pallas_kernels.shared import mosaic_gpu_compat as compat
+from pallas_kernels.shared.common import cdiv, resolve_interpret
+from pallas_kernels.shared.kernel import Unsupported
+from pallas_kernels.shared.mosaic_gpu import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, TILE_COLS,
+                                              WGMMA_TRANSFORMS)
+from pallas_kernels.shared.online_softmax import LOG2_E, lse_natural
+from pallas_kernels.sparse_mla.config import MosaicSparseMlaConfig
+from pallas_kernels.sparse_mla.slots import SparseMlaSizes, check_inputs, slot_block_limits
+
+BLOCK_H = 64          # heads per CTA: one wgmma row tile
+HEAD_DIMS = (256, 512)
+
+# Test-only sync faults (`_forward(fault=...)`).
+FAULTS = ("release_once", "staged_short")
+
+
+def shared_memory_bytes(config: MosaicSparseMlaConfig, head_dim: int, topk: int) -> int:
+  """The scratch the kernel allocates: Q (then O), the ring, the staging
+  buffer, both P tiles (bf16), the row's indices, sinks, scales and lse
+  (4 bytes each), each aligned to 1 KiB (the 128-byte swizzle's period),
+  the barriers, and the 2 KiB more Mosaic GPU reports at lowering."""
+  align = lambda n: -(-n // 1024) * 1024  # noqa: E731
+  bk, stages = config.block_k, config.stages
+  buffers = [BLOCK_H * head_dim * 2, stages * bk * head_dim * 2, bk * head_dim * 2, NUM_CONSUMERS * BLOCK_H * bk * 2,
+             cdiv(max(topk, 1), bk) * bk * 4, BLOCK_H * 4, BLOCK_H * 4, BLOCK_H * 4]
+  barriers = 8 * (3 + 2 * stages)
+  return sum(map(align, buffers)) + barriers + 2048
+
+
+def choose_config(shapes: Mapping[str, Any]) -> MosaicSparseMlaConfig:
+  """64 slots a step, one ring slot (211 KiB at D = 512, TOPK = 640): the
+  gather of step g + 1 overlaps step g's compute; its re-lay into the ring
+  does not."""
+  del shapes
+  return MosaicSparseMlaConfig()
+
+
+def candidate_configs(shapes: Mapping[str, Any]) -> list[MosaicSparseMlaConfig]:
+  """The heuristic's first, then 32-slot steps through 2 and 3 ring slots
+  (the re-lay overlaps the compute too), those that fit the SM."""
+  sizes = SparseMlaSizes.of(shapes)
+  sweep = [choose_config(shapes), MosaicSparseMlaConfig(block_k=32, stages=2),
+           MosaicSparseMlaConfig(block_k=32, stages=3)]
+  return [c for c in dict.fromkeys(sweep)
+          if shared_memory_bytes(c, sizes.head_dim, sizes.topk) <= device.SHARED_MEMORY_PER_BLOCK]
+
+
+def check_supported(q: jax.Array) -> None:
+  """Raises `Unsupported` for inputs this kernel does not take: q (and kv)
+  not bf16, H not a multiple of 64, D other than `HEAD_DIMS`."""
+  _, heads, head_dim = q.shape
+  if q.dtype != jnp.bfloat16:
+    raise Unsupported(f"q and kv must be bfloat16 for the Mosaic GPU sparse MLA prefill, got {q.dtype}")
+  if heads % BLOCK_H:
+    raise Unsupported(f"H={heads} must be a multiple of {BLOCK_H} for the Mosaic GPU sparse MLA prefill")
+  if head_dim not in HEAD_DIMS:
+    raise Unsupported(f"head dim D={head_dim} must be one of {HEAD_DIMS} for the Mosaic GPU sparse MLA prefill")
+
+
+def _row_tile_transforms(cols: int) -> tuple[Any, ...]:
+  """The wgmma operand layout of a bf16 tile `cols` wide (32 or 64): (8,
+  cols) tiles with the swizzle of one row's bytes."""
+  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols))
+
+
+def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale_gmem, o_gmem, lse_gmem, *,
+            config: MosaicSparseMlaConfig, num_kv: int, fault: str | None):
+  bk, stages = config.block_k, config.stages
+  half = q_gmem.shape[-1] // NUM_CONSUMERS
+  chunks = half // TILE_COLS
+  group, row = lax.axis_index("h"), lax.axis_index("m")
+  heads = pl.ds(group * BLOCK_H, BLOCK_H)
+  # This row's slot blocks holding a valid index: producer and consumers
+  # walk the same ones.
+  first = limits_gmem[row, 0]
+  steps = limits_gmem[row, 1] - first
+
+  def scoped(q_smem, ring, staging, p_smem, idx_smem, sink_smem, scale_smem, lse_smem, start, staged, ring_full,
+             ring_empty, done):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+      for h in range(NUM_CONSUMERS):
+        plgpu.copy_gmem_to_smem(q_gmem.at[row, heads, pl.ds(h * half, half)], q_smem.at[h], start)
+      plgpu.copy_gmem_to_smem(sink_gmem.at[heads], sink_smem, start)
+      plgpu.copy_gmem_to_smem(scale_gmem.at[heads], scale_smem, start)
+      plgpu.copy_gmem_to_smem(idx_gmem.at[row], idx_smem, start)
+      plgpu.barrier_wait(start)
+
+      def gather(slot_in_block, index):
+        """Row `kv[index]` (zeros for an invalid index) into staging row
+        `slot_in_block`, one copy per half of D."""
+        valid = (index >= 0) & (index < num_kv)
+        for h in range(NUM_CONSUMERS):
+          cols = pl.ds(h * half, half)
+          dst = staging.at[pl.ds(slot_in_block, 1), cols]
+          pl.when(valid)(lambda: plgpu.copy_gmem_to_smem(kv_gmem.at[pl.ds(index, 1), cols], dst, staged))
+          pl.when(~valid)(lambda: plgpu.copy_gmem_to_smem(zeros_gmem.at[pl.ds(0, 1), cols], dst, staged))
+
+      @pl.loop(0, steps)
+      def _step(g):
+        block = first + g
+
+        @pl.loop(0, bk)
+        def _slot(t):
+          gather(t, idx_smem[block, t])
+
+        plgpu.barrier_wait(staged)
+        slot = lax.rem(g, stages)
+
+        @pl.when(g >= stages)
+        def _():
+          plgpu.barrier_wait(ring_empty.at[slot])
+
+        for h in range(NUM_CONSUMERS):
+          for c in range(chunks):
+            rows = plgpu.load(staging.at[:, pl.ds(h * half + c * TILE_COLS, TILE_COLS)], layout=plgpu.Layout.WGMMA,
+                              optimized=False)
+            ring.at[slot, h][:, pl.ds(c * TILE_COLS, TILE_COLS)] = plgpu.layout_cast(rows, plgpu.Layout.WGMMA)
+        # Makes the stores visible to the consumers' wgmmas, and orders this
+        # warpgroup's reads of the staging buffer before the next gather.
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ring_full.at[slot])
+
+      @pl.loop(jnp.maximum(steps - stages, stages), steps)
+      def _drain(g):
+        plgpu.barrier_wait(ring_empty.at[lax.rem(g, stages)])
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      plgpu.barrier_wait(start)
+      row_layout = plgpu.Layout.WGMMA.reduce(1)
+      per_row = lambda x: lax.broadcast_in_dim(x, (BLOCK_H, bk), [0])  # noqa: E731
+      qk_scale = plgpu.load(scale_smem, layout=row_layout)
+      m = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_layout)
+      l = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout)
+      acc = tuple(plgpu.layout_cast(jnp.zeros((BLOCK_H, TILE_COLS), jnp.float32), plgpu.Layout.WGMMA)
+                  for _ in range(chunks))
+
+      def step(g, carry):
+        acc, m, l = carry
+        slot = lax.rem(g, stages)
+        plgpu.barrier_wait(ring_full.at[slot])
+
+        def scores(s_ref):
+          for h in range(NUM_CONSUMERS):
+            plgpu.wgmma(s_ref, q_smem.at[h], ring.at[slot, h].T)
+          return s_ref[...]
+
+        s = pl.run_scoped(scores, plgpu.ACC((BLOCK_H, bk), jnp.float32)) * per_row(qk_scale)
+        index = plgpu.load(idx_smem.at[first + g], layout=plgpu.Layout.WGMMA.reduce(0))
+        valid = lax.broadcast_in_dim((index >= 0) & (index < num_kv), s.shape, [1])
+        # The online softmax step of `online_softmax.online_softmax_step`.
+        s = jnp.where(valid, s, -jnp.inf)
+        m_next = jnp.maximum(m, s.max(axis=1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        correction = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - per_row(m_safe))
+        l_next = correction * l + p.sum(axis=1)
+        # The previous step's P V wgmmas have completed.
+        p_smem[wg] = p.astype(p_smem.dtype)
+        plgpu.commit_smem()
+        values = ring.at[slot, wg]
+        rescale = lax.broadcast_in_dim(correction, (BLOCK_H, TILE_COLS), [0])
+        updated = []
+        for c, part in enumerate(acc):
+          def product(pv_ref, c=c):
+            plgpu.wgmma(pv_ref, p_smem.at[wg], values.at[:, pl.ds(c * TILE_COLS, TILE_COLS)])
+            return pv_ref[...]
+          updated.append(part * rescale + pl.run_scoped(product, plgpu.ACC((BLOCK_H, TILE_COLS), jnp.float32)))
+        plgpu.barrier_arrive(ring_empty.at[slot])
+        return tuple(updated), m_next, l_next
+
+      acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)
+      # out = acc / (l + exp(sink) * 2**-m) (`online_softmax.normalize`).
+      sink = plgpu.load(sink_smem, layout=row_layout)
+      seen = l > 0.0
+      denominator = l + jnp.exp2(sink * LOG2_E - jnp.where(seen, m, 0.0))
+      inverse = lax.broadcast_in_dim(jnp.where(seen, 1.0 / denominator, 0.0), (BLOCK_H, TILE_COLS), [0])
+      out = q_smem.at[wg]
+      for c, part in enumerate(acc):
+        out[:, pl.ds(c * TILE_COLS, TILE_COLS)] = (part * inverse).astype(out.dtype)
+      lse_smem[...] = lse_natural(m, l)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out, o_gmem.at[row, heads, pl.ds(wg * half, half)])
+      pl.when(wg == 0)(lambda: plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[row, heads]))
+      plgpu.wait_smem_to_gmem(0)
+
+  dtype = q_gmem.dtype
+  head_dim = q_gmem.shape[-1]
+  pl.run_scoped(
+      scoped,
+      plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), dtype, transforms=WGMMA_TRANSFORMS),
+      plgpu.SMEM((stages, NUM_CONSUMERS, bk, half), dtype, transforms=WGMMA_TRANSFORMS),
+      plgpu.SMEM((bk, head_dim), dtype),
+      plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, bk), dtype, transforms=_row_tile_transforms(bk)),
+      plgpu.SMEM(idx_gmem.shape[1:], jnp.int32),
+      plgpu.SMEM((BLOCK_H,), jnp.float32),
+      plgpu.SMEM((BLOCK_H,), jnp.float32),
+      plgpu.SMEM((BLOCK_H,), jnp.float32),
+      plgpu.Barrier(num_arrivals=5),
+      plgpu.Barrier(num_arrivals=2 * bk - (fault == "staged_short")),
+      plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+      collective_axes="wg",
+  )
+
+
+def _forward(q, kv, indices, sm_scale, attn_sink, *, config: MosaicSparseMlaConfig, interpret: bool,
+             fault: str | None = None):
+  """(out, lse) of one launch past the checks (at least one row, slot and
+  workspace row); `fault` (tests only, one of `FAULTS`) breaks the
+  synchronization on purpose."""
+  if fault is not None and fault not in FAULTS:
+    raise ValueError(f"fault must be None or one of {FAULTS}, got {fault!r}")
+  m, heads, head_dim = q.shape
+  num_kv, topk, bk = kv.shape[0], indices.shape[-1], config.block_k
+  blocks = cdiv(topk, bk)
+  idx = indices.reshape(m, topk).astype(jnp.int32)
+  idx = jnp.pad(idx, ((0, 0), (0, blocks * bk - topk)), constant_values=-1)
+  limits = slot_block_limits(idx, num_kv, bk)
+  qk_scale = jnp.full((heads,), jnp.asarray(sm_scale, jnp.float32) * LOG2_E, jnp.float32)
+  kernel = plgpu.kernel(
+      functools.partial(_kernel, config=config, num_kv=num_kv, fault=fault),
+      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((m, heads), jnp.float32)),
+      grid=(heads // BLOCK_H, m),
+      grid_names=("h", "m"),
+      num_threads=NUM_CONSUMERS + 1,
+      thread_name="wg",
+      **compat.interpret_kwargs(interpret),
+  )
+  zeros = jnp.zeros((1, head_dim), q.dtype)   # what an invalid slot gathers
+  return kernel(q, kv.reshape(num_kv, head_dim), zeros, idx.reshape(m, blocks, bk), limits,
+                attn_sink.astype(jnp.float32), qk_scale)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale: jax.Array | float,
+                       attn_sink: jax.Array, *, config: MosaicSparseMlaConfig | None = None,
+                       interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+  """Sparse MLA prefill attention with an attention sink: the contract of
+  `pallas_kernels.sparse_mla.triton.sparse_mla_prefill` on the inputs this
+  kernel takes (`check_supported`), `Unsupported` otherwise.
+
+  Returns `(out [M, H, D] bf16, lse [M, H] f32)`; lonely rows give 0 and
+  +inf. `config` None = `choose_config`; a config whose buffers exceed the
+  SM's shared memory is refused (ValueError)."""
+  check_inputs(q, kv, indices, attn_sink)
+  check_supported(q)
+  m, heads, head_dim = q.shape
+  topk, num_kv = indices.shape[-1], kv.shape[0]
+  if m == 0 or topk == 0 or num_kv == 0:  # nothing to launch: every row is lonely
+    return jnp.zeros(q.shape, q.dtype), jnp.full((m, heads), jnp.inf, jnp.float32)
+  config = config or choose_config({"q": q, "indices": indices})
+  need = shared_memory_bytes(config, head_dim, topk)
+  if need > device.SHARED_MEMORY_PER_BLOCK:
+    raise ValueError(f"{config} needs {need} bytes of shared memory at D={head_dim}, TOPK={topk}; the limit is "
+                     f"{device.SHARED_MEMORY_PER_BLOCK} (fewer stages or a smaller block_k)")
+  return _forward(q, kv, indices, sm_scale, attn_sink, config=config, interpret=resolve_interpret(interpret))
