@@ -5,7 +5,8 @@ their warpgroups, the shared-memory layouts of wgmma operands and stores, the
 Every kernel runs one producer warpgroup (TMA loads; `setmaxnreg` down to
 `PRODUCER_REGISTERS`) and `NUM_CONSUMERS` consumer warpgroups (wgmma;
 `setmaxnreg` up to `CONSUMER_REGISTERS`): 40 x 128 + 2 x 232 x 128 = 64512 of
-an SM's 65536 registers.
+an SM's 65536 registers. A producer that needs more (one that moves data
+through its registers) takes them from the consumers: `consumer_registers`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ from pallas_kernels.shared import device
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 NUM_CONSUMERS = 2
+# The registers a CTA of three warpgroups starts with: 168 a thread (the
+# most ptxas gives 384 threads) x 384. `setmaxnreg` moves registers between
+# the warpgroups within it.
+CTA_REGISTERS = 168 * 128 * (NUM_CONSUMERS + 1)
+
+
+def consumer_registers(producer_registers: int) -> int:
+  """The most each consumer warpgroup may `setmaxnreg` to (a multiple of 8)
+  when the producer keeps `producer_registers`: what the CTA starts with,
+  shared by the consumers (`consumer_registers(PRODUCER_REGISTERS) ==
+  CONSUMER_REGISTERS`)."""
+  return (CTA_REGISTERS // 128 - producer_registers) // NUM_CONSUMERS // 8 * 8
 
 # wgmma operands in shared memory: (8, 64)-element tiles of bf16 with the
 # 128-byte swizzle.

@@ -37,6 +37,8 @@ class MosaicSparseMlaConfig(KernelConfig):
   """Tiling of the Mosaic GPU sparse MLA prefill (64 heads per CTA, one wgmma
   row tile): `block_k` index slots gathered per step, through a ring of
   `stages` wgmma-tiled slots (beside one untiled staging buffer the
-  producer gathers into)."""
-  block_k: int = field(64, one_of(32, 64))
+  producer gathers into). 64 only: the producer's copy into the ring moves
+  64-row chunks (Mosaic GPU's WGMMA register layout has 64 rows; 32-row
+  steps would need the copy in pairs of steps)."""
+  block_k: int = field(64, one_of(64))
   stages: int = field(1, at_least(1))

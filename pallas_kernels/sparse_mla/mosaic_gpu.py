@@ -16,26 +16,28 @@ Structure: grid (H / 64, M); a CTA owns one query row and 64 heads and walks
 the row's slot blocks of `block_k` (from the first to one past the last
 block holding a valid index: `slots.slot_block_limits`). Three warpgroups:
 
-- warpgroup 2, the producer (`setmaxnreg` 40): Q (two halves of D), the
-  sinks, the scales and the row's indices once by TMA; per step, one TMA per
-  slot and half of D (`D / 2 <= 256` columns: a TMA box) gathers row
-  `kv[idx]` into an untiled staging buffer (an invalid slot copies a row of
-  zeros instead, so every step makes the same number of copies and no
-  invalid index is ever dereferenced); then it copies the staged rows
-  through registers (WGMMA layout, 64-column chunks) into a ring slot in
-  the wgmma operand layout. Mosaic GPU's TMA cannot write one row into an
-  (8, 64)-tiled buffer, hence the staging (docs/perf/mosaic_gpu.md, "Sparse
-  MLA prefill: gathering rows on Hopper"). The next step's gather runs while
-  the consumers compute on the ring.
-- warpgroups 0 and 1, the consumers (`setmaxnreg` 232): each computes the
+- warpgroup 2, the producer (`setmaxnreg` 56: `PRODUCER_REGISTERS`): Q
+  (two halves of D), the sinks, the scales and the row's indices once by
+  TMA; per step, one TMA per slot and half of D (`D / 2 <= 256` columns: a
+  TMA box) gathers row `kv[idx]` into an untiled staging buffer (an invalid
+  slot copies a row of zeros instead, so every step makes the same number
+  of copies and no invalid index is ever dereferenced); then it copies the
+  staged rows through its registers (WGMMA layout, 64-column chunks) into
+  the ring slot, in the wgmma operand layout. Mosaic GPU's TMA cannot write
+  one row into an (8, 64)-tiled buffer, hence the staging (docs/perf/
+  mosaic_gpu.md, "Sparse MLA prefill: gathering rows on Hopper"). The next
+  step's gather runs while the consumers compute on the ring; the copy into
+  the ring waits for their release (one ring slot fits beside the staging
+  buffer at D = 512).
+- warpgroups 0 and 1, the consumers (`setmaxnreg` 224): each computes the
   full scores `S = Q K^T` (two wgmmas over the halves of D; both consumers
   compute it, so m and l are the same in both), the masked online softmax in
-  base 2, and `O += P V` for its own half of the value columns (consumer w:
-  columns `[w D/2, (w+1) D/2)`), in 64-column wgmmas whose results are added
-  to the fp32 accumulator by value (the accumulator, 64 x 256 fp32, is 128
-  registers a thread; a whole-half product beside it would spill). P goes
-  through a per-consumer shared-memory tile (the CPU interpreter's wgmma
-  reads both operands from shared memory).
+  base 2, and `O = O * correction + P V` for its own half of the value
+  columns (consumer w: columns `[w D/2, (w+1) D/2)`), one wgmma that
+  accumulates onto the rescaled output in its registers
+  (`_rescale_and_accumulate`; 64 x 256 fp32 is 128 registers a thread). P
+  goes through a per-consumer shared-memory tile (the CPU interpreter's
+  wgmma reads both operands from shared memory).
 - epilogue: once both consumers are past their last step (a rendezvous: the
   other one's last S wgmma reads all of Q), each writes its half of
   `acc / (l + exp(sink) 2**-m)` into its half of the Q buffer and stores it
@@ -86,14 +88,18 @@ from pallas_kernels.shared import device
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import cdiv, resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
-from pallas_kernels.shared.mosaic_gpu import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, TILE_COLS,
-                                              WGMMA_TRANSFORMS)
+from pallas_kernels.shared.mosaic_gpu import NUM_CONSUMERS, TILE_COLS, WGMMA_TRANSFORMS, consumer_registers
 from pallas_kernels.shared.online_softmax import LOG2_E, lse_natural
 from pallas_kernels.sparse_mla.config import MosaicSparseMlaConfig
 from pallas_kernels.sparse_mla.slots import SparseMlaSizes, check_inputs, slot_block_limits
 
 BLOCK_H = 64          # heads per CTA: one wgmma row tile
 HEAD_DIMS = (256, 512)
+# The producer copies the staged rows through its registers (a 64 x 64 bf16
+# chunk is 16 a thread): at the usual 40 it spills 28 bytes, at 56 none;
+# the consumers then get 224 (their 64 x 256 fp32 output half is 128).
+PRODUCER_REGISTERS = 56
+CONSUMER_REGISTERS = consumer_registers(PRODUCER_REGISTERS)
 
 # Test-only sync faults (`_forward(fault=...)`).
 FAULTS = ("release_once", "staged_short")
@@ -113,19 +119,19 @@ def shared_memory_bytes(config: MosaicSparseMlaConfig, head_dim: int, topk: int)
 
 
 def choose_config(shapes: Mapping[str, Any]) -> MosaicSparseMlaConfig:
-  """64 slots a step, one ring slot (211 KiB at D = 512, TOPK = 640): the
-  gather of step g + 1 overlaps step g's compute; its re-lay into the ring
-  does not."""
+  """64 slots a step through one ring slot (216 KiB at D = 512, TOPK =
+  640; two do not fit): the gather of step g + 1 overlaps step g's compute,
+  its copy into the ring does not."""
   del shapes
   return MosaicSparseMlaConfig()
 
 
 def candidate_configs(shapes: Mapping[str, Any]) -> list[MosaicSparseMlaConfig]:
-  """The heuristic's first, then 32-slot steps through 2 and 3 ring slots
-  (the re-lay overlaps the compute too), those that fit the SM."""
+  """The heuristic's first, then 2 and 3 ring slots (the copy into the ring
+  overlaps the compute too), those that fit the SM (at D = 512 only the
+  heuristic's)."""
   sizes = SparseMlaSizes.of(shapes)
-  sweep = [choose_config(shapes), MosaicSparseMlaConfig(block_k=32, stages=2),
-           MosaicSparseMlaConfig(block_k=32, stages=3)]
+  sweep = [choose_config(shapes), MosaicSparseMlaConfig(stages=2), MosaicSparseMlaConfig(stages=3)]
   return [c for c in dict.fromkeys(sweep)
           if shared_memory_bytes(c, sizes.head_dim, sizes.topk) <= device.SHARED_MEMORY_PER_BLOCK]
 
@@ -148,8 +154,30 @@ def _row_tile_transforms(cols: int) -> tuple[Any, ...]:
   return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols))
 
 
+def _rescale_and_accumulate(acc, correction, p_ref, v_ref, interpret: bool):
+  """`acc * correction[:, None] + P V` (fp32; P, V bf16 in shared memory).
+
+  Compiled, the wgmma accumulates onto the rescaled output in the output's
+  own registers (`pl.run_state` over a preinitialized accumulator): a
+  consumer's 64 x 256 fp32 half is then 128 registers a thread, and the
+  kernel compiles without spills. The CPU interpreter cannot run a
+  preinitialized accumulator ("Cannot lower jaxpr with effects"), so in
+  interpret mode the product goes to a fresh accumulator and is added by
+  value: the same sum, another fp32 addition order."""
+  rescaled = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+  if interpret:
+    def product(pv_ref):
+      plgpu.wgmma(pv_ref, p_ref, v_ref)
+      return pv_ref[...]
+    return rescaled + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+
+  def accumulate(acc_ref):
+    plgpu.wgmma(acc_ref, p_ref, v_ref)
+  return pl.run_state(accumulate)(plgpu.ACC.init(rescaled))
+
+
 def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale_gmem, o_gmem, lse_gmem, *,
-            config: MosaicSparseMlaConfig, num_kv: int, fault: str | None):
+            config: MosaicSparseMlaConfig, num_kv: int, interpret: bool, fault: str | None):
   bk, stages = config.block_k, config.stages
   half = q_gmem.shape[-1] // NUM_CONSUMERS
   chunks = half // TILE_COLS
@@ -222,8 +250,7 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
       qk_scale = plgpu.load(scale_smem, layout=row_layout)
       m = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_layout)
       l = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout)
-      acc = tuple(plgpu.layout_cast(jnp.zeros((BLOCK_H, TILE_COLS), jnp.float32), plgpu.Layout.WGMMA)
-                  for _ in range(chunks))
+      acc = plgpu.layout_cast(jnp.zeros((BLOCK_H, half), jnp.float32), plgpu.Layout.WGMMA)
 
       def step(g, carry):
         acc, m, l = carry
@@ -248,16 +275,9 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
         # The previous step's P V wgmmas have completed.
         p_smem[wg] = p.astype(p_smem.dtype)
         plgpu.commit_smem()
-        values = ring.at[slot, wg]
-        rescale = lax.broadcast_in_dim(correction, (BLOCK_H, TILE_COLS), [0])
-        updated = []
-        for c, part in enumerate(acc):
-          def product(pv_ref, c=c):
-            plgpu.wgmma(pv_ref, p_smem.at[wg], values.at[:, pl.ds(c * TILE_COLS, TILE_COLS)])
-            return pv_ref[...]
-          updated.append(part * rescale + pl.run_scoped(product, plgpu.ACC((BLOCK_H, TILE_COLS), jnp.float32)))
+        acc = _rescale_and_accumulate(acc, correction, p_smem.at[wg], ring.at[slot, wg], interpret)
         plgpu.barrier_arrive(ring_empty.at[slot])
-        return tuple(updated), m_next, l_next
+        return acc, m_next, l_next
 
       acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
       plgpu.barrier_arrive(done)
@@ -266,10 +286,9 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
       sink = plgpu.load(sink_smem, layout=row_layout)
       seen = l > 0.0
       denominator = l + jnp.exp2(sink * LOG2_E - jnp.where(seen, m, 0.0))
-      inverse = lax.broadcast_in_dim(jnp.where(seen, 1.0 / denominator, 0.0), (BLOCK_H, TILE_COLS), [0])
+      inverse = lax.broadcast_in_dim(jnp.where(seen, 1.0 / denominator, 0.0), acc.shape, [0])
       out = q_smem.at[wg]
-      for c, part in enumerate(acc):
-        out[:, pl.ds(c * TILE_COLS, TILE_COLS)] = (part * inverse).astype(out.dtype)
+      out[...] = (acc * inverse).astype(out.dtype)
       lse_smem[...] = lse_natural(m, l)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(out, o_gmem.at[row, heads, pl.ds(wg * half, half)])
@@ -312,7 +331,7 @@ def _forward(q, kv, indices, sm_scale, attn_sink, *, config: MosaicSparseMlaConf
   limits = slot_block_limits(idx, num_kv, bk)
   qk_scale = jnp.full((heads,), jnp.asarray(sm_scale, jnp.float32) * LOG2_E, jnp.float32)
   kernel = plgpu.kernel(
-      functools.partial(_kernel, config=config, num_kv=num_kv, fault=fault),
+      functools.partial(_kernel, config=config, num_kv=num_kv, interpret=interpret, fault=fault),
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((m, heads), jnp.float32)),
       grid=(heads // BLOCK_H, m),
       grid_names=("h", "m"),
