@@ -30,7 +30,7 @@ block holding a valid index: `slots.slot_block_limits`). Three warpgroups:
   the ring waits for their release (one ring slot fits beside the staging
   buffer at D = 512).
 - warpgroups 0 and 1, the consumers (`setmaxnreg` 224): each computes the
-  full scores `S = Q K^T` (two wgmmas over the halves of D; both consumers
+  full scores `S = Q K^T` (one wgmma per 64 columns of D; both consumers
   compute it, so m and l are the same in both), the masked online softmax in
   base 2, and `O = O * correction + P V` for its own half of the value
   columns (consumer w: columns `[w D/2, (w+1) D/2)`), one wgmma that
@@ -258,8 +258,13 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
         plgpu.barrier_wait(ring_full.at[slot])
 
         def scores(s_ref):
-          for h in range(NUM_CONSUMERS):
-            plgpu.wgmma(s_ref, q_smem.at[h], ring.at[slot, h].T)
+          # A loop over the 64-column chunks of D, not unrolled: with the 32
+          # wgmma steps unrolled, jax 0.11.2's Mosaic GPU code spills 440
+          # bytes in the consumers (its operand descriptors stay live).
+          @pl.loop(0, NUM_CONSUMERS * chunks)
+          def _(c):
+            h, cols = c // chunks, pl.ds(lax.rem(c, chunks) * TILE_COLS, TILE_COLS)
+            plgpu.wgmma(s_ref, q_smem.at[h].at[:, cols], ring.at[slot, h].at[:, cols].T)
           return s_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC((BLOCK_H, bk), jnp.float32)) * per_row(qk_scale)

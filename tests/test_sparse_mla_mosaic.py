@@ -1,0 +1,135 @@
+"""The Mosaic GPU sparse MLA prefill (`pallas_kernels.sparse_mla.mosaic_gpu`)
+beyond the kit's cases (test_sparse_mla.py: ragged slot blocks, edge rows,
+records, every candidate): what invalid slots hold never reaches an output
+and is never read, a traced scale and dominant sinks, the public op with
+`backend="mosaic_gpu"`, the refusals, and synchronization faults the
+interpreter catches."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkern import ops
+from jaxkern.families import sparse_mla as fam
+from numerics import assert_bf16_close, assert_f32_close
+from pallas_kernels.shared import mosaic_gpu_compat as compat
+from pallas_kernels.shared.kernel import Unsupported
+from pallas_kernels.sparse_mla import mosaic_gpu as mg
+
+INT32 = np.iinfo(np.int32)
+
+
+def problem(m, nkv, topk, *, heads=64, dim=512, seed=0):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((m, heads, dim), np.float32), jnp.bfloat16)
+  kv = jnp.asarray(rng.standard_normal((nkv, 1, dim), np.float32), jnp.bfloat16)
+  idx = rng.integers(-2, nkv + 2, (m, 1, topk)).astype(np.int32)
+  sink = jnp.asarray(rng.uniform(-2, 4, heads), jnp.float32)
+  return q, kv, idx, dim ** -0.5, sink
+
+
+def check(q, kv, idx, scale, sink, *, reference_kv=None, **kw):
+  out, lse = mg.sparse_mla_prefill(q, kv, jnp.asarray(idx), scale, sink, interpret=True, **kw)
+  ref_out, ref_lse = fam.sparse_mla_prefill_reference(q, kv if reference_kv is None else reference_kv,
+                                                      jnp.asarray(idx), scale, sink)
+  assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:2] and lse.dtype == jnp.float32
+  assert_bf16_close(out, ref_out)
+  assert_f32_close(lse, ref_lse)
+  return out, lse
+
+
+def test_unselected_rows_and_extreme_invalid_indices_reach_nothing():
+  """NaN and Inf in every workspace row no valid slot selects (row 0
+  included), invalid indices at the int32 extremes and just past the end,
+  a lonely row: the output is the reference's on the clean workspace, and
+  finite."""
+  q, kv, idx, scale, sink = problem(4, 200, 130, seed=1)
+  idx = np.where(idx % 3 == 0, -1, np.clip(idx, 1, 99))      # valid slots select rows 1..99
+  idx[0, 0, :5] = [INT32.max, INT32.min, 200, 201, -7]
+  idx[3] = INT32.max                                          # lonely
+  poison = np.zeros((200, 1, 1), bool)
+  poison[0] = poison[100:] = True
+  dirty = jnp.where(jnp.asarray(poison), jnp.asarray(np.where(np.arange(200) % 2, np.inf, np.nan))[:, None, None],
+                    kv).astype(kv.dtype)
+  out, lse = check(q, dirty, idx, scale, sink, reference_kv=kv)
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  np.testing.assert_array_equal(np.asarray(out[3], np.float32), 0.0)
+  assert np.isposinf(np.asarray(lse[3])).all() and np.isfinite(np.asarray(lse[:3])).all()
+
+
+def test_traced_scale_dominant_sinks_and_two_head_groups():
+  """sm_scale traced under jit; sinks that dominate or vanish from the
+  denominator; H = 128 (two CTAs per row) at D = 256 through a 3-slot ring."""
+  q, kv, idx, _, sink = problem(3, 90, 200, heads=128, dim=256, seed=2)
+  sink = sink.at[:8].set(30.0).at[8:16].set(-30.0)
+  config = mg.MosaicSparseMlaConfig(stages=3)
+  f = jax.jit(lambda s: mg.sparse_mla_prefill(q, kv, jnp.asarray(idx), s, sink, config=config, interpret=True))
+  out, lse = f(jnp.float32(0.07))
+  ref_out, ref_lse = fam.sparse_mla_prefill_reference(q, kv, jnp.asarray(idx), 0.07, sink)
+  assert_bf16_close(out, ref_out)
+  assert_f32_close(lse, ref_lse)
+
+
+def test_public_op_runs_the_mosaic_gpu_kernel():
+  q, kv, idx, scale, sink = problem(2, 70, 64, seed=3)
+  out, lse = ops.sparse_mla_prefill(q, kv, jnp.asarray(idx), sink, sm_scale=scale, backend="mosaic_gpu")
+  ref_out, ref_lse = fam.sparse_mla_prefill_reference(q, kv, jnp.asarray(idx), scale, sink)
+  assert_bf16_close(out, ref_out)
+  assert_f32_close(lse, ref_lse)
+
+
+def test_empty_sizes():
+  q, kv, idx, scale, sink = problem(0, 10, 64)
+  out, lse = mg.sparse_mla_prefill(q, kv, jnp.asarray(idx), scale, sink, interpret=True)
+  assert out.shape == (0, 64, 512) and lse.shape == (0, 64)
+  q, kv, idx, scale, sink = problem(2, 10, 0)
+  out, lse = mg.sparse_mla_prefill(q, kv, jnp.asarray(idx), scale, sink, interpret=True)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+  assert np.isposinf(np.asarray(lse)).all()
+
+
+@pytest.mark.parametrize("heads,dim,dtype,match", [
+    (32, 512, jnp.bfloat16, "H=32 must be a multiple of 64"),
+    (64, 128, jnp.bfloat16, "head dim D=128"),
+    (64, 512, jnp.float32, "must be bfloat16"),
+])
+def test_inputs_it_does_not_take_are_unsupported(heads, dim, dtype, match):
+  q, kv, idx, scale, sink = problem(1, 10, 16, heads=heads, dim=dim)
+  with pytest.raises(Unsupported, match=match):
+    mg.sparse_mla_prefill(q.astype(dtype), kv.astype(dtype), jnp.asarray(idx), scale, sink, interpret=True)
+
+
+def test_bad_input_and_a_config_over_shared_memory_are_refused():
+  q, kv, idx, scale, sink = problem(1, 10, 16)
+  with pytest.raises(ValueError, match=r"attn_sink \(63,\) must be \[64\]"):
+    mg.sparse_mla_prefill(q, kv, jnp.asarray(idx), scale, sink[:63], interpret=True)
+  with pytest.raises(ValueError, match="shared memory at D=512"):
+    mg.sparse_mla_prefill(q, kv, jnp.asarray(idx), scale, sink, config=mg.MosaicSparseMlaConfig(stages=2),
+                          interpret=True)
+
+
+def test_shared_memory_of_the_heuristic_fits_at_the_largest_topk():
+  config = mg.choose_config({})
+  assert mg.shared_memory_bytes(config, 512, 640) <= 232448 < mg.shared_memory_bytes(
+      mg.MosaicSparseMlaConfig(stages=2), 512, 128)
+
+
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
+@pytest.mark.parametrize("fault,match", [
+    # The ring slot released by one consumer: the producer refills it under
+    # the other one's wgmmas; the release phases run ahead of their waiter.
+    ("release_once", "phase"),
+    # The staging barrier completing one copy early: the producer would copy
+    # a half-gathered step into the ring; the late arrivals are left over.
+    ("staged_short", "arrivals pending"),
+])
+def test_broken_synchronization_is_caught(fault, match):
+  q, kv, idx, scale, sink = problem(1, 300, 256, seed=4)   # 4 steps through 1 slot
+  idx = np.clip(idx, 0, 299)
+  try:
+    with pytest.raises(Exception, match=match):
+      jax.block_until_ready(mg._forward(q, kv, jnp.asarray(idx), scale, sink, config=mg.MosaicSparseMlaConfig(),
+                                        interpret=True, fault=fault))
+  finally:
+    compat.reset_interpreter()
