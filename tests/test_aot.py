@@ -510,7 +510,7 @@ def test_shipped_heuristic_configs_compile_clean(compiler, name, axes, backend):
   """No spills, shared memory within the SM, no compile error, for the
   heuristic's config at the largest recorded axes (and more router sizes);
   GEMM and attention keep their wgmma; the Mosaic GPU kernels show their
-  warp specialization (register budgets 40/232, TMA loads, mbarriers)."""
+  warp specialization (their register budgets, TMA loads, mbarriers)."""
   from jaxkern import registry  # pylint: disable=g-import-not-at-top
   op = registry.get(name)
   [row] = aot.check_op(compiler, op, op.validated_axes(axes or selection.largest_recorded_axes(op.definition)),
@@ -527,9 +527,13 @@ def test_shipped_heuristic_configs_compile_clean(compiler, name, axes, backend):
   if name.startswith("dense_gemm"):  # a pipelined k-loop of bf16 wgmma
     assert set(row["kernels"][0]["instruction_mix"]["k_step"]["mma"]) == {"wgmma.m64n256k16.bf16"}
   if backend == "mosaic_gpu":
+    # The register split the kernel's module names (40/232 unless its
+    # producer needs more).
+    module = sys.modules[op.kernel_of(backend).launch.__module__]
+    budgets = [f"dec.{module.PRODUCER_REGISTERS}", f"inc.{module.CONSUMER_REGISTERS}"]
     for k in row["kernels"]:
       hopper = k["instruction_mix"]["hopper"]
-      assert hopper["setmaxnreg"] == ["dec.40", "inc.232"] and hopper["tma_loads"] > 0, hopper
+      assert hopper["setmaxnreg"] == budgets and hopper["tma_loads"] > 0, hopper
       assert hopper["mbarrier"].get("try_wait", 0) > 0 and hopper["mbarrier"].get("arrive.expect_tx", 0) > 0, hopper
 
 
