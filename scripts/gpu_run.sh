@@ -10,7 +10,7 @@
 #      that all are reached early, a per-workload timeout; stopped at 5/8 of
 #      the budget if not done;
 #   1b. the same workloads of every definition that has a second kernel
-#      backend (Mosaic GPU: dense GEMM, the attention definitions) on that
+#      backend (Mosaic GPU: dense GEMM, the attention definitions, sparse MLA) on that
 #      backend, same timer, into replay_mosaic_gpu.jsonl, until 6/8;
 #   2. the remaining records, resuming phase 1's results file, until 7/8;
 #   3. config sweeps at the largest recorded axes, worst SOL fraction first,

@@ -19,6 +19,7 @@ import pytest
 
 from jaxkern.families import sparse_mla as fam
 from kit import EVERY_CANDIDATE, Case, MosaicGpuCall, TritonCall
+from pallas_kernels.sparse_mla import mosaic_gpu as sm_mosaic
 from pallas_kernels.sparse_mla import triton as sm
 from numerics import assert_bf16_close, assert_f32_close
 
@@ -34,6 +35,7 @@ CONST = dict(H=64, HKV=1, D=512)
 SMALL = sm.SparseMlaPrefillConfig(block_h=32, block_k=32, block_d=512, prefetch=True, num_warps=4)
 CHUNKED = sm.SparseMlaPrefillConfig(block_h=16, block_k=16, block_d=128, prefetch=True, num_warps=4)
 SPLIT = sm.SparseMlaPrefillConfig(block_h=16, block_k=16, block_d=128, splits=3, prefetch=False, num_warps=4)
+MOSAIC_UNSPLIT = sm_mosaic.MosaicSparseMlaConfig()
 
 
 def records(name):
@@ -148,16 +150,20 @@ def launches(config, axes):
 
 
 def launches_mosaic_gpu(config, axes):
-  """One Mosaic GPU call, grid (head blocks of 64, query rows): q, the
-  workspace as [Nkv, D], a zeros row, the indices padded with -1 to whole
-  slot blocks as [M, blocks, block_k], the slot block table, the sinks and
-  the per-head scales in; out and lse out."""
+  """One Mosaic GPU call, grid (head blocks of 64, TOPK splits, query
+  rows): q, the workspace as [Nkv, D], a zeros row, the indices padded with
+  -1 to whole slot blocks as [M, blocks, block_k], the slot block table, the
+  sinks and the per-head scales in; out and lse out, or with splits their
+  fp32 partials (the Triton combine follows)."""
   h, d, m, nkv, topk = axes["H"], axes["D"], axes["M"], axes["Nkv"], axes["TOPK"]
   blocks = -(-topk // config.block_k)
+  splits = -(-blocks // -(-blocks // config.splits))   # runs of equal length, the last shorter
   operands = (f"tensor<{m}x{h}x{d}xbf16>", f"tensor<{nkv}x{d}xbf16>", f"tensor<1x{d}xbf16>",
               f"tensor<{m}x{blocks}x{config.block_k}xi32>", f"tensor<{m}x2xi32>", f"tensor<{h}xf32>",
               f"tensor<{h}xf32>")
-  return [MosaicGpuCall(operands, (f"tensor<{m}x{h}x{d}xbf16>", f"tensor<{m}x{h}xf32>"))]
+  if splits == 1:
+    return [MosaicGpuCall(operands, (f"tensor<{m}x{h}x{d}xbf16>", f"tensor<{m}x{h}xf32>"))]
+  return [MosaicGpuCall(operands, (f"tensor<{m}x{splits}x{h}x{d}xf32>", f"tensor<{m}x{splits}x{h}xf32>"))]
 
 
 def problem(m, nkv, topk, seed, **kw):
@@ -210,11 +216,17 @@ KERNEL_CASES = [
       for i, c in enumerate((SMALL, CHUNKED, SPLIT))),
     *(Case(name, fam.cpu_axes(full_axes(name, rec["axes"])), record=rec, id=f"record_{rec['uuid'][:8]}")
       for name in (K128, K640) for rec in record_picks(name)),
-    # The Mosaic GPU kernel (its own checks: test_sparse_mla_mosaic.py).
-    *(Case(K128, inputs=problem(m, nkv, topk, seed=m + topk), id=f"mosaic_{label}", backend="mosaic_gpu")
+    # The Mosaic GPU kernel (its own checks: test_sparse_mla_mosaic.py);
+    # at these M its heuristic splits TOPK (M = 3: 4 splits, the last of 10
+    # blocks alone; M = 6 and 1: 2), so each case also runs unsplit.
+    *(Case(K128, inputs=problem(m, nkv, topk, seed=m + topk), config=config, id=f"mosaic_{label}_{tag}",
+           backend="mosaic_gpu")
       for m, nkv, topk, label in [(6, 300, 80, "ragged_last_slot_block"), (1, 40, 128, "one_row"),
-                                  (3, 200, 640, "k640"), (4, 64, 24, "topk_below_one_block")]),
-    Case(K128, inputs=edge_rows, check=first_two_rows_lonely, id="mosaic_edge_rows", backend="mosaic_gpu"),
+                                  (3, 200, 640, "k640"), (4, 64, 24, "topk_below_one_block")]
+      for config, tag in [(None, "heuristic"), (MOSAIC_UNSPLIT, "unsplit")]),
+    *(Case(K128, inputs=edge_rows, config=config, check=first_two_rows_lonely, id=f"mosaic_edge_rows_{tag}",
+           backend="mosaic_gpu")
+      for config, tag in [(None, "heuristic"), (MOSAIC_UNSPLIT, "unsplit")]),
     *(Case(name, fam.cpu_axes(full_axes(name, rec["axes"])), record=rec, id=f"mosaic_record_{rec['uuid'][:8]}",
            backend="mosaic_gpu")
       for name in (K128, K640) for rec in record_picks(name)),
@@ -225,7 +237,10 @@ SWEEP_CASE = Case(K640, inputs=problem(1, 120, 640, seed=9), id="m1_k640")
 SWEEP_CASE_MOSAIC_GPU = Case(K640, inputs=problem(2, 120, 640, seed=9), id="m2_k640")
 # The smallest recorded M: the heuristic splits TOPK; every candidate too.
 LOWERING_CASES = [Case(K640, dict(M=128, Nkv=256), config=EVERY_CANDIDATE),
-                  Case(K128, dict(M=128, Nkv=128), config=EVERY_CANDIDATE)]
+                  Case(K128, dict(M=128, Nkv=128), config=EVERY_CANDIDATE),
+                  # Below a wave of CTAs the Mosaic GPU kernel splits TOPK.
+                  Case(K640, dict(M=16, Nkv=256), config=EVERY_CANDIDATE, backend="mosaic_gpu"),
+                  Case(K128, dict(M=40, Nkv=128), config=EVERY_CANDIDATE, backend="mosaic_gpu")]
 
 
 # ---------------------------------------------------------------------------

@@ -109,10 +109,34 @@ def test_bad_input_and_a_config_over_shared_memory_are_refused():
                           interpret=True)
 
 
-def test_shared_memory_of_the_heuristic_fits_at_the_largest_topk():
-  config = mg.choose_config({})
-  assert mg.shared_memory_bytes(config, 512, 640) <= 232448 < mg.shared_memory_bytes(
+def test_shared_memory_of_one_ring_slot_fits_at_the_largest_topk_and_two_do_not():
+  assert mg.shared_memory_bytes(mg.MosaicSparseMlaConfig(), 512, 640) <= 232448 < mg.shared_memory_bytes(
       mg.MosaicSparseMlaConfig(stages=2), 512, 128)
+
+
+@pytest.mark.parametrize("m,topk,splits", [(4096, 640, 1), (128, 128, 1), (66, 640, 2), (40, 640, 3), (16, 640, 4),
+                                           (1, 128, 2), (1, 64, 1), (3, 300, 3)])
+def test_heuristic_splits_topk_only_below_half_a_wave(m, topk, splits):
+  """132 SMs: 128 CTAs are not split; 66 take 2, 40 take 3, fewer take 4
+  (or as many as there are slot blocks, in runs without an empty one: 5
+  blocks in 4 splits are runs of 2, 2, 1)."""
+  shapes = {"q": jax.ShapeDtypeStruct((m, 64, 512), jnp.bfloat16),
+            "indices": jax.ShapeDtypeStruct((m, 1, topk), jnp.int32)}
+  assert mg.choose_config(shapes).splits == splits
+
+
+def test_split_rows_with_empty_runs_and_lonely_rows():
+  """4 splits over 10 slot blocks (runs 3, 3, 3, 1): a row whose valid
+  slots end in the first run (the other splits write empty partials), a
+  lonely row, a row whose only valid slot is the very last."""
+  q, kv, idx, scale, sink = problem(4, 500, 640, seed=5)
+  idx[0, 0, 100:] = -1
+  idx[1] = -1
+  idx[2] = -1
+  idx[2, 0, -1] = 17
+  out, lse = check(q, kv, idx, scale, sink, config=mg.MosaicSparseMlaConfig(splits=4))
+  np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)
+  assert np.isposinf(np.asarray(lse[1])).all()
 
 
 @pytest.mark.device_stack  # the GPU machine's Mosaic GPU too

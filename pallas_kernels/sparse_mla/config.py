@@ -37,8 +37,13 @@ class MosaicSparseMlaConfig(KernelConfig):
   """Tiling of the Mosaic GPU sparse MLA prefill (64 heads per CTA, one wgmma
   row tile): `block_k` index slots gathered per step, through a ring of
   `stages` wgmma-tiled slots (beside one untiled staging buffer the
-  producer gathers into). 64 only: the producer's copy into the ring moves
-  64-row chunks (Mosaic GPU's WGMMA register layout has 64 rows; 32-row
-  steps would need the copy in pairs of steps)."""
+  producer gathers into); `splits` CTAs per query row over its slot
+  blocks (1 = none; more write fp32 partials that `combine`, the shared
+  `split_kv.combine_splits`, merges). `block_k` is 64 only: the
+  producer's copy into the ring moves 64-row chunks (Mosaic GPU's WGMMA
+  register layout has 64 rows; 32-row steps would need the copy in pairs
+  of steps)."""
   block_k: int = field(64, one_of(64))
   stages: int = field(1, at_least(1))
+  splits: int = field(1, at_least(1))
+  combine: CombineStage = field(CombineStage(block_h=16, block_d=128, block_s=2), instance_of(CombineStage))

@@ -12,9 +12,14 @@ and +inf. This kernel takes H a multiple of 64 and D 256 or 512
 (`check_supported`; `Unsupported` otherwise, so `backend="pallas"` falls
 back to Triton).
 
-Structure: grid (H / 64, M); a CTA owns one query row and 64 heads and walks
-the row's slot blocks of `block_k` (from the first to one past the last
-block holding a valid index: `slots.slot_block_limits`). Three warpgroups:
+Structure: grid (H / 64, splits, M); a CTA owns one query row and 64 heads
+and walks the row's slot blocks of `block_k` (from the first to one past the
+last block holding a valid index: `slots.slot_block_limits`), or with
+`config.splits > 1` its split's run of them: it then writes fp32 partials
+(normalized output, base-2 lse) that the shared `split_kv.combine_splits`
+merges with the sink (a second launch, a Triton kernel). The heuristic
+splits only grids that leave half the SMs idle (no recorded M does).
+Three warpgroups:
 
 - warpgroup 2, the producer (`setmaxnreg` 56: `PRODUCER_REGISTERS`): Q
   (two halves of D), the sinks, the scales and the row's indices once by
@@ -41,7 +46,10 @@ block holding a valid index: `slots.slot_block_limits`). Three warpgroups:
 - epilogue: once both consumers are past their last step (a rendezvous: the
   other one's last S wgmma reads all of Q), each writes its half of
   `acc / (l + exp(sink) 2**-m)` into its half of the Q buffer and stores it
-  by TMA; consumer 0 stores lse.
+  by TMA; consumer 0 stores lse. A split's fp32 partial goes through a
+  buffer that aliases Q, the ring and the staging buffer (`RefUnion`): all
+  three are dead by then (the producer's last writes preceded its last
+  `ring_full` arrival, which both consumers waited on).
 
 Synchronization (interpret mode does not check asynchrony):
 
@@ -75,6 +83,7 @@ Synchronization (interpret mode does not check asynchrony):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Mapping
 
@@ -88,12 +97,18 @@ from pallas_kernels.shared import device
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import cdiv, resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
-from pallas_kernels.shared.mosaic_gpu import NUM_CONSUMERS, TILE_COLS, WGMMA_TRANSFORMS, consumer_registers
-from pallas_kernels.shared.online_softmax import LOG2_E, lse_natural
+from pallas_kernels.shared.mosaic_gpu import NUM_CONSUMERS, TILE_COLS, WGMMA_TRANSFORMS, consumer_registers, num_sms
+from pallas_kernels.shared.online_softmax import LOG2_E, lse_base2, lse_natural
+from pallas_kernels.shared.split_kv import combine_splits
 from pallas_kernels.sparse_mla.config import MosaicSparseMlaConfig
 from pallas_kernels.sparse_mla.slots import SparseMlaSizes, check_inputs, slot_block_limits
 
 BLOCK_H = 64          # heads per CTA: one wgmma row tile
+BLOCK_K = 64          # index slots a step (the config's only block_k)
+# The TOPK splits the heuristic makes at most: each costs a 128 KiB fp32
+# partial per row and head group (written, then read by the combine), two
+# steps' worth of gathered rows.
+MAX_SPLITS = 4
 HEAD_DIMS = (256, 512)
 # The producer copies the staged rows through its registers (a 64 x 64 bf16
 # chunk is 16 a thread): at the usual 40 it spills 28 bytes, at 56 none;
@@ -118,20 +133,38 @@ def shared_memory_bytes(config: MosaicSparseMlaConfig, head_dim: int, topk: int)
   return sum(map(align, buffers)) + barriers + 2048
 
 
+def blocks_per_split(topk: int, splits: int) -> int:
+  """Slot blocks each split walks (the last split may walk fewer)."""
+  return cdiv(cdiv(max(topk, 1), BLOCK_K), splits)
+
+
+def fit(config: MosaicSparseMlaConfig, topk: int) -> MosaicSparseMlaConfig:
+  """`config` with `splits` cut to the runs its slot blocks make (no empty
+  split: 10 blocks in 4 splits are runs of 3, 3, 3, 1)."""
+  splits = min(config.splits, cdiv(max(topk, 1), BLOCK_K))
+  return dataclasses.replace(config, splits=cdiv(cdiv(max(topk, 1), BLOCK_K), blocks_per_split(topk, splits)))
+
+
 def choose_config(shapes: Mapping[str, Any]) -> MosaicSparseMlaConfig:
   """64 slots a step through one ring slot (216 KiB at D = 512, TOPK =
   640; two do not fit): the gather of step g + 1 overlaps step g's compute,
-  its copy into the ring does not."""
-  del shapes
-  return MosaicSparseMlaConfig()
+  its copy into the ring does not. A CTA fills an SM, so TOPK is split only
+  where the unsplit grid leaves at least half the SMs idle, into as many
+  splits as still fit one wave (at most `MAX_SPLITS`): M x H / 64 CTAs of
+  128 and more (every recorded M) are not split, M = 16 takes 4."""
+  sizes = SparseMlaSizes.of(shapes)
+  ctas = sizes.m * max(sizes.heads // BLOCK_H, 1)
+  splits = min(MAX_SPLITS, max(1, num_sms() // max(ctas, 1)))
+  return fit(MosaicSparseMlaConfig(splits=splits), sizes.topk)
 
 
 def candidate_configs(shapes: Mapping[str, Any]) -> list[MosaicSparseMlaConfig]:
-  """The heuristic's first, then 2 and 3 ring slots (the copy into the ring
-  overlaps the compute too), those that fit the SM (at D = 512 only the
-  heuristic's)."""
+  """The heuristic's first, its tiling unsplit, then 2 and 3 ring slots
+  (the copy into the ring overlaps the compute too), those that fit the SM
+  (at D = 512 only one ring slot)."""
   sizes = SparseMlaSizes.of(shapes)
-  sweep = [choose_config(shapes), MosaicSparseMlaConfig(stages=2), MosaicSparseMlaConfig(stages=3)]
+  chosen = choose_config(shapes)
+  sweep = [chosen, dataclasses.replace(chosen, splits=1), *(dataclasses.replace(chosen, stages=s) for s in (2, 3))]
   return [c for c in dict.fromkeys(sweep)
           if shared_memory_bytes(c, sizes.head_dim, sizes.topk) <= device.SHARED_MEMORY_PER_BLOCK]
 
@@ -146,6 +179,10 @@ def check_supported(q: jax.Array) -> None:
     raise Unsupported(f"H={heads} must be a multiple of {BLOCK_H} for the Mosaic GPU sparse MLA prefill")
   if head_dim not in HEAD_DIMS:
     raise Unsupported(f"head dim D={head_dim} must be one of {HEAD_DIMS} for the Mosaic GPU sparse MLA prefill")
+
+
+# An fp32 tile stored by TMA: (8, 32)-element tiles, the 128-byte swizzle.
+F32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
 def _row_tile_transforms(cols: int) -> tuple[Any, ...]:
@@ -177,20 +214,25 @@ def _rescale_and_accumulate(acc, correction, p_ref, v_ref, interpret: bool):
 
 
 def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale_gmem, o_gmem, lse_gmem, *,
-            config: MosaicSparseMlaConfig, num_kv: int, interpret: bool, fault: str | None):
+            config: MosaicSparseMlaConfig, blocks_per_split: int, num_kv: int, interpret: bool,
+            fault: str | None):
   bk, stages = config.block_k, config.stages
   half = q_gmem.shape[-1] // NUM_CONSUMERS
   chunks = half // TILE_COLS
-  group, row = lax.axis_index("h"), lax.axis_index("m")
+  group, split, row = lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("m")
   heads = pl.ds(group * BLOCK_H, BLOCK_H)
-  # This row's slot blocks holding a valid index: producer and consumers
-  # walk the same ones.
-  first = limits_gmem[row, 0]
-  steps = limits_gmem[row, 1] - first
+  # This CTA's run of slot blocks (all of them unsplit), cut to the row's
+  # blocks holding a valid index: producer and consumers walk the same ones.
+  run = split * blocks_per_split
+  first = jnp.maximum(limits_gmem[row, 0], run)
+  steps = jnp.maximum(jnp.minimum(limits_gmem[row, 1], run + blocks_per_split) - first, 0)
 
-  def scoped(q_smem, ring, staging, p_smem, idx_smem, sink_smem, scale_smem, lse_smem, start, staged, ring_full,
+  def scoped(buffers, p_smem, idx_smem, sink_smem, scale_smem, lse_smem, start, staged, ring_full,
              ring_empty, done):
     wg = lax.axis_index("wg")
+    # The partial output of a split reuses Q, the ring and the staging
+    # buffer: it is written after the last step of both consumers.
+    (q_smem, ring, staging), partial_smem = buffers
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
@@ -287,26 +329,37 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
       acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
       plgpu.barrier_arrive(done)
       plgpu.barrier_wait(done)
-      # out = acc / (l + exp(sink) * 2**-m) (`online_softmax.normalize`).
-      sink = plgpu.load(sink_smem, layout=row_layout)
+      # Unsplit: out = acc / (l + exp(sink) * 2**-m) (`online_softmax.
+      # normalize`), lse natural; a split: acc / l in fp32 and lse base 2
+      # (`split_kv`'s partials; the combine adds the sink).
       seen = l > 0.0
-      denominator = l + jnp.exp2(sink * LOG2_E - jnp.where(seen, m, 0.0))
+      denominator = l
+      if config.splits == 1:
+        sink = plgpu.load(sink_smem, layout=row_layout)
+        denominator = l + jnp.exp2(sink * LOG2_E - jnp.where(seen, m, 0.0))
       inverse = lax.broadcast_in_dim(jnp.where(seen, 1.0 / denominator, 0.0), acc.shape, [0])
-      out = q_smem.at[wg]
+      out = q_smem.at[wg] if config.splits == 1 else partial_smem.at[wg]
       out[...] = (acc * inverse).astype(out.dtype)
-      lse_smem[...] = lse_natural(m, l)
+      lse_smem[...] = lse_natural(m, l) if config.splits == 1 else lse_base2(m, l)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out, o_gmem.at[row, heads, pl.ds(wg * half, half)])
-      pl.when(wg == 0)(lambda: plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[row, heads]))
+      columns = pl.ds(wg * half, half)
+      if config.splits == 1:
+        plgpu.copy_smem_to_gmem(out, o_gmem.at[row, heads, columns])
+        pl.when(wg == 0)(lambda: plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[row, heads]))
+      else:
+        plgpu.copy_smem_to_gmem(out, o_gmem.at[row, split, heads, columns])
+        pl.when(wg == 0)(lambda: plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[row, split, heads]))
       plgpu.wait_smem_to_gmem(0)
 
   dtype = q_gmem.dtype
   head_dim = q_gmem.shape[-1]
   pl.run_scoped(
       scoped,
-      plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), dtype, transforms=WGMMA_TRANSFORMS),
-      plgpu.SMEM((stages, NUM_CONSUMERS, bk, half), dtype, transforms=WGMMA_TRANSFORMS),
-      plgpu.SMEM((bk, head_dim), dtype),
+      plgpu.RefUnion(
+          (plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), dtype, transforms=WGMMA_TRANSFORMS),
+           plgpu.SMEM((stages, NUM_CONSUMERS, bk, half), dtype, transforms=WGMMA_TRANSFORMS),
+           plgpu.SMEM((bk, head_dim), dtype)),
+          plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), jnp.float32, transforms=F32_TRANSFORMS)),
       plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, bk), dtype, transforms=_row_tile_transforms(bk)),
       plgpu.SMEM(idx_gmem.shape[1:], jnp.int32),
       plgpu.SMEM((BLOCK_H,), jnp.float32),
@@ -335,18 +388,29 @@ def _forward(q, kv, indices, sm_scale, attn_sink, *, config: MosaicSparseMlaConf
   idx = jnp.pad(idx, ((0, 0), (0, blocks * bk - topk)), constant_values=-1)
   limits = slot_block_limits(idx, num_kv, bk)
   qk_scale = jnp.full((heads,), jnp.asarray(sm_scale, jnp.float32) * LOG2_E, jnp.float32)
+  splits = config.splits
+  if splits == 1:
+    out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((m, heads), jnp.float32))
+  else:
+    out_type = (jax.ShapeDtypeStruct((m, splits, heads, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((m, splits, heads), jnp.float32))
   kernel = plgpu.kernel(
-      functools.partial(_kernel, config=config, num_kv=num_kv, interpret=interpret, fault=fault),
-      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((m, heads), jnp.float32)),
-      grid=(heads // BLOCK_H, m),
-      grid_names=("h", "m"),
+      functools.partial(_kernel, config=config, blocks_per_split=blocks_per_split(topk, splits), num_kv=num_kv,
+                        interpret=interpret, fault=fault),
+      out_type=out_type,
+      grid=(heads // BLOCK_H, splits, m),
+      grid_names=("h", "s", "m"),
       num_threads=NUM_CONSUMERS + 1,
       thread_name="wg",
       **compat.interpret_kwargs(interpret),
   )
   zeros = jnp.zeros((1, head_dim), q.dtype)   # what an invalid slot gathers
-  return kernel(q, kv.reshape(num_kv, head_dim), zeros, idx.reshape(m, blocks, bk), limits,
-                attn_sink.astype(jnp.float32), qk_scale)
+  sink = attn_sink.astype(jnp.float32)
+  out, lse = kernel(q, kv.reshape(num_kv, head_dim), zeros, idx.reshape(m, blocks, bk), limits, sink, qk_scale)
+  if splits == 1:
+    return out, lse
+  return combine_splits(out, lse, sink, stage=config.combine, out_dtype=q.dtype, with_lse=True,
+                        name="sparse_mla_prefill_combine", interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -366,7 +430,7 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale
   topk, num_kv = indices.shape[-1], kv.shape[0]
   if m == 0 or topk == 0 or num_kv == 0:  # nothing to launch: every row is lonely
     return jnp.zeros(q.shape, q.dtype), jnp.full((m, heads), jnp.inf, jnp.float32)
-  config = config or choose_config({"q": q, "indices": indices})
+  config = fit(config or choose_config({"q": q, "indices": indices}), topk)
   need = shared_memory_bytes(config, head_dim, topk)
   if need > device.SHARED_MEMORY_PER_BLOCK:
     raise ValueError(f"{config} needs {need} bytes of shared memory at D={head_dim}, TOPK={topk}; the limit is "
