@@ -90,7 +90,7 @@ from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import cdiv, check_nt_operands, resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
 from pallas_kernels.shared.mosaic_gpu import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_TRANSFORMS,
-                                              TILE_COLS, WGMMA_TRANSFORMS, num_sms, pad_rows)
+                                              TILE_COLS, WGMMA_TRANSFORMS, drain_releases, num_sms, pad_rows)
 
 # Test-only sync faults (`_gemm(fault=...)`): each breaks one rule of the
 # synchronization argument so a test can show the interpret run catches it.
@@ -191,9 +191,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, *, config: MosaicGemmConfig, m: int, n: int,
       # waiter sees every phase of `empty` (nothing is loaded after it).
       total = my_tiles * k_steps
 
-      @pl.loop(jnp.maximum(total - stages, stages), total)
-      def _drain(g):
-        plgpu.barrier_wait(empty.at[lax.rem(g, stages)])
+      drain_releases(total, stages, empty)
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():

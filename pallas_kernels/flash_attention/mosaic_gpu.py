@@ -105,7 +105,7 @@ from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
 from pallas_kernels.shared.mosaic_gpu import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_ALIGN,
-                                              WGMMA_TRANSFORMS, pad_rows)
+                                              WGMMA_TRANSFORMS, drain_releases, pad_rows)
 from pallas_kernels.flash_attention.keys import INVISIBLE_SEGMENT, check_attention_inputs, key_block_limits, key_sources
 from pallas_kernels.flash_attention.triton_bwd import attention_backward, backward_config_for
 from pallas_kernels.shared.online_softmax import LOG2_E
@@ -206,10 +206,7 @@ def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gm
 
         load(g, vp_gmem, v_gmem, v_smem.at[slot], v_full.at[slot])
 
-      @pl.loop(jnp.maximum(steps - stages, stages), steps)
-      def _drain(g):
-        plgpu.barrier_wait(k_empty.at[lax.rem(g, stages)])
-        plgpu.barrier_wait(v_empty.at[lax.rem(g, stages)])
+      drain_releases(steps, stages, k_empty, v_empty)
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():

@@ -12,6 +12,8 @@ through its registers) takes them from the consumers: `consumer_registers`.
 from __future__ import annotations
 
 import jax
+from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
@@ -65,3 +67,18 @@ def num_sms() -> int:
   abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
   cores = getattr(abstract, "num_cores", None)
   return int(cores) if isinstance(cores, int) and cores > 0 else device.num_sms()
+
+
+def drain_releases(steps, stages: int, *empty) -> None:
+  """The producer's last waits: on the release of each of the last
+  `stages` steps of a ring of `steps` uses (step g in slot g % stages), for
+  every barrier array in `empty`, skipping the first use of each slot (the
+  producer never waited on those phases, nothing precedes them). After its
+  loop has waited on the releases of steps `< steps - stages`, this lets
+  the producer observe every phase of every release barrier (the 0.11.2
+  interpreter requires it before the barriers are freed)."""
+  @pl.loop(jnp.maximum(steps - stages, stages), steps)
+  def _drain(g):
+    for barriers in empty:
+      plgpu.barrier_wait(barriers.at[lax.rem(g, stages)])
+

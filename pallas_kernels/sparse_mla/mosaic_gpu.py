@@ -97,7 +97,8 @@ from pallas_kernels.shared import device
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import cdiv, resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
-from pallas_kernels.shared.mosaic_gpu import NUM_CONSUMERS, TILE_COLS, WGMMA_TRANSFORMS, consumer_registers, num_sms
+from pallas_kernels.shared.mosaic_gpu import (NUM_CONSUMERS, TILE_COLS, WGMMA_TRANSFORMS, consumer_registers,
+                                              drain_releases, num_sms)
 from pallas_kernels.shared.online_softmax import LOG2_E, lse_base2, lse_natural
 from pallas_kernels.shared.split_kv import combine_splits
 from pallas_kernels.sparse_mla.config import MosaicSparseMlaConfig
@@ -279,9 +280,7 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
         plgpu.commit_smem()
         plgpu.barrier_arrive(ring_full.at[slot])
 
-      @pl.loop(jnp.maximum(steps - stages, stages), steps)
-      def _drain(g):
-        plgpu.barrier_wait(ring_empty.at[lax.rem(g, stages)])
+      drain_releases(steps, stages, ring_empty)
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
