@@ -105,7 +105,8 @@ from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
 from pallas_kernels.shared.mosaic_gpu import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_ALIGN,
-                                              WGMMA_TRANSFORMS, drain_releases, pad_rows)
+                                              WGMMA_TRANSFORMS, drain_releases, pad_rows, softmax_carry,
+                                              softmax_step)
 from pallas_kernels.flash_attention.keys import INVISIBLE_SEGMENT, check_attention_inputs, key_block_limits, key_sources
 from pallas_kernels.flash_attention.triton_bwd import attention_backward, backward_config_for
 from pallas_kernels.shared.online_softmax import LOG2_E
@@ -217,10 +218,7 @@ def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gm
       plgpu.copy_gmem_to_smem(query_ids_gmem.at[batch, rows], qid_smem.at[wg], q_barrier.at[wg])
       plgpu.barrier_wait(q_barrier.at[wg])
       query_ids = plgpu.load(qid_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-      row_layout = plgpu.Layout.WGMMA.reduce(1)
-      m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
-      l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
-      acc = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+      acc, m, l = softmax_carry(bq, head_dim)
 
       def step(g, carry):
         acc, m, l = carry
@@ -237,13 +235,7 @@ def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gm
         plgpu.barrier_arrive(k_empty.at[slot])
         visible = (lax.broadcast_in_dim(key_ids, s.shape, [1])
                    <= lax.broadcast_in_dim(query_ids, s.shape, [0]))
-        # The online softmax step of `online_softmax.online_softmax_step`.
-        s = jnp.where(visible, s, -jnp.inf)
-        m_next = jnp.maximum(m, s.max(axis=1))
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-        correction = jnp.exp2(m - m_safe)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-        l_next = correction * l + p.sum(axis=1)
+        p, correction, m_next, l_next = softmax_step(s, visible, m, l)
         if config.ping_pong:   # done with the softmax; the tensor cores are free once the other arrives
           plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(v_full.at[slot])

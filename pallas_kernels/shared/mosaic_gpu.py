@@ -82,3 +82,28 @@ def drain_releases(steps, stages: int, *empty) -> None:
     for barriers in empty:
       plgpu.barrier_wait(barriers.at[lax.rem(g, stages)])
 
+
+def softmax_carry(rows: int, width: int):
+  """The online softmax's start in the wgmma layouts: row maxima -inf and
+  row sums 0 (`Layout.WGMMA.reduce(1)`), and a `[rows, width]` fp32 output
+  accumulator of zeros (`Layout.WGMMA`)."""
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  return (plgpu.layout_cast(jnp.zeros((rows, width), jnp.float32), plgpu.Layout.WGMMA),
+          plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout),
+          plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout))
+
+
+def softmax_step(s, visible, m, l):
+  """One step of `online_softmax.online_softmax_step` on a wgmma score tile
+  (`s [rows, keys]` fp32, base 2, already scaled): hidden scores (`visible`
+  False) become -inf, a row that has seen nothing subtracts 0. Returns
+  `(p, correction, m_next, l_next)`: the probabilities, the factor the
+  output accumulator is rescaled by before `p V` is added, and the next
+  row maxima and sums."""
+  s = jnp.where(visible, s, -jnp.inf)
+  m_next = jnp.maximum(m, s.max(axis=1))
+  m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+  correction = jnp.exp2(m - m_safe)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+  return p, correction, m_next, correction * l + p.sum(axis=1)
+

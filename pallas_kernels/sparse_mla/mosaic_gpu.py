@@ -98,14 +98,14 @@ from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import cdiv, resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
 from pallas_kernels.shared.mosaic_gpu import (NUM_CONSUMERS, TILE_COLS, WGMMA_TRANSFORMS, consumer_registers,
-                                              drain_releases, num_sms)
+                                              drain_releases, num_sms, softmax_carry, softmax_step)
 from pallas_kernels.shared.online_softmax import LOG2_E, lse_base2, lse_natural
 from pallas_kernels.shared.split_kv import combine_splits
 from pallas_kernels.sparse_mla.config import MosaicSparseMlaConfig
-from pallas_kernels.sparse_mla.slots import SparseMlaSizes, check_inputs, slot_block_limits
+from pallas_kernels.sparse_mla.slots import (SparseMlaSizes, blocks_per_split, check_inputs, slot_block_limits,
+                                             split_runs)
 
 BLOCK_H = 64          # heads per CTA: one wgmma row tile
-BLOCK_K = 64          # index slots a step (the config's only block_k)
 # The TOPK splits the heuristic makes at most: each costs a 128 KiB fp32
 # partial per row and head group (written, then read by the combine), two
 # steps' worth of gathered rows.
@@ -134,16 +134,10 @@ def shared_memory_bytes(config: MosaicSparseMlaConfig, head_dim: int, topk: int)
   return sum(map(align, buffers)) + barriers + 2048
 
 
-def blocks_per_split(topk: int, splits: int) -> int:
-  """Slot blocks each split walks (the last split may walk fewer)."""
-  return cdiv(cdiv(max(topk, 1), BLOCK_K), splits)
-
-
 def fit(config: MosaicSparseMlaConfig, topk: int) -> MosaicSparseMlaConfig:
-  """`config` with `splits` cut to the runs its slot blocks make (no empty
-  split: 10 blocks in 4 splits are runs of 3, 3, 3, 1)."""
-  splits = min(config.splits, cdiv(max(topk, 1), BLOCK_K))
-  return dataclasses.replace(config, splits=cdiv(cdiv(max(topk, 1), BLOCK_K), blocks_per_split(topk, splits)))
+  """`config` with `splits` cut to the runs its slot blocks make, none
+  empty (`slots.split_runs`)."""
+  return dataclasses.replace(config, splits=split_runs(topk, config.block_k, config.splits))
 
 
 def choose_config(shapes: Mapping[str, Any]) -> MosaicSparseMlaConfig:
@@ -184,12 +178,6 @@ def check_supported(q: jax.Array) -> None:
 
 # An fp32 tile stored by TMA: (8, 32)-element tiles, the 128-byte swizzle.
 F32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-
-
-def _row_tile_transforms(cols: int) -> tuple[Any, ...]:
-  """The wgmma operand layout of a bf16 tile `cols` wide (32 or 64): (8,
-  cols) tiles with the swizzle of one row's bytes."""
-  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols))
 
 
 def _rescale_and_accumulate(acc, correction, p_ref, v_ref, interpret: bool):
@@ -287,11 +275,8 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
       plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
       plgpu.barrier_wait(start)
       row_layout = plgpu.Layout.WGMMA.reduce(1)
-      per_row = lambda x: lax.broadcast_in_dim(x, (BLOCK_H, bk), [0])  # noqa: E731
       qk_scale = plgpu.load(scale_smem, layout=row_layout)
-      m = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_layout)
-      l = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout)
-      acc = plgpu.layout_cast(jnp.zeros((BLOCK_H, half), jnp.float32), plgpu.Layout.WGMMA)
+      acc, m, l = softmax_carry(BLOCK_H, half)
 
       def step(g, carry):
         acc, m, l = carry
@@ -308,16 +293,11 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
             plgpu.wgmma(s_ref, q_smem.at[h].at[:, cols], ring.at[slot, h].at[:, cols].T)
           return s_ref[...]
 
-        s = pl.run_scoped(scores, plgpu.ACC((BLOCK_H, bk), jnp.float32)) * per_row(qk_scale)
+        s = pl.run_scoped(scores, plgpu.ACC((BLOCK_H, bk), jnp.float32))
+        s = s * lax.broadcast_in_dim(qk_scale, s.shape, [0])
         index = plgpu.load(idx_smem.at[first + g], layout=plgpu.Layout.WGMMA.reduce(0))
         valid = lax.broadcast_in_dim((index >= 0) & (index < num_kv), s.shape, [1])
-        # The online softmax step of `online_softmax.online_softmax_step`.
-        s = jnp.where(valid, s, -jnp.inf)
-        m_next = jnp.maximum(m, s.max(axis=1))
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-        correction = jnp.exp2(m - m_safe)
-        p = jnp.exp2(s - per_row(m_safe))
-        l_next = correction * l + p.sum(axis=1)
+        p, correction, m_next, l_next = softmax_step(s, valid, m, l)
         # The previous step's P V wgmmas have completed.
         p_smem[wg] = p.astype(p_smem.dtype)
         plgpu.commit_smem()
@@ -359,7 +339,7 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
            plgpu.SMEM((stages, NUM_CONSUMERS, bk, half), dtype, transforms=WGMMA_TRANSFORMS),
            plgpu.SMEM((bk, head_dim), dtype)),
           plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), jnp.float32, transforms=F32_TRANSFORMS)),
-      plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, bk), dtype, transforms=_row_tile_transforms(bk)),
+      plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, bk), dtype, transforms=WGMMA_TRANSFORMS),
       plgpu.SMEM(idx_gmem.shape[1:], jnp.int32),
       plgpu.SMEM((BLOCK_H,), jnp.float32),
       plgpu.SMEM((BLOCK_H,), jnp.float32),
@@ -394,7 +374,7 @@ def _forward(q, kv, indices, sm_scale, attn_sink, *, config: MosaicSparseMlaConf
     out_type = (jax.ShapeDtypeStruct((m, splits, heads, head_dim), jnp.float32),
                 jax.ShapeDtypeStruct((m, splits, heads), jnp.float32))
   kernel = plgpu.kernel(
-      functools.partial(_kernel, config=config, blocks_per_split=blocks_per_split(topk, splits), num_kv=num_kv,
+      functools.partial(_kernel, config=config, blocks_per_split=blocks_per_split(topk, bk, splits), num_kv=num_kv,
                         interpret=interpret, fault=fault),
       out_type=out_type,
       grid=(heads // BLOCK_H, splits, m),

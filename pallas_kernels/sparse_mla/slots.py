@@ -1,5 +1,6 @@
 """What the sparse MLA prefill backends share: the problem sizes, the checks
-of the inputs, and the per-row table of slot blocks holding valid indices."""
+of the inputs, how TOPK splits cut the slot blocks into runs, and the
+per-row table of slot blocks holding valid indices."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.shared.common import check_pow2_dim
+from pallas_kernels.shared.common import cdiv, check_pow2_dim
 
 
 class SparseMlaSizes(NamedTuple):
@@ -38,6 +39,18 @@ def check_inputs(q: jax.Array, kv: jax.Array, indices: jax.Array, attn_sink: jax
   if attn_sink.shape != (num_heads,):
     raise ValueError(f"attn_sink {attn_sink.shape} must be [{num_heads}]")
   check_pow2_dim("head dim D", head_dim)
+
+
+def blocks_per_split(topk: int, block_k: int, splits: int) -> int:
+  """Slot blocks each split walks (the last split may walk fewer)."""
+  return cdiv(cdiv(max(topk, 1), block_k), splits)
+
+
+def split_runs(topk: int, block_k: int, splits: int) -> int:
+  """`splits` cut to the runs the slot blocks actually make, none empty
+  (10 blocks in 4 splits are runs of 3, 3, 3, 1: 4; 5 in 4 are 2, 2, 1: 3)."""
+  blocks = cdiv(max(topk, 1), block_k)
+  return cdiv(blocks, blocks_per_split(topk, block_k, min(splits, blocks)))
 
 
 def slot_block_limits(indices: jax.Array, num_kv: int, block_k: int) -> jax.Array:

@@ -70,7 +70,8 @@ from pallas_kernels.shared.online_softmax import (LOG2_E, init_carry, lse_base2,
                                            online_softmax_step)
 from pallas_kernels.shared.split_kv import combine_splits
 from pallas_kernels.sparse_mla.config import SparseMlaPrefillConfig
-from pallas_kernels.sparse_mla.slots import SparseMlaSizes, check_inputs, slot_block_limits
+from pallas_kernels.sparse_mla.slots import (SparseMlaSizes, blocks_per_split, check_inputs, slot_block_limits,
+                                             split_runs)
 
 
 # The TOPK splits the heuristic makes at most. Each split costs a 128 KiB
@@ -83,18 +84,12 @@ from pallas_kernels.sparse_mla.slots import SparseMlaSizes, check_inputs, slot_b
 MAX_SPLITS = 4
 
 
-def blocks_per_split(topk: int, block_k: int, splits: int) -> int:
-  """Slot blocks each split walks (the last split may walk fewer)."""
-  return cdiv(cdiv(max(topk, 1), block_k), splits)
-
-
 def _fit(config: SparseMlaPrefillConfig, sizes: SparseMlaSizes) -> SparseMlaPrefillConfig:
   """Clamps the blocks to the problem: heads and chunk columns to H and D,
   the slot block to TOPK rounded up to a power of two (>= 16), and `splits`
   to the number of runs the slot blocks actually cut into (no empty split)."""
   block_k = fit_block(config.block_k, sizes.topk)
-  splits = min(config.splits, cdiv(max(sizes.topk, 1), block_k))
-  splits = cdiv(cdiv(max(sizes.topk, 1), block_k), blocks_per_split(sizes.topk, block_k, splits))
+  splits = split_runs(sizes.topk, block_k, config.splits)
   return dataclasses.replace(config, block_h=min(config.block_h, sizes.heads), block_k=block_k,
                              block_d=min(config.block_d, sizes.head_dim), splits=splits)
 
