@@ -25,6 +25,20 @@ def test_e2m1_to_f32_every_code():
   np.testing.assert_array_equal(ml, expected)
 
 
+def test_e4m3_to_f32_every_byte_bit_for_bit():
+  """All 256 bytes, from uint8 or from the low byte of a wider word (the
+  Mosaic GPU mixed MLA decodes 16-bit words): ml_dtypes' float8_e4m3fn bit
+  for bit (subnormals, -0.0 included), NaN where it has NaN."""
+  codes = np.arange(256, dtype=np.uint8)
+  want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  for bits in (jnp.asarray(codes), jnp.asarray(codes.astype(np.int32) | 0x5A00) & 0xFF):
+    got = np.asarray(fp_formats.e4m3_to_f32(bits))
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.int32), want[~nan].view(np.int32))
+  assert np.isnan(want).sum() == 2 and np.signbit(np.asarray(fp_formats.e4m3_to_f32(jnp.int32(0x80))))
+
+
 def test_unpack_e2m1_low_nibble_first():
   low, high = fp_formats.unpack_e2m1(jnp.array([0x21, 0xF0, 0x0F], jnp.uint8))
   np.testing.assert_array_equal(np.asarray(low), [1, 0, 15])

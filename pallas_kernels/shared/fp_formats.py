@@ -1,8 +1,9 @@
-"""Bit-level decoders for the low-precision formats of SPEC 4 (e2m1, UE8M0).
+"""Bit-level decoders for the low-precision formats of SPEC 4 (e2m1, e4m3, UE8M0).
 
 Integer and bit operations only (no table gathers, no fp4 dtype: FP4 is not a
-Triton type), so every function here works both inside a Pallas Triton kernel
-body and in plain `jax.numpy`. This module imports nothing from `jaxkern`.
+Triton type, and Mosaic GPU converts fp8/fp4 registers only on newer PTX or
+GPUs), so every function here works inside a Pallas Triton or Mosaic GPU
+kernel body and in plain `jax.numpy`. This module imports nothing from `jaxkern`.
 
 Formats:
 * e2m1 (FP4, OCP MX): a 4-bit code; bit 3 is the sign, bits 2..1 the exponent
@@ -58,6 +59,21 @@ def e2m1_to_f32(code):
   bits = jnp.where(e > 0, normal_bits, m * (126 << 23))
   bits = bits | ((c & 8) << 28)
   return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def e4m3_to_f32(bits):
+  """e4m3 (float8_e4m3fn) bit patterns (integer array, low byte) -> float32,
+  exactly. The magnitude bits (exponent field e, mantissa m) moved up to
+  fp32's with the exponent bias raised by 120 make every normal value (e >
+  0); for e = 0 they make `2**-7 (1 + m/8)`, whose excess over 2**-7 doubled
+  is the subnormal `m * 2**-9` (no fp32 subnormal arises, so flushing them
+  changes nothing); e = 15, m = 7 is NaN (float8_e4m3fn has no infinities).
+  Bit 7 becomes the sign bit (0x80 is -0.0)."""
+  b = bits.astype(jnp.int32)
+  magnitude = lax.bitcast_convert_type(((b & 0x7F) << 20) + (120 << 23), jnp.float32)
+  magnitude = jnp.where((b & 0x78) == 0, (magnitude - 2.0**-7) * 2.0, magnitude)
+  magnitude = jnp.where((b & 0x7F) == 0x7F, jnp.nan, magnitude)
+  return lax.bitcast_convert_type(lax.bitcast_convert_type(magnitude, jnp.int32) | ((b & 0x80) << 24), jnp.float32)
 
 
 # `e2m1_to_e4m3_bits` yields e4m3 values of the e2m1 values times 2**-E2M1_E4M3_EXPONENT.
