@@ -18,6 +18,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.shared import device
+from pallas_kernels.shared.online_softmax import LOG2_E, lse_base2, lse_natural
 
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
@@ -40,6 +41,8 @@ def consumer_registers(producer_registers: int) -> int:
 SWIZZLE_BYTES = 128
 TILE_COLS = SWIZZLE_BYTES // 2
 WGMMA_TRANSFORMS = (plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+# An fp32 tile stored by TMA: (8, 32)-element tiles, the 128-byte swizzle.
+F32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
 # The same swizzle in 1-row tiles: a TMA store from such a buffer views the
 # destination row by row, so it needs no 8-row alignment.
 ROW_TRANSFORMS = (plgpu.TilingTransform((1, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
@@ -107,3 +110,64 @@ def softmax_step(s, visible, m, l):
   p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
   return p, correction, m_next, correction * l + p.sum(axis=1)
 
+
+def rescale_and_accumulate(acc, correction, products, interpret: bool):
+  """`acc * correction[:, None] + sum(P @ V for P, V in products)` (fp32
+  `acc`; each P and V a bf16 shared-memory ref, wgmma operands).
+
+  Compiled, the wgmmas accumulate onto the rescaled output in the output's
+  own registers (`pl.run_state` over a preinitialized accumulator): no
+  second accumulator is live beside it (a 64 x 256 fp32 output is 128
+  registers a thread). The CPU interpreter cannot run a preinitialized
+  accumulator ("Cannot lower jaxpr with effects"), so in interpret mode the
+  products go to a fresh accumulator that is added by value: the same sum,
+  another fp32 addition order. Returns once the wgmmas completed (their
+  result was read), so the caller may overwrite the P tiles."""
+  rescaled = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+  if interpret:
+    def product(pv_ref):
+      for p_ref, v_ref in products:
+        plgpu.wgmma(pv_ref, p_ref, v_ref)
+      return pv_ref[...]
+    return rescaled + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+
+  def accumulate(acc_ref):
+    for p_ref, v_ref in products:
+      plgpu.wgmma(acc_ref, p_ref, v_ref)
+  return pl.run_state(accumulate)(plgpu.ACC.init(rescaled))
+
+
+def finish_rows(accs, m, l, sink=None):
+  """The online softmax's end on wgmma tiles: `(outputs, lse)` of the
+  output accumulators `accs` (a list of `[rows, width]` fp32 tiles) and the
+  row maxima `m` / sums `l` (base 2).
+
+  With `sink` (natural-log sink logits per row; an unsplit kernel's final
+  result): `acc / (l + exp(sink) 2**-m)` and the natural-log lse without
+  the sink (`online_softmax.normalize`, `lse_natural`). Without (one split's
+  partial, for `split_kv.combine_splits`, which adds the sink): `acc / l`
+  and the base-2 lse. A row that saw nothing gives 0, and lse +inf
+  (final) or -inf (partial)."""
+  seen = l > 0.0
+  denominator = l
+  if sink is not None:
+    denominator = l + jnp.exp2(sink * LOG2_E - jnp.where(seen, m, 0.0))
+  inverse = jnp.where(seen, 1.0 / denominator, 0.0)
+  outputs = [acc * lax.broadcast_in_dim(inverse, acc.shape, [0]) for acc in accs]
+  return outputs, (lse_natural(m, l) if sink is not None else lse_base2(m, l))
+
+
+def store_rows(wg, outs, lse, out_smem, lse_smem, o_gmem, lse_gmem):
+  """A consumer warpgroup's epilogue: `outs` (its `[rows, width]` tiles, in
+  column order) into `out_smem`, the rows' `lse` into `lse_smem`, then both to
+  global memory by TMA: `out_smem` to `o_gmem` (already indexed down to this
+  warpgroup's rows and column half), `lse_smem` to `lse_gmem` by warpgroup 0
+  only (both consumers hold the same rows' lse)."""
+  width = out_smem.shape[-1] // len(outs)
+  for i, value in enumerate(outs):
+    out_smem[:, pl.ds(i * width, width)] = value.astype(out_smem.dtype)
+  lse_smem[...] = lse
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_smem, o_gmem)
+  pl.when(wg == 0)(lambda: plgpu.copy_smem_to_gmem(lse_smem, lse_gmem))
+  plgpu.wait_smem_to_gmem(0)

@@ -40,7 +40,8 @@ Three warpgroups:
   base 2, and `O = O * correction + P V` for its own half of the value
   columns (consumer w: columns `[w D/2, (w+1) D/2)`), one wgmma that
   accumulates onto the rescaled output in its registers
-  (`_rescale_and_accumulate`; 64 x 256 fp32 is 128 registers a thread). P
+  (`shared.mosaic_gpu.rescale_and_accumulate`; 64 x 256 fp32 is 128
+  registers a thread). P
   goes through a per-consumer shared-memory tile (the CPU interpreter's
   wgmma reads both operands from shared memory).
 - epilogue: once both consumers are past their last step (a rendezvous: the
@@ -97,9 +98,10 @@ from pallas_kernels.shared import device
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import cdiv, resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
-from pallas_kernels.shared.mosaic_gpu import (NUM_CONSUMERS, TILE_COLS, WGMMA_TRANSFORMS, consumer_registers,
-                                              drain_releases, num_sms, softmax_carry, softmax_step)
-from pallas_kernels.shared.online_softmax import LOG2_E, lse_base2, lse_natural
+from pallas_kernels.shared.mosaic_gpu import (F32_TRANSFORMS, NUM_CONSUMERS, TILE_COLS, WGMMA_TRANSFORMS,
+                                              consumer_registers, drain_releases, finish_rows, num_sms,
+                                              rescale_and_accumulate, softmax_carry, softmax_step, store_rows)
+from pallas_kernels.shared.online_softmax import LOG2_E
 from pallas_kernels.shared.split_kv import combine_splits
 from pallas_kernels.sparse_mla.config import MosaicSparseMlaConfig
 from pallas_kernels.sparse_mla.slots import (SparseMlaSizes, blocks_per_split, check_inputs, slot_block_limits,
@@ -174,32 +176,6 @@ def check_supported(q: jax.Array) -> None:
     raise Unsupported(f"H={heads} must be a multiple of {BLOCK_H} for the Mosaic GPU sparse MLA prefill")
   if head_dim not in HEAD_DIMS:
     raise Unsupported(f"head dim D={head_dim} must be one of {HEAD_DIMS} for the Mosaic GPU sparse MLA prefill")
-
-
-# An fp32 tile stored by TMA: (8, 32)-element tiles, the 128-byte swizzle.
-F32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-
-
-def _rescale_and_accumulate(acc, correction, p_ref, v_ref, interpret: bool):
-  """`acc * correction[:, None] + P V` (fp32; P, V bf16 in shared memory).
-
-  Compiled, the wgmma accumulates onto the rescaled output in the output's
-  own registers (`pl.run_state` over a preinitialized accumulator): a
-  consumer's 64 x 256 fp32 half is then 128 registers a thread, and the
-  kernel compiles without spills. The CPU interpreter cannot run a
-  preinitialized accumulator ("Cannot lower jaxpr with effects"), so in
-  interpret mode the product goes to a fresh accumulator and is added by
-  value: the same sum, another fp32 addition order."""
-  rescaled = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
-  if interpret:
-    def product(pv_ref):
-      plgpu.wgmma(pv_ref, p_ref, v_ref)
-      return pv_ref[...]
-    return rescaled + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
-
-  def accumulate(acc_ref):
-    plgpu.wgmma(acc_ref, p_ref, v_ref)
-  return pl.run_state(accumulate)(plgpu.ACC.init(rescaled))
 
 
 def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale_gmem, o_gmem, lse_gmem, *,
@@ -301,34 +277,19 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
         # The previous step's P V wgmmas have completed.
         p_smem[wg] = p.astype(p_smem.dtype)
         plgpu.commit_smem()
-        acc = _rescale_and_accumulate(acc, correction, p_smem.at[wg], ring.at[slot, wg], interpret)
+        acc = rescale_and_accumulate(acc, correction, [(p_smem.at[wg], ring.at[slot, wg])], interpret)
         plgpu.barrier_arrive(ring_empty.at[slot])
         return acc, m_next, l_next
 
       acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
       plgpu.barrier_arrive(done)
       plgpu.barrier_wait(done)
-      # Unsplit: out = acc / (l + exp(sink) * 2**-m) (`online_softmax.
-      # normalize`), lse natural; a split: acc / l in fp32 and lse base 2
-      # (`split_kv`'s partials; the combine adds the sink).
-      seen = l > 0.0
-      denominator = l
-      if config.splits == 1:
-        sink = plgpu.load(sink_smem, layout=row_layout)
-        denominator = l + jnp.exp2(sink * LOG2_E - jnp.where(seen, m, 0.0))
-      inverse = lax.broadcast_in_dim(jnp.where(seen, 1.0 / denominator, 0.0), acc.shape, [0])
+      sink = plgpu.load(sink_smem, layout=row_layout) if config.splits == 1 else None
+      outs, lse = finish_rows([acc], m, l, sink)
       out = q_smem.at[wg] if config.splits == 1 else partial_smem.at[wg]
-      out[...] = (acc * inverse).astype(out.dtype)
-      lse_smem[...] = lse_natural(m, l) if config.splits == 1 else lse_base2(m, l)
-      plgpu.commit_smem()
-      columns = pl.ds(wg * half, half)
-      if config.splits == 1:
-        plgpu.copy_smem_to_gmem(out, o_gmem.at[row, heads, columns])
-        pl.when(wg == 0)(lambda: plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[row, heads]))
-      else:
-        plgpu.copy_smem_to_gmem(out, o_gmem.at[row, split, heads, columns])
-        pl.when(wg == 0)(lambda: plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[row, split, heads]))
-      plgpu.wait_smem_to_gmem(0)
+      where = (row, heads) if config.splits == 1 else (row, split, heads)
+      store_rows(wg, outs, lse, out, lse_smem, o_gmem.at[*where, pl.ds(wg * half, half)],
+                 lse_gmem.at[*where])
 
   dtype = q_gmem.dtype
   head_dim = q_gmem.shape[-1]
