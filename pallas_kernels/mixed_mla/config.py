@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.shared.config_rules import KernelConfig, field, instance_of, pow2
+from pallas_kernels.shared.config_rules import KernelConfig, at_least, field, instance_of, one_of, pow2
 from pallas_kernels.shared.split_kv import CombineStage, SplitStage
 
 
@@ -29,3 +29,18 @@ class MixedMlaDecodeConfig(KernelConfig):
   tiling."""
   split: MixedMlaSplitStage = field(MixedMlaSplitStage(), instance_of(MixedMlaSplitStage))
   combine: CombineStage = field(CombineStage(), instance_of(CombineStage))
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicMixedMlaConfig(KernelConfig):
+  """Tiling of the Mosaic GPU mixed MLA decode (all 64 heads of a sequence
+  in one wgmma row tile): `block_k` key slots gathered and dequantized per
+  step (64 only: the producer's copy into the ring moves 64-row register
+  tiles), through a ring of `stages` wgmma-tiled slots; `splits` CTAs per
+  sequence over its slot blocks (the FP8 window's, then the FP4 ones; 1 =
+  none; more write fp32 partials that `combine`, the shared
+  `split_kv.combine_splits`, merges)."""
+  block_k: int = field(64, one_of(64))
+  stages: int = field(1, at_least(1))
+  splits: int = field(1, at_least(1))
+  combine: CombineStage = field(CombineStage(block_h=16, block_d=128, block_s=2), instance_of(CombineStage))

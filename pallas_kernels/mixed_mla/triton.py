@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import jax
 from jax import lax
@@ -49,9 +49,9 @@ from pallas_kernels.shared.common import MIN_DOT_DIM, cdiv, resolve_interpret
 from pallas_kernels.shared.device import num_sms
 from pallas_kernels.shared.online_softmax import LOG2_E, init_carry, lse_base2, normalize, online_softmax_step
 from pallas_kernels.shared.split_kv import CombineStage, choose_combine, combine_splits, fit_combine
+from pallas_kernels.mixed_mla.caches import FP4_GROUP, MixedMlaSizes, check_inputs, nonempty
 from pallas_kernels.mixed_mla.config import CHUNK, HALF, MixedMlaDecodeConfig, MixedMlaSplitStage
 
-_FP4_GROUP = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,21 +83,6 @@ def _layout(head_dim, k8, k4, rows8, rows4, split: MixedMlaSplitStage) -> _Layou
   keys8, keys4 = keys(k8), keys(k4)
   return _Layout(head_dim, k8, k4, rows8, rows4, keys8, keys4, cdiv(k8, keys8) if k8 else 0,
                  cdiv(k4, keys4) if k4 else 0, split.block_d)
-
-
-class MixedMlaSizes(NamedTuple):
-  """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
-  batch: int
-  heads: int
-  head_dim: int
-  k8: int     # FP8 window slots per sequence
-  k4: int     # FP4 compressed slots per sequence
-
-  @classmethod
-  def of(cls, shapes: Mapping[str, Any]) -> MixedMlaSizes:
-    batch, heads, head_dim = shapes["q"].shape
-    return cls(int(batch), int(heads), int(head_dim), int(shapes["indices_fp8"].shape[1]),
-               int(shapes["indices_fp4"].shape[1]))
 
 
 def _fit_block_d(block_d: int, head_dim: int) -> int:
@@ -218,8 +203,8 @@ def _fp8_values(raw, valid):
 def _fp4_scales(kv_ref, rows, head_dim, chunk):
   """f32 UE8M0 scales `[bk, 64]` of the packed bytes of 128-dim chunk `chunk`
   (byte j of the chunk holds dims 2j, 2j + 1 of one 16-dim scale group)."""
-  scale_cols = jnp.arange(HALF) // (_FP4_GROUP // 2)
-  scale_bytes = kv_ref[rows[:, None], (head_dim // 2 + (CHUNK // _FP4_GROUP) * chunk + scale_cols)[None, :]]
+  scale_cols = jnp.arange(HALF) // (FP4_GROUP // 2)
+  scale_bytes = kv_ref[rows[:, None], (head_dim // 2 + (CHUNK // FP4_GROUP) * chunk + scale_cols)[None, :]]
   return fp_formats.ue8m0_to_f32(scale_bytes)
 
 
@@ -338,18 +323,6 @@ def _split_kernel(q_ref, idx8_ref, idx4_ref, kv8_ref, kv4_ref, scale_ref, o_ref,
 # Launcher.
 
 
-def _nonempty(cache: jax.Array, indices: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """A cache without rows gets one zero record and an index table without
-  slots one invalid slot: nothing valid either way, and every load of the
-  kernel stays in bounds."""
-  if cache.shape[0] * cache.shape[1] == 0:
-    cache = jnp.zeros((1, 1, *cache.shape[2:]), cache.dtype)
-    indices = jnp.full(indices.shape, -1, jnp.int32)
-  if indices.shape[1] == 0:
-    indices = jnp.full((indices.shape[0], 1), -1, jnp.int32)
-  return cache, indices.astype(jnp.int32)
-
-
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv_fp4: jax.Array,
                      indices_fp4: jax.Array, sm_scale: jax.Array, attn_sink: jax.Array, *,
@@ -375,24 +348,13 @@ def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv
     `(out [B, H, D] bf16, lse [B, H] f32)`; rows with no valid index give
     0 and +inf. A token listed twice counts twice, as in the reference.
   """
+  check_inputs(q, kv_fp8, indices_fp8, kv_fp4, indices_fp4, attn_sink)
   batch, heads, head_dim = q.shape
-  if head_dim % CHUNK:
-    raise ValueError(f"D={head_dim} must be a multiple of {CHUNK}")
-  if kv_fp8.ndim != 4 or kv_fp4.ndim != 4:
-    raise ValueError(f"kv_fp8 {kv_fp8.shape} / kv_fp4 {kv_fp4.shape} must be [pages, page size, 1, bytes]")
-  if kv_fp8.shape[2] != 1 or kv_fp4.shape[2] != 1:
-    raise ValueError("one latent KV head expected")
   bytes8, bytes4 = kv_fp8.shape[3], kv_fp4.shape[3]
-  if bytes8 != head_dim + 4 * (head_dim // CHUNK) or bytes4 != head_dim // 2 + head_dim // _FP4_GROUP:
-    raise ValueError(f"token records {bytes8}/{bytes4} bytes do not match D={head_dim}")
-  if (indices_fp8.ndim != 2 or indices_fp4.ndim != 2 or indices_fp8.shape[0] != batch
-      or indices_fp4.shape[0] != batch or attn_sink.shape != (heads,)):
-    raise ValueError(f"indices_fp8 {indices_fp8.shape}, indices_fp4 {indices_fp4.shape} must be [{batch}, K] "
-                     f"and attn_sink {attn_sink.shape} [{heads}]")
   if batch == 0:  # nothing to launch
     return jnp.zeros(q.shape, q.dtype), jnp.zeros((0, heads), jnp.float32)
-  kv_fp8, indices_fp8 = _nonempty(kv_fp8, indices_fp8)
-  kv_fp4, indices_fp4 = _nonempty(kv_fp4, indices_fp4)
+  kv_fp8, indices_fp8 = nonempty(kv_fp8, indices_fp8)
+  kv_fp4, indices_fp4 = nonempty(kv_fp4, indices_fp4)
   shapes = {"q": q, "indices_fp8": indices_fp8, "indices_fp4": indices_fp4}
   sizes = MixedMlaSizes.of(shapes)
   config = _fit(config or choose_config(shapes), sizes)
