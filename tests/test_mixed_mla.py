@@ -8,6 +8,7 @@ synthesis. (The checks themselves: test_definitions.py and kit.py.)"""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -19,7 +20,8 @@ import pytest
 
 from jaxkern import quant
 from jaxkern.families import mixed_mla as fam
-from kit import EVERY_CANDIDATE, Case, TritonCall
+from kit import EVERY_CANDIDATE, Case, MosaicGpuCall, TritonCall
+from pallas_kernels.mixed_mla import mosaic_gpu as mm_mosaic
 from pallas_kernels.mixed_mla import triton as mk
 from numerics import assert_bf16_close, assert_f32_close
 
@@ -203,6 +205,26 @@ def launches(config, axes):
                      combine.num_warps, combine.num_stages)]
 
 
+def launches_mosaic_gpu(config, axes):
+  """One Mosaic GPU call, grid (head blocks of 64, key splits, B): q, the
+  FP8 records as [N8 * P8, 264] 16-bit words and a zero record, the FP4
+  records as [N4 * P4, 288] bytes and a zero record, the slot table (each
+  cache's indices padded with -1 to whole blocks) as [B, blocks, block_k],
+  the slot block limits, the sinks and the per-head scales in; out and lse
+  out, or with splits their fp32 partials (the Triton combine follows)."""
+  b, h, d, bk = axes["B"], axes["H"], axes["D"], config.block_k
+  rows8, rows4 = axes["N8"] * axes["P8"], axes["N4"] * axes["P4"]
+  blocks = -(-axes["K8"] // bk) + -(-axes["K4"] // bk)
+  splits = -(-blocks // -(-blocks // config.splits))   # runs of equal length, the last shorter
+  words8 = axes["token_bytes_fp8"] // 2
+  operands = (f"tensor<{b}x{h}x{d}xbf16>", f"tensor<{rows8}x{words8}xui16>", f"tensor<1x{words8}xui16>",
+              f"tensor<{rows4}x{axes['token_bytes_fp4']}xui8>", f"tensor<1x{axes['token_bytes_fp4']}xui8>",
+              f"tensor<{b}x{blocks}x{bk}xi32>", f"tensor<{b}x2xi32>", f"tensor<{h}xf32>", f"tensor<{h}xf32>")
+  if splits == 1:
+    return [MosaicGpuCall(operands, (f"tensor<{b}x{h}x{d}xbf16>", f"tensor<{b}x{h}xf32>"))]
+  return [MosaicGpuCall(operands, (f"tensor<{b}x{splits}x{h}x{d}xf32>", f"tensor<{b}x{splits}x{h}xf32>"))]
+
+
 def valid_counts(fp8, fp4):
   def check(out, ref, inputs):
     np.testing.assert_array_equal((np.asarray(inputs["indices_fp8"]) >= 0).sum(1), fp8)
@@ -219,9 +241,9 @@ def b1_every_edge_case():
   return inputs
 
 
-def lonely_and_one_sided_rows():
+def lonely_and_one_sided_rows(**shape):
   """Row 0: nothing valid (-1 and >= N*P mixed); row 1: only FP8; row 2: only FP4."""
-  inputs = random_inputs(4, seed=6, invalid_fraction=0.3)
+  inputs = random_inputs(4, seed=6, invalid_fraction=0.3, **shape)
   rows8 = inputs["kv_fp8"].shape[0] * inputs["kv_fp8"].shape[1]
   inputs["indices_fp8"] = inputs["indices_fp8"].at[0].set(
       jnp.where(jnp.arange(32) % 2 == 0, -1, rows8)).at[2].set(-1)
@@ -270,10 +292,26 @@ KERNEL_CASES = [
     Case(DEFINITION, inputs=shared_pages_ragged_slots, id="shared_pages_ragged_slots",
          config=mk.MixedMlaDecodeConfig(split=mk.MixedMlaSplitStage(block_h=32, block_k=16, keys_per_split=16),
                                         combine=mk.CombineStage(block_h=32, block_d=128))),
+    # The Mosaic GPU kernel (its own checks: test_mixed_mla_mosaic.py): the
+    # heuristic splits the keys at these B (10 splits of one slot block),
+    # so the edge cases also run unsplit.
+    Case(DEFINITION, dict(B=3, N8=4, N4=20), record={"scheduler_sequence_lengths": [35009, 100, 1500]},
+         check=valid_counts([128, 100, 128], [512, 50, 512]), id="mosaic_full_shape_synthesized_batch",
+         backend="mosaic_gpu"),
+    *(Case(DEFINITION, inputs=b1_every_edge_case, config=config, id=f"mosaic_b1_every_edge_case_{tag}",
+           backend="mosaic_gpu")
+      for config, tag in [(None, "heuristic"), (mm_mosaic.MosaicMixedMlaConfig(), "unsplit")]),
+    Case(DEFINITION, inputs=functools.partial(lonely_and_one_sided_rows, heads=64, head_dim=512, page8=32, page4=32),
+         check=row_0_lonely, id="mosaic_lonely_and_one_sided", backend="mosaic_gpu"),
 ]
-LOWERING_CASES = [Case(DEFINITION, axes, config=EVERY_CANDIDATE) for axes in LOWERING_AXES]
+LOWERING_CASES = [Case(DEFINITION, axes, config=EVERY_CANDIDATE, backend=backend) for axes in LOWERING_AXES
+                  for backend in ("triton", "mosaic_gpu")]
 SWEEP_CASE = Case(DEFINITION, inputs=lambda: random_inputs(1, heads=16, head_dim=128, k8=16, k4=32, seed=11),
                   id="b1_h16_d128")
+# The Mosaic GPU kernel takes only H % 64 == 0 at D = 512; 3 slot blocks
+# let each split count of its candidates run.
+SWEEP_CASE_MOSAIC_GPU = Case(DEFINITION, inputs=lambda: random_inputs(
+    1, heads=64, head_dim=512, pages8=1, page8=64, pages4=2, page4=32, k8=64, k4=100, seed=11), id="b1_k8_64_k4_100")
 
 
 # ---------------------------------------------------------------------------
