@@ -119,7 +119,7 @@ MAX_SPLITS = 10
 # The producer dequantizes one 64 x 64 tile at a time through its
 # registers; the consumers hold two 64 x 128 fp32 outputs (128 registers),
 # the score tile, its chunk's wgmma accumulator and the key scales (80).
-# The split that compiles with the fewest spills (docs/perf/mosaic_gpu.md).
+# The one split that compiles without spills (docs/perf/mosaic_gpu.md).
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = consumer_registers(PRODUCER_REGISTERS)
 
@@ -130,7 +130,8 @@ CONSUMER_REGISTERS = consumer_registers(PRODUCER_REGISTERS)
 FP8_WORDS = (HEAD_DIM + 4 * (HEAD_DIM // CHUNK)) // 2
 FP4_BYTES = HEAD_DIM // 2 + HEAD_DIM // FP4_GROUP
 STAGING8_TRANSFORMS = (plgpu.TilingTransform((1, 8)),)
-STAGING4_TRANSFORMS = (plgpu.TilingTransform((1, 16)),)
+FP4_SCALE_TILE = 16
+STAGING4_TRANSFORMS = (plgpu.TilingTransform((1, FP4_SCALE_TILE)),)
 PAIR = TILE_COLS // 2  # bytes (FP4) or words (FP8) behind one 64-dim chunk
 
 # Test-only sync faults (`_forward(fault=...)`).
@@ -241,14 +242,19 @@ def _fp8_scales(staging):
           for c in range(HEAD_DIM // CHUNK)]
 
 
-def _fp4_chunk(staging, scale_bytes, j: int):
+def _fp4_chunk(staging, j):
   """64-dim chunk j of the staged FP4 records, `[block_k, 64]` f32 scaled
   values in the kernel's order: byte b of the chunk holds dims 2b (low
   nibble) and 2b + 1, both in scale group (64 j + 2 b) // 16, so each
-  8-column slice of either half has one scale a row."""
+  8-column slice of either half has one scale a row. The chunk's 4 scale
+  bytes come from the one 16-byte staging tile holding them (loading all 32
+  scale bytes per chunk makes the producer spill)."""
   packed = _load(staging.at[:, pl.ds(PAIR * j, PAIR)])
   groups = TILE_COLS // FP4_GROUP
-  scales = [fp_formats.ue8m0_to_f32(_column(scale_bytes, groups * j + g)) for g in range(groups)]
+  chunks_per_tile = FP4_SCALE_TILE // groups
+  scale_bytes = _load(staging.at[:, pl.ds(HEAD_DIM // 2 + FP4_SCALE_TILE * (j // chunks_per_tile), FP4_SCALE_TILE)])
+  scales = [fp_formats.ue8m0_to_f32(_column(scale_bytes, groups * lax.rem(j, chunks_per_tile) + g))
+            for g in range(groups)]
   width = PAIR // groups
 
   def scaled(codes):
@@ -306,7 +312,7 @@ def _kernel(q_gmem, kv8_gmem, zeros8_gmem, kv4_gmem, zeros4_gmem, idx_gmem, limi
             plgpu.layout_cast(values.astype(ring.dtype), plgpu.Layout.WGMMA))
 
       # The chunk loops are not unrolled: unrolled, the loads of later
-      # chunks are hoisted and the producer's 64 registers spill.
+      # chunks are hoisted and the producer's registers spill.
       def dequantize_fp8(slot):
         @pl.loop(0, HEAD_DIM // TILE_COLS)
         def _(j):
@@ -317,8 +323,7 @@ def _kernel(q_gmem, kv8_gmem, zeros8_gmem, kv4_gmem, zeros4_gmem, idx_gmem, limi
       def dequantize_fp4(slot):
         @pl.loop(0, HEAD_DIM // TILE_COLS)
         def _(j):
-          scale_bytes = _load(staging4.at[:, pl.ds(HEAD_DIM // 2, HEAD_DIM // FP4_GROUP)])
-          store_chunk(slot, j, _fp4_chunk(staging4, scale_bytes, j))
+          store_chunk(slot, j, _fp4_chunk(staging4, j))
         ones = plgpu.layout_cast(jnp.ones((bk,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         for c in range(scale_chunks):
           ring_scales[slot, c] = ones
