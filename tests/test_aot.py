@@ -170,6 +170,26 @@ $L__BB2_9:
 }
 """
 
+# Two sibling MMA loops (a fast path and its fallback, as the grouped GEMM's
+# folded f16 loop and its fp8 one): the k-step is the loop with more MMAs,
+# even when the other is shorter.
+SIBLINGS = """\
+.visible .entry fallback(
+)
+{
+$L__BB3_1:
+\tmma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%f1,%f2,%f3,%f4}, {%r1,%r2,%r3,%r4}, {%r5,%r6}, {%f1,%f2,%f3,%f4};
+\t@%p1 bra \t$L__BB3_1;
+$L__BB3_2:
+\tmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1,%f2,%f3,%f4}, {%r1,%r2,%r3,%r4}, {%r5,%r6}, {%f1,%f2,%f3,%f4};
+\tmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1,%f2,%f3,%f4}, {%r1,%r2,%r3,%r4}, {%r5,%r6}, {%f1,%f2,%f3,%f4};
+\tadd.s32 \t%r1, %r1, 1;
+\tcvt.rn.f16x2.e4m3x2 \t%r7, %rs1;
+\t@%p2 bra \t$L__BB3_2;
+\tret;
+}
+"""
+
 
 @pytest.mark.parametrize("opcode,kind", [
     ("add.s32", "int"), ("mul.wide.s32", "int"), ("mad.lo.s64", "int"), ("cvta.to.global.u64", "int"),
@@ -257,6 +277,12 @@ def test_instruction_mix_innermost_mma_loop_and_straight_code():
   # A forward branch is no loop: whole-kernel counts only.
   assert straight.k_step is None and straight.kernel.mma_total == 2 and straight.kernel.alu_per_mma == 0.5
   assert aot.ptx_matrix_ops(NESTED) == {"attn": "mma", "straight": "mma"}
+
+
+def test_instruction_mix_of_sibling_mma_loops_is_the_one_with_more_mma():
+  k = aot.parse_ptx(SIBLINGS)["fallback"]
+  assert k.k_step.mma == {"mma.m16n8k16.f16": 2} and k.k_step.alu == {"int": 1, "convert": 1}
+  assert k.kernel.mma_total == 3
 
 
 def test_instruction_mix_in_table_json_and_markdown():

@@ -144,6 +144,20 @@ KERNEL_CASES += [
     for label in ("boundaries_in_tiles", "padded_groups", "unsorted_ids", "out_of_range_ids", "shuffled_rows",
                   "all_padding", "one_row", "block_m_32")
     for name, config in (("items", ITEMS), ("items_unswapped", ITEMS_UNSWAPPED))]
+# Folded scales (f16 dots over all of K; fp8 dots in 32-row slices for items
+# whose scales do not fold): 32-row items on the kit's edge cases, and 64-row
+# items (two fallback slices) on a few.
+ITEMS_FOLD = gg.GroupedGemmConfig(32, 32, 64, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4,
+                                  num_stages=2)
+ITEMS_FOLD_64 = gg.GroupedGemmConfig(64, 32, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4,
+                                     num_stages=2)
+KERNEL_CASES += [
+    Case(DEFINITIONS[0], inputs=lambda ids=CASES[label][0], n=CASES[label][1], k=CASES[label][2], e=CASES[label][4]:
+         operands(ids, n, k, e=e, seed=len(ids)), config=config,
+         check=invalid_rows_are_zero(CASES[label][0], CASES[label][4]), id=f"{label}_{name}")
+    for label, name, config in [(label, "items_fold", ITEMS_FOLD) for label in (
+        "boundaries_in_tiles", "padded_groups", "out_of_range_ids", "shuffled_rows", "one_row", "all_padding")] + [
+        (label, "items_fold_64", ITEMS_FOLD_64) for label in ("block_m_32", "unsorted_ids")]]
 LOWERING_CASES = [Case(name, {"M": 6}, config=EVERY_CANDIDATE, id="decode_m6") for name in DEFINITIONS]
 SWEEP_CASE = Case(DEFINITIONS[0], {"M": 18, "E": 16, "N": 64, "K": 128, "K_groups": 4, "K_packed": 64})
 
@@ -218,10 +232,29 @@ def test_ptx_emulator_opcodes():
   assert lop3(x, y, z, 0xF0 & 0xCC) == x & y
 
 
+def f16x2(op, a, b):
+  """PTX `<op>.rn.f16x2` on two words of f16 pairs (NumPy float16 rounds to
+  nearest even, as `.rn`)."""
+  halves = [np.stack([x & 0xFFFF, x >> 16], -1).astype(np.uint16).view(np.float16) for x in (a, b)]
+  with np.errstate(over="ignore"):  # overflow gives inf, as the hardware's
+    out = op(*halves).astype(np.float16).view(np.uint16).astype(np.uint32)
+  return out[..., 0] | out[..., 1] << 16
+
+
+def e4m3x2_to_f16x2(a):
+  """PTX `cvt.rn.f16x2.e4m3x2`: the low byte of the 16-bit `a` to the low
+  half (exact: every e4m3 value is an f16 value)."""
+  pair = np.stack([a & 0xFF, a >> 8 & 0xFF], -1).astype(np.uint8).view(jnp.float8_e4m3fn)
+  half = pair.astype(np.float16).view(np.uint16).astype(np.uint32)
+  return half[..., 0] | half[..., 1] << 16
+
+
 def run_ptx(asm, inputs):
-  """Runs an inline-PTX text (shl/shr/and/or/prmt/lop3 .b32, immediate or
-  register operands) with NumPy: `inputs` maps `$n` to uint32 arrays;
-  returns every register it wrote."""
+  """Runs an inline-PTX text with NumPy: shl/shr/and/or/prmt/lop3 .b32
+  (immediate or register operands), `mov.b32` packing two 16-bit registers
+  into one or back, `cvt.rn.f16x2.e4m3x2` and `mul.rn.f16x2`. `inputs` maps
+  `$n` to uint32 arrays (16-bit registers: their value); returns every
+  register it wrote."""
   regs = {name: np.asarray(v, np.uint32) for name, v in inputs.items()}
   value = lambda x: regs[x] if x in regs else np.uint32(int(x, 0))  # noqa: E731
   shifts = {"shl": np.left_shift, "shr": np.right_shift}
@@ -230,9 +263,25 @@ def run_ptx(asm, inputs):
     if not line or line[0] in "{}.":
       continue
     opcode, args = line.split(None, 1)
+    if opcode == "mov.b32":
+      if args.startswith("{"):  # {lo, hi}, word: unpack
+        names, word = args.rsplit(",", 1)
+        lo, hi = (x.strip() for x in names.strip(" {}").split(","))
+        regs[lo], regs[hi] = value(word.strip()) & 0xFFFF, value(word.strip()) >> 16
+      else:                     # word, {lo, hi}: pack
+        dst, halves = args.split(",", 1)
+        lo, hi = (x.strip() for x in halves.strip(" {}").split(","))
+        regs[dst.strip()] = (value(lo) & 0xFFFF) | (value(hi) & 0xFFFF) << 16
+      continue
+    dst, *src = (x.strip() for x in args.split(","))
+    if opcode == "cvt.rn.f16x2.e4m3x2":
+      regs[dst] = e4m3x2_to_f16x2(value(src[0]))
+      continue
+    if opcode == "mul.rn.f16x2":
+      regs[dst] = f16x2(np.multiply, value(src[0]), value(src[1]))
+      continue
     name, kind = opcode.split(".")
     assert kind == "b32", line
-    dst, *src = (x.strip() for x in args.split(","))
     if name in shifts:
       out = shifts[name](value(src[0]), value(src[1]))
     elif name in ("and", "or"):
@@ -292,6 +341,159 @@ def test_ptx_operand_path_matches_jnp(monkeypatch):
   ptx, plain = (np.asarray(fp8_mma.e2m1_to_e4m3_operand(pairs, ptx=p)).view(np.uint8) for p in (True, False))
   np.testing.assert_array_equal(ptx, plain)
   assert ptx.shape == (16, 64)
+
+
+def test_ptx_emulator_f16_opcodes():
+  """The emulator's f16 conversions and moves on cases worked out by hand."""
+  regs = run_ptx("""{
+cvt.rn.f16x2.e4m3x2 c, $1;
+mul.rn.f16x2 m, $2, $3;
+mov.b32 {lo, hi}, m;
+mov.b32 p, {hi, lo};
+}""", {"$1": np.uint32(0x3C38), "$2": np.uint32(0x38004000), "$3": np.uint32(0x44004200)})
+  assert regs["c"] == 0x3E003C00                       # e4m3 1.0, 1.5 -> f16 1.0, 1.5
+  assert regs["m"] == 0x40004600                       # (2.0, 0.5) x (3.0, 4.0) = (6.0, 2.0)
+  assert (regs["lo"], regs["hi"], regs["p"]) == (0x4600, 0x4000, 0x46004000)
+  # Subnormal results round to nearest even: 2^-24 x 0.5 -> 0; 3 x 2^-24 x 0.5 -> 2 x 2^-24.
+  assert run_ptx("mul.rn.f16x2 m, $1, $2;", {"$1": np.uint32(0x00030001), "$2": np.uint32(0x38003800)})["m"] == 0x00020000
+
+
+def f16_bits(x):
+  return np.asarray(x, np.float16).view(np.uint16).astype(np.uint32)
+
+
+SCALES = (2.0**15, 1.0, 2.0**-6, 2.0**-17)  # the multipliers span f16's normal and subnormal powers of two
+
+
+def test_ptx_f16_conversion_texts_match_jnp():
+  """The f16 operand conversions' PTX (GPU) run by the emulator equal their
+  jnp forms: every e4m3 byte pair of the activations, and every byte of a
+  decoded weight pair in each position, times normal and subnormal
+  multipliers. NaN bytes (activations only) give NaN."""
+  pairs = np.arange(1 << 16, dtype=np.uint32)
+  for scale in SCALES:
+    regs = run_ptx(fp8_mma.E4M3X2_TO_F16_PTX, {"$2": pairs, "$3": f16_bits(scale)})
+    got = np.stack([regs["$0"], regs["$1"]], -1).astype(np.uint16).view(np.float16)
+    want = np.asarray(fp8_mma.e4m3_to_f16_operand(jnp.asarray(pairs.reshape(-1, 16), jnp.uint16),
+                                                  jnp.full((4096, 1), scale, jnp.float16), ptx=False))
+    np.testing.assert_array_equal(got.reshape(-1, 32), np.asarray(fp8_mma.pair_major_inverse(want)))
+  byte_values = np.arange(256, dtype=np.uint32)
+  for position in range(4):
+    words = np.stack([np.roll(byte_values, 59 * i + 5) for i in range(4)], -1)
+    words[:, position] = byte_values
+    even, odd = words[:, 0] | words[:, 1] << 8, words[:, 2] | words[:, 3] << 8
+    for scale in SCALES:
+      regs = run_ptx(fp8_mma.E4M3_PAIR_TO_F16_PTX, {"$4": even, "$5": odd, "$6": f16_bits(scale)})
+      got = np.stack([regs[f"${i}"] for i in range(4)], -1).astype(np.uint16).view(np.float16)
+      want = fp8_mma._pair_to_f16(jnp.asarray(even, jnp.uint16), jnp.asarray(odd, jnp.uint16),
+                                  jnp.full((256,), scale, jnp.float16), ptx=False)
+      np.testing.assert_array_equal(got, np.asarray(want))
+
+
+def test_pair_major_is_a_k_permutation_both_operands_share():
+  """`pair_major` moves column 16h + 4c + 2f + v to 16h + 8f + 2c + v in
+  each 32-column group; the same permutation on both operands leaves a dot
+  unchanged (integers: exact in any order)."""
+  x = jnp.arange(3 * 64).reshape(3, 64)
+  permuted = np.asarray(fp8_mma.pair_major(x))
+  for h, c, f, v in np.ndindex(2, 4, 2, 2):
+    np.testing.assert_array_equal(permuted[:, 32 + 16 * h + 8 * f + 2 * c + v], np.asarray(x)[:, 32 + 16 * h + 4 * c + 2 * f + v])
+  np.testing.assert_array_equal(np.asarray(fp8_mma.pair_major_inverse(fp8_mma.pair_major(x))), np.asarray(x))
+  a, b = (jax.random.randint(jax.random.key(i), (8, 64), -8, 8).astype(jnp.float32) for i in (0, 1))
+  np.testing.assert_array_equal(np.asarray(fp8_mma.pair_major(a) @ fp8_mma.pair_major(b).T), np.asarray(a @ b.T))
+
+
+def test_f16_operands_are_the_values_times_the_scale():
+  """The weights' f16 operand of every packed byte is its two e2m1 values
+  times 2^-6 times the row's multiplier; the activations' every e4m3 value
+  times its row's; both in `pair_major` order."""
+  packed = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
+  mults = jnp.asarray(np.array([2.0**(15 - 2 * i) for i in range(16)], np.float16)[:, None])
+  operand = fp8_mma.pair_major_inverse(fp8_mma.e2m1_to_f16_operand(gg.byte_pairs(packed), mults, ptx=False))
+  low, high = (np.asarray(x) for x in fp_formats.unpack_e2m1(packed))
+  want = np.stack([E2M1[low], E2M1[high]], -1).reshape(16, 32) * 2.0**-6 * np.asarray(mults, np.float64)
+  np.testing.assert_array_equal(np.asarray(operand, np.float64), want)
+  e4m3 = jnp.arange(256, dtype=jnp.uint16).reshape(8, 32)
+  pairs = e4m3[:, 0::2] | e4m3[:, 1::2] << 8
+  mults = jnp.asarray(np.array([2.0**(gg.FOLD_A_EXPONENT - 3 * i) for i in range(8)], np.float16)[:, None])
+  operand = fp8_mma.pair_major_inverse(fp8_mma.e4m3_to_f16_operand(pairs, mults, ptx=False))
+  values = np.asarray(jax.lax.bitcast_convert_type(e4m3.astype(jnp.uint8), jnp.float8_e4m3fn), np.float64)
+  np.testing.assert_array_equal(np.asarray(operand, np.float64), values * np.asarray(mults, np.float64))
+
+
+def test_folded_scales_are_exact_over_their_whole_range():
+  """Issue 34, item 2: every UE8M0 spread the fold accepts is exact. Each
+  finite e4m3 value times the activations' multiplier 2^(7 - d), d = 0..22,
+  and each e2m1 value (as decoded, times 2^-6) times the weights' 2^(15 -
+  d), d = 0..32, is an f16 value, so the f16 MMA's products and fp32 sums
+  see the scaled operands exactly; one shift more loses bits. Rows beyond
+  (and rows with a byte 0 or 255, or a unit factor below fp32's normal
+  range) get no reference: their items take the fp8 path."""
+  e4m3 = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float64)
+  e4m3 = e4m3[np.isfinite(e4m3)]
+  weights = np.concatenate([E2M1, -E2M1]) * 2.0**-6
+
+  def exact(values, exponent):
+    mult = np.asarray(gg.f16_pow2(jnp.int32(exponent)), np.float64)
+    assert mult == 2.0**exponent
+    return np.array_equal((values.astype(np.float16) * np.float16(mult)).astype(np.float64), values * mult)
+
+  assert all(exact(e4m3, gg.FOLD_A_EXPONENT - d) for d in range(gg.FOLD_A_MAX_SHIFT + 1))
+  assert not exact(e4m3, gg.FOLD_A_EXPONENT - gg.FOLD_A_MAX_SHIFT - 1)
+  assert all(exact(weights, gg.FOLD_B_EXPONENT - d) for d in range(gg.FOLD_B_MAX_SHIFT + 1))
+  assert not exact(weights, gg.FOLD_B_EXPONENT - gg.FOLD_B_MAX_SHIFT - 1)
+  assert np.float16(448 * 2.0**gg.FOLD_A_EXPONENT) == 448 * 2**gg.FOLD_A_EXPONENT  # no overflow at d = 0
+  assert np.float16(6 * 2.0**(gg.FOLD_B_EXPONENT - 6)) == 6 * 2**(gg.FOLD_B_EXPONENT - 6)
+
+  scales = jnp.asarray([[130, 130 - 22], [130, 130 - 23], [140, 140], [0, 1], [255, 254], [8, 8], [9, 9]],
+                       jnp.uint8)
+  np.testing.assert_array_equal(np.asarray(gg._fold_reference(scales, gg.FOLD_A_MAX_SHIFT)),
+                                [130, -1, 140, -1, -1, -1, 9])
+
+
+def spread_operands(where: str, spread: int):
+  """Operands (E = 3, N = 32, K = 128, expert 1 with 37 rows) where one
+  activation row ("a") or one weight row of expert 1 ("b") has its first
+  32-k group at scale byte 140 with all-zero values and the other groups
+  `spread` below: every nonzero product sits far below the row's reference,
+  so a fold that lost their low bits would show. "a0": a scale byte 0."""
+  x = operands(grouped([(0, 5), (1, 37), (2, 3)]), 32, 128, e=3, seed=11)
+  a, a_scale = np.asarray(x["a"]).view(np.uint8).copy(), np.asarray(x["a_scale"]).copy()
+  b, b_scale = np.asarray(x["b"]).copy(), np.asarray(x["b_scale"]).copy()
+  if where == "a":
+    a[10, :32], a_scale[10] = 0, [140] + [140 - spread] * 3
+  elif where == "b":
+    b[1, 7, :16], b_scale[1, 7] = 0, [140] + [140 - spread] * 3
+  elif where == "a0":
+    a_scale[12, 2] = 0
+  return {**x, "a": jnp.asarray(a).view(jnp.float8_e4m3fn), "a_scale": jnp.asarray(a_scale), "b": jnp.asarray(b),
+          "b_scale": jnp.asarray(b_scale)}
+
+
+@pytest.mark.parametrize("where,spread,folds", [("a", gg.FOLD_A_MAX_SHIFT, True), ("a", gg.FOLD_A_MAX_SHIFT + 1, False),
+                                                ("b", gg.FOLD_B_MAX_SHIFT, True), ("b", gg.FOLD_B_MAX_SHIFT + 1, False),
+                                                ("a0", 0, False)])
+def test_folded_scales_at_their_limits_and_the_fp8_fallback_beyond(monkeypatch, where, spread, folds):
+  """Items whose scales spread to the fold's limits run the folded f16 path
+  and equal float64 NumPy element by element (relative: the rows that sit
+  at 2^-22 or 2^-32 of their reference are compared at their own size);
+  one step beyond, or a scale byte 0, the item runs the fp8 path, as
+  exact. Which path ran shows by breaking the fp8 path's unit factor
+  (2^6 -> 2^5): only fallback items change, by exactly 1/2."""
+  x = spread_operands(where, spread)
+  config = ITEMS_FOLD_64
+  expected = reference_float64(**x)
+  jax.clear_caches()
+  out = np.asarray(gg.grouped_gemm_fp8_fp4(**x, config=config, interpret=True), np.float64)
+  np.testing.assert_allclose(out, expected, rtol=2**-7, atol=0)
+  monkeypatch.setattr(gg, "E2M1_E4M3_EXPONENT", 5)
+  jax.clear_caches()
+  broken = np.asarray(gg.grouped_gemm_fp8_fp4(**x, config=config, interpret=True), np.float64)
+  monkeypatch.undo()
+  jax.clear_caches()
+  expert_1 = np.asarray(x["expert_ids"]) == 1
+  np.testing.assert_array_equal(broken[~expert_1], out[~expert_1])    # experts 0 and 2 fold
+  np.testing.assert_array_equal(broken[expert_1], out[expert_1] if folds else out[expert_1] / 2)
 
 
 @pytest.mark.skipif(not has_gpu(), reason="inline PTX runs only in a Triton kernel on a GPU")
@@ -446,8 +648,8 @@ def test_cpu_axes():
 
 def test_heuristic():
   """Weights on the MMA's M side, 16-row tiles for decode and up to 15 rows
-  per expert, 32-row expert items above; slots for every expert of a
-  decode tile; activations-as-M forms stay sweep candidates."""
+  per expert, 64-row expert items with folded scales above; slots for every
+  expert of a decode tile; activations-as-M forms stay sweep candidates."""
   def shapes(m):
     return {"a": jax.ShapeDtypeStruct((m, 5120), jnp.float8_e4m3fn),
             "b": jax.ShapeDtypeStruct((E, 4608, 2560), jnp.uint8)}
@@ -455,9 +657,10 @@ def test_heuristic():
   assert (decode.block_m, decode.expert_slots, decode.swap_ab) == (16, 6, True)
   assert gg.choose_config(shapes(18)).expert_slots == 16
   assert gg.choose_config(shapes(2688)).block_m == 16   # 7 rows per expert
-  for m in (11904, 24576):                           # 31 and 64 rows per expert: 32-row expert items
+  for m in (11904, 24576):                           # 31 and 64 rows per expert: 64-row items, folded scales
     prefill = gg.choose_config(shapes(m))
-    assert (prefill.block_m, prefill.swap_ab, prefill.expert_items) == (32, True, True)
+    assert (prefill.block_m, prefill.swap_ab, prefill.expert_items, prefill.fold_scales) == (64, True, True, True)
+  assert not any(gg.choose_config(shapes(m)).fold_scales for m in (6, 18, 2688))
   assert not gg.choose_config(shapes(18)).expert_items
   for m in RECORDED_M:
     candidates = gg.candidate_configs(shapes(m))
@@ -499,6 +702,9 @@ def test_config_rejects_bad_blocks():
       gg.GroupedGemmConfig(block_k=block_k)
   with pytest.raises(ValueError, match="expert_slots=0 must be an int >= 1"):
     gg.GroupedGemmConfig(expert_slots=0)
+  for flags in ({"expert_items": True}, {"swap_ab": True}):
+    with pytest.raises(ValueError, match="fold_scales=True must be a bool, True only with expert_items and swap_ab"):
+      gg.GroupedGemmConfig(fold_scales=True, **flags)
 
 
 def test_operand_errors_name_the_input():

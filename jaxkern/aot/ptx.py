@@ -2,7 +2,9 @@
 against ALU instructions, per kernel and per k-step.
 
 The k-step is one iteration of the kernel's main loop: the innermost loop
-(a label and the last branch back to it) whose body holds MMA instructions.
+(a label and the last branch back to it) whose body holds MMA instructions;
+of several such loops (a kernel with a fallback path), the one with the
+most MMA instructions.
 Its counts are static instructions in that body, i.e. what one iteration
 issues per warp when no branch inside it is taken. A kernel with no such
 loop (fully unrolled, or no MMA) has whole-kernel counts only.
@@ -243,9 +245,13 @@ def kernel_ptx(name: str, body: str) -> KernelPtx:
   for first, last in loops(stmts):
     mix = InstructionMix.of([v for k, v in stmts[first:last + 1] if k == "ins"])
     if mix.mma_total:
-      with_mma.append((last - first, -mix.mma_total, mix))
-  if with_mma:  # the innermost loop that holds MMAs
-    k_step = min(with_mma, key=lambda t: t[:2])[2]
+      with_mma.append((first, last, mix))
+  # The innermost loops that hold MMAs (no such loop inside them); of
+  # several (a kernel with a fallback path), the one with the most MMAs.
+  innermost = [(mix.mma_total, first - last, mix) for first, last, mix in with_mma
+               if not any(first <= f and l <= last and (f, l) != (first, last) for f, l, _ in with_mma)]
+  if innermost:
+    k_step = max(innermost, key=lambda t: t[:2])[2]
   return KernelPtx(name, InstructionMix.of(instructions), k_step, HopperEvidence.of(instructions))
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.shared.config_rules import DOT_BLOCK, KernelConfig, NUM_STAGES, NUM_WARPS, at_least, field, instance_of, one_of
+from pallas_kernels.shared.config_rules import (DOT_BLOCK, KernelConfig, NUM_STAGES, NUM_WARPS, at_least, field, instance_of,
+                                               one_of, only_with)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,12 +17,15 @@ class GroupedGemmConfig(KernelConfig):
   programs that find nothing to do). `expert_items`: instead of row tiles,
   items of up to `block_m` rows of one expert from a work list built
   before the launch (each weight tile decoded once per item; the slots
-  are unused)."""
+  are unused). `fold_scales`: f16 dots with both operands' scales folded
+  in exactly, one accumulation over K (no per-group promotion); items
+  whose scales do not fold run the fp8 dots (`triton` module docstring)."""
   block_m: int = field(64, DOT_BLOCK)
   block_n: int = field(128, DOT_BLOCK)
   block_k: int = field(128, one_of(32, 64, 128))
   expert_slots: int = field(2, at_least(1))
   swap_ab: bool = field(False, instance_of(bool))
   expert_items: bool = field(False, instance_of(bool))
+  fold_scales: bool = field(False, only_with("expert_items", "swap_ab"))
   num_warps: int = field(8, NUM_WARPS)
   num_stages: int = field(3, NUM_STAGES)

@@ -88,8 +88,9 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.shared import common
 import jax.numpy as jnp
 
-from pallas_kernels.shared.common import cdiv, fit_block, fitted_candidates, resolve_interpret
-from pallas_kernels.shared.fp8_mma import e2m1_to_e4m3_operand, fp8_dot_nt, promote
+from pallas_kernels.shared.common import NT_DIMS, cdiv, fit_block, fitted_candidates, resolve_interpret
+from pallas_kernels.shared.fp8_mma import (e2m1_to_e4m3_operand, e2m1_to_f16_operand, e4m3_to_f16_operand, fp8_dot_nt,
+                                          promote)
 from pallas_kernels.shared.fp_formats import E2M1_E4M3_EXPONENT, ue8m0_to_f32
 from pallas_kernels.grouped_gemm.config import GroupedGemmConfig
 
@@ -137,7 +138,7 @@ def _fit(config: GroupedGemmConfig, m: int, n: int, k: int, e: int) -> GroupedGe
 # with grouped rows the total, (M / block_m + E) x ops per byte, favours 32
 # rows above about 15 rows per expert; 64-row tiles (20.8 per byte) only
 # above ~380.
-_ROWS_PER_EXPERT_FOR_32 = 15
+_ROWS_PER_EXPERT_FOR_ITEMS = 15
 
 
 def _heuristic(m: int, e: int) -> GroupedGemmConfig:
@@ -152,9 +153,10 @@ def _heuristic(m: int, e: int) -> GroupedGemmConfig:
   items 563 x 128 over 966, 69.6 M; 64-row items 570 x 256 over 601, 87.7
   M (the per-32-k promotion grows with the rows, the decode does not:
   docs/perf/moe_kernels.md, "Expert items")."""
-  if m <= 16 or cdiv(m, e) < _ROWS_PER_EXPERT_FOR_32:
+  if m <= 16 or cdiv(m, e) < _ROWS_PER_EXPERT_FOR_ITEMS:
     return GroupedGemmConfig(16, 128, 128, expert_slots=16, swap_ab=True, num_warps=4, num_stages=3)
-  return GroupedGemmConfig(32, 128, 128, swap_ab=True, expert_items=True, num_warps=4, num_stages=4)
+  return GroupedGemmConfig(64, 128, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4,
+                           num_stages=3)
 
 
 def choose_config(shapes: Mapping[str, Any]) -> GroupedGemmConfig:
@@ -175,6 +177,9 @@ _SWEEP_CONFIGS = (
     GroupedGemmConfig(32, 128, 128, swap_ab=True, expert_items=True, num_warps=4, num_stages=4),
     GroupedGemmConfig(64, 128, 128, swap_ab=True, expert_items=True, num_warps=8, num_stages=3),
     GroupedGemmConfig(128, 64, 128, expert_items=True, num_warps=8, num_stages=3),
+    GroupedGemmConfig(32, 128, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4, num_stages=4),
+    GroupedGemmConfig(64, 128, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4, num_stages=3),
+    GroupedGemmConfig(128, 128, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=8, num_stages=3),
 )
 
 
@@ -207,6 +212,64 @@ def rank_tile_experts(ids, num_experts: int):
   return key, first, rank, count
 
 
+# Folded scales (`fold_scales`): f16 operands carrying their scales relative
+# to their row's largest over K (the reference exponent, `hi`):
+# a = e4m3 x 2^(7 - d_a), w = e2m1 x 2^(9 - d_b) (the decode's 2^-6 times
+# 2^(15 - d_b)), d = hi - the group's scale byte. Exact while d_a <= 22 and
+# d_b <= 32 (f16's smallest subnormal, 2^-24, is the last bit kept) and
+# within f16's range (448 x 2^7, 6 x 2^9). The f32 MMA sum is then the
+# product times 2^(16 - a_hi - b_hi + 254), undone once at the end.
+FOLD_A_EXPONENT = 7
+FOLD_B_EXPONENT = 15
+FOLD_A_MAX_SHIFT = 22
+FOLD_B_MAX_SHIFT = 32
+FOLD_UNSHIFT = 127 + 8   # each row's factor 2^(hi - 135): 2 x 135 = 254 + 16
+# Rows of an item whose scales do not fold are computed on fp8 dots in
+# slices of this many rows (the fp8 path's accumulator and partial product
+# for all of a 64-row item would set the kernel's register count).
+FOLD_FALLBACK_ROWS = 32
+
+
+def f32_pow2(e):
+  """2^e as float32 for int32 e in the normal range [-126, 127]."""
+  return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def f16_pow2(e):
+  """2^e as float16 for int32 e in [-24, 15] (exact: a power of two f16 holds)."""
+  return f32_pow2(e).astype(jnp.float16)
+
+
+def scale_byte(words, g: int):
+  """Byte g of scale words (scale group g of a k-step) as int32."""
+  return (words >> (8 * g)).astype(jnp.int32) & 0xFF
+
+
+def _fold_reference(scales: jax.Array, max_shift: int) -> jax.Array:
+  """UE8M0 bytes [..., K/32] -> int32 [...]: each row's largest byte, the
+  reference its scales fold against, or -1 where they do not fold exactly
+  (a byte 0 or 255, a unit factor 2^(hi - 135) below fp32's normal range,
+  or a byte more than `max_shift` below the largest)."""
+  hi = jnp.max(scales, axis=-1).astype(jnp.int32)
+  lo = jnp.min(scales, axis=-1).astype(jnp.int32)
+  ok = (lo >= 1) & (hi <= 254) & (hi - FOLD_UNSHIFT >= -126) & (hi - lo <= max_shift)
+  return jnp.where(ok, hi, -1)
+
+
+def fold_operands(a: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> tuple[jax.Array, ...]:
+  """What folded scales need besides the operands (XLA, before the launch;
+  the scale bytes are 1/32 of the activations and 1/16 of the weights):
+  the fp8 activations as uint16 byte pairs [M, K/2]; each activation
+  group's f16 multiplier 2^(7 - (hi - s)) [M, K/32] (rows that do not fold:
+  1); the rows' references, int32 [M] and [E, N] (-1: does not fold)."""
+  m, k = a.shape
+  a_fold = _fold_reference(a_scale, FOLD_A_MAX_SHIFT)
+  shift = jnp.where(a_fold[:, None] >= 0, FOLD_A_EXPONENT - (a_fold[:, None] - a_scale.astype(jnp.int32)), 0)
+  a_mult = f32_pow2(shift).astype(jnp.float16)
+  a_pairs = lax.bitcast_convert_type(lax.bitcast_convert_type(a, jnp.uint8).reshape(m, k // 2, 2), jnp.uint16)
+  return a_pairs, a_mult, a_fold, _fold_reference(b_scale, FOLD_B_MAX_SHIFT)
+
+
 def dot_operand_dtype(config: GroupedGemmConfig | None = None):
   """The dtype the kernel's tensor-core dots take (the roofline judges the
   FLOPs against that peak): every config decodes the e2m1 weights to e4m3
@@ -217,49 +280,34 @@ def dot_operand_dtype(config: GroupedGemmConfig | None = None):
 
 def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, *refs, m: int, n: int, k: int,
                          e: int, block_m: int, block_n: int, block_k: int, slots: int, swap_ab: bool, items: bool,
-                         ptx: bool):
+                         fold: bool, ptx: bool):
   # Whole-array refs: a/ids [M, ...], b [E, N, K/2], c [M, N]; the scales as
   # words of one k-step's scale bytes: a_scale [M, K/block_k],
   # b_scale [E, N, K/block_k] (byte g = scale group g of the step). With
   # `items`, `refs` starts with the work list (`expert_items`): the row
-  # order [M] and the item table [3, item slots].
-  *work_refs, c_ref = refs
+  # order [M] and the item table [3, item slots]; with `fold`, then the
+  # folded scales' operands (`fold_operands`).
+  *extra_refs, c_ref = refs
   n0 = pl.program_id(0) * block_n
   cols = n0 + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
   cols_c = jnp.minimum(cols, n - 1)
-  in_block = lax.broadcasted_iota(jnp.int32, (block_m,), 0)
-  if items:
-    order_ref, table_ref = work_refs
-    item = pl.program_id(2)
-    item_expert, item_start, item_rows = table_ref[0, item], table_ref[1, item], table_ref[2, item]
-    # The item's rows (any order); lanes past its rows repeat them
-    # (`in_block mod rows`), as clamped columns repeat column N - 1: such
-    # lanes compute and store the same values as the lanes they repeat, so
-    # the scatter needs no mask but the empty slot's (a masked lane would,
-    # in interpret mode, store the old value back over its duplicate).
-    lane = lax.rem(in_block, jnp.maximum(item_rows, 1))
-    rows_c = order_ref[jnp.minimum(item_start + lane, m - 1)]
-  else:
-    slot = pl.program_id(1)
-    row0 = pl.program_id(2) * block_m
-    rows = row0 + in_block
-    rows_c = jnp.minimum(rows, m - 1)            # clamped: loads need no mask
-    ids = jnp.where(rows < m, ids_ref[rows_c], -1)
-    key, first, rank, count = rank_tile_experts(ids, e)
-    store_ok = (rows < m)[:, None] & (cols < n)[None, :]
-    out_block = c_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)]
-  a_rows = rows_c[:, None]                                           # [block_m, 1]
   b_rows = cols_c[:, None]                                           # [block_n, 1]
   k_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP), 1)          # [1, 32]
   pair_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP // 4), 1)  # [1, 8]
   groups_per_step = block_k // GROUP
-  # The weights decode to e4m3 values times 2**-6: restored on the finished
-  # accumulator (once per output, not once per scale group).
-  unit = jnp.float32(2.0**E2M1_E4M3_EXPONENT)
+  steps = k // block_k
 
-  def expert_product(expert):
+  def acc_zeros(rows: int):
+    return jnp.zeros((block_n, rows) if swap_ab else (rows, block_n), jnp.float32)
+
+  def fp8_product(expert, rows_c):
+    """The expert's product for rows `rows_c` (clamped row indices), fp32 in
+    the MMA's orientation (C^T [block_n, rows] with `swap_ab`): fp8 dots,
+    one promotion per 32-k scale group."""
+    a_rows = rows_c[:, None]
+
     def step(kk, acc):
-      a_words = a_scale_ref[rows_c, kk]                  # [block_m]
+      a_words = a_scale_ref[rows_c, kk]                  # [rows]
       b_words = b_scale_ref[expert, cols_c, kk]          # [block_n]
       # One block_k step = block_k / 32 scale groups, unrolled: within a
       # group both operands have one scale per row, so scales are vectors.
@@ -269,29 +317,117 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, *refs,
         b_op = e2m1_to_e4m3_operand(b_ref[expert, b_rows, group * (GROUP // 4) + pair_in_group], ptx=ptx)
         a_scale = ue8m0_to_f32(a_words >> (8 * g))
         b_scale = ue8m0_to_f32(b_words >> (8 * g))
-        if swap_ab:  # the weights are the MMA's M side: acc is C^T [block_n, block_m]
+        if swap_ab:  # the weights are the MMA's M side: acc is C^T [block_n, rows]
           acc = promote(acc, fp8_dot_nt(b_op, a_op), b_scale[:, None], a_scale[None, :], ptx=ptx)
         else:
           acc = promote(acc, fp8_dot_nt(a_op, b_op), a_scale[:, None], b_scale[None, :], ptx=ptx)
       return acc
 
-    shape = (block_n, block_m) if swap_ab else (block_m, block_n)
-    acc = lax.fori_loop(0, k // block_k, step, jnp.zeros(shape, jnp.float32)) * unit
-    return acc.T if swap_ab else acc
+    # The weights decode to e4m3 values times 2**-6: restored on the
+    # finished accumulator (once per output, not once per scale group).
+    return lax.fori_loop(0, steps, step, acc_zeros(rows_c.shape[0])) * jnp.float32(2.0**E2M1_E4M3_EXPONENT)
 
-  if items:
-    out_rows = c_ref.at[rows_c[:, None], cols_c[None, :]]
-    item_ok = jnp.broadcast_to(item_rows > 0, (block_m, block_n))  # an empty item slot stores nothing
-    pl.when(item_expert < e)(
-        lambda: plgpu.store(out_rows, expert_product(item_expert).astype(c_ref.dtype), mask=item_ok))
-    pl.when(item_expert == e)(  # the rows with invalid ids (and empty item slots: no rows)
-        lambda: plgpu.store(out_rows, jnp.zeros((block_m, block_n), c_ref.dtype), mask=item_ok))
+  if not items:
+    _store_tile_experts(fp8_product, c_ref, ids_ref, cols, m=m, n=n, e=e, block_m=block_m,
+                        block_n=block_n, slots=slots, swap_ab=swap_ab)
     return
+
+  order_ref, table_ref = extra_refs[:2]
+  item = pl.program_id(2)
+  item_expert, item_start, item_rows = table_ref[0, item], table_ref[1, item], table_ref[2, item]
+
+  def rows_of_lanes(first_lane: int, lanes: int):
+    # The item's rows (any order); lanes past its rows repeat them (`lane
+    # mod rows`), as clamped columns repeat column N - 1: such lanes compute
+    # and store the same values as the lanes they repeat, so the scatter
+    # needs no mask but the empty slot's (a masked lane would, in interpret
+    # mode, store the old value back over its duplicate).
+    lane = lax.rem(first_lane + lax.broadcasted_iota(jnp.int32, (lanes,), 0), jnp.maximum(item_rows, 1))
+    return order_ref[jnp.minimum(item_start + lane, m - 1)]
+
+  def store_rows(rows_c, acc):
+    # C^T with swap_ab, stored through transposed indices: a transpose of
+    # the accumulator would let Triton swap the MMA's operands back.
+    out = c_ref.at[rows_c[None, :], cols_c[:, None]] if swap_ab else c_ref.at[rows_c[:, None], cols_c[None, :]]
+    plgpu.store(out, acc.astype(c_ref.dtype), mask=jnp.broadcast_to(item_rows > 0, acc.shape))
+
+  rows_c = rows_of_lanes(0, block_m)
+
+  def item_product():
+    if not fold:
+      return store_rows(rows_c, fp8_product(item_expert, rows_c))
+    folded = functools.partial(_folded_product, *extra_refs[2:], b_ref, b_scale_ref, cols_c=cols_c,
+                               groups_per_step=groups_per_step, steps=steps, swap_ab=swap_ab, ptx=ptx)
+    a_fold_ref, b_fold_ref = extra_refs[4:6]
+    # Fold when every row of the item and every weight row folds (-1: not);
+    # else fp8 dots on slices of the rows (fewer registers than all of them).
+    foldable = jnp.minimum(jnp.min(a_fold_ref[rows_c]), jnp.min(b_fold_ref[item_expert, cols_c]))
+    slice_rows = min(block_m, FOLD_FALLBACK_ROWS)
+
+    def fallback():
+      for first_lane in range(0, block_m, slice_rows):
+        rows = rows_of_lanes(first_lane, slice_rows)
+        store_rows(rows, fp8_product(item_expert, rows))
+
+    lax.cond(foldable >= 0, lambda: store_rows(rows_c, folded(item_expert, rows_c)), fallback)
+
+  pl.when(item_expert < e)(item_product)
+  pl.when(item_expert == e)(  # the rows with invalid ids (and empty item slots: no rows)
+      lambda: store_rows(rows_c, acc_zeros(block_m)))
+
+
+def _folded_product(a_pairs_ref, a_mult_ref, a_fold_ref, b_fold_ref, b_ref, b_scale_ref, expert, rows_c, *,
+                    cols_c, groups_per_step: int, steps: int, swap_ab: bool, ptx: bool):
+  """The expert's product for rows `rows_c` with folded scales (module
+  docstring), fp32 in the MMA's orientation: f16 dots accumulated over all
+  of K, then each row's and column's unit factor."""
+  a_rows, b_rows = rows_c[:, None], cols_c[:, None]
+  pair_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP // 4), 1)  # [1, 8]
+  half_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP // 2), 1)  # [1, 16]
+
+  def step(kk, acc):
+    # Loaded here, not before the loop: a value from outside the loop
+    # would fix the layout of the weights' decode, which Triton would then
+    # move into the MMA's register layout through shared memory.
+    b_hi = b_fold_ref[expert, cols_c]
+    b_words = b_scale_ref[expert, cols_c, kk]
+    for g in range(groups_per_step):
+      group = kk * groups_per_step + g
+      a_op = e4m3_to_f16_operand(a_pairs_ref[a_rows, group * (GROUP // 2) + half_in_group],
+                                 a_mult_ref[rows_c, group][:, None], ptx=ptx)
+      b_shift = FOLD_B_EXPONENT - (b_hi - scale_byte(b_words, g))
+      b_op = e2m1_to_f16_operand(b_ref[expert, b_rows, group * (GROUP // 4) + pair_in_group],
+                                 f16_pow2(b_shift)[:, None], ptx=ptx)
+      lhs, rhs = (b_op, a_op) if swap_ab else (a_op, b_op)
+      acc = acc + lax.dot_general(lhs, rhs, NT_DIMS, preferred_element_type=jnp.float32)
+    return acc
+
+  shape = (cols_c.shape[0], rows_c.shape[0]) if swap_ab else (rows_c.shape[0], cols_c.shape[0])
+  acc = lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
+  a_unit = f32_pow2(a_fold_ref[rows_c] - FOLD_UNSHIFT)
+  b_unit = f32_pow2(b_fold_ref[expert, cols_c] - FOLD_UNSHIFT)
+  return acc * (b_unit[:, None] * a_unit[None, :] if swap_ab else a_unit[:, None] * b_unit[None, :])
+
+
+def _store_tile_experts(product, c_ref, ids_ref, cols, *, m: int, n: int, e: int, block_m: int,
+                        block_n: int, slots: int, swap_ab: bool):
+  """Row tiles without a work list: this program's slot computes the tile's
+  experts of rank slot, slot + slots, ... (`rank_tile_experts`), each stored
+  for the rows of that expert; slot 0 writes the zeros of invalid rows."""
+  slot = pl.program_id(1)
+  row0 = pl.program_id(2) * block_m
+  rows = row0 + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+  rows_c = jnp.minimum(rows, m - 1)            # clamped: loads need no mask
+  ids = jnp.where(rows < m, ids_ref[rows_c], -1)
+  key, first, rank, count = rank_tile_experts(ids, e)
+  store_ok = (rows < m)[:, None] & (cols < n)[None, :]
+  out_block = c_ref.at[pl.ds(row0, block_m), pl.ds(pl.program_id(0) * block_n, block_n)]
 
   def store_expert(j):
     expert = jnp.max(jnp.where(first & (rank == j), key, -1))
     mine = (key == expert)[:, None]
-    plgpu.store(out_block, expert_product(expert).astype(c_ref.dtype), mask=mine & store_ok)
+    acc = product(expert, rows_c)
+    plgpu.store(out_block, (acc.T if swap_ab else acc).astype(c_ref.dtype), mask=mine & store_ok)
 
   @pl.when(slot == 0)
   def _zero_invalid_rows():
@@ -414,10 +550,13 @@ def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale
   if config.expert_items:
     operands += expert_items(expert_ids, e, config.block_m)
     row_programs = operands[-1].shape[1]
+  if config.fold_scales:
+    operands += fold_operands(a, a_scale, b_scale)
 
   kernel = functools.partial(_grouped_gemm_kernel, m=m, n=n, k=k, e=e, block_m=config.block_m,
                              block_n=config.block_n, block_k=config.block_k, slots=config.expert_slots,
-                             swap_ab=config.swap_ab, items=config.expert_items, ptx=not interpret)
+                             swap_ab=config.swap_ab, items=config.expert_items, fold=config.fold_scales,
+                             ptx=not interpret)
   return common.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),

@@ -60,6 +60,13 @@ def multiple_of(other: str) -> Rule:
   return Rule(f"a multiple of {other}", holds)
 
 
+def only_with(*flags: str) -> Rule:
+  """A bool that may be True only where the bool fields `flags` of the same
+  config are True."""
+  return Rule(f"a bool, True only with {' and '.join(flags)}",
+              lambda v, config: isinstance(v, bool) and (not v or all(getattr(config, f) for f in flags)))
+
+
 def instance_of(cls: type) -> Rule:
   return Rule(f"a {cls.__name__}", lambda v, _: isinstance(v, cls))
 

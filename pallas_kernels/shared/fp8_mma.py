@@ -166,6 +166,102 @@ def e2m1_to_e4m3_operand(pairs: jax.Array, *, ptx: bool) -> jax.Array:
   return lax.bitcast_convert_type(decoded, jnp.float8_e4m3fn)
 
 
+# A byte pair's decode, `$4` (the even codes' e4m3 bytes) and `$5` (the odd
+# codes'), -> f16 `$0`..`$3`: the pair's four values in k order times the f16
+# `$6`. `prmt` puts each byte's two e4m3 values side by side (selector
+# 0x3120), then one convert and one multiply per byte.
+E4M3_PAIR_TO_F16_PTX = """{
+.reg .b32 eo, x, v0, v1, s;
+.reg .b16 p0, p1;
+mov.b32 eo, {$4, $5};
+prmt.b32 x, eo, 0, 0x3120;
+mov.b32 {p0, p1}, x;
+cvt.rn.f16x2.e4m3x2 v0, p0;
+cvt.rn.f16x2.e4m3x2 v1, p1;
+mov.b32 s, {$6, $6};
+mul.rn.f16x2 v0, v0, s;
+mul.rn.f16x2 v1, v1, s;
+mov.b32 {$0, $1}, v0;
+mov.b32 {$2, $3}, v1;
+}"""
+
+
+def _pair_to_f16(even: jax.Array, odd: jax.Array, scale: jax.Array, *, ptx: bool) -> jax.Array:
+  """A byte pair's e4m3 bytes, uint16 `even` and `odd` [rows, P] (byte j:
+  byte j of the pair), f16 `scale` [rows, 1] -> f16 [rows, P, 4]: the
+  pair's four values in k order times the scale."""
+  if ptx:
+    out = jax.ShapeDtypeStruct(even.shape, jnp.float16)
+    args = [lax.bitcast_convert_type(x, jnp.int16) for x in (even, odd)] + [jnp.broadcast_to(scale, even.shape)]
+    values = inline_asm_p.bind(*args, asm=E4M3_PAIR_TO_F16_PTX, constraints="=h,=h,=h,=h,h,h,h", pack=1,
+                               results=(out,) * 4)
+    # Triton stacks two arrays at a time, on the last axis: [(v0, v2), (v1, v3)] is v0..v3.
+    v0, v1, v2, v3 = values
+    return jnp.stack([jnp.stack([v0, v2], axis=-1), jnp.stack([v1, v3], axis=-1)], axis=-1).reshape(*even.shape, 4)
+  e4m3 = jnp.stack([even & 0xFF, odd & 0xFF, even >> 8, odd >> 8], axis=-1).astype(jnp.uint8)
+  return lax.bitcast_convert_type(e4m3, jnp.float8_e4m3fn).astype(jnp.float16) * scale[..., None]
+
+
+# Two e4m3 bytes `$2` (the low byte first) -> f16 `$0`, `$1`: their values
+# times the f16 `$3`.
+E4M3X2_TO_F16_PTX = """{
+.reg .b32 v, s;
+cvt.rn.f16x2.e4m3x2 v, $2;
+mov.b32 s, {$3, $3};
+mul.rn.f16x2 v, v, s;
+mov.b32 {$0, $1}, v;
+}"""
+
+
+def e4m3_to_f16_operand(pairs: jax.Array, scale: jax.Array, *, ptx: bool) -> jax.Array:
+  """fp8 e4m3 values as uint16 byte pairs [rows, P] (the low byte first; P a
+  multiple of 16: whole 32-k groups), f16 `scale` [rows, 1] -> float16
+  [rows, 2P] of the values times the scale, in `pair_major` column order."""
+  rows, width = pairs.shape
+  if ptx:
+    out = jax.ShapeDtypeStruct(pairs.shape, jnp.float16)
+    lo, hi = inline_asm_p.bind(lax.bitcast_convert_type(pairs, jnp.int16), jnp.broadcast_to(scale, pairs.shape),
+                               asm=E4M3X2_TO_F16_PTX, constraints="=h,=h,h,h", pack=1, results=(out, out))
+    values = jnp.stack([lo, hi], axis=-1)
+  else:
+    both = jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1).astype(jnp.uint8)
+    values = lax.bitcast_convert_type(both, jnp.float8_e4m3fn).astype(jnp.float16) * scale[..., None]
+  return pair_major(values.reshape(rows, 2 * width))
+
+
+def pair_major(x: jax.Array) -> jax.Array:
+  """[rows, 32 g] -> the same values with each 32-k group's columns in the
+  order of an f16 MMA's register fragments over byte pairs: column
+  16h + 8f + 2c + v holds k = 16h + 4c + 2f + v (pair c of half h, byte f
+  of the pair, value v of the byte). A k permutation applied to both
+  operands leaves the dot unchanged; it lets a thread's byte pairs (which
+  hold k 4c..4c+3, the e4m3 fragment's) be its f16 fragment registers."""
+  rows, width = x.shape
+  x = x.reshape(rows, width // 32, 2, 4, 2, 2)
+  return jnp.transpose(x, (0, 1, 2, 4, 3, 5)).reshape(rows, width)
+
+
+def pair_major_inverse(x: jax.Array) -> jax.Array:
+  """The inverse of `pair_major`: k order back."""
+  rows, width = x.shape
+  x = x.reshape(rows, width // 32, 2, 2, 4, 2)
+  return jnp.transpose(x, (0, 1, 2, 4, 3, 5)).reshape(rows, width)
+
+
+def e2m1_to_f16_operand(pairs: jax.Array, scale: jax.Array, *, ptx: bool) -> jax.Array:
+  """Pairs of packed e2m1 bytes, uint16 [rows, P] (P a multiple of 8: whole
+  32-k groups), f16 `scale` [rows, 1] -> float16 [rows, 4P] of the e2m1
+  values times 2**-6 times the scale, in `pair_major` column order."""
+  rows, width = pairs.shape
+  if ptx:
+    even, odd = _even_odd(pairs)
+  else:
+    even, odd = (x.astype(jnp.uint16) for x in e2m1_to_e4m3_bits(jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1)))
+    even, odd = (x[..., 0] | x[..., 1] << 8 for x in (even, odd))
+  values = _pair_to_f16(even, odd, scale, ptx=ptx)  # [rows, P, 4]
+  return pair_major(values.reshape(rows, 4 * width))
+
+
 def promote(acc: jax.Array, part: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *, ptx: bool) -> jax.Array:
   """`acc + part * a_scale * b_scale` (fp32; `a_scale` [rows, 1] and
   `b_scale` [1, cols] broadcast). With power-of-two scales and products in
