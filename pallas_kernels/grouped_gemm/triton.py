@@ -62,6 +62,31 @@ the rows with invalid ids form items of their own that write zeros. At M =
 24576, 32-row items are 966 (3.16 decodes per weight byte), 64-row ones
 601 (1.96).
 
+Folded scales (`fold_scales`, expert items with the weights as the MMA's M
+side; the prefill heuristic). Both scales are powers of two, so they can
+ride in the operands instead of a per-group promotion, exactly, in f16:
+against each row's largest scale byte over K, `hi` (the activations' row,
+the weights' column n), a group whose byte lies d below it becomes
+`a x 2^(7 - d)` (every finite e4m3 value, d <= 22) and `w x 2^(9 - d)`
+(every e2m1 value, d <= 32): f16 values down to its smallest subnormal,
+2^-24, and below its largest (`test_folded_scales_are_exact_over_their_whole_
+range`). The f16 wgmma then sums exact products in fp32 over all of K in
+one accumulator, and the result is scaled once, by 2^(a_hi - 135) x
+2^(b_hi - 135) (the operands' 2^16 and the bias 2 x 127). XLA prepares the
+references and the activations' multipliers from the scale bytes (1/32 of
+the activations, 1/16 of the weights; `fold_operands`); a row whose scales
+do not fold (a wider spread, a byte 0 or 255, a reference below 9) marks
+its items for the fp8 path, run in `FOLD_FALLBACK_ROWS`-row slices. Per
+item this trades the promotion (two fp32 ops per element and 32 k) for a
+dearer decode (one `cvt.rn.f16x2.e4m3x2` and one `mul.rn.f16x2` per byte
+more) at half the fp8 tensor rate: at 64 rows per item the folded k-step
+issues 428 ALU instructions per warp for 16 `m64n64k16` wgmmas against
+570 for 4 fp8 `m64n64k32` ones (docs/perf/moe_kernels.md). The f16 MMA
+operands' register fragments hold two consecutive k per register (one
+packed byte); the byte pairs a thread loads hold k 4c..4c+3 (the fp8
+fragment's), so both operands take the k order `fp8_mma.pair_major`, which
+makes a thread's pairs its f16 registers (no shuffles, no shared memory).
+
 A program walks K in `block_k` steps (<= 128: a step's scale bytes are one
 word, loaded once per step), each unrolled into its `block_k / 32` scale
 groups. Activations: `[block_m, 32]` fp8 bytes (row indices clamped to
@@ -130,29 +155,29 @@ def _fit(config: GroupedGemmConfig, m: int, n: int, k: int, e: int) -> GroupedGe
       block_k=max(MIN_BLOCK_K, min(config.block_k, k_pow2)), expert_slots=slots)
 
 
-# Rows per expert (M / E) from which 32-row tiles beat 16-row ones: an item
-# (row tile, expert) streams and decodes its expert's whole weight slab, and
-# the per-32-k promotion costs two fp32 ops per (row, column): per weight
-# byte 8.5 thread-instructions for 16-row tiles and 11.2 for 32-row ones
-# (sm_90a PTX, 128-column tiles on 4 warps, docs/perf/moe_kernels.md), so
-# with grouped rows the total, (M / block_m + E) x ops per byte, favours 32
-# rows above about 15 rows per expert; 64-row tiles (20.8 per byte) only
-# above ~380.
+# Rows per expert (M / E) from which expert items with folded scales
+# replace 16-row tiles. Thread-instructions a k-step and 128-column tile
+# (sm_90a PTX, docs/perf/moe_kernels.md): a 16-row fp8 tile 381 x 128, a
+# 64-row folded item 428 x 128 (no promotion, so the rows cost little);
+# the items also need a work list and the scale references (XLA, a pass
+# over the scale bytes) before the launch, which pays from about 15 rows
+# per expert (the records: M = 11904 and up).
 _ROWS_PER_EXPERT_FOR_ITEMS = 15
 
 
 def _heuristic(m: int, e: int) -> GroupedGemmConfig:
   """The weights as the MMA's M side (`swap_ab`), rows of activations as its
-  N side: 16-row tiles up to `_ROWS_PER_EXPERT_FOR_32` rows per expert,
-  32-row expert items above. Decode (M <= 16) is one 16-row tile with a
-  slot per expert (6 x 36 programs at M = 6, N = 4608): a weight stream.
+  N side: 16-row tiles on fp8 dots up to `_ROWS_PER_EXPERT_FOR_ITEMS` rows
+  per expert, 64-row expert items with folded scales above. Decode (M <=
+  16) is one 16-row tile with a slot per expert (6 x 36 programs at M = 6,
+  N = 4608): a weight stream.
 
-  Why 32-row items and not 64 (sm_90a PTX, thread-instructions a k-step
-  and 128-column tile, the records' synthesized routing at M = 24576):
-  32-row tiles 541 x 128 over 1067 (tile, expert) items, 73.9 M; 32-row
-  items 563 x 128 over 966, 69.6 M; 64-row items 570 x 256 over 601, 87.7
-  M (the per-32-k promotion grows with the rows, the decode does not:
-  docs/perf/moe_kernels.md, "Expert items")."""
+  Why 64-row folded items (sm_90a PTX, thread-instructions a k-step and
+  128-column tile, the records' synthesized routing at M = 24576): 32-row
+  fp8 items 563 x 128 over 966 items, 69.6 M; 64-row fp8 items 570 x 256
+  over 601, 87.7 M (the per-32-k promotion grows with the rows); 64-row
+  folded items 428 x 128 over 601, 32.9 M; 32-row folded items 402 x 128
+  over 966, 49.7 M."""
   if m <= 16 or cdiv(m, e) < _ROWS_PER_EXPERT_FOR_ITEMS:
     return GroupedGemmConfig(16, 128, 128, expert_slots=16, swap_ab=True, num_warps=4, num_stages=3)
   return GroupedGemmConfig(64, 128, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4,

@@ -16,8 +16,13 @@ operand, and the promotion of a partial product into an fp32 accumulator.
   of their values times 2**-6 (`fp_formats.e2m1_to_e4m3_bits`), in k order.
 * `promote`: `acc + part * a_scale * b_scale` as one multiply and one fused
   multiply-add per element.
+* f16 operands with scales folded in (`e2m1_to_f16_operand`,
+  `e4m3_to_f16_operand`): the values times a per-row f16 power of two, in
+  the k order `pair_major`, in which a thread's byte pairs (the e4m3
+  fragment's k 4c..4c+3) are its f16 MMA register fragments; both operands
+  of a dot take it.
 
-The decode and the promotion have two forms with equal results: inline PTX
+The decode, the conversions and the promotion have two forms with equal results: inline PTX
 (`ptx=True`, a Triton kernel on a GPU: the decode works on 32-bit words of
 two byte pairs, and the promotion is a real `fma`, which the Triton
 lowering never forms from jnp's multiply and add) and plain jnp
