@@ -496,21 +496,51 @@ def test_folded_scales_at_their_limits_and_the_fp8_fallback_beyond(monkeypatch, 
   np.testing.assert_array_equal(broken[expert_1], out[expert_1] if folds else out[expert_1] / 2)
 
 
+@pytest.mark.parametrize("k", [96, 544, 640, 1024])
+def test_lone_rows_run_their_groups_side_by_side(monkeypatch, k):
+  """Decode tiles (16 rows, the weights as the MMA's M side): an expert with
+  one row in the tile runs `_lone_row_product` (16 scale groups in the
+  MMA's columns, one promotion per 16 groups), the others the fp8 path.
+  K = 96 and 544 (32-k steps: a short block; a full one and one group),
+  640 (128-k steps: a full block and one step), 1024 (two full blocks).
+  Both equal float64 NumPy; which path ran shows by doubling the lone
+  path's result: exactly the lone experts' rows double."""
+  ids = [3, 0, 2, 0, 1, -1, 5, 5, 5, 7]
+  x = operands(ids, 40, k, e=8, seed=k)
+  config = gg.GroupedGemmConfig(16, 32, 128, expert_slots=16, swap_ab=True, num_warps=4, num_stages=2)
+  jax.clear_caches()
+  out = np.asarray(gg.grouped_gemm_fp8_fp4(**x, config=config, interpret=True), np.float64)
+  np.testing.assert_allclose(out, reference_float64(**x), rtol=2**-7, atol=1e-6)
+  lone = functools.partial(lambda f, *args, **kw: 2 * f(*args, **kw), gg._lone_row_product)
+  monkeypatch.setattr(gg, "_lone_row_product", lone)
+  jax.clear_caches()
+  doubled = np.asarray(gg.grouped_gemm_fp8_fp4(**x, config=config, interpret=True), np.float64)
+  monkeypatch.undo()
+  jax.clear_caches()
+  lone_rows = np.isin(ids, [3, 2, 1, 7])
+  np.testing.assert_array_equal(doubled[lone_rows], 2 * out[lone_rows])
+  np.testing.assert_array_equal(doubled[~lone_rows], out[~lone_rows])
+
+
 @pytest.mark.skipif(not has_gpu(), reason="inline PTX runs only in a Triton kernel on a GPU")
 def test_ptx_decode_and_promotion_equal_the_jnp_forms_on_the_gpu():
-  """On a GPU: the PTX decode of all 256 bytes and the PTX promotion give
-  the jnp forms' results exactly."""
+  """On a GPU: the PTX decode of all 256 bytes, the PTX promotion and the
+  f16 operand conversions (NaN bytes included) give the jnp forms' results
+  exactly."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
 
-  def kernel(pairs_ref, part_ref, acc_ref, decoded_ref, promoted_ref, *, ptx):
+  def kernel(pairs_ref, part_ref, acc_ref, decoded_ref, promoted_ref, weights_ref, activations_ref, *, ptx):
     decoded_ref[...] = fp8_mma.e2m1_to_e4m3_operand(pairs_ref[...], ptx=ptx).astype(jnp.float32)
     rows = jax.lax.broadcasted_iota(jnp.float32, (16, 1), 0)
     cols = jax.lax.broadcasted_iota(jnp.float32, (1, 16), 1)
     promoted_ref[...] = fp8_mma.promote(acc_ref[...], part_ref[...], jnp.exp2(rows - 8), jnp.exp2(7 - cols), ptx=ptx)
+    mults = jnp.exp2(7 - 2 * rows).astype(jnp.float16)
+    weights_ref[...] = fp8_mma.e2m1_to_f16_operand(pairs_ref[...], mults, ptx=ptx).astype(jnp.float32)
+    activations_ref[...] = fp8_mma.e4m3_to_f16_operand(pairs_ref[...], mults, ptx=ptx).astype(jnp.float32)
 
   pairs = gg.byte_pairs(jnp.arange(256, dtype=jnp.uint8).reshape(16, 16))
   part, acc = (jax.random.normal(jax.random.key(s), (16, 16), jnp.float32) for s in (0, 1))
-  out_shape = (jax.ShapeDtypeStruct((16, 32), jnp.float32), jax.ShapeDtypeStruct((16, 16), jnp.float32))
+  out_shape = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((16, 32), (16, 16), (16, 32), (16, 16)))
   ptx, plain = (pl.pallas_call(functools.partial(kernel, ptx=p), out_shape=out_shape, interpret=False)(pairs, part, acc)
                 for p in (True, False))
   for got, want in zip(ptx, plain):
@@ -522,6 +552,10 @@ def test_fp8_dot_nt_off_the_gpu_is_the_fp32_dot():
   b = jax.random.normal(jax.random.key(1), (32, 64)).astype(jnp.float8_e4m3fn)
   want = a.astype(jnp.float32) @ b.astype(jnp.float32).T
   assert_f32_close(fp8_mma.fp8_dot_nt(a, b), want)  # exact products, sums in any order
+  acc = jax.random.normal(jax.random.key(2), (16, 32), jnp.float32)
+  assert_f32_close(fp8_mma.fp8_dot_nt(a, b, acc), acc + want)  # accumulates onto acc
+  with pytest.raises(ValueError, match=r"acc must be float32 \(16, 32\)"):
+    fp8_mma.fp8_dot_nt(a, b, acc[:, :16])
   with pytest.raises(ValueError, match="share an fp8 dtype"):
     fp8_mma.fp8_dot_nt(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
   with pytest.raises(ValueError, match=r"expected a \[M, K\] and b \[N, K\]"):

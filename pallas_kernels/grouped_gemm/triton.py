@@ -253,6 +253,8 @@ FOLD_UNSHIFT = 127 + 8   # each row's factor 2^(hi - 135): 2 x 135 = 254 + 16
 # slices of this many rows (the fp8 path's accumulator and partial product
 # for all of a 64-row item would set the kernel's register count).
 FOLD_FALLBACK_ROWS = 32
+# Scale groups a lone row's block puts side by side in the MMA's 16 columns.
+LONE_ROW_GROUPS = 16
 
 
 def f32_pow2(e):
@@ -303,12 +305,13 @@ def dot_operand_dtype(config: GroupedGemmConfig | None = None):
   return jnp.float8_e4m3fn
 
 
-def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, *refs, m: int, n: int, k: int,
-                         e: int, block_m: int, block_n: int, block_k: int, slots: int, swap_ab: bool, items: bool,
-                         fold: bool, ptx: bool):
+def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, a_bytes_ref, b_bytes_ref, *refs, m: int,
+                         n: int, k: int, e: int, block_m: int, block_n: int, block_k: int, slots: int, swap_ab: bool,
+                         items: bool, fold: bool, ptx: bool):
   # Whole-array refs: a/ids [M, ...], b [E, N, K/2], c [M, N]; the scales as
   # words of one k-step's scale bytes: a_scale [M, K/block_k],
-  # b_scale [E, N, K/block_k] (byte g = scale group g of the step). With
+  # b_scale [E, N, K/block_k] (byte g = scale group g of the step), and as
+  # bytes [M, K/32], [E, N, K/32] (a lone row's block of 16 groups). With
   # `items`, `refs` starts with the work list (`expert_items`): the row
   # order [M] and the item table [3, item slots]; with `fold`, then the
   # folded scales' operands (`fold_operands`).
@@ -321,9 +324,6 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, *refs,
   pair_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP // 4), 1)  # [1, 8]
   groups_per_step = block_k // GROUP
   steps = k // block_k
-
-  def acc_zeros(rows: int):
-    return jnp.zeros((block_n, rows) if swap_ab else (rows, block_n), jnp.float32)
 
   def fp8_product(expert, rows_c):
     """The expert's product for rows `rows_c` (clamped row indices), fp32 in
@@ -350,14 +350,34 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, *refs,
 
     # The weights decode to e4m3 values times 2**-6: restored on the
     # finished accumulator (once per output, not once per scale group).
-    return lax.fori_loop(0, steps, step, acc_zeros(rows_c.shape[0])) * jnp.float32(2.0**E2M1_E4M3_EXPONENT)
+    rows = rows_c.shape[0]
+    acc = jnp.zeros((block_n, rows) if swap_ab else (rows, block_n), jnp.float32)
+    return lax.fori_loop(0, steps, step, acc) * jnp.float32(2.0**E2M1_E4M3_EXPONENT)
 
   if not items:
-    _store_tile_experts(fp8_product, c_ref, ids_ref, cols, m=m, n=n, e=e, block_m=block_m,
+    lone_row = None
+    if swap_ab:
+      lone_row = functools.partial(_lone_row_product, a_ref, a_bytes_ref, b_ref, b_bytes_ref, cols_c=cols_c, k=k,
+                                   block_k=block_k, ptx=ptx)
+    _store_tile_experts(fp8_product, lone_row, c_ref, ids_ref, cols, m=m, n=n, e=e, block_m=block_m,
                         block_n=block_n, slots=slots, swap_ab=swap_ab)
     return
+  folded = None
+  if fold:
+    folded = functools.partial(_folded_product, *extra_refs[2:], b_ref, b_scale_ref, cols_c=cols_c,
+                               groups_per_step=groups_per_step, steps=steps, swap_ab=swap_ab, ptx=ptx)
+  _store_items(fp8_product, folded, *extra_refs, c_ref, cols_c=cols_c, m=m, e=e, block_m=block_m,
+               swap_ab=swap_ab)
 
-  order_ref, table_ref = extra_refs[:2]
+
+def _store_items(fp8_product, folded_product, order_ref, table_ref, *refs, cols_c, m: int, e: int, block_m: int,
+                 swap_ab: bool):
+  """Expert items (`expert_items`): this program's item, up to `block_m`
+  rows of one expert, gathered by index and scattered back; with
+  `folded_product` (`fold_scales`) on folded scales when all of the item's
+  rows and weight rows fold, else on fp8 dots in slices of rows; the item
+  of invalid ids writes zeros. `refs`: the folded scales' operands, then C."""
+  *fold_refs, c_ref = refs
   item = pl.program_id(2)
   item_expert, item_start, item_rows = table_ref[0, item], table_ref[1, item], table_ref[2, item]
 
@@ -379,11 +399,9 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, *refs,
   rows_c = rows_of_lanes(0, block_m)
 
   def item_product():
-    if not fold:
+    if folded_product is None:
       return store_rows(rows_c, fp8_product(item_expert, rows_c))
-    folded = functools.partial(_folded_product, *extra_refs[2:], b_ref, b_scale_ref, cols_c=cols_c,
-                               groups_per_step=groups_per_step, steps=steps, swap_ab=swap_ab, ptx=ptx)
-    a_fold_ref, b_fold_ref = extra_refs[4:6]
+    _, _, a_fold_ref, b_fold_ref = fold_refs
     # Fold when every row of the item and every weight row folds (-1: not);
     # else fp8 dots on slices of the rows (fewer registers than all of them).
     foldable = jnp.minimum(jnp.min(a_fold_ref[rows_c]), jnp.min(b_fold_ref[item_expert, cols_c]))
@@ -394,11 +412,56 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, *refs,
         rows = rows_of_lanes(first_lane, slice_rows)
         store_rows(rows, fp8_product(item_expert, rows))
 
-    lax.cond(foldable >= 0, lambda: store_rows(rows_c, folded(item_expert, rows_c)), fallback)
+    lax.cond(foldable >= 0, lambda: store_rows(rows_c, folded_product(item_expert, rows_c)), fallback)
 
+  zeros_shape = (cols_c.shape[0], block_m) if swap_ab else (block_m, cols_c.shape[0])
   pl.when(item_expert < e)(item_product)
   pl.when(item_expert == e)(  # the rows with invalid ids (and empty item slots: no rows)
-      lambda: store_rows(rows_c, acc_zeros(block_m)))
+      lambda: store_rows(rows_c, jnp.zeros(zeros_shape, jnp.float32)))
+
+
+def _lone_row_product(a_ref, a_bytes_ref, b_ref, b_bytes_ref, expert, row, *, cols_c, k: int, block_k: int,
+                      ptx: bool):
+  """The expert's product for its one row `row` of a tile, fp32 [block_n]
+  (`swap_ab` decode). The MMA's 16 columns hold 16 scale groups of that row:
+  the activations laid block-diagonally (column j: the row's group j of a
+  16-group block, zeros elsewhere), so a block's wgmmas sum each group into
+  its own column, accumulating onto it in place, and the promotion, two
+  fp32 ops an element, runs once per block, on columns that are all the
+  row's (the 16-row fp8 path promotes all 16 columns every group)."""
+  block_n = cols_c.shape[0]
+  b_rows = cols_c[:, None]
+  groups_per_step = block_k // GROUP
+  steps = k // block_k
+  steps_per_block = LONE_ROW_GROUPS // groups_per_step
+  column = lax.broadcasted_iota(jnp.int32, (LONE_ROW_GROUPS, 1), 0)          # [16, 1]
+  k_in_step = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)               # [1, block_k]
+  pair_in_step = lax.broadcasted_iota(jnp.int32, (1, block_k // 4), 1)       # [1, block_k / 4]
+  group_in_block = lax.broadcasted_iota(jnp.int32, (LONE_ROW_GROUPS,), 0)    # [16]
+
+  def block(first_step, acc, block_steps: int):
+    part = jnp.zeros((block_n, LONE_ROW_GROUPS), jnp.float32)
+    for q in range(block_steps):
+      kk = first_step + q
+      a_row = a_ref[row, kk * block_k + k_in_step]                           # [1, block_k]
+      a_op = jnp.where(column == q * groups_per_step + k_in_step // GROUP, a_row, 0).astype(jnp.uint8)
+      b_op = e2m1_to_e4m3_operand(b_ref[expert, b_rows, kk * (block_k // 4) + pair_in_step], ptx=ptx)
+      part = fp8_dot_nt(b_op, lax.bitcast_convert_type(a_op, jnp.float8_e4m3fn), part)
+    # A short last block's unused columns hold zeros: their scales are 0
+    # too (a clamped index could read a 255 byte, inf, and 0 x inf = NaN).
+    used = group_in_block < block_steps * groups_per_step
+    scale_group = jnp.minimum(first_step * groups_per_step + group_in_block, k // GROUP - 1)
+    a_scale = jnp.where(used, ue8m0_to_f32(a_bytes_ref[row, scale_group]), 0.0)
+    b_scale = jnp.where(used[None, :], ue8m0_to_f32(b_bytes_ref[expert, b_rows, scale_group[None, :]]), 0.0)
+    return promote(acc, part, b_scale, a_scale[None, :], ptx=ptx)
+
+  acc = jnp.zeros((block_n, LONE_ROW_GROUPS), jnp.float32)
+  full = steps // steps_per_block
+  acc = lax.fori_loop(0, full, lambda i, acc: block(i * steps_per_block, acc, steps_per_block), acc)
+  if steps % steps_per_block:
+    acc = block(full * steps_per_block, acc, steps % steps_per_block)
+  # The weights decode to e4m3 values times 2**-6 (as in the fp8 path).
+  return jnp.sum(acc, axis=1) * jnp.float32(2.0**E2M1_E4M3_EXPONENT)
 
 
 def _folded_product(a_pairs_ref, a_mult_ref, a_fold_ref, b_fold_ref, b_ref, b_scale_ref, expert, rows_c, *,
@@ -434,11 +497,12 @@ def _folded_product(a_pairs_ref, a_mult_ref, a_fold_ref, b_fold_ref, b_ref, b_sc
   return acc * (b_unit[:, None] * a_unit[None, :] if swap_ab else a_unit[:, None] * b_unit[None, :])
 
 
-def _store_tile_experts(product, c_ref, ids_ref, cols, *, m: int, n: int, e: int, block_m: int,
+def _store_tile_experts(product, lone_row, c_ref, ids_ref, cols, *, m: int, n: int, e: int, block_m: int,
                         block_n: int, slots: int, swap_ab: bool):
   """Row tiles without a work list: this program's slot computes the tile's
   experts of rank slot, slot + slots, ... (`rank_tile_experts`), each stored
-  for the rows of that expert; slot 0 writes the zeros of invalid rows."""
+  for the rows of that expert (an expert with one row of the tile through
+  `lone_row` when given); slot 0 writes the zeros of invalid rows."""
   slot = pl.program_id(1)
   row0 = pl.program_id(2) * block_m
   rows = row0 + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
@@ -446,13 +510,26 @@ def _store_tile_experts(product, c_ref, ids_ref, cols, *, m: int, n: int, e: int
   ids = jnp.where(rows < m, ids_ref[rows_c], -1)
   key, first, rank, count = rank_tile_experts(ids, e)
   store_ok = (rows < m)[:, None] & (cols < n)[None, :]
-  out_block = c_ref.at[pl.ds(row0, block_m), pl.ds(pl.program_id(0) * block_n, block_n)]
+  n0 = pl.program_id(0) * block_n
+  out_block = c_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)]
 
   def store_expert(j):
     expert = jnp.max(jnp.where(first & (rank == j), key, -1))
     mine = (key == expert)[:, None]
-    acc = product(expert, rows_c)
-    plgpu.store(out_block, (acc.T if swap_ab else acc).astype(c_ref.dtype), mask=mine & store_ok)
+
+    def store_rows():
+      acc = product(expert, rows_c)
+      plgpu.store(out_block, (acc.T if swap_ab else acc).astype(c_ref.dtype), mask=mine & store_ok)
+
+    if lone_row is None:
+      return store_rows()
+    row = jnp.max(jnp.where(key == expert, rows_c, -1))
+
+    def store_row():
+      out = c_ref.at[row, pl.ds(n0, block_n)]
+      plgpu.store(out, lone_row(expert, row).astype(c_ref.dtype), mask=cols < n)
+
+    lax.cond(jnp.sum(jnp.where(key == expert, 1, 0)) == 1, store_row, store_rows)
 
   @pl.when(slot == 0)
   def _zero_invalid_rows():
@@ -566,7 +643,7 @@ def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale
   # gathered fp8 loads do not lower).
   steps = config.block_k // GROUP
   operands = (expert_ids.astype(jnp.int32), lax.bitcast_convert_type(a, jnp.uint8), scale_words(a_scale, steps),
-              byte_pairs(b), scale_words(b_scale, steps))
+              byte_pairs(b), scale_words(b_scale, steps), a_scale, b_scale)
 
   def whole(x):
     return pl.BlockSpec(x.shape, lambda *_, nd=x.ndim: (0,) * nd)

@@ -53,23 +53,29 @@ MAX_IMPRECISE_PRODUCTS = 1 << 30
 fp8_dot_nt_p = jax_core.Primitive("fp8_dot_nt")
 
 
-def fp8_dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
-  """`a [M, K] @ b [N, K]^T` -> fp32 [M, N] for fp8 `a`, `b` of one dtype
-  (module docstring: inside a Triton kernel, wgmma with fast fp8
-  accumulation within the call)."""
+def fp8_dot_nt(a: jax.Array, b: jax.Array, acc: jax.Array | None = None) -> jax.Array:
+  """`a [M, K] @ b [N, K]^T` (plus `acc`, fp32 [M, N], when given) -> fp32
+  [M, N] for fp8 `a`, `b` of one dtype (module docstring: inside a Triton
+  kernel, wgmma with fast fp8 accumulation within the call; with `acc`, the
+  wgmma accumulates onto it in place)."""
   if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
     raise ValueError(f"fp8_dot_nt: expected a [M, K] and b [N, K], got {a.shape} and {b.shape}")
   if a.dtype != b.dtype or a.dtype not in FP8_TYPES:
     raise ValueError(f"fp8_dot_nt: a and b must share an fp8 dtype, got {a.dtype} and {b.dtype}")
-  return fp8_dot_nt_p.bind(a, b)
+  if acc is None:
+    return fp8_dot_nt_p.bind(a, b)
+  if acc.shape != (a.shape[0], b.shape[0]) or acc.dtype != jnp.float32:
+    raise ValueError(f"fp8_dot_nt: acc must be float32 {(a.shape[0], b.shape[0])}, got {acc.dtype} {acc.shape}")
+  return fp8_dot_nt_p.bind(a, b, acc)
 
 
-def _dot_reference(a, b):
-  return lax.dot_general(a, b, NT_DIMS, preferred_element_type=jnp.float32)
+def _dot_reference(a, b, acc=None):
+  out = lax.dot_general(a, b, NT_DIMS, preferred_element_type=jnp.float32)
+  return out if acc is None else acc + out
 
 
 @fp8_dot_nt_p.def_abstract_eval
-def _abstract_eval(a, b):
+def _abstract_eval(a, b, acc=None):
   return jax_core.ShapedArray((a.shape[0], b.shape[0]), jnp.float32)
 
 
@@ -78,15 +84,18 @@ mlir.register_lowering(fp8_dot_nt_p, mlir.lower_fun(_dot_reference, multiple_res
 
 
 @triton_lowering.register_lowering(fp8_dot_nt_p)
-def _triton_lowering(ctx, a, b):
+def _triton_lowering(ctx, a, b, acc=None):
   dot_rule = triton_lowering.triton_lowering_rules[lax.dot_general_p]
-  out = dot_rule(ctx, a, b, dimension_numbers=NT_DIMS, out_sharding=None, precision=None,
+  rule_ctx = ctx if acc is None else ctx.replace(avals_in=ctx.avals_in[:2])
+  out = dot_rule(rule_ctx, a, b, dimension_numbers=NT_DIMS, out_sharding=None, precision=None,
                  preferred_element_type=jnp.float32)
   dot = out.owner
   if dot.name != "tt.dot":  # Pallas's rule returns the dot's fp32 result itself
     raise NotImplementedError(f"fp8_dot_nt: expected the lowering to end in tt.dot, got {dot.name}")
   dot.attributes["maxNumImpreciseAcc"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32),
                                                             MAX_IMPRECISE_PRODUCTS)
+  if acc is not None:  # the rule's zero accumulator replaced: the wgmma accumulates onto `acc`
+    dot.operands[2] = acc
   return out
 
 
