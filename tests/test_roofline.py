@@ -60,6 +60,11 @@ def test_grouped_gemm_counts_only_routed_experts():
   ids = jnp.asarray([3, 0, -1, 3, 7], jnp.int32)
   assert cost(name, inputs={"expert_ids": ids}, M=5, E=4, **small) == (
       2 * 3 * 2 * 64, 3 * 66 + 20 + 20 + 2 * 68, "fp8")
+  # Folded scales run f16 dots: the same work, judged at the bf16/f16 MMA peak.
+  folded = grouped_gemm_family.kernel_lib.GroupedGemmConfig(64, 128, 128, swap_ab=True, expert_items=True,
+                                                            fold_scales=True)
+  work = registry.get(name).cost({"M": 1, "E": 4, **small}, config=folded)
+  assert (work.flops, work.bytes, work.dtype_class) == (2 * 1 * 2 * 64, 74 + 68, "bf16")
 
 
 def test_dense_attention():

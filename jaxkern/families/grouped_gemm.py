@@ -228,7 +228,7 @@ def grouped_gemm_cost(definition, axes, *, inputs=None, record=None, config=None
   since real routing is skewed). expert_ids read and C written once. The
   FLOPs are judged against the peak of the kernel's dot operands
   (`pallas_kernels.grouped_gemm.triton.dot_operand_dtype`: fp8, the weights decoded
-  to e4m3; Hopper has no FP4 tensor cores)."""
+  to e4m3, Hopper having no FP4 tensor cores; f16 for folded scales)."""
   m, e = axes["M"], axes["E"]
   per_expert = (roofline.tensor_bytes(definition, "b", axes) + roofline.tensor_bytes(definition, "b_scale", axes)) / e
   per_row = (roofline.tensor_bytes(definition, "a", axes) + roofline.tensor_bytes(definition, "a_scale", axes)) / max(m, 1)
