@@ -335,7 +335,7 @@ def test_ptx_operand_path_matches_jnp(monkeypatch):
       results.append(jnp.asarray(half.reshape(pairs.shape)))
     return tuple(results)
 
-  monkeypatch.setattr(fp8_mma, "_even_odd", emulated_even_odd)
+  monkeypatch.setattr(fp8_mma, "_even_odd_asm", emulated_even_odd)
   packed = np.random.default_rng(4).permutation(np.tile(np.arange(256, dtype=np.uint8), 2)).reshape(16, 32)
   pairs = gg.byte_pairs(jnp.asarray(packed))
   ptx, plain = (np.asarray(fp8_mma.e2m1_to_e4m3_operand(pairs, ptx=p)).view(np.uint8) for p in (True, False))

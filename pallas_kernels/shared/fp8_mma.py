@@ -150,9 +150,17 @@ def _inline_asm_lowering(ctx, *args, asm, constraints, pack, results):
   return list(op.results)
 
 
-def _even_odd(pairs: jax.Array) -> tuple[jax.Array, jax.Array]:
-  # Two uint16 pairs per asm instance, one register: per pair the e4m3
-  # bytes of its two even codes (low byte first) and of its two odd ones.
+def _even_odd(pairs: jax.Array, *, ptx: bool) -> tuple[jax.Array, jax.Array]:
+  """Per pair of packed e2m1 bytes, uint16: the e4m3 bytes of its two even
+  codes (low byte first) and of its two odd ones (`e2m1_to_e4m3_bits`)."""
+  if ptx:
+    return _even_odd_asm(pairs)
+  even, odd = (x.astype(jnp.uint16) for x in e2m1_to_e4m3_bits(jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1)))
+  return even[..., 0] | even[..., 1] << 8, odd[..., 0] | odd[..., 1] << 8
+
+
+def _even_odd_asm(pairs: jax.Array) -> tuple[jax.Array, jax.Array]:
+  # Two uint16 pairs per asm instance, one register.
   out = jax.ShapeDtypeStruct(pairs.shape, jnp.int16)
   even, odd = inline_asm_p.bind(lax.bitcast_convert_type(pairs, jnp.int16), asm=E2M1_TO_E4M3_PTX,
                                 constraints="=r,=r,r", pack=2, results=(out, out))
@@ -166,11 +174,7 @@ def e2m1_to_e4m3_operand(pairs: jax.Array, *, ptx: bool) -> jax.Array:
   (`fp_formats.e2m1_to_e4m3_bits`). `ptx`: the decode in inline PTX, on
   words of two pairs (Triton kernels on a GPU; P even), else jnp (any P)."""
   rows, width = pairs.shape
-  if ptx:
-    even, odd = _even_odd(pairs)
-  else:
-    even, odd = (x.astype(jnp.uint16) for x in e2m1_to_e4m3_bits(jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1)))
-    even, odd = (x[..., 0] | x[..., 1] << 8 for x in (even, odd))
+  even, odd = _even_odd(pairs, ptx=ptx)
   # A pair's k order is even, odd, even, odd: as uint16 halves (Triton has
   # no bitcast between widths), which the lowering turns into one `prmt`
   # per MMA operand register.
@@ -267,11 +271,7 @@ def e2m1_to_f16_operand(pairs: jax.Array, scale: jax.Array, *, ptx: bool) -> jax
   32-k groups), f16 `scale` [rows, 1] -> float16 [rows, 4P] of the e2m1
   values times 2**-6 times the scale, in `pair_major` column order."""
   rows, width = pairs.shape
-  if ptx:
-    even, odd = _even_odd(pairs)
-  else:
-    even, odd = (x.astype(jnp.uint16) for x in e2m1_to_e4m3_bits(jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1)))
-    even, odd = (x[..., 0] | x[..., 1] << 8 for x in (even, odd))
+  even, odd = _even_odd(pairs, ptx=ptx)
   values = _pair_to_f16(even, odd, scale, ptx=ptx)  # [rows, P, 4]
   return pair_major(values.reshape(rows, 4 * width))
 
