@@ -451,49 +451,50 @@ def test_folded_scales_are_exact_over_their_whole_range():
                                 [130, -1, 140, -1, -1, -1, 9])
 
 
-def spread_operands(where: str, spread: int):
-  """Operands (E = 3, N = 32, K = 128, expert 1 with 37 rows) where one
-  activation row ("a") or one weight row of expert 1 ("b") has its first
-  32-k group at scale byte 140 with all-zero values and the other groups
-  `spread` below: every nonzero product sits far below the row's reference,
-  so a fold that lost their low bits would show. "a0": a scale byte 0."""
-  x = operands(grouped([(0, 5), (1, 37), (2, 3)]), 32, 128, e=3, seed=11)
+def spread_operands():
+  """Operands (E = 6, N = 32, K = 128, 20 rows an expert) whose experts'
+  scales sit at the fold's limits or just beyond: expert 1 has an
+  activation row and expert 3 a weight row whose first 32-k group is at
+  scale byte 140 with all-zero values and whose other groups lie
+  `FOLD_A_MAX_SHIFT` / `FOLD_B_MAX_SHIFT` below (every nonzero product far
+  below the row's reference: a fold that lost their low bits would show);
+  experts 2 and 4 the same one byte further; expert 5 an activation scale
+  byte 0. Expert 0 is plain. Returns the operands and, per expert, whether
+  its items fold."""
+  x = operands(grouped([(e, 20) for e in range(6)]), 32, 128, e=6, seed=11)
   a, a_scale = np.asarray(x["a"]).view(np.uint8).copy(), np.asarray(x["a_scale"]).copy()
   b, b_scale = np.asarray(x["b"]).copy(), np.asarray(x["b_scale"]).copy()
-  if where == "a":
-    a[10, :32], a_scale[10] = 0, [140] + [140 - spread] * 3
-  elif where == "b":
-    b[1, 7, :16], b_scale[1, 7] = 0, [140] + [140 - spread] * 3
-  elif where == "a0":
-    a_scale[12, 2] = 0
-  return {**x, "a": jnp.asarray(a).view(jnp.float8_e4m3fn), "a_scale": jnp.asarray(a_scale), "b": jnp.asarray(b),
-          "b_scale": jnp.asarray(b_scale)}
+  for expert, spread in ((1, gg.FOLD_A_MAX_SHIFT), (2, gg.FOLD_A_MAX_SHIFT + 1)):
+    row = 20 * expert + 7
+    a[row, :32], a_scale[row] = 0, [140] + [140 - spread] * 3
+  for expert, spread in ((3, gg.FOLD_B_MAX_SHIFT), (4, gg.FOLD_B_MAX_SHIFT + 1)):
+    b[expert, 9, :16], b_scale[expert, 9] = 0, [140] + [140 - spread] * 3
+  a_scale[20 * 5 + 3, 2] = 0
+  x = {**x, "a": jnp.asarray(a).view(jnp.float8_e4m3fn), "a_scale": jnp.asarray(a_scale), "b": jnp.asarray(b),
+       "b_scale": jnp.asarray(b_scale)}
+  return x, np.array([True, True, False, True, False, False])
 
 
-@pytest.mark.parametrize("where,spread,folds", [("a", gg.FOLD_A_MAX_SHIFT, True), ("a", gg.FOLD_A_MAX_SHIFT + 1, False),
-                                                ("b", gg.FOLD_B_MAX_SHIFT, True), ("b", gg.FOLD_B_MAX_SHIFT + 1, False),
-                                                ("a0", 0, False)])
-def test_folded_scales_at_their_limits_and_the_fp8_fallback_beyond(monkeypatch, where, spread, folds):
+def test_folded_scales_at_their_limits_and_the_fp8_fallback_beyond(monkeypatch):
   """Items whose scales spread to the fold's limits run the folded f16 path
   and equal float64 NumPy element by element (relative: the rows that sit
   at 2^-22 or 2^-32 of their reference are compared at their own size);
-  one step beyond, or a scale byte 0, the item runs the fp8 path, as
+  one byte beyond, or with a scale byte 0, the item runs the fp8 path, as
   exact. Which path ran shows by breaking the fp8 path's unit factor
-  (2^6 -> 2^5): only fallback items change, by exactly 1/2."""
-  x = spread_operands(where, spread)
+  (2^6 -> 2^5): exactly the fallback items' rows change, by 1/2."""
+  x, folds = spread_operands()
   config = ITEMS_FOLD_64
-  expected = reference_float64(**x)
   jax.clear_caches()
   out = np.asarray(gg.grouped_gemm_fp8_fp4(**x, config=config, interpret=True), np.float64)
-  np.testing.assert_allclose(out, expected, rtol=2**-7, atol=0)
+  np.testing.assert_allclose(out, reference_float64(**x), rtol=2**-7, atol=0)
   monkeypatch.setattr(gg, "E2M1_E4M3_EXPONENT", 5)
   jax.clear_caches()
   broken = np.asarray(gg.grouped_gemm_fp8_fp4(**x, config=config, interpret=True), np.float64)
   monkeypatch.undo()
   jax.clear_caches()
-  expert_1 = np.asarray(x["expert_ids"]) == 1
-  np.testing.assert_array_equal(broken[~expert_1], out[~expert_1])    # experts 0 and 2 fold
-  np.testing.assert_array_equal(broken[expert_1], out[expert_1] if folds else out[expert_1] / 2)
+  folded_rows = folds[np.asarray(x["expert_ids"])]
+  np.testing.assert_array_equal(broken[folded_rows], out[folded_rows])
+  np.testing.assert_array_equal(broken[~folded_rows], out[~folded_rows] / 2)
 
 
 @pytest.mark.parametrize("k", [96, 544, 640, 1024])

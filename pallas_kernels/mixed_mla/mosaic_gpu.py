@@ -104,8 +104,9 @@ from pallas_kernels.shared import device, fp_formats
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import cdiv, resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
-from pallas_kernels.shared.mosaic_gpu import (F32_TRANSFORMS, NUM_CONSUMERS, TILE_COLS, WGMMA_TRANSFORMS,
-                                              consumer_registers, drain_releases, finish_rows, num_sms,
+from pallas_kernels.shared.mosaic_gpu import (F32_TRANSFORMS, GATHER_FAULTS as FAULTS, NUM_CONSUMERS, TILE_COLS,
+                                              WGMMA_TRANSFORMS, consumer_registers, drain_releases, finish_rows,
+                                              gather_ring_scratch, gather_shared_memory_bytes, num_sms,
                                               rescale_and_accumulate, softmax_carry, softmax_step, store_rows)
 from pallas_kernels.shared.online_softmax import LOG2_E
 from pallas_kernels.shared.split_kv import combine_splits
@@ -134,9 +135,6 @@ FP4_SCALE_TILE = 16
 STAGING4_TRANSFORMS = (plgpu.TilingTransform((1, FP4_SCALE_TILE)),)
 PAIR = TILE_COLS // 2  # bytes (FP4) or words (FP8) behind one 64-dim chunk
 
-# Test-only sync faults (`_forward(fault=...)`).
-FAULTS = ("release_once", "staged_short")
-
 
 def permute_dims(x: jax.Array) -> jax.Array:
   """The kernel's order of the last axis: each 64-dim chunk as its even
@@ -157,13 +155,10 @@ def shared_memory_bytes(config: MosaicMixedMlaConfig, slots: int) -> int:
   tables, the sequence's slot table (`slots` int32), sinks, scales and lse
   (4 bytes each), each aligned to 1 KiB, the barriers, and the 2 KiB more
   Mosaic GPU reports at lowering."""
-  align = lambda n: -(-n // 1024) * 1024  # noqa: E731
   bk, stages = config.block_k, config.stages
   buffers = [BLOCK_H * HEAD_DIM * 2, stages * bk * HEAD_DIM * 2, bk * FP8_WORDS * 2, bk * FP4_BYTES,
-             NUM_CONSUMERS * BLOCK_H * bk * 2, NUM_CONSUMERS * BLOCK_H * bk * 2, stages * (HEAD_DIM // CHUNK) * bk * 4, slots * 4,
-             BLOCK_H * 4, BLOCK_H * 4, BLOCK_H * 4]
-  barriers = 8 * (3 + 2 * stages)
-  return sum(map(align, buffers)) + barriers + 2048
+             NUM_CONSUMERS * BLOCK_H * bk * 2, NUM_CONSUMERS * BLOCK_H * bk * 2, stages * (HEAD_DIM // CHUNK) * bk * 4]
+  return gather_shared_memory_bytes(buffers, slots, BLOCK_H, stages)
 
 
 def _slots(sizes: MixedMlaSizes, block_k: int) -> int:
@@ -432,15 +427,7 @@ def _kernel(q_gmem, kv8_gmem, zeros8_gmem, kv4_gmem, zeros4_gmem, idx_gmem, limi
       plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, bk), dtype, transforms=WGMMA_TRANSFORMS),
       plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, bk), dtype, transforms=WGMMA_TRANSFORMS),
       plgpu.SMEM((stages, scale_chunks, bk), jnp.float32),
-      plgpu.SMEM(idx_gmem.shape[1:], jnp.int32),
-      plgpu.SMEM((BLOCK_H,), jnp.float32),
-      plgpu.SMEM((BLOCK_H,), jnp.float32),
-      plgpu.SMEM((BLOCK_H,), jnp.float32),
-      plgpu.Barrier(num_arrivals=5),
-      plgpu.Barrier(num_arrivals=2 * bk - (fault == "staged_short")),
-      plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+      *gather_ring_scratch(idx_gmem.shape[1:], BLOCK_H, bk, stages, fault),
       collective_axes="wg",
   )
 

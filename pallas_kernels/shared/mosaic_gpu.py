@@ -52,6 +52,45 @@ ROW_TRANSFORMS = (plgpu.TilingTransform((1, TILE_COLS)), plgpu.SwizzleTransform(
 ROW_ALIGN = 8
 
 
+# Gathering kernels (sparse and mixed MLA): faults a test may ask for, each
+# taking one arrival from a barrier so that the interpreter must catch it.
+GATHER_FAULTS = ("release_once", "staged_short")
+
+
+def gather_ring_scratch(slot_table: tuple[int, ...], heads: int, block_k: int, stages: int,
+                        fault: str | None) -> tuple:
+  """The scratch a gathering kernel allocates after its buffers, in this
+  order: the row's slot table (int32 `slot_table`); the `heads` heads'
+  sinks, scales and lse (fp32); and the barriers of the protocol its
+  docstring argues: `start` (5 arrivals: Q's two halves, sinks, scales,
+  slot table), `staged` (two copies a slot of a step), `ring_full[stages]`
+  (the producer), `ring_empty[stages]` (each consumer) and `done` (each
+  consumer). `fault` (tests only, one of `GATHER_FAULTS`) takes one
+  arrival from `staged` or `ring_empty`."""
+  return (plgpu.SMEM(slot_table, jnp.int32),
+          *(plgpu.SMEM((heads,), jnp.float32) for _ in range(3)),
+          plgpu.Barrier(num_arrivals=5),
+          plgpu.Barrier(num_arrivals=2 * block_k - (fault == "staged_short")),
+          plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+          plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
+          plgpu.Barrier(num_arrivals=NUM_CONSUMERS))
+
+
+def align_kib(nbytes: int) -> int:
+  """`nbytes` rounded up to 1 KiB, the 128-byte swizzle's period: how the
+  kernels' scratch buffers are laid out."""
+  return -(-nbytes // 1024) * 1024
+
+
+def gather_shared_memory_bytes(buffers: list[int], slots: int, heads: int, stages: int) -> int:
+  """A gathering kernel's shared memory: its `buffers` (bytes each) and
+  `gather_ring_scratch` (`slots` int32 entries, three fp32 vectors of
+  `heads`), each aligned to 1 KiB, its barriers, and the 2 KiB more Mosaic
+  GPU reports at lowering."""
+  tail = [slots * 4] + [heads * 4] * 3
+  return sum(map(align_kib, buffers + tail)) + 8 * (3 + 2 * stages) + 2048
+
+
 def pad_rows(x: jax.Array, axis: int) -> jax.Array:
   """`x` with zero rows appended along `axis` up to a multiple of
   `ROW_ALIGN` (x itself when it is one already)."""

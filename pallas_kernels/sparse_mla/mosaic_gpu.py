@@ -98,8 +98,9 @@ from pallas_kernels.shared import device
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import cdiv, resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
-from pallas_kernels.shared.mosaic_gpu import (F32_TRANSFORMS, NUM_CONSUMERS, TILE_COLS, WGMMA_TRANSFORMS,
-                                              consumer_registers, drain_releases, finish_rows, num_sms,
+from pallas_kernels.shared.mosaic_gpu import (F32_TRANSFORMS, GATHER_FAULTS as FAULTS, NUM_CONSUMERS, TILE_COLS,
+                                              WGMMA_TRANSFORMS, consumer_registers, drain_releases, finish_rows,
+                                              gather_ring_scratch, gather_shared_memory_bytes, num_sms,
                                               rescale_and_accumulate, softmax_carry, softmax_step, store_rows)
 from pallas_kernels.shared.online_softmax import LOG2_E
 from pallas_kernels.shared.split_kv import combine_splits
@@ -119,21 +120,15 @@ HEAD_DIMS = (256, 512)
 PRODUCER_REGISTERS = 56
 CONSUMER_REGISTERS = consumer_registers(PRODUCER_REGISTERS)
 
-# Test-only sync faults (`_forward(fault=...)`).
-FAULTS = ("release_once", "staged_short")
-
 
 def shared_memory_bytes(config: MosaicSparseMlaConfig, head_dim: int, topk: int) -> int:
   """The scratch the kernel allocates: Q (then O), the ring, the staging
   buffer, both P tiles (bf16), the row's indices, sinks, scales and lse
   (4 bytes each), each aligned to 1 KiB (the 128-byte swizzle's period),
   the barriers, and the 2 KiB more Mosaic GPU reports at lowering."""
-  align = lambda n: -(-n // 1024) * 1024  # noqa: E731
   bk, stages = config.block_k, config.stages
-  buffers = [BLOCK_H * head_dim * 2, stages * bk * head_dim * 2, bk * head_dim * 2, NUM_CONSUMERS * BLOCK_H * bk * 2,
-             cdiv(max(topk, 1), bk) * bk * 4, BLOCK_H * 4, BLOCK_H * 4, BLOCK_H * 4]
-  barriers = 8 * (3 + 2 * stages)
-  return sum(map(align, buffers)) + barriers + 2048
+  buffers = [BLOCK_H * head_dim * 2, stages * bk * head_dim * 2, bk * head_dim * 2, NUM_CONSUMERS * BLOCK_H * bk * 2]
+  return gather_shared_memory_bytes(buffers, cdiv(max(topk, 1), bk) * bk, BLOCK_H, stages)
 
 
 def fit(config: MosaicSparseMlaConfig, topk: int) -> MosaicSparseMlaConfig:
@@ -301,15 +296,7 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
            plgpu.SMEM((bk, head_dim), dtype)),
           plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), jnp.float32, transforms=F32_TRANSFORMS)),
       plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, bk), dtype, transforms=WGMMA_TRANSFORMS),
-      plgpu.SMEM(idx_gmem.shape[1:], jnp.int32),
-      plgpu.SMEM((BLOCK_H,), jnp.float32),
-      plgpu.SMEM((BLOCK_H,), jnp.float32),
-      plgpu.SMEM((BLOCK_H,), jnp.float32),
-      plgpu.Barrier(num_arrivals=5),
-      plgpu.Barrier(num_arrivals=2 * bk - (fault == "staged_short")),
-      plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+      *gather_ring_scratch(idx_gmem.shape[1:], BLOCK_H, bk, stages, fault),
       collective_axes="wg",
   )
 
