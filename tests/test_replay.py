@@ -483,19 +483,26 @@ def test_command_line_ctrl_c_exits_130_with_results_on_disk(toy, tmp_path):
     for r in (rec("i0", 3, "i"), rec("i1", 23, "i"), rec("i2", 23, "i"), rec("i3", 4, "i")):
       f.write(json.dumps(r) + "\n")
   out = tmp_path / "int.jsonl"
-  cmd = [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/replay.py", f"--config.dataset_dir={toy}",
+  # The run gets Python's Ctrl-C handler whatever this process has: a test run
+  # started in the background of a non-interactive shell ignores SIGINT, and a
+  # child would inherit that (and never stop). The child sets the handler
+  # itself before running the module (a preexec_fn is unsafe in a process
+  # with threads, as this one is once jax is imported).
+  launcher = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+              "runpy.run_module('jaxkern.replay', run_name='__main__', alter_sys=True)")
+  cmd = [sys.executable, "-c", launcher, f"--config={REPO}/configs/replay.py", f"--config.dataset_dir={toy}",
          f"--config.output={out}", "--config.variants=i", "--config.scale=full", "--config.max_workloads_per_variant=0",
          "--config.progress=False"]
-  # The run gets Ctrl-C's default disposition whatever this process has: a
-  # test run started in the background of a non-interactive shell ignores
-  # SIGINT, and a child would inherit that (and never stop).
   p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                       env=toy_env(tmp_path), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-  deadline = time.monotonic() + 120
-  while not (out.exists() and out.read_text().count("\n") >= 1) and time.monotonic() < deadline:
-    time.sleep(0.1)
-  p.send_signal(signal.SIGINT)  # i1 (a slow one) is running now
-  stdout, _ = p.communicate(timeout=120)
+                       env=toy_env(tmp_path))
+  try:
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    p.send_signal(signal.SIGINT)  # i1 (a slow one) is running now
+    stdout, _ = p.communicate(timeout=120)
+  finally:
+    p.kill()  # no-op once it has exited; a run that ignored the Ctrl-C does not outlive the test
   assert p.returncode == 130, stdout
   assert "resume=True" in stdout and "Fatal" not in stdout
   done = [r["workload"]["uuid"] for r in read(out)]
