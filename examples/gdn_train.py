@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,13 +45,13 @@ from jaxkern import ops
 
 @dataclasses.dataclass(frozen=True)
 class GdnConfig:
-  lengths: tuple[int, ...] = (20, 0, 28)   # packed sequences (an empty one among them)
-  d_in: int = 8                # input features per token
+  lengths: tuple[int, ...] = (20, 0, 28)  # packed sequences (an empty one among them)
+  d_in: int = 8  # input features per token
   d_model: int = 32
   num_q_heads: int = 1
-  num_v_heads: int = 2         # a multiple of num_q_heads (GVA)
-  head_size: int = 16          # a power of two >= 16
-  d_out: int = 4               # target features per token
+  num_v_heads: int = 2  # a multiple of num_q_heads (GVA)
+  head_size: int = 16  # a power of two >= 16
+  d_out: int = 4  # target features per token
 
   @property
   def cu_seqlens(self) -> jax.Array:
@@ -63,15 +63,23 @@ def init_params(key: jax.Array, cfg: GdnConfig) -> dict[str, jax.Array]:
   `ops.dense_gemm` takes), scaled by `in**-0.5`; A_log and dt_bias in
   Qwen3-Next's initial ranges; a small initial state."""
   hq, hv, d = cfg.num_q_heads, cfg.num_v_heads, cfg.head_size
-  shapes = {"w_in": (cfg.d_model, cfg.d_in), "w_q": (hq * d, cfg.d_model), "w_k": (hq * d, cfg.d_model),
-            "w_v": (hv * d, cfg.d_model), "w_a": (hv, cfg.d_model), "w_b": (hv, cfg.d_model),
-            "w_o": (cfg.d_model, hv * d), "w_out": (cfg.d_out, cfg.d_model)}
+  shapes = {
+    "w_in": (cfg.d_model, cfg.d_in),
+    "w_q": (hq * d, cfg.d_model),
+    "w_k": (hq * d, cfg.d_model),
+    "w_v": (hv * d, cfg.d_model),
+    "w_a": (hv, cfg.d_model),
+    "w_b": (hv, cfg.d_model),
+    "w_o": (cfg.d_model, hv * d),
+    "w_out": (cfg.d_out, cfg.d_model),
+  }
   keys = jax.random.split(key, len(shapes) + 3)
-  params = {name: jax.random.normal(k, shape, jnp.float32) * shape[1] ** -0.5
-            for k, (name, shape) in zip(keys, shapes.items())}
+  params = {
+    name: jax.random.normal(k, shape, jnp.float32) * shape[1] ** -0.5 for k, (name, shape) in zip(keys, shapes.items())
+  }
   params["A_log"] = jnp.log(jax.random.uniform(keys[-3], (hv,), minval=1.0, maxval=16.0))
   dt = jnp.exp(jax.random.uniform(keys[-2], (hv,), minval=np.log(1e-3), maxval=np.log(1e-1)))
-  params["dt_bias"] = dt + jnp.log(-jnp.expm1(-dt))            # softplus^-1(dt)
+  params["dt_bias"] = dt + jnp.log(-jnp.expm1(-dt))  # softplus^-1(dt)
   params["state"] = 0.1 * jax.random.normal(keys[-1], (hv, d, d), jnp.float32)
   return params
 
@@ -96,8 +104,7 @@ def gdn_layer(params: dict, tokens: jax.Array, cfg: GdnConfig, backend=None) -> 
   a = dense(h, params["w_a"], backend).astype(jnp.bfloat16)
   b = dense(h, params["w_b"], backend).astype(jnp.bfloat16)
   state = jnp.broadcast_to(params["state"], (len(cfg.lengths), hv, d, d))
-  o, _ = ops.gdn_prefill(q, k, v, state, params["A_log"], a, params["dt_bias"], b, cfg.cu_seqlens,
-                         backend=backend)
+  o, _ = ops.gdn_prefill(q, k, v, state, params["A_log"], a, params["dt_bias"], b, cfg.cu_seqlens, backend=backend)
   x = x + dense(o.reshape(t, hv * d).astype(jnp.float32), params["w_o"], backend)
   return dense(rms_norm(x), params["w_out"], backend)
 
@@ -115,14 +122,22 @@ def make_batch(key: jax.Array, cfg: GdnConfig) -> tuple[jax.Array, jax.Array, di
   return tokens, gdn_layer(teacher, tokens, cfg, backend="xla"), teacher
 
 
-def train(steps: int, *, cfg: GdnConfig = GdnConfig(), learning_rate: float = 1e-2, backend=None, seed: int = 0,
-          log: Callable[[str], None] | None = None) -> list[float]:
+def train(
+  steps: int,
+  *,
+  cfg: GdnConfig = GdnConfig(),
+  learning_rate: float = 1e-2,
+  backend=None,
+  seed: int = 0,
+  log: Callable[[str], None] | None = None,
+) -> list[float]:
   """Trains `steps` Adam steps on one fixed packed batch; the losses."""
   key_params, key_batch = jax.random.split(jax.random.key(seed))
   params = init_params(key_params, cfg)
   tokens, targets, _ = make_batch(key_batch, cfg)
-  return training.adam_losses(functools.partial(loss_fn, cfg=cfg, backend=backend), params, (tokens, targets),
-                              steps, learning_rate, log)
+  return training.adam_losses(
+    functools.partial(loss_fn, cfg=cfg, backend=backend), params, (tokens, targets), steps, learning_rate, log
+  )
 
 
 def main(argv=None) -> int:
@@ -132,10 +147,11 @@ def main(argv=None) -> int:
   parser.add_argument("--backend", choices=("pallas", "xla"), default=None)
   args = parser.parse_args(argv)
   cfg = GdnConfig()
-  print(f"training on {jax.default_backend()} (backend={args.backend or 'auto'}), "
-        f"{sum(cfg.lengths)} tokens in sequences of {list(cfg.lengths)}")
-  return training.report(train(args.steps, cfg=cfg, learning_rate=args.learning_rate, backend=args.backend,
-                               log=print))
+  print(
+    f"training on {jax.default_backend()} (backend={args.backend or 'auto'}), "
+    f"{sum(cfg.lengths)} tokens in sequences of {list(cfg.lengths)}"
+  )
+  return training.report(train(args.steps, cfg=cfg, learning_rate=args.learning_rate, backend=args.backend, log=print))
 
 
 if __name__ == "__main__":

@@ -35,9 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkern import bench
-from jaxkern import ops
-from jaxkern import quant
+from jaxkern import bench, ops, quant
 
 GROUP = 32  # k values per UE8M0 scale (activations and weights)
 
@@ -58,19 +56,19 @@ def init_params(key: jax.Array, cfg: BlockConfig) -> dict:
   d, e, f = cfg.d_model, cfg.num_experts, cfg.d_expert
 
   def linear(k, out_dim, in_dim):
-    return jax.random.normal(k, (out_dim, in_dim), jnp.float32) * in_dim ** -0.5
+    return jax.random.normal(k, (out_dim, in_dim), jnp.float32) * in_dim**-0.5
 
   def mxfp4(k, shape):  # [E, out, in] weights, quantized along `in`
     packed, scales = quant.quantize_e2m1(jax.random.normal(k, shape, jnp.float32) * shape[-1] ** -0.5, GROUP)
     return {"packed": packed, "scales": scales}
 
   return {
-      "w_qkv": linear(k_qkv, 3 * d, d).astype(jnp.bfloat16),
-      "w_o": linear(k_o, d, d).astype(jnp.bfloat16),
-      "router": linear(k_router, e, d).astype(jnp.bfloat16),
-      "router_bias": 0.05 * jax.random.normal(k_bias, (e,), jnp.float32),
-      "w_gate_up": mxfp4(k_up, (e, 2 * f, d)),     # [E, 2F, D/2] packed, [E, 2F, D/32] scales
-      "w_down": mxfp4(k_down, (e, d, f)),          # [E, D, F/2], [E, D, F/32]
+    "w_qkv": linear(k_qkv, 3 * d, d).astype(jnp.bfloat16),
+    "w_o": linear(k_o, d, d).astype(jnp.bfloat16),
+    "router": linear(k_router, e, d).astype(jnp.bfloat16),
+    "router_bias": 0.05 * jax.random.normal(k_bias, (e,), jnp.float32),
+    "w_gate_up": mxfp4(k_up, (e, 2 * f, d)),  # [E, 2F, D/2] packed, [E, 2F, D/32] scales
+    "w_down": mxfp4(k_down, (e, d, f)),  # [E, D, F/2], [E, D, F/32]
   }
 
 
@@ -114,8 +112,9 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def moe(params: dict, x: jax.Array, cfg: BlockConfig, backend) -> jax.Array:
   b, n, d = x.shape
   tokens = rms_norm(x).reshape(b * n, d)
-  ids, weights = ops.moe_router(tokens, params["router"], params["router_bias"], cfg.routed_scaling_factor,
-                                top_k=cfg.top_k, backend=backend)
+  ids, weights = ops.moe_router(
+    tokens, params["router"], params["router_bias"], cfg.routed_scaling_factor, top_k=cfg.top_k, backend=backend
+  )
   row_token, row_expert = dispatch(ids)
   a, a_scale = quantize_rows(tokens[row_token])
   up = params["w_gate_up"]
@@ -183,12 +182,12 @@ def moe_reference(params: dict, x: jax.Array, cfg: BlockConfig) -> jax.Array:
   weights = chosen / chosen.sum(-1, keepdims=True) * cfg.routed_scaling_factor
   w_up, w_down = _dequantized(params["w_gate_up"]), _dequantized(params["w_down"])  # [E, 2F, D], [E, D, F]
   # Every expert on every token (small E), then each token's chosen ones.
-  a = _fp8_round_trip(tokens)                                                         # [T, D]
-  hid_all = jnp.einsum("td,efd->tef", a, w_up)                                        # [T, E, 2F]
+  a = _fp8_round_trip(tokens)  # [T, D]
+  hid_all = jnp.einsum("td,efd->tef", a, w_up)  # [T, E, 2F]
   hid = _round_bf16(jnp.take_along_axis(hid_all, ids[:, :, None], 1))
   gate, lin = jnp.split(hid, 2, axis=-1)
-  act = _fp8_round_trip(jax.nn.silu(gate) * lin)                                      # [T, k, F]
-  y_all = jnp.einsum("tkf,edf->tked", act, w_down)                                    # [T, k, E, D]
+  act = _fp8_round_trip(jax.nn.silu(gate) * lin)  # [T, k, F]
+  y_all = jnp.einsum("tkf,edf->tked", act, w_down)  # [T, k, E, D]
   y = _round_bf16(jnp.take_along_axis(y_all, ids[:, :, None, None], 2)[:, :, 0])
   out = jnp.einsum("tkd,tk->td", y, weights).astype(x.dtype)
   return out.reshape(b, n, d)
@@ -217,9 +216,11 @@ def compare_with_reference(params: dict, x: jax.Array, cfg: BlockConfig, backend
   attn_out = jax.jit(lambda x: attention(params, x, cfg, backend))(x)
   stream = bf16_stream(x + attn_out)
   moe_out = jax.jit(lambda x: moe(params, x, cfg, backend))(stream)
-  return {"attention": outside(attn_out, attention_reference(params, x, cfg)),
-          "moe": outside(moe_out, moe_reference(params, stream, cfg)),
-          "block": outside(block(params, x, cfg, backend), stream + moe_reference(params, stream, cfg))}
+  return {
+    "attention": outside(attn_out, attention_reference(params, x, cfg)),
+    "moe": outside(moe_out, moe_reference(params, stream, cfg)),
+    "block": outside(block(params, x, cfg, backend), stream + moe_reference(params, stream, cfg)),
+  }
 
 
 def make_inputs(seed: int, tokens: int, cfg: BlockConfig, batch: int = 1):
@@ -235,9 +236,13 @@ def main(argv=None) -> int:
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--backend", choices=("pallas", "xla"), default=None)
   parser.add_argument("--iters", type=int, default=10)
-  parser.add_argument("--devices", type=int, default=0,
-                      help="run the expert-parallel block (examples/moe_sharded.py) on this many devices "
-                           "(CPU devices are created as needed) and compare it with one device")
+  parser.add_argument(
+    "--devices",
+    type=int,
+    default=0,
+    help="run the expert-parallel block (examples/moe_sharded.py) on this many devices "
+    "(CPU devices are created as needed) and compare it with one device",
+  )
   args = parser.parse_args(argv)
   cfg = BlockConfig()
   if args.devices:
@@ -245,14 +250,17 @@ def main(argv=None) -> int:
   params, x = make_inputs(0, args.tokens, cfg, args.batch)
   report = compare_with_reference(params, x, cfg, args.backend)
   for part, (bad, worst) in report.items():
-    print(f"{part} {x.shape} on {jax.default_backend()} (backend={args.backend or 'auto'}): max abs error vs jnp "
-          f"{worst:.4g}, {bad} of {x.size} elements outside bf16 tolerance")
+    print(
+      f"{part} {x.shape} on {jax.default_backend()} (backend={args.backend or 'auto'}): max abs error vs jnp "
+      f"{worst:.4g}, {bad} of {x.size} elements outside bf16 tolerance"
+    )
   on_gpu = jax.default_backend() == "gpu"
   t = bench.measure(lambda: block(params, x, cfg, args.backend), warmup=2, iters=args.iters, on_gpu=on_gpu)
   r = bench.measure(lambda: block_reference(params, x, cfg), warmup=2, iters=args.iters, on_gpu=on_gpu)
-  print(f"block {t['median_ms']:.3f} ms (min {t['min_ms']:.3f}), jnp block {r['median_ms']:.3f} ms "
-        f"({t['timer']} timer)"
-        + ("" if on_gpu else "  [CPU: checks plumbing, not speed]"))
+  print(
+    f"block {t['median_ms']:.3f} ms (min {t['min_ms']:.3f}), jnp block {r['median_ms']:.3f} ms "
+    f"({t['timer']} timer)" + ("" if on_gpu else "  [CPU: checks plumbing, not speed]")
+  )
   return 0 if all(bad == 0 for bad, _ in report.values()) else 1
 
 
@@ -260,20 +268,26 @@ def _main_sharded(args, cfg: BlockConfig) -> int:
   # Before JAX starts its backends; only the CPU backend reads it.
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     jax.config.update("jax_num_cpu_devices", args.devices)
-  from examples import moe_sharded  # pylint: disable=g-import-not-at-top  (imports this module)
+  from examples import moe_sharded  # imports this module
+
   mesh = moe_sharded.make_mesh(args.devices)
   params, x = make_inputs(0, args.tokens, cfg, args.batch)
   report = moe_sharded.compare_with_single_device(params, x, cfg, mesh, args.backend)
   where = f"{args.devices} {jax.default_backend()} devices (backend={args.backend or 'auto'})"
   for part, (bad, worst) in report.items():
-    print(f"{part} {x.shape} expert/tensor parallel on {where}: max abs error vs one device {worst:.4g}, "
-          f"{bad} of {x.size} elements outside bf16 tolerance")
+    print(
+      f"{part} {x.shape} expert/tensor parallel on {where}: max abs error vs one device {worst:.4g}, "
+      f"{bad} of {x.size} elements outside bf16 tolerance"
+    )
   on_gpu = jax.default_backend() == "gpu"
   sharded = moe_sharded.shard_params(params, cfg, mesh)
-  t = bench.measure(lambda: moe_sharded.sharded_block(sharded, x, cfg, mesh, args.backend), warmup=2,
-                    iters=args.iters, on_gpu=on_gpu)
-  print(f"sharded block {t['median_ms']:.3f} ms (min {t['min_ms']:.3f}, {t['timer']} timer)"
-        + ("" if on_gpu else "  [CPU: checks plumbing, not speed]"))
+  t = bench.measure(
+    lambda: moe_sharded.sharded_block(sharded, x, cfg, mesh, args.backend), warmup=2, iters=args.iters, on_gpu=on_gpu
+  )
+  print(
+    f"sharded block {t['median_ms']:.3f} ms (min {t['min_ms']:.3f}, {t['timer']} timer)"
+    + ("" if on_gpu else "  [CPU: checks plumbing, not speed]")
+  )
   return 0 if all(bad == 0 for bad, _ in report.values()) else 1
 
 

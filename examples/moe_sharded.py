@@ -31,10 +31,11 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax import lax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from examples import moe_block
 from examples.moe_block import BlockConfig, bf16_stream, quantize_rows, rms_norm
@@ -47,14 +48,20 @@ def make_mesh(devices: int) -> jax.sharding.Mesh:
   """A 1-D mesh `model` over the first `devices` devices."""
   available = jax.devices()
   if devices > len(available):
-    raise ValueError(f"--devices {devices}: only {len(available)} {available[0].platform} devices here "
-                     f"(on a CPU: JAX_NUM_CPU_DEVICES={devices} or --xla_force_host_platform_device_count)")
+    raise ValueError(
+      f"--devices {devices}: only {len(available)} {available[0].platform} devices here "
+      f"(on a CPU: JAX_NUM_CPU_DEVICES={devices} or --xla_force_host_platform_device_count)"
+    )
   return jax.sharding.Mesh(np.array(available[:devices]), (AXIS,))
 
 
 def check_divides(cfg: BlockConfig, devices: int, tokens: int) -> None:
-  for what, size in (("num_heads", cfg.num_heads), ("num_experts", cfg.num_experts), ("d_model", cfg.d_model),
-                     ("batch * tokens", tokens)):
+  for what, size in (
+    ("num_heads", cfg.num_heads),
+    ("num_experts", cfg.num_experts),
+    ("d_model", cfg.d_model),
+    ("batch * tokens", tokens),
+  ):
     if size % devices:
       raise ValueError(f"{what}={size} must be a multiple of the {devices} devices")
 
@@ -63,8 +70,14 @@ def param_specs(params: dict) -> dict:
   """Per weight: QKV split by head, the output projection by output feature,
   the router replicated, experts split along E."""
   experts = {"packed": P(AXIS), "scales": P(AXIS)}
-  return {"w_qkv": P(None, AXIS), "w_o": P(AXIS), "router": P(), "router_bias": P(),
-          "w_gate_up": experts, "w_down": experts}
+  return {
+    "w_qkv": P(None, AXIS),
+    "w_o": P(AXIS),
+    "router": P(),
+    "router_bias": P(),
+    "w_gate_up": experts,
+    "w_down": experts,
+  }
 
 
 def shard_params(params: dict, cfg: BlockConfig, mesh: jax.sharding.Mesh) -> dict:
@@ -72,8 +85,7 @@ def shard_params(params: dict, cfg: BlockConfig, mesh: jax.sharding.Mesh) -> dic
   split of its head axis is each device's heads of q, k and v."""
   d = cfg.d_model
   laid_out = dict(params, w_qkv=params["w_qkv"].reshape(3, cfg.num_heads, d // cfg.num_heads, d))
-  return jax.tree.map(lambda w, spec: jax.device_put(w, NamedSharding(mesh, spec)), laid_out,
-                      param_specs(params))
+  return jax.tree.map(lambda w, spec: jax.device_put(w, NamedSharding(mesh, spec)), laid_out, param_specs(params))
 
 
 def gather(x: jax.Array, axis: int) -> jax.Array:
@@ -89,12 +101,12 @@ def gather(x: jax.Array, axis: int) -> jax.Array:
 def attention(params: dict, x: jax.Array, cfg: BlockConfig, backend) -> jax.Array:
   """Tensor-parallel attention: this device's heads, then gathered."""
   b, n, d = x.shape
-  w_qkv = params["w_qkv"]                                        # [3, H/n, D/H, D]
+  w_qkv = params["w_qkv"]  # [3, H/n, D/H, D]
   heads = w_qkv.shape[1]
   qkv = ops.dense_gemm(rms_norm(x), w_qkv.reshape(-1, d), backend=backend)
   q, k, v = jnp.split(qkv.reshape(b, n, 3, heads, d // cfg.num_heads), 3, axis=2)
   o = ops.attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], backend=backend)
-  o = gather(o, axis=2).reshape(b, n, d)                         # every head
+  o = gather(o, axis=2).reshape(b, n, d)  # every head
   return gather(ops.dense_gemm(o, params["w_o"], backend=backend), axis=2)  # every output feature
 
 
@@ -109,12 +121,12 @@ def moe(params: dict, x: jax.Array, cfg: BlockConfig, backend, devices: int) -> 
   """Expert-parallel MoE on this device's slice of the tokens, gathered."""
   b, n, d = x.shape
   local_tokens = b * n // devices
-  tokens = lax.dynamic_slice_in_dim(rms_norm(x).reshape(b * n, d), lax.axis_index(AXIS) * local_tokens,
-                                    local_tokens)
-  ids, weights = ops.moe_router(tokens, params["router"], params["router_bias"], cfg.routed_scaling_factor,
-                                top_k=cfg.top_k, backend=backend)  # [t, k], experts ascending per token
+  tokens = lax.dynamic_slice_in_dim(rms_norm(x).reshape(b * n, d), lax.axis_index(AXIS) * local_tokens, local_tokens)
+  ids, weights = ops.moe_router(
+    tokens, params["router"], params["router_bias"], cfg.routed_scaling_factor, top_k=cfg.top_k, backend=backend
+  )  # [t, k], experts ascending per token
   local_experts = cfg.num_experts // devices
-  rows = ids.size                                                 # t * k, also the buffer room
+  rows = ids.size  # t * k, also the buffer room
   dest = ids.reshape(-1) // local_experts
   slot = _slots(dest, devices)
   a, a_scale = quantize_rows(tokens[jnp.arange(rows) // cfg.top_k])
@@ -128,13 +140,19 @@ def moe(params: dict, x: jax.Array, cfg: BlockConfig, backend, devices: int) -> 
   order = jnp.argsort(jnp.where(recv_ids < 0, local_experts, recv_ids), stable=True)
   expert_ids = recv_ids[order]
   up, down = params["w_gate_up"], params["w_down"]
-  h = ops.grouped_gemm_fp8_fp4(recv_a.reshape(-1, d)[order], recv_scale.reshape(-1, d // moe_block.GROUP)[order],
-                               up["packed"], up["scales"], expert_ids, backend=backend)
+  h = ops.grouped_gemm_fp8_fp4(
+    recv_a.reshape(-1, d)[order],
+    recv_scale.reshape(-1, d // moe_block.GROUP)[order],
+    up["packed"],
+    up["scales"],
+    expert_ids,
+    backend=backend,
+  )
   gate, lin = jnp.split(h.astype(jnp.float32), 2, axis=-1)
   act, act_scale = quantize_rows(jax.nn.silu(gate) * lin)
   y = ops.grouped_gemm_fp8_fp4(act, act_scale, down["packed"], down["scales"], expert_ids, backend=backend)
   y = jnp.zeros_like(y).at[order].set(y).reshape(devices, rows, d)
-  returned = lax.all_to_all(y, AXIS, 0, 0)[dest, slot]           # [t * k, D], (token, slot) order
+  returned = lax.all_to_all(y, AXIS, 0, 0)[dest, slot]  # [t * k, D], (token, slot) order
   # Slots in ascending expert order, as the single-device block adds them.
   weighted = returned.astype(jnp.float32).reshape(local_tokens, cfg.top_k, d) * weights[..., None]
   out = functools.reduce(jnp.add, [weighted[:, j] for j in range(cfg.top_k)])
@@ -166,14 +184,17 @@ def sharded_moe(params, x, cfg: BlockConfig, mesh, backend=None) -> jax.Array:
 def sharded_block(params, x, cfg: BlockConfig, mesh, backend=None) -> jax.Array:
   """x [B, N, D] bf16 (replicated) -> x + attention + MoE, as
   `moe_block.block` computes it, on the devices of `mesh`."""
+
   def part(p, x):
     x = bf16_stream(x + attention(p, x, cfg, backend))
     return x + moe(p, x, cfg, backend, mesh.size)
+
   return _sharded(part, params, x, cfg, mesh)
 
 
-def compare_with_single_device(params: dict, x: jax.Array, cfg: BlockConfig, mesh, backend
-                               ) -> dict[str, tuple[int, float]]:
+def compare_with_single_device(
+  params: dict, x: jax.Array, cfg: BlockConfig, mesh, backend
+) -> dict[str, tuple[int, float]]:
   """Each sublayer on the mesh against `moe_block`'s on one device from the
   same input, and the whole block: {part: (elements outside the bf16
   tolerance, max abs error)}."""
@@ -183,7 +204,8 @@ def compare_with_single_device(params: dict, x: jax.Array, cfg: BlockConfig, mes
   attn = jax.jit(lambda x: moe_block.attention(params, x, cfg, backend))(x)
   stream = bf16_stream(x + attn)
   single_moe = jax.jit(lambda x: moe_block.moe(params, x, cfg, backend))(stream)
-  return {"attention": moe_block.outside(sharded_attention(sharded, x, cfg, mesh, backend), attn),
-          "moe": moe_block.outside(sharded_moe(sharded, stream, cfg, mesh, backend), single_moe),
-          "block": moe_block.outside(sharded_block(sharded, x, cfg, mesh, backend),
-                                     moe_block.block(params, x, cfg, backend))}
+  return {
+    "attention": moe_block.outside(sharded_attention(sharded, x, cfg, mesh, backend), attn),
+    "moe": moe_block.outside(sharded_moe(sharded, stream, cfg, mesh, backend), single_moe),
+    "block": moe_block.outside(sharded_block(sharded, x, cfg, mesh, backend), moe_block.block(params, x, cfg, backend)),
+  }

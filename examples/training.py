@@ -3,14 +3,21 @@ steps on one fixed batch, and the command line's last line."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import optax
 
 
-def adam_losses(loss_fn: Callable[..., jax.Array], params: Any, batch: tuple, steps: int, learning_rate: float,
-                log: Callable[[str], None] | None = None) -> list[float]:
+def adam_losses(
+  loss_fn: Callable[..., jax.Array],
+  params: Any,
+  batch: tuple,
+  steps: int,
+  learning_rate: float,
+  log: Callable[[str], None] | None = None,
+) -> list[float]:
   """`steps` Adam steps (one jitted step each) on `loss_fn(params, *batch)`;
   the loss before each step."""
   optimizer = optax.adam(learning_rate)

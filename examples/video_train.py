@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +45,10 @@ class VideoConfig:
   frames: int = 4
   height: int = 6
   width: int = 6
-  channels: int = 4            # pixel values per token (one grating each)
+  channels: int = 4  # pixel values per token (one grating each)
   d_model: int = 32
-  num_heads: int = 2           # head dim d_model / num_heads: a power of two >= 16
-  window: tuple[int, int, int] = (3, 3, 3)   # (frames, rows, columns), each odd and <= its extent
+  num_heads: int = 2  # head dim d_model / num_heads: a power of two >= 16
+  window: tuple[int, int, int] = (3, 3, 3)  # (frames, rows, columns), each odd and <= its extent
   d_mlp: int = 64
   noise: float = 0.5
 
@@ -58,11 +58,19 @@ def init_params(key: jax.Array, cfg: VideoConfig) -> dict[str, jax.Array]:
   `ops.dense_gemm` takes), scaled by `in**-0.5`; the read-out starts at 0
   so the untrained model predicts the noisy input."""
   d, c, f = cfg.d_model, cfg.channels, cfg.d_mlp
-  shapes = {"w_in": (d, c), "w_local_qkv": (3 * d, d), "w_local_o": (d, d), "w_global_qkv": (3 * d, d),
-            "w_global_o": (d, d), "w_up": (f, d), "w_down": (d, f)}
+  shapes = {
+    "w_in": (d, c),
+    "w_local_qkv": (3 * d, d),
+    "w_local_o": (d, d),
+    "w_global_qkv": (3 * d, d),
+    "w_global_o": (d, d),
+    "w_up": (f, d),
+    "w_down": (d, f),
+  }
   keys = jax.random.split(key, len(shapes))
-  params = {name: jax.random.normal(k, shape, jnp.float32) * shape[1] ** -0.5
-            for k, (name, shape) in zip(keys, shapes.items())}
+  params = {
+    name: jax.random.normal(k, shape, jnp.float32) * shape[1] ** -0.5 for k, (name, shape) in zip(keys, shapes.items())
+  }
   params["w_out"] = jnp.zeros((c, d), jnp.float32)
   return params
 
@@ -82,7 +90,7 @@ def qkv_heads(params: dict, name: str, x: jax.Array, cfg: VideoConfig, backend) 
 def local_attention(params: dict, x: jax.Array, cfg: VideoConfig, backend) -> jax.Array:
   """3-D neighborhood attention over `x [B, T, Y, X, d_model]`."""
   q, k, v = qkv_heads(params, "w_local_qkv", x, cfg, backend)
-  q = (q * (cfg.d_model // cfg.num_heads) ** -0.5).astype(jnp.bfloat16)   # NATTEN applies no scale
+  q = (q * (cfg.d_model // cfg.num_heads) ** -0.5).astype(jnp.bfloat16)  # NATTEN applies no scale
   o = ops.neighborhood_attention_3d(q, k, v, kernel_size=cfg.window, backend=backend)
   return dense(o.reshape(x.shape), params["w_local_o"], backend)
 
@@ -117,21 +125,32 @@ def make_clips(key: jax.Array, batch: int, cfg: VideoConfig) -> tuple[jax.Array,
   wave = jax.random.uniform(k_wave, (2, *shape), minval=-1.5, maxval=1.5)
   speed = jax.random.uniform(k_speed, shape, minval=-1.0, maxval=1.0)
   phase = jax.random.uniform(k_phase, shape, maxval=2 * jnp.pi)
-  t, y, x = (jnp.arange(n, dtype=jnp.float32).reshape(s) for n, s in (
-      (cfg.frames, (1, -1, 1, 1, 1)), (cfg.height, (1, 1, -1, 1, 1)), (cfg.width, (1, 1, 1, -1, 1))))
+  t, y, x = (
+    jnp.arange(n, dtype=jnp.float32).reshape(s)
+    for n, s in ((cfg.frames, (1, -1, 1, 1, 1)), (cfg.height, (1, 1, -1, 1, 1)), (cfg.width, (1, 1, 1, -1, 1)))
+  )
   clean = jnp.sin(wave[0] * y + wave[1] * x - speed * t + phase)
   noisy = clean + cfg.noise * jax.random.normal(k_noise, clean.shape)
   return noisy, clean
 
 
-def train(steps: int, *, batch: int = 2, cfg: VideoConfig = VideoConfig(), learning_rate: float = 3e-3,
-          backend=None, seed: int = 0, log: Callable[[str], None] | None = None) -> list[float]:
+def train(
+  steps: int,
+  *,
+  batch: int = 2,
+  cfg: VideoConfig = VideoConfig(),
+  learning_rate: float = 3e-3,
+  backend=None,
+  seed: int = 0,
+  log: Callable[[str], None] | None = None,
+) -> list[float]:
   """Trains `steps` Adam steps on one fixed batch of clips; the losses."""
   key_params, key_clips = jax.random.split(jax.random.key(seed))
   params = init_params(key_params, cfg)
   noisy, clean = make_clips(key_clips, batch, cfg)
-  return training.adam_losses(functools.partial(loss_fn, cfg=cfg, backend=backend), params, (noisy, clean), steps,
-                              learning_rate, log)
+  return training.adam_losses(
+    functools.partial(loss_fn, cfg=cfg, backend=backend), params, (noisy, clean), steps, learning_rate, log
+  )
 
 
 def main(argv=None) -> int:
@@ -142,8 +161,9 @@ def main(argv=None) -> int:
   parser.add_argument("--backend", choices=("pallas", "xla"), default=None)
   args = parser.parse_args(argv)
   print(f"training on {jax.default_backend()} (backend={args.backend or 'auto'}), batch {args.batch}")
-  return training.report(train(args.steps, batch=args.batch, learning_rate=args.learning_rate, backend=args.backend,
-                               log=print))
+  return training.report(
+    train(args.steps, batch=args.batch, learning_rate=args.learning_rate, backend=args.backend, log=print)
+  )
 
 
 if __name__ == "__main__":

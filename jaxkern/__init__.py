@@ -1,9 +1,9 @@
 """jaxkern: replay recorded serving workloads on Pallas GPU kernels.
 
-  jaxkern.registry   one Op per definition (make_inputs, reference, kernel, compare)
-  jaxkern.dataset    typed definitions and workloads, validation, import
-  jaxkern.ops        model-friendly, jit-compatible kernel entry points
-  jaxkern.replay     the replay app (python -m jaxkern.replay --config configs/replay.py)
+jaxkern.registry   one Op per definition (make_inputs, reference, kernel, compare)
+jaxkern.dataset    typed definitions and workloads, validation, import
+jaxkern.ops        model-friendly, jit-compatible kernel entry points
+jaxkern.replay     the replay app (python -m jaxkern.replay --config configs/replay.py)
 """
 
 import importlib

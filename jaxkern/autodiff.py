@@ -21,12 +21,13 @@ reference whose own differentiation fails.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
-from jax.custom_derivatives import SymbolicZero, zero_from_primal
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero, zero_from_primal
 
 
 class NotDifferentiableError(TypeError):
@@ -59,9 +60,10 @@ def check_perturbed(name: str, arrays: Mapping[str, Any], perturbed: Mapping[str
   for key, value in arrays.items():
     if perturbed.get(key) and _is_quantized(value.dtype):
       raise NotDifferentiableError(
-          f"{name} is not differentiable with respect to {key!r} ({jnp.dtype(value.dtype).name}): it is a "
-          "quantized input, and rounding to it has no useful gradient; differentiate the unquantized "
-          "computation instead (e.g. a straight-through estimator around the quantization)")
+        f"{name} is not differentiable with respect to {key!r} ({jnp.dtype(value.dtype).name}): it is a "
+        "quantized input, and rounding to it has no useful gradient; differentiate the unquantized "
+        "computation instead (e.g. a straight-through estimator around the quantization)"
+      )
 
 
 def _materialize(tangent: Any, like: Any) -> Any:
@@ -70,8 +72,9 @@ def _materialize(tangent: Any, like: Any) -> Any:
 
 
 def _reference_failed(name: str, error: Exception) -> NotDifferentiableError:
-  return NotDifferentiableError(f"{name} is not differentiable here: differentiating its reference failed with "
-                                f"{type(error).__name__}: {error}")
+  return NotDifferentiableError(
+    f"{name} is not differentiable here: differentiating its reference failed with {type(error).__name__}: {error}"
+  )
 
 
 def xla_path(reference: Callable[..., Any], arrays: dict[str, Any], statics: dict[str, Any]) -> Any:
@@ -89,15 +92,16 @@ def xla_path(reference: Callable[..., Any], arrays: dict[str, Any], statics: dic
     t = {k: _materialize(v, x[k]) for k, v in t.items()}
     try:
       return jax.jvp(call, (x,), (t,))
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       raise _reference_failed(name, e) from e
 
   f.defjvp(jvp, symbolic_zeros=True)
   return f(arrays)
 
 
-def pallas_path(kernel: Callable[..., Any], reference: Callable[..., Any], arrays: dict[str, Any],
-                statics: dict[str, Any]) -> Any:
+def pallas_path(
+  kernel: Callable[..., Any], reference: Callable[..., Any], arrays: dict[str, Any], statics: dict[str, Any]
+) -> Any:
   """`kernel(**arrays, **statics)`, differentiated through `reference`."""
   name = op_name(reference)
 
@@ -116,7 +120,7 @@ def pallas_path(kernel: Callable[..., Any], reference: Callable[..., Any], array
       out, vjp = jax.vjp(call_reference, x)
       cotangents = jax.tree.map(_materialize, cotangents, out, is_leaf=lambda c: isinstance(c, SymbolicZero))
       return vjp(cotangents)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       raise _reference_failed(name, e) from e
 
   f.defvjp(fwd, bwd, symbolic_zeros=True)

@@ -24,7 +24,8 @@ call's own shapes and constant axes (no dataset is read).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from jaxkern import tuning
 from jaxkern.family import bind_axes, bound_values
@@ -38,6 +39,7 @@ NAMES = (XLA, PALLAS, *BACKENDS)
 class Choice:
   """A kernel backend and its config for one call; `source`: where the
   config came from (`tuning.EXPLICIT`, `TUNED` or `HEURISTIC`)."""
+
   backend: str
   config: Any
   source: str
@@ -57,8 +59,14 @@ def _matching(kernels: Mapping[str, Kernel], config: Any, op: str) -> list[str]:
   return found
 
 
-def order(kernels: Mapping[str, Kernel], backend: str, *, op: str, config: Any = None,
-          tuned: Mapping[str, Mapping[str, Any]] | None = None) -> list[str]:
+def order(
+  kernels: Mapping[str, Kernel],
+  backend: str,
+  *,
+  op: str,
+  config: Any = None,
+  tuned: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[str]:
   """The backends to try, in order, for `backend` (a kernel backend or
   `"pallas"`); `tuned`: the tuned entries of this shape bucket by backend.
   Raises ValueError naming the op's backends when `backend` is not one."""
@@ -67,23 +75,37 @@ def order(kernels: Mapping[str, Kernel], backend: str, *, op: str, config: Any =
   candidates = list(kernels) if backend == PALLAS else [backend]
   if config is not None:
     return _matching({b: kernels[b] for b in candidates}, config, op)
-  fastest = sorted((b for b in (tuned or {}) if b in candidates),
-                   key=lambda b: (tuned[b].get("latency_ms") is None, tuned[b].get("latency_ms") or 0.0))
+  fastest = sorted(
+    (b for b in (tuned or {}) if b in candidates),
+    key=lambda b: (tuned[b].get("latency_ms") is None, tuned[b].get("latency_ms") or 0.0),
+  )
   return list(dict.fromkeys([*fastest[:1], *candidates]))
 
 
-def bucket_of(kernels: Mapping[str, Kernel], shapes: Mapping[str, Any], const_axes: Mapping[str, int],
-              axis_params: Mapping[str, str]) -> str:
+def bucket_of(
+  kernels: Mapping[str, Kernel],
+  shapes: Mapping[str, Any],
+  const_axes: Mapping[str, int],
+  axis_params: Mapping[str, str],
+) -> str:
   """The tuned table's shape bucket of a call: the inputs' shapes and the
   constant values the default kernel's heuristic takes (`tuning.shape_bucket`)."""
   first = next(iter(kernels.values()))
   return tuning.shape_bucket(shapes, bound_values(first.choose_config, const_axes, axis_params))
 
 
-def select(kernels: Mapping[str, Kernel], shapes: Mapping[str, Any], *, op: str,
-           const_axes: Mapping[str, int] | None = None, axis_params: Mapping[str, str] | None = None,
-           backend: str = PALLAS, config: Any = None, tuned: bool = True,
-           device_kind: str | None = None) -> Iterator[Choice]:
+def select(
+  kernels: Mapping[str, Kernel],
+  shapes: Mapping[str, Any],
+  *,
+  op: str,
+  const_axes: Mapping[str, int] | None = None,
+  axis_params: Mapping[str, str] | None = None,
+  backend: str = PALLAS,
+  config: Any = None,
+  tuned: bool = True,
+  device_kind: str | None = None,
+) -> Iterator[Choice]:
   """The `Choice` of each backend to try for a call on `shapes` (input name
   -> array or `jax.ShapeDtypeStruct`), in order (module docstring); lazily,
   so a backend's heuristic runs only when that backend is reached."""
@@ -102,8 +124,9 @@ def select(kernels: Mapping[str, Kernel], shapes: Mapping[str, Any], *, op: str,
       yield Choice(name, bind_axes(kernel.choose_config, const_axes, axis_params)(shapes), tuning.HEURISTIC)
 
 
-def first_supported(choices: Iterator[Choice], call: Callable[[Choice], Any], *, op: str,
-                    kernels: Mapping[str, Kernel]) -> tuple[Choice, Any]:
+def first_supported(
+  choices: Iterator[Choice], call: Callable[[Choice], Any], *, op: str, kernels: Mapping[str, Kernel]
+) -> tuple[Choice, Any]:
   """(choice, `call(choice)`) for the first choice whose kernel takes the
   inputs; raises `Unsupported` naming the op's backends and each refusal
   when none does."""
@@ -113,5 +136,4 @@ def first_supported(choices: Iterator[Choice], call: Callable[[Choice], Any], *,
       return choice, call(choice)
     except Unsupported as e:
       refused.append(f"{choice.backend}: {e}")
-  raise Unsupported(f"{op}: no kernel takes these inputs (backends: {', '.join(kernels)}); "
-                    + "; ".join(refused))
+  raise Unsupported(f"{op}: no kernel takes these inputs (backends: {', '.join(kernels)}); " + "; ".join(refused))

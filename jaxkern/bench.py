@@ -29,7 +29,8 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,7 @@ class _Separator:
 
     def bump(x):
       return x + 1.0
+
     bump.__name__ = bump.__qualname__ = name
     self._fn = jax.jit(bump, donate_argnums=0)
     self._buf = jax.device_put(jnp.zeros((size,), jnp.float32), device)
@@ -130,8 +132,15 @@ def between_separators(fn: Callable[[], Any], calls: int, sep: _Separator) -> No
   sep.block()
 
 
-def profile_calls(fn: Callable[[], Any], calls: int, *, cold_l2: bool, kernel_names: Sequence[str] = (),
-                  where: profile_events.Where | None = None, in_memory: bool | None = None) -> dict[str, Any]:
+def profile_calls(
+  fn: Callable[[], Any],
+  calls: int,
+  *,
+  cold_l2: bool,
+  kernel_names: Sequence[str] = (),
+  where: profile_events.Where | None = None,
+  in_memory: bool | None = None,
+) -> dict[str, Any]:
   """Device time per call of `fn` (warmed up already) from a trace of
   `calls` calls; raises ProfileError when the trace has no usable events."""
   device = _device_of(fn())
@@ -141,19 +150,26 @@ def profile_calls(fn: Callable[[], Any], calls: int, *, cold_l2: bool, kernel_na
     where = profile_events.gpu_where(device.id if ordinal is None else ordinal)
 
   try:
-    events = profile_events.xla_events(capture(lambda: between_separators(fn, calls, sep), in_memory=in_memory),
-                                       where)
+    events = profile_events.xla_events(capture(lambda: between_separators(fn, calls, sep), in_memory=in_memory), where)
   except (ValueError, RuntimeError) as e:  # no such plane; a trace already running
     raise ProfileError(str(e)) from e
   per_call = profile_events.split_calls(events)
   if len(per_call) != calls:
-    raise ProfileError(f"the trace holds the events of {len(per_call)} calls on {where.plane}, expected {calls} "
-                       f"({len(events)} XLA events)")
+    raise ProfileError(
+      f"the trace holds the events of {len(per_call)} calls on {where.plane}, expected {calls} "
+      f"({len(events)} XLA events)"
+    )
   times = profile_events.call_times(per_call, profile_events.name_matcher(kernel_names))
-  result = {"timer": TIMER_DEVICE, **profile_events.spread_ms([t.device_ns for t in times]), "samples": calls,
-            "calls_per_sample": 1, "kernel_median_ms": None, "kernel_min_ms": None, "kernel_max_ms": None,
-            "method": f"{calls} calls traced, device busy time per call"
-                      + (", L2 flushed before each" if cold_l2 else "")}
+  result = {
+    "timer": TIMER_DEVICE,
+    **profile_events.spread_ms([t.device_ns for t in times]),
+    "samples": calls,
+    "calls_per_sample": 1,
+    "kernel_median_ms": None,
+    "kernel_min_ms": None,
+    "kernel_max_ms": None,
+    "method": f"{calls} calls traced, device busy time per call" + (", L2 flushed before each" if cold_l2 else ""),
+  }
   if any(t.kernel_ns for t in times):
     result.update({f"kernel_{k}": v for k, v in profile_events.spread_ms([t.kernel_ns for t in times]).items()})
   elif kernel_names:
@@ -161,8 +177,9 @@ def profile_calls(fn: Callable[[], Any], calls: int, *, cold_l2: bool, kernel_na
   return result
 
 
-def _wall(fn: Callable[[], Any], iters: int, *, on_gpu: bool, cold_l2: bool, deadline: float,
-          timer: str) -> dict[str, Any]:
+def _wall(
+  fn: Callable[[], Any], iters: int, *, on_gpu: bool, cold_l2: bool, deadline: float, timer: str
+) -> dict[str, Any]:
   calls, method = 1, "one blocked call per sample"
   sep = None
   if on_gpu and cold_l2:
@@ -186,13 +203,29 @@ def _wall(fn: Callable[[], Any], iters: int, *, on_gpu: bool, cold_l2: bool, dea
     times.append((time.perf_counter() - t0) * 1e3 / calls)
     if time.monotonic() > deadline:
       break
-  return {"timer": timer, "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
-          "samples": len(times), "calls_per_sample": calls, "method": method}
+  return {
+    "timer": timer,
+    "median_ms": statistics.median(times),
+    "min_ms": min(times),
+    "max_ms": max(times),
+    "samples": len(times),
+    "calls_per_sample": calls,
+    "method": method,
+  }
 
 
-def measure(fn: Callable[[], Any], *, warmup: int, iters: int, on_gpu: bool, interpret: bool = False,
-            cold_l2: bool = False, deadline: float = float("inf"), kernel_names: Sequence[str] = (),
-            where: profile_events.Where | None = None) -> dict[str, Any]:
+def measure(
+  fn: Callable[[], Any],
+  *,
+  warmup: int,
+  iters: int,
+  on_gpu: bool,
+  interpret: bool = False,
+  cold_l2: bool = False,
+  deadline: float = float("inf"),
+  kernel_names: Sequence[str] = (),
+  where: profile_events.Where | None = None,
+) -> dict[str, Any]:
   """Times `fn()` (see the module docstring); returns {"timer", "median_ms",
   "min_ms", "max_ms", "samples", "calls_per_sample", "method"}, plus
   "kernel_{median,min,max}_ms" from the device timer and a "note" when a
@@ -208,7 +241,7 @@ def measure(fn: Callable[[], Any], *, warmup: int, iters: int, on_gpu: bool, int
   if on_gpu or where is not None:
     try:
       return profile_calls(fn, max(iters, 1), cold_l2=cold_l2, kernel_names=kernel_names, where=where)
-    except Exception as e:  # pylint: disable=broad-except  (a profiler that fails must not fail the workload)
+    except Exception as e:  # a profiler that fails must not fail the workload
       note = f"device timer unavailable: {e if isinstance(e, ProfileError) else short_error(e)}"
   result = _wall(fn, iters, on_gpu=on_gpu, cold_l2=cold_l2, deadline=deadline, timer=TIMER_WALL)
   if note:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import pathlib
 import struct
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +27,17 @@ import numpy as np
 from jaxkern import dataset
 
 # safetensors dtype names -> numpy.
-_ST_DTYPES = {"BF16": "bfloat16", "F32": "float32", "F8_E4M3": "float8_e4m3fn", "U8": "uint8",
-              "I32": "int32", "I64": "int64", "BOOL": "bool", "F16": "float16", "F64": "float64"}
+_ST_DTYPES = {
+  "BF16": "bfloat16",
+  "F32": "float32",
+  "F8_E4M3": "float8_e4m3fn",
+  "U8": "uint8",
+  "I32": "int32",
+  "I64": "int64",
+  "BOOL": "bool",
+  "F16": "float16",
+  "F64": "float64",
+}
 
 
 def _where(w: dataset.Workload) -> dict[str, Any]:
@@ -37,12 +47,14 @@ def _where(w: dataset.Workload) -> dict[str, Any]:
 def resolve_blob_path(blob_root: str, rel: Any, w: dataset.Workload, field: str) -> pathlib.Path:
   root = pathlib.Path(blob_root).resolve()
   if not isinstance(rel, str) or not rel:
-    raise dataset.DatasetError("blob path must be a non-empty string", field=field, expected="a relative path",
-                               got=rel, **_where(w))
+    raise dataset.DatasetError(
+      "blob path must be a non-empty string", field=field, expected="a relative path", got=rel, **_where(w)
+    )
   path = (root / rel).resolve()
   if not path.is_relative_to(root):
-    raise dataset.DatasetError("blob path leaves the blob root", field=field,
-                               expected=f"a path inside {root}", got=rel, **_where(w))
+    raise dataset.DatasetError(
+      "blob path leaves the blob root", field=field, expected=f"a path inside {root}", got=rel, **_where(w)
+    )
   return path
 
 
@@ -54,8 +66,9 @@ def _header(path: pathlib.Path) -> dict[str, Any]:
     return json.loads(f.read(size))
 
 
-def read_tensor(blob_root: str, ref: Any, w: dataset.Workload, field: str, spec: dataset.TensorSpec,
-                axes: Mapping[str, int]) -> np.ndarray | None:
+def read_tensor(
+  blob_root: str, ref: Any, w: dataset.Workload, field: str, spec: dataset.TensorSpec, axes: Mapping[str, int]
+) -> np.ndarray | None:
   """The tensor a blob reference names, checked against `spec` at `axes`;
   None when the reference names no tensor (e.g. FlashInfer-Bench's
   `random`: replay then synthesizes). A missing file is a DatasetError."""
@@ -65,29 +78,43 @@ def read_tensor(blob_root: str, ref: Any, w: dataset.Workload, field: str, spec:
     return None
   path = resolve_blob_path(blob_root, ref.get("path"), w, f"{field}.path")
   if not path.is_file():
-    raise dataset.DatasetError("blob file missing", field=f"{field}.path", expected=f"a file under {blob_root}",
-                               got=ref.get("path"), **_where(w))
+    raise dataset.DatasetError(
+      "blob file missing", field=f"{field}.path", expected=f"a file under {blob_root}", got=ref.get("path"), **_where(w)
+    )
   key = ref.get("tensor_key", "tensor")
   header = _header(path)
   if key not in header:
-    raise dataset.DatasetError("tensor key missing from blob", field=f"{field}.tensor_key", expected=key,
-                               got=sorted(k for k in header if k != "__metadata__"), **_where(w))
+    raise dataset.DatasetError(
+      "tensor key missing from blob",
+      field=f"{field}.tensor_key",
+      expected=key,
+      got=sorted(k for k in header if k != "__metadata__"),
+      **_where(w),
+    )
   shape = tuple(header[key].get("shape", ()))
   want = spec.concrete_shape(axes)
   if shape != want:
-    raise dataset.DatasetError(f"blob {path.name} has the wrong shape", field=field, expected=want, got=shape,
-                               **_where(w))
+    raise dataset.DatasetError(
+      f"blob {path.name} has the wrong shape", field=field, expected=want, got=shape, **_where(w)
+    )
   dtype = _ST_DTYPES.get(header[key].get("dtype"), header[key].get("dtype"))
   # FIB stores some index tensors as int64: accepted for int32 inputs, range-checked below.
   if dtype != spec.dtype and not (spec.dtype == "int32" and dtype == "int64"):
-    raise dataset.DatasetError(f"blob {path.name} has the wrong dtype", field=field, expected=spec.dtype,
-                               got=dtype, **_where(w))
-  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+    raise dataset.DatasetError(
+      f"blob {path.name} has the wrong dtype", field=field, expected=spec.dtype, got=dtype, **_where(w)
+    )
+  from safetensors.numpy import load_file
+
   x = load_file(str(path))[key]
   if x.dtype == np.int64:
     if x.size and (x.min() < np.iinfo(np.int32).min or x.max() > np.iinfo(np.int32).max):
-      raise dataset.DatasetError("int64 tensor out of int32 range", field=field, expected="values within int32",
-                                 got=(int(x.min()), int(x.max())), **_where(w))
+      raise dataset.DatasetError(
+        "int64 tensor out of int32 range",
+        field=field,
+        expected="values within int32",
+        got=(int(x.min()), int(x.max())),
+        **_where(w),
+      )
     x = x.astype(np.int32)
   return x
 
@@ -107,11 +134,19 @@ def _safetensors_refs(w: dataset.Workload) -> dict[str, Any]:
 def check_present(w: dataset.Workload, blob_root: str) -> None:
   """Raises a DatasetError naming every blob file the record names that is
   not under `blob_root`."""
-  missing = [f"{field}: {ref.get('path')}" for field, ref in _safetensors_refs(w).items()
-             if not resolve_blob_path(blob_root, ref.get("path"), w, f"{field}.path").is_file()]
+  missing = [
+    f"{field}: {ref.get('path')}"
+    for field, ref in _safetensors_refs(w).items()
+    if not resolve_blob_path(blob_root, ref.get("path"), w, f"{field}.path").is_file()
+  ]
   if missing:
-    raise dataset.DatasetError(f"{len(missing)} blob file(s) missing", field="blob_root",
-                               expected=f"every blob the record names under {blob_root}", got=missing, **_where(w))
+    raise dataset.DatasetError(
+      f"{len(missing)} blob file(s) missing",
+      field="blob_root",
+      expected=f"every blob the record names under {blob_root}",
+      got=missing,
+      **_where(w),
+    )
 
 
 def recorded_scalars(definition: dataset.Definition, w: dataset.Workload) -> dict[str, jnp.ndarray]:
@@ -122,9 +157,11 @@ def recorded_scalars(definition: dataset.Definition, w: dataset.Workload) -> dic
   recorded = w.record.get("inputs")
   if not isinstance(recorded, dict):
     return {}
-  return {name: jnp.asarray(np.asarray(recorded[name]["value"], spec.np_dtype))
-          for name, spec in definition.inputs.items()
-          if spec.shape is None and isinstance(recorded.get(name), dict) and recorded[name].get("type") == "scalar"}
+  return {
+    name: jnp.asarray(np.asarray(recorded[name]["value"], spec.np_dtype))
+    for name, spec in definition.inputs.items()
+    if spec.shape is None and isinstance(recorded.get(name), dict) and recorded[name].get("type") == "scalar"
+  }
 
 
 def load_recorded(definition: dataset.Definition, w: dataset.Workload, blob_root: str, axes: Mapping[str, int]):
@@ -138,8 +175,10 @@ def load_recorded(definition: dataset.Definition, w: dataset.Workload, blob_root
   inputs = None
   recorded = w.record.get("inputs")
   if isinstance(recorded, dict) and recorded:
-    loaded = {name: read_tensor(blob_root, recorded.get(name), w, f"inputs.{name}", spec, axes)
-              for name, spec in definition.inputs.items()}
+    loaded = {
+      name: read_tensor(blob_root, recorded.get(name), w, f"inputs.{name}", spec, axes)
+      for name, spec in definition.inputs.items()
+    }
     if all(v is not None for v in loaded.values()):
       inputs = {k: jnp.asarray(v) for k, v in loaded.items()}
   expected = None
@@ -147,8 +186,10 @@ def load_recorded(definition: dataset.Definition, w: dataset.Workload, blob_root
   if inputs is not None and isinstance(exp, dict):
     names = list(definition.outputs)
     refs = {names[0]: exp} if "path" in exp else exp
-    got = {name: read_tensor(blob_root, refs.get(name), w, f"expected_output.{name}", spec, axes)
-           for name, spec in definition.outputs.items()}
+    got = {
+      name: read_tensor(blob_root, refs.get(name), w, f"expected_output.{name}", spec, axes)
+      for name, spec in definition.outputs.items()
+    }
     if all(v is not None for v in got.values()):
       expected = {k: jnp.asarray(v) for k, v in got.items()}
   return inputs, expected

@@ -24,22 +24,24 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 DEFAULT_TOLERANCES: dict[str, Any] = {
-    "bfloat16": {"atol": 0.005, "rtol": 0.016},
-    "float32": {"atol": 2e-5, "rtol": 1e-4},
-    "gdn_prefill_state": {"relative_rms": 0.01, "relative_max": 0.015, "max_head_relative_rms": 0.02},
+  "bfloat16": {"atol": 0.005, "rtol": 0.016},
+  "float32": {"atol": 2e-5, "rtol": 1e-4},
+  "gdn_prefill_state": {"relative_rms": 0.01, "relative_max": 0.015, "max_head_relative_rms": 0.02},
 }
 
 
-class Status(str, enum.Enum):
+class Status(str, enum.Enum):  # noqa: UP042  (StrEnum would change str(status), which logs print)
   """Every workload outcome (SPEC 7); the first four come from comparison.
   A `str` enum: it compares equal to, and serializes as, its value."""
+
   PASSED = "passed"
   INCORRECT_NUMERICAL = "incorrect_numerical"
   INCORRECT_SHAPE = "incorrect_shape"
@@ -135,8 +137,14 @@ def compare_exact(name: str, x: jax.Array, y: jax.Array) -> OutputComparison:
   matched = int(jnp.sum(jnp.asarray(x) == jnp.asarray(y)))
   diff = jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))
   status = PASSED if matched == size else INCORRECT_NUMERICAL
-  return OutputComparison(name, status, float(jnp.max(diff)), 0.0, matched / size,
-                          message="" if status == PASSED else f"{size - matched} of {size} elements differ")
+  return OutputComparison(
+    name,
+    status,
+    float(jnp.max(diff)),
+    0.0,
+    matched / size,
+    message="" if status == PASSED else f"{size - matched} of {size} elements differ",
+  )
 
 
 def _close(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> np.ndarray:
@@ -178,14 +186,28 @@ def compare_topk(name: str, x: jax.Array, y: jax.Array, scores: jax.Array, atol:
   rows = exact.size
   ok = exact | tie
   status = PASSED if ok.all() else INCORRECT_NUMERICAL
-  out = OutputComparison(name, status, 0.0, 0.0, float(ok.mean()) if rows else 1.0,
-                         tie_accepted_rows=int(tie.sum()),
-                         message="" if ok.all() else f"{int((~ok).sum())} of {rows} rows select other ids")
+  out = OutputComparison(
+    name,
+    status,
+    0.0,
+    0.0,
+    float(ok.mean()) if rows else 1.0,
+    tie_accepted_rows=int(tie.sum()),
+    message="" if ok.all() else f"{int((~ok).sum())} of {rows} rows select other ids",
+  )
   return out, ok
 
 
-def compare_paired(name: str, x: jax.Array, y: jax.Array, x_ids: jax.Array, y_ids: jax.Array,
-                   atol: float, rtol: float, ids_ok: np.ndarray) -> OutputComparison:
+def compare_paired(
+  name: str,
+  x: jax.Array,
+  y: jax.Array,
+  x_ids: jax.Array,
+  y_ids: jax.Array,
+  atol: float,
+  rtol: float,
+  ids_ok: np.ndarray,
+) -> OutputComparison:
   """Values permuted with a selection, compared on the ids both selected."""
   k = np.shape(x)[-1]
   xv = np.asarray(x, np.float32).reshape(-1, k)
@@ -204,9 +226,14 @@ def compare_paired(name: str, x: jax.Array, y: jax.Array, x_ids: jax.Array, y_id
   diff = np.where(counted & np.isfinite(xv) & np.isfinite(y_aligned), np.abs(xv - y_aligned), 0.0)
   rel = np.where(y_aligned != 0, diff / np.abs(np.where(y_aligned == 0, 1, y_aligned)), 0.0)
   status = PASSED if row_ok.all() else INCORRECT_NUMERICAL
-  return OutputComparison(name, status, float(diff.max(initial=0.0)), float(rel.max(initial=0.0)),
-                          float(row_ok.mean()) if row_ok.size else 1.0,
-                          message="" if status == PASSED else f"{int((~row_ok).sum())} rows differ")
+  return OutputComparison(
+    name,
+    status,
+    float(diff.max(initial=0.0)),
+    float(rel.max(initial=0.0)),
+    float(row_ok.mean()) if row_ok.size else 1.0,
+    message="" if status == PASSED else f"{int((~row_ok).sum())} rows differ",
+  )
 
 
 def compare_state(name: str, x: jax.Array, y: jax.Array, tol: Mapping[str, float]) -> OutputComparison:
@@ -227,8 +254,7 @@ def compare_state(name: str, x: jax.Array, y: jax.Array, tol: Mapping[str, float
   head_ref = jnp.sqrt(jnp.sum(y * y, axis=red))
   head_rel = jnp.where(head_ref > 0, head_err / jnp.maximum(head_ref, tiny), jnp.where(head_err > 0, jnp.inf, 0.0))
   worst_head = float(jnp.max(head_rel))
-  ok = (rel_rms <= tol["relative_rms"] and rel_max <= tol["relative_max"]
-        and worst_head <= tol["max_head_relative_rms"])
+  ok = rel_rms <= tol["relative_rms"] and rel_max <= tol["relative_max"] and worst_head <= tol["max_head_relative_rms"]
   ratio = float(jnp.mean(head_rel <= tol["max_head_relative_rms"]))
   msg = f"relative_rms={rel_rms:.3g} relative_max={rel_max:.3g} max_head_relative_rms={worst_head:.3g}"
   return OutputComparison(name, PASSED if ok else INCORRECT_NUMERICAL, max_abs, rel_max, ratio, message=msg)
@@ -241,6 +267,7 @@ def compare_state(name: str, x: jax.Array, y: jax.Array, tol: Mapping[str, float
 @dataclasses.dataclass(frozen=True)
 class Context:
   """What a policy may look at besides its own output pair."""
+
   out: Mapping[str, jax.Array]
   ref: Mapping[str, jax.Array]
   inputs: Mapping[str, jax.Array] | None
@@ -256,6 +283,7 @@ class Context:
 class Policy:
   """How one output is compared. `after` names an output whose comparison
   must run first (its per-row verdicts land in `Context.rows_ok`)."""
+
   after: str | None = None
 
   def compare(self, name: str, x: jax.Array, y: jax.Array, spec: Any, ctx: Context) -> OutputComparison:
@@ -265,13 +293,15 @@ class Policy:
 @dataclasses.dataclass(frozen=True)
 class Float(Policy):
   """The FIB rule with the dtype's tolerances, or explicit ones."""
+
   atol: float | None = None
   rtol: float | None = None
 
   def compare(self, name, x, y, spec, ctx):
     atol, rtol = ctx.tolerance(spec.dtype if spec.dtype in ctx.tolerances else "bfloat16")
-    return compare_float(name, x, y, self.atol if self.atol is not None else atol,
-                         self.rtol if self.rtol is not None else rtol)
+    return compare_float(
+      name, x, y, self.atol if self.atol is not None else atol, self.rtol if self.rtol is not None else rtol
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +315,7 @@ class TopK(Policy):
   """A top-k selection of candidate ids (-1 = padding). `scores(inputs)` gives
   what the selection ranks, `[rows, candidates]` f32. Tie-aware (SPEC 5) when
   the inputs are known, exact otherwise."""
+
   scores: Callable[[Mapping[str, jax.Array]], jax.Array]
 
   def compare(self, name, x, y, spec, ctx):
@@ -299,6 +330,7 @@ class TopK(Policy):
 class PairedWith(Policy):
   """Values permuted with the selection `ids`: compared on the ids both sides
   selected (falls back to the dtype rule when the selection was exact-only)."""
+
   ids: str
 
   @property
@@ -316,6 +348,7 @@ class PairedWith(Policy):
 class StateMetric(Policy):
   """The `gdn_prefill_state` metric: relative RMS, relative max and worst
   per-(sequence, head) relative RMS against thresholds."""
+
   key: str = "gdn_prefill_state"
 
   def compare(self, name, x, y, spec, ctx):
@@ -326,16 +359,20 @@ def default_policy(dtype: str) -> Policy:
   return Float() if dtype in ("bfloat16", "float32", "float8_e4m3fn") else Exact()
 
 
-def compare(specs: Mapping[str, Any], out: Mapping[str, jax.Array], ref: Mapping[str, jax.Array], *,
-            inputs: Mapping[str, jax.Array] | None = None,
-            policies: Mapping[str, Policy] | None = None,
-            tolerances: Mapping[str, Any] | None = None) -> Comparison:
+def compare(
+  specs: Mapping[str, Any],
+  out: Mapping[str, jax.Array],
+  ref: Mapping[str, jax.Array],
+  *,
+  inputs: Mapping[str, jax.Array] | None = None,
+  policies: Mapping[str, Policy] | None = None,
+  tolerances: Mapping[str, Any] | None = None,
+) -> Comparison:
   """Compares kernel outputs `out` with reference outputs `ref`, per output
   spec (`Definition.outputs`), each by its policy (default: by dtype). The
   first failing output in definition order sets the status."""
   policies = policies or {}
-  ctx = Context(out=out, ref=ref, inputs=inputs, tolerances={**DEFAULT_TOLERANCES, **(tolerances or {})},
-                rows_ok={})
+  ctx = Context(out=out, ref=ref, inputs=inputs, tolerances={**DEFAULT_TOLERANCES, **(tolerances or {})}, rows_ok={})
   results: dict[str, OutputComparison] = {}
   order = sorted(specs, key=lambda n: getattr(policies.get(n), "after", None) is not None)
   for name in order:
@@ -345,8 +382,9 @@ def compare(specs: Mapping[str, Any], out: Mapping[str, jax.Array], ref: Mapping
       continue
     x, y = out[name], ref[name]
     if tuple(np.shape(x)) != tuple(np.shape(y)):
-      results[name] = OutputComparison(name, INCORRECT_SHAPE,
-                                       message=f"shape {tuple(np.shape(x))}, expected {tuple(np.shape(y))}")
+      results[name] = OutputComparison(
+        name, INCORRECT_SHAPE, message=f"shape {tuple(np.shape(x))}, expected {tuple(np.shape(y))}"
+      )
       continue
     if np.dtype(x.dtype) != spec.np_dtype:
       results[name] = OutputComparison(name, INCORRECT_DTYPE, message=f"dtype {x.dtype}, expected {spec.dtype}")

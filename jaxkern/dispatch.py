@@ -38,14 +38,13 @@ gradient).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Literal, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
-from jax.experimental import checkify
 import jax.numpy as jnp
+from jax.experimental import checkify
 
-from jaxkern import autodiff
-from jaxkern import backends
-from jaxkern import spmd
+from jaxkern import autodiff, backends, spmd
 from jaxkern.family import OpImpl, bind_axes
 from pallas_kernels.shared.common import has_gpu, resolve_interpret
 
@@ -65,17 +64,26 @@ def kernel_backend(backend: Backend) -> str:
   return backends.PALLAS if backend is None else backend
 
 
-def call_kernel(impl: OpImpl, choice: backends.Choice, arrays: Mapping[str, Any], statics: Mapping[str, Any], *,
-                const_axes: Mapping[str, int], interpret: bool) -> Any:
+def call_kernel(
+  impl: OpImpl,
+  choice: backends.Choice,
+  arrays: Mapping[str, Any],
+  statics: Mapping[str, Any],
+  *,
+  const_axes: Mapping[str, int],
+  interpret: bool,
+) -> Any:
   """The chosen kernel on `arrays`: its own VJP where it has one, else
   differentiated through the family's reference (`jaxkern.autodiff`)."""
   kernel = impl.kernels[choice.backend]
-  launch = functools.partial(bind_axes(kernel.launch, const_axes, impl.axis_params), config=choice.config,
-                             interpret=interpret)
+  launch = functools.partial(
+    bind_axes(kernel.launch, const_axes, impl.axis_params), config=choice.config, interpret=interpret
+  )
   if kernel.own_vjp:
     return launch(**arrays, **statics)
-  return autodiff.pallas_path(launch, bind_axes(impl.reference, const_axes, impl.axis_params), dict(arrays),
-                              dict(statics))
+  return autodiff.pallas_path(
+    launch, bind_axes(impl.reference, const_axes, impl.axis_params), dict(arrays), dict(statics)
+  )
 
 
 def check_preconditions(impl: OpImpl, inputs: Mapping[str, Any], const_axes: Mapping[str, int]) -> None:
@@ -96,8 +104,12 @@ def check_preconditions(impl: OpImpl, inputs: Mapping[str, Any], const_axes: Map
     where = jnp.unravel_index(first, valid.shape)
     index = f"[{', '.join(['{}'] * valid.ndim)}]" if valid.ndim else ""
     expected = rule.expected.replace("{", "{{").replace("}", "}}")
-    checkify.check(jnp.all(valid), f"{op}: {rule.argument}{index} = {{}} is outside its valid range: {expected}",
-                   *where, value.reshape(-1)[first])
+    checkify.check(
+      jnp.all(valid),
+      f"{op}: {rule.argument}{index} = {{}} is outside its valid range: {expected}",
+      *where,
+      value.reshape(-1)[first],
+    )
 
 
 def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -115,9 +127,17 @@ def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
   return run_checked
 
 
-def run(impl: OpImpl, inputs: Mapping[str, Any], *, backend: Backend = None, config: Any = None,
-        const_axes: Mapping[str, int] | None = None, params: Mapping[str, Any] | None = None,
-        interpret: bool | None = None, checks: bool = False) -> Any:
+def run(
+  impl: OpImpl,
+  inputs: Mapping[str, Any],
+  *,
+  backend: Backend = None,
+  config: Any = None,
+  const_axes: Mapping[str, int] | None = None,
+  params: Mapping[str, Any] | None = None,
+  interpret: bool | None = None,
+  checks: bool = False,
+) -> Any:
   """One op call: `impl`'s kernel or reference on `inputs`.
 
   `inputs`: the definition's input names (an optional input may be None);
@@ -139,14 +159,23 @@ def run(impl: OpImpl, inputs: Mapping[str, Any], *, backend: Backend = None, con
     arrays, statics = autodiff.split_arrays({**shard, **params})
     if not pallas:
       return autodiff.xla_path(reference, arrays, statics)
-    choices = backends.select(impl.kernels, shard, op=op, const_axes=const_axes, axis_params=impl.axis_params,
-                              backend=kernel_backend(backend), config=config)
+    choices = backends.select(
+      impl.kernels,
+      shard,
+      op=op,
+      const_axes=const_axes,
+      axis_params=impl.axis_params,
+      backend=kernel_backend(backend),
+      config=config,
+    )
     _, out = backends.first_supported(
-        choices, lambda c: call_kernel(impl, c, arrays, statics, const_axes=const_axes, interpret=interpret),
-        op=op, kernels=impl.kernels)
+      choices,
+      lambda c: call_kernel(impl, c, arrays, statics, const_axes=const_axes, interpret=interpret),
+      op=op,
+      kernels=impl.kernels,
+    )
     return out
 
   # Interpret mode in its own shard_map skips the vma check: an interpreted
   # kernel would otherwise run once per shard on every device (common.pallas_call).
-  return spmd.run(impl.split, impl.reference.__name__, call, given, pallas=pallas,
-                  check_vma=not (pallas and interpret))
+  return spmd.run(impl.split, impl.reference.__name__, call, given, pallas=pallas, check_vma=not (pallas and interpret))

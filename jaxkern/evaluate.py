@@ -13,20 +13,17 @@ import datetime
 import hashlib
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jaxlib
 from ml_collections import config_dict
 
-from jaxkern import bench
+from jaxkern import bench, dataset, registry, roofline, tuning
 from jaxkern import compare as compare_lib
-from jaxkern import dataset
 from jaxkern import plan as plan_lib
-from jaxkern import registry
 from jaxkern import results as results_lib
-from jaxkern import roofline
-from jaxkern import tuning
 from jaxkern.compare import Status
 
 
@@ -37,20 +34,27 @@ def derive_seed(uuid: str, seed: int) -> int:
 
 def environment(interpret: bool) -> dict[str, Any]:
   dev = jax.devices()[0]
-  return {"hardware": getattr(dev, "device_kind", str(dev)), "backend": jax.default_backend(),
-          "libs": {"jax": jax.__version__, "jaxlib": jaxlib.__version__}, "interpret": interpret}
+  return {
+    "hardware": getattr(dev, "device_kind", str(dev)),
+    "backend": jax.default_backend(),
+    "libs": {"jax": jax.__version__, "jaxlib": jaxlib.__version__},
+    "interpret": interpret,
+  }
 
 
-def new_trace(w: dataset.Workload, seed: int, interpret: bool,
-              env: dict[str, Any] | None = None) -> results_lib.Trace:
+def new_trace(w: dataset.Workload, seed: int, interpret: bool, env: dict[str, Any] | None = None) -> results_lib.Trace:
   """A result with nothing evaluated yet (status None)."""
   return results_lib.Trace(
-      definition=w.definition,
-      workload=results_lib.WorkloadInfo(uuid=w.uuid, variant=w.variant, axes=dict(w.axes),
-                                        seed=derive_seed(w.uuid, seed), source=f"{w.file}:{w.line}"),
-      evaluation=results_lib.Evaluation(
-          status=None, environment=env if env is not None else environment(interpret),
-          timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")))
+    definition=w.definition,
+    workload=results_lib.WorkloadInfo(
+      uuid=w.uuid, variant=w.variant, axes=dict(w.axes), seed=derive_seed(w.uuid, seed), source=f"{w.file}:{w.line}"
+    ),
+    evaluation=results_lib.Evaluation(
+      status=None,
+      environment=env if env is not None else environment(interpret),
+      timestamp=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    ),
+  )
 
 
 class _Failed(Exception):
@@ -63,12 +67,18 @@ def _step(status: Status, what: str, fn: Callable[[], Any]) -> Any:
   """Runs one step of a workload; any exception becomes `status`."""
   try:
     return fn()
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     raise _Failed(status, (what + ": " if what else "") + bench.short_error(e)) from e
 
 
-def run_workload(op: registry.Op, w: dataset.Workload, cfg: config_dict.ConfigDict, cache: bench.CompileCache,
-                 interpret: bool, on_gpu: bool) -> results_lib.Trace:
+def run_workload(
+  op: registry.Op,
+  w: dataset.Workload,
+  cfg: config_dict.ConfigDict,
+  cache: bench.CompileCache,
+  interpret: bool,
+  on_gpu: bool,
+) -> results_lib.Trace:
   """One workload, isolated: every failure becomes its status."""
   trace = new_trace(w, cfg.seed, interpret)
   ev = trace.evaluation
@@ -77,17 +87,34 @@ def run_workload(op: registry.Op, w: dataset.Workload, cfg: config_dict.ConfigDi
     return trace
   deadline = time.monotonic() + float(cfg.timeout_s)
   try:
-    plan = _step(Status.RUNTIME_ERROR, "inputs", lambda: plan_lib.plan(
-        op, w, size=cfg.scale, seed=trace.workload.seed, blob_root=cfg.blob_root, on_gpu=on_gpu, tuned=cfg.tuned,
-        backend=cfg.backend))
+    plan = _step(
+      Status.RUNTIME_ERROR,
+      "inputs",
+      lambda: plan_lib.plan(
+        op,
+        w,
+        size=cfg.scale,
+        seed=trace.workload.seed,
+        blob_root=cfg.blob_root,
+        on_gpu=on_gpu,
+        tuned=cfg.tuned,
+        backend=cfg.backend,
+      ),
+    )
     trace.workload.axes_run, trace.workload.scaled = plan.axes_run, plan.scaled
     config, backend, inputs = plan.choice.config, plan.choice.backend, plan.inputs
     ev.backend, ev.config, ev.config_source = backend, tuning.config_to_json(config), plan.choice.source
     kernel_key = (op.name, "kernel", backend, interpret, config)
-    kernel = _step(Status.COMPILE_ERROR, "", lambda: cache.get(
-        kernel_key, lambda: lambda x: op.kernel(x, interpret=interpret, config=config, backend=backend), inputs))
-    reference = _step(Status.RUNTIME_ERROR, "reference", lambda: cache.get((op.name, "reference"),
-                                                                           lambda: op.reference, inputs))
+    kernel = _step(
+      Status.COMPILE_ERROR,
+      "",
+      lambda: cache.get(
+        kernel_key, lambda: lambda x: op.kernel(x, interpret=interpret, config=config, backend=backend), inputs
+      ),
+    )
+    reference = _step(
+      Status.RUNTIME_ERROR, "reference", lambda: cache.get((op.name, "reference"), lambda: op.reference, inputs)
+    )
     ref = _step(Status.RUNTIME_ERROR, "reference", lambda: jax.block_until_ready(reference(inputs)))
     out = _step(Status.RUNTIME_ERROR, "", lambda: jax.block_until_ready(kernel(inputs)))
     cmp = op.compare(out, ref, inputs=inputs)
@@ -101,17 +128,28 @@ def run_workload(op: registry.Op, w: dataset.Workload, cfg: config_dict.ConfigDi
         ev.status, ev.log = exp_cmp.status, "recorded expected_output: " + _messages(exp_cmp)
     if time.monotonic() > deadline:
       raise _Failed(Status.TIMEOUT, f"exceeded {cfg.timeout_s}s before timing")
-    timing = dict(warmup=cfg.warmup, iters=cfg.iters, on_gpu=on_gpu and not interpret, interpret=interpret,
-                  cold_l2=cfg.cold_l2, deadline=deadline)
+    timing = dict(
+      warmup=cfg.warmup,
+      iters=cfg.iters,
+      on_gpu=on_gpu and not interpret,
+      interpret=interpret,
+      cold_l2=cfg.cold_l2,
+      deadline=deadline,
+    )
     k = bench.measure(lambda: kernel(inputs), kernel_names=cache.kernel_names(kernel_key, inputs), **timing)
     r = bench.measure(lambda: reference(inputs), **timing)
     ev.performance = performance_json(k, r, cfg, cold_l2=cfg.cold_l2 and on_gpu and not interpret)
-    ev.performance.update(roofline.performance_fields(  # speed_of_light_ms; sol_fraction on a GPU
-        lambda: op.cost(plan.axes, inputs=plan.inputs, record=w.record, config=config), k["median_ms"],
-        device_kind=ev.environment.get("hardware"), measured_on_gpu=on_gpu and not interpret))
+    ev.performance.update(
+      roofline.performance_fields(  # speed_of_light_ms; sol_fraction on a GPU
+        lambda: op.cost(plan.axes, inputs=plan.inputs, record=w.record, config=config),
+        k["median_ms"],
+        device_kind=ev.environment.get("hardware"),
+        measured_on_gpu=on_gpu and not interpret,
+      )
+    )
   except _Failed as f:
     ev.status, ev.log = f.status, str(f)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     ev.status, ev.log = Status.RUNTIME_ERROR, bench.short_error(e)
   return trace
 
@@ -120,20 +158,33 @@ def _messages(cmp: compare_lib.Comparison) -> str:
   return "; ".join(f"{n}: {o.message}" for n, o in cmp.outputs.items() if o.message)
 
 
-def performance_json(k: dict[str, Any], r: dict[str, Any], cfg: config_dict.ConfigDict, *,
-                     cold_l2: bool) -> dict[str, Any]:
+def performance_json(
+  k: dict[str, Any], r: dict[str, Any], cfg: config_dict.ConfigDict, *, cold_l2: bool
+) -> dict[str, Any]:
   """`evaluation.performance` from the kernel's and the reference's
   `bench.measure` results. `latency_ms` is the whole op (on the device
   timer: Pallas kernels plus XLA glue), `kernel_latency_ms` the Pallas
   kernels alone (device timer only); a speedup only between equal timers."""
   comparable = k["median_ms"] > 0 and r["timer"] == k["timer"]
-  perf = {"timer": k["timer"], "latency_ms": k["median_ms"], "latency_min_ms": k["min_ms"],
-          "latency_max_ms": k["max_ms"], "reference_latency_ms": r["median_ms"],
-          "speedup_factor": r["median_ms"] / k["median_ms"] if comparable else None,
-          "samples": k["samples"], "warmup": cfg.warmup, "iters": cfg.iters, "cold_l2": cold_l2, "method": k["method"]}
+  perf = {
+    "timer": k["timer"],
+    "latency_ms": k["median_ms"],
+    "latency_min_ms": k["min_ms"],
+    "latency_max_ms": k["max_ms"],
+    "reference_latency_ms": r["median_ms"],
+    "speedup_factor": r["median_ms"] / k["median_ms"] if comparable else None,
+    "samples": k["samples"],
+    "warmup": cfg.warmup,
+    "iters": cfg.iters,
+    "cold_l2": cold_l2,
+    "method": k["method"],
+  }
   if k.get("kernel_median_ms") is not None:
-    perf.update(kernel_latency_ms=k["kernel_median_ms"], kernel_latency_min_ms=k["kernel_min_ms"],
-                kernel_latency_max_ms=k["kernel_max_ms"])
+    perf.update(
+      kernel_latency_ms=k["kernel_median_ms"],
+      kernel_latency_min_ms=k["kernel_min_ms"],
+      kernel_latency_max_ms=k["kernel_max_ms"],
+    )
   if r["timer"] != k["timer"]:
     perf["reference_timer"] = r["timer"]
   notes = [n for n in (k.get("note"), r.get("note") and "reference: " + r["note"]) if n]
@@ -144,9 +195,11 @@ def performance_json(k: dict[str, Any], r: dict[str, Any], cfg: config_dict.Conf
 
 def correctness_json(cmp: compare_lib.Comparison) -> dict[str, Any]:
   outs = cmp.outputs.values()
-  finite = lambda v: v if math.isfinite(v) else compare_lib._json_float(v)  # pylint: disable=protected-access  # noqa: E731
-  return {"max_absolute_error": finite(max((o.max_abs_error for o in outs), default=0.0)),
-          "max_relative_error": finite(max((o.max_rel_error for o in outs), default=0.0)),
-          "matched_ratio": min((o.matched_ratio for o in outs), default=1.0),
-          "tie_accepted_rows": cmp.tie_accepted_rows,
-          "outputs": cmp.to_json()}
+  finite = lambda v: v if math.isfinite(v) else compare_lib._json_float(v)  # noqa: E731
+  return {
+    "max_absolute_error": finite(max((o.max_abs_error for o in outs), default=0.0)),
+    "max_relative_error": finite(max((o.max_rel_error for o in outs), default=0.0)),
+    "matched_ratio": min((o.matched_ratio for o in outs), default=1.0),
+    "tie_accepted_rows": cmp.tie_accepted_rows,
+    "outputs": cmp.to_json(),
+  }

@@ -56,7 +56,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 
@@ -76,6 +77,7 @@ class Precondition:
   `valid`: bool, shaped like the argument (True = valid); `expected`: the
   valid range in words, with the sizes it depends on (the error names the
   first invalid element, its value and this)."""
+
   argument: str
   valid: jax.Array
   expected: str
@@ -106,8 +108,9 @@ class OpImpl:
     return next(iter(self.kernels.values()))
 
 
-def _axis_values(fn: Callable[..., Any], const_axes: Mapping[str, int], axis_params: Mapping[str, str],
-                 *, defaults: bool) -> dict[str, Any]:
+def _axis_values(
+  fn: Callable[..., Any], const_axes: Mapping[str, int], axis_params: Mapping[str, str], *, defaults: bool
+) -> dict[str, Any]:
   values = {}
   for name, p in inspect.signature(fn).parameters.items():
     if p.kind is not inspect.Parameter.KEYWORD_ONLY:
@@ -120,15 +123,17 @@ def _axis_values(fn: Callable[..., Any], const_axes: Mapping[str, int], axis_par
   return values
 
 
-def bind_axes(fn: Callable[..., Any], const_axes: Mapping[str, int],
-              axis_params: Mapping[str, str]) -> Callable[..., Any]:
+def bind_axes(
+  fn: Callable[..., Any], const_axes: Mapping[str, int], axis_params: Mapping[str, str]
+) -> Callable[..., Any]:
   """`fn` with its keyword-only constant-axis parameters filled in."""
   bound = _axis_values(fn, const_axes, axis_params, defaults=False)
   return functools.partial(fn, **bound) if bound else fn
 
 
-def bound_values(fn: Callable[..., Any], const_axes: Mapping[str, int],
-                 axis_params: Mapping[str, str]) -> dict[str, Any]:
+def bound_values(
+  fn: Callable[..., Any], const_axes: Mapping[str, int], axis_params: Mapping[str, str]
+) -> dict[str, Any]:
   """The value each keyword-only parameter of `fn` gets from `const_axes`
   (named like the parameter or mapped by `axis_params`), else its default."""
   return _axis_values(fn, const_axes, axis_params, defaults=True)
@@ -155,6 +160,7 @@ def varying_like(x: Any, *like: Any) -> Any:
   def vary(leaf):
     axes = tuple(sorted(target - varying_axes(leaf)))
     return jax.lax.pcast(leaf, axes, to="varying") if axes else leaf
+
   return jax.tree.map(vary, x)
 
 
@@ -164,8 +170,13 @@ def shrink_rows(n: int, base: int = 64) -> int:
   return n if n <= base else base + n % base
 
 
-def shrink_until(axes: Mapping[str, int], fits: Callable[[dict[str, int]], bool],
-                 shrink: Callable[[dict[str, int]], dict[str, int]], *, max_steps: int = 64) -> dict[str, int]:
+def shrink_until(
+  axes: Mapping[str, int],
+  fits: Callable[[dict[str, int]], bool],
+  shrink: Callable[[dict[str, int]], dict[str, int]],
+  *,
+  max_steps: int = 64,
+) -> dict[str, int]:
   """Applies `shrink` to a copy of `axes` until `fits` holds (or nothing
   changes any more)."""
   out = dict(axes)

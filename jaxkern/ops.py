@@ -38,7 +38,19 @@ from jaxkern.families.qsa_sparse_gqa import qsa_sparse_gqa_decode
 from jaxkern.families.sparse_mla import sparse_mla_prefill
 
 __all__ = [
-    "Backend", "attention", "block_causal_attention", "checked", "dense_gemm", "gdn_decode", "gdn_prefill",
-    "grouped_gemm_fp8_fp4", "mixed_mla_decode", "moe_router", "neighborhood_attention_3d",
-    "prefix_cached_attention", "qsa_index_topk", "qsa_sparse_gqa_decode", "sparse_mla_prefill",
+  "Backend",
+  "attention",
+  "block_causal_attention",
+  "checked",
+  "dense_gemm",
+  "gdn_decode",
+  "gdn_prefill",
+  "grouped_gemm_fp8_fp4",
+  "mixed_mla_decode",
+  "moe_router",
+  "neighborhood_attention_3d",
+  "prefix_cached_attention",
+  "qsa_index_topk",
+  "qsa_sparse_gqa_decode",
+  "sparse_mla_prefill",
 ]

@@ -10,14 +10,12 @@ Run sizes: `auto` runs the recorded axes on a GPU and the family's
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 
-from jaxkern import backends
-from jaxkern import blobs
-from jaxkern import dataset
-from jaxkern import registry
+from jaxkern import backends, blobs, dataset, registry
 from pallas_kernels.shared.common import has_gpu
 
 RUN_SIZES = ("auto", "full", "smoke")
@@ -26,13 +24,14 @@ RUN_SIZES = ("auto", "full", "smoke")
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
   """How one workload runs: at which axes, on which inputs, with which config."""
-  axes: dict[str, int]           # every axis the run uses
-  axes_run: dict[str, int]       # the var axes, and const axes that differ from the definition
-  scaled: bool                   # axes differ from the recorded ones
+
+  axes: dict[str, int]  # every axis the run uses
+  axes_run: dict[str, int]  # the var axes, and const axes that differ from the definition
+  scaled: bool  # axes differ from the recorded ones
   inputs: dict[str, jax.Array]
-  inputs_source: str             # "blobs" | "synthesized"
+  inputs_source: str  # "blobs" | "synthesized"
   expected: dict[str, jax.Array] | None  # recorded outputs, only at recorded sizes
-  choice: backends.Choice        # the kernel backend and config the run uses
+  choice: backends.Choice  # the kernel backend and config the run uses
 
 
 def run_axes(op: registry.Op, recorded_axes: Mapping[str, int], size: str, on_gpu: bool) -> dict[str, int]:
@@ -45,9 +44,18 @@ def run_axes(op: registry.Op, recorded_axes: Mapping[str, int], size: str, on_gp
   return op.cpu_axes(recorded_axes, validated=True)
 
 
-def plan(op: registry.Op, w: dataset.Workload, *, size: str = "auto", seed: int = 0, blob_root: str = "",
-         on_gpu: bool | None = None, config: Any = None, tuned: bool = True,
-         backend: str | None = None) -> RunPlan:
+def plan(
+  op: registry.Op,
+  w: dataset.Workload,
+  *,
+  size: str = "auto",
+  seed: int = 0,
+  blob_root: str = "",
+  on_gpu: bool | None = None,
+  config: Any = None,
+  tuned: bool = True,
+  backend: str | None = None,
+) -> RunPlan:
   """Everything needed to run one workload: recorded tensors when the blob
   root has them (always at recorded sizes), else synthesized inputs at the
   run size's axes with the record's scalar inputs where it gives them; and
@@ -61,10 +69,20 @@ def plan(op: registry.Op, w: dataset.Workload, *, size: str = "auto", seed: int 
   else:
     axes, source = run_axes(op, recorded_axes, size, on_gpu), "synthesized"
     inputs = jax.block_until_ready(
-        {**op.make_inputs(axes, seed=seed, record=w.record, allow_shrunk_constants=True),
-         **blobs.recorded_scalars(op.definition, w)})
+      {
+        **op.make_inputs(axes, seed=seed, record=w.record, allow_shrunk_constants=True),
+        **blobs.recorded_scalars(op.definition, w),
+      }
+    )
   scaled = axes != recorded_axes
   const = op.definition.const_axes
   axes_run = {k: v for k, v in axes.items() if k not in const or v != const[k]}
-  return RunPlan(axes=axes, axes_run=axes_run, scaled=scaled, inputs=inputs, inputs_source=source,
-                 expected=None if scaled else expected, choice=op.config_for(inputs, config, backend=backend, tuned=tuned))
+  return RunPlan(
+    axes=axes,
+    axes_run=axes_run,
+    scaled=scaled,
+    inputs=inputs,
+    inputs_source=source,
+    expected=None if scaled else expected,
+    choice=op.config_for(inputs, config, backend=backend, tuned=tuned),
+  )

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Any, Callable, Iterable, Sequence
 import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 # Module names (jit of a function of this name: "jit_<name>") of the
 # executables bench enqueues between calls; their events are never counted.
@@ -40,6 +41,7 @@ class Where:
   """Which events are the device's work: those on the plane named `plane`
   (or the only plane starting with `plane_fallback` when that one is absent),
   on lines whose name starts with `line_prefix`, carrying an `hlo_module`."""
+
   plane: str
   line_prefix: str = ""
   plane_fallback: str = ""
@@ -111,8 +113,7 @@ class CallTime:
 
 
 def call_times(calls: Sequence[Sequence[Event]], is_kernel: Callable[[str], bool]) -> list[CallTime]:
-  return [CallTime(sum(e.duration_ns for e in c), sum(e.duration_ns for e in c if is_kernel(e.name)))
-          for c in calls]
+  return [CallTime(sum(e.duration_ns for e in c), sum(e.duration_ns for e in c if is_kernel(e.name))) for c in calls]
 
 
 def spread_ms(values_ns: Sequence[float]) -> dict[str, float]:

@@ -21,8 +21,8 @@ a kernel cannot pass its own check.
 from __future__ import annotations
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 
 E2M1_MAX = 6.0
 # e2m1 code -> value: magnitude codes 0..7, bit 3 the sign (code 8 is -0.0).
@@ -106,8 +106,7 @@ def dequantize_e2m1(packed: jax.Array, scales: jax.Array, block_size: int = 32) 
   return (values * ue8m0_to_f32(scales)[..., None]).reshape(codes.shape)
 
 
-def quantize_fp8_e4m3(x: jax.Array, block_size: int = 32,
-                      scale_format: str = "ue8m0") -> tuple[jax.Array, jax.Array]:
+def quantize_fp8_e4m3(x: jax.Array, block_size: int = 32, scale_format: str = "ue8m0") -> tuple[jax.Array, jax.Array]:
   """x [..., n] -> (float8_e4m3fn [..., n], scales [..., n/block_size]).
 
   `scale_format="ue8m0"`: uint8 bytes, the smallest power of two with
@@ -199,4 +198,4 @@ def quantize_mla_fp4_tokens(x: jax.Array) -> jax.Array:
 def dequantize_mla_fp4_tokens(records: jax.Array) -> jax.Array:
   """FP4 token records uint8 `[..., D/2 + D/16]` -> float32 `[..., D]`."""
   d = records.shape[-1] * 16 // 9
-  return dequantize_e2m1(records[..., :d // 2], records[..., d // 2:], MLA_FP4_GROUP)
+  return dequantize_e2m1(records[..., : d // 2], records[..., d // 2 :], MLA_FP4_GROUP)

@@ -21,18 +21,17 @@ import dataclasses
 import functools
 import importlib
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxkern import backends
+from jaxkern import backends, dataset, roofline
 from jaxkern import compare as compare_lib
-from jaxkern import dataset
-from jaxkern import roofline
 from jaxkern.family import OpImpl, bind_axes
-from pallas_kernels.shared.kernel import Kernel
 from pallas_kernels.shared.common import resolve_interpret
+from pallas_kernels.shared.kernel import Kernel
 
 FAMILIES_PACKAGE = "jaxkern.families"
 
@@ -79,11 +78,11 @@ class Op:
   def input_shapes(self, axes: Mapping[str, int]) -> dict[str, jax.ShapeDtypeStruct]:
     """Abstract inputs at `axes`: enough for configs and lowering, no data."""
     full = self.validated_axes(axes)
-    return {n: jax.ShapeDtypeStruct(t.concrete_shape(full), t.np_dtype)
-            for n, t in self.definition.inputs.items()}
+    return {n: jax.ShapeDtypeStruct(t.concrete_shape(full), t.np_dtype) for n, t in self.definition.inputs.items()}
 
-  def make_inputs(self, axes: Mapping[str, int], seed: int = 0, record: dict | None = None, *,
-                  allow_shrunk_constants: bool = False) -> dict[str, jax.Array]:
+  def make_inputs(
+    self, axes: Mapping[str, int], seed: int = 0, record: dict | None = None, *, allow_shrunk_constants: bool = False
+  ) -> dict[str, jax.Array]:
     """Deterministic, structurally valid inputs for `axes` (var axes suffice).
 
     `allow_shrunk_constants=True` accepts constant axes smaller than the
@@ -114,8 +113,9 @@ class Op:
   def reference(self, inputs: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     return self.name_outputs(self._bound("reference")(**inputs))
 
-  def kernel(self, inputs: Mapping[str, jax.Array], interpret: bool | None = None, config: Any = None,
-             backend: str | None = None) -> dict[str, jax.Array]:
+  def kernel(
+    self, inputs: Mapping[str, jax.Array], interpret: bool | None = None, config: Any = None, backend: str | None = None
+  ) -> dict[str, jax.Array]:
     """A kernel's outputs: `backend` one of the family's kernel backends
     (`"triton"`, `"mosaic_gpu"`), or None / `"pallas"` for the best
     available (`jaxkern.backends`); `config=None` takes `config_for`'s
@@ -128,8 +128,9 @@ class Op:
       fn = self._bound_kernel(choice.backend, "launch")
       return fn(**inputs, config=choice.config, interpret=interpret)
 
-    _, out = backends.first_supported(self.choices(inputs, config, backend=backend), launch, op=self.name,
-                                      kernels=impl.kernels)
+    _, out = backends.first_supported(
+      self.choices(inputs, config, backend=backend), launch, op=self.name, kernels=impl.kernels
+    )
     return self.name_outputs(out)
 
   # -- backends and configs --------------------------------------------------
@@ -174,17 +175,39 @@ class Op:
         found.setdefault(axis, int(size))
     return {a: found[a] for a in self.definition.var_axes if a in found}
 
-  def choices(self, inputs: Mapping[str, Any], config: Any = None, *, backend: str | None = None,
-              tuned: bool = True, device_kind: str | None = None):
+  def choices(
+    self,
+    inputs: Mapping[str, Any],
+    config: Any = None,
+    *,
+    backend: str | None = None,
+    tuned: bool = True,
+    device_kind: str | None = None,
+  ):
     """`backends.select` for these inputs: the (backend, config, source) of
     each backend to try, in order."""
     impl = self._require()
-    return backends.select(impl.kernels, _shapes(inputs), op=self.name, const_axes=self.definition.const_axes,
-                           axis_params=impl.axis_params, backend=backend or backends.PALLAS, config=config,
-                           tuned=tuned, device_kind=device_kind)
+    return backends.select(
+      impl.kernels,
+      _shapes(inputs),
+      op=self.name,
+      const_axes=self.definition.const_axes,
+      axis_params=impl.axis_params,
+      backend=backend or backends.PALLAS,
+      config=config,
+      tuned=tuned,
+      device_kind=device_kind,
+    )
 
-  def config_for(self, inputs: Mapping[str, Any], config: Any = None, *, backend: str | None = None,
-                 tuned: bool = True, device_kind: str | None = None) -> backends.Choice:
+  def config_for(
+    self,
+    inputs: Mapping[str, Any],
+    config: Any = None,
+    *,
+    backend: str | None = None,
+    tuned: bool = True,
+    device_kind: str | None = None,
+  ) -> backends.Choice:
     """The backend `kernel` runs, with its config: the first of `choices`
     whose kernel takes these inputs (traced on their shapes when there is a
     backend to fall back to). Its config: the caller's, else (with `tuned`)
@@ -201,8 +224,14 @@ class Op:
 
     return backends.first_supported(choices, trace, op=self.name, kernels=self._require().kernels)[0]
 
-  def cost(self, axes: Mapping[str, int], *, inputs: Mapping[str, jax.Array] | None = None,
-           record: Mapping[str, Any] | None = None, config: Any = None) -> roofline.Cost:
+  def cost(
+    self,
+    axes: Mapping[str, int],
+    *,
+    inputs: Mapping[str, jax.Array] | None = None,
+    record: Mapping[str, Any] | None = None,
+    config: Any = None,
+  ) -> roofline.Cost:
     """FLOPs and minimum HBM bytes of a run at `axes` (the family's formula,
     `OpImpl.cost`). Variable axes suffice; constant axes not given take the
     definition's values, given ones win (a run with shrunk constants).
@@ -214,41 +243,66 @@ class Op:
       raise NotImplementedError(f"{self.name}: the family has no cost formula (OpImpl.cost)")
     full = {**self.definition.const_axes, **{k: int(v) for k, v in axes.items()}}
     work = impl.cost(self.definition, full, inputs=inputs, record=record, config=config)
-    return roofline.Cost(flops=int(work.flops), bytes=int(work.bytes), dtype_class=work.dtype_class,
-                         family=impl.cost.__name__, gather_bytes=int(work.gather_bytes),
-                         counted_from=work.counted_from)
+    return roofline.Cost(
+      flops=int(work.flops),
+      bytes=int(work.bytes),
+      dtype_class=work.dtype_class,
+      family=impl.cost.__name__,
+      gather_bytes=int(work.gather_bytes),
+      counted_from=work.counted_from,
+    )
 
-  def compare(self, out: Mapping[str, jax.Array], ref: Mapping[str, jax.Array], *,
-              inputs: Mapping[str, jax.Array] | None = None,
-              tolerances: Mapping[str, Any] | None = None) -> compare_lib.Comparison:
+  def compare(
+    self,
+    out: Mapping[str, jax.Array],
+    ref: Mapping[str, jax.Array],
+    *,
+    inputs: Mapping[str, jax.Array] | None = None,
+    tolerances: Mapping[str, Any] | None = None,
+  ) -> compare_lib.Comparison:
     """SPEC section 5 with the family's per-output policies. Top-k outputs are
     tie-aware only when `inputs` is given; otherwise exact."""
-    return compare_lib.compare(self.definition.outputs, out, ref, inputs=inputs,
-                               policies=self.impl.policies if self.impl else {}, tolerances=tolerances)
+    return compare_lib.compare(
+      self.definition.outputs,
+      out,
+      ref,
+      inputs=inputs,
+      policies=self.impl.policies if self.impl else {},
+      tolerances=tolerances,
+    )
 
 
 def _shapes(inputs: Mapping[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
   return {k: jax.ShapeDtypeStruct(tuple(np.shape(v)), v.dtype) for k, v in inputs.items()}
 
 
-def check_tensors(definition: dataset.Definition, tensors: Mapping[str, Any], axes: Mapping[str, int],
-                  *, kind: str = "inputs", source: str = "") -> None:
+def check_tensors(
+  definition: dataset.Definition,
+  tensors: Mapping[str, Any],
+  axes: Mapping[str, int],
+  *,
+  kind: str = "inputs",
+  source: str = "",
+) -> None:
   """Raises DatasetError unless `tensors` has exactly the definition's names,
   shapes and dtypes for `axes`."""
   specs = getattr(definition, kind)
   where = source or f"{definition.name} {kind}"
   if set(tensors) != set(specs):
-    raise dataset.DatasetError("tensor names differ from the definition", file=where, field=kind,
-                               expected=sorted(specs), got=sorted(tensors))
+    raise dataset.DatasetError(
+      "tensor names differ from the definition", file=where, field=kind, expected=sorted(specs), got=sorted(tensors)
+    )
   for name, spec in specs.items():
     x = tensors[name]
     shape = spec.concrete_shape(axes)
     if tuple(np.shape(x)) != shape:
-      raise dataset.DatasetError("wrong shape", file=where, field=f"{kind}.{name}", expected=shape,
-                                 got=tuple(np.shape(x)))
+      raise dataset.DatasetError(
+        "wrong shape", file=where, field=f"{kind}.{name}", expected=shape, got=tuple(np.shape(x))
+      )
     if np.dtype(x.dtype) != spec.np_dtype:
-      raise dataset.DatasetError("wrong dtype", file=where, field=f"{kind}.{name}", expected=spec.dtype,
-                                 got=str(x.dtype))
+      raise dataset.DatasetError(
+        "wrong dtype", file=where, field=f"{kind}.{name}", expected=spec.dtype, got=str(x.dtype)
+      )
 
 
 def _load_impl(definition: dataset.Definition) -> tuple[OpImpl | None, str]:
@@ -257,9 +311,13 @@ def _load_impl(definition: dataset.Definition) -> tuple[OpImpl | None, str]:
   allowed = family_packages()
   inside = any(module_name == p or module_name.startswith(p + ".") for p in allowed)
   if not (sep and func.isidentifier() and inside and all(part.isidentifier() for part in module_name.split("."))):
-    raise dataset.DatasetError("reference must name a function of a family module", file=definition.name,
-                               field="reference", expected=f"'<module>:<function>' with the module inside {allowed}",
-                               got=definition.reference)
+    raise dataset.DatasetError(
+      "reference must name a function of a family module",
+      file=definition.name,
+      field="reference",
+      expected=f"'<module>:<function>' with the module inside {allowed}",
+      got=definition.reference,
+    )
   try:
     module = importlib.import_module(module_name)
   except ModuleNotFoundError as e:
@@ -268,8 +326,13 @@ def _load_impl(definition: dataset.Definition) -> tuple[OpImpl | None, str]:
     raise
   fn = getattr(module, func, None)
   if fn is None:
-    raise dataset.DatasetError(f"{module_name} has no function {func}", file=definition.name, field="reference",
-                               expected="an existing function", got=definition.reference)
+    raise dataset.DatasetError(
+      f"{module_name} has no function {func}",
+      file=definition.name,
+      field="reference",
+      expected="an existing function",
+      got=definition.reference,
+    )
   for impl in getattr(module, "IMPLS", ()):
     if impl.reference is fn:
       return impl, ""

@@ -21,23 +21,16 @@ import os
 import pathlib
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from absl import app
-from absl import flags
-from absl import logging
 import jax
-from ml_collections import config_dict
-from ml_collections import config_flags
+from absl import app, flags, logging
+from ml_collections import config_dict, config_flags
 
-from jaxkern import backends
-from jaxkern import compare as compare_lib
-from jaxkern import dataset
-from jaxkern import evaluate
+from jaxkern import backends, dataset, evaluate, selection, shards
 from jaxkern import plan as plan_lib
 from jaxkern import results as results_lib
-from jaxkern import selection
-from jaxkern import shards
 from jaxkern import workers as workers_lib
 from jaxkern.compare import Status
 from jaxkern.replay_config import default_config
@@ -75,9 +68,11 @@ def process_shard(cfg: config_dict.ConfigDict) -> shards.Shard:
   """This process's share of the run: after `jax.distributed.initialize`
   when a coordinator is configured, else the configured (or only) shard."""
   if cfg.coordinator_address:
-    jax.distributed.initialize(coordinator_address=cfg.coordinator_address,
-                               num_processes=cfg.num_processes or None,
-                               process_id=None if cfg.process_id < 0 else cfg.process_id)
+    jax.distributed.initialize(
+      coordinator_address=cfg.coordinator_address,
+      num_processes=cfg.num_processes or None,
+      process_id=None if cfg.process_id < 0 else cfg.process_id,
+    )
     return shards.Shard(jax.process_index(), jax.process_count())
   return shards.Shard(max(cfg.process_id, 0), max(cfg.num_processes, 1))
 
@@ -87,8 +82,10 @@ def output_problem(path: pathlib.Path, resume: bool) -> str | None:
   writable), or None. Creates the folder and, if absent, an empty file."""
   if not resume and path.is_file() and path.stat().st_size:
     lines = path.read_bytes().count(b"\n")
-    return (f"{path} already holds results ({lines} lines) and would be replaced: pass --config.resume=True "
-            "to continue it, or another --config.output")
+    return (
+      f"{path} already holds results ({lines} lines) and would be replaced: pass --config.resume=True "
+      "to continue it, or another --config.output"
+    )
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8"):
@@ -100,8 +97,8 @@ def output_problem(path: pathlib.Path, resume: bool) -> str | None:
 
 def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -> int:
   """Runs a replay; returns the process exit code."""
-  import tabulate  # pylint: disable=g-import-not-at-top
-  import tqdm  # pylint: disable=g-import-not-at-top
+  import tabulate
+  import tqdm
 
   problem = check_config(cfg)
   if problem:
@@ -129,17 +126,22 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
     per_variant = 0 if on_gpu else 1
   dataset_dir = cfg.dataset_dir or str(dataset.default_dataset_dir())
   sel = selection.Selection(
-      definitions=tuple(selection.csv(cfg.definitions)), variants=tuple(selection.csv(cfg.variants)),
-      uuids=tuple(selection.csv(cfg.uuids)), max_per_definition=cfg.max_workloads_per_definition,
-      max_per_variant=per_variant)
+    definitions=tuple(selection.csv(cfg.definitions)),
+    variants=tuple(selection.csv(cfg.variants)),
+    uuids=tuple(selection.csv(cfg.uuids)),
+    max_per_definition=cfg.max_workloads_per_definition,
+    max_per_variant=per_variant,
+  )
   try:
     selected = selection.select_workloads(dataset_dir, sel, report)
   except (ValueError, dataset.DatasetError) as e:
     log(f"error: {e}")
     return 2
   if not selected:
-    log(f"error: the selection matches no workload in {dataset_dir} "
-        f"(definitions={cfg.definitions!r}, variants={cfg.variants!r}, uuids={cfg.uuids!r})")
+    log(
+      f"error: the selection matches no workload in {dataset_dir} "
+      f"(definitions={cfg.definitions!r}, variants={cfg.variants!r}, uuids={cfg.uuids!r})"
+    )
     return 2
   # Shard the whole selection before skipping finished work, so a resumed
   # shard is assigned exactly what it was assigned before.
@@ -162,9 +164,11 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
   if done:
     log(f"resume: {len(done)} workloads already in {out_path}, {len(workloads)} to go")
   where = f"shard {shard.index + 1} of {shard.count}, " if shard.count > 1 else ""
-  log(f"replaying {len(workloads)} workloads from {dataset_dir} on {jax.default_backend()} "
-      f"({where}{n_devices} device worker(s) ({cfg.isolation}), scale={cfg.scale}, interpret={interpret}, "
-      f"max per variant={per_variant or 'no cap'}{cap_note}) -> {out_path}")
+  log(
+    f"replaying {len(workloads)} workloads from {dataset_dir} on {jax.default_backend()} "
+    f"({where}{n_devices} device worker(s) ({cfg.isolation}), scale={cfg.scale}, interpret={interpret}, "
+    f"max per variant={per_variant or 'no cap'}{cap_note}) -> {out_path}"
+  )
   traces: list[results_lib.Trace] = []
   lock = threading.Lock()
   stop = threading.Event()
@@ -175,8 +179,10 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
     t.evaluation.status, t.evaluation.log = status, message
     return t
 
-  with results_lib.ResultsWriter(out_path, resume=True) as writer, \
-      tqdm.tqdm(total=len(workloads), disable=not cfg.progress, unit="wl", dynamic_ncols=True) as bar:
+  with (
+    results_lib.ResultsWriter(out_path, resume=True) as writer,
+    tqdm.tqdm(total=len(workloads), disable=not cfg.progress, unit="wl", dynamic_ncols=True) as bar,
+  ):
 
     def work(share: list[dataset.Workload], device_index: int) -> None:
       setup = workers_lib.Setup(cfg, dataset_dir, interpret, on_gpu, device_index)
@@ -193,8 +199,9 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
             traces.append(t)
             bar.set_description(w.definition[:40])
             bar.update(1)
-            bar.set_postfix(passed=sum(x.status == Status.PASSED for x in traces),
-                            failed=sum(x.status.failed for x in traces))
+            bar.set_postfix(
+              passed=sum(x.status == Status.PASSED for x in traces), failed=sum(x.status.failed for x in traces)
+            )
             if not cfg.progress:
               log(progress_line(len(traces), len(workloads), t))
       finally:
@@ -206,8 +213,10 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
   failed = [t for t in traces if t.status.failed]
   for t in failed[:20]:
     log(f"FAILED {t.definition} {t.workload.uuid}: {t.status.value}: {t.evaluation.log[:300]}")
-  log(f"{sum(t.status == Status.PASSED for t in traces)} passed, {len(failed)} failed, "
-      f"{sum(t.status == Status.SKIPPED for t in traces)} skipped, {len(errors)} bad records; results in {out_path}")
+  log(
+    f"{sum(t.status == Status.PASSED for t in traces)} passed, {len(failed)} failed, "
+    f"{sum(t.status == Status.SKIPPED for t in traces)} skipped, {len(errors)} bad records; results in {out_path}"
+  )
   if interrupted:
     log("interrupted: results so far are on disk; rerun with --config.resume=True to continue")
     return 130
@@ -221,8 +230,9 @@ def progress_line(i: int, n: int, t: results_lib.Trace) -> str:
   return f"[{i}/{n}] {t.definition} {t.workload.uuid}: {t.status.value}{timed}"
 
 
-def run_workers(work: Callable[[list, Any], None], shares: list[list], devices: list[Any],
-                stop: threading.Event) -> bool:
+def run_workers(
+  work: Callable[[list, Any], None], shares: list[list], devices: list[Any], stop: threading.Event
+) -> bool:
   """Runs `work(share, device)` per local device (in this thread when there
   is one); returns True after Ctrl-C, having asked the workers to stop (and
   waited for them: a worker process is killed, a worker thread finishes its
@@ -252,7 +262,7 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # jax's backend probing is noise here
   try:
     cfg = _CONFIG.value if _CONFIG.value is not None else default_config()
-  except Exception as e:  # pylint: disable=broad-except  (ml_collections raises OSError, or the file's own error)
+  except Exception as e:  # ml_collections raises OSError, or the file's own error
     print(f"error: cannot load --config: {str(e).strip()}", file=sys.stderr)
     sys.exit(2)
   sys.exit(replay(cfg))
@@ -261,7 +271,7 @@ def main(argv: list[str]) -> None:
 def unknown_config_fields(argv: list[str]) -> list[str]:
   """The `--config.FIELD=...` overrides naming no field of the schema."""
   known = set(default_config().keys())
-  fields = [a.split("=", 1)[0][len("--config."):].split(".")[0] for a in argv if a.startswith("--config.")]
+  fields = [a.split("=", 1)[0][len("--config.") :].split(".")[0] for a in argv if a.startswith("--config.")]
   return [f for f in fields if f not in known]
 
 
@@ -269,8 +279,11 @@ def missing_config_file(argv: list[str]) -> str | None:
   """The `--config` path when it names no file (`--config=PATH` or
   `--config PATH`), else None."""
   for i, a in enumerate(argv):
-    path = a[len("--config="):] if a.startswith("--config=") else (
-        argv[i + 1] if a == "--config" and i + 1 < len(argv) else None)
+    path = (
+      a[len("--config=") :]
+      if a.startswith("--config=")
+      else (argv[i + 1] if a == "--config" and i + 1 < len(argv) else None)
+    )
     if path is not None:
       path = path.split(":", 1)[0]  # ml_collections' `file.py:arg` form
       return None if os.path.isfile(path) else path
@@ -290,8 +303,11 @@ def run() -> None:
     sys.exit(2)
   unknown = unknown_config_fields(sys.argv[1:])
   if unknown:
-    print(f"error: unknown config field(s) {', '.join(unknown)}\n"
-          f"valid --config fields: {', '.join(sorted(default_config().keys()))}", file=sys.stderr)
+    print(
+      f"error: unknown config field(s) {', '.join(unknown)}\n"
+      f"valid --config fields: {', '.join(sorted(default_config().keys()))}",
+      file=sys.stderr,
+    )
     sys.exit(2)
   app.run(main)
 

@@ -27,7 +27,9 @@ def default_config() -> config_dict.ConfigDict:
   c.blob_root = ""  # directory holding the records' blob/... safetensors, if any
   c.output = "results/replay.jsonl"  # an existing non-empty file is only ever appended to (resume)
   c.tuned = True  # consult configs/tuned/<device kind>.json before the heuristic
-  c.backend = "pallas"  # kernel backend: pallas (the best available: tuned, else the family's order) | triton | mosaic_gpu
+  c.backend = (
+    "pallas"  # kernel backend: pallas (the best available: tuned, else the family's order) | triton | mosaic_gpu
+  )
   c.resume = False  # append to `output`, skipping uuids already in it; without it a non-empty `output` is an error
   c.order = "dataset"  # dataset | interleave (round robin over definitions: a time-capped run covers all early)
   c.warmup = 1

@@ -23,7 +23,8 @@ import os
 import pathlib
 import statistics
 import sys
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from jaxkern.compare import Status
 
@@ -74,13 +75,16 @@ class Trace:
     return out
 
   @classmethod
-  def from_json(cls, data: dict[str, Any]) -> "Trace":
+  def from_json(cls, data: dict[str, Any]) -> Trace:
     ev = dict(data["evaluation"])
     ev["status"] = None if ev.get("status") is None else Status(ev["status"])
     known = {f.name for f in dataclasses.fields(Evaluation)}
-    return cls(definition=data["definition"], solution=data.get("solution", ""),
-               workload=WorkloadInfo(**data["workload"]),
-               evaluation=Evaluation(**{k: v for k, v in ev.items() if k in known}))
+    return cls(
+      definition=data["definition"],
+      solution=data.get("solution", ""),
+      workload=WorkloadInfo(**data["workload"]),
+      evaluation=Evaluation(**{k: v for k, v in ev.items() if k in known}),
+    )
 
 
 class ResultsWriter:
@@ -96,7 +100,7 @@ class ResultsWriter:
     size = self.path.stat().st_size if self.path.exists() else 0
     if size and not resume:
       raise FileExistsError(f"{self.path} already holds results; append with resume, or write elsewhere")
-    self._f = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+    self._f = open(self.path, "a", encoding="utf-8")
     if size:
       self._f.truncate(_complete_size(self.path))
 
@@ -147,8 +151,11 @@ def read_results(path: str | os.PathLike) -> tuple[list[Trace], list[BadLine]]:
     try:
       traces.append(Trace.from_json(json.loads(line)))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-      reason = ("truncated last line (a run was cut off while writing it)" if truncated
-                else f"not a result line ({type(e).__name__}: {str(e)[:80]})")
+      reason = (
+        "truncated last line (a run was cut off while writing it)"
+        if truncated
+        else f"not a result line ({type(e).__name__}: {str(e)[:80]})"
+      )
       bad.append(BadLine(str(path), i, reason, truncated))
   return traces, bad
 
@@ -169,8 +176,21 @@ def read_done_uuids(path: str | os.PathLike) -> set[str]:
   return {t.workload.uuid for t in read_results(path)[0]}
 
 
-SUMMARY_HEADERS = ["definition", "backend", "timer", "n", "passed", "failed", "skipped", "kernel ms", "ref ms", "speedup",
-                   "SOL ms", "SOL frac", "worst status"]
+SUMMARY_HEADERS = [
+  "definition",
+  "backend",
+  "timer",
+  "n",
+  "passed",
+  "failed",
+  "skipped",
+  "kernel ms",
+  "ref ms",
+  "speedup",
+  "SOL ms",
+  "SOL frac",
+  "worst status",
+]
 
 
 def timer_of(t: Trace) -> str | None:
@@ -211,6 +231,18 @@ def _summary_row(name: str, backend: str, timer: str | None, ts: list[Trace]) ->
     return f"{statistics.median(values):.3g}" if values else "-"
 
   worst = next((s for s in Status if s in st and s != Status.PASSED), Status.PASSED)
-  return [name, backend, timer or "-", len(ts), st.count(Status.PASSED), sum(s is not None and s.failed for s in st),
-          st.count(Status.SKIPPED), med("latency_ms"), med("reference_latency_ms"), med("speedup_factor"),
-          med("speed_of_light_ms"), med("sol_fraction"), worst.value]
+  return [
+    name,
+    backend,
+    timer or "-",
+    len(ts),
+    st.count(Status.PASSED),
+    sum(s is not None and s.failed for s in st),
+    st.count(Status.SKIPPED),
+    med("latency_ms"),
+    med("reference_latency_ms"),
+    med("speedup_factor"),
+    med("speed_of_light_ms"),
+    med("sol_fraction"),
+    worst.value,
+  ]

@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -56,28 +57,35 @@ from jaxkern import dataset
 # Device peaks (data). TFLOP/s are dense (no structured sparsity); TB/s are
 # 10^12 bytes per second.
 
-_H100_SHEET = ("NVIDIA H100 Tensor Core GPU Architecture whitepaper, H100 SXM5 column: dense BF16 989.4, FP8 "
-               "1978.9, FP32 (non-tensor) 66.9 TFLOP/s; HBM3 3.35 TB/s from the H100 datasheet (SXM), which "
-               "rounds the compute to 989 / 1979 / 67 (its BF16 1979 and FP8 3958 are with sparsity)")
-_H200_SHEET = ("NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: HBM3e 4.8 TB/s; compute as the H100 SXM "
-               "(BF16 1979 and FP8 3958 TFLOP/s with sparsity, half that dense; FP32 67)")
-_H200_MEASURED = ("measured on the project's H200 (figures given in a work brief; "
-                  "method and date not recorded in this repository)")
+_H100_SHEET = (
+  "NVIDIA H100 Tensor Core GPU Architecture whitepaper, H100 SXM5 column: dense BF16 989.4, FP8 "
+  "1978.9, FP32 (non-tensor) 66.9 TFLOP/s; HBM3 3.35 TB/s from the H100 datasheet (SXM), which "
+  "rounds the compute to 989 / 1979 / 67 (its BF16 1979 and FP8 3958 are with sparsity)"
+)
+_H200_SHEET = (
+  "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: HBM3e 4.8 TB/s; compute as the H100 SXM "
+  "(BF16 1979 and FP8 3958 TFLOP/s with sparsity, half that dense; FP32 67)"
+)
+_H200_MEASURED = (
+  "measured on the project's H200 (figures given in a work brief; method and date not recorded in this repository)"
+)
 
 DEVICES: dict[str, dict[str, Any]] = {
-    "h100_sxm": {
-        "name": "NVIDIA H100 SXM5 80GB",
-        "datasheet": {"bf16_tflops": 989.4, "fp8_tflops": 1978.9, "fp32_tflops": 66.9, "hbm_tb_s": 3.35},
-        "measured": {},
-        "sources": {"datasheet": _H100_SHEET},
+  "h100_sxm": {
+    "name": "NVIDIA H100 SXM5 80GB",
+    "datasheet": {"bf16_tflops": 989.4, "fp8_tflops": 1978.9, "fp32_tflops": 66.9, "hbm_tb_s": 3.35},
+    "measured": {},
+    "sources": {"datasheet": _H100_SHEET},
+  },
+  "h200": {
+    "name": "NVIDIA H200 SXM 141GB",
+    "datasheet": {"bf16_tflops": 989.4, "fp8_tflops": 1978.9, "fp32_tflops": 66.9, "hbm_tb_s": 4.8},
+    "measured": {"bf16_tflops": 790.0, "hbm_tb_s": 4.3},
+    "sources": {
+      "datasheet": _H200_SHEET,
+      "measured": _H200_MEASURED + ": dense BF16 GEMM 790 TFLOP/s, device-to-device copy about 4.3 TB/s",
     },
-    "h200": {
-        "name": "NVIDIA H200 SXM 141GB",
-        "datasheet": {"bf16_tflops": 989.4, "fp8_tflops": 1978.9, "fp32_tflops": 66.9, "hbm_tb_s": 4.8},
-        "measured": {"bf16_tflops": 790.0, "hbm_tb_s": 4.3},
-        "sources": {"datasheet": _H200_SHEET, "measured": _H200_MEASURED + ": dense BF16 GEMM 790 TFLOP/s, "
-                    "device-to-device copy about 4.3 TB/s"},
-    },
+  },
 }
 DEFAULT_DEVICE = "h200"
 DTYPE_CLASSES = ("bf16", "fp8", "fp32")
@@ -103,8 +111,9 @@ def peaks(device: str, basis: str = "datasheet") -> dict[str, float]:
   return {**d["datasheet"], **(d["measured"] if basis == "measured" else {})}
 
 
-def speed_of_light_ms(flops: float, bytes: float, device: str = DEFAULT_DEVICE,  # pylint: disable=redefined-builtin
-                      dtype_class: str = "bf16", basis: str = "datasheet") -> float:
+def speed_of_light_ms(
+  flops: float, bytes: float, device: str = DEFAULT_DEVICE, dtype_class: str = "bf16", basis: str = "datasheet"
+) -> float:
   """max(flops / peak of `dtype_class`, bytes / HBM bandwidth), in ms."""
   if dtype_class not in DTYPE_CLASSES:
     raise ValueError(f"dtype_class must be one of {DTYPE_CLASSES}, got {dtype_class!r}")
@@ -123,6 +132,7 @@ class Work:
   """What a family's cost formula returns (`OpImpl.cost`): FLOPs, minimum
   HBM bytes, the peak class of its FLOPs, the bytes its per-query gathers
   move (0: no gather), and whether the run's inputs decided the counts."""
+
   flops: int
   bytes: int
   dtype_class: str = "bf16"
@@ -135,7 +145,7 @@ class Cost:
   flops: int
   bytes: int
   dtype_class: str  # which peak bounds the FLOPs: "bf16", "fp8" (tensor-core MMA) or "fp32" (CUDA cores)
-  family: str       # the formula used (its function name)
+  family: str  # the formula used (its function name)
   gather_bytes: int = 0
   counted_from: str = "axes"
 
@@ -174,8 +184,9 @@ def io_bytes(d: dataset.Definition, axes: Mapping[str, int], skip: tuple[str, ..
   return sum(tensor_bytes(d, n, axes) for n in (*d.inputs, *d.outputs) if n not in skip)
 
 
-def performance_fields(cost: Callable[[], Cost], latency_ms: float | None, *, device_kind: str | None,
-                       measured_on_gpu: bool) -> dict[str, Any]:
+def performance_fields(
+  cost: Callable[[], Cost], latency_ms: float | None, *, device_kind: str | None, measured_on_gpu: bool
+) -> dict[str, Any]:
   """What a replay result's `evaluation.performance` gains from `cost()` (the
   run's `Cost`): `speed_of_light_ms` (on the device kind if it is a known
   GPU, else the H200; datasheet peaks), a `roofline` dict (flops, bytes,
@@ -186,13 +197,20 @@ def performance_fields(cost: Callable[[], Cost], latency_ms: float | None, *, de
   None` and the reason, never an exception."""
   try:
     c = cost()
-  except Exception as e:  # pylint: disable=broad-except  # a roofline gap must not fail a workload
+  except Exception as e:  # a roofline gap must not fail a workload
     return {"speed_of_light_ms": None, "roofline": {"error": f"{type(e).__name__}: {e}"}}
   device = device_key(device_kind)
   sol = c.speed_of_light_ms(device)
-  line: dict[str, Any] = {"flops": c.flops, "bytes": c.bytes, "device": device, "dtype_class": c.dtype_class,
-                          "peak": c.peak_text(device), "bound": c.bound(device), "basis": "datasheet",
-                          "counted_from": c.counted_from}
+  line: dict[str, Any] = {
+    "flops": c.flops,
+    "bytes": c.bytes,
+    "device": device,
+    "dtype_class": c.dtype_class,
+    "peak": c.peak_text(device),
+    "bound": c.bound(device),
+    "basis": "datasheet",
+    "counted_from": c.counted_from,
+  }
   if c.gather_bytes:
     line.update(gather_bytes=c.gather_bytes, gather_floor_ms=c.gather_floor_ms(device))
   out: dict[str, Any] = {"speed_of_light_ms": sol, "roofline": line}

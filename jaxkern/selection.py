@@ -11,7 +11,7 @@ import dataclasses
 import math
 import os
 import pathlib
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -39,8 +39,9 @@ def input_bytes(definition: dataset.Definition, axes: Mapping[str, int]) -> int:
   return sum(math.prod(t.concrete_shape(full)) * np.dtype(t.np_dtype).itemsize for t in definition.inputs.values())
 
 
-def largest_recorded_axes(definition: dataset.Definition,
-                          dataset_dir: str | os.PathLike | None = None) -> dict[str, int]:
+def largest_recorded_axes(
+  definition: dataset.Definition, dataset_dir: str | os.PathLike | None = None
+) -> dict[str, int]:
   """The recorded var axes of `definition` with the most input bytes (ties:
   the first record). ValueError without a record."""
   best, best_bytes = None, -1
@@ -56,14 +57,15 @@ def largest_recorded_axes(definition: dataset.Definition,
 @dataclasses.dataclass(frozen=True)
 class Selection:
   definitions: tuple[str, ...] = ()  # names or prefixes; empty = all
-  variants: tuple[str, ...] = ()     # recorded variants ("none" = records without one); empty = all
+  variants: tuple[str, ...] = ()  # recorded variants ("none" = records without one); empty = all
   uuids: tuple[str, ...] = ()
-  max_per_definition: int = 0        # 0 = no cap
-  max_per_variant: int = 0           # 0 = no cap; records without a variant form one group
+  max_per_definition: int = 0  # 0 = no cap
+  max_per_variant: int = 0  # 0 = no cap; records without a variant form one group
 
 
-def select_workloads(dataset_dir: str | pathlib.Path, sel: Selection, on_error: dataset.ErrorSink,
-                     skip_uuids: Iterable[str] = ()) -> list[dataset.Workload]:
+def select_workloads(
+  dataset_dir: str | pathlib.Path, sel: Selection, on_error: dataset.ErrorSink, skip_uuids: Iterable[str] = ()
+) -> list[dataset.Workload]:
   """The selected workloads. Raises ValueError for a missing dataset or a
   definition filter that matches nothing."""
   ddir = pathlib.Path(dataset_dir)
@@ -81,8 +83,11 @@ def select_workloads(dataset_dir: str | pathlib.Path, sel: Selection, on_error: 
     if not keep(path.stem):
       continue
     if path.stem not in defs:
-      on_error(dataset.DatasetError("workload file of an unknown definition", file=path,
-                                    expected=f"definitions/{path.stem}.json", got=path.name))
+      on_error(
+        dataset.DatasetError(
+          "workload file of an unknown definition", file=path, expected=f"definitions/{path.stem}.json", got=path.name
+        )
+      )
       continue
     per_variant: dict[str, int] = {}
     n_def = 0

@@ -16,7 +16,8 @@ import dataclasses
 import json
 import pathlib
 import sys
-from typing import Sequence, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 from jaxkern import results
 
@@ -33,7 +34,7 @@ class Shard:
       raise ValueError(f"shard index {self.index} is not in [0, {self.count})")
 
   def take(self, items: Sequence[T]) -> list[T]:
-    return list(items[self.index::self.count])
+    return list(items[self.index :: self.count])
 
   def output(self, path: str | pathlib.Path) -> pathlib.Path:
     path = pathlib.Path(path)
@@ -47,11 +48,13 @@ def manifest_path(results_path: str | pathlib.Path) -> pathlib.Path:
 
 
 def write_manifest(results_path: str | pathlib.Path, shard: Shard, uuids: Sequence[str], selected: int) -> None:
-  manifest_path(results_path).write_text(json.dumps(
-      {"shard_index": shard.index, "shard_count": shard.count, "selected": selected, "uuids": list(uuids)}) + "\n")
+  manifest_path(results_path).write_text(
+    json.dumps({"shard_index": shard.index, "shard_count": shard.count, "selected": selected, "uuids": list(uuids)})
+    + "\n"
+  )
 
 
-def split_round_robin(items: Sequence[T], parts: int) -> list[list[T]]:
+def split_round_robin(items: Sequence[T], parts: int) -> list[list[T]]:  # noqa: UP047  (T is shared with Shard.take)
   """`parts` lists taking every `parts`-th item (one per local device)."""
   return [list(items[i::parts]) for i in range(parts)]
 
@@ -86,8 +89,10 @@ def merge(inputs: Sequence[str | pathlib.Path], output: str | pathlib.Path) -> i
       lines.append((m["shard_index"], json.dumps(trace.to_json())))
     missing = [u for u in m["uuids"] if u not in got]
     if missing:
-      raise MergeError(f"{path}: {len(missing)} assigned workloads have no result (resume that shard): "
-                       f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+      raise MergeError(
+        f"{path}: {len(missing)} assigned workloads have no result (resume that shard): "
+        f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+      )
   counts = {m["shard_count"] for m in manifests.values()}
   if len(counts) != 1:
     raise MergeError(f"files come from runs with different shard counts: {sorted(counts)}")
@@ -103,7 +108,8 @@ def merge(inputs: Sequence[str | pathlib.Path], output: str | pathlib.Path) -> i
 
 def main(argv: list[str] | None = None) -> int:
   """`python -m jaxkern.shards merge --output OUT SHARD.jsonl ...`"""
-  import argparse  # pylint: disable=g-import-not-at-top
+  import argparse
+
   parser = argparse.ArgumentParser(prog="python -m jaxkern.shards")
   sub = parser.add_subparsers(dest="command", required=True)
   command = sub.add_parser("merge", help="join the result files of a sharded replay (checks every uuid once)")

@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 Arrays = Mapping[str, jax.Array]
 Factors = dict[str, tuple[str, ...]]  # dimension name -> mesh axes splitting it
@@ -54,6 +56,7 @@ class Split:
   scalar); `outputs`: the same per output, in output order; `independent`:
   the dimension names the op may be split along; `reasons`: why another
   name cannot be split (in the error a user sees), by name."""
+
   inputs: Mapping[str, str]
   outputs: tuple[str, ...]
   independent: str
@@ -91,12 +94,20 @@ def spec_for(dims: tuple[str, ...], factors: Factors) -> P:
 def check_ranks(split: Split, op: str, arrays: Arrays) -> None:
   for name, x in arrays.items():
     if name not in split.inputs or len(split.dims(name)) != x.ndim:
-      raise ValueError(f"{op}: the split rule names dims {split.inputs.get(name)!r} for input {name!r}, "
-                       f"which has shape {x.shape}")
+      raise ValueError(
+        f"{op}: the split rule names dims {split.inputs.get(name)!r} for input {name!r}, which has shape {x.shape}"
+      )
 
 
-def assign(split: Split, op: str, specs: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
-           axis_sizes: Mapping[str, int], *, strict: bool) -> Factors:
+def assign(
+  split: Split,
+  op: str,
+  specs: Mapping[str, Any],
+  shapes: Mapping[str, tuple[int, ...]],
+  axis_sizes: Mapping[str, int],
+  *,
+  strict: bool,
+) -> Factors:
   """The mesh axes of each split dimension, read from the inputs' specs.
 
   A sharding the op cannot follow (a dimension it combines, two inputs
@@ -114,11 +125,17 @@ def assign(split: Split, op: str, specs: Mapping[str, Any], shapes: Mapping[str,
       where = f"input {name!r} {tuple(shapes[name])} is sharded over mesh axes {axes} along dim {i} ({dim!r})"
       taken = {a for d, used in factors.items() if d != dim for a in used}
       count = math.prod(axis_sizes[a] for a in axes)
-      uneven = [(other, j, size) for other in specs for j, (d, size) in enumerate(zip(split.dims(other), shapes[other]))
-                if d == dim and size % count]
+      uneven = [
+        (other, j, size)
+        for other in specs
+        for j, (d, size) in enumerate(zip(split.dims(other), shapes[other]))
+        if d == dim and size % count
+      ]
       if not split.splits(dim):
-        problem = (f"{where}, which it cannot be split along: {split.reason(dim)}. Replicate that dim "
-                   f"(jax.sharding.reshard) or split another")
+        problem = (
+          f"{where}, which it cannot be split along: {split.reason(dim)}. Replicate that dim "
+          f"(jax.sharding.reshard) or split another"
+        )
       elif dim in factors and factors[dim] != axes:
         problem = f"{where}, but another input shards {dim!r} over {factors[dim]}: shard them alike"
       elif taken & set(axes):
@@ -147,8 +164,9 @@ def _as_outputs(out: Any, count: int) -> Any:
   return out if count == 1 else tuple(out)
 
 
-def run(split: Split | None, op: str, call: Callable[[Arrays], Any], arrays: Arrays, *,
-        pallas: bool, check_vma: bool = True) -> Any:
+def run(
+  split: Split | None, op: str, call: Callable[[Arrays], Any], arrays: Arrays, *, pallas: bool, check_vma: bool = True
+) -> Any:
   """`call(arrays)` (one op call on whole or per-shard inputs) on the
   arrays as they are sharded; see the module docstring."""
   mesh = _mesh(arrays)
@@ -177,27 +195,37 @@ def _run_explicit(split: Split, op: str, call, arrays: Arrays, specs, mesh, *, c
   factors = assign(split, op, specs, shapes, dict(zip(mesh.axis_names, mesh.axis_sizes)), strict=True)
   in_specs = {n: spec_for(split.dims(n), factors) for n in arrays}
   # Inputs not yet sharded along a split dim get their shard (a local slice).
-  arrays = {n: x if specs[n] == in_specs[n] else jax.sharding.reshard(x, NamedSharding(mesh, in_specs[n]))
-            for n, x in arrays.items()}
+  arrays = {
+    n: x if specs[n] == in_specs[n] else jax.sharding.reshard(x, NamedSharding(mesh, in_specs[n]))
+    for n, x in arrays.items()
+  }
   out_specs = tuple(spec_for(dims, factors) for dims in split.output_dims())
   count = len(out_specs)
   # Manual over every mesh axis (those splitting nothing replicate): the
   # interpreted kernels cannot run with Explicit axes left.
-  return jax.shard_map(lambda a: _as_outputs(call(a), count), mesh=mesh, in_specs=(in_specs,),
-                       out_specs=out_specs[0] if count == 1 else out_specs, check_vma=check_vma)(arrays)
+  return jax.shard_map(
+    lambda a: _as_outputs(call(a), count),
+    mesh=mesh,
+    in_specs=(in_specs,),
+    out_specs=out_specs[0] if count == 1 else out_specs,
+    check_vma=check_vma,
+  )(arrays)
 
 
-def sharding_rule(split: Split, names: list[str], shapes: Mapping[str, tuple[int, ...]],
-                  out_shapes: list[tuple[int, ...]]) -> SdyShardingRule:
+def sharding_rule(
+  split: Split, names: list[str], shapes: Mapping[str, tuple[int, ...]], out_shapes: list[tuple[int, ...]]
+) -> SdyShardingRule:
   """The Shardy rule of a call: one factor per dimension name and size (a
   factor has one size; grouped heads get two, kept together at partition
   time), the dimensions the op combines marked as needing replication."""
+
   def factor(dim: str, size: int) -> str:
     return f"{dim}_{size}"
 
   operands = [ArrayMapping(*(factor(d, s) for d, s in zip(split.dims(n), shapes[n]))) for n in names]
-  results = [ArrayMapping(*(factor(d, s) for d, s in zip(dims, shape)))
-             for dims, shape in zip(split.output_dims(), out_shapes)]
+  results = [
+    ArrayMapping(*(factor(d, s) for d, s in zip(dims, shape))) for dims, shape in zip(split.output_dims(), out_shapes)
+  ]
   # In order of first use: Shardy wants special factors sorted by index.
   combined = dict.fromkeys(f for mapping in operands for f in mapping if not split.splits(f.rsplit("_", 1)[0]))
   return SdyShardingRule(tuple(operands), tuple(results), need_replication_factors=tuple(combined))
@@ -226,8 +254,10 @@ def _run_partitioned(split: Split, op: str, call, arrays: Arrays) -> Any:
   out_shapes = [o.shape for o in jax.tree.leaves(jax.eval_shape(plain, *arrays.values()))]
   partitioned = custom_partitioning(plain)
   partitioned.def_partition(
-      partition, infer_sharding_from_operands=lambda mesh, arg_shapes, _: shardings(mesh, arg_shapes)[1],
-      sharding_rule=sharding_rule(split, names, {n: x.shape for n, x in arrays.items()}, out_shapes))
+    partition,
+    infer_sharding_from_operands=lambda mesh, arg_shapes, _: shardings(mesh, arg_shapes)[1],
+    sharding_rule=sharding_rule(split, names, {n: x.shape for n, x in arrays.items()}, out_shapes),
+  )
   return _untransformed(partitioned, plain)(*arrays.values())
 
 
@@ -235,6 +265,7 @@ def _untransformed(partitioned: Callable[..., Any], plain: Callable[..., Any]) -
   """`partitioned` where it can run; under `vmap` or differentiation, which
   custom_partitioning has no rules for, `plain` (the same function, one
   unpartitioned call)."""
+
   @jax.custom_batching.custom_vmap
   def batchable(*xs):
     return partitioned(*xs)

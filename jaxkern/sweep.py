@@ -31,22 +31,18 @@ import json
 import sys
 import time
 
-from absl import app
-from absl import flags
 import jax
+from absl import app, flags
 
 from jaxkern import aot as aot_lib
-from jaxkern import backends
-from jaxkern import bench
-from jaxkern import registry
-from jaxkern import selection
-from jaxkern import tuning
+from jaxkern import backends, bench, registry, selection, tuning
 from pallas_kernels.shared.common import resolve_interpret
 from pallas_kernels.shared.lowering import lower_for_h100
 
 _DEFINITION = flags.DEFINE_string("definition", None, "Definition name.", required=True)
-_AXES = flags.DEFINE_string("axes", "", "Variable axes, e.g. 'M=4125' or 'B=1,Nq=2352,Nk=51' "
-                            "(default: the largest recorded ones).")
+_AXES = flags.DEFINE_string(
+  "axes", "", "Variable axes, e.g. 'M=4125' or 'B=1,Nq=2352,Nk=51' (default: the largest recorded ones)."
+)
 _SEED = flags.DEFINE_integer("seed", 0, "Input synthesis seed.")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed runs per config.")
 _ITERS = flags.DEFINE_integer("iters", 5, "Timed runs per config (median reported).")
@@ -54,13 +50,21 @@ _MAX_CONFIGS = flags.DEFINE_integer("max_configs", 0, "Try at most this many can
 _INTERPRET = flags.DEFINE_bool("interpret", None, "Interpret mode (default: when no GPU is present).")
 _LOWER_ONLY = flags.DEFINE_bool("lower_only", False, "Only check deviceless H100 lowering of each candidate.")
 _OUTPUT = flags.DEFINE_string("output", "", "Optional JSONL file, one line per config.")
-_AOT = flags.DEFINE_bool("aot", None, "Compile each candidate for sm_90a first and skip those that spill or "
-                         "overflow shared memory (default: when the aot extra is installed).")
+_AOT = flags.DEFINE_bool(
+  "aot",
+  None,
+  "Compile each candidate for sm_90a first and skip those that spill or "
+  "overflow shared memory (default: when the aot extra is installed).",
+)
 _AOT_TARGET = flags.DEFINE_string("aot_target", aot_lib.DEFAULT_TARGET, "GPU target of --aot.")
-_WRITE_TUNED = flags.DEFINE_bool("write_tuned", False,
-                                 "Record each backend's fastest correct config in configs/tuned/<device kind>.json.")
-_BACKEND = flags.DEFINE_string("backend", "pallas", "Kernel backend whose candidates run: pallas (every backend of "
-                               "the family) | triton | mosaic_gpu.")
+_WRITE_TUNED = flags.DEFINE_bool(
+  "write_tuned", False, "Record each backend's fastest correct config in configs/tuned/<device kind>.json."
+)
+_BACKEND = flags.DEFINE_string(
+  "backend",
+  "pallas",
+  "Kernel backend whose candidates run: pallas (every backend of the family) | triton | mosaic_gpu.",
+)
 
 
 def parse_axes(text: str) -> dict[str, int]:
@@ -82,9 +86,19 @@ def sweep_backends(op: registry.Op, backend: str) -> tuple[str, ...]:
   return (op.kernel_of(backend).backend,)
 
 
-def sweep(op: registry.Op, axes: dict[str, int], *, seed: int, warmup: int, iters: int, interpret: bool,
-          max_configs: int, lower_only: bool, compiler: "aot_lib.Compiler | None" = None,
-          backend: str = backends.PALLAS) -> list[dict]:
+def sweep(
+  op: registry.Op,
+  axes: dict[str, int],
+  *,
+  seed: int,
+  warmup: int,
+  iters: int,
+  interpret: bool,
+  max_configs: int,
+  lower_only: bool,
+  compiler: aot_lib.Compiler | None = None,
+  backend: str = backends.PALLAS,
+) -> list[dict]:
   """One row per (backend, candidate config), the backends in the family's
   order. With `compiler` (a `jaxkern.aot.Compiler`), each candidate is
   compiled for sm_90a first; rejected ones are not run."""
@@ -100,24 +114,42 @@ def sweep(op: registry.Op, axes: dict[str, int], *, seed: int, warmup: int, iter
   rows = []
   for i, (name, config, is_heuristic) in enumerate(candidates, 1):
     in_use = name == current.backend and config == current.config
-    row = {"backend": name, "config": tuning.config_to_json(config), "heuristic": is_heuristic,
-           "current": in_use, "current_source": current.source, "status": None,
-           "latency_ms": None, "timer": None, "log": ""}
+    row = {
+      "backend": name,
+      "config": tuning.config_to_json(config),
+      "heuristic": is_heuristic,
+      "current": in_use,
+      "current_source": current.source,
+      "status": None,
+      "latency_ms": None,
+      "timer": None,
+      "log": "",
+    }
     t0 = time.perf_counter()
     launch = lambda x, config=config, name=name, interpret=False: op.kernel(  # noqa: E731
-        x, interpret=interpret, config=config, backend=name)
+      x, interpret=interpret, config=config, backend=name
+    )
     if compiler is not None:
       rep = compiler.compile(launch, op.input_shapes(axes))
-      row["aot"] = {"status": rep.status, "summary": rep.summary(), "error": rep.error,
-                    "kernels": [{k: getattr(kr, k) for k in ("name", "registers", "smem_bytes", "spill_stores",
-                                                             "spill_loads", "matrix_ops", "ctas_per_sm")}
-                                for kr in rep.kernels]}
+      row["aot"] = {
+        "status": rep.status,
+        "summary": rep.summary(),
+        "error": rep.error,
+        "kernels": [
+          {
+            k: getattr(kr, k)
+            for k in ("name", "registers", "smem_bytes", "spill_stores", "spill_loads", "matrix_ops", "ctas_per_sm")
+          }
+          for kr in rep.kernels
+        ],
+      }
       if not rep.ok:
         row["status"], row["log"] = AOT_REJECTED.get(rep.status, "aot_error"), rep.summary()
         row["seconds"], row["_config"] = time.perf_counter() - t0, config
         rows.append(row)
-        print(f"[{i}/{len(candidates)}] {name} {config} -> {row['status']} (sm_90a: {rep.summary()}); skipped",
-              flush=True)
+        print(
+          f"[{i}/{len(candidates)}] {name} {config} -> {row['status']} (sm_90a: {rep.summary()}); skipped", flush=True
+        )
         continue
     try:
       if lower_only:
@@ -129,17 +161,27 @@ def sweep(op: registry.Op, axes: dict[str, int], *, seed: int, warmup: int, iter
         cmp = op.compare(out, ref, inputs=inputs)
         row["status"] = cmp.status
         names = () if interpret else bench.pallas_call_names(fn.lower(inputs).as_text())
-        t = bench.measure(lambda: fn(inputs), warmup=warmup, iters=iters, on_gpu=not interpret,
-                          interpret=interpret, cold_l2=not interpret, kernel_names=names)
+        t = bench.measure(
+          lambda fn=fn: fn(inputs),
+          warmup=warmup,
+          iters=iters,
+          on_gpu=not interpret,
+          interpret=interpret,
+          cold_l2=not interpret,
+          kernel_names=names,
+        )
         row["latency_ms"], row["timer"] = t["median_ms"], t["timer"]
         row["kernel_latency_ms"] = t.get("kernel_median_ms")
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       row["status"], row["log"] = "error", bench.short_error(e)
     row["seconds"] = time.perf_counter() - t0
     row["_config"] = config
     rows.append(row)
-    print(f"[{i}/{len(candidates)}] {name} {config} -> {row['status']}"
-          + (f" {row['latency_ms']:.3f} ms" if row["latency_ms"] is not None else ""), flush=True)
+    print(
+      f"[{i}/{len(candidates)}] {name} {config} -> {row['status']}"
+      + (f" {row['latency_ms']:.3f} ms" if row["latency_ms"] is not None else ""),
+      flush=True,
+    )
   return rows
 
 
@@ -153,7 +195,7 @@ def ranking(rows: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str]) -> None:
-  import tabulate  # pylint: disable=g-import-not-at-top
+  import tabulate
 
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -173,20 +215,49 @@ def main(argv: list[str]) -> None:
     sweep_backends(op, _BACKEND.value)
   except ValueError as e:
     raise app.UsageError(f"--backend: {e}") from None
-  rows = sweep(op, axes, seed=_SEED.value, warmup=_WARMUP.value, iters=_ITERS.value, interpret=interpret,
-               max_configs=_MAX_CONFIGS.value, lower_only=_LOWER_ONLY.value, compiler=compiler,
-               backend=_BACKEND.value)
+  rows = sweep(
+    op,
+    axes,
+    seed=_SEED.value,
+    warmup=_WARMUP.value,
+    iters=_ITERS.value,
+    interpret=interpret,
+    max_configs=_MAX_CONFIGS.value,
+    lower_only=_LOWER_ONLY.value,
+    compiler=compiler,
+    backend=_BACKEND.value,
+  )
   if _OUTPUT.value:
     with open(_OUTPUT.value, "w", encoding="utf-8") as f:
       for r in rows:
-        f.write(json.dumps({"definition": op.name, "axes": axes, "interpret": interpret,
-                            **{k: v for k, v in r.items() if k != "_config"}}) + "\n")
-  table = [[r["backend"], json.dumps(r["config"]), "*" if r["heuristic"] else "",
-            r["current_source"] if r["current"] else "", r["status"],
-            "-" if r["latency_ms"] is None else f"{r['latency_ms']:.3f}"]
-           + ([r["aot"]["summary"] if "aot" in r else "-"] if compiler else []) for r in rows]
-  print(tabulate.tabulate(table, headers=["backend", "config", "heuristic", "in use", "status", "ms"]
-                          + (["sm_90a"] if compiler else [])))
+        f.write(
+          json.dumps(
+            {
+              "definition": op.name,
+              "axes": axes,
+              "interpret": interpret,
+              **{k: v for k, v in r.items() if k != "_config"},
+            }
+          )
+          + "\n"
+        )
+  table = [
+    [
+      r["backend"],
+      json.dumps(r["config"]),
+      "*" if r["heuristic"] else "",
+      r["current_source"] if r["current"] else "",
+      r["status"],
+      "-" if r["latency_ms"] is None else f"{r['latency_ms']:.3f}",
+    ]
+    + ([r["aot"]["summary"] if "aot" in r else "-"] if compiler else [])
+    for r in rows
+  ]
+  print(
+    tabulate.tabulate(
+      table, headers=["backend", "config", "heuristic", "in use", "status", "ms"] + (["sm_90a"] if compiler else [])
+    )
+  )
   rejected = [r for r in rows if r["status"] in AOT_REJECTED.values()]
   if rejected:
     print(f"{len(rejected)} config(s) rejected by the sm_90a compile (not run, never tuned)")
@@ -194,15 +265,18 @@ def main(argv: list[str]) -> None:
   ranked = ranking(rows)
   if ranked:
     best = ranked[0]
-    print(f"fastest correct: {best['backend']} {best['config']} at {best['latency_ms']:.3f} ms "
-          f"({best['timer']} timer)" + (" (interpret mode: not a GPU timing)" if interpret else ""))
+    print(
+      f"fastest correct: {best['backend']} {best['config']} at {best['latency_ms']:.3f} ms "
+      f"({best['timer']} timer)" + (" (interpret mode: not a GPU timing)" if interpret else "")
+    )
     if _WRITE_TUNED.value:
       bucket = op.bucket(op.input_shapes(axes))
       kernel = op.kernel_of().name
       for name in dict.fromkeys(r["backend"] for r in ranked):  # each backend's fastest
         r = next(r for r in ranked if r["backend"] == name)
-        path = tuning.record(kernel, name, bucket, r["_config"], latency_ms=r["latency_ms"], timer=r["timer"],
-                             definition=op.name)
+        path = tuning.record(
+          kernel, name, bucket, r["_config"], latency_ms=r["latency_ms"], timer=r["timer"], definition=op.name
+        )
         print(f"tuned: {kernel} {name} [{bucket}] -> {path}")
   elif _WRITE_TUNED.value:
     print("tuned: nothing written (no correct, timed config)")

@@ -38,7 +38,8 @@ import json
 import os
 import pathlib
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -75,7 +76,8 @@ def device_kind_slug(kind: str) -> str:
 
 
 def current_device_kind() -> str:
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
+
   return jax.devices()[0].device_kind
 
 
@@ -136,9 +138,17 @@ def lookup(kernel: str, bucket: str, device_kind: str | None = None) -> dict[str
   return read_table(device_kind)["entries"].get(kernel, {}).get(bucket, {})
 
 
-def record(kernel: str, backend: str, bucket: str, config: Any, *, latency_ms: float | None,
-           timer: str | None = None, definition: str | None = None,
-           device_kind: str | None = None) -> pathlib.Path:
+def record(
+  kernel: str,
+  backend: str,
+  bucket: str,
+  config: Any,
+  *,
+  latency_ms: float | None,
+  timer: str | None = None,
+  definition: str | None = None,
+  device_kind: str | None = None,
+) -> pathlib.Path:
   """Writes (or replaces) the tuned entry of (kernel, bucket, backend) and
   the process's cached copy of the table."""
   kind = device_kind or current_device_kind()
@@ -146,8 +156,11 @@ def record(kernel: str, backend: str, bucket: str, config: Any, *, latency_ms: f
   table = json.loads(json.dumps(_read(path)))  # a copy: the cached one changes only once written
   table["device_kind"] = kind
   table["entries"].setdefault(kernel, {}).setdefault(bucket, {})[backend] = {
-      "config": config_to_json(config), "latency_ms": latency_ms, "timer": timer, "definition": definition,
-      "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "config": config_to_json(config),
+    "latency_ms": latency_ms,
+    "timer": timer,
+    "definition": definition,
+    "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
   }
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_suffix(".json.tmp")

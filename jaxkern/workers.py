@@ -27,10 +27,10 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from jaxkern import bench
-from jaxkern import dataset
+from jaxkern import bench, dataset
 from jaxkern import results as results_lib
 from jaxkern.compare import Status
 
@@ -42,6 +42,7 @@ _POLL_S = 0.2
 @dataclasses.dataclass(frozen=True)
 class Setup:
   """What every worker needs to run a workload."""
+
   cfg: Any  # ConfigDict
   dataset_dir: str
   interpret: bool
@@ -50,12 +51,17 @@ class Setup:
 
 
 def _run_one(setup: Setup, w: dataset.Workload, cache: bench.CompileCache, device: Any) -> results_lib.Trace:
-  import jax  # pylint: disable=g-import-not-at-top
-  from jaxkern import evaluate  # pylint: disable=g-import-not-at-top  (looked up per call: tests patch it)
-  from jaxkern import registry  # pylint: disable=g-import-not-at-top
+  import jax
+
+  from jaxkern import (
+    evaluate,  # looked up per call: tests patch it
+    registry,
+  )
+
   with jax.default_device(device):
-    return evaluate.run_workload(registry.get(w.definition, setup.dataset_dir), w, setup.cfg, cache,
-                               setup.interpret, setup.on_gpu)
+    return evaluate.run_workload(
+      registry.get(w.definition, setup.dataset_dir), w, setup.cfg, cache, setup.interpret, setup.on_gpu
+    )
 
 
 def _cache(setup: Setup) -> bench.CompileCache:
@@ -63,11 +69,13 @@ def _cache(setup: Setup) -> bench.CompileCache:
 
 
 def local_devices(cfg: Any) -> list[Any]:
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
+
   return jax.local_devices() if cfg.devices == "all" else jax.local_devices()[:1]
 
 
 # -- in this process ------------------------------------------------------------
+
 
 class InProcess:
   """Runs workloads on the calling thread (one thread per device)."""
@@ -87,11 +95,13 @@ class InProcess:
 
 # -- in a child process -----------------------------------------------------------
 
+
 def _die_with_parent() -> None:
   """Linux: the child is killed when the thread that started it ends (the
   parent killed with SIGKILL included), so a stuck child is never orphaned."""
   try:
-    import ctypes  # pylint: disable=g-import-not-at-top
+    import ctypes
+
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
   except (OSError, AttributeError):
     pass
@@ -111,7 +121,7 @@ def _child_main(conn: Any, setup: Setup) -> None:
       return
     try:
       conn.send(_run_one(setup, w, cache, device).to_json())
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       conn.send({"error": bench.short_error(e)})
 
 
@@ -129,14 +139,16 @@ class ChildProcess:
 
   def _start(self, stop: threading.Event) -> None:
     parent, child = self._ctx.Pipe()
-    proc = self._ctx.Process(target=_child_main, args=(child, self.setup), daemon=True,
-                             name=f"jaxkern-worker-{self.setup.device_index}")
+    proc = self._ctx.Process(
+      target=_child_main, args=(child, self.setup), daemon=True, name=f"jaxkern-worker-{self.setup.device_index}"
+    )
     try:
       proc.start()
-    except Exception as e:  # pylint: disable=broad-except  (e.g. a setup that cannot be pickled)
+    except Exception as e:  # e.g. a setup that cannot be pickled
       parent.close()
-      raise RuntimeError(f"replay worker process {self.setup.device_index} did not start: "
-                         f"{bench.short_error(e)}") from e
+      raise RuntimeError(
+        f"replay worker process {self.setup.device_index} did not start: {bench.short_error(e)}"
+      ) from e
     finally:
       child.close()
     self._proc = proc
@@ -179,14 +191,18 @@ class ChildProcess:
       self._proc.join(5.0)
       code = self._proc.exitcode
       self.kill()
-      return self.make_trace(w, Status.RUNTIME_ERROR,
-                             f"the worker process died during this workload (exit code {code}); a new one goes on")
+      return self.make_trace(
+        w, Status.RUNTIME_ERROR, f"the worker process died during this workload (exit code {code}); a new one goes on"
+      )
     if msg is None:
       self.kill()
       if stop.is_set():
         return None
-      return self.make_trace(w, Status.TIMEOUT, f"no result within {self.setup.cfg.timeout_s}s "
-                                                "(the worker process was killed; a new one goes on)")
+      return self.make_trace(
+        w,
+        Status.TIMEOUT,
+        f"no result within {self.setup.cfg.timeout_s}s (the worker process was killed; a new one goes on)",
+      )
     if "error" in msg:
       return self.make_trace(w, Status.RUNTIME_ERROR, msg["error"])
     return results_lib.Trace.from_json(msg)
@@ -212,8 +228,9 @@ class ChildProcess:
     self.kill()
 
 
-def make_worker(isolation: str, setup: Setup,
-                make_trace: Callable[[dataset.Workload, Status, str], results_lib.Trace]) -> InProcess | ChildProcess:
+def make_worker(
+  isolation: str, setup: Setup, make_trace: Callable[[dataset.Workload, Status, str], results_lib.Trace]
+) -> InProcess | ChildProcess:
   if isolation not in ISOLATIONS:
     raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
   return ChildProcess(setup, make_trace) if isolation == "process" else InProcess(setup)

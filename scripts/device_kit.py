@@ -39,8 +39,21 @@ def pins(path: pathlib.Path) -> dict[str, str]:
 def download(name: str, version: str, into: pathlib.Path) -> pathlib.Path:
   """One wheel, no dependencies, from the package index."""
   with tempfile.TemporaryDirectory() as tmp:
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    "-d", tmp, f"{name}=={version}"], check=True)
+    subprocess.run(
+      [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-d",
+        tmp,
+        f"{name}=={version}",
+      ],
+      check=True,
+    )
     (wheel,) = pathlib.Path(tmp).glob("*.whl")
     target = into / wheel.name
     target.write_bytes(wheel.read_bytes())

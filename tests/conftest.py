@@ -15,7 +15,7 @@ from jaxkern.aot.toolchain import skip_cuda_checks
 skip_cuda_checks()
 
 
-def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
+def pytest_collection_modifyitems(config, items):
   """Slow tests first; tests marked `lane_only` run in the device-stack lane (`make
   test-device`, where JAXKERN_DEVICE_STACK=1): the GPU machine's jax is the
   one they check, and running them in both environments would double their

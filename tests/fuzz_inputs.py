@@ -21,16 +21,27 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkern import ops
-from jaxkern import quant
-from jaxkern.families import (dense_gemm, flash_attention, gdn_decode, gdn_prefill, grouped_gemm, mixed_mla,
-                              moe_router, neighborhood_attention, qsa_index, qsa_sparse_gqa, sparse_mla)
+from jaxkern import ops, quant
+from jaxkern.families import (
+  dense_gemm,
+  flash_attention,
+  gdn_decode,
+  gdn_prefill,
+  grouped_gemm,
+  mixed_mla,
+  moe_router,
+  neighborhood_attention,
+  qsa_index,
+  qsa_sparse_gqa,
+  sparse_mla,
+)
 from jaxkern.family import OpImpl
 
 NAN, INF = float("nan"), float("inf")
@@ -47,8 +58,8 @@ quantize_fp4_tokens = jax.jit(quant.quantize_mla_fp4_tokens)
 class Case:
   label: str
   build: Callable[[np.random.Generator], Any]
-  kind: str = "valid"        # "valid", "invalid" or "masked"
-  bad: str = ""              # the out-of-range argument ("invalid", or "masked" outside the contract)
+  kind: str = "valid"  # "valid", "invalid" or "masked"
+  bad: str = ""  # the out-of-range argument ("invalid", or "masked" outside the contract)
   # For an invalid case: the inputs inside the contract that the op's
   # contract says answer the same (e.g. out-of-range ids made -1).
   same_as: Callable[[Inputs], Inputs] | None = None
@@ -56,10 +67,10 @@ class Case:
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  name: str                  # the op in `jaxkern.ops`
-  owner: str                 # the helper whose kernel it is
-  impl: OpImpl               # its policies and definition outputs
-  call: Callable[..., Any]   # call(inputs, backend=, checks=) -> the op's outputs
+  name: str  # the op in `jaxkern.ops`
+  owner: str  # the helper whose kernel it is
+  impl: OpImpl  # its policies and definition outputs
+  call: Callable[..., Any]  # call(inputs, backend=, checks=) -> the op's outputs
   cases: tuple[Case, ...]
 
 
@@ -103,18 +114,17 @@ def gemm(rng, m=24, n=40, k=48):
 
 
 GEMM_CASES = (
-    Case("random", gemm),
-    Case("nan_and_inf_in_a", lambda r: put(x := gemm(r), a=poison_rows(poison_rows(x["a"], [3]), [7], INF))),
-    Case("m0", lambda r: gemm(r, m=0)),
-    Case("m1_n1_k1", lambda r: gemm(r, 1, 1, 1)),
-    Case("small_k8", lambda r: gemm(r, 16, 24, 8)),
-    Case("m64_k48", lambda r: gemm(r, 64, 40, 48)),  # any K 24-48 with M a power of two
+  Case("random", gemm),
+  Case("nan_and_inf_in_a", lambda r: put(x := gemm(r), a=poison_rows(poison_rows(x["a"], [3]), [7], INF))),
+  Case("m0", lambda r: gemm(r, m=0)),
+  Case("m1_n1_k1", lambda r: gemm(r, 1, 1, 1)),
+  Case("small_k8", lambda r: gemm(r, 16, 24, 8)),
+  Case("m64_k48", lambda r: gemm(r, 64, 40, 48)),  # any K 24-48 with M a power of two
 )
 
 
 def router(rng, m=5, d=96, e=24):
-  return {"hidden": bf16(rng, (m, d)), "weight": bf16(rng, (e, d), d ** -0.5),
-          "bias": f32(rng.standard_normal(e) * 0.05)}
+  return {"hidden": bf16(rng, (m, d)), "weight": bf16(rng, (e, d), d**-0.5), "bias": f32(rng.standard_normal(e) * 0.05)}
 
 
 def router_ties(rng):
@@ -125,13 +135,13 @@ def router_ties(rng):
 
 
 ROUTER_CASES = (
-    Case("random", router),
-    Case("exact_ties", router_ties),
-    Case("nan_hidden_row", lambda r: put(x := router(r), hidden=poison_rows(x["hidden"], [1]))),
-    Case("inf_hidden_row", lambda r: put(x := router(r), hidden=poison_rows(x["hidden"], [2], INF))),
-    Case("nan_weight_row", lambda r: put(x := router(r), weight=poison_rows(x["weight"], [7]))),
-    Case("m0", lambda r: router(r, m=0)),
-    Case("m1_topk_equals_e", lambda r: router(r, m=1, e=6)),
+  Case("random", router),
+  Case("exact_ties", router_ties),
+  Case("nan_hidden_row", lambda r: put(x := router(r), hidden=poison_rows(x["hidden"], [1]))),
+  Case("inf_hidden_row", lambda r: put(x := router(r), hidden=poison_rows(x["hidden"], [2], INF))),
+  Case("nan_weight_row", lambda r: put(x := router(r), weight=poison_rows(x["weight"], [7]))),
+  Case("m0", lambda r: router(r, m=0)),
+  Case("m1_topk_equals_e", lambda r: router(r, m=1, e=6)),
 )
 
 
@@ -176,19 +186,29 @@ def grouped_poisoned(rng):
 
 
 GROUPED_CASES = (
-    Case("sorted", grouped),
-    Case("unsorted", lambda r: grouped_ids(r, lambda r, ids: r.permutation(ids))),  # [3,0,2,0,1,-1]
-    Case("issue_row", lambda r: grouped(r, m=6, ids=[3, 0, 2, 0, 1, -1])),
-    Case("padding_rows", lambda r: grouped_ids(r, lambda r, ids: set_at(ids, some(r, 10), -1))),
-    Case("all_padding", lambda r: grouped_ids(r, lambda r, ids: -np.ones_like(ids))),
-    Case("m0", lambda r: grouped(r, m=0)),
-    Case("m1_e1", lambda r: grouped(r, m=1, e=1)),
-    Case("id_past_e", lambda r: grouped_ids(r, lambda r, ids: set_at(ids, some(r, 10, 2), [4, 7])), "invalid",
-         "expert_ids", lambda x: only_valid(x, "expert_ids", 4)),
-    Case("negative_id", lambda r: grouped_ids(r, lambda r, ids: set_at(ids, some(r, 10, 2), [-5, -2])), "invalid",
-         "expert_ids", lambda x: only_valid(x, "expert_ids", 4)),
-    Case("nan_in_padding_rows", grouped_poisoned, "masked", "expert_ids"),
-    Case("nan_in_a_used_row", lambda r: put(x := grouped(r), a=poison_rows(x["a"], [2]).astype(jnp.float8_e4m3fn))),
+  Case("sorted", grouped),
+  Case("unsorted", lambda r: grouped_ids(r, lambda r, ids: r.permutation(ids))),  # [3,0,2,0,1,-1]
+  Case("issue_row", lambda r: grouped(r, m=6, ids=[3, 0, 2, 0, 1, -1])),
+  Case("padding_rows", lambda r: grouped_ids(r, lambda r, ids: set_at(ids, some(r, 10), -1))),
+  Case("all_padding", lambda r: grouped_ids(r, lambda r, ids: -np.ones_like(ids))),
+  Case("m0", lambda r: grouped(r, m=0)),
+  Case("m1_e1", lambda r: grouped(r, m=1, e=1)),
+  Case(
+    "id_past_e",
+    lambda r: grouped_ids(r, lambda r, ids: set_at(ids, some(r, 10, 2), [4, 7])),
+    "invalid",
+    "expert_ids",
+    lambda x: only_valid(x, "expert_ids", 4),
+  ),
+  Case(
+    "negative_id",
+    lambda r: grouped_ids(r, lambda r, ids: set_at(ids, some(r, 10, 2), [-5, -2])),
+    "invalid",
+    "expert_ids",
+    lambda x: only_valid(x, "expert_ids", 4),
+  ),
+  Case("nan_in_padding_rows", grouped_poisoned, "masked", "expert_ids"),
+  Case("nan_in_a_used_row", lambda r: put(x := grouped(r), a=poison_rows(x["a"], [2]).astype(jnp.float8_e4m3fn))),
 )
 
 
@@ -198,8 +218,12 @@ GROUPED_CASES = (
 
 def attn(rng, b=2, nq=20, nk=24, h=2, d=64, holes=True):
   valid = rng.random((b, nk)) < 0.7 if holes else np.ones((b, nk), bool)
-  return {"q": bf16(rng, (b, nq, h, d)), "k": bf16(rng, (b, nk, h, d)), "v": bf16(rng, (b, nk, h, d)),
-          "key_valid": jnp.asarray(valid)}
+  return {
+    "q": bf16(rng, (b, nq, h, d)),
+    "k": bf16(rng, (b, nk, h, d)),
+    "v": bf16(rng, (b, nk, h, d)),
+    "key_valid": jnp.asarray(valid),
+  }
 
 
 def attn_masked_nan(rng):
@@ -215,14 +239,14 @@ def attn_lonely(rng):
 
 
 ATTENTION_CASES = (
-    Case("random_key_masks", attn),
-    Case("lonely_batch_row", attn_lonely),
-    Case("nan_inf_behind_key_valid", attn_masked_nan, "masked"),
-    Case("nan_in_visible_value", lambda r: put(x := attn(r, holes=False), v=poison_rows(x["v"], [5], axis=1))),
-    Case("traced_sm_scale", lambda r: put(attn(r), sm_scale=f32(0.07))),
-    Case("b0", lambda r: attn(r, b=0)),
-    Case("nq1_nk1", lambda r: attn(r, nq=1, nk=1, holes=False)),
-    Case("nk0", lambda r: attn(r, nk=0)),
+  Case("random_key_masks", attn),
+  Case("lonely_batch_row", attn_lonely),
+  Case("nan_inf_behind_key_valid", attn_masked_nan, "masked"),
+  Case("nan_in_visible_value", lambda r: put(x := attn(r, holes=False), v=poison_rows(x["v"], [5], axis=1))),
+  Case("traced_sm_scale", lambda r: put(attn(r), sm_scale=f32(0.07))),
+  Case("b0", lambda r: attn(r, b=0)),
+  Case("nq1_nk1", lambda r: attn(r, nq=1, nk=1, holes=False)),
+  Case("nk0", lambda r: attn(r, nk=0)),
 )
 
 
@@ -233,10 +257,10 @@ def prefix(rng, b=2, nq=12, np_=8, h=2, d=64):
 
 
 PREFIX_CASES = (
-    Case("random", prefix),
-    Case("np0", lambda r: prefix(r, np_=0)),
-    Case("b0", lambda r: prefix(r, b=0)),
-    Case("nan_in_prefix_value", lambda r: put(x := prefix(r), v_prefix=poison_rows(x["v_prefix"], [3], axis=1))),
+  Case("random", prefix),
+  Case("np0", lambda r: prefix(r, np_=0)),
+  Case("b0", lambda r: prefix(r, b=0)),
+  Case("nan_in_prefix_value", lambda r: put(x := prefix(r), v_prefix=poison_rows(x["v_prefix"], [3], axis=1))),
 )
 
 
@@ -261,12 +285,12 @@ def segments_later_nan(rng):
 
 
 BLOCK_CAUSAL_CASES = (
-    Case("random_segments", segments),
-    Case("one_segment", lambda r: put(x := segments(r), segment_ids=jnp.zeros_like(x["segment_ids"]))),
-    Case("b0", lambda r: segments(r, b=0)),
-    Case("n1", lambda r: segments(r, n=1)),
-    Case("unsorted_segments", lambda r: segments(r, sorted_ids=False), "invalid", "segment_ids"),
-    Case("nan_in_a_later_segment", segments_later_nan, "masked"),
+  Case("random_segments", segments),
+  Case("one_segment", lambda r: put(x := segments(r), segment_ids=jnp.zeros_like(x["segment_ids"]))),
+  Case("b0", lambda r: segments(r, b=0)),
+  Case("n1", lambda r: segments(r, n=1)),
+  Case("unsorted_segments", lambda r: segments(r, sorted_ids=False), "invalid", "segment_ids"),
+  Case("nan_in_a_later_segment", segments_later_nan, "masked"),
 )
 
 
@@ -275,10 +299,10 @@ def natten(rng, shape=(1, 4, 6, 7, 1, 64)):
 
 
 NATTEN_CASES = (
-    Case("random", natten),
-    Case("grid_equals_window", lambda r: natten(r, (1, 3, 3, 5, 1, 64))),
-    Case("b0", lambda r: natten(r, (0, 4, 6, 7, 1, 64))),
-    Case("nan_in_one_value", lambda r: put(x := natten(r), v=x["v"].at[0, 0, 0, 0].set(NAN))),
+  Case("random", natten),
+  Case("grid_equals_window", lambda r: natten(r, (1, 3, 3, 5, 1, 64))),
+  Case("b0", lambda r: natten(r, (0, 4, 6, 7, 1, 64))),
+  Case("nan_in_one_value", lambda r: put(x := natten(r), v=x["v"].at[0, 0, 0, 0].set(NAN))),
 )
 
 
@@ -287,9 +311,15 @@ NATTEN_CASES = (
 
 
 def gdn_tokens(rng, lead, hq=1, hv=2, d=128):
-  return {"q": bf16(rng, (*lead, hq, d), d ** -0.5), "k": bf16(rng, (*lead, hq, d), d ** -0.5),
-          "v": bf16(rng, (*lead, hv, d)), "a": bf16(rng, (*lead, hv)), "b": bf16(rng, (*lead, hv)),
-          "A_log": f32(rng.uniform(0, 2, hv)), "dt_bias": f32(rng.uniform(-5, -2, hv))}
+  return {
+    "q": bf16(rng, (*lead, hq, d), d**-0.5),
+    "k": bf16(rng, (*lead, hq, d), d**-0.5),
+    "v": bf16(rng, (*lead, hv, d)),
+    "a": bf16(rng, (*lead, hv)),
+    "b": bf16(rng, (*lead, hv)),
+    "A_log": f32(rng.uniform(0, 2, hv)),
+    "dt_bias": f32(rng.uniform(-5, -2, hv)),
+  }
 
 
 def decode(rng, batch=3, hv=2, d=128):
@@ -298,10 +328,10 @@ def decode(rng, batch=3, hv=2, d=128):
 
 
 DECODE_CASES = (
-    Case("random", decode),
-    Case("b0", lambda r: decode(r, batch=0)),
-    Case("b1", lambda r: decode(r, batch=1)),
-    Case("nan_in_one_row", lambda r: put(x := decode(r), v=x["v"].at[1].set(NAN))),
+  Case("random", decode),
+  Case("b0", lambda r: decode(r, batch=0)),
+  Case("b1", lambda r: decode(r, batch=1)),
+  Case("nan_in_one_row", lambda r: put(x := decode(r), v=x["v"].at[1].set(NAN))),
 )
 
 
@@ -319,16 +349,31 @@ def prefill_uncovered_nan(rng):
 
 
 PREFILL_CASES = (
-    Case("random", prefill),
-    Case("t0", lambda r: prefill(r, lengths=(0, 0))),
-    Case("one_token", lambda r: prefill(r, lengths=(1,))),
-    Case("cu_past_t", lambda r: prefill(r, cu=[0, 5, 5, 20]), "invalid", "cu_seqlens",
-         lambda x: put(x, cu_seqlens=i32([0, 5, 5, 14]))),
-    Case("cu_decreasing", lambda r: prefill(r, cu=[0, 9, 3, 14]), "invalid", "cu_seqlens",
-         lambda x: put(x, cu_seqlens=i32([0, 9, 9, 14]))),
-    Case("cu_negative_start", lambda r: prefill(r, cu=[-4, 5, 5, 14]), "invalid", "cu_seqlens",
-         lambda x: put(x, cu_seqlens=i32([0, 5, 5, 14]))),
-    Case("nan_in_uncovered_tokens", prefill_uncovered_nan, "masked", "cu_seqlens"),
+  Case("random", prefill),
+  Case("t0", lambda r: prefill(r, lengths=(0, 0))),
+  Case("one_token", lambda r: prefill(r, lengths=(1,))),
+  Case(
+    "cu_past_t",
+    lambda r: prefill(r, cu=[0, 5, 5, 20]),
+    "invalid",
+    "cu_seqlens",
+    lambda x: put(x, cu_seqlens=i32([0, 5, 5, 14])),
+  ),
+  Case(
+    "cu_decreasing",
+    lambda r: prefill(r, cu=[0, 9, 3, 14]),
+    "invalid",
+    "cu_seqlens",
+    lambda x: put(x, cu_seqlens=i32([0, 9, 9, 14])),
+  ),
+  Case(
+    "cu_negative_start",
+    lambda r: prefill(r, cu=[-4, 5, 5, 14]),
+    "invalid",
+    "cu_seqlens",
+    lambda x: put(x, cu_seqlens=i32([0, 5, 5, 14])),
+  ),
+  Case("nan_in_uncovered_tokens", prefill_uncovered_nan, "masked", "cu_seqlens"),
 )
 
 
@@ -350,8 +395,12 @@ def slot_indices(rng, shape, rows, invalid=0.25, bad=()):
 
 
 def smla(rng, m=4, nkv=40, topk=64, h=16, d=128, **kw):
-  return {"q": bf16(rng, (m, h, d)), "kv": bf16(rng, (nkv, d)), "indices": slot_indices(rng, (m, topk), nkv, **kw),
-          "attn_sink": f32(rng.uniform(-2, 4, h))}
+  return {
+    "q": bf16(rng, (m, h, d)),
+    "kv": bf16(rng, (nkv, d)),
+    "indices": slot_indices(rng, (m, topk), nkv, **kw),
+    "attn_sink": f32(rng.uniform(-2, 4, h)),
+  }
 
 
 def smla_poisoned(rng, bad=()):
@@ -360,27 +409,41 @@ def smla_poisoned(rng, bad=()):
 
 
 SPARSE_MLA_CASES = (
-    Case("random", smla),
-    Case("lonely_rows", lambda r: put(x := smla(r), indices=x["indices"].at[:2].set(-1))),
-    Case("one_row_everywhere", lambda r: put(x := smla(r), indices=jnp.full_like(x["indices"], 7))),
-    Case("m0", lambda r: smla(r, m=0)),
-    Case("m1", lambda r: smla(r, m=1)),
-    Case("index_past_nkv", lambda r: smla(r, bad=(40, 41, 1000)), "invalid", "indices",
-         lambda x: only_valid(x, "indices", 40)),
-    Case("negative_index", lambda r: smla(r, bad=(-2, -40, -1000)), "invalid", "indices",
-         lambda x: only_valid(x, "indices", 40)),
-    Case("nan_behind_invalid_slots", smla_poisoned, "masked"),
-    Case("nan_behind_out_of_range_slots", lambda r: smla_poisoned(r, bad=(40, -2)), "masked", "indices"),
+  Case("random", smla),
+  Case("lonely_rows", lambda r: put(x := smla(r), indices=x["indices"].at[:2].set(-1))),
+  Case("one_row_everywhere", lambda r: put(x := smla(r), indices=jnp.full_like(x["indices"], 7))),
+  Case("m0", lambda r: smla(r, m=0)),
+  Case("m1", lambda r: smla(r, m=1)),
+  Case(
+    "index_past_nkv",
+    lambda r: smla(r, bad=(40, 41, 1000)),
+    "invalid",
+    "indices",
+    lambda x: only_valid(x, "indices", 40),
+  ),
+  Case(
+    "negative_index",
+    lambda r: smla(r, bad=(-2, -40, -1000)),
+    "invalid",
+    "indices",
+    lambda x: only_valid(x, "indices", 40),
+  ),
+  Case("nan_behind_invalid_slots", smla_poisoned, "masked"),
+  Case("nan_behind_out_of_range_slots", lambda r: smla_poisoned(r, bad=(40, -2)), "masked", "indices"),
 )
 
 
 def mmla(rng, b=2, h=16, d=128, n8=2, p8=16, n4=3, p4=8, k8=16, k4=32, bad=()):
   t8 = jnp.asarray(rng.standard_normal((n8, p8, 1, d)), jnp.bfloat16)
   t4 = jnp.asarray(rng.standard_normal((n4, p4, 1, d)), jnp.bfloat16)
-  return {"q": bf16(rng, (b, h, d)),
-          "kv_fp8": quantize_fp8_tokens(t8), "indices_fp8": slot_indices(rng, (b, k8), n8 * p8, bad=bad),
-          "kv_fp4": quantize_fp4_tokens(t4), "indices_fp4": slot_indices(rng, (b, k4), n4 * p4, bad=bad),
-          "attn_sink": f32(rng.standard_normal(h))}
+  return {
+    "q": bf16(rng, (b, h, d)),
+    "kv_fp8": quantize_fp8_tokens(t8),
+    "indices_fp8": slot_indices(rng, (b, k8), n8 * p8, bad=bad),
+    "kv_fp4": quantize_fp4_tokens(t4),
+    "indices_fp4": slot_indices(rng, (b, k4), n4 * p4, bad=bad),
+    "attn_sink": f32(rng.standard_normal(h)),
+  }
 
 
 def poison_records(cache):
@@ -396,17 +459,29 @@ def mmla_poisoned(rng, bad=()):
 
 
 MIXED_MLA_CASES = (
-    Case("random", mmla),
-    Case("lonely_row", lambda r: put(x := mmla(r), indices_fp8=x["indices_fp8"].at[0].set(-1),
-                                     indices_fp4=x["indices_fp4"].at[0].set(-1))),
-    Case("b0", lambda r: mmla(r, b=0)),
-    Case("b1", lambda r: mmla(r, b=1)),
-    Case("index_past_cache", lambda r: mmla(r, bad=(32, 33, 1000)), "invalid", "indices_fp8",
-         lambda x: only_valid(only_valid(x, "indices_fp8", 32), "indices_fp4", 24)),
-    Case("negative_index", lambda r: mmla(r, bad=(-2, -1000)), "invalid", "indices_fp8",
-         lambda x: only_valid(only_valid(x, "indices_fp8", 32), "indices_fp4", 24)),
-    Case("nan_behind_invalid_slots", mmla_poisoned, "masked"),
-    Case("nan_behind_out_of_range_slots", lambda r: mmla_poisoned(r, bad=(-5, 24, 10**6)), "masked", "indices_fp8"),
+  Case("random", mmla),
+  Case(
+    "lonely_row",
+    lambda r: put(x := mmla(r), indices_fp8=x["indices_fp8"].at[0].set(-1), indices_fp4=x["indices_fp4"].at[0].set(-1)),
+  ),
+  Case("b0", lambda r: mmla(r, b=0)),
+  Case("b1", lambda r: mmla(r, b=1)),
+  Case(
+    "index_past_cache",
+    lambda r: mmla(r, bad=(32, 33, 1000)),
+    "invalid",
+    "indices_fp8",
+    lambda x: only_valid(only_valid(x, "indices_fp8", 32), "indices_fp4", 24),
+  ),
+  Case(
+    "negative_index",
+    lambda r: mmla(r, bad=(-2, -1000)),
+    "invalid",
+    "indices_fp8",
+    lambda x: only_valid(only_valid(x, "indices_fp8", 32), "indices_fp4", 24),
+  ),
+  Case("nan_behind_invalid_slots", mmla_poisoned, "masked"),
+  Case("nan_behind_out_of_range_slots", lambda r: mmla_poisoned(r, bad=(-5, 24, 10**6)), "masked", "indices_fp8"),
 )
 
 
@@ -416,7 +491,7 @@ MIXED_MLA_CASES = (
 
 def page_table(rng, batch, max_pages, num_pages):
   """Distinct random pages of [1, NP - 1) (pages 0 and NP - 1 stay unread)."""
-  return i32(rng.permutation(np.arange(1, num_pages - 1))[:batch * max_pages].reshape(batch, max_pages))
+  return i32(rng.permutation(np.arange(1, num_pages - 1))[: batch * max_pages].reshape(batch, max_pages))
 
 
 def unread(table, tokens, page, num_pages):
@@ -430,8 +505,12 @@ def unread(table, tokens, page, num_pages):
 
 def qidx(rng, seq_lens=(2150, 700), max_pages=34, num_pages=70):
   b = len(seq_lens)
-  return {"q": bf16(rng, (b, 4, 128)), "index_k": bf16(rng, (num_pages, 16, 1, 128)),
-          "page_table": page_table(rng, b, max_pages, num_pages), "seq_lens": i32(seq_lens)}
+  return {
+    "q": bf16(rng, (b, 4, 128)),
+    "index_k": bf16(rng, (num_pages, 16, 1, 128)),
+    "page_table": page_table(rng, b, max_pages, num_pages),
+    "seq_lens": i32(seq_lens),
+  }
 
 
 def qidx_poisoned(rng, **changes):
@@ -445,20 +524,35 @@ def with_entry(x, b, j, value):
 
 
 QSA_INDEX_CASES = (
-    Case("random", qidx),
-    Case("short_and_empty", lambda r: qidx(r, seq_lens=(3, 0))),
-    Case("unused_entries_garbage", lambda r: with_entry(qidx(r), 1, slice(11, None), -7)),
-    Case("b0", lambda r: qidx(r, seq_lens=())),
-    Case("entry_past_np", lambda r: with_entry(qidx(r), 0, 4, 70), "invalid", "page_table"),
-    Case("negative_entry", lambda r: with_entry(qidx(r), 1, 2, -1), "invalid", "page_table"),
-    Case("seq_len_past_table", lambda r: qidx(r, seq_lens=(10**6, 700)), "invalid", "seq_lens",
-         lambda x: put(x, seq_lens=i32([34 * 16 * 4, 700]))),
-    Case("table_narrower_than_topk", lambda r: qidx(r, seq_lens=(300, 30), max_pages=5, num_pages=12)),
-    Case("seq_len_past_narrow_table", lambda r: qidx(r, seq_lens=(10**6, 30), max_pages=5, num_pages=12), "invalid",
-         "seq_lens", lambda x: put(x, seq_lens=i32([5 * 16 * 4, 30]))),  # ids beyond the table
-    Case("negative_seq_len", lambda r: qidx(r, seq_lens=(2150, -9)), "invalid", "seq_lens",
-         lambda x: put(x, seq_lens=i32([2150, 0]))),
-    Case("nan_in_unread_keys", qidx_poisoned, "masked"),
+  Case("random", qidx),
+  Case("short_and_empty", lambda r: qidx(r, seq_lens=(3, 0))),
+  Case("unused_entries_garbage", lambda r: with_entry(qidx(r), 1, slice(11, None), -7)),
+  Case("b0", lambda r: qidx(r, seq_lens=())),
+  Case("entry_past_np", lambda r: with_entry(qidx(r), 0, 4, 70), "invalid", "page_table"),
+  Case("negative_entry", lambda r: with_entry(qidx(r), 1, 2, -1), "invalid", "page_table"),
+  Case(
+    "seq_len_past_table",
+    lambda r: qidx(r, seq_lens=(10**6, 700)),
+    "invalid",
+    "seq_lens",
+    lambda x: put(x, seq_lens=i32([34 * 16 * 4, 700])),
+  ),
+  Case("table_narrower_than_topk", lambda r: qidx(r, seq_lens=(300, 30), max_pages=5, num_pages=12)),
+  Case(
+    "seq_len_past_narrow_table",
+    lambda r: qidx(r, seq_lens=(10**6, 30), max_pages=5, num_pages=12),
+    "invalid",
+    "seq_lens",
+    lambda x: put(x, seq_lens=i32([5 * 16 * 4, 30])),
+  ),  # ids beyond the table
+  Case(
+    "negative_seq_len",
+    lambda r: qidx(r, seq_lens=(2150, -9)),
+    "invalid",
+    "seq_lens",
+    lambda x: put(x, seq_lens=i32([2150, 0])),
+  ),
+  Case("nan_in_unread_keys", qidx_poisoned, "masked"),
 )
 
 
@@ -467,11 +561,16 @@ def qgqa(rng, seq_lens=(150, 70), max_pages=3, num_pages=8, topk=512, ids=None):
   if ids is None:
     ids = -np.ones((b, topk), np.int64)
     for i, n in enumerate(np.asarray(seq_lens) // 4):
-      chosen = np.sort(rng.permutation(n)[:rng.integers(0, n + 1)])
-      ids[i, :len(chosen)] = chosen
-  return {"q": bf16(rng, (b, 4, 64)), "k_cache": bf16(rng, (num_pages, 64, 2, 64)),
-          "v_cache": bf16(rng, (num_pages, 64, 2, 64)), "page_table": page_table(rng, b, max_pages, num_pages),
-          "seq_lens": i32(seq_lens), "topk_ids": i32(ids)}
+      chosen = np.sort(rng.permutation(n)[: rng.integers(0, n + 1)])
+      ids[i, : len(chosen)] = chosen
+  return {
+    "q": bf16(rng, (b, 4, 64)),
+    "k_cache": bf16(rng, (num_pages, 64, 2, 64)),
+    "v_cache": bf16(rng, (num_pages, 64, 2, 64)),
+    "page_table": page_table(rng, b, max_pages, num_pages),
+    "seq_lens": i32(seq_lens),
+    "topk_ids": i32(ids),
+  }
 
 
 def rewrite_ids(x, fn, rng):
@@ -499,19 +598,34 @@ def gqa_poisoned(rng):
 
 
 QSA_GQA_CASES = (
-    Case("random", qgqa),
-    Case("unsorted_ids", lambda r: rewrite_ids(qgqa(r), lambda r, ids: r.permuted(ids, axis=1), r)),
-    Case("duplicate_ids", lambda r: rewrite_ids(qgqa(r), duplicated, r)),
-    Case("tail_only", lambda r: qgqa(r, seq_lens=(3, 2), ids=-np.ones((2, 512)))),
-    Case("b0", lambda r: qgqa(r, seq_lens=())),
-    Case("id_past_blocks", lambda r: rewrite_ids(qgqa(r), lambda r, ids: set_at(ids, (0, 511), 40), r), "invalid",
-         "topk_ids", lambda x: put(x, topk_ids=x["topk_ids"].at[0, 511].set(-1))),
-    Case("negative_id", lambda r: rewrite_ids(qgqa(r), lambda r, ids: set_at(ids, (1, 500), -3), r), "invalid",
-         "topk_ids", lambda x: put(x, topk_ids=x["topk_ids"].at[1, 500].set(-1))),
-    Case("entry_past_np", lambda r: with_entry(qgqa(r), 0, 1, 8), "invalid", "page_table"),
-    Case("seq_len_past_table", lambda r: qgqa(r, seq_lens=(10**6 + 3, 70), ids=np.tile(np.arange(512), (2, 1)) % 17),
-         "invalid", "seq_lens", lambda x: put(x, seq_lens=i32([3 * 64, 70]))),
-    Case("nan_in_invisible_tokens", gqa_poisoned, "masked"),
+  Case("random", qgqa),
+  Case("unsorted_ids", lambda r: rewrite_ids(qgqa(r), lambda r, ids: r.permuted(ids, axis=1), r)),
+  Case("duplicate_ids", lambda r: rewrite_ids(qgqa(r), duplicated, r)),
+  Case("tail_only", lambda r: qgqa(r, seq_lens=(3, 2), ids=-np.ones((2, 512)))),
+  Case("b0", lambda r: qgqa(r, seq_lens=())),
+  Case(
+    "id_past_blocks",
+    lambda r: rewrite_ids(qgqa(r), lambda r, ids: set_at(ids, (0, 511), 40), r),
+    "invalid",
+    "topk_ids",
+    lambda x: put(x, topk_ids=x["topk_ids"].at[0, 511].set(-1)),
+  ),
+  Case(
+    "negative_id",
+    lambda r: rewrite_ids(qgqa(r), lambda r, ids: set_at(ids, (1, 500), -3), r),
+    "invalid",
+    "topk_ids",
+    lambda x: put(x, topk_ids=x["topk_ids"].at[1, 500].set(-1)),
+  ),
+  Case("entry_past_np", lambda r: with_entry(qgqa(r), 0, 1, 8), "invalid", "page_table"),
+  Case(
+    "seq_len_past_table",
+    lambda r: qgqa(r, seq_lens=(10**6 + 3, 70), ids=np.tile(np.arange(512), (2, 1)) % 17),
+    "invalid",
+    "seq_lens",
+    lambda x: put(x, seq_lens=i32([3 * 64, 70])),
+  ),
+  Case("nan_in_invisible_tokens", gqa_poisoned, "masked"),
 )
 
 
@@ -521,29 +635,43 @@ QSA_GQA_CASES = (
 
 def _kw(*names):
   """call(inputs, **options) with `names` passed positionally, the rest by keyword."""
+
   def call(fn):
     def run(x: Mapping[str, Any], **options):
       rest = {k: v for k, v in x.items() if k not in names}
       return fn(*(x[n] for n in names), **rest, **options)
+
     return run
+
   return call
 
 
 TARGETS = (
-    Target("dense_gemm", "grad", dense_gemm.IMPL, _kw("a", "b")(ops.dense_gemm), GEMM_CASES),
-    Target("moe_router", "grouped", moe_router.IMPL, _kw("hidden", "weight", "bias")(ops.moe_router), ROUTER_CASES),
-    Target("grouped_gemm_fp8_fp4", "grouped", grouped_gemm.IMPL, _kw()(ops.grouped_gemm_fp8_fp4), GROUPED_CASES),
-    Target("attention", "grad", flash_attention.NONCAUSAL, _kw("q", "k", "v")(ops.attention), ATTENTION_CASES),
-    Target("prefix_cached_attention", "grad", flash_attention.PREFIX_CACHED, _kw()(ops.prefix_cached_attention),
-           PREFIX_CASES),
-    Target("block_causal_attention", "grad", flash_attention.BLOCK_CAUSAL, _kw()(ops.block_causal_attention),
-           BLOCK_CAUSAL_CASES),
-    Target("neighborhood_attention_3d", "grad", neighborhood_attention.IMPL,
-           lambda x, **o: ops.neighborhood_attention_3d(**x, kernel_size=(3, 3, 5), **o), NATTEN_CASES),
-    Target("gdn_decode", "gdn", gdn_decode.IMPL, _kw()(ops.gdn_decode), DECODE_CASES),
-    Target("gdn_prefill", "gdn", gdn_prefill.IMPL, _kw()(ops.gdn_prefill), PREFILL_CASES),
-    Target("sparse_mla_prefill", "mla", sparse_mla.IMPL, _kw()(ops.sparse_mla_prefill), SPARSE_MLA_CASES),
-    Target("mixed_mla_decode", "mla", mixed_mla.IMPL, _kw()(ops.mixed_mla_decode), MIXED_MLA_CASES),
-    Target("qsa_index_topk", "qsa", qsa_index.IMPL, _kw()(ops.qsa_index_topk), QSA_INDEX_CASES),
-    Target("qsa_sparse_gqa_decode", "qsa", qsa_sparse_gqa.IMPL, _kw()(ops.qsa_sparse_gqa_decode), QSA_GQA_CASES),
+  Target("dense_gemm", "grad", dense_gemm.IMPL, _kw("a", "b")(ops.dense_gemm), GEMM_CASES),
+  Target("moe_router", "grouped", moe_router.IMPL, _kw("hidden", "weight", "bias")(ops.moe_router), ROUTER_CASES),
+  Target("grouped_gemm_fp8_fp4", "grouped", grouped_gemm.IMPL, _kw()(ops.grouped_gemm_fp8_fp4), GROUPED_CASES),
+  Target("attention", "grad", flash_attention.NONCAUSAL, _kw("q", "k", "v")(ops.attention), ATTENTION_CASES),
+  Target(
+    "prefix_cached_attention", "grad", flash_attention.PREFIX_CACHED, _kw()(ops.prefix_cached_attention), PREFIX_CASES
+  ),
+  Target(
+    "block_causal_attention",
+    "grad",
+    flash_attention.BLOCK_CAUSAL,
+    _kw()(ops.block_causal_attention),
+    BLOCK_CAUSAL_CASES,
+  ),
+  Target(
+    "neighborhood_attention_3d",
+    "grad",
+    neighborhood_attention.IMPL,
+    lambda x, **o: ops.neighborhood_attention_3d(**x, kernel_size=(3, 3, 5), **o),
+    NATTEN_CASES,
+  ),
+  Target("gdn_decode", "gdn", gdn_decode.IMPL, _kw()(ops.gdn_decode), DECODE_CASES),
+  Target("gdn_prefill", "gdn", gdn_prefill.IMPL, _kw()(ops.gdn_prefill), PREFILL_CASES),
+  Target("sparse_mla_prefill", "mla", sparse_mla.IMPL, _kw()(ops.sparse_mla_prefill), SPARSE_MLA_CASES),
+  Target("mixed_mla_decode", "mla", mixed_mla.IMPL, _kw()(ops.mixed_mla_decode), MIXED_MLA_CASES),
+  Target("qsa_index_topk", "qsa", qsa_index.IMPL, _kw()(ops.qsa_index_topk), QSA_INDEX_CASES),
+  Target("qsa_sparse_gqa_decode", "qsa", qsa_sparse_gqa.IMPL, _kw()(ops.qsa_sparse_gqa_decode), QSA_GQA_CASES),
 )

@@ -8,7 +8,8 @@ head cannot cancel out."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.extend
@@ -24,10 +25,12 @@ def weights_like(shape, seed: int = 99) -> jax.Array:
 
 def loss(fn: Callable[..., Any], weights: jax.Array) -> Callable[..., jax.Array]:
   """`sum(fn(*args) * weights)` in fp32 (the first output of a tuple)."""
+
   def f(*args):
     out = fn(*args)
     out = out[0] if isinstance(out, tuple) else out
     return jnp.sum(out.astype(jnp.float32) * weights)
+
   return f
 
 
@@ -73,12 +76,15 @@ def pallas_calls(fn: Callable[..., Any], *args) -> list[str]:
   return names
 
 
-def finite_difference_grads(fn64: Callable[..., Any], args: Sequence[np.ndarray], weights: np.ndarray,
-                            eps: float = 1e-5) -> list[np.ndarray]:
+def finite_difference_grads(
+  fn64: Callable[..., Any], args: Sequence[np.ndarray], weights: np.ndarray, eps: float = 1e-5
+) -> list[np.ndarray]:
   """Central differences of `sum(fn64(*args) * weights)` with respect to
   every arg, in float64 (`fn64` maps float64 numpy arrays to one)."""
+
   def f(*a):
     return float(np.sum(np.asarray(fn64(*a), np.float64) * weights))
+
   out = []
   for i, x in enumerate(args):
     g = np.zeros_like(x, np.float64)

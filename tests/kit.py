@@ -36,13 +36,12 @@ import dataclasses
 import functools
 import importlib
 import json
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 
-from jaxkern import compare
-from jaxkern import registry
-from jaxkern import tuning
+from jaxkern import registry, tuning
 from jaxkern.family import bind_axes
 from pallas_kernels.shared.kernel import TRITON
 from pallas_kernels.shared.lowering import MosaicGpuCall, TritonCall, lower_for_h100
@@ -66,6 +65,7 @@ class Case:
   inputs)`: further assertions on the named outputs after the comparison
   passed. `backend`: the kernel backend checked (None: the family's
   default one)."""
+
   definition: str
   axes: Mapping[str, int] = dataclasses.field(default_factory=dict)
   inputs: Callable[[], dict[str, jax.Array]] | None = None
@@ -149,8 +149,11 @@ def bound(op: registry.Op, fn_name: str, axes: Mapping[str, int], backend: str |
 
 def shapes_at(op: registry.Op, axes: Mapping[str, int], omit: tuple[str, ...] = ()) -> dict[str, jax.ShapeDtypeStruct]:
   full = full_axes(op, axes)
-  return {n: jax.ShapeDtypeStruct(t.concrete_shape(full), t.np_dtype) for n, t in op.definition.inputs.items()
-          if n not in omit}
+  return {
+    n: jax.ShapeDtypeStruct(t.concrete_shape(full), t.np_dtype)
+    for n, t in op.definition.inputs.items()
+    if n not in omit
+  }
 
 
 def configs_of(op: registry.Op, case: Case, shapes: Mapping[str, Any]) -> list[Any]:
@@ -164,13 +167,15 @@ def configs_of(op: registry.Op, case: Case, shapes: Mapping[str, Any]) -> list[A
 def case_inputs(op: registry.Op, case: Case, seed: int = 0) -> dict[str, jax.Array]:
   if case.inputs is not None:
     return case.inputs()
-  inputs = op.make_inputs(full_axes(op, case.axes), seed=seed, record=dict(case.record) if case.record else None,
-                          allow_shrunk_constants=True)
+  inputs = op.make_inputs(
+    full_axes(op, case.axes), seed=seed, record=dict(case.record) if case.record else None, allow_shrunk_constants=True
+  )
   return {k: v for k, v in inputs.items() if k not in case.omit}
 
 
-def run_kernel(op: registry.Op, axes: Mapping[str, int], inputs: Mapping[str, jax.Array], config: Any,
-               backend: str | None = None) -> dict:
+def run_kernel(
+  op: registry.Op, axes: Mapping[str, int], inputs: Mapping[str, jax.Array], config: Any, backend: str | None = None
+) -> dict:
   kernel = bound(op, "launch", axes, backend)
   return op.name_outputs(jax.jit(lambda x: kernel(**x, config=config, interpret=True))(inputs))
 
@@ -204,10 +209,12 @@ def interpret_equivalent(config: Any) -> str:
   """A config's fields that matter in interpret mode (all but num_warps and
   num_stages, at any nesting), as a key: candidates that differ only there
   compute the same thing on a CPU."""
+
   def strip(x):
     if isinstance(x, dict):
       return {k: strip(v) for k, v in x.items() if k not in ("num_warps", "num_stages")}
     return x
+
   return json.dumps(strip(tuning.config_to_json(config)), sort_keys=True)
 
 
@@ -229,8 +236,9 @@ def check_every_candidate_runs(case: Case) -> int:
 # Lowering.
 
 
-def lowered_calls(op: registry.Op, axes: Mapping[str, int], config: Any, omit: tuple[str, ...] = (),
-                  backend: str | None = None) -> list:
+def lowered_calls(
+  op: registry.Op, axes: Mapping[str, int], config: Any, omit: tuple[str, ...] = (), backend: str | None = None
+) -> list:
   """The launches (`Kernel.calls`: Triton or Mosaic GPU calls) of a
   backend's kernel with `config`, lowered for an abstract H100 at `axes`
   (shapes only)."""
@@ -239,8 +247,9 @@ def lowered_calls(op: registry.Op, axes: Mapping[str, int], config: Any, omit: t
   return op.kernel_of(backend).calls(lower_for_h100(lambda x: kernel(**x, config=config, interpret=False), shapes))
 
 
-def check_lowering(op: registry.Op, axes: Mapping[str, int], config: Any, omit: tuple[str, ...] = (),
-                   backend: str | None = None) -> None:
+def check_lowering(
+  op: registry.Op, axes: Mapping[str, int], config: Any, omit: tuple[str, ...] = (), backend: str | None = None
+) -> None:
   """Lowers, then compares the backend's launches (Triton: count, names,
   grids, warps, stages) with the family's hook for it (`launches_hook`)."""
   name = launches_hook(op.kernel_of(backend).backend)

@@ -12,8 +12,7 @@ import sys
 import jax
 import pytest
 
-from examples import moe_block
-from examples import moe_sharded
+from examples import moe_block, moe_sharded
 
 if len(jax.devices()) < 8:
   pytest.skip("needs 8 devices: run through tests/test_multidevice.py", allow_module_level=True)
@@ -34,7 +33,7 @@ def test_expert_parallel_block_equals_one_device(devices, backend):
 def test_expert_parallel_dispatch_moves_rows_to_their_experts_devices():
   """Experts split 4 ways: rows bound for device d get slots 0, 1, ... in order."""
   dest = jax.numpy.array([2, 0, 2, 3, 0, 2], jax.numpy.int32)
-  assert moe_sharded._slots(dest, 4).tolist() == [0, 0, 1, 0, 1, 2]  # pylint: disable=protected-access
+  assert moe_sharded._slots(dest, 4).tolist() == [0, 0, 1, 0, 1, 2]
 
 
 def test_indivisible_sizes_are_a_clear_error():
@@ -46,8 +45,26 @@ def test_indivisible_sizes_are_a_clear_error():
 @pytest.mark.slow  # a subprocess
 def test_module_runs_with_devices():
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # --devices creates them
-  p = subprocess.run([sys.executable, "-m", "examples.moe_block", "--devices", "8", "--tokens", "16", "--backend",
-                      "xla", "--iters", "1"], capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
+  p = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "examples.moe_block",
+      "--devices",
+      "8",
+      "--tokens",
+      "16",
+      "--backend",
+      "xla",
+      "--iters",
+      "1",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=900,
+    cwd=REPO,
+    env=env,
+  )
   assert p.returncode == 0, p.stdout + p.stderr
   for part in ("attention", "moe", "block"):
     assert f"{part} (1, 16, 256) expert/tensor parallel on 8 cpu devices" in p.stdout, p.stdout

@@ -9,18 +9,17 @@ the reference on one device."""
 
 import functools
 
+import gradients
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import jax.numpy as jnp
+import numerics
 import numpy as np
 import pytest
-
-import gradients
-import numerics
 import sharding_cases
-from jaxkern import ops
-from jaxkern import quant
-from jaxkern import registry
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxkern import ops, quant, registry
 
 if len(jax.devices()) < 4:
   pytest.skip("needs 4 devices: run through tests/test_multidevice.py", allow_module_level=True)
@@ -76,7 +75,7 @@ def grouped_gemm_over_experts():
   experts' with local ids (what expert-parallel dispatch delivers)."""
   devices, local_experts, rows, n, k = 4, 2, 6, 64, 128
   a, a_scale = quant.quantize_fp8_e4m3(normal(0, (devices * rows, k), jnp.float32), 32)
-  b, b_scale = quant.quantize_e2m1(normal(1, (devices * local_experts, n, k), jnp.float32) * k ** -0.5, 32)
+  b, b_scale = quant.quantize_e2m1(normal(1, (devices * local_experts, n, k), jnp.float32) * k**-0.5, 32)
   local_ids = jnp.tile(jnp.array([0, 0, 0, 1, 1, -1], jnp.int32), devices)
   args = (a, a_scale, b, b_scale, local_ids)
   return ops.grouped_gemm_fp8_fp4, args, {}, (P("x"),) * 5, P("x")
@@ -91,15 +90,19 @@ def gdn_decode_over_batch():
 
 def natten_over_batch():
   x = synthesized("neighborhood_attention_3d_h8_d64_kt3_ky5_kx5", {"B": 4, "T": 3, "Y": 5, "X": 5, "H": 1})
-  return (ops.neighborhood_attention_3d, (x["q"], x["k"], x["v"]), {"kernel_size": (3, 5, 5)}, (P("x"),) * 3,
-          P("x"))
+  return (ops.neighborhood_attention_3d, (x["q"], x["k"], x["v"]), {"kernel_size": (3, 5, 5)}, (P("x"),) * 3, P("x"))
 
 
 def sparse_mla_over_heads():
   x = synthesized("sparse_mla_prefill_h64_d512_k128", {"M": 4, "Nkv": 64, "H": 64, "D": 128})
   args = (x["q"], x["kv"], x["indices"], x["attn_sink"])
-  return (ops.sparse_mla_prefill, args, {"sm_scale": x["sm_scale"]}, (P(None, "x"), P(), P(), P("x")),
-          (P(None, "x"), P(None, "x")))
+  return (
+    ops.sparse_mla_prefill,
+    args,
+    {"sm_scale": x["sm_scale"]},
+    (P(None, "x"), P(), P(), P("x")),
+    (P(None, "x"), P(None, "x")),
+  )
 
 
 def expected_grouped(args):
@@ -109,8 +112,17 @@ def expected_grouped(args):
   return a, a_scale, b, b_scale, jnp.where(local_ids < 0, -1, local_ids + offsets)
 
 
-ISSUE_OPS = {f.__name__: f for f in (attention_over_heads, dense_gemm_over_rows, grouped_gemm_over_experts,
-                                     gdn_decode_over_batch, natten_over_batch, sparse_mla_over_heads)}
+ISSUE_OPS = {
+  f.__name__: f
+  for f in (
+    attention_over_heads,
+    dense_gemm_over_rows,
+    grouped_gemm_over_experts,
+    gdn_decode_over_batch,
+    natten_over_batch,
+    sparse_mla_over_heads,
+  )
+}
 
 
 @pytest.mark.parametrize("name", list(ISSUE_OPS))
@@ -139,8 +151,9 @@ def test_issue_ops_inside_shard_map(name):
 def test_heads_sharded_attention_under_jit_on_an_explicit_mesh(backend):
   _, (q, k, v), _, specs, out_spec = attention_over_heads()
   mesh = mesh_1d()
-  out = jax.jit(functools.partial(ops.attention, backend=backend))(*(place(x, mesh, s) for x, s in zip((q, k, v),
-                                                                                                     specs)))
+  out = jax.jit(functools.partial(ops.attention, backend=backend))(
+    *(place(x, mesh, s) for x, s in zip((q, k, v), specs))
+  )
   assert out.sharding.is_equivalent_to(NamedSharding(mesh, out_spec), out.ndim)
   numerics.assert_bf16_close(out, ops.attention(q, k, v, backend=backend))
 
@@ -160,8 +173,9 @@ def test_row_sharded_grouped_gemm_under_jit_on_an_explicit_mesh(backend):
 def test_classic_mesh_pallas_outputs_keep_the_sharding(name):
   op, args, kwargs, in_specs, out_spec = ISSUE_OPS[name]()
   mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
-  fn = jax.jit(functools.partial(op, **kwargs, backend="pallas"),
-               in_shardings=tuple(NamedSharding(mesh, s) for s in in_specs))
+  fn = jax.jit(
+    functools.partial(op, **kwargs, backend="pallas"), in_shardings=tuple(NamedSharding(mesh, s) for s in in_specs)
+  )
   out = fn(*args)
   assert out.sharding.is_equivalent_to(NamedSharding(mesh, out_spec), out.ndim), out.sharding
   numerics.assert_bf16_close(out, op(*args, **kwargs, backend="pallas"))
@@ -182,12 +196,14 @@ def test_vmap_and_grad_on_sharded_inputs():
   a, b = normal(0, (3, 32, 64)), normal(1, (48, 64))
   auto = mesh_1d(AxisType.Auto)
   out = jax.jit(jax.vmap(functools.partial(ops.dense_gemm, backend="pallas"), in_axes=(0, None)))(
-      place(a, auto, P(None, "x")), b)
+    place(a, auto, P(None, "x")), b
+  )
   numerics.assert_bf16_close(out, jax.vmap(functools.partial(ops.dense_gemm, backend="xla"), in_axes=(0, None))(a, b))
   explicit = mesh_1d()
 
   def loss(a, b):
     return jnp.sum(ops.dense_gemm(a, b, backend="xla").astype(jnp.float32))
+
   with jax.set_mesh(explicit):  # JAX's rule for gradients of Explicit-sharded programs
     grad = jax.jit(jax.grad(loss))(place(a[0], explicit, P("x")), b)
   assert grad.sharding.is_equivalent_to(NamedSharding(explicit, P("x")), grad.ndim)
@@ -201,14 +217,24 @@ def test_gdn_prefill_gradients_with_heads_split():
   x = synthesized("gdn_prefill_qk4_v8_d128_k_last", {"total_seq_len": 40, "num_seqs": 2, "len_cu_seqlens": 3})
   x["scale"] = jnp.float32(0.8)
   names = ("q", "k", "v", "state", "A_log", "a", "dt_bias", "b", "scale")
-  heads = {"q": P(None, "x"), "k": P(None, "x"), "v": P(None, "x"), "state": P(None, "x"), "A_log": P("x"),
-           "a": P(None, "x"), "dt_bias": P("x"), "b": P(None, "x"), "scale": P()}
+  heads = {
+    "q": P(None, "x"),
+    "k": P(None, "x"),
+    "v": P(None, "x"),
+    "state": P(None, "x"),
+    "A_log": P("x"),
+    "a": P(None, "x"),
+    "dt_bias": P("x"),
+    "b": P(None, "x"),
+    "scale": P(),
+  }
   weights = [normal(2, x["v"].shape, jnp.float32), normal(3, x["state"].shape, jnp.float32)]
 
   def loss(backend):
     def f(*args):
       out, new_state = ops.gdn_prefill(*args[:8], x["cu_seqlens"], args[8], backend=backend)
       return jnp.sum(out.astype(jnp.float32) * weights[0]) + jnp.sum(new_state * weights[1])
+
     return jax.jit(jax.grad(f, tuple(range(len(names)))))
 
   want = loss("xla")(*(x[n] for n in names))
@@ -244,8 +270,9 @@ def single_device(label):
 # runs the references under the same split rules (tests/test_spmd.py checks
 # those rules on one device): a few families stand for all there.
 FEW_LABELS = {label for label in CASES if label.startswith(("dense_gemm", "grouped_gemm", "noncausal", "qsa_sparse"))}
-SPLITS = [(label, setting) for label in CASES for setting in SETTINGS
-          if setting == "explicit-pallas" or label in FEW_LABELS]
+SPLITS = [
+  (label, setting) for label in CASES for setting in SETTINGS if setting == "explicit-pallas" or label in FEW_LABELS
+]
 
 
 @pytest.mark.parametrize("label,setting", SPLITS)

@@ -9,15 +9,14 @@ there."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
+import kit
 from jax.sharding import PartitionSpec as P
 
-import kit
-from jaxkern import dispatch
-from jaxkern import registry
-from jaxkern import spmd
+from jaxkern import dispatch, registry, spmd
 
 MESH_AXES = ("x", "y")
 
@@ -58,20 +57,37 @@ class ShardCase:
 
 
 CASES = [
-    ShardCase("dense_gemm_bf16_nt_n4096_k4096", {"M": 32, "N": 64, "K": 64}, ("m", "n")),
-    ShardCase("moe_router_gemm_topk_deepseek41_d5120_e384_topk6", {"M": 8, "D": 128, "E": 16}, ("m",)),
-    ShardCase("grouped_gemm_fp8_fp4_e384_n4608_k5120_g32",
-              {"M": 24, "E": 16, "N": 64, "K": 128, "K_groups": 4, "K_packed": 64}, ("m", "n")),
-    ShardCase("noncausal_dense_attention_h32_d64", {"B": 2, "Nq": 16, "Nk": 24, "H": 4}, ("b", "h")),
-    ShardCase("prefix_cached_block_causal_h32_d128", {"B": 1, "Nq": 16, "Np": 8, "H": 2, "D": 64}, ("s", "h")),
-    ShardCase("prefix_cached_block_causal_h32_d128_prefix0", {"B": 2, "Nq": 16, "H": 2, "D": 64}, ("b", "h")),
-    ShardCase("neighborhood_attention_3d_h8_d64_kt3_ky5_kx5", {"B": 2, "T": 3, "Y": 5, "X": 5, "H": 2}, ("b", "h")),
-    ShardCase("gdn_decode_qk4_v8_d128_k_last", {"batch_size": 2}, ("b", "h")),
-    ShardCase("gdn_prefill_qk4_v8_d128_k_last", {"total_seq_len": 24, "num_seqs": 2, "len_cu_seqlens": 3}, ("h",)),
-    ShardCase("sparse_mla_prefill_h64_d512_k128", {"M": 4, "Nkv": 64, "H": 32, "D": 128}, ("m", "h")),
-    ShardCase("mixed_mla_decode_deepseek41_h64_d512_k8128_k4512",
-              {"B": 2, "N8": 1, "N4": 1, "H": 32, "D": 128, "token_bytes_fp8": 132, "token_bytes_fp4": 72,
-               "P8": 64, "P4": 64, "K8": 32, "K4": 64}, ("b", "h")),
-    ShardCase("qsa_index_topk_decode_qwen38_h4_d128_topk512_c4", {"B": 2, "MP": 2, "NP": 4}, ("b",)),
-    ShardCase("qsa_sparse_gqa_decode_qwen38_h24_kv2_d256_topk512_c4", {"B": 2, "MP": 2, "NP": 4}, ("b", "h")),
+  ShardCase("dense_gemm_bf16_nt_n4096_k4096", {"M": 32, "N": 64, "K": 64}, ("m", "n")),
+  ShardCase("moe_router_gemm_topk_deepseek41_d5120_e384_topk6", {"M": 8, "D": 128, "E": 16}, ("m",)),
+  ShardCase(
+    "grouped_gemm_fp8_fp4_e384_n4608_k5120_g32",
+    {"M": 24, "E": 16, "N": 64, "K": 128, "K_groups": 4, "K_packed": 64},
+    ("m", "n"),
+  ),
+  ShardCase("noncausal_dense_attention_h32_d64", {"B": 2, "Nq": 16, "Nk": 24, "H": 4}, ("b", "h")),
+  ShardCase("prefix_cached_block_causal_h32_d128", {"B": 1, "Nq": 16, "Np": 8, "H": 2, "D": 64}, ("s", "h")),
+  ShardCase("prefix_cached_block_causal_h32_d128_prefix0", {"B": 2, "Nq": 16, "H": 2, "D": 64}, ("b", "h")),
+  ShardCase("neighborhood_attention_3d_h8_d64_kt3_ky5_kx5", {"B": 2, "T": 3, "Y": 5, "X": 5, "H": 2}, ("b", "h")),
+  ShardCase("gdn_decode_qk4_v8_d128_k_last", {"batch_size": 2}, ("b", "h")),
+  ShardCase("gdn_prefill_qk4_v8_d128_k_last", {"total_seq_len": 24, "num_seqs": 2, "len_cu_seqlens": 3}, ("h",)),
+  ShardCase("sparse_mla_prefill_h64_d512_k128", {"M": 4, "Nkv": 64, "H": 32, "D": 128}, ("m", "h")),
+  ShardCase(
+    "mixed_mla_decode_deepseek41_h64_d512_k8128_k4512",
+    {
+      "B": 2,
+      "N8": 1,
+      "N4": 1,
+      "H": 32,
+      "D": 128,
+      "token_bytes_fp8": 132,
+      "token_bytes_fp4": 72,
+      "P8": 64,
+      "P4": 64,
+      "K8": 32,
+      "K4": 64,
+    },
+    ("b", "h"),
+  ),
+  ShardCase("qsa_index_topk_decode_qwen38_h4_d128_topk512_c4", {"B": 2, "MP": 2, "NP": 4}, ("b",)),
+  ShardCase("qsa_sparse_gqa_decode_qwen38_h24_kv2_d256_topk512_c4", {"B": 2, "MP": 2, "NP": 4}, ("b", "h")),
 ]

@@ -10,8 +10,7 @@ import sys
 
 import pytest
 
-from jaxkern import aot
-from jaxkern import selection
+from jaxkern import aot, selection
 from pallas_kernels.shared.lowering import MosaicGpuCall
 
 # Captured from the tool's ptxas wrapper (ptxas 12.9, XLA's Triton, jax
@@ -60,12 +59,14 @@ PTX = """\
 }
 """
 
-STABLEHLO = ('stablehlo.custom_call @"__gpu$xla.gpu.triton"(%0) {backend_config = {debug = false, grid_x = 1 : i32, '
-             'grid_y = 80 : i32, grid_z = 1 : i32, ir = "ML\\EFR...", name = "moe_router_partial_logits", '
-             'num_stages = 2 : i32, num_warps = 4 : i32}} ...\n'
-             'stablehlo.custom_call @"__gpu$xla.gpu.triton"(%1) {backend_config = {debug = false, grid_x = 1 : i32, '
-             'grid_y = 1 : i32, grid_z = 1 : i32, ir = "ML\\EFR...", name = "moe_router_reduce_route", '
-             'num_stages = 1 : i32, num_warps = 4 : i32}}\n')
+STABLEHLO = (
+  'stablehlo.custom_call @"__gpu$xla.gpu.triton"(%0) {backend_config = {debug = false, grid_x = 1 : i32, '
+  'grid_y = 80 : i32, grid_z = 1 : i32, ir = "ML\\EFR...", name = "moe_router_partial_logits", '
+  "num_stages = 2 : i32, num_warps = 4 : i32}} ...\n"
+  'stablehlo.custom_call @"__gpu$xla.gpu.triton"(%1) {backend_config = {debug = false, grid_x = 1 : i32, '
+  'grid_y = 1 : i32, grid_z = 1 : i32, ir = "ML\\EFR...", name = "moe_router_reduce_route", '
+  "num_stages = 1 : i32, num_warps = 4 : i32}}\n"
+)
 
 
 def test_parse_ptxas_verbose():
@@ -83,10 +84,14 @@ def test_ptx_matrix_ops_per_entry():
 
 def test_parse_thunks_and_triton_calls():
   launches = aot.parse_thunk_sequence(THUNKS)
-  assert launches == [aot.Launch("moe_router_partial_logits", (1, 80, 1), 128, 67584),
-                      aot.Launch("moe_router_reduce_route", (1, 1, 1), 128, 512)]
-  assert aot.triton_calls(STABLEHLO) == [aot.TritonCall("moe_router_partial_logits", (1, 80, 1), 4, 2),
-                                         aot.TritonCall("moe_router_reduce_route", (1, 1, 1), 4, 1)]
+  assert launches == [
+    aot.Launch("moe_router_partial_logits", (1, 80, 1), 128, 67584),
+    aot.Launch("moe_router_reduce_route", (1, 1, 1), 128, 512),
+  ]
+  assert aot.triton_calls(STABLEHLO) == [
+    aot.TritonCall("moe_router_partial_logits", (1, 80, 1), 4, 2),
+    aot.TritonCall("moe_router_reduce_route", (1, 1, 1), 4, 1),
+  ]
 
 
 # A k-loop in the shape XLA's Triton writes it: address arithmetic, an
@@ -191,17 +196,41 @@ $L__BB3_2:
 """
 
 
-@pytest.mark.parametrize("opcode,kind", [
-    ("add.s32", "int"), ("mul.wide.s32", "int"), ("mad.lo.s64", "int"), ("cvta.to.global.u64", "int"),
-    ("add.f32", "float"), ("fma.rn.f32", "float"), ("max.bf16x2", "float"), ("ex2.approx.ftz.f32", "float"),
-    ("rcp.approx.f32", "float"), ("cvt.rn.bf16x2.f32", "convert"), ("cvt.u64.u32", "convert"),
-    ("lop3.b32", "bit"), ("prmt.b32", "bit"), ("shl.b64", "bit"), ("and.pred", "bit"), ("bfe.u32", "bit"),
-    ("setp.lt.s32", "compare"), ("selp.f32", "compare"), ("ld.global.v4.b32", "memory"),
-    ("cp.async.cg.shared.global", "memory"), ("ldmatrix.sync.aligned.m8n8.x4.shared.b16", "memory"),
-    ("st.shared.b8", "memory"), ("mov.b32", "other"), ("bar.sync", "other"), ("bra.uni", "other"),
-    ("shfl.sync.idx.b32", "other"), ("wgmma.fence.sync.aligned", "other"), ("wgmma.wait_group.sync.aligned", "other"),
-    ("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", "mma"), ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma"),
-])
+@pytest.mark.parametrize(
+  "opcode,kind",
+  [
+    ("add.s32", "int"),
+    ("mul.wide.s32", "int"),
+    ("mad.lo.s64", "int"),
+    ("cvta.to.global.u64", "int"),
+    ("add.f32", "float"),
+    ("fma.rn.f32", "float"),
+    ("max.bf16x2", "float"),
+    ("ex2.approx.ftz.f32", "float"),
+    ("rcp.approx.f32", "float"),
+    ("cvt.rn.bf16x2.f32", "convert"),
+    ("cvt.u64.u32", "convert"),
+    ("lop3.b32", "bit"),
+    ("prmt.b32", "bit"),
+    ("shl.b64", "bit"),
+    ("and.pred", "bit"),
+    ("bfe.u32", "bit"),
+    ("setp.lt.s32", "compare"),
+    ("selp.f32", "compare"),
+    ("ld.global.v4.b32", "memory"),
+    ("cp.async.cg.shared.global", "memory"),
+    ("ldmatrix.sync.aligned.m8n8.x4.shared.b16", "memory"),
+    ("st.shared.b8", "memory"),
+    ("mov.b32", "other"),
+    ("bar.sync", "other"),
+    ("bra.uni", "other"),
+    ("shfl.sync.idx.b32", "other"),
+    ("wgmma.fence.sync.aligned", "other"),
+    ("wgmma.wait_group.sync.aligned", "other"),
+    ("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", "mma"),
+    ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mma"),
+  ],
+)
 def test_classify_opcodes(opcode, kind):
   assert aot.ptx.classify(opcode) == kind
 
@@ -263,15 +292,20 @@ def test_hopper_evidence_and_instructions_after_line_directives():
   counts."""
   [(name, k)] = aot.parse_ptx(WARP_SPECIALIZED).items()
   assert name == "ws"
-  assert k.hopper.to_json() == {"setmaxnreg": ["dec.40", "inc.232"], "tma_loads": 1, "tma_stores": 1, "cp_async": 1,
-                                "mbarrier": {"arrive": 1, "arrive.expect_tx": 1, "init": 1, "try_wait": 1}}
-  assert k.kernel.memory == 8   # 4 mbarrier, 2 bulk tensor copies, cp.async and its commit
+  assert k.hopper.to_json() == {
+    "setmaxnreg": ["dec.40", "inc.232"],
+    "tma_loads": 1,
+    "tma_stores": 1,
+    "cp_async": 1,
+    "mbarrier": {"arrive": 1, "arrive.expect_tx": 1, "init": 1, "try_wait": 1},
+  }
+  assert k.kernel.memory == 8  # 4 mbarrier, 2 bulk tensor copies, cp.async and its commit
 
 
 def test_instruction_mix_innermost_mma_loop_and_straight_code():
   kernels = aot.parse_ptx(NESTED)
   attn, straight = kernels["attn"], kernels["straight"]
-  assert attn.k_step.mma == {"mma.m16n8k32.e4m3.e5m2": 1}   # the inner loop, not the outer one
+  assert attn.k_step.mma == {"mma.m16n8k32.e4m3.e5m2": 1}  # the inner loop, not the outer one
   assert attn.k_step.alu == {"float": 1, "compare": 1}
   assert attn.kernel.mma == {"mma.m16n8k16.bf16": 1, "mma.m16n8k32.e4m3.e5m2": 1} and attn.matrix_ops == "mma"
   # A forward branch is no loop: whole-kernel counts only.
@@ -291,21 +325,39 @@ def test_instruction_mix_in_table_json_and_markdown():
   stats = {"gemm_fp8": aot.PtxasStats(registers=168)}
   launches = [aot.Launch("gemm_fp8", (132, 1, 1), 256, 100 * 1024)]
   [k] = aot.build_reports([aot.TritonCall("gemm_fp8", (1, 1, 1), 8, 3)], launches, stats, ptx, limits)
-  row = {"definition": "grouped", "axes": {"M": 6}, "config": {"block_m": 64}, "heuristic": True,
-         "target": "H200", "status": k.status, "compile_seconds": 1.0, "error": "",
-         "kernels": [json.loads(json.dumps(dataclasses.asdict(k)))]}
+  row = {
+    "definition": "grouped",
+    "axes": {"M": 6},
+    "config": {"block_m": 64},
+    "heuristic": True,
+    "target": "H200",
+    "status": k.status,
+    "compile_seconds": 1.0,
+    "error": "",
+    "kernels": [json.loads(json.dumps(dataclasses.asdict(k)))],
+  }
   assert row["kernels"][0]["instruction_mix"]["k_step"]["alu_per_mma"] == pytest.approx(4.67)
   table = aot.format_rows([row])
   assert "2 wgmma.m64n128k32.e4m3 + 1 wgmma.m64n64k16.bf16" in table and "14 (2/3/2/4/3)" in table
-  section = aot.markdown_section([row], target="NVIDIA H200", toolchain="ptxas 13.5", jax_version="0.12",
-                                 command="python -m jaxkern.aot --markdown x.md", date="2026-12-01")
+  section = aot.markdown_section(
+    [row],
+    target="NVIDIA H200",
+    toolchain="ptxas 13.5",
+    jax_version="0.12",
+    command="python -m jaxkern.aot --markdown x.md",
+    date="2026-12-01",
+  )
   page = aot.markdown_page({"0.12": section})
   line = next(l for l in page.splitlines() if l.startswith("| `grouped`"))
   cells = [c.strip() for c in line.strip("|").split("|")]
   header = next(l for l in page.splitlines() if l.startswith("| definition"))
   assert len(cells) == len(header.strip("|").split("|"))
   assert cells[4:7] == ["132x1x1", "168", "100.0 KiB"] and cells[-4:] == [
-      "2 wgmma.m64n128k32.e4m3 + 1 wgmma.m64n64k16.bf16", "14 (2/3/2/4/3)", "4.67", "ok"]
+    "2 wgmma.m64n128k32.e4m3 + 1 wgmma.m64n64k16.bf16",
+    "14 (2/3/2/4/3)",
+    "4.67",
+    "ok",
+  ]
   assert "1/1 configs compile clean" in page and "python -m jaxkern.aot --markdown x.md" in page
   assert "jax 0.12, ptxas 13.5;" in page
 
@@ -313,13 +365,25 @@ def test_instruction_mix_in_table_json_and_markdown():
 def test_markdown_page_keeps_other_versions_sections():
   """A page holds one section per jax version, oldest first; rewriting one
   keeps the others byte for byte."""
+
   def section(version, status):
-    row = {"definition": "d", "axes": {"M": 1}, "config": {"b": 1}, "heuristic": True, "target": "H200",
-           "status": status, "compile_seconds": 1.0, "error": "" if status == aot.OK else "boom",
-           "kernels": [{"name": "k", "status": status, "registers": 40, "smem_bytes": 0, "spill_stores": 0,
-                        "spill_loads": 0}]}
-    return aot.markdown_section([row], target="H200", toolchain="t", jax_version=version, command="c",
-                                date="2026-12-01")
+    row = {
+      "definition": "d",
+      "axes": {"M": 1},
+      "config": {"b": 1},
+      "heuristic": True,
+      "target": "H200",
+      "status": status,
+      "compile_seconds": 1.0,
+      "error": "" if status == aot.OK else "boom",
+      "kernels": [
+        {"name": "k", "status": status, "registers": 40, "smem_bytes": 0, "spill_stores": 0, "spill_loads": 0}
+      ],
+    }
+    return aot.markdown_section(
+      [row], target="H200", toolchain="t", jax_version=version, command="c", date="2026-12-01"
+    )
+
   page = aot.markdown_page({"0.12.0.1": section("0.12.0.1", aot.OK), "0.11.2": section("0.11.2", aot.SPILLS)})
   sections = aot.page_sections(page)
   assert list(sections) == ["0.11.2", "0.12.0.1"] and "### Not clean" in sections["0.11.2"]
@@ -333,10 +397,17 @@ def test_markdown_page_keeps_other_versions_sections():
 def test_command_line_defines_its_flags_only_when_run():
   """`python -m jaxkern.aot` parses its flags (importing the package defines
   none, so tools with flags of the same name can import it)."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl import flags
+
   assert "markdown" not in flags.FLAGS
-  out = subprocess.run([sys.executable, "-m", "jaxkern.aot", "--helpfull"], capture_output=True, text=True,
-                       timeout=120, check=False, cwd=pathlib.Path(__file__).parent.parent)
+  out = subprocess.run(
+    [sys.executable, "-m", "jaxkern.aot", "--helpfull"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+    cwd=pathlib.Path(__file__).parent.parent,
+  )
   assert "--markdown" in out.stdout and "--[no]all_candidates" in out.stdout, out.stderr[-2000:]
 
 
@@ -371,13 +442,23 @@ def test_limits_from_target_config():
 
 def test_build_reports_joins_and_judges():
   limits = aot.Limits()
-  ptx = {"moe_router_partial_logits": aot.KernelPtx("moe_router_partial_logits",
-                                                    aot.InstructionMix(mma={"wgmma.m64n64k16.bf16": 4}), None)}
-  reports = aot.build_reports(aot.triton_calls(STABLEHLO), aot.parse_thunk_sequence(THUNKS),
-                              aot.parse_ptxas_verbose(PTXAS_V), ptx, limits)
+  ptx = {
+    "moe_router_partial_logits": aot.KernelPtx(
+      "moe_router_partial_logits", aot.InstructionMix(mma={"wgmma.m64n64k16.bf16": 4}), None
+    )
+  }
+  reports = aot.build_reports(
+    aot.triton_calls(STABLEHLO), aot.parse_thunk_sequence(THUNKS), aot.parse_ptxas_verbose(PTXAS_V), ptx, limits
+  )
   a, b = reports
   assert (a.name, a.status, a.registers, a.smem_bytes, a.matrix_ops, a.num_stages) == (
-      "moe_router_partial_logits", aot.OK, 160, 67584, "wgmma", 2)
+    "moe_router_partial_logits",
+    aot.OK,
+    160,
+    67584,
+    "wgmma",
+    2,
+  )
   assert (a.ctas_per_sm, a.occupancy_limit) == (3, "registers")
   assert a.instruction_mix["kernel"]["mma"] == {"wgmma.m64n64k16.bf16": 4} and a.instruction_mix["k_step"] is None
   assert (b.status, b.spill_stores, b.smem_bytes, b.instruction_mix) == (aot.SPILLS, 228, 512 + 16, None)
@@ -434,13 +515,15 @@ def test_build_reports_reads_a_mosaic_gpu_call_from_the_plugins_dump():
   assert missing.status == aot.ERROR and "MOSAIC_GPU_DUMP_TO" in missing.error
   # XLA's own fusions go through ptxas too: the plugin's dump decides.
   xla_fusion = {"input_reduce_fusion": aot.PtxasStats(registers=32)}
-  [mgpu] = aot.build_reports([mosaic], [], xla_fusion, {}, limits,
-                             mosaic_ptxas={"mosaic_gpu_kernel": aot.PtxasStats(registers=168)})
+  [mgpu] = aot.build_reports(
+    [mosaic], [], xla_fusion, {}, limits, mosaic_ptxas={"mosaic_gpu_kernel": aot.PtxasStats(registers=168)}
+  )
   assert (mgpu.name, mgpu.registers) == ("mosaic_gpu_kernel", 168)
 
 
 def test_largest_axes_by_input_bytes():
-  from jaxkern import registry  # pylint: disable=g-import-not-at-top
+  from jaxkern import registry
+
   op = registry.get("moe_router_gemm_topk_deepseek41_d5120_e384_topk6")
   assert selection.largest_recorded_axes(op.definition) == {"M": 4096}
   assert [o.name for o in aot.select_ops(["moe_router"])] == [op.name]
@@ -449,6 +532,7 @@ def test_largest_axes_by_input_bytes():
 
 
 # -- target texts --------------------------------------------------------------
+
 
 def test_shipped_target_texts():
   """The H100 and H200 texts ship with a header naming their source, and
@@ -467,14 +551,17 @@ def test_targets_from_a_library_written_and_read_back(tmp_path):
   h200 = 'gpu_device_info {\n  shared_memory_per_core: 233472\n}\ndevice_description_str: "NVIDIA H200 141GB HBM3e"\n'
   other = 'gpu_device_info {\n}\ndevice_description_str: "NVIDIA B200"\n'
   library = tmp_path / "plugin.so"
-  library.write_bytes(b"\x7fELF\0" + h200.encode() + b"\0junk\0" + other.encode()
-                      + b'\0device_description_str: "not a target"\0')
+  library.write_bytes(
+    b"\x7fELF\0" + h200.encode() + b"\0junk\0" + other.encode() + b'\0device_description_str: "not a target"\0'
+  )
   assert aot.targets.embedded_target_configs(str(library)) == {"NVIDIA H200 141GB HBM3e": h200, "NVIDIA B200": other}
-  [path] = aot.targets.write_shipped(str(library), "a test library", str(tmp_path / "out"),
-                                     ("NVIDIA H200 141GB HBM3e",))
+  [path] = aot.targets.write_shipped(
+    str(library), "a test library", str(tmp_path / "out"), ("NVIDIA H200 141GB HBM3e",)
+  )
   assert pathlib.Path(path).name == "nvidia_h200_141gb_hbm3e.txtpb"
   assert aot.targets.shipped_target_configs(str(tmp_path / "out")) == {
-      "NVIDIA H200 141GB HBM3e": aot.targets.header("NVIDIA H200 141GB HBM3e", "a test library") + h200}
+    "NVIDIA H200 141GB HBM3e": aot.targets.header("NVIDIA H200 141GB HBM3e", "a test library") + h200
+  }
   with pytest.raises(ValueError, match=r"embeds no target for \['NVIDIA H100 80GB HBM3'\]"):
     aot.targets.write_shipped(str(library), "x", str(tmp_path / "out"), ("NVIDIA H100 80GB HBM3",))
   (tmp_path / "out" / "broken.txtpb").write_text("gpu_device_info {\n}\n")
@@ -483,6 +570,7 @@ def test_targets_from_a_library_written_and_read_back(tmp_path):
 
 
 # -- with the extra: real compiles -------------------------------------------
+
 
 def _compiler():
   if aot.available():
@@ -505,10 +593,11 @@ def test_target_configs_of_the_installed_plugin(compiler):
   assert compiler.limits == aot.Limits()
 
 
-def test_shipped_texts_are_the_plugins_own(compiler):  # pylint: disable=unused-argument
+def test_shipped_texts_are_the_plugins_own(compiler):
   """Where the plugin embeds the H100/H200 texts (jax >= 0.12), the shipped
   files hold exactly them under their header."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
+
   embedded = aot.targets.embedded_target_configs(aot.plugin_library())
   if not set(aot.targets.SHIPPED) <= set(embedded):
     pytest.skip(f"the jax {jax.__version__} CUDA plugin embeds no H100/H200 target text (the shipped ones are used)")
@@ -520,7 +609,8 @@ def test_shipped_texts_are_the_plugins_own(compiler):  # pylint: disable=unused-
 def _shipped():
   """Every implemented definition's kernel backends at its largest recorded
   axes, and the router's decode (M=1), few-row and above-recorded sizes."""
-  from jaxkern import registry  # pylint: disable=g-import-not-at-top
+  from jaxkern import registry
+
   out = [(n, None, b) for n in registry.names() if registry.get(n).implemented for b in registry.get(n).backends]
   router = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"
   out += [(router, {"M": m}, "triton") for m in (1, 3, 128, 8192)]
@@ -537,10 +627,12 @@ def test_shipped_heuristic_configs_compile_clean(compiler, name, axes, backend):
   heuristic's config at the largest recorded axes (and more router sizes);
   GEMM and attention keep their wgmma; the Mosaic GPU kernels show their
   warp specialization (their register budgets, TMA loads, mbarriers)."""
-  from jaxkern import registry  # pylint: disable=g-import-not-at-top
+  from jaxkern import registry
+
   op = registry.get(name)
-  [row] = aot.check_op(compiler, op, op.validated_axes(axes or selection.largest_recorded_axes(op.definition)),
-                       backend=backend)
+  [row] = aot.check_op(
+    compiler, op, op.validated_axes(axes or selection.largest_recorded_axes(op.definition)), backend=backend
+  )
   assert row["status"] == aot.OK and row["backend"] == backend, (row["error"], row["kernels"])
   for k in row["kernels"]:
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0, k
@@ -566,13 +658,19 @@ def test_shipped_heuristic_configs_compile_clean(compiler, name, axes, backend):
       assert hopper["mbarrier"].get("try_wait", 0) > 0 and hopper["mbarrier"].get("arrive.expect_tx", 0) > 0, hopper
 
 
-def test_markdown_page_from_a_run(compiler, tmp_path):  # pylint: disable=unused-argument
+def test_markdown_page_from_a_run(compiler, tmp_path):
   page = tmp_path / "page.md"
-  out = subprocess.run([sys.executable, "-m", "jaxkern.aot", "--definition=dense_gemm_bf16_nt_n4096_k4096",
-                        f"--markdown={page}"], capture_output=True, text=True, timeout=600, check=False)
+  out = subprocess.run(
+    [sys.executable, "-m", "jaxkern.aot", "--definition=dense_gemm_bf16_nt_n4096_k4096", f"--markdown={page}"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
+
   text = page.read_text()
   assert "2/2 configs compile clean" in text and "wgmma.m64n256k16.bf16" in text and "| `dense_gemm_nt` |" in text
-  assert "| setmaxnreg |" in text and "dec.40 inc.232" in text   # the Mosaic GPU kernel's row
+  assert "| setmaxnreg |" in text and "dec.40 inc.232" in text  # the Mosaic GPU kernel's row
   assert list(aot.page_sections(text)) == [jax.__version__] and f"jax-cuda13-plugin {jax.__version__}" in text

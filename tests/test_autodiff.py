@@ -8,18 +8,15 @@ the gradient of a quantized input raises it on both paths, naming the op
 and the input. (The families with their own backward kernels: their test
 files.)"""
 
+import gradients
 import jax
 import jax.numpy as jnp
+import kit
 import pytest
 
-import gradients
-import kit
-from jaxkern import dataset
-from jaxkern import dispatch
+from jaxkern import dataset, dispatch, registry
 from jaxkern import plan as plan_lib
-from jaxkern import registry
 from jaxkern.autodiff import NotDifferentiableError
-
 
 # Autodiff smoke of every family: also in the device-stack lane.
 pytestmark = pytest.mark.device_stack
@@ -54,11 +51,17 @@ def op_at_cpu_size(name):
 def loss_of(op, inputs, const, wrt, backend):
   """`sum(out * weights)` over the op's floating outputs, as a function of
   the inputs named `wrt`."""
+
   def f(*values):
-    outs = op.name_outputs(dispatch.run(op.impl, {**inputs, **dict(zip(wrt, values))}, const_axes=const,
-                                        backend=backend))
-    return sum(jnp.sum(o.astype(jnp.float32) * gradients.weights_like(o.shape, seed))
-               for seed, o in enumerate(outs.values()) if jnp.issubdtype(o.dtype, jnp.floating))
+    outs = op.name_outputs(
+      dispatch.run(op.impl, {**inputs, **dict(zip(wrt, values))}, const_axes=const, backend=backend)
+    )
+    return sum(
+      jnp.sum(o.astype(jnp.float32) * gradients.weights_like(o.shape, seed))
+      for seed, o in enumerate(outs.values())
+      if jnp.issubdtype(o.dtype, jnp.floating)
+    )
+
   return f
 
 
@@ -74,7 +77,7 @@ def test_pallas_gradient_is_the_xla_gradient_or_a_clear_error(name):
   grad = lambda backend: jax.jit(jax.grad(loss_of(op, inputs, const, wrt, backend), argnums))  # noqa: E731
   try:
     want = grad("xla")(*args)
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     # The reference has no gradient: the Pallas path says so, naming the op.
     with pytest.raises(NotDifferentiableError, match=f"{kit.family_of(name)}.* is not differentiable"):
       grad("pallas")(*args)
@@ -86,9 +89,14 @@ def test_pallas_gradient_is_the_xla_gradient_or_a_clear_error(name):
   assert any(float(jnp.abs(g.astype(jnp.float32)).max()) > 0 for g in want), (name, "every gradient is zero")
 
 
-QUANTIZED = [n for n in first_of_each_family(IMPLEMENTED)
-             if any(jnp.issubdtype(jnp.dtype(t.np_dtype), jnp.floating) and jnp.dtype(t.np_dtype).itemsize <= 1
-                    for t in registry.get(n).definition.inputs.values())]
+QUANTIZED = [
+  n
+  for n in first_of_each_family(IMPLEMENTED)
+  if any(
+    jnp.issubdtype(jnp.dtype(t.np_dtype), jnp.floating) and jnp.dtype(t.np_dtype).itemsize <= 1
+    for t in registry.get(n).definition.inputs.values()
+  )
+]
 
 
 @pytest.mark.parametrize("backend", ["pallas", "xla"])
@@ -97,8 +105,9 @@ def test_quantized_inputs_raise_naming_the_op_and_the_input(name, backend):
   op, inputs, const = op_at_cpu_size(name)
   for key in (k for k, v in inputs.items() if is_float(v, quantized=True)):
     f = loss_of(op, inputs, const, [key], backend)
-    with pytest.raises(NotDifferentiableError, match=f"{kit.family_of(name)}.* not differentiable with respect to "
-                                                     f"'{key}'.*quantized"):
+    with pytest.raises(
+      NotDifferentiableError, match=f"{kit.family_of(name)}.* not differentiable with respect to '{key}'.*quantized"
+    ):
       jax.make_jaxpr(jax.grad(f))(inputs[key])
 
 

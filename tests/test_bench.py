@@ -5,8 +5,8 @@ XLA:CPU traces (XLA:CPU's events are on the `/host:CPU` plane)."""
 
 import jax
 import jax.numpy as jnp
-from jax.profiler import ProfileData
 import pytest
+from jax.profiler import ProfileData
 
 from jaxkern import bench
 from jaxkern import profile_events as pe
@@ -27,11 +27,13 @@ def _event(meta, start_us, dur_us, module=None):
 
 
 def _plane(pid, name, lines):
-  body = "".join(f'lines {{ id: {i} name: "{lname}" timestamp_ns: 0 {" ".join(evs)} }}'
-                 for i, (lname, evs) in enumerate(lines, 1))
+  body = "".join(
+    f'lines {{ id: {i} name: "{lname}" timestamp_ns: 0 {" ".join(evs)} }}' for i, (lname, evs) in enumerate(lines, 1)
+  )
   meta = "".join(f'event_metadata {{ key: {k} value {{ id: {k} name: "{v}" }} }}' for k, v in NAMES.items())
   stats = 'stat_metadata { key: 100 value { id: 100 name: "hlo_module" } }' + "".join(
-      f'stat_metadata {{ key: {k} value {{ id: {k} name: "{v}" }} }}' for k, v in MODULES.items())
+    f'stat_metadata {{ key: {k} value {{ id: {k} name: "{v}" }} }}' for k, v in MODULES.items()
+  )
   return f'planes {{ id: {pid} name: "{name}" {body} {meta} {stats} }}'
 
 
@@ -41,20 +43,26 @@ def synthetic_trace() -> ProfileData:
   one after the last, one without an `hlo_module`, a derived `XLA Ops` line
   repeating the kernels, and GPU 1's work at the same time."""
   stream = [
-      _event(3, 0, 50, 10),                                         # before the first separator
-      _event(4, 100, 3, 11),                                        # separator
-      _event(1, 110, 5, 10), _event(3, 116, 2, 10),                 # call 1: kernel 5, device 7
-      _event(4, 120, 40, 12),                                       # flush (excluded however long)
-      _event(2, 170, 7, 10), _event(3, 178, 1, 10), _event(1, 180, 2),  # call 2: kernel 7, device 8; no module
-      _event(4, 190, 3, 11),
-      _event(1, 200, 4, 10), _event(1, 205, 4, 10), _event(3, 210, 2, 10),  # call 3: kernel 8, device 10
-      _event(4, 220, 3, 11),
-      _event(3, 230, 9, 10),                                        # after the last separator
+    _event(3, 0, 50, 10),  # before the first separator
+    _event(4, 100, 3, 11),  # separator
+    _event(1, 110, 5, 10),
+    _event(3, 116, 2, 10),  # call 1: kernel 5, device 7
+    _event(4, 120, 40, 12),  # flush (excluded however long)
+    _event(2, 170, 7, 10),
+    _event(3, 178, 1, 10),
+    _event(1, 180, 2),  # call 2: kernel 7, device 8; no module
+    _event(4, 190, 3, 11),
+    _event(1, 200, 4, 10),
+    _event(1, 205, 4, 10),
+    _event(3, 210, 2, 10),  # call 3: kernel 8, device 10
+    _event(4, 220, 3, 11),
+    _event(3, 230, 9, 10),  # after the last separator
   ]
   derived = [_event(1, 110, 5, 10), _event(2, 170, 7, 10)]
   other_gpu = [_event(4, 95, 1, 11), _event(1, 150, 500, 10), _event(4, 700, 1, 11)]
-  text = (_plane(1, "/device:GPU:0", [("Stream #7(Kernel)", stream), ("XLA Ops", derived)])
-          + _plane(2, "/device:GPU:1", [("Stream #7(Kernel)", other_gpu)]))
+  text = _plane(1, "/device:GPU:0", [("Stream #7(Kernel)", stream), ("XLA Ops", derived)]) + _plane(
+    2, "/device:GPU:1", [("Stream #7(Kernel)", other_gpu)]
+  )
   return ProfileData.from_text_proto(text)
 
 
@@ -64,8 +72,10 @@ def test_gpu_events_are_selected_and_split_per_call():
   assert len(events) == 13  # the stream's events with a module; not the derived line, not GPU 1
   calls = pe.split_calls(events)
   assert [[e.name for e in c] for c in calls] == [
-      ["dense_gemm_nt", "loop_convert_fusion"], ["dense_gemm_nt_1", "loop_convert_fusion"],
-      ["dense_gemm_nt", "dense_gemm_nt", "loop_convert_fusion"]]
+    ["dense_gemm_nt", "loop_convert_fusion"],
+    ["dense_gemm_nt_1", "loop_convert_fusion"],
+    ["dense_gemm_nt", "dense_gemm_nt", "loop_convert_fusion"],
+  ]
   times = pe.call_times(calls, pe.name_matcher(["dense_gemm_nt"]))
   assert [(t.device_ns, t.kernel_ns) for t in times] == [(7000, 5000), (8000, 7000), (10000, 8000)]
   assert pe.spread_ms([t.device_ns for t in times]) == {"median_ms": 0.008, "min_ms": 0.007, "max_ms": 0.01}
@@ -96,7 +106,7 @@ def _op():
 
 def traced_calls(fn, n):
   """A real trace of `n` calls of `fn` between separators: (events, calls)."""
-  sep = bench._separator(jax.devices()[0], False)  # pylint: disable=protected-access
+  sep = bench._separator(jax.devices()[0], False)
   events = pe.xla_events(bench.capture(lambda: bench.between_separators(fn, n, sep)), pe.Where(pe.CPU_PLANE))
   return events, pe.split_calls(events)
 
@@ -108,8 +118,10 @@ def test_real_cpu_trace_holds_each_call_between_separators():
   assert {e.module for c in calls for e in c} == {"jit__lambda"}
 
 
-IN_MEMORY = pytest.mark.skipif(not hasattr(jax.profiler, "ProfileSession"),
-                               reason=f"jax {jax.__version__} has no jax.profiler.ProfileSession (jax >= 0.12)")
+IN_MEMORY = pytest.mark.skipif(
+  not hasattr(jax.profiler, "ProfileSession"),
+  reason=f"jax {jax.__version__} has no jax.profiler.ProfileSession (jax >= 0.12)",
+)
 
 
 @pytest.mark.parametrize("in_memory,cold_l2", [pytest.param(True, False, marks=IN_MEMORY), (False, True)])
@@ -118,8 +130,9 @@ def test_profile_calls_on_a_real_cpu_trace(in_memory, cold_l2):
   .xplane.pb file) and both separators give one time per call."""
   fn = _op()
   first = traced_calls(fn, 1)[1][0][0].name  # "kernels": the call's first XLA op
-  t = bench.profile_calls(fn, 4, cold_l2=cold_l2, kernel_names=[first], where=pe.Where(pe.CPU_PLANE),
-                          in_memory=in_memory)
+  t = bench.profile_calls(
+    fn, 4, cold_l2=cold_l2, kernel_names=[first], where=pe.Where(pe.CPU_PLANE), in_memory=in_memory
+  )
   assert t["timer"] == bench.TIMER_DEVICE and t["samples"] == 4
   assert 0 < t["min_ms"] <= t["median_ms"] <= t["max_ms"]
   assert 0 < t["kernel_median_ms"] <= t["median_ms"] and t["kernel_max_ms"] <= t["max_ms"]
@@ -150,8 +163,9 @@ def test_measure_names_its_timer():
 
 
 def test_pallas_call_names_of_a_lowered_kernel():
-  from jaxkern import registry, selection  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.shared.lowering import lower_for_h100  # pylint: disable=g-import-not-at-top
+  from jaxkern import registry, selection
+  from pallas_kernels.shared.lowering import lower_for_h100
+
   op = registry.get("qsa_sparse_gqa_decode_qwen38_h24_kv2_d256_topk512_c4")
   shapes = op.input_shapes(op.validated_axes(selection.largest_recorded_axes(op.definition)))
   text = lower_for_h100(lambda x: op.kernel(x, interpret=False), shapes)
@@ -171,8 +185,10 @@ def test_compile_cache_keeps_kernel_names_only_when_asked():
 def test_a_profiler_that_fails_falls_back_to_the_wall_clock(monkeypatch):
   """Whatever goes wrong in the trace (here: the profiler API itself), the
   workload is still timed, by the wall clock, and says why."""
+
   def broken(*args, **kwargs):
     raise TypeError("ProfileSession() takes no arguments")
+
   monkeypatch.setattr(bench, "capture", broken)
   t = bench.measure(_op(), warmup=0, iters=2, on_gpu=True)
   assert t["timer"] == bench.TIMER_WALL and "TypeError: ProfileSession() takes no arguments" in t["note"]

@@ -71,7 +71,7 @@ def test_every_test_file_gets_its_py_test_from_one_comprehension():
   # The Makefile's Bazel subset names targets that exist.
   makefile = (REPO / "Makefile").read_text()
   subset = re.search(r"^BAZEL_TESTS \?= (.*)$", makefile, re.M).group(1).split()
-  assert subset and all((REPO / "tests" / f"{t[len('//:'):]}.py").exists() for t in subset), subset
+  assert subset and all((REPO / "tests" / f"{t[len('//:') :]}.py").exists() for t in subset), subset
 
 
 def test_libraries_mirror_the_packages():
@@ -79,7 +79,7 @@ def test_libraries_mirror_the_packages():
   for lib in PACKAGES:
     assert re.search(rf'py_library\(\s*name = "{lib}"', text), lib
   # The import graph is one-way: pallas_kernels depends on nothing of ours.
-  assert ':jaxkern' not in library_block("pallas_kernels")
+  assert ":jaxkern" not in library_block("pallas_kernels")
   for p in (REPO / "pallas_kernels").rglob("*.py"):
     assert not re.search(r"^\s*(from|import) jaxkern", p.read_text(), re.M), p.name
 

@@ -9,12 +9,12 @@ import functools
 import re
 
 import jax
-from jax.experimental import checkify
 import numpy as np
 import pytest
+from fuzz_inputs import TARGETS, draws
+from jax.experimental import checkify
 
 from jaxkern import ops
-from fuzz_inputs import TARGETS, draws
 
 INVALID = [pytest.param(t, c, id=f"{t.name}-{c.label}") for t in TARGETS for c in t.cases if c.bad]
 CHECKED_OPS = [pytest.param(t, id=t.name) for t in TARGETS if t.impl.preconditions is not None]

@@ -85,8 +85,13 @@ def topk(out_ids, ref_ids, out_w=None, ref_w=None, with_inputs=True):
     specs = TOPK_SPECS
   else:
     specs = spec("ids", "int32")
-  return run(specs, out, ref, inputs={"s": SCORES} if with_inputs else None,
-             policies={"ids": compare.TopK(scores=lambda inputs: inputs["s"]), "w": compare.PairedWith("ids")})
+  return run(
+    specs,
+    out,
+    ref,
+    inputs={"s": SCORES} if with_inputs else None,
+    policies={"ids": compare.TopK(scores=lambda inputs: inputs["s"]), "w": compare.PairedWith("ids")},
+  )
 
 
 def test_topk_tie_is_accepted_and_reported():
@@ -98,13 +103,16 @@ def test_topk_without_inputs_is_exact():
   assert topk([2, 4], [1, 2], with_inputs=False).status == "incorrect_numerical"
 
 
-@pytest.mark.parametrize("ids,why", [
+@pytest.mark.parametrize(
+  "ids,why",
+  [
     ([2, 3], "a lower score"),
     ([4, 4], "duplicate ids"),
     ([4, 7], "id out of range"),
     ([4, -1], "different -1 padding"),
     ([4, -2], "invalid negative id"),
-])
+  ],
+)
 def test_topk_rejections(ids, why):
   assert topk(ids, [1, 2]).status == "incorrect_numerical", why
 
@@ -160,6 +168,7 @@ def test_first_failing_output_sets_status_and_json():
 
 def test_a_new_policy_needs_no_change_to_compare():
   """A family-defined policy (here: every element within 1.0) plugs in."""
+
   class Loose(compare.Policy):
     def compare(self, name, x, y, spec, ctx):
       ok = bool(jnp.all(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)) <= 1.0))
@@ -172,7 +181,8 @@ def test_a_new_policy_needs_no_change_to_compare():
 
 
 def test_status_is_one_enum_that_serializes_as_its_value():
-  import json  # pylint: disable=g-import-not-at-top
+  import json
+
   assert compare.Status("passed") is compare.PASSED
   assert json.dumps({"s": compare.Status.TIMEOUT}) == '{"s": "timeout"}'
   assert compare.Status.TIMEOUT.failed and not compare.Status.SKIPPED.failed and not compare.PASSED.failed

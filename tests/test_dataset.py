@@ -15,17 +15,27 @@ SEED = REPO.parent / "shared" / "seed" / "workloads.jsonl"
 
 # Recorded counts per definition (the seed's 1104 records).
 EXPECTED_COUNTS = {
-    "dense_gemm_bf16_nt_n12288_k4096": 31, "dense_gemm_bf16_nt_n4096_k12288": 31,
-    "dense_gemm_bf16_nt_n4096_k4096": 31, "gdn_decode_qk4_v8_d128_k_last": 54,
-    "gdn_prefill_qk4_v8_d128_k_last": 100, "grouped_gemm_fp8_fp4_e384_n4608_k5120_g32": 52,
-    "grouped_gemm_fp8_fp4_e384_n5120_k2304_g32": 52, "mixed_mla_decode_deepseek41_h64_d512_k8128_k4512": 42,
-    "moe_router_gemm_topk_deepseek41_d5120_e384_topk6": 50, "neighborhood_attention_3d_h16_d64_kt3_ky7_kx7": 9,
-    "neighborhood_attention_3d_h32_d64_kt3_ky7_kx7": 9, "neighborhood_attention_3d_h4_d64_kt11_ky11_kx11": 9,
-    "neighborhood_attention_3d_h8_d64_kt3_ky5_kx5": 18, "noncausal_dense_attention_h32_d128": 54,
-    "noncausal_dense_attention_h32_d64": 108, "prefix_cached_block_causal_h32_d128": 28,
-    "prefix_cached_block_causal_h32_d128_prefix0": 12, "qsa_index_topk_decode_qwen38_h4_d128_topk512_c4": 192,
-    "qsa_sparse_gqa_decode_qwen38_h24_kv2_d256_topk512_c4": 192, "sparse_mla_prefill_h64_d512_k128": 10,
-    "sparse_mla_prefill_h64_d512_k640": 20,
+  "dense_gemm_bf16_nt_n12288_k4096": 31,
+  "dense_gemm_bf16_nt_n4096_k12288": 31,
+  "dense_gemm_bf16_nt_n4096_k4096": 31,
+  "gdn_decode_qk4_v8_d128_k_last": 54,
+  "gdn_prefill_qk4_v8_d128_k_last": 100,
+  "grouped_gemm_fp8_fp4_e384_n4608_k5120_g32": 52,
+  "grouped_gemm_fp8_fp4_e384_n5120_k2304_g32": 52,
+  "mixed_mla_decode_deepseek41_h64_d512_k8128_k4512": 42,
+  "moe_router_gemm_topk_deepseek41_d5120_e384_topk6": 50,
+  "neighborhood_attention_3d_h16_d64_kt3_ky7_kx7": 9,
+  "neighborhood_attention_3d_h32_d64_kt3_ky7_kx7": 9,
+  "neighborhood_attention_3d_h4_d64_kt11_ky11_kx11": 9,
+  "neighborhood_attention_3d_h8_d64_kt3_ky5_kx5": 18,
+  "noncausal_dense_attention_h32_d128": 54,
+  "noncausal_dense_attention_h32_d64": 108,
+  "prefix_cached_block_causal_h32_d128": 28,
+  "prefix_cached_block_causal_h32_d128_prefix0": 12,
+  "qsa_index_topk_decode_qwen38_h4_d128_topk512_c4": 192,
+  "qsa_sparse_gqa_decode_qwen38_h24_kv2_d256_topk512_c4": 192,
+  "sparse_mla_prefill_h64_d512_k128": 10,
+  "sparse_mla_prefill_h64_d512_k640": 20,
 }
 
 
@@ -99,9 +109,12 @@ def test_converter_is_idempotent(tmp_path, definitions):
 
 
 def test_converter_accepts_fib_traces(tmp_path, definitions):
-  trace = {"definition": "dense_gemm_bf16_nt_n4096_k4096",
-           "workload": {"uuid": "fib-1", "axes": {"M": 7}, "inputs": {"A": {"type": "random"}, "B": {"type": "random"}}},
-           "solution": None, "evaluation": None}
+  trace = {
+    "definition": "dense_gemm_bf16_nt_n4096_k4096",
+    "workload": {"uuid": "fib-1", "axes": {"M": 7}, "inputs": {"A": {"type": "random"}, "B": {"type": "random"}}},
+    "solution": None,
+    "evaluation": None,
+  }
   src = tmp_path / "traces.jsonl"
   src.write_text(json.dumps(trace) + "\n")
   assert dataset.convert(src, tmp_path / "out", definitions=definitions) == {"dense_gemm_bf16_nt_n4096_k4096": 1}
@@ -112,21 +125,21 @@ def test_converter_accepts_fib_traces(tmp_path, definitions):
 GOOD = {"uuid": "u-1", "definition": "dense_gemm_bf16_nt_n4096_k4096", "axes": {"M": 12}, "variant": "x"}
 
 BAD_RECORDS = [
-    # (record or raw line, field named in the error, words in the message)
-    ("{not json", None, "invalid JSON"),
-    ("[1, 2]", None, "JSON object"),
-    ({k: v for k, v in GOOD.items() if k != "uuid"}, "uuid", "missing field"),
-    ({**GOOD, "uuid": ""}, "uuid", "bad uuid"),
-    ({k: v for k, v in GOOD.items() if k != "axes"}, "axes", "missing field"),
-    ({**GOOD, "definition": "dense_gemm_bf16_nt_n4096_k4095"}, "definition", "did you mean"),
-    ({**GOOD, "axes": {}}, "axes.M", "missing axis"),
-    ({**GOOD, "axes": {"M": 12, "Q": 1}}, "axes.Q", "not in the definition"),
-    ({**GOOD, "axes": {"M": 12, "N": 4095}}, "axes.N", "const axis disagrees"),
-    ({**GOOD, "axes": {"M": 1.5}}, "axes.M", "non-negative integer"),
-    ({**GOOD, "axes": {"M": -3}}, "axes.M", "non-negative integer"),
-    ({**GOOD, "axes": {"M": True}}, "axes.M", "non-negative integer"),
-    ({**GOOD, "axes": {"M": "12"}}, "axes.M", "non-negative integer"),
-    ({**GOOD, "axes": []}, "axes", "must be an object"),
+  # record or raw line, field named in the error, words in the message
+  ("{not json", None, "invalid JSON"),
+  ("[1, 2]", None, "JSON object"),
+  ({k: v for k, v in GOOD.items() if k != "uuid"}, "uuid", "missing field"),
+  ({**GOOD, "uuid": ""}, "uuid", "bad uuid"),
+  ({k: v for k, v in GOOD.items() if k != "axes"}, "axes", "missing field"),
+  ({**GOOD, "definition": "dense_gemm_bf16_nt_n4096_k4095"}, "definition", "did you mean"),
+  ({**GOOD, "axes": {}}, "axes.M", "missing axis"),
+  ({**GOOD, "axes": {"M": 12, "Q": 1}}, "axes.Q", "not in the definition"),
+  ({**GOOD, "axes": {"M": 12, "N": 4095}}, "axes.N", "const axis disagrees"),
+  ({**GOOD, "axes": {"M": 1.5}}, "axes.M", "non-negative integer"),
+  ({**GOOD, "axes": {"M": -3}}, "axes.M", "non-negative integer"),
+  ({**GOOD, "axes": {"M": True}}, "axes.M", "non-negative integer"),
+  ({**GOOD, "axes": {"M": "12"}}, "axes.M", "non-negative integer"),
+  ({**GOOD, "axes": []}, "axes", "must be an object"),
 ]
 
 
@@ -148,17 +161,32 @@ def test_each_bad_record_gives_one_clear_error_and_the_rest_loads(tmp_path, defi
 
 
 def test_constraint_violation_names_the_constraint(definitions):
-  rec = {"uuid": "g", "definition": "gdn_prefill_qk4_v8_d128_k_last",
-         "axes": {"total_seq_len": 8, "num_seqs": 2, "len_cu_seqlens": 4}}
+  rec = {
+    "uuid": "g",
+    "definition": "gdn_prefill_qk4_v8_d128_k_last",
+    "axes": {"total_seq_len": 8, "num_seqs": 2, "len_cu_seqlens": 4},
+  }
   with pytest.raises(dataset.DatasetError, match=r"len_cu_seqlens == num_seqs \+ 1"):
     dataset.validate_record(rec, definitions, file="f.jsonl", line=9)
 
 
-@pytest.mark.parametrize("expr", [
-    "__import__('os').system('true')", "().__class__.__bases__[0].__subclasses__()", "M.real > 0",
-    "(lambda: 1)()", "[M][0] > 0", "M if M else N", "'a' < 'b'", "M ** 99999 > 0", "1.5 < M", "True",
-    "M >", "{M} == {M}",
-])
+@pytest.mark.parametrize(
+  "expr",
+  [
+    "__import__('os').system('true')",
+    "().__class__.__bases__[0].__subclasses__()",
+    "M.real > 0",
+    "(lambda: 1)()",
+    "[M][0] > 0",
+    "M if M else N",
+    "'a' < 'b'",
+    "M ** 99999 > 0",
+    "1.5 < M",
+    "True",
+    "M >",
+    "{M} == {M}",
+  ],
+)
 def test_hostile_constraints_are_rejected_not_run(tmp_path, expr):
   ddir = tmp_path / "definitions"
   ddir.mkdir()
@@ -171,8 +199,14 @@ def test_hostile_constraints_are_rejected_not_run(tmp_path, expr):
 
 def test_constraint_language():
   axes = {"M": 6, "N": 4, "K": 3}
-  for expr, want in [("M >= N and not N > M", True), ("M // N * N + M % N == M", True), ("0 < N < M < 5", False),
-                     ("M - N == 2 or K == 0", True), ("-M + N < 0", True), ("M % (N - 4) == 0", False)]:
+  for expr, want in [
+    ("M >= N and not N > M", True),
+    ("M // N * N + M % N == M", True),
+    ("0 < N < M < 5", False),
+    ("M - N == 2 or K == 0", True),
+    ("-M + N < 0", True),
+    ("M % (N - 4) == 0", False),
+  ]:
     assert dataset.constraint_holds(expr, axes) is want, expr
 
 
@@ -181,8 +215,9 @@ def test_duplicate_uuid_and_misfiled_record(tmp_path, definitions):
   other = {**GOOD, "uuid": "u-3", "definition": "dense_gemm_bf16_nt_n4096_k12288"}
   path.write_text("\n".join(json.dumps(r) for r in (GOOD, GOOD, other)) + "\n")
   errors = []
-  ws = list(dataset.iter_jsonl(path, definitions, on_error=errors.append,
-                               expect_definition="dense_gemm_bf16_nt_n4096_k4096"))
+  ws = list(
+    dataset.iter_jsonl(path, definitions, on_error=errors.append, expect_definition="dense_gemm_bf16_nt_n4096_k4096")
+  )
   assert len(ws) == 1
   assert [(e.line, e.field) for e in errors] == [(2, "uuid"), (3, "definition")]
   assert "duplicate uuid" in str(errors[0]) and "another definition" in str(errors[1])
@@ -193,11 +228,11 @@ def test_bad_definition_files_are_reported(tmp_path):
   ddir.mkdir()
   raw = json.loads((DATASETS / "definitions" / "dense_gemm_bf16_nt_n4096_k4096.json").read_text())
   cases = [
-      ({**raw, "name": "other"}, "name"),
-      ({**raw, "inputs": {"A": {"shape": ["M", "Z"], "dtype": "bfloat16"}}}, "inputs.A.shape"),
-      ({**raw, "outputs": {"C": {"shape": ["M", "N"], "dtype": "float64"}}}, "outputs.C.dtype"),
-      ({**raw, "axes": {**raw["axes"], "N": {"type": "const"}}}, "axes.N.value"),
-      ({**raw, "constraints": ["Z > 1"]}, "constraints"),
+    ({**raw, "name": "other"}, "name"),
+    ({**raw, "inputs": {"A": {"shape": ["M", "Z"], "dtype": "bfloat16"}}}, "inputs.A.shape"),
+    ({**raw, "outputs": {"C": {"shape": ["M", "N"], "dtype": "float64"}}}, "outputs.C.dtype"),
+    ({**raw, "axes": {**raw["axes"], "N": {"type": "const"}}}, "axes.N.value"),
+    ({**raw, "constraints": ["Z > 1"]}, "constraints"),
   ]
   for bad, field in cases:
     (ddir / "dense_gemm_bf16_nt_n4096_k4096.json").write_text(json.dumps(bad))
@@ -226,8 +261,10 @@ def test_cli_validate_and_stats(tmp_path, capsys):
 def test_cli_convert(tmp_path, capsys):
   src = tmp_path / "in.jsonl"
   src.write_text(json.dumps(GOOD) + "\n{broken\n")
-  assert dataset.main(["convert", "--input", str(src), "--output", str(tmp_path / "out"),
-                       "--definitions", str(DATASETS)]) == 1
+  assert (
+    dataset.main(["convert", "--input", str(src), "--output", str(tmp_path / "out"), "--definitions", str(DATASETS)])
+    == 1
+  )
   captured = capsys.readouterr()
   assert f"{src}:2:" in captured.err and "1 records written, 1 skipped" in captured.out
   out = (tmp_path / "out" / "workloads" / "dense_gemm_bf16_nt_n4096_k4096.jsonl").read_text()
@@ -237,10 +274,17 @@ def test_cli_convert(tmp_path, capsys):
 def test_module_entry_point_and_module_sizes():
   """`python -m jaxkern.dataset` runs the package's CLI; each module of the
   package does one job and stays small."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  out = subprocess.run([sys.executable, "-m", "jaxkern.dataset", "validate"], capture_output=True, text=True,
-                       check=False, timeout=120, cwd=REPO)
+  import subprocess
+  import sys
+
+  out = subprocess.run(
+    [sys.executable, "-m", "jaxkern.dataset", "validate"],
+    capture_output=True,
+    text=True,
+    check=False,
+    timeout=120,
+    cwd=REPO,
+  )
   assert out.returncode == 0 and "1104 valid records in 21 definitions" in out.stdout, out.stderr
   for path in (REPO / "jaxkern" / "dataset").glob("*.py"):
     assert len(path.read_text().splitlines()) <= 450, path.name

@@ -22,15 +22,12 @@ import inspect
 import pathlib
 
 import jax
+import kit
 import numpy as np
 import pytest
 
-from jaxkern import dataset
+from jaxkern import dataset, registry, selection, tuning
 from jaxkern import plan as plan_lib
-from jaxkern import registry
-from jaxkern import selection
-from jaxkern import tuning
-import kit
 
 IMPLEMENTED = [n for n in registry.names() if registry.get(n).implemented]
 FAMILIES = sorted({kit.family_of(n) for n in IMPLEMENTED})
@@ -115,8 +112,9 @@ def test_kernel_matches_reference_at_cpu_axes_per_variant(name, index):
   w = one_record_per_variant(name)[index]
   plan = plan_lib.plan(op, w, size="smoke", seed=7, on_gpu=False, tuned=False)
   assert plan.choice.source == tuning.HEURISTIC
-  out = jax.jit(lambda x: op.kernel(x, interpret=True, config=plan.choice.config,
-                                    backend=plan.choice.backend))(plan.inputs)
+  out = jax.jit(lambda x: op.kernel(x, interpret=True, config=plan.choice.config, backend=plan.choice.backend))(
+    plan.inputs
+  )
   ref = jax.jit(op.reference)(plan.inputs)
   kit.assert_matches(op, out, ref, plan.inputs, (w.uuid, plan.axes_run))
 
@@ -149,8 +147,9 @@ def test_make_inputs_deterministic_and_valid(name):
     np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
   assert any(not np.array_equal(np.asarray(a[k]), np.asarray(c[k])) for k in a if np.size(a[k]) > 1)
   # Without a record too: synthesis works from the axes alone.
-  registry.check_tensors(op.definition, op.make_inputs(axes, seed=0, allow_shrunk_constants=True),
-                         op.definition.full_axes(axes))
+  registry.check_tensors(
+    op.definition, op.make_inputs(axes, seed=0, allow_shrunk_constants=True), op.definition.full_axes(axes)
+  )
 
 
 @pytest.mark.parametrize("name,backend", BACKENDS)
@@ -179,7 +178,8 @@ def test_implementation_matches_definition_file(name, backend):
   # The contract's parameters: the reference takes the inputs positionally in
   # the definition's order; the kernel takes every input by name.
   names = list(op.definition.inputs)
-  positional = [p.name for p in inspect.signature(op.impl.reference).parameters.values()
-                if p.kind is p.POSITIONAL_OR_KEYWORD]
-  assert positional[:len(names)] == names
+  positional = [
+    p.name for p in inspect.signature(op.impl.reference).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD
+  ]
+  assert positional[: len(names)] == names
   assert set(names) <= set(inspect.signature(op.kernel_of(backend).launch).parameters)

@@ -8,17 +8,16 @@ test_definitions.py and kit.py.)"""
 
 import functools
 
+import gradients
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import gradients
-from jaxkern import ops
-from jaxkern import registry
-from jaxkern.families import dense_gemm as gemm
 from kit import Case, MosaicGpuCall, TritonCall
 from numerics import assert_bf16_close
+
+from jaxkern import ops, registry
+from jaxkern.families import dense_gemm as gemm
 from pallas_kernels.dense_gemm import config as dense_gemm_config
 from pallas_kernels.dense_gemm import mosaic_gpu as mg
 from pallas_kernels.dense_gemm import triton as dg
@@ -60,40 +59,47 @@ def launches_mosaic_gpu(config, axes):
   """One Mosaic GPU call: A (rows padded to a multiple of 8) and B in, C out."""
   del config
   m, n, k = axes["M"], axes["N"], axes["K"]
-  return [MosaicGpuCall((f"tensor<{-(-m // 8) * 8}x{k}xbf16>", f"tensor<{n}x{k}xbf16>"),
-                        (f"tensor<{m}x{n}xbf16>",))] if m else []
+  return (
+    [MosaicGpuCall((f"tensor<{-(-m // 8) * 8}x{k}xbf16>", f"tensor<{n}x{k}xbf16>"), (f"tensor<{m}x{n}xbf16>",))]
+    if m
+    else []
+  )
 
 
-KERNEL_CASES = [Case(GEMM, {"M": m, "N": n, "K": k}, config=config, id=label) for m, n, k, config, label in [
+KERNEL_CASES = [
+  Case(GEMM, {"M": m, "N": n, "K": k}, config=config, id=label)
+  for m, n, k, config, label in [
     (1, 24, 40, None, "decode_row_ragged_nk"),
     (7, 64, 64, None, "seven_rows"),
     (33, 100, 130, None, "ragged_mnk"),
     (130, 300, 96, None, "two_m_tiles_ragged_second"),
     (33, 100, 130, SMALL_BLOCKS, "many_tiles_k_tail"),
-    (40, 72, 72, SMALL_BLOCKS, "groups_of_2_and_1"),   # 3x5 tiles
+    (40, 72, 72, SMALL_BLOCKS, "groups_of_2_and_1"),  # 3x5 tiles
     (1, 16, 16, SMALL_BLOCKS, "one_tile_exactly"),
     # Issue 20: K below the fitted block_k with M a power of two (K 24-48 at
     # M=64 raised "slice slice_sizes must be less than or equal to operand shape").
     (64, 40, 48, None, "m64_k48_k_below_block"),
     (128, 16, 24, None, "m128_k24"),
     (16, 17, 1, None, "k1"),
-]]
+  ]
+]
 LOWERING_CASES = [
-    Case(GEMM, {"M": 4125}),
-    Case("dense_gemm_bf16_nt_n4096_k12288", {"M": 1}),
-    Case(GEMM, {"M": 4125, "N": 1000, "K": 4100}, id="ragged_n_and_k"),
+  Case(GEMM, {"M": 4125}),
+  Case("dense_gemm_bf16_nt_n4096_k12288", {"M": 1}),
+  Case(GEMM, {"M": 4125, "N": 1000, "K": 4100}, id="ragged_n_and_k"),
 ]
 # The Mosaic GPU kernel in interpret mode: more tiles than CTAs, a ring that
 # wraps, rows not a multiple of 8, a partial last N-tile, both splits.
 KERNEL_CASES += [
-    Case(GEMM, {"M": m, "N": n, "K": k}, config=mg.MosaicGemmConfig(**overrides), id=label, backend="mosaic_gpu")
-    for m, n, k, overrides, label in [
-        (200, 512, 64, {"grid": 3, "group_m": 2}, "mosaic_more_tiles_than_ctas_ragged_m"),
-        (64, 256, 192, {"stages": 2, "epilogue_n": 128}, "mosaic_m_below_tile_ring_wraps_wide_stores"),
-        (5, 256, 64, {}, "mosaic_five_rows"),
-        (136, 256, 64, {"grid": 1, "split": "n", "stages": 3}, "mosaic_one_cta_two_tiles_split_n"),
-        (72, 320, 128, {"grid": 2}, "mosaic_partial_last_n_tile"),
-    ]]
+  Case(GEMM, {"M": m, "N": n, "K": k}, config=mg.MosaicGemmConfig(**overrides), id=label, backend="mosaic_gpu")
+  for m, n, k, overrides, label in [
+    (200, 512, 64, {"grid": 3, "group_m": 2}, "mosaic_more_tiles_than_ctas_ragged_m"),
+    (64, 256, 192, {"stages": 2, "epilogue_n": 128}, "mosaic_m_below_tile_ring_wraps_wide_stores"),
+    (5, 256, 64, {}, "mosaic_five_rows"),
+    (136, 256, 64, {"grid": 1, "split": "n", "stages": 3}, "mosaic_one_cta_two_tiles_split_n"),
+    (72, 320, 128, {"grid": 2}, "mosaic_partial_last_n_tile"),
+  ]
+]
 SWEEP_CASE = Case(GEMM, {"M": 33, "N": 100, "K": 130})
 SWEEP_CASE_MOSAIC_GPU = Case(GEMM, {"M": 72, "N": 256, "K": 128})
 
@@ -189,7 +195,7 @@ def test_every_layout_matches_numpy(layout):
   """`gemm` in each operand layout: C = op(X) . op(Y) with the stored arrays
   transposed as the layout says, ragged in every dimension."""
   m, n, k = 37, 21, 50
-  x, y = operands(m, k, n, seed=5)[0], operands(n, k, n, seed=6)[0]   # [M,K], [N,K] values
+  x, y = operands(m, k, n, seed=5)[0], operands(n, k, n, seed=6)[0]  # [M,K], [N,K] values
   want = np.asarray(x, np.float64) @ np.asarray(y, np.float64).T
   x_stored = x if layout[0] == "n" else x.T
   y_stored = y.T if layout[1] == "n" else y
@@ -221,8 +227,10 @@ def test_gradients_with_many_tiles_and_batch_dimensions():
   b = operands(6, 40, 72, seed=9)[1]
 
   def pallas(a, b):
-    return dg.dense_gemm_nt(a.reshape(-1, 72), b, config=SMALL_BLOCKS, backward_config=(SMALL_BLOCKS, SMALL_BLOCKS),
-                            interpret=True).reshape(2, 3, 40)
+    return dg.dense_gemm_nt(
+      a.reshape(-1, 72), b, config=SMALL_BLOCKS, backward_config=(SMALL_BLOCKS, SMALL_BLOCKS), interpret=True
+    ).reshape(2, 3, 40)
+
   got = gradients.grads(pallas, (a, b), (0, 1))
   want = gradients.grads(dense_gemm_op("xla"), (a, b), (0, 1))
   gradients.assert_grads_close(got, want, ("dA", "dB"))
@@ -252,10 +260,20 @@ def test_gradients_match_float64_finite_differences():
 def backward_launches(m, n, k):
   """dA [M,K] (layout nn) and dB [N,K] (layout tn), heuristic configs."""
   config_da, config_db = dg.backward_configs(m, n, k)
-  return [TritonCall("dense_gemm_nn", (-(-m // config_da.block_m) * -(-k // config_da.block_n), 1, 1),
-                     config_da.num_warps, config_da.num_stages),
-          TritonCall("dense_gemm_tn", (-(-n // config_db.block_m) * -(-k // config_db.block_n), 1, 1),
-                     config_db.num_warps, config_db.num_stages)]
+  return [
+    TritonCall(
+      "dense_gemm_nn",
+      (-(-m // config_da.block_m) * -(-k // config_da.block_n), 1, 1),
+      config_da.num_warps,
+      config_da.num_stages,
+    ),
+    TritonCall(
+      "dense_gemm_tn",
+      (-(-n // config_db.block_m) * -(-k // config_db.block_n), 1, 1),
+      config_db.num_warps,
+      config_db.num_stages,
+    ),
+  ]
 
 
 @pytest.mark.parametrize("m,n,k", [(4125, 4096, 4096), (1, 4096, 12288), (24576, 12288, 4096), (7, 1000, 4100)])

@@ -7,10 +7,10 @@ reference (ragged M and N, many tiles, every candidate) are kit cases in
 `test_dense_gemm.py`."""
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 from pallas_kernels.dense_gemm import mosaic_gpu as mg
 from pallas_kernels.shared import device
@@ -57,8 +57,9 @@ def test_empty_products_are_zeros(m, n, k):
   np.testing.assert_array_equal(np.asarray(c, np.float32), np.zeros((m, n)))
 
 
-@pytest.mark.parametrize("n,k,match", [(4000, 4096, "N=4000 must be a multiple of 64"),
-                                       (4096, 4100, "MosaicGemmConfig.block_k=64")])
+@pytest.mark.parametrize(
+  "n,k,match", [(4000, 4096, "N=4000 must be a multiple of 64"), (4096, 4100, "MosaicGemmConfig.block_k=64")]
+)
 def test_unsupported_n_or_k_is_refused(n, k, match):
   a, b = jnp.zeros((8, k), jnp.bfloat16), jnp.zeros((n, k), jnp.bfloat16)
   with pytest.raises(Unsupported, match=match):
@@ -75,10 +76,12 @@ def test_unsupported_dtypes_are_refused():
 
 def test_heuristic_narrows_block_n_to_a_multiple_of_128():
   assert mg.choose_config(shapes(64, 384, 64)).block_n == 128
-  assert mg.choose_config(shapes(64, 320, 64)).block_n == 256   # a partial last tile instead
+  assert mg.choose_config(shapes(64, 320, 64)).block_n == 256  # a partial last tile instead
 
 
-@pytest.mark.parametrize("overrides,field", [
+@pytest.mark.parametrize(
+  "overrides,field",
+  [
     ({"block_m": 96}, "block_m"),
     ({"block_k": 32}, "block_k"),
     ({"stages": 1}, "stages"),
@@ -87,7 +90,8 @@ def test_heuristic_narrows_block_n_to_a_multiple_of_128():
     ({"block_m": 256, "block_n": 256}, "accumulator_elements"),
     ({"block_n": 512, "split": "m", "block_m": 64}, "consumer_rows"),
     ({"stages": 5}, "shared_memory_bytes"),
-])
+  ],
+)
 def test_config_rejects_bad_fields(overrides, field):
   with pytest.raises(ValueError, match=f"MosaicGemmConfig.{field}="):
     mg.MosaicGemmConfig(**overrides)
@@ -106,15 +110,17 @@ def test_heuristic_is_the_first_candidate_and_every_candidate_fits(m):
 def test_grid_is_the_sm_count_capped_by_the_tiles():
   config = mg.DEFAULT_CONFIG
   assert mg.grid_size(config, LARGEST_RECORDED_M, 12288) == device.DEFAULT_NUM_SMS
-  assert mg.grid_size(config, 200, 512) == 4   # 2 x 2 tiles
+  assert mg.grid_size(config, 200, 512) == 4  # 2 x 2 tiles
   assert mg.grid_size(mg.MosaicGemmConfig(grid=7), LARGEST_RECORDED_M, 12288) == 7
 
 
 def lower(m, n, k, config):
   """StableHLO of the kernel lowered for an abstract H100 with 132 SMs."""
+
   def fn(a, b):
     assert mg.num_sms() == 132
     return mg.dense_gemm_nt(a, b, config=config, interpret=False)
+
   return lower_for_h100(fn, *shapes(m, n, k).values())
 
 
@@ -136,7 +142,7 @@ def test_short_and_unaligned_m_lower(m):
 # checks the barrier phase invariants, but not asynchrony (a wgmma is done
 # when issued), so the faults chosen break the ring protocol itself.
 
-FAULT_PROBLEM = (128, 256, 512)       # 8 K steps through a 2-slot ring: 4 uses per slot
+FAULT_PROBLEM = (128, 256, 512)  # 8 K steps through a 2-slot ring: 4 uses per slot
 FAULT_CONFIG = mg.MosaicGemmConfig(stages=2, grid=1)
 
 

@@ -40,8 +40,13 @@ def test_dispatch_groups_rows_by_expert():
 @pytest.mark.slow  # a subprocess
 def test_module_runs_as_a_program():
   # The command line on the XLA path: the Pallas block is test_block_matches_the_plain_jnp_block's.
-  p = subprocess.run([sys.executable, "-m", "examples.moe_block", "--tokens", "16", "--backend", "xla",
-                      "--iters", "1"], capture_output=True, text=True, timeout=600, cwd=REPO)
+  p = subprocess.run(
+    [sys.executable, "-m", "examples.moe_block", "--tokens", "16", "--backend", "xla", "--iters", "1"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    cwd=REPO,
+  )
   assert p.returncode == 0, p.stdout + p.stderr
   for part in ("attention", "moe", "block"):
     assert f"{part} (1, 16, 256)" in p.stdout

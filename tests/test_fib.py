@@ -13,15 +13,10 @@ import jsonschema
 import numpy as np
 import pytest
 
-from jaxkern import blobs
-from jaxkern import dataset
-from jaxkern import plan
-from jaxkern import registry
-from jaxkern.fib import bridge
-from jaxkern.fib import cli
+from jaxkern import blobs, dataset, plan, registry
+from jaxkern.fib import bridge, cli, formats
 from jaxkern.fib import definitions as fib_definitions
 from jaxkern.fib import export as fib_export
-from jaxkern.fib import formats
 from jaxkern.fib import import_ as fib_import
 
 SCHEMAS = pathlib.Path(fib_export.__file__).parent / "schemas"
@@ -50,8 +45,9 @@ def exported(tmp_path_factory):
   """The GEMM and router definitions with the synthetic results."""
   root = tmp_path_factory.mktemp("fib")
   exp, left_out = fib_results.write(root / "results.jsonl")
-  summary = fib_export.export(root / "out", results=[root / "results.jsonl"],
-                              names=[fib_results.GEMM, fib_results.ROUTER])
+  summary = fib_export.export(
+    root / "out", results=[root / "results.jsonl"], names=[fib_results.GEMM, fib_results.ROUTER]
+  )
   return root / "out", summary, exp, left_out
 
 
@@ -69,8 +65,12 @@ def test_byte_tensors_export_as_int8_and_fp4_imports_too():
   defs = dataset.load_definitions()
   gemm = defs["grouped_gemm_fp8_fp4_e384_n4608_k5120_g32"]
   fib = fib_definitions.to_fib(gemm)
-  assert [fib["inputs"][n]["dtype"] for n in ("a", "a_scale", "b", "b_scale")] == \
-      ["float8_e4m3fn", "int8", "int8", "int8"]
+  assert [fib["inputs"][n]["dtype"] for n in ("a", "a_scale", "b", "b_scale")] == [
+    "float8_e4m3fn",
+    "int8",
+    "int8",
+    "int8",
+  ]
   mla = fib_definitions.to_fib(defs["mixed_mla_decode_deepseek41_h64_d512_k8128_k4512"])["inputs"]
   assert (mla["kv_fp8"]["dtype"], mla["kv_fp4"]["dtype"]) == ("int8", "int8")
   # FIB's own FP4 type names our packed e2m1 weights, and only those.
@@ -126,13 +126,15 @@ def test_exported_sources_call_the_bridge_with_the_inputs_in_order(exported, mon
   monkeypatch.setattr(bridge, "run_reference_torch", lambda *a: bridge.run_reference(*a))
   [sol_path] = (out / "solutions").rglob(f"*{fib_results.GEMM}*.json")
   sol = json.loads(sol_path.read_text())
-  exec(compile(sol["sources"][0]["content"], "main.py", "exec"), ns := {})  # pylint: disable=exec-used
+  exec(compile(sol["sources"][0]["content"], "main.py", "exec"), ns := {})
   ns["run"]("a", "b")
   fib_def = json.loads(next((out / "definitions").rglob(f"{fib_results.ROUTER}.json")).read_text())
-  exec(compile(fib_def["reference"], "reference.py", "exec"), ref_ns := {})  # pylint: disable=exec-used
+  exec(compile(fib_def["reference"], "reference.py", "exec"), ref_ns := {})
   ref_ns["run"]("h", "w", "bias", 1.5)
-  assert calls == [("kernel", fib_results.GEMM, fib_results.GEMM_CONFIG, "a", "b", "triton"),
-                   ("reference", fib_results.ROUTER, "h", "w", "bias", 1.5)]
+  assert calls == [
+    ("kernel", fib_results.GEMM, fib_results.GEMM_CONFIG, "a", "b", "triton"),
+    ("reference", fib_results.ROUTER, "h", "w", "bias", 1.5),
+  ]
 
 
 def test_bridge_reads_fib_bytes_as_our_dtypes():
@@ -177,8 +179,9 @@ def test_the_whole_dataset_round_trips(tmp_path):
   ours, back = dataset.validate_dataset(), dataset.validate_dataset(tmp_path / "ds")
   assert {n: [w.record for w in ws] for n, ws in back.items()} == {n: [w.record for w in ws] for n, ws in ours.items()}
   assert sum(len(ws) for ws in back.values()) == 1104
-  assert {n: d.raw for n, d in dataset.load_definitions(tmp_path / "ds").items()} == \
-      {n: d.raw for n, d in dataset.load_definitions().items()}
+  assert {n: d.raw for n, d in dataset.load_definitions(tmp_path / "ds").items()} == {
+    n: d.raw for n, d in dataset.load_definitions().items()
+  }
 
 
 def fib_folder(root: pathlib.Path) -> pathlib.Path:
@@ -188,28 +191,48 @@ def fib_folder(root: pathlib.Path) -> pathlib.Path:
   defs = dataset.load_definitions()
   router = fib_definitions.to_fib(defs[fib_results.ROUTER])
   router = {k: v for k, v in router.items() if k != fib_definitions.POINTER_FIELD}
-  router.update(name="deepseek_router_topk6", reference="def run(hidden, weight, bias, routed_scaling_factor):\n  ...\n")
+  router.update(
+    name="deepseek_router_topk6", reference="def run(hidden, weight, bias, routed_scaling_factor):\n  ...\n"
+  )
   gemm = fib_definitions.to_fib(defs[fib_results.GEMM])
   gemm = {k: v for k, v in gemm.items() if k != fib_definitions.POINTER_FIELD}
   gemm["name"], gemm["axes"]["N"]["value"] = "gemm_n2048_k4096", 2048
-  rmsnorm = {"name": "rmsnorm_h4096", "op_type": "rmsnorm", "axes": {"B": {"type": "var"}, "H": {"type": "const",
-             "value": 4096}}, "inputs": {"x": {"shape": ["B", "H"], "dtype": "bfloat16"}},
-             "outputs": {"y": {"shape": ["B", "H"], "dtype": "bfloat16"}}, "reference": "def run(x):\n  return x\n"}
+  rmsnorm = {
+    "name": "rmsnorm_h4096",
+    "op_type": "rmsnorm",
+    "axes": {"B": {"type": "var"}, "H": {"type": "const", "value": 4096}},
+    "inputs": {"x": {"shape": ["B", "H"], "dtype": "bfloat16"}},
+    "outputs": {"y": {"shape": ["B", "H"], "dtype": "bfloat16"}},
+    "reference": "def run(x):\n  return x\n",
+  }
   for d in (router, gemm, rmsnorm):
     formats.definition_path(root, d["op_type"], d["name"]).parent.mkdir(parents=True, exist_ok=True)
     formats.definition_path(root, d["op_type"], d["name"]).write_text(json.dumps(d))
 
   def wl(name, axes, uuid, inputs):
-    return json.dumps({"definition": name, "workload": {"axes": axes, "inputs": inputs, "uuid": uuid},
-                       "solution": None, "evaluation": None})
+    return json.dumps(
+      {
+        "definition": name,
+        "workload": {"axes": axes, "inputs": inputs, "uuid": uuid},
+        "solution": None,
+        "evaluation": None,
+      }
+    )
 
   rand = {"type": "random"}
-  rows = {("moe_router", router["name"]): [
-              wl(router["name"], {"M": 3}, "r-1", {"hidden": rand, "weight": rand, "bias": rand,
-                                                    "routed_scaling_factor": {"type": "scalar", "value": 2.5}}),
-              wl(router["name"], {}, "r-bad", {})],
-          ("gemm", gemm["name"]): [wl(gemm["name"], {"M": 5}, "g-1", {"A": rand, "B": rand})],
-          ("rmsnorm", rmsnorm["name"]): [wl(rmsnorm["name"], {"B": 2}, "n-1", {"x": rand})]}
+  rows = {
+    ("moe_router", router["name"]): [
+      wl(
+        router["name"],
+        {"M": 3},
+        "r-1",
+        {"hidden": rand, "weight": rand, "bias": rand, "routed_scaling_factor": {"type": "scalar", "value": 2.5}},
+      ),
+      wl(router["name"], {}, "r-bad", {}),
+    ],
+    ("gemm", gemm["name"]): [wl(gemm["name"], {"M": 5}, "g-1", {"A": rand, "B": rand})],
+    ("rmsnorm", rmsnorm["name"]): [wl(rmsnorm["name"], {"B": 2}, "n-1", {"x": rand})],
+  }
   for (op_type, name), lines in rows.items():
     formats.workloads_path(root, op_type, name).parent.mkdir(parents=True, exist_ok=True)
     formats.workloads_path(root, op_type, name).write_text("\n".join(lines) + "\n")

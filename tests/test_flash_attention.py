@@ -12,22 +12,21 @@ from __future__ import annotations
 
 import functools
 
+import gradients
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import gradients
-from jaxkern import ops
-from jaxkern import registry
-from jaxkern.families import flash_attention as fam
 from kit import EVERY_CANDIDATE, Case, MosaicGpuCall, TritonCall
+from numerics import assert_bf16_close
+
+from jaxkern import ops, registry
+from jaxkern.families import flash_attention as fam
+from pallas_kernels.flash_attention import keys as keys_lib
 from pallas_kernels.flash_attention import mosaic_gpu as fa_mosaic
 from pallas_kernels.flash_attention import triton as fa
-from pallas_kernels.flash_attention import keys as keys_lib
 from pallas_kernels.flash_attention.config import MosaicAttentionConfig
 from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
-from numerics import assert_bf16_close
 
 # The Triton lowering's deprecation notice is expected (SPEC 2).
 
@@ -35,26 +34,50 @@ NONCAUSAL_D64 = "noncausal_dense_attention_h32_d64"
 NONCAUSAL_D128 = "noncausal_dense_attention_h32_d128"
 PREFIX = "prefix_cached_block_causal_h32_d128"
 PREFIX0 = "prefix_cached_block_causal_h32_d128_prefix0"
-CONST_AXES = {NONCAUSAL_D64: {"H": 32, "D": 64}, NONCAUSAL_D128: {"H": 32, "D": 128},
-              PREFIX: {"H": 32, "D": 128}, PREFIX0: {"H": 32, "D": 128}}
+CONST_AXES = {
+  NONCAUSAL_D64: {"H": 32, "D": 64},
+  NONCAUSAL_D128: {"H": 32, "D": 128},
+  PREFIX: {"H": 32, "D": 128},
+  PREFIX0: {"H": 32, "D": 128},
+}
 
 # The recorded var axes (shared/seed/workloads.jsonl), per definition.
 RECORDED_AXES = {
-    NONCAUSAL_D64: [dict(B=b, Nq=nq, Nk=nk) for b in (1, 2, 4) for nq, nk in (
-        (51, 51), (51, 1024), (51, 1120), (51, 2352), (1120, 51), (2352, 51),
-        (126, 126), (126, 1024), (126, 2560), (2560, 126))],
-    NONCAUSAL_D128: [dict(B=b, Nq=nq, Nk=nk) for b in (1, 2, 4) for nq, nk in (
-        (1120, 1120), (1120, 1024), (2352, 2352), (2352, 1024), (2560, 2560), (2560, 1024))],
-    PREFIX: [dict(B=1, Nq=nq, Np=np_) for nq, np_ in ((4096, 25), (6144, 30), (4096, 32), (4096, 4125))],
-    PREFIX0: [dict(B=1, Nq=nq) for nq in (25, 30, 32, 4125)],
+  NONCAUSAL_D64: [
+    dict(B=b, Nq=nq, Nk=nk)
+    for b in (1, 2, 4)
+    for nq, nk in (
+      (51, 51),
+      (51, 1024),
+      (51, 1120),
+      (51, 2352),
+      (1120, 51),
+      (2352, 51),
+      (126, 126),
+      (126, 1024),
+      (126, 2560),
+      (2560, 126),
+    )
+  ],
+  NONCAUSAL_D128: [
+    dict(B=b, Nq=nq, Nk=nk)
+    for b in (1, 2, 4)
+    for nq, nk in ((1120, 1120), (1120, 1024), (2352, 2352), (2352, 1024), (2560, 2560), (2560, 1024))
+  ],
+  PREFIX: [dict(B=1, Nq=nq, Np=np_) for nq, np_ in ((4096, 25), (6144, 30), (4096, 32), (4096, 4125))],
+  PREFIX0: [dict(B=1, Nq=nq) for nq in (25, 30, 32, 4125)],
 }
 # The largest of them, where lowering is checked with every candidate config.
 LOWERING_AXES = {
-    NONCAUSAL_D64: [dict(B=4, Nq=2560, Nk=126), dict(B=4, Nq=126, Nk=2560),
-                    dict(B=4, Nq=2352, Nk=51), dict(B=4, Nq=51, Nk=2352)],
-    NONCAUSAL_D128: [dict(B=4, Nq=2560, Nk=2560), dict(B=4, Nq=2352, Nk=1024)],
-    PREFIX: [dict(B=1, Nq=6144, Np=30), dict(B=1, Nq=4096, Np=4125)],
-    PREFIX0: [dict(B=1, Nq=4125)],
+  NONCAUSAL_D64: [
+    dict(B=4, Nq=2560, Nk=126),
+    dict(B=4, Nq=126, Nk=2560),
+    dict(B=4, Nq=2352, Nk=51),
+    dict(B=4, Nq=51, Nk=2352),
+  ],
+  NONCAUSAL_D128: [dict(B=4, Nq=2560, Nk=2560), dict(B=4, Nq=2352, Nk=1024)],
+  PREFIX: [dict(B=1, Nq=6144, Np=30), dict(B=1, Nq=4096, Np=4125)],
+  PREFIX0: [dict(B=1, Nq=4125)],
 }
 SEGMENTS_4125 = [[0, 8, False], [8, 4104, True], [4104, 4125, False]]
 
@@ -68,9 +91,11 @@ def normal(seed, shape, dtype=jnp.bfloat16):
 
 
 def qkv(batch, q_len, kv_len, heads=2, head_dim=64, seed=0, dtype=jnp.bfloat16):
-  return (normal(seed, (batch, q_len, heads, head_dim), dtype),
-          normal(seed + 1, (batch, kv_len, heads, head_dim), dtype),
-          normal(seed + 2, (batch, kv_len, heads, head_dim), dtype))
+  return (
+    normal(seed, (batch, q_len, heads, head_dim), dtype),
+    normal(seed + 1, (batch, kv_len, heads, head_dim), dtype),
+    normal(seed + 2, (batch, kv_len, heads, head_dim), dtype),
+  )
 
 
 def ids_from_ends(ends, batch=1):
@@ -79,8 +104,11 @@ def ids_from_ends(ends, batch=1):
 
 def launches(config, axes):
   """Grid (query blocks, B, H)."""
-  return [TritonCall("flash_attention", (-(-axes["Nq"] // config.block_q), axes["B"], axes["H"]),
-                     config.num_warps, config.num_stages)]
+  return [
+    TritonCall(
+      "flash_attention", (-(-axes["Nq"] // config.block_q), axes["B"], axes["H"]), config.num_warps, config.num_stages
+    )
+  ]
 
 
 def launches_mosaic_gpu(config, axes):
@@ -95,8 +123,15 @@ def launches_mosaic_gpu(config, axes):
   q_blocks = -(-nq // (2 * config.block_q))
   seq = lambda n: f"tensor<{b}x{pad8(n)}x{h}x{d}xbf16>"  # noqa: E731
   prefix = (seq(np_),) * 2 if np_ else (seq(nk),) * 2
-  operands = (seq(nq), seq(nk), seq(nk), *prefix, f"tensor<{b}x{(steps(np_) + steps(nk)) * config.block_k}xi32>",
-              f"tensor<{b}x{q_blocks * 2 * config.block_q}xi32>", f"tensor<{b}x{q_blocks}xi32>")
+  operands = (
+    seq(nq),
+    seq(nk),
+    seq(nk),
+    *prefix,
+    f"tensor<{b}x{(steps(np_) + steps(nk)) * config.block_k}xi32>",
+    f"tensor<{b}x{q_blocks * 2 * config.block_q}xi32>",
+    f"tensor<{b}x{q_blocks}xi32>",
+  )
   return [MosaicGpuCall(operands, (seq(nq), f"tensor<{b}x{h}x{pad8(nq)}xf32>"))]
 
 
@@ -113,14 +148,21 @@ def with_key_valid(batch, q_len, kv_len, key_valid):
   def build():
     q, k, v = qkv(batch, q_len, kv_len)
     return {"q": q, "k": k, "v": v, "key_valid": key_valid}
+
   return build
 
 
 def with_prefix(q_len, prefix_len):
   def build():
     q, k, v = qkv(1, q_len, q_len, head_dim=128)
-    return {"q": q, "k": k, "v": v, "k_prefix": normal(7, (1, prefix_len, 2, 128)),
-            "v_prefix": normal(8, (1, prefix_len, 2, 128))}
+    return {
+      "q": q,
+      "k": k,
+      "v": v,
+      "k_prefix": normal(7, (1, prefix_len, 2, 128)),
+      "v_prefix": normal(8, (1, prefix_len, 2, 128)),
+    }
+
   return build
 
 
@@ -128,6 +170,7 @@ def with_segments(batch, n, segment_ids, head_dim=128):
   def build():
     q, k, v = qkv(batch, n, n, head_dim=head_dim)
     return {"q": q, "k": k, "v": v, "segment_ids": segment_ids()}
+
   return build
 
 
@@ -143,46 +186,88 @@ _LENGTHS = jnp.array([40, 0, 17, 1])  # row 1 sees nothing: lonely rows
 _HOLED = (jnp.arange(40)[None] < _LENGTHS[:, None]).at[2, 5].set(False)
 
 KERNEL_CASES = [
-    *(Case(NONCAUSAL_D64, inputs=plain(b, nq, nk, d), config=SMALL, id=label) for b, nq, nk, d, label in [
-        (1, 51, 51, 64, "audio_self_ragged"),
-        (2, 70, 9, 64, "audio_to_video_like"),
-        (2, 9, 70, 128, "video_to_audio_like"),
-        (1, 1, 1, 64, "one_query_one_key"),
-        (2, 37, 1, 128, "one_key"),
-        (1, 64, 96, 64, "block_multiples_unmasked_only")]),
-    Case(NONCAUSAL_D64, inputs=with_key_valid(4, 33, 40, _HOLED), config=SMALL, check=lonely_row_is_zero,
-         id="key_valid_lonely_row_and_hole"),
-    # Rows see nothing in the first masked blocks (-inf running max) before
-    # reaching their visible keys: no NaN may leak into the result.
-    Case(NONCAUSAL_D64, inputs=with_key_valid(2, 20, 50, jnp.stack([jnp.arange(50) >= 37,
-                                                                    (jnp.arange(50) % 7) == 3])),
-         config=SMALL, id="key_valid_leading_blocks_invisible"),
-    *(Case(PREFIX, inputs=with_prefix(nq, np_), config=SMALL, id=f"prefix_nq{nq}_np{np_}")
-      for nq, np_ in [(40, 37), (9, 70), (1, 1), (48, 32)]),
-    *(Case(PREFIX0, inputs=with_segments(1, ends[-1], functools.partial(ids_from_ends, ends)), config=SMALL,
-           id="segments_" + "_".join(map(str, ends)))
-      for ends in [(8, 104, 125), (125,), (1, 2, 3), (30, 31, 64, 100)]),
-    # Block skipping is an optimization; any ids give the exact mask.
-    Case(PREFIX0, inputs=with_segments(2, 50, lambda: jnp.asarray(
-        np.random.default_rng(3).integers(0, 4, (2, 50)), jnp.int32), head_dim=64), config=SMALL,
-         id="unsorted_segment_ids"),
+  *(
+    Case(NONCAUSAL_D64, inputs=plain(b, nq, nk, d), config=SMALL, id=label)
+    for b, nq, nk, d, label in [
+      (1, 51, 51, 64, "audio_self_ragged"),
+      (2, 70, 9, 64, "audio_to_video_like"),
+      (2, 9, 70, 128, "video_to_audio_like"),
+      (1, 1, 1, 64, "one_query_one_key"),
+      (2, 37, 1, 128, "one_key"),
+      (1, 64, 96, 64, "block_multiples_unmasked_only"),
+    ]
+  ),
+  Case(
+    NONCAUSAL_D64,
+    inputs=with_key_valid(4, 33, 40, _HOLED),
+    config=SMALL,
+    check=lonely_row_is_zero,
+    id="key_valid_lonely_row_and_hole",
+  ),
+  # Rows see nothing in the first masked blocks (-inf running max) before
+  # reaching their visible keys: no NaN may leak into the result.
+  Case(
+    NONCAUSAL_D64,
+    inputs=with_key_valid(2, 20, 50, jnp.stack([jnp.arange(50) >= 37, (jnp.arange(50) % 7) == 3])),
+    config=SMALL,
+    id="key_valid_leading_blocks_invisible",
+  ),
+  *(
+    Case(PREFIX, inputs=with_prefix(nq, np_), config=SMALL, id=f"prefix_nq{nq}_np{np_}")
+    for nq, np_ in [(40, 37), (9, 70), (1, 1), (48, 32)]
+  ),
+  *(
+    Case(
+      PREFIX0,
+      inputs=with_segments(1, ends[-1], functools.partial(ids_from_ends, ends)),
+      config=SMALL,
+      id="segments_" + "_".join(map(str, ends)),
+    )
+    for ends in [(8, 104, 125), (125,), (1, 2, 3), (30, 31, 64, 100)]
+  ),
+  # Block skipping is an optimization; any ids give the exact mask.
+  Case(
+    PREFIX0,
+    inputs=with_segments(
+      2, 50, lambda: jnp.asarray(np.random.default_rng(3).integers(0, 4, (2, 50)), jnp.int32), head_dim=64
+    ),
+    config=SMALL,
+    id="unsorted_segment_ids",
+  ),
 ]
 LOWERING_CASES = [
-    *(Case(name, axes, config=EVERY_CANDIDATE) for name, all_axes in LOWERING_AXES.items() for axes in all_axes),
-    Case(NONCAUSAL_D128, dict(B=4, Nq=2352, Nk=2352), omit=("key_valid",), id="without_key_mask"),
+  *(Case(name, axes, config=EVERY_CANDIDATE) for name, all_axes in LOWERING_AXES.items() for axes in all_axes),
+  Case(NONCAUSAL_D128, dict(B=4, Nq=2352, Nk=2352), omit=("key_valid",), id="without_key_mask"),
 ]
 # The Mosaic GPU kernel through the op path (its lse and the rest of its
 # edge cases: test_flash_attention_mosaic.py).
 MOSAIC_SMALL = MosaicAttentionConfig(block_k=64)
 KERNEL_CASES += [
-    Case(NONCAUSAL_D64, inputs=with_key_valid(4, 33, 40, _HOLED), config=MOSAIC_SMALL, check=lonely_row_is_zero,
-         id="mosaic_key_valid_lonely_row_and_hole", backend="mosaic_gpu"),
-    Case(PREFIX, inputs=with_prefix(40, 37), config=MOSAIC_SMALL, id="mosaic_prefix_nq40_np37", backend="mosaic_gpu"),
-    Case(PREFIX0, inputs=with_segments(1, 125, functools.partial(ids_from_ends, (8, 104, 125))), config=MOSAIC_SMALL,
-         id="mosaic_segments_8_104_125", backend="mosaic_gpu"),
-    Case(PREFIX0, inputs=with_segments(2, 50, lambda: jnp.asarray(
-        np.random.default_rng(3).integers(0, 4, (2, 50)), jnp.int32), head_dim=64), config=MOSAIC_SMALL,
-         id="mosaic_unsorted_segment_ids", backend="mosaic_gpu"),
+  Case(
+    NONCAUSAL_D64,
+    inputs=with_key_valid(4, 33, 40, _HOLED),
+    config=MOSAIC_SMALL,
+    check=lonely_row_is_zero,
+    id="mosaic_key_valid_lonely_row_and_hole",
+    backend="mosaic_gpu",
+  ),
+  Case(PREFIX, inputs=with_prefix(40, 37), config=MOSAIC_SMALL, id="mosaic_prefix_nq40_np37", backend="mosaic_gpu"),
+  Case(
+    PREFIX0,
+    inputs=with_segments(1, 125, functools.partial(ids_from_ends, (8, 104, 125))),
+    config=MOSAIC_SMALL,
+    id="mosaic_segments_8_104_125",
+    backend="mosaic_gpu",
+  ),
+  Case(
+    PREFIX0,
+    inputs=with_segments(
+      2, 50, lambda: jnp.asarray(np.random.default_rng(3).integers(0, 4, (2, 50)), jnp.int32), head_dim=64
+    ),
+    config=MOSAIC_SMALL,
+    id="mosaic_unsorted_segment_ids",
+    backend="mosaic_gpu",
+  ),
 ]
 SWEEP_CASE = Case(NONCAUSAL_D64, dict(B=1, Nq=70, Nk=200, H=1))
 SWEEP_CASE_MOSAIC_GPU = Case(NONCAUSAL_D64, dict(B=1, Nq=20, Nk=130, H=1))
@@ -215,8 +300,7 @@ def test_all_masks_and_prefix_together():
   k_prefix, v_prefix = normal(7, (2, 11, 2, 64)), normal(8, (2, 11, 2, 64))
   key_valid = jnp.arange(n)[None] < jnp.array([[n], [30]])
   segment_ids = ids_from_ends((10, 33, n), batch=2)
-  kwargs = dict(key_valid=key_valid, k_prefix=k_prefix, v_prefix=v_prefix,
-                segment_ids=segment_ids, sm_scale=0.3)
+  kwargs = dict(key_valid=key_valid, k_prefix=k_prefix, v_prefix=v_prefix, segment_ids=segment_ids, sm_scale=0.3)
   out = fa.flash_attention(q, k, v, config=SMALL, interpret=True, **kwargs)
   assert_bf16_close(out, fam.attention_reference(q, k, v, **kwargs))
 
@@ -231,13 +315,13 @@ def test_sm_scale_override():
 
 def test_key_block_limits():
   # Segments [0, 8), [8, 104), [104, 125); query blocks of 32, key blocks of 16.
-  limits = fa.key_block_limits(None, ids_from_ends((8, 104, 125)), batch=1, q_len=125,
-                               kv_len=125, block_q=32, block_k=16)
+  limits = fa.key_block_limits(
+    None, ids_from_ends((8, 104, 125)), batch=1, q_len=125, kv_len=125, block_q=32, block_k=16
+  )
   # Block 0 (rows 0-31) sees keys [0, 104) and all of them fully only up to 8.
   np.testing.assert_array_equal(limits[0], [[0, 7], [6, 7], [6, 7], [6, 8]])
   key_valid = jnp.arange(100)[None] < jnp.array([[100], [40], [0]])
-  limits = fa.key_block_limits(key_valid, None, batch=3, q_len=10, kv_len=100,
-                               block_q=16, block_k=32)
+  limits = fa.key_block_limits(key_valid, None, batch=3, q_len=10, kv_len=100, block_q=16, block_k=32)
   np.testing.assert_array_equal(limits[:, 0], [[3, 4], [1, 2], [0, 0]])
 
 
@@ -248,8 +332,7 @@ def test_key_block_limits_count_instead_of_search():
   n, bq, bk = 77, 16, 8
   for seg in (np.sort(rng.integers(0, 6, size=(2, n)), axis=1), rng.integers(0, 6, size=(2, n))):
     seg = seg.astype(np.int32)
-    limits = np.asarray(fa.key_block_limits(None, jnp.asarray(seg), batch=2, q_len=n, kv_len=n,
-                                            block_q=bq, block_k=bk))
+    limits = np.asarray(fa.key_block_limits(None, jnp.asarray(seg), batch=2, q_len=n, kv_len=n, block_q=bq, block_k=bk))
     padded = np.pad(seg, ((0, 0), (0, -n % bq)), mode="edge").reshape(2, -1, bq)
     for b in range(2):
       running_max = np.maximum.accumulate(seg[b])
@@ -281,7 +364,7 @@ def test_reference_matches_float64_noncausal():
   q, k, v = qkv(2, 7, 5, heads=3, head_dim=8, dtype=jnp.float32)
   key_valid = np.array([[1, 0, 1, 1, 0], [0, 0, 0, 0, 0]], bool)
   ref = fam.attention_reference(q, k, v, key_valid=jnp.asarray(key_valid))
-  want = numpy_attention(q, k, v, np.broadcast_to(key_valid[:, None], (2, 7, 5)), 8 ** -0.5)
+  want = numpy_attention(q, k, v, np.broadcast_to(key_valid[:, None], (2, 7, 5)), 8**-0.5)
   np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=1e-4)
   assert np.all(np.asarray(ref[1]) == 0.0)
 
@@ -291,8 +374,9 @@ def test_reference_matches_float64_prefix_and_chunks():
   k_prefix, v_prefix = normal(5, (1, 4, 2, 8), jnp.float32), normal(6, (1, 4, 2, 8), jnp.float32)
   # q_chunk=4 exercises the chunked (and padded) query path.
   ref = fam.attention_reference(q, k, v, k_prefix=k_prefix, v_prefix=v_prefix, q_chunk=4)
-  want = numpy_attention(q, np.concatenate([k_prefix, k], 1), np.concatenate([v_prefix, v], 1),
-                         np.ones((1, 9, 13), bool), 8 ** -0.5)
+  want = numpy_attention(
+    q, np.concatenate([k_prefix, k], 1), np.concatenate([v_prefix, v], 1), np.ones((1, 9, 13), bool), 8**-0.5
+  )
   np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=1e-4)
 
 
@@ -300,7 +384,7 @@ def test_reference_matches_float64_segments():
   q, k, v = qkv(1, 10, 10, heads=2, head_dim=8, dtype=jnp.float32)
   ids = np.array([[0, 0, 1, 1, 1, 1, 1, 2, 2, 2]], np.int32)
   ref = fam.attention_reference(q, k, v, segment_ids=jnp.asarray(ids), q_chunk=3)
-  want = numpy_attention(q, k, v, ids[:, None, :] <= ids[:, :, None], 8 ** -0.5)
+  want = numpy_attention(q, k, v, ids[:, None, :] <= ids[:, :, None], 8**-0.5)
   np.testing.assert_allclose(np.asarray(ref), want, atol=2e-5, rtol=1e-4)
 
 
@@ -313,8 +397,9 @@ def test_family_references_bf16():
   assert_bf16_close(out, want)
   kp, vp = normal(9, (1, 3, 2, 16)), normal(10, (1, 3, 2, 16))
   out = fam.prefix_cached_attention_reference(q, k[:, :1], v[:, :1], kp, vp)
-  want = numpy_attention(q, np.concatenate([kp, k[:, :1]], 1), np.concatenate([vp, v[:, :1]], 1),
-                         np.ones((1, 6, 4), bool), 0.25)
+  want = numpy_attention(
+    q, np.concatenate([kp, k[:, :1]], 1), np.concatenate([vp, v[:, :1]], 1), np.ones((1, 6, 4), bool), 0.25
+  )
   assert_bf16_close(out, want)
   ids = jnp.array([[0, 0, 1, 2, 2, 2]], jnp.int32)
   q6, k6, v6 = qkv(1, 6, 6, heads=2, head_dim=16)
@@ -343,16 +428,26 @@ def input_avals(name, axes):
   a = {**axes, **CONST_AXES[name]}
   bf16 = lambda *dims: jax.ShapeDtypeStruct(tuple(a[d] for d in dims), jnp.bfloat16)
   if name in (NONCAUSAL_D64, NONCAUSAL_D128):
-    return {"q": bf16("B", "Nq", "H", "D"), "k": bf16("B", "Nk", "H", "D"),
-            "v": bf16("B", "Nk", "H", "D"),
-            "key_valid": jax.ShapeDtypeStruct((a["B"], a["Nk"]), jnp.bool_)}
+    return {
+      "q": bf16("B", "Nq", "H", "D"),
+      "k": bf16("B", "Nk", "H", "D"),
+      "v": bf16("B", "Nk", "H", "D"),
+      "key_valid": jax.ShapeDtypeStruct((a["B"], a["Nk"]), jnp.bool_),
+    }
   if name == PREFIX:
-    return {"q": bf16("B", "Nq", "H", "D"), "k": bf16("B", "Nq", "H", "D"),
-            "v": bf16("B", "Nq", "H", "D"), "k_prefix": bf16("B", "Np", "H", "D"),
-            "v_prefix": bf16("B", "Np", "H", "D")}
-  return {"q": bf16("B", "Nq", "H", "D"), "k": bf16("B", "Nq", "H", "D"),
-          "v": bf16("B", "Nq", "H", "D"),
-          "segment_ids": jax.ShapeDtypeStruct((a["B"], a["Nq"]), jnp.int32)}
+    return {
+      "q": bf16("B", "Nq", "H", "D"),
+      "k": bf16("B", "Nq", "H", "D"),
+      "v": bf16("B", "Nq", "H", "D"),
+      "k_prefix": bf16("B", "Np", "H", "D"),
+      "v_prefix": bf16("B", "Np", "H", "D"),
+    }
+  return {
+    "q": bf16("B", "Nq", "H", "D"),
+    "k": bf16("B", "Nq", "H", "D"),
+    "v": bf16("B", "Nq", "H", "D"),
+    "segment_ids": jax.ShapeDtypeStruct((a["B"], a["Nq"]), jnp.int32),
+  }
 
 
 @pytest.mark.parametrize("name", list(RECORDED_AXES))
@@ -403,8 +498,11 @@ def test_key_valid_for_padded_text_variants():
     assert np.asarray(impl.make_inputs(axes, jax.random.key(0), record)["key_valid"]).all()
   # A record with larger axes than the run's: the mask follows the run's Nk.
   small = {"B": 2, "Nq": 51, "Nk": 100, "H": 1, "D": 16}
-  kv = np.asarray(impl.make_inputs(small, jax.random.key(0),
-                                   {"variant": "attn2", "axes": {"B": 4, "Nq": 51, "Nk": 1024}})["key_valid"])
+  kv = np.asarray(
+    impl.make_inputs(small, jax.random.key(0), {"variant": "attn2", "axes": {"B": 4, "Nq": 51, "Nk": 1024}})[
+      "key_valid"
+    ]
+  )
   assert kv.shape == (2, 100) and np.all(kv.sum(axis=1) >= 13)
 
 
@@ -463,11 +561,13 @@ def test_d128_heuristic_and_candidates_follow_the_sm90a_compile():
   second pipeline (288 KiB); no 128x64 / 4-warp candidate (it spills); no
   candidate over 227 KiB of shared memory. Byte counts as XLA's Triton
   allocated them for sm_90a (`python -m jaxkern.aot`)."""
+
   def shapes(d, prefix=0, b=4, n=2560):
     s = {"q": jax.ShapeDtypeStruct((b, n, 32, d), jnp.bfloat16), "k": jax.ShapeDtypeStruct((b, n, 32, d), jnp.bfloat16)}
     if prefix:
       s["k_prefix"] = jax.ShapeDtypeStruct((b, prefix, 32, d), jnp.bfloat16)
     return s
+
   F = fa.FlashAttentionConfig
   assert fa.choose_config(shapes(128)) == F(128, 128, num_warps=8, num_stages=3)
   assert fa.choose_config(shapes(128, prefix=4125, b=1, n=4096)) == F(128, 64, num_warps=8, num_stages=3)
@@ -501,9 +601,11 @@ def test_empty_batch_and_sequences(backend):
   assert ops.attention(q, k, v, backend=backend).shape == (2, 0, 2, 64)
   q, k, v = qkv(2, 5, 0)  # no key: every row is lonely
   np.testing.assert_array_equal(np.asarray(ops.attention(q, k, v, backend=backend), np.float32), 0.0)
-  kp, vp = normal(3, (2, 4, 2, 64)), normal(4, (2, 4, 2, 64))   # only prefix keys
-  assert_bf16_close(ops.prefix_cached_attention(q, k, v, kp, vp, backend=backend),
-                    numpy_attention(q, kp, vp, np.ones((2, 5, 4), bool), 64 ** -0.5))
+  kp, vp = normal(3, (2, 4, 2, 64)), normal(4, (2, 4, 2, 64))  # only prefix keys
+  assert_bf16_close(
+    ops.prefix_cached_attention(q, k, v, kp, vp, backend=backend),
+    numpy_attention(q, kp, vp, np.ones((2, 5, 4), bool), 64**-0.5),
+  )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -550,10 +652,13 @@ SMALL_BWD = fa.FlashAttentionBwdConfig(32, 16, 16, 32, num_warps=4, num_stages=2
 
 def kernel_attention(**fixed):
   """The kernel with small forward and backward tiles (many blocks)."""
+
   def f(q, k, v, *prefix):
     kp, vp = prefix or (None, None)
-    return fa.flash_attention(q, k, v, k_prefix=kp, v_prefix=vp, config=SMALL, backward_config=SMALL_BWD,
-                              interpret=True, **fixed)
+    return fa.flash_attention(
+      q, k, v, k_prefix=kp, v_prefix=vp, config=SMALL, backward_config=SMALL_BWD, interpret=True, **fixed
+    )
+
   return f
 
 
@@ -561,6 +666,7 @@ def reference_attention(**fixed):
   def f(q, k, v, *prefix):
     kp, vp = prefix or (None, None)
     return fam.attention_reference(q, k, v, k_prefix=kp, v_prefix=vp, **fixed)
+
   return f
 
 
@@ -570,18 +676,27 @@ def prefixed(q_len, prefix_len, batch=1):
 
 
 GRAD_CASES = {
-    "ragged_unmasked": (dict(), lambda: qkv(2, 37, 50)),
-    "key_valid_lonely_row_and_hole": (dict(key_valid=_HOLED), lambda: qkv(4, 33, 40)),
-    "key_valid_leading_blocks_hidden": (dict(key_valid=jnp.stack([jnp.arange(50) >= 37, (jnp.arange(50) % 7) == 3])),
-                                        lambda: qkv(2, 20, 50)),
-    "prefix": (dict(), lambda: prefixed(40, 37)),
-    "prefix_longer_than_target": (dict(), lambda: prefixed(9, 70)),
-    "segments": (dict(segment_ids=ids_from_ends((10, 33, 45), batch=2)), lambda: qkv(2, 45, 45)),
-    "unsorted_segments": (dict(segment_ids=jnp.asarray(np.random.default_rng(3).integers(0, 4, (2, 50)), jnp.int32)),
-                          lambda: qkv(2, 50, 50)),
-    "everything_and_a_scale": (dict(key_valid=jnp.arange(45)[None] < jnp.array([[45], [30]]),
-                                    segment_ids=ids_from_ends((10, 33, 45), batch=2), sm_scale=0.3),
-                               lambda: (*qkv(2, 45, 45), normal(7, (2, 11, 2, 64)), normal(8, (2, 11, 2, 64)))),
+  "ragged_unmasked": (dict(), lambda: qkv(2, 37, 50)),
+  "key_valid_lonely_row_and_hole": (dict(key_valid=_HOLED), lambda: qkv(4, 33, 40)),
+  "key_valid_leading_blocks_hidden": (
+    dict(key_valid=jnp.stack([jnp.arange(50) >= 37, (jnp.arange(50) % 7) == 3])),
+    lambda: qkv(2, 20, 50),
+  ),
+  "prefix": (dict(), lambda: prefixed(40, 37)),
+  "prefix_longer_than_target": (dict(), lambda: prefixed(9, 70)),
+  "segments": (dict(segment_ids=ids_from_ends((10, 33, 45), batch=2)), lambda: qkv(2, 45, 45)),
+  "unsorted_segments": (
+    dict(segment_ids=jnp.asarray(np.random.default_rng(3).integers(0, 4, (2, 50)), jnp.int32)),
+    lambda: qkv(2, 50, 50),
+  ),
+  "everything_and_a_scale": (
+    dict(
+      key_valid=jnp.arange(45)[None] < jnp.array([[45], [30]]),
+      segment_ids=ids_from_ends((10, 33, 45), batch=2),
+      sm_scale=0.3,
+    ),
+    lambda: (*qkv(2, 45, 45), normal(7, (2, 11, 2, 64)), normal(8, (2, 11, 2, 64))),
+  ),
 }
 
 
@@ -597,8 +712,9 @@ def test_kernel_gradients_match_xla_under_jit(label):
 
 # The Mosaic GPU forward with the Triton backward (from its o and lse), on
 # the cases that exercise each mask and key source.
-@pytest.mark.parametrize("label", ["key_valid_lonely_row_and_hole", "prefix", "unsorted_segments",
-                                   "everything_and_a_scale"])
+@pytest.mark.parametrize(
+  "label", ["key_valid_lonely_row_and_hole", "prefix", "unsorted_segments", "everything_and_a_scale"]
+)
 def test_mosaic_gpu_forward_with_triton_backward_matches_xla(label):
   fixed, make = GRAD_CASES[label]
   args = make()
@@ -606,8 +722,10 @@ def test_mosaic_gpu_forward_with_triton_backward_matches_xla(label):
 
   def f(q, k, v, *prefix):
     kp, vp = prefix or (None, None)
-    return fa_mosaic.flash_attention(q, k, v, k_prefix=kp, v_prefix=vp, backward_config=SMALL_BWD,
-                                     interpret=True, **fixed)
+    return fa_mosaic.flash_attention(
+      q, k, v, k_prefix=kp, v_prefix=vp, backward_config=SMALL_BWD, interpret=True, **fixed
+    )
+
   got = gradients.grads(f, args, argnums)
   want = gradients.grads(reference_attention(**fixed), args, argnums)
   gradients.assert_grads_close(got, want, ("dq", "dk", "dv", "dk_prefix", "dv_prefix"))
@@ -624,12 +742,17 @@ def test_public_ops_gradients_match_xla_under_jit():
   kp, vp = normal(7, (2, 6, 2, 64)), normal(8, (2, 6, 2, 64))
   ids = ids_from_ends((5, 12, 20), batch=2)
   calls = [
-      (lambda backend: lambda q, k, v, s: ops.attention(q, k, v, key_valid=key_valid, sm_scale=s, backend=backend),
-       (q, k, v, jnp.float32(0.2))),
-      (lambda backend: lambda q, k, v, kp, vp, s: ops.prefix_cached_attention(q, k, v, kp, vp, sm_scale=s,
-                                                                               backend=backend),
-       (q, k, v, kp, vp, jnp.float32(0.125))),
-      (lambda backend: lambda q, k, v: ops.block_causal_attention(q, k, v, ids, backend=backend), (q, k, v)),
+    (
+      lambda backend: lambda q, k, v, s: ops.attention(q, k, v, key_valid=key_valid, sm_scale=s, backend=backend),
+      (q, k, v, jnp.float32(0.2)),
+    ),
+    (
+      lambda backend: (
+        lambda q, k, v, kp, vp, s: ops.prefix_cached_attention(q, k, v, kp, vp, sm_scale=s, backend=backend)
+      ),
+      (q, k, v, kp, vp, jnp.float32(0.125)),
+    ),
+    (lambda backend: lambda q, k, v: ops.block_causal_attention(q, k, v, ids, backend=backend), (q, k, v)),
   ]
   for op, args in calls:
     argnums = tuple(range(len(args)))
@@ -646,7 +769,7 @@ def test_masked_gradients_are_exactly_zero():
   dq, dk, dv = (np.asarray(g, np.float32) for g in got)
   hidden = ~np.asarray(_HOLED)
   assert np.all(dk[hidden] == 0.0) and np.all(dv[hidden] == 0.0)
-  assert np.all(dq[1] == 0.0)            # batch row 1 sees no key
+  assert np.all(dq[1] == 0.0)  # batch row 1 sees no key
   assert np.all(np.abs(dk[0]).max(axis=(1, 2)) > 0)
 
 
@@ -655,8 +778,9 @@ def test_gradient_runs_pallas_kernels():
   q, k, v = qkv(1, 20, 20)
   kp, vp = normal(7, (1, 6, 2, 64)), normal(8, (1, 6, 2, 64))
   f = lambda q, k, v, kp, vp: ops.prefix_cached_attention(q, k, v, kp, vp, backend="pallas")  # noqa: E731
-  names = gradients.pallas_calls(jax.grad(gradients.loss(f, gradients.weights_like(q.shape)), (0, 1, 2, 3, 4)),
-                                 q, k, v, kp, vp)
+  names = gradients.pallas_calls(
+    jax.grad(gradients.loss(f, gradients.weights_like(q.shape)), (0, 1, 2, 3, 4)), q, k, v, kp, vp
+  )
   assert {"flash_attention_bwd_dq", "flash_attention_bwd_dkdv", "flash_attention_bwd_dkdv_prefix"} <= set(names)
 
 
@@ -675,8 +799,19 @@ def test_gradients_match_float64_finite_differences():
     return numpy_attention(q, np.concatenate([kp, k], 1), np.concatenate([vp, v], 1), visible, float(scale))
 
   def kernel(q, k, v, kp, vp, scale):
-    return fa.flash_attention(q, k, v, key_valid=jnp.asarray(key_valid), k_prefix=kp, v_prefix=vp, sm_scale=scale,
-                              config=SMALL, backward_config=SMALL_BWD, interpret=True)
+    return fa.flash_attention(
+      q,
+      k,
+      v,
+      key_valid=jnp.asarray(key_valid),
+      k_prefix=kp,
+      v_prefix=vp,
+      sm_scale=scale,
+      config=SMALL,
+      backward_config=SMALL_BWD,
+      interpret=True,
+    )
+
   args = [q, k, v, kp, vp, np.array(0.7)]
   got = jax.grad(gradients.loss(kernel, weights), tuple(range(6)))(*(jnp.asarray(a, jnp.float32) for a in args))
   want = gradients.finite_difference_grads(numpy64, args, np.asarray(weights, np.float64))
@@ -691,13 +826,16 @@ def test_query_block_limits_match_brute_force():
   n, bq, bk = 77, 16, 8
   for seg in (np.sort(rng.integers(0, 6, (2, n)), axis=1), rng.integers(0, 6, (2, n))):
     key_valid = rng.random((2, n)) < 0.7
-    key_valid[1, 8:24] = False   # whole key blocks hidden
-    limits = np.asarray(keys_lib.query_block_limits(jnp.asarray(key_valid), jnp.asarray(seg, jnp.int32), batch=2,
-                                                    q_len=n, kv_len=n, block_q=bq, block_k=bk))
+    key_valid[1, 8:24] = False  # whole key blocks hidden
+    limits = np.asarray(
+      keys_lib.query_block_limits(
+        jnp.asarray(key_valid), jnp.asarray(seg, jnp.int32), batch=2, q_len=n, kv_len=n, block_q=bq, block_k=bk
+      )
+    )
     for b in range(2):
-      sees = (seg[b][None, :] <= seg[b][:, None]) & key_valid[b][None, :]   # [query, key]
+      sees = (seg[b][None, :] <= seg[b][:, None]) & key_valid[b][None, :]  # [query, key]
       for j in range(-(-n // bk)):
-        blocks = [i for i in range(-(-n // bq)) if sees[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()]
+        blocks = [i for i in range(-(-n // bq)) if sees[i * bq : (i + 1) * bq, j * bk : (j + 1) * bk].any()]
         first, end = limits[b, j]
         if blocks:
           assert first == blocks[0] and end == blocks[-1] + 1, (b, j, limits[b, j], blocks)
@@ -712,13 +850,20 @@ def backward_launches(name, axes):
   a = {**axes, **CONST_AXES[name]}
   kv_len, prefix_len = a.get("Nk", a["Nq"]), a.get("Np", 0)
   config = registry.get(name).choose_config(input_avals(name, axes))
-  bwd = fa.choose_backward_config(batch=a["B"], heads=a["H"], q_len=a["Nq"], kv_len=max(kv_len, prefix_len),
-                                  head_dim=a["D"])
-  call = lambda kernel, n, block, c=bwd: TritonCall(kernel, (-(-n // block), a["B"], a["H"]), c.num_warps,  # noqa: E731
-                                                    c.num_stages)
-  out = [call("flash_attention", a["Nq"], config.block_q, config),
-         call("flash_attention_bwd_dq", a["Nq"], bwd.block_q_dq),
-         call("flash_attention_bwd_dkdv", kv_len, bwd.block_k_dkv)]
+  bwd = fa.choose_backward_config(
+    batch=a["B"], heads=a["H"], q_len=a["Nq"], kv_len=max(kv_len, prefix_len), head_dim=a["D"]
+  )
+  call = lambda kernel, n, block, c=bwd: TritonCall(
+    kernel,
+    (-(-n // block), a["B"], a["H"]),
+    c.num_warps,  # noqa: E731
+    c.num_stages,
+  )
+  out = [
+    call("flash_attention", a["Nq"], config.block_q, config),
+    call("flash_attention_bwd_dq", a["Nq"], bwd.block_q_dq),
+    call("flash_attention_bwd_dkdv", kv_len, bwd.block_k_dkv),
+  ]
   if prefix_len:
     out.append(call("flash_attention_bwd_dkdv_prefix", prefix_len, bwd.block_k_dkv))
   return out
@@ -727,12 +872,13 @@ def backward_launches(name, axes):
 @pytest.mark.parametrize("name,axes", [(n, a) for n, all_axes in LOWERING_AXES.items() for a in all_axes])
 def test_backward_lowers_to_its_launches(name, axes):
   avals = input_avals(name, axes)
-  names = list(avals)   # every input an argument (masks too); gradients of the floating ones
+  names = list(avals)  # every input an argument (masks too); gradients of the floating ones
 
   def loss(*args):
     x = dict(zip(names, args))
     masks = {k: x[k] for k in ("key_valid", "segment_ids", "k_prefix", "v_prefix") if k in x}
     return jnp.sum(fa.flash_attention(x["q"], x["k"], x["v"], interpret=False, **masks).astype(jnp.float32))
+
   floating = tuple(i for i, k in enumerate(names) if k in ("q", "k", "v", "k_prefix", "v_prefix"))
   calls = triton_calls(lower_for_h100(jax.grad(loss, floating), *avals.values()))
   assert sorted(calls) == sorted(backward_launches(name, axes))

@@ -7,13 +7,13 @@ candidate at recorded sizes; and a synchronization fault the interpreter
 catches."""
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
+from numerics import assert_bf16_close, assert_f32_close
 
 from jaxkern.families.flash_attention import attention_reference
-from numerics import assert_bf16_close, assert_f32_close
 from pallas_kernels.flash_attention import mosaic_gpu as fa
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.lowering import lower_for_h100
@@ -36,9 +36,13 @@ def bf16(*shape):
 def lse_reference(q, k, key_valid=None, k_prefix=None, segment_ids=None):
   """log2 of sum exp(q.k * D**-0.5) over the visible keys (the prefix's,
   then k's), +inf for a row that sees none: [B, H, Nq]."""
+
   def scores(keys):
-    return jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), keys.astype(jnp.float32),
-                      precision=lax.Precision.HIGHEST) * q.shape[-1] ** -0.5
+    return (
+      jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), keys.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+      * q.shape[-1] ** -0.5
+    )
+
   s = scores(k)
   visible = jnp.ones(s.shape, bool)
   if key_valid is not None:
@@ -55,8 +59,12 @@ def lse_reference(q, k, key_valid=None, k_prefix=None, segment_ids=None):
 # The configs the interpret-mode tests below run with (None: the
 # heuristic's); every candidate runs in the kit's sweep (test_definitions.py).
 C = fa.MosaicAttentionConfig
-RUN_CONFIGS = {"aligned": C(block_k=64, stages=4), "ragged_mask": C(block_k=128, stages=3),
-               "lonely": C(block_k=64, stages=2), "heuristic": None}
+RUN_CONFIGS = {
+  "aligned": C(block_k=64, stages=4),
+  "ragged_mask": C(block_k=128, stages=3),
+  "lonely": C(block_k=64, stages=2),
+  "heuristic": None,
+}
 
 
 def check(q, k, v, key_valid=None, config=None, **keys):
@@ -74,11 +82,14 @@ def segments(batch, ends):
   return jnp.broadcast_to(ids, (batch, ends[-1]))
 
 
-@pytest.mark.parametrize("b,nq,nk,h,d,mask,run", [
+@pytest.mark.parametrize(
+  "b,nq,nk,h,d,mask,run",
+  [
     pytest.param(1, 128, 256, 1, 64, False, "aligned", id="aligned_d64_no_mask"),
     pytest.param(2, 51, 300, 1, 64, True, "ragged_mask", id="ragged_mask_two_batch_rows"),
     pytest.param(1, 130, 200, 1, 128, True, "heuristic", id="ragged_d128_two_q_blocks"),
-])
+  ],
+)
 def test_matches_reference(b, nq, nk, h, d, mask, run):
   check(*inputs(b, nq, nk, h, d, mask=mask, seed=nq), config=RUN_CONFIGS[run])
 
@@ -90,8 +101,9 @@ def test_key_blocks_past_a_query_blocks_segments_are_skipped():
   q, k, v, _ = inputs(1, 256, 256, 1, 64, seed=17)
   ids = segments(1, [128, 256])
   v_nan = v.at[:, 128:].set(jnp.nan)
-  o, _ = fa.flash_attention_forward(q, k, v_nan, segment_ids=ids, config=fa.MosaicAttentionConfig(block_k=64),
-                                    interpret=True)
+  o, _ = fa.flash_attention_forward(
+    q, k, v_nan, segment_ids=ids, config=fa.MosaicAttentionConfig(block_k=64), interpret=True
+  )
   want = attention_reference(q, k, v, segment_ids=ids)
   assert_bf16_close(o[:, :128], want[:, :128])
 
@@ -134,12 +146,15 @@ def test_empty_sizes():
   assert np.isposinf(np.asarray(lse)).all()
 
 
-@pytest.mark.parametrize("change,match", [
+@pytest.mark.parametrize(
+  "change,match",
+  [
     (lambda q, k, v, kv: (q, k[:, :-1], v, kv), "do not match"),
     (lambda q, k, v, kv: (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), kv), "must be bfloat16"),
     (lambda q, k, v, kv: (q[..., :32], k[..., :32], v[..., :32], kv), "head dim D=32"),
     (lambda q, k, v, kv: (q, k, v, kv[:, :-1]), "key_valid"),
-])
+  ],
+)
 def test_bad_input_is_refused(change, match):
   q, k, v, kv = change(*inputs(1, 8, 16, 1, 64, mask=True))
   with pytest.raises(ValueError, match=match):
@@ -162,20 +177,33 @@ def test_config_over_shared_memory_is_refused():
     fa.flash_attention_forward(q, k, v, config=fa.MosaicAttentionConfig(block_k=128, stages=3), interpret=True)
 
 
-@pytest.mark.parametrize("b,nq,nk,d", [(4, 2560, 2560, 128), (1, 2352, 1024, 128), (4, 51, 1024, 64),
-                                       (1, 2352, 51, 64)])
+@pytest.mark.parametrize(
+  "b,nq,nk,d", [(4, 2560, 2560, 128), (1, 2352, 1024, 128), (4, 51, 1024, 64), (1, 2352, 51, 64)]
+)
 def test_every_candidate_lowers_for_h100_at_recorded_sizes(b, nq, nk, d):
   avals = [bf16(b, nq, 32, d), bf16(b, nk, 32, d), bf16(b, nk, 32, d), jax.ShapeDtypeStruct((b, nk), jnp.bool_)]
   for config in fa.candidate_configs({"q": avals[0], "k": avals[1]}):
-    fn = lambda q, k, v, kv, c=config: fa.flash_attention_forward(q, k, v, key_valid=kv, config=c,  # noqa: E731
-                                                                  interpret=False)
+    fn = lambda q, k, v, kv, c=config: fa.flash_attention_forward(
+      q,
+      k,
+      v,
+      key_valid=kv,
+      config=c,  # noqa: E731
+      interpret=False,
+    )
     assert "mosaic_gpu_v2" in lower_for_h100(fn, *avals)
 
 
 @pytest.mark.parametrize("nq,np_", [(4096, 4125), (6144, 30)])
 def test_prefix_cached_lowers_at_recorded_sizes(nq, np_):
-  fn = lambda q, k, v, kp, vp: fa.flash_attention_forward(q, k, v, k_prefix=kp, v_prefix=vp,  # noqa: E731
-                                                          interpret=False)
+  fn = lambda q, k, v, kp, vp: fa.flash_attention_forward(
+    q,
+    k,
+    v,
+    k_prefix=kp,
+    v_prefix=vp,  # noqa: E731
+    interpret=False,
+  )
   assert "mosaic_gpu_v2" in lower_for_h100(fn, *[bf16(1, n, 32, 128) for n in (nq, nq, nq, np_, np_)])
 
 
@@ -191,8 +219,9 @@ def assert_interpreter_reports_phase(q, k, v, key_valid, config, fault):
   error (its state reset afterwards, so later kernels can run)."""
   try:
     with pytest.raises(Exception, match="phase"):
-      jax.block_until_ready(fa._forward(q, k, v, None, None, key_valid, None, sm_scale=0.125, config=config,
-                                        interpret=True, fault=fault))
+      jax.block_until_ready(
+        fa._forward(q, k, v, None, None, key_valid, None, sm_scale=0.125, config=config, interpret=True, fault=fault)
+      )
   finally:
     compat.reset_interpreter()
 

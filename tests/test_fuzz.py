@@ -15,20 +15,21 @@ import functools
 
 import jax
 import pytest
-
-from jaxkern import compare
-from jaxkern import registry
 from fuzz_inputs import TARGETS, Case, Target, draws
+
+from jaxkern import compare, registry
 
 SEEDS = 2  # random draws per case (same shapes: compiled once per op and shape)
 
 # (op, case) -> what the Pallas path does instead (found on main 63cc452);
 # the owner is the target's. Remove an entry when its fix lands.
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    # grad: dense GEMM, attention, NATTEN
-    ("block_causal_attention", "nan_in_a_later_segment"): "NaN values of a later segment reach earlier rows",
-    ("neighborhood_attention_3d", "nan_in_one_value"):
-        "one NaN value reaches queries whose window excludes it (halo tile: p=0 x NaN)",
+  # grad: dense GEMM, attention, NATTEN
+  ("block_causal_attention", "nan_in_a_later_segment"): "NaN values of a later segment reach earlier rows",
+  (
+    "neighborhood_attention_3d",
+    "nan_in_one_value",
+  ): "one NaN value reaches queries whose window excludes it (halo tile: p=0 x NaN)",
 }
 
 
@@ -60,7 +61,7 @@ def run(target: Target, inputs, backend: str):
   """(named outputs, None) or (None, the exception)."""
   try:
     out = jax.block_until_ready(jitted(target.name, backend)(inputs))
-  except Exception as e:  # pylint: disable=broad-except  (an error is an outcome to compare)
+  except Exception as e:  # an error is an outcome to compare
     return None, e
   values = out if isinstance(out, tuple) else (out,)
   return dict(zip(output_specs(target.name), values)), None
@@ -107,7 +108,8 @@ def test_xla_path_outside_the_contract_answers_as_documented(target: Target, cas
 
 
 def test_every_op_is_fuzzed_with_valid_and_masked_or_invalid_inputs():
-  from jaxkern import ops  # pylint: disable=g-import-not-at-top
+  from jaxkern import ops
+
   public = {n for n in ops.__all__ if n not in ("Backend", "checked")}
   assert public == set(TARGET), public ^ set(TARGET)
   for target in TARGETS:

@@ -10,17 +10,16 @@ from __future__ import annotations
 import json
 import os
 
+import gradients
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
+from kit import Case, TritonCall
+from numerics import assert_bf16_close
 
 from jaxkern import ops
 from jaxkern.families import gdn_decode as fam_decode
-import gradients
-from kit import Case, TritonCall
 from pallas_kernels.gdn_decode import triton as gk_decode
-from numerics import assert_bf16_close
 
 DECODE = "gdn_decode_qk4_v8_d128_k_last"
 CONST = dict(num_q_heads=4, num_k_heads=4, num_v_heads=8, head_size=128)
@@ -44,14 +43,25 @@ def decode_inputs(batch, seed=0):
 def launches(config, axes):
   """Grid (B, HV, V blocks)."""
   d = axes["head_size"]
-  return [TritonCall("gdn_decode", (axes["batch_size"], axes["num_v_heads"], d // min(config.block_v, d)),
-                     config.num_warps, config.num_stages)]
+  return [
+    TritonCall(
+      "gdn_decode",
+      (axes["batch_size"], axes["num_v_heads"], d // min(config.block_v, d)),
+      config.num_warps,
+      config.num_stages,
+    )
+  ]
 
 
-KERNEL_CASES = [Case(DECODE, {"batch_size": batch}, config=gk_decode.GdnDecodeConfig(block_v=block_v),
-                     id=f"b{batch}_block_v{block_v}") for batch, block_v in [(1, 16), (3, 32), (64, 128)]]
-LOWERING_CASES = [Case(DECODE, {"batch_size": b}, id=f"b{b}")
-                  for b in sorted({a["batch_size"] for a in recorded_axes(DECODE)})]
+KERNEL_CASES = [
+  Case(
+    DECODE, {"batch_size": batch}, config=gk_decode.GdnDecodeConfig(block_v=block_v), id=f"b{batch}_block_v{block_v}"
+  )
+  for batch, block_v in [(1, 16), (3, 32), (64, 128)]
+]
+LOWERING_CASES = [
+  Case(DECODE, {"batch_size": b}, id=f"b{b}") for b in sorted({a["batch_size"] for a in recorded_axes(DECODE)})
+]
 
 
 # ------------------------------------------------------- float64 NumPy model
@@ -69,7 +79,7 @@ def numpy_gdn(x, lengths):
   new_state = np.zeros(state.shape)
   t = 0
   for n, length in enumerate(lengths):
-    s = state[n].transpose(0, 2, 1).copy()                      # [HV, K, V]
+    s = state[n].transpose(0, 2, 1).copy()  # [HV, K, V]
     for _ in range(length):
       for h in range(hv):
         x_ = a[t, h] + dt_bias[h]
@@ -104,8 +114,7 @@ WHOLE_HEAD = gk_decode.GdnDecodeConfig(block_v=128)
 def test_decode_scale():
   x = decode_inputs(2, seed=9)
   default = gk_decode.gdn_decode(**x, config=WHOLE_HEAD, interpret=True)[0]
-  explicit = gk_decode.gdn_decode(**{**x, "scale": jnp.float32(128 ** -0.5)}, config=WHOLE_HEAD,
-                           interpret=True)[0]
+  explicit = gk_decode.gdn_decode(**{**x, "scale": jnp.float32(128**-0.5)}, config=WHOLE_HEAD, interpret=True)[0]
   np.testing.assert_array_equal(np.asarray(default, np.float32), np.asarray(explicit, np.float32))
   x["scale"] = jnp.float32(1.0)
   out = gk_decode.gdn_decode(**x, config=WHOLE_HEAD, interpret=True)[0]
@@ -131,6 +140,7 @@ def decode_loss(backend, weights):
   def f(*args):
     out, new_state = ops.gdn_decode(*args, 1.0, backend=backend)
     return jnp.sum(out.astype(jnp.float32) * weights[0]) + jnp.sum(new_state * weights[1])
+
   return f
 
 
@@ -152,13 +162,20 @@ def test_decode_gradients_match_float64_finite_differences():
   differences of the float64 recurrence."""
   rng = np.random.default_rng(8)
   b, hq, hv, d = 2, 1, 2, 4
-  x64 = {"q": rng.standard_normal((b, 1, hq, d)) * 0.5, "k": rng.standard_normal((b, 1, hq, d)) * 0.5,
-         "v": rng.standard_normal((b, 1, hv, d)), "state": rng.standard_normal((b, hv, d, d)) * 0.5,
-         "A_log": rng.uniform(-1.0, 0.5, hv), "a": rng.standard_normal((b, 1, hv)),
-         "dt_bias": rng.uniform(-1.0, 0.5, hv), "b": rng.standard_normal((b, 1, hv))}
+  x64 = {
+    "q": rng.standard_normal((b, 1, hq, d)) * 0.5,
+    "k": rng.standard_normal((b, 1, hq, d)) * 0.5,
+    "v": rng.standard_normal((b, 1, hv, d)),
+    "state": rng.standard_normal((b, hv, d, d)) * 0.5,
+    "A_log": rng.uniform(-1.0, 0.5, hv),
+    "a": rng.standard_normal((b, 1, hv)),
+    "dt_bias": rng.uniform(-1.0, 0.5, hv),
+    "b": rng.standard_normal((b, 1, hv)),
+  }
   weights = (gradients.weights_like((b, 1, hv, d), 3), gradients.weights_like((b, hv, d, d), 4))
-  got = jax.grad(decode_loss("xla", weights), tuple(range(8)))(*(jnp.asarray(x64[n], jnp.float32)
-                                                                 for n in DIFFERENTIABLE))
+  got = jax.grad(decode_loss("xla", weights), tuple(range(8)))(
+    *(jnp.asarray(x64[n], jnp.float32) for n in DIFFERENTIABLE)
+  )
 
   def fn64(*values):
     x = {n: v[:, 0] if n in ("q", "k", "v", "a", "b") else v for n, v in zip(DIFFERENTIABLE, values)}

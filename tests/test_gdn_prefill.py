@@ -13,24 +13,23 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import gradients
 import jax
 import jax.numpy as jnp
+import kit
 import numpy as np
 import pytest
-
-from jaxkern import ops
-from jaxkern import registry
-from jaxkern.families import gdn_prefill as fam_prefill
-import gradients
-import kit
 from kit import Case, TritonCall
+from numerics import assert_bf16_close, assert_f32_close
+from test_gdn_decode import CONST, WHOLE_HEAD, check_against_definition, numpy_gdn, recorded_axes
+
+from jaxkern import ops, registry
+from jaxkern.families import gdn_prefill as fam_prefill
 from pallas_kernels.gdn_decode import triton as gk_decode
 from pallas_kernels.gdn_prefill import config as gp_config
 from pallas_kernels.gdn_prefill import triton as gk_prefill
 from pallas_kernels.gdn_prefill import triton_bwd as gk_bwd
 from pallas_kernels.shared.lowering import lower_for_h100, triton_buffers, triton_calls
-from numerics import assert_bf16_close, assert_f32_close
-from test_gdn_decode import CONST, WHOLE_HEAD, check_against_definition, numpy_gdn, recorded_axes
 
 PREFILL = "gdn_prefill_qk4_v8_d128_k_last"
 
@@ -38,8 +37,9 @@ PREFILL = "gdn_prefill_qk4_v8_d128_k_last"
 def prefill_inputs(lengths, seed=0, scale=0.0):
   """Synthesized inputs with the given sequence lengths."""
   total, n = int(sum(lengths)), len(lengths)
-  x = fam_prefill.make_prefill_inputs(dict(total_seq_len=total, num_seqs=n, len_cu_seqlens=n + 1, **CONST),
-                                      jax.random.key(seed))
+  x = fam_prefill.make_prefill_inputs(
+    dict(total_seq_len=total, num_seqs=n, len_cu_seqlens=n + 1, **CONST), jax.random.key(seed)
+  )
   x["cu_seqlens"] = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
   x["scale"] = jnp.float32(scale)
   return x
@@ -52,11 +52,11 @@ def state_errors(actual, desired):
   x, y = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
   assert x.shape == y.shape and np.all(np.isfinite(x))
   e = x - y
-  rel_rms = np.sqrt((e ** 2).mean() / (y ** 2).mean())
+  rel_rms = np.sqrt((e**2).mean() / (y**2).mean())
   rel_max = np.abs(e).max() / np.abs(y).max()
-  head_ref = (y ** 2).mean(axis=(2, 3))
+  head_ref = (y**2).mean(axis=(2, 3))
   assert np.all(e[head_ref == 0] == 0)
-  head = np.sqrt((e ** 2).mean(axis=(2, 3))[head_ref > 0] / head_ref[head_ref > 0])
+  head = np.sqrt((e**2).mean(axis=(2, 3))[head_ref > 0] / head_ref[head_ref > 0])
   return rel_rms, rel_max, head.max(initial=0.0)
 
 
@@ -72,28 +72,32 @@ def launches(config, axes):
     return [TritonCall("gdn_prefill_serial", (n, hv, d // min(s.block_v, d)), s.num_warps, s.num_stages)]
   slots = t // config.chunk + n + 2
   intra, state, output = config.intra, config.state, config.output
-  return [TritonCall("gdn_prefill_intra", (slots, hv, 1), intra.num_warps, intra.num_stages),
-          TritonCall("gdn_prefill_state", (n, hv, d // min(state.block_v, d)), state.num_warps, state.num_stages),
-          TritonCall("gdn_prefill_output", (slots, hv, d // min(output.block_v, d)), output.num_warps,
-                     output.num_stages)]
+  return [
+    TritonCall("gdn_prefill_intra", (slots, hv, 1), intra.num_warps, intra.num_stages),
+    TritonCall("gdn_prefill_state", (n, hv, d // min(state.block_v, d)), state.num_warps, state.num_stages),
+    TritonCall("gdn_prefill_output", (slots, hv, d // min(output.block_v, d)), output.num_warps, output.num_stages),
+  ]
 
 
 # One V block per head: fewest programs in interpret mode (each copies the
 # state buffer); other blockings are cases of their own.
-SMALL_PREFILL = gk_prefill.GdnPrefillConfig(state=gk_prefill.StateStage(block_v=128),
-                                             output=gk_prefill.OutputStage(block_v=128))
+SMALL_PREFILL = gk_prefill.GdnPrefillConfig(
+  state=gk_prefill.StateStage(block_v=128), output=gk_prefill.OutputStage(block_v=128)
+)
 SMALL_SERIAL = gk_prefill.GdnPrefillConfig(form="serial", chunk=32, serial=gk_prefill.SerialStage(block_v=128))
 
 
 def close_to_the_recurrence(lengths):
   """bf16x3 dots keep the chunked state within f32 rounding noise of the
   recurrence; outputs are O(1); empty sequences get zero states."""
+
   def check(out, ref, inputs):
     assert np.abs(np.asarray(ref["output"], np.float32)).max() > 0.5
     state_within_rounding_noise(out, ref, inputs)
     for n, length in enumerate(lengths):
       if not length:
         assert np.all(np.asarray(out["new_state"][n]) == 0)
+
   return check
 
 
@@ -125,28 +129,56 @@ def _many_lengths():
 BOUNDARY_LENGTHS = (0, 1, 63, 64, 0, 65, 130)
 
 KERNEL_CASES = [
-    *(Case(PREFILL, inputs=lambda: prefill_inputs(BOUNDARY_LENGTHS, seed=7, scale=1.0), config=config,
-           check=close_to_the_recurrence(BOUNDARY_LENGTHS), id=f"chunk_boundaries_{config.form}")
-      for config in (SMALL_PREFILL, SMALL_SERIAL)),
-    Case(PREFILL, inputs=lambda: prefill_inputs(_many_lengths(), seed=24),
-         config=SMALL_PREFILL, id="many_short_sequences"),
-    *(Case(PREFILL, inputs=lambda: prefill_inputs((70, 1, 33), seed=8, scale=1.0), config=config,
-           id=f"{config.form}_chunk{config.chunk}_{config.dot_precision}_blocks{config.state.block_v}"
-              f"_{config.output.block_v}_{config.intra.block_d}_{config.intra.solve_block}")
-      for config in (gk_prefill.GdnPrefillConfig(chunk=32, intra=gp_config.IntraStage(solve_block=32),
-                                                 output=gk_prefill.OutputStage(block_v=32)),
-                     gk_prefill.GdnPrefillConfig(chunk=16, intra=gp_config.IntraStage(block_d=128),
-                                                 state=gk_prefill.StateStage(block_v=16)),
-                     gk_prefill.GdnPrefillConfig(dot_precision="bf16", intra=gp_config.IntraStage(solve_block=64)))),
-    *(Case(PREFILL, inputs=correlated_keys, config=config, check=state_within_rounding_noise,
-           id=f"correlated_keys_{config.form}") for config in (SMALL_PREFILL, SMALL_SERIAL)),
+  *(
+    Case(
+      PREFILL,
+      inputs=lambda: prefill_inputs(BOUNDARY_LENGTHS, seed=7, scale=1.0),
+      config=config,
+      check=close_to_the_recurrence(BOUNDARY_LENGTHS),
+      id=f"chunk_boundaries_{config.form}",
+    )
+    for config in (SMALL_PREFILL, SMALL_SERIAL)
+  ),
+  Case(
+    PREFILL, inputs=lambda: prefill_inputs(_many_lengths(), seed=24), config=SMALL_PREFILL, id="many_short_sequences"
+  ),
+  *(
+    Case(
+      PREFILL,
+      inputs=lambda: prefill_inputs((70, 1, 33), seed=8, scale=1.0),
+      config=config,
+      id=f"{config.form}_chunk{config.chunk}_{config.dot_precision}_blocks{config.state.block_v}"
+      f"_{config.output.block_v}_{config.intra.block_d}_{config.intra.solve_block}",
+    )
+    for config in (
+      gk_prefill.GdnPrefillConfig(
+        chunk=32, intra=gp_config.IntraStage(solve_block=32), output=gk_prefill.OutputStage(block_v=32)
+      ),
+      gk_prefill.GdnPrefillConfig(
+        chunk=16, intra=gp_config.IntraStage(block_d=128), state=gk_prefill.StateStage(block_v=16)
+      ),
+      gk_prefill.GdnPrefillConfig(dot_precision="bf16", intra=gp_config.IntraStage(solve_block=64)),
+    )
+  ),
+  *(
+    Case(
+      PREFILL,
+      inputs=correlated_keys,
+      config=config,
+      check=state_within_rounding_noise,
+      id=f"correlated_keys_{config.form}",
+    )
+    for config in (SMALL_PREFILL, SMALL_SERIAL)
+  ),
 ]
 # Every candidate on two short sequences (one with a partial second chunk).
 SWEEP_CASE = Case(PREFILL, {"total_seq_len": 90, "num_seqs": 2, "len_cu_seqlens": 3})
 # The heuristic's launches where the issue asks for them: one short prefill
 # (the serial form), two long sequences, 57 sequences (the largest record).
-LOWERING_CASES = [Case(PREFILL, {"total_seq_len": t, "num_seqs": n, "len_cu_seqlens": n + 1}, id=f"t{t}_n{n}")
-                  for t, n in ((8192, 1), (6, 1), (5709, 2), (8192, 57))]
+LOWERING_CASES = [
+  Case(PREFILL, {"total_seq_len": t, "num_seqs": n, "len_cu_seqlens": n + 1}, id=f"t{t}_n{n}")
+  for t, n in ((8192, 1), (6, 1), (5709, 2), (8192, 57))
+]
 
 
 @pytest.mark.parametrize("lengths,scale", [((3, 0, 5, 1), 0.0), ((0, 7), 0.7)])
@@ -182,8 +214,10 @@ def test_prefill_sequences_are_independent():
 def test_prefill_single_token_matches_decode():
   x = prefill_inputs((1, 1, 1), seed=11)
   out, new_state = gk_prefill.gdn_prefill(**x, config=SMALL_PREFILL, interpret=True)
-  dec = {n: x[n][:, None] if n in ("q", "k", "v", "a", "b") else x[n]
-         for n in ("q", "k", "v", "state", "A_log", "a", "dt_bias", "b", "scale")}
+  dec = {
+    n: x[n][:, None] if n in ("q", "k", "v", "a", "b") else x[n]
+    for n in ("q", "k", "v", "state", "A_log", "a", "dt_bias", "b", "scale")
+  }
   dec_out, dec_state = gk_decode.gdn_decode(**dec, config=WHOLE_HEAD, interpret=True)
   assert_bf16_close(out, dec_out[:, 0])
   assert_f32_close(new_state, dec_state)
@@ -219,8 +253,8 @@ def test_chunked_launches_move_each_intermediate_once():
   slots = t // config.chunk + n + 2
   outputs = t * hv * d * 2 + n * hv * d * d * 4
   io = sum(size(x) for name, x in shapes.items() if name != "cu_seqlens") + outputs
-  g, rows, states = t * hv * 4, t * hv * d * 4, slots * hv * d * d * 2          # G; W, U, V'; H
-  tables = 5 * slots * 4 + (2 * n + 1) * 4                                     # the chunk table's arrays
+  g, rows, states = t * hv * 4, t * hv * d * 4, slots * hv * d * d * 2  # G; W, U, V'; H
+  tables = 5 * slots * 4 + (2 * n + 1) * 4  # the chunk table's arrays
   # k is read by all three launches, G by two.
   expected = io + 2 * size(shapes["k"]) + 3 * g + 2 * (3 * rows + states) + tables
   total = sum(c.operand_bytes + c.result_bytes for c in calls)
@@ -272,9 +306,11 @@ def weighted_loss(fn, weights):
   """sum(out * weights[0]) + sum(new_state * weights[1]) of `fn(*args)`,
   which returns (out, new_state)."""
   w_out, w_state = weights
+
   def f(*args):
     out, new_state = fn(*args)
     return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(new_state * w_state)
+
   return f
 
 
@@ -302,7 +338,7 @@ def test_gradients_of_both_paths_agree_under_jit():
   pallas = jax.jit(jax.grad(op_loss("pallas", x["cu_seqlens"], weights), argnums))(*args)
   xla = jax.jit(jax.grad(op_loss("xla", x["cu_seqlens"], weights), argnums))(*args)
   gradients.assert_grads_close(pallas, xla, DIFFERENTIABLE)
-  assert np.all(np.asarray(pallas[3][1]) == 0)                   # the empty sequence's state
+  assert np.all(np.asarray(pallas[3][1]) == 0)  # the empty sequence's state
   assert all(np.abs(np.asarray(g, np.float32)).max() > 0 for g in pallas)
   names = gradients.pallas_calls(jax.grad(op_loss("pallas", x["cu_seqlens"], weights)), *args)
   assert {"gdn_prefill_output", *RECOMPUTED, *BACKWARD_KERNELS} <= set(names), names
@@ -326,9 +362,12 @@ def test_nan_in_tokens_of_no_sequence_reaches_no_gradient():
 
 
 # Large blocks (few programs in interpret mode) unless a case is about blocks.
-SMALL_BWD = gk_bwd.GdnPrefillBwdConfig(dv=gk_bwd.DvStage(block_v=128), state=gk_bwd.StateBwdStage(block_v=128),
-                                       chunk_grads=gk_bwd.ChunkBwdStage(block_v=64),
-                                       dqk=gk_bwd.DqkStage(block_k=128, block_v=64))
+SMALL_BWD = gk_bwd.GdnPrefillBwdConfig(
+  dv=gk_bwd.DvStage(block_v=128),
+  state=gk_bwd.StateBwdStage(block_v=128),
+  chunk_grads=gk_bwd.ChunkBwdStage(block_v=64),
+  dqk=gk_bwd.DqkStage(block_k=128, block_v=64),
+)
 
 
 def with_backward(config, backward=SMALL_BWD):
@@ -362,19 +401,29 @@ def _gap_tokens():
 
 
 GRAD_CASES = {
-    # Chunk boundaries (1, 63, 64, 65 tokens), empty sequences, a ragged third chunk; the heuristic's blocks.
-    "chunk_boundaries_default_blocks": (lambda: prefill_inputs(BOUNDARY_LENGTHS, seed=7, scale=0.9),
-                                        with_backward(SMALL_PREFILL, gk_bwd.GdnPrefillBwdConfig())),
-    # The serial forward (T <= 32): the backward recomputes the chunked form.
-    "serial_forward": (lambda: prefill_inputs((5, 0, 9), seed=3, scale=1.1), with_backward(SMALL_SERIAL)),
-    "chunk32_other_blocks": (lambda: prefill_inputs((70, 1, 33), seed=8, scale=1.0), with_backward(
-        SMALL_PREFILL, gk_bwd.GdnPrefillBwdConfig(
-            chunk=32, dv=gk_bwd.DvStage(block_v=32), state=gk_bwd.StateBwdStage(block_v=16),
-            chunk_grads=gk_bwd.ChunkBwdStage(block_v=32, solve_block=32),
-            dqk=gk_bwd.DqkStage(block_k=64, block_v=16)))),
-    # Near-duplicate keys, beta ~ 1, no decay: the hardest case for the WY solve's backward.
-    "correlated_keys": (correlated_keys, with_backward(SMALL_PREFILL)),
-    "nan_in_tokens_of_no_sequence": (_gap_tokens, with_backward(SMALL_PREFILL)),
+  # Chunk boundaries (1, 63, 64, 65 tokens), empty sequences, a ragged third chunk; the heuristic's blocks.
+  "chunk_boundaries_default_blocks": (
+    lambda: prefill_inputs(BOUNDARY_LENGTHS, seed=7, scale=0.9),
+    with_backward(SMALL_PREFILL, gk_bwd.GdnPrefillBwdConfig()),
+  ),
+  # The serial forward (T <= 32): the backward recomputes the chunked form.
+  "serial_forward": (lambda: prefill_inputs((5, 0, 9), seed=3, scale=1.1), with_backward(SMALL_SERIAL)),
+  "chunk32_other_blocks": (
+    lambda: prefill_inputs((70, 1, 33), seed=8, scale=1.0),
+    with_backward(
+      SMALL_PREFILL,
+      gk_bwd.GdnPrefillBwdConfig(
+        chunk=32,
+        dv=gk_bwd.DvStage(block_v=32),
+        state=gk_bwd.StateBwdStage(block_v=16),
+        chunk_grads=gk_bwd.ChunkBwdStage(block_v=32, solve_block=32),
+        dqk=gk_bwd.DqkStage(block_k=64, block_v=16),
+      ),
+    ),
+  ),
+  # Near-duplicate keys, beta ~ 1, no decay: the hardest case for the WY solve's backward.
+  "correlated_keys": (correlated_keys, with_backward(SMALL_PREFILL)),
+  "nan_in_tokens_of_no_sequence": (_gap_tokens, with_backward(SMALL_PREFILL)),
 }
 
 
@@ -398,10 +447,16 @@ def assert_finite_differences(grad_of, lengths, head_size, rtol):
   (test_gdn_decode.numpy_gdn); one q/k head, two v heads."""
   rng = np.random.default_rng(5)
   total, n, hq, hv, d = sum(lengths), len(lengths), 1, 2, head_size
-  x64 = {"q": rng.standard_normal((total, hq, d)) * 0.3, "k": rng.standard_normal((total, hq, d)) * 0.3,
-         "v": rng.standard_normal((total, hv, d)), "state": rng.standard_normal((n, hv, d, d)) * 0.5,
-         "A_log": rng.uniform(-2.0, 0.0, hv), "a": rng.standard_normal((total, hv)),
-         "dt_bias": rng.uniform(-1.0, 0.5, hv), "b": rng.standard_normal((total, hv))}
+  x64 = {
+    "q": rng.standard_normal((total, hq, d)) * 0.3,
+    "k": rng.standard_normal((total, hq, d)) * 0.3,
+    "v": rng.standard_normal((total, hv, d)),
+    "state": rng.standard_normal((n, hv, d, d)) * 0.5,
+    "A_log": rng.uniform(-2.0, 0.0, hv),
+    "a": rng.standard_normal((total, hv)),
+    "dt_bias": rng.uniform(-1.0, 0.5, hv),
+    "b": rng.standard_normal((total, hv)),
+  }
   cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
   weights = (gradients.weights_like((total, hv, d), 3), gradients.weights_like((n, hv, d, d), 4))
   got = grad_of(cu, weights, *(jnp.asarray(x64[k], jnp.float32) for k in DIFFERENTIABLE))
@@ -420,9 +475,16 @@ def test_kernel_gradients_match_float64_finite_differences():
   """Through the backward kernels (interpret mode, chunk 16, so that the
   sequences of 21 and 9 tokens span several chunks, one partial; an empty
   one); 1e-2: the output is rounded to bf16 once, as the forward's."""
-  config = gk_prefill.GdnPrefillConfig(chunk=16, backward=gk_bwd.GdnPrefillBwdConfig(
-      chunk=16, dv=gk_bwd.DvStage(block_v=16), state=gk_bwd.StateBwdStage(block_v=16),
-      chunk_grads=gk_bwd.ChunkBwdStage(block_v=16), dqk=gk_bwd.DqkStage(block_k=16, block_v=16)))
+  config = gk_prefill.GdnPrefillConfig(
+    chunk=16,
+    backward=gk_bwd.GdnPrefillBwdConfig(
+      chunk=16,
+      dv=gk_bwd.DvStage(block_v=16),
+      state=gk_bwd.StateBwdStage(block_v=16),
+      chunk_grads=gk_bwd.ChunkBwdStage(block_v=16),
+      dqk=gk_bwd.DqkStage(block_k=16, block_v=16),
+    ),
+  )
 
   def grad_of(cu, weights, *args):
     loss = weighted_loss(lambda *a: gk_prefill.gdn_prefill(*a, cu, 1.0, config=config, interpret=True), weights)
@@ -433,6 +495,7 @@ def test_kernel_gradients_match_float64_finite_differences():
 
 def test_xla_gradients_match_float64_finite_differences():
   """The XLA path (the reference's scan) on sequences of 2, 0 and 3 tokens."""
+
   def grad_of(cu, weights, *args):
     return jax.grad(op_loss("xla", cu, weights), tuple(range(len(args))))(*args)
 
@@ -450,11 +513,14 @@ def backward_launches(axes):
   slots = t // bwd.chunk + n + 2
   recomputed = launches(dataclasses.replace(config, form="chunked", chunk=bwd.chunk), {**axes, **CONST})[:2]
   call = lambda name, grid, stage: TritonCall(name, grid, stage.num_warps, stage.num_stages)  # noqa: E731
-  return [*launches(config, {**axes, **CONST}), *recomputed,
-          call("gdn_prefill_bwd_dv", (slots, hv, d // bwd.dv.block_v), bwd.dv),
-          call("gdn_prefill_bwd_state", (n, hv, d // bwd.state.block_v), bwd.state),
-          call("gdn_prefill_bwd_chunk", (slots, hv, 1), bwd.chunk_grads),
-          call("gdn_prefill_bwd_dqk", (slots, hv, d // bwd.dqk.block_k), bwd.dqk)]
+  return [
+    *launches(config, {**axes, **CONST}),
+    *recomputed,
+    call("gdn_prefill_bwd_dv", (slots, hv, d // bwd.dv.block_v), bwd.dv),
+    call("gdn_prefill_bwd_state", (n, hv, d // bwd.state.block_v), bwd.state),
+    call("gdn_prefill_bwd_chunk", (slots, hv, 1), bwd.chunk_grads),
+    call("gdn_prefill_bwd_dqk", (slots, hv, d // bwd.dqk.block_k), bwd.dqk),
+  ]
 
 
 @pytest.mark.device_stack
@@ -471,7 +537,7 @@ def test_gradient_lowers_for_h100(t, n):
     out, new_state = gk_prefill.gdn_prefill(**dict(zip(floating, values)), cu_seqlens=cu_seqlens, interpret=False)
     return jnp.sum(out.astype(jnp.float32)) + jnp.sum(new_state)
 
-  grad = jax.value_and_grad(loss, tuple(range(1, len(floating) + 1)))   # the value keeps the forward
+  grad = jax.value_and_grad(loss, tuple(range(1, len(floating) + 1)))  # the value keeps the forward
   calls = triton_calls(lower_for_h100(grad, shapes["cu_seqlens"], *(shapes[name] for name in floating)))
   assert sorted(calls) == sorted(backward_launches(axes))
 
@@ -498,7 +564,10 @@ def test_cpu_axes_keep_structure():
   for axes in recorded_axes(PREFILL):
     small = fam_prefill.prefill_cpu_axes({**axes, **CONST})
     assert small["len_cu_seqlens"] == small["num_seqs"] + 1
-    assert small["total_seq_len"] <= 256 and small["total_seq_len"] % 64 == axes["total_seq_len"] % 64 \
-        or small["total_seq_len"] == axes["total_seq_len"]
+    assert (
+      small["total_seq_len"] <= 256
+      and small["total_seq_len"] % 64 == axes["total_seq_len"] % 64
+      or small["total_seq_len"] == axes["total_seq_len"]
+    )
     assert small["total_seq_len"] >= small["num_seqs"] and small["num_seqs"] >= min(axes["num_seqs"], 4)
     assert {k: small[k] for k in CONST} == CONST

@@ -25,7 +25,7 @@ from jaxkern import registry
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-import device_kit  # noqa: E402  pylint: disable=wrong-import-position
+import device_kit  # noqa: E402
 
 # What the lane adds to the machine's packages: the test runner, and ptxas and
 # libdevice for the sm_90a compile tests (tests/test_aot.py).
@@ -46,17 +46,29 @@ def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
   tree = tree_as_on_the_gpu_machine(tmp_path / "tree")
   out = tmp_path / "run"
   # Phase 1b on one Mosaic GPU definition: its interpret mode is slow.
-  env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu", "GIT_COMMIT": "0123abc",
-         "GPU_RUN_MOSAIC_DEFINITIONS": "noncausal_dense_attention_h32_d64"}
+  env = {
+    **os.environ,
+    "DRY_RUN": "1",
+    "PYTHON": sys.executable,
+    "JAX_PLATFORMS": "cpu",
+    "GIT_COMMIT": "0123abc",
+    "GPU_RUN_MOSAIC_DEFINITIONS": "noncausal_dense_attention_h32_d64",
+  }
   env.pop("PYTHONPATH", None)  # only what the script puts there: the tree and the kit's wheels
-  p = subprocess.run(["bash", str(tree / "scripts" / "gpu_run.sh"), str(out)], capture_output=True, text=True,
-                     timeout=1500, cwd=tmp_path, env=env)
+  p = subprocess.run(
+    ["bash", str(tree / "scripts" / "gpu_run.sh"), str(out)],
+    capture_output=True,
+    text=True,
+    timeout=1500,
+    cwd=tmp_path,
+    env=env,
+  )
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   log = (out / "run.log").read_text()
   lines = [json.loads(l) for l in (out / "replay.jsonl").read_text().splitlines()]
   names = set(registry.names())
   # Phase 1: one workload of each of the 21 definitions, interleaved.
-  phase1 = lines[:len(names)]
+  phase1 = lines[: len(names)]
   assert {l["definition"] for l in phase1} == names and len(names) == 21
   assert "== phase 1 (one workload per recorded variant): start" in log
   assert "== phase 1 (one workload per recorded variant): end after" in log and "21 results (21 passed" in log
@@ -67,8 +79,10 @@ def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
   assert mosaic["evaluation"]["status"] == "passed" and "== phase 1b (the same workloads on mosaic_gpu): end" in log
   # Phase 2 resumed phase 1's file and added the second workload of two definitions.
   assert "resume: 21 workloads already in" in log and len(lines) == 23
-  assert {l["definition"] for l in lines[21:]} == {"gdn_decode_qk4_v8_d128_k_last",
-                                                    "qsa_index_topk_decode_qwen38_h4_d128_topk512_c4"}
+  assert {l["definition"] for l in lines[21:]} == {
+    "gdn_decode_qk4_v8_d128_k_last",
+    "qsa_index_topk_decode_qwen38_h4_d128_topk512_c4",
+  }
   assert len({l["workload"]["uuid"] for l in lines}) == 23
   assert all(l["evaluation"]["status"] == "passed" for l in lines)
   assert all(l["evaluation"]["performance"]["timer"] == "interpret" for l in lines)
@@ -76,7 +90,7 @@ def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
   # Phase 3: sweeps (lowering only in the dry run) at the largest recorded axes.
   for name in ("dense_gemm_bf16_nt_n4096_k4096", "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"):
     rows = [json.loads(l) for l in (out / f"sweep_{name}.jsonl").read_text().splitlines()]
-    backends = registry.get(name).backends   # the sweep ranks every backend's candidates (2 each here)
+    backends = registry.get(name).backends  # the sweep ranks every backend's candidates (2 each here)
     assert len(rows) == 2 * len(backends) and {r["backend"] for r in rows} == set(backends)
     assert all(r["status"] == "lowered" for r in rows)
     assert rows[0]["axes"]["M"] == (24576 if name.startswith("dense") else 4096)
@@ -85,12 +99,14 @@ def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
   assert "dense_gemm_bf16_nt_n4096_k4096" in (out / "summary.txt").read_text()
   summary = (out / "summary.md").read_text()  # the page docs/perf/<device>.md takes
   assert "dense_gemm_bf16_nt_n4096_k4096" in summary and "interpret" in summary
-  assert "| `noncausal_dense_attention_h32_d64` | mosaic_gpu | interpret | 1 / 1 |" in summary   # both backends
+  assert "| `noncausal_dense_attention_h32_d64` | mosaic_gpu | interpret | 1 / 1 |" in summary  # both backends
   env_txt = (out / "env.txt").read_text()
   assert f"jax {jax.__version__}" in env_txt and "git commit: 0123abc" in env_txt and "nvidia-smi" in env_txt
   assert "kit wheels on PYTHONPATH: ml_collections-" in env_txt and "ml_collections==" in env_txt
   with tarfile.open(f"{out}.tar.gz") as tar:
-    assert {"run/replay.jsonl", "run/env.txt", "run/run.log", "run/summary.md", "run/report/index.html"} <= set(tar.getnames())
+    assert {"run/replay.jsonl", "run/env.txt", "run/run.log", "run/summary.md", "run/report/index.html"} <= set(
+      tar.getnames()
+    )
 
 
 @pytest.mark.device_stack
@@ -100,11 +116,15 @@ def test_the_lane_holds_the_gpu_machines_packages_and_the_kit():
   nothing installed beyond constraints-device.txt but the test tools."""
   machine = device_kit.pins(REPO / "constraints-device.txt")
   assert jax.__version__ == machine["jax"]
-  import ml_collections  # pylint: disable=import-outside-toplevel
+  import ml_collections
+
   assert ".whl/ml_collections-" in ml_collections.__file__
   environment = pathlib.Path(sys.prefix).resolve()
-  installed = {device_kit.canonicalize_name(d.metadata["Name"]) for d in importlib.metadata.distributions()
-               if pathlib.Path(str(d.locate_file(""))).resolve().is_relative_to(environment)}
+  installed = {
+    device_kit.canonicalize_name(d.metadata["Name"])
+    for d in importlib.metadata.distributions()
+    if pathlib.Path(str(d.locate_file(""))).resolve().is_relative_to(environment)
+  }
   assert installed - set(machine) <= {device_kit.canonicalize_name(n) for n in TEST_TOOLS} | {"pip"}
 
 
@@ -115,8 +135,10 @@ def test_kit_reads_pins_and_wheel_metadata(tmp_path):
   wheel = tmp_path / "toy-1.0-py3-none-any.whl"
   with zipfile.ZipFile(wheel, "w") as z:
     z.writestr("toy-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\n")
-    z.writestr("toy-1.0.dist-info/METADATA", "Name: toy\nRequires-Dist: absl-py\n"
-               "Requires-Dist: PyYAML>=5\nRequires-Dist: pytest; extra == \"test\"\n")
+    z.writestr(
+      "toy-1.0.dist-info/METADATA",
+      'Name: toy\nRequires-Dist: absl-py\nRequires-Dist: PyYAML>=5\nRequires-Dist: pytest; extra == "test"\n',
+    )
   pure, reqs = device_kit.metadata(wheel)
   assert pure and [r.name for r in reqs] == ["absl-py", "PyYAML"]
 
@@ -129,6 +151,5 @@ def test_every_package_jaxkern_requires_is_on_the_gpu_machine_or_in_the_kit():
   except importlib.metadata.PackageNotFoundError:
     pytest.skip("jaxkern is not installed here (the lane puts it on PYTHONPATH)")
   machine = device_kit.pins(REPO / "constraints-device.txt")
-  needed = {device_kit.canonicalize_name(device_kit.Requirement(r).name) for r in requires
-            if "extra ==" not in r}
+  needed = {device_kit.canonicalize_name(device_kit.Requirement(r).name) for r in requires if "extra ==" not in r}
   assert needed - set(machine) == {device_kit.canonicalize_name(n) for n in device_kit.NEEDED}

@@ -16,15 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxkern import quant
-from jaxkern.families import grouped_gemm as fam
-from jaxkern import ops
 from kit import EVERY_CANDIDATE, Case, TritonCall
 from numerics import assert_f32_close
-from pallas_kernels.shared import fp8_mma
-from pallas_kernels.shared import fp_formats
+
+from jaxkern import ops, quant
+from jaxkern.families import grouped_gemm as fam
 from pallas_kernels.grouped_gemm import triton as gg
+from pallas_kernels.shared import fp8_mma, fp_formats
 from pallas_kernels.shared.common import has_gpu
 
 # The Triton-lowering DeprecationWarning is expected (SPEC 2); pytest resets
@@ -70,38 +68,62 @@ SMALL = gg.GroupedGemmConfig(16, 32, 64, expert_slots=2, num_warps=4, num_stages
 SMALL_SWAPPED = gg.GroupedGemmConfig(16, 32, 64, expert_slots=2, swap_ab=True, num_warps=4, num_stages=2)
 # label: (ids, N, K, config, E)
 CASES = {
-    # One decode token: six different experts, six rows in one tile.
-    "decode_six_experts": ([1, 4, 5, 9, 12, 15], 96, 128, None, 16),
-    # Three decode tokens sharing experts (M = 18), one-row experts included.
-    "decode_three_tokens": (grouped([(0, 2), (3, 1), (4, 3), (7, 2), (8, 1), (9, 3), (13, 4), (15, 2)]), 80, 96,
-                            None, 16),
-    # Group boundaries inside 16-row tiles, experts of one row, a ragged
-    # last tile (M = 37), N and K not block multiples (K = 96: block_k 32);
-    # tiles of three experts on two slots (a slot takes two turns); both
-    # operand roles.
-    "boundaries_in_tiles": (grouped([(0, 1), (2, 5), (3, 1), (5, 17), (6, 1), (9, 12)]), 40, 96, SMALL, 16),
-    "boundaries_in_tiles_swapped": (grouped([(0, 1), (2, 5), (3, 1), (5, 17), (6, 1), (9, 12)]), 40, 96,
-                                    SMALL_SWAPPED, 16),
-    # DeepGEMM-style padding: every group padded with -1 rows to 16, so a
-    # whole tile is padding; plus a padding tail.
-    "padded_groups": (grouped([(1, 3), (2, 16), (4, 5), (7, 1)], pad_to=16) + [-1] * 19, 32, 64, SMALL, 16),
-    # Padding rows in the middle of a tile shared by two experts.
-    "padding_inside_tile": ([2, 2, -1, -1, 3, 3, 3, -1, 5, -1, -1, 6, 6, 6, 6, -1, 7, 7, -1], 48, 64, SMALL, 16),
-    "one_row": ([3], 16, 32, None, 16),
-    "all_padding": ([-1] * 20, 32, 32, SMALL, 16),
-    # A larger tile: 32-row tiles over 70 rows, activations on the M side.
-    "block_m_32": (grouped([(e, r) for e, r in enumerate([5, 9, 1, 14, 3, 20, 2, 16])]), 64, 128,
-                   gg.GroupedGemmConfig(32, 64, 128, num_warps=4, num_stages=3), 16),
-    # Issue 20: rows in any order (the kernel gave a NaN row) and ids
-    # outside [0, E) (7 with E = 4, -5: rows of zeros; the kernel gave NaN
-    # or garbage).
-    "unsorted_ids": ([3, 0, 2, 0, 1, -1], 32, 64, None, 4),
-    "out_of_range_ids": ([7, 0, -5, 2, 3, 7, 1, -1, 4, -5], 32, 64, None, 4),
-    # Rows shuffled over three 16-row tiles (up to nine experts a tile on
-    # two slots), invalid ids scattered.
-    "shuffled_rows": ([int(x) for x in np.random.default_rng(5).permutation(
-        grouped([(e, r) for e, r in enumerate([4, 7, 1, 9, 3, 6, 2, 5, 8, 1, 3])]) + [-1, -1, 40, -3])],
-                      32, 64, SMALL, 11),
+  # One decode token: six different experts, six rows in one tile.
+  "decode_six_experts": ([1, 4, 5, 9, 12, 15], 96, 128, None, 16),
+  # Three decode tokens sharing experts (M = 18), one-row experts included.
+  "decode_three_tokens": (
+    grouped([(0, 2), (3, 1), (4, 3), (7, 2), (8, 1), (9, 3), (13, 4), (15, 2)]),
+    80,
+    96,
+    None,
+    16,
+  ),
+  # Group boundaries inside 16-row tiles, experts of one row, a ragged
+  # last tile (M = 37), N and K not block multiples (K = 96: block_k 32);
+  # tiles of three experts on two slots (a slot takes two turns); both
+  # operand roles.
+  "boundaries_in_tiles": (grouped([(0, 1), (2, 5), (3, 1), (5, 17), (6, 1), (9, 12)]), 40, 96, SMALL, 16),
+  "boundaries_in_tiles_swapped": (
+    grouped([(0, 1), (2, 5), (3, 1), (5, 17), (6, 1), (9, 12)]),
+    40,
+    96,
+    SMALL_SWAPPED,
+    16,
+  ),
+  # DeepGEMM-style padding: every group padded with -1 rows to 16, so a
+  # whole tile is padding; plus a padding tail.
+  "padded_groups": (grouped([(1, 3), (2, 16), (4, 5), (7, 1)], pad_to=16) + [-1] * 19, 32, 64, SMALL, 16),
+  # Padding rows in the middle of a tile shared by two experts.
+  "padding_inside_tile": ([2, 2, -1, -1, 3, 3, 3, -1, 5, -1, -1, 6, 6, 6, 6, -1, 7, 7, -1], 48, 64, SMALL, 16),
+  "one_row": ([3], 16, 32, None, 16),
+  "all_padding": ([-1] * 20, 32, 32, SMALL, 16),
+  # A larger tile: 32-row tiles over 70 rows, activations on the M side.
+  "block_m_32": (
+    grouped([(e, r) for e, r in enumerate([5, 9, 1, 14, 3, 20, 2, 16])]),
+    64,
+    128,
+    gg.GroupedGemmConfig(32, 64, 128, num_warps=4, num_stages=3),
+    16,
+  ),
+  # Issue 20: rows in any order (the kernel gave a NaN row) and ids
+  # outside [0, E) (7 with E = 4, -5: rows of zeros; the kernel gave NaN
+  # or garbage).
+  "unsorted_ids": ([3, 0, 2, 0, 1, -1], 32, 64, None, 4),
+  "out_of_range_ids": ([7, 0, -5, 2, 3, 7, 1, -1, 4, -5], 32, 64, None, 4),
+  # Rows shuffled over three 16-row tiles (up to nine experts a tile on
+  # two slots), invalid ids scattered.
+  "shuffled_rows": (
+    [
+      int(x)
+      for x in np.random.default_rng(5).permutation(
+        grouped([(e, r) for e, r in enumerate([4, 7, 1, 9, 3, 6, 2, 5, 8, 1, 3])]) + [-1, -1, 40, -3]
+      )
+    ],
+    32,
+    64,
+    SMALL,
+    11,
+  ),
 }
 
 
@@ -125,39 +147,72 @@ def invalid_rows_are_zero(ids, e):
     invalid = (np.asarray(ids) < 0) | (np.asarray(ids) >= e)
     assert (np.asarray(out["C"], np.float32)[invalid] == 0).all()
     assert np.abs(np.asarray(ref["C"], np.float32)[~invalid]).max(initial=1) > 0.1
+
   return check
 
 
 KERNEL_CASES = [
-    Case(DEFINITIONS[0], inputs=lambda ids=ids, n=n, k=k, e=e: operands(ids, n, k, e=e, seed=len(ids)), config=config,
-         check=invalid_rows_are_zero(ids, e), id=label)
-    for label, (ids, n, k, config, e) in sorted(CASES.items())]
+  Case(
+    DEFINITIONS[0],
+    inputs=lambda ids=ids, n=n, k=k, e=e: operands(ids, n, k, e=e, seed=len(ids)),
+    config=config,
+    check=invalid_rows_are_zero(ids, e),
+    id=label,
+  )
+  for label, (ids, n, k, config, e) in sorted(CASES.items())
+]
 # Expert items (a work list: rows gathered and scattered by index) on the
 # same ids: unsorted and shuffled rows, invalid ids, padding, experts of more
 # rows than an item, ragged N and K; both operand roles.
 ITEMS = gg.GroupedGemmConfig(16, 32, 64, swap_ab=True, expert_items=True, num_warps=4, num_stages=2)
 ITEMS_UNSWAPPED = gg.GroupedGemmConfig(16, 32, 64, expert_items=True, num_warps=4, num_stages=2)
 KERNEL_CASES += [
-    Case(DEFINITIONS[0], inputs=lambda ids=CASES[label][0], n=CASES[label][1], k=CASES[label][2], e=CASES[label][4]:
-         operands(ids, n, k, e=e, seed=len(ids)), config=config,
-         check=invalid_rows_are_zero(CASES[label][0], CASES[label][4]), id=f"{label}_{name}")
-    for label in ("boundaries_in_tiles", "padded_groups", "unsorted_ids", "out_of_range_ids", "shuffled_rows",
-                  "all_padding", "one_row", "block_m_32")
-    for name, config in (("items", ITEMS), ("items_unswapped", ITEMS_UNSWAPPED))]
+  Case(
+    DEFINITIONS[0],
+    inputs=lambda ids=CASES[label][0], n=CASES[label][1], k=CASES[label][2], e=CASES[label][4]: operands(
+      ids, n, k, e=e, seed=len(ids)
+    ),
+    config=config,
+    check=invalid_rows_are_zero(CASES[label][0], CASES[label][4]),
+    id=f"{label}_{name}",
+  )
+  for label in (
+    "boundaries_in_tiles",
+    "padded_groups",
+    "unsorted_ids",
+    "out_of_range_ids",
+    "shuffled_rows",
+    "all_padding",
+    "one_row",
+    "block_m_32",
+  )
+  for name, config in (("items", ITEMS), ("items_unswapped", ITEMS_UNSWAPPED))
+]
 # Folded scales (f16 dots over all of K; fp8 dots in 32-row slices for items
 # whose scales do not fold): 32-row items on the kit's edge cases, and 64-row
 # items (two fallback slices) on a few.
-ITEMS_FOLD = gg.GroupedGemmConfig(32, 32, 64, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4,
-                                  num_stages=2)
-ITEMS_FOLD_64 = gg.GroupedGemmConfig(64, 32, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4,
-                                     num_stages=2)
+ITEMS_FOLD = gg.GroupedGemmConfig(
+  32, 32, 64, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4, num_stages=2
+)
+ITEMS_FOLD_64 = gg.GroupedGemmConfig(
+  64, 32, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4, num_stages=2
+)
 KERNEL_CASES += [
-    Case(DEFINITIONS[0], inputs=lambda ids=CASES[label][0], n=CASES[label][1], k=CASES[label][2], e=CASES[label][4]:
-         operands(ids, n, k, e=e, seed=len(ids)), config=config,
-         check=invalid_rows_are_zero(CASES[label][0], CASES[label][4]), id=f"{label}_{name}")
-    for label, name, config in [(label, "items_fold", ITEMS_FOLD) for label in (
-        "boundaries_in_tiles", "padded_groups", "out_of_range_ids", "shuffled_rows", "one_row", "all_padding")] + [
-        (label, "items_fold_64", ITEMS_FOLD_64) for label in ("block_m_32", "unsorted_ids")]]
+  Case(
+    DEFINITIONS[0],
+    inputs=lambda ids=CASES[label][0], n=CASES[label][1], k=CASES[label][2], e=CASES[label][4]: operands(
+      ids, n, k, e=e, seed=len(ids)
+    ),
+    config=config,
+    check=invalid_rows_are_zero(CASES[label][0], CASES[label][4]),
+    id=f"{label}_{name}",
+  )
+  for label, name, config in [
+    (label, "items_fold", ITEMS_FOLD)
+    for label in ("boundaries_in_tiles", "padded_groups", "out_of_range_ids", "shuffled_rows", "one_row", "all_padding")
+  ]
+  + [(label, "items_fold_64", ITEMS_FOLD_64) for label in ("block_m_32", "unsorted_ids")]
+]
 LOWERING_CASES = [Case(name, {"M": 6}, config=EVERY_CANDIDATE, id="decode_m6") for name in DEFINITIONS]
 SWEEP_CASE = Case(DEFINITIONS[0], {"M": 18, "E": 16, "N": 64, "K": 128, "K_groups": 4, "K_packed": 64})
 
@@ -268,7 +323,7 @@ def run_ptx(asm, inputs):
         names, word = args.rsplit(",", 1)
         lo, hi = (x.strip() for x in names.strip(" {}").split(","))
         regs[lo], regs[hi] = value(word.strip()) & 0xFFFF, value(word.strip()) >> 16
-      else:                     # word, {lo, hi}: pack
+      else:  # word, {lo, hi}: pack
         dst, halves = args.split(",", 1)
         lo, hi = (x.strip() for x in halves.strip(" {}").split(","))
         regs[dst.strip()] = (value(lo) & 0xFFFF) | (value(hi) & 0xFFFF) << 16
@@ -345,17 +400,22 @@ def test_ptx_operand_path_matches_jnp(monkeypatch):
 
 def test_ptx_emulator_f16_opcodes():
   """The emulator's f16 conversions and moves on cases worked out by hand."""
-  regs = run_ptx("""{
+  regs = run_ptx(
+    """{
 cvt.rn.f16x2.e4m3x2 c, $1;
 mul.rn.f16x2 m, $2, $3;
 mov.b32 {lo, hi}, m;
 mov.b32 p, {hi, lo};
-}""", {"$1": np.uint32(0x3C38), "$2": np.uint32(0x38004000), "$3": np.uint32(0x44004200)})
-  assert regs["c"] == 0x3E003C00                       # e4m3 1.0, 1.5 -> f16 1.0, 1.5
-  assert regs["m"] == 0x40004600                       # (2.0, 0.5) x (3.0, 4.0) = (6.0, 2.0)
+}""",
+    {"$1": np.uint32(0x3C38), "$2": np.uint32(0x38004000), "$3": np.uint32(0x44004200)},
+  )
+  assert regs["c"] == 0x3E003C00  # e4m3 1.0, 1.5 -> f16 1.0, 1.5
+  assert regs["m"] == 0x40004600  # (2.0, 0.5) x (3.0, 4.0) = (6.0, 2.0)
   assert (regs["lo"], regs["hi"], regs["p"]) == (0x4600, 0x4000, 0x46004000)
   # Subnormal results round to nearest even: 2^-24 x 0.5 -> 0; 3 x 2^-24 x 0.5 -> 2 x 2^-24.
-  assert run_ptx("mul.rn.f16x2 m, $1, $2;", {"$1": np.uint32(0x00030001), "$2": np.uint32(0x38003800)})["m"] == 0x00020000
+  assert (
+    run_ptx("mul.rn.f16x2 m, $1, $2;", {"$1": np.uint32(0x00030001), "$2": np.uint32(0x38003800)})["m"] == 0x00020000
+  )
 
 
 def f16_bits(x):
@@ -374,8 +434,11 @@ def test_ptx_f16_conversion_texts_match_jnp():
   for scale in SCALES:
     regs = run_ptx(fp8_mma.E4M3X2_TO_F16_PTX, {"$2": pairs, "$3": f16_bits(scale)})
     got = np.stack([regs["$0"], regs["$1"]], -1).astype(np.uint16).view(np.float16)
-    want = np.asarray(fp8_mma.e4m3_to_f16_operand(jnp.asarray(pairs.reshape(-1, 16), jnp.uint16),
-                                                  jnp.full((4096, 1), scale, jnp.float16), ptx=False))
+    want = np.asarray(
+      fp8_mma.e4m3_to_f16_operand(
+        jnp.asarray(pairs.reshape(-1, 16), jnp.uint16), jnp.full((4096, 1), scale, jnp.float16), ptx=False
+      )
+    )
     np.testing.assert_array_equal(got.reshape(-1, 32), np.asarray(fp8_mma.pair_major_inverse(want)))
   byte_values = np.arange(256, dtype=np.uint32)
   for position in range(4):
@@ -385,8 +448,9 @@ def test_ptx_f16_conversion_texts_match_jnp():
     for scale in SCALES:
       regs = run_ptx(fp8_mma.E4M3_PAIR_TO_F16_PTX, {"$4": even, "$5": odd, "$6": f16_bits(scale)})
       got = np.stack([regs[f"${i}"] for i in range(4)], -1).astype(np.uint16).view(np.float16)
-      want = fp8_mma._pair_to_f16(jnp.asarray(even, jnp.uint16), jnp.asarray(odd, jnp.uint16),
-                                  jnp.full((256,), scale, jnp.float16), ptx=False)
+      want = fp8_mma._pair_to_f16(
+        jnp.asarray(even, jnp.uint16), jnp.asarray(odd, jnp.uint16), jnp.full((256,), scale, jnp.float16), ptx=False
+      )
       np.testing.assert_array_equal(got, np.asarray(want))
 
 
@@ -397,7 +461,9 @@ def test_pair_major_is_a_k_permutation_both_operands_share():
   x = jnp.arange(3 * 64).reshape(3, 64)
   permuted = np.asarray(fp8_mma.pair_major(x))
   for h, c, f, v in np.ndindex(2, 4, 2, 2):
-    np.testing.assert_array_equal(permuted[:, 32 + 16 * h + 8 * f + 2 * c + v], np.asarray(x)[:, 32 + 16 * h + 4 * c + 2 * f + v])
+    np.testing.assert_array_equal(
+      permuted[:, 32 + 16 * h + 8 * f + 2 * c + v], np.asarray(x)[:, 32 + 16 * h + 4 * c + 2 * f + v]
+    )
   np.testing.assert_array_equal(np.asarray(fp8_mma.pair_major_inverse(fp8_mma.pair_major(x))), np.asarray(x))
   a, b = (jax.random.randint(jax.random.key(i), (8, 64), -8, 8).astype(jnp.float32) for i in (0, 1))
   np.testing.assert_array_equal(np.asarray(fp8_mma.pair_major(a) @ fp8_mma.pair_major(b).T), np.asarray(a @ b.T))
@@ -408,14 +474,14 @@ def test_f16_operands_are_the_values_times_the_scale():
   times 2^-6 times the row's multiplier; the activations' every e4m3 value
   times its row's; both in `pair_major` order."""
   packed = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
-  mults = jnp.asarray(np.array([2.0**(15 - 2 * i) for i in range(16)], np.float16)[:, None])
+  mults = jnp.asarray(np.array([2.0 ** (15 - 2 * i) for i in range(16)], np.float16)[:, None])
   operand = fp8_mma.pair_major_inverse(fp8_mma.e2m1_to_f16_operand(gg.byte_pairs(packed), mults, ptx=False))
   low, high = (np.asarray(x) for x in fp_formats.unpack_e2m1(packed))
   want = np.stack([E2M1[low], E2M1[high]], -1).reshape(16, 32) * 2.0**-6 * np.asarray(mults, np.float64)
   np.testing.assert_array_equal(np.asarray(operand, np.float64), want)
   e4m3 = jnp.arange(256, dtype=jnp.uint16).reshape(8, 32)
   pairs = e4m3[:, 0::2] | e4m3[:, 1::2] << 8
-  mults = jnp.asarray(np.array([2.0**(gg.FOLD_A_EXPONENT - 3 * i) for i in range(8)], np.float16)[:, None])
+  mults = jnp.asarray(np.array([2.0 ** (gg.FOLD_A_EXPONENT - 3 * i) for i in range(8)], np.float16)[:, None])
   operand = fp8_mma.pair_major_inverse(fp8_mma.e4m3_to_f16_operand(pairs, mults, ptx=False))
   values = np.asarray(jax.lax.bitcast_convert_type(e4m3.astype(jnp.uint8), jnp.float8_e4m3fn), np.float64)
   np.testing.assert_array_equal(np.asarray(operand, np.float64), values * np.asarray(mults, np.float64))
@@ -443,12 +509,12 @@ def test_folded_scales_are_exact_over_their_whole_range():
   assert all(exact(weights, gg.FOLD_B_EXPONENT - d) for d in range(gg.FOLD_B_MAX_SHIFT + 1))
   assert not exact(weights, gg.FOLD_B_EXPONENT - gg.FOLD_B_MAX_SHIFT - 1)
   assert np.float16(448 * 2.0**gg.FOLD_A_EXPONENT) == 448 * 2**gg.FOLD_A_EXPONENT  # no overflow at d = 0
-  assert np.float16(6 * 2.0**(gg.FOLD_B_EXPONENT - 6)) == 6 * 2**(gg.FOLD_B_EXPONENT - 6)
+  assert np.float16(6 * 2.0 ** (gg.FOLD_B_EXPONENT - 6)) == 6 * 2 ** (gg.FOLD_B_EXPONENT - 6)
 
-  scales = jnp.asarray([[130, 130 - 22], [130, 130 - 23], [140, 140], [0, 1], [255, 254], [8, 8], [9, 9]],
-                       jnp.uint8)
-  np.testing.assert_array_equal(np.asarray(gg._fold_reference(scales, gg.FOLD_A_MAX_SHIFT)),
-                                [130, -1, 140, -1, -1, -1, 9])
+  scales = jnp.asarray([[130, 130 - 22], [130, 130 - 23], [140, 140], [0, 1], [255, 254], [8, 8], [9, 9]], jnp.uint8)
+  np.testing.assert_array_equal(
+    np.asarray(gg._fold_reference(scales, gg.FOLD_A_MAX_SHIFT)), [130, -1, 140, -1, -1, -1, 9]
+  )
 
 
 def spread_operands():
@@ -470,8 +536,13 @@ def spread_operands():
   for expert, spread in ((3, gg.FOLD_B_MAX_SHIFT), (4, gg.FOLD_B_MAX_SHIFT + 1)):
     b[expert, 9, :16], b_scale[expert, 9] = 0, [140] + [140 - spread] * 3
   a_scale[20 * 5 + 3, 2] = 0
-  x = {**x, "a": jnp.asarray(a).view(jnp.float8_e4m3fn), "a_scale": jnp.asarray(a_scale), "b": jnp.asarray(b),
-       "b_scale": jnp.asarray(b_scale)}
+  x = {
+    **x,
+    "a": jnp.asarray(a).view(jnp.float8_e4m3fn),
+    "a_scale": jnp.asarray(a_scale),
+    "b": jnp.asarray(b),
+    "b_scale": jnp.asarray(b_scale),
+  }
   return x, np.array([True, True, False, True, False, False])
 
 
@@ -528,7 +599,7 @@ def test_ptx_decode_and_promotion_equal_the_jnp_forms_on_the_gpu():
   """On a GPU: the PTX decode of all 256 bytes, the PTX promotion and the
   f16 operand conversions (NaN bytes included) give the jnp forms' results
   exactly."""
-  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  from jax.experimental import pallas as pl
 
   def kernel(pairs_ref, part_ref, acc_ref, decoded_ref, promoted_ref, weights_ref, activations_ref, *, ptx):
     decoded_ref[...] = fp8_mma.e2m1_to_e4m3_operand(pairs_ref[...], ptx=ptx).astype(jnp.float32)
@@ -542,8 +613,10 @@ def test_ptx_decode_and_promotion_equal_the_jnp_forms_on_the_gpu():
   pairs = gg.byte_pairs(jnp.arange(256, dtype=jnp.uint8).reshape(16, 16))
   part, acc = (jax.random.normal(jax.random.key(s), (16, 16), jnp.float32) for s in (0, 1))
   out_shape = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((16, 32), (16, 16), (16, 32), (16, 16)))
-  ptx, plain = (pl.pallas_call(functools.partial(kernel, ptx=p), out_shape=out_shape, interpret=False)(pairs, part, acc)
-                for p in (True, False))
+  ptx, plain = (
+    pl.pallas_call(functools.partial(kernel, ptx=p), out_shape=out_shape, interpret=False)(pairs, part, acc)
+    for p in (True, False)
+  )
   for got, want in zip(ptx, plain):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -612,8 +685,7 @@ def test_reference_windows_and_unsorted_rows(monkeypatch):
   # Rows in any order still give each row its expert's product.
   perm = np.random.default_rng(0).permutation(len(ids))
   shuffled = {k: (v[perm] if k in ("a", "a_scale", "expert_ids") else v) for k, v in inputs.items()}
-  np.testing.assert_array_equal(np.asarray(fam.grouped_gemm_fp8_fp4_reference(**shuffled), np.float32),
-                                whole[perm])
+  np.testing.assert_array_equal(np.asarray(fam.grouped_gemm_fp8_fp4_reference(**shuffled), np.float32), whole[perm])
 
 
 def test_make_inputs_deterministic_and_realistic():
@@ -622,12 +694,19 @@ def test_make_inputs_deterministic_and_realistic():
   y = fam.make_inputs(axes, jax.random.key(0), None)
   z = fam.make_inputs(axes, jax.random.key(1), None)
   assert set(x) == {"a", "a_scale", "b", "b_scale", "expert_ids"}
-  shapes = {"a": ((96, 128), jnp.float8_e4m3fn), "a_scale": ((96, 4), jnp.uint8), "b": ((16, 64, 64), jnp.uint8),
-            "b_scale": ((16, 64, 4), jnp.uint8), "expert_ids": ((96,), jnp.int32)}
+  shapes = {
+    "a": ((96, 128), jnp.float8_e4m3fn),
+    "a_scale": ((96, 4), jnp.uint8),
+    "b": ((16, 64, 64), jnp.uint8),
+    "b_scale": ((16, 64, 4), jnp.uint8),
+    "expert_ids": ((96,), jnp.int32),
+  }
   for key, (shape, dtype) in shapes.items():
     assert x[key].shape == shape and x[key].dtype == dtype, key
-    np.testing.assert_array_equal(np.asarray(x[key].view(jnp.uint8) if key == "a" else x[key]),
-                                  np.asarray(y[key].view(jnp.uint8) if key == "a" else y[key]))
+    np.testing.assert_array_equal(
+      np.asarray(x[key].view(jnp.uint8) if key == "a" else x[key]),
+      np.asarray(y[key].view(jnp.uint8) if key == "a" else y[key]),
+    )
   assert not np.array_equal(np.asarray(x["expert_ids"]), np.asarray(z["expert_ids"]))
   ids = np.asarray(x["expert_ids"])
   # Grouped (sorted), no padding (recorded M = 6 x tokens), 16 tokens x 6
@@ -685,14 +764,18 @@ def test_heuristic():
   """Weights on the MMA's M side, 16-row tiles for decode and up to 15 rows
   per expert, 64-row expert items with folded scales above; slots for every
   expert of a decode tile; activations-as-M forms stay sweep candidates."""
+
   def shapes(m):
-    return {"a": jax.ShapeDtypeStruct((m, 5120), jnp.float8_e4m3fn),
-            "b": jax.ShapeDtypeStruct((E, 4608, 2560), jnp.uint8)}
+    return {
+      "a": jax.ShapeDtypeStruct((m, 5120), jnp.float8_e4m3fn),
+      "b": jax.ShapeDtypeStruct((E, 4608, 2560), jnp.uint8),
+    }
+
   decode = gg.choose_config(shapes(6))
   assert (decode.block_m, decode.expert_slots, decode.swap_ab) == (16, 6, True)
   assert gg.choose_config(shapes(18)).expert_slots == 16
-  assert gg.choose_config(shapes(2688)).block_m == 16   # 7 rows per expert
-  for m in (11904, 24576):                           # 31 and 64 rows per expert: 64-row items, folded scales
+  assert gg.choose_config(shapes(2688)).block_m == 16  # 7 rows per expert
+  for m in (11904, 24576):  # 31 and 64 rows per expert: 64-row items, folded scales
     prefill = gg.choose_config(shapes(m))
     assert (prefill.block_m, prefill.swap_ab, prefill.expert_items, prefill.fold_scales) == (64, True, True, True)
   assert not any(gg.choose_config(shapes(m)).fold_scales for m in (6, 18, 2688))
@@ -718,11 +801,11 @@ def test_expert_items_cover_every_row_once(seed):
   assert table.shape == (3, gg.item_slots(m, e, block_m))
   covered = np.zeros(m, int)
   used = table[2] > 0
-  assert used[:used.sum()].all()                    # items first, then empty slots
-  assert np.all(np.diff(table[0][used]) >= 0)       # keys ascending
+  assert used[: used.sum()].all()  # items first, then empty slots
+  assert np.all(np.diff(table[0][used]) >= 0)  # keys ascending
   for expert, start, rows in table.T[used]:
     assert 1 <= rows <= block_m
-    members = order[start:start + rows]
+    members = order[start : start + rows]
     assert np.all(key[members] == expert)
     covered[members] += 1
   assert np.all(covered == 1)

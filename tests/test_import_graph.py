@@ -41,7 +41,7 @@ def imports_of(module: str, path: pathlib.Path, modules: dict[str, pathlib.Path]
       base = node.module or ""
       if node.level:
         anchor = module.split(".") if is_package else module.split(".")[:-1]
-        anchor = anchor[:len(anchor) - (node.level - 1)]
+        anchor = anchor[: len(anchor) - (node.level - 1)]
         base = ".".join([*anchor, *([base] if base else [])])
       names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
     else:
@@ -65,7 +65,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     path.append(node)
     for nxt in sorted(graph.get(node, ())):
       if state.get(nxt) == 1:
-        return path[path.index(nxt):] + [nxt]
+        return path[path.index(nxt) :] + [nxt]
       if nxt not in state and (found := visit(nxt)):
         return found
     state[node] = 2

@@ -10,14 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import assert_bf16_close, assert_f32_close
+from test_mixed_mla import random_inputs
 
 from jaxkern import ops
 from jaxkern.families import mixed_mla as fam
-from numerics import assert_bf16_close, assert_f32_close
 from pallas_kernels.mixed_mla import mosaic_gpu as mg
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.kernel import Unsupported
-from test_mixed_mla import random_inputs
 
 INT32 = np.iinfo(np.int32)
 # The kernel's shape (64 heads at D = 512), small caches.
@@ -54,14 +54,14 @@ def test_unselected_rows_and_extreme_invalid_indices_reach_nothing():
   dirty = dict(clean)
   for name, rows, garbage in (("8", 64, 0x7F), ("4", 64, 0xFF)):
     idx = np.asarray(clean[f"indices_fp{name}"])
-    idx = np.where(idx >= 0, np.clip(idx, 1, rows // 2 - 1), idx)   # valid slots select rows 1 .. rows/2 - 1
+    idx = np.where(idx >= 0, np.clip(idx, 1, rows // 2 - 1), idx)  # valid slots select rows 1 .. rows/2 - 1
     idx[0, :3] = [INT32.max, INT32.min, rows * (2 if name == "4" else 1)]
-    idx[2] = -1                                                        # lonely
+    idx[2] = -1  # lonely
     clean[f"indices_fp{name}"] = dirty[f"indices_fp{name}"] = jnp.asarray(idx, jnp.int32)
     cache = np.asarray(clean[f"kv_fp{name}"]).copy()
     flat = cache.reshape(-1, cache.shape[-1])
     flat[0] = garbage
-    flat[rows // 2:] = garbage
+    flat[rows // 2 :] = garbage
     dirty[f"kv_fp{name}"] = jnp.asarray(cache)
   out, lse = check(dirty, reference_inputs=clean, config=mg.MosaicMixedMlaConfig(splits=2))
   assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -96,21 +96,33 @@ def test_empty_sizes():
   """B = 0 launches nothing; no FP8 slots (and an FP4 cache of one page)
   runs the FP4 blocks alone; no slots at all gives 0 and +inf."""
   inputs = random_inputs(2, **WIDE, k8=64, k4=64, seed=4)
-  out, lse = mg.mixed_mla_decode(**{**inputs, "q": inputs["q"][:0], "indices_fp8": inputs["indices_fp8"][:0],
-                                    "indices_fp4": inputs["indices_fp4"][:0]}, interpret=True)
+  out, lse = mg.mixed_mla_decode(
+    **{
+      **inputs,
+      "q": inputs["q"][:0],
+      "indices_fp8": inputs["indices_fp8"][:0],
+      "indices_fp4": inputs["indices_fp4"][:0],
+    },
+    interpret=True,
+  )
   assert out.shape == (0, 64, 512) and lse.shape == (0, 64)
   check({**inputs, "indices_fp8": inputs["indices_fp8"][:, :0]})
-  out, lse = mg.mixed_mla_decode(**{**inputs, "indices_fp8": inputs["indices_fp8"][:, :0],
-                                    "indices_fp4": inputs["indices_fp4"][:, :0]}, interpret=True)
+  out, lse = mg.mixed_mla_decode(
+    **{**inputs, "indices_fp8": inputs["indices_fp8"][:, :0], "indices_fp4": inputs["indices_fp4"][:, :0]},
+    interpret=True,
+  )
   np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
   assert np.isposinf(np.asarray(lse)).all()
 
 
-@pytest.mark.parametrize("heads,dim,dtype,match", [
+@pytest.mark.parametrize(
+  "heads,dim,dtype,match",
+  [
     (16, 512, jnp.bfloat16, "H=16 must be a multiple of 64"),
     (64, 256, jnp.bfloat16, "head dim D=256"),
     (64, 512, jnp.float32, "must be bfloat16"),
-])
+  ],
+)
 def test_inputs_it_does_not_take_are_unsupported(heads, dim, dtype, match):
   inputs = random_inputs(1, **dict(WIDE, heads=heads, head_dim=dim), k8=8, k4=8)
   with pytest.raises(Unsupported, match=match):
@@ -127,34 +139,51 @@ def test_bad_input_and_a_config_over_shared_memory_are_refused():
 
 def test_shared_memory_of_one_ring_slot_fits_at_the_recorded_slots_and_two_do_not():
   slots = 128 + 512
-  assert mg.shared_memory_bytes(mg.MosaicMixedMlaConfig(), slots) <= 232448 < mg.shared_memory_bytes(
-      mg.MosaicMixedMlaConfig(stages=2), slots)
+  assert (
+    mg.shared_memory_bytes(mg.MosaicMixedMlaConfig(), slots)
+    <= 232448
+    < mg.shared_memory_bytes(mg.MosaicMixedMlaConfig(stages=2), slots)
+  )
 
 
-@pytest.mark.parametrize("batch,k8,k4,splits", [(1, 128, 512, 10), (3, 128, 512, 10), (20, 128, 512, 5),
-                                                (66, 128, 512, 2), (132, 128, 512, 1), (1, 64, 64, 2),
-                                                (1, 128, 200, 6)])
+@pytest.mark.parametrize(
+  "batch,k8,k4,splits",
+  [
+    (1, 128, 512, 10),
+    (3, 128, 512, 10),
+    (20, 128, 512, 5),
+    (66, 128, 512, 2),
+    (132, 128, 512, 1),
+    (1, 64, 64, 2),
+    (1, 128, 200, 6),
+  ],
+)
 def test_heuristic_splits_keys_below_a_wave(batch, k8, k4, splits):
   """132 SMs, 10 slot blocks at the recorded 128 + 512 slots: B <= 13 takes
   10 splits of one block, B = 20 six (runs of 2 blocks: 5 splits), 66 two,
   132 none; fewer blocks cap the splits (2 + 4 blocks: 6)."""
-  shapes = {"q": jax.ShapeDtypeStruct((batch, 64, 512), jnp.bfloat16),
-            "indices_fp8": jax.ShapeDtypeStruct((batch, k8), jnp.int32),
-            "indices_fp4": jax.ShapeDtypeStruct((batch, k4), jnp.int32)}
+  shapes = {
+    "q": jax.ShapeDtypeStruct((batch, 64, 512), jnp.bfloat16),
+    "indices_fp8": jax.ShapeDtypeStruct((batch, k8), jnp.int32),
+    "indices_fp4": jax.ShapeDtypeStruct((batch, k4), jnp.int32),
+  }
   assert mg.choose_config(shapes).splits == splits
 
 
 @pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
-@pytest.mark.parametrize("fault,match", [
+@pytest.mark.parametrize(
+  "fault,match",
+  [
     # The ring slot released by one consumer: the producer refills it under
     # the other one's wgmmas; the release phases run ahead of their waiter.
     ("release_once", "phase"),
     # The staging barrier completing one copy early: the producer would
     # dequantize a half-gathered step; the late arrivals are left over.
     ("staged_short", "arrivals pending"),
-])
+  ],
+)
 def test_broken_synchronization_is_caught(fault, match):
-  inputs = random_inputs(1, **WIDE, k8=128, k4=128, seed=5, invalid_fraction=0.0)   # 4 steps through 1 slot
+  inputs = random_inputs(1, **WIDE, k8=128, k4=128, seed=5, invalid_fraction=0.0)  # 4 steps through 1 slot
   try:
     with pytest.raises(Exception, match=match):
       jax.block_until_ready(mg._forward(**inputs, config=mg.MosaicMixedMlaConfig(), interpret=True, fault=fault))

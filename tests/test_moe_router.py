@@ -11,13 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxkern import compare
-from jaxkern import registry
-from jaxkern.families import moe_router as fam
 from kit import Case, TritonCall
-from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
+
+from jaxkern import compare, registry
+from jaxkern.families import moe_router as fam
 from pallas_kernels.moe_router import triton as mr
+from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
 
 NAME = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"
 D, E, TOPK = 5120, 384, 6
@@ -25,22 +24,27 @@ RECORDED_M = (1, 2, 3, 128, 448, 1984, 2432, 2944, 3456, 4032, 4096)
 
 # Large tiles without a D split (the M >= 2k form) and 16 x 16 tiles over 7
 # requested D splits of 80 64-column blocks (12 each, a short last split).
-WIDE = mr.MoeRouterConfig(mr.RouterGemmStage(block_m=64, block_e=128, block_d=128, split_d=1, num_warps=8,
-                                             num_stages=3))
-ODD_SPLIT = mr.MoeRouterConfig(mr.RouterGemmStage(block_m=16, block_e=16, block_d=64, split_d=7, num_warps=4,
-                                                  num_stages=3),
-                               mr.RouterEpilogueStage(block_m=16, num_warps=8))
+WIDE = mr.MoeRouterConfig(
+  mr.RouterGemmStage(block_m=64, block_e=128, block_d=128, split_d=1, num_warps=8, num_stages=3)
+)
+ODD_SPLIT = mr.MoeRouterConfig(
+  mr.RouterGemmStage(block_m=16, block_e=16, block_d=64, split_d=7, num_warps=4, num_stages=3),
+  mr.RouterEpilogueStage(block_m=16, num_warps=8),
+)
 # The decode tiling in two launches (the one-launch form's alternative).
-TWO_LAUNCHES = mr.MoeRouterConfig(mr.RouterGemmStage(block_m=16, block_e=16, block_d=128, split_d=7, num_warps=4,
-                                                     num_stages=3),
-                                  mr.RouterEpilogueStage(block_m=8, num_warps=4))
+TWO_LAUNCHES = mr.MoeRouterConfig(
+  mr.RouterGemmStage(block_m=16, block_e=16, block_d=128, split_d=7, num_warps=4, num_stages=3),
+  mr.RouterEpilogueStage(block_m=8, num_warps=4),
+)
 # One launch over 2 D splits of 64-column blocks and 16-expert blocks: with
 # SMALL_E (M = 19, D = 200, E = 40) two row blocks, each with its own
 # arrival count, ragged E and D blocks, and 4-row route steps (the second
 # row block's 3 rows in one short step).
-ONE_LAUNCH = mr.MoeRouterConfig(mr.RouterGemmStage(block_m=16, block_e=16, block_d=64, split_d=2, num_warps=4,
-                                                   num_stages=2),
-                                mr.RouterEpilogueStage(block_m=4, num_warps=4), one_launch=True)
+ONE_LAUNCH = mr.MoeRouterConfig(
+  mr.RouterGemmStage(block_m=16, block_e=16, block_d=64, split_d=2, num_warps=4, num_stages=2),
+  mr.RouterEpilogueStage(block_m=4, num_warps=4),
+  one_launch=True,
+)
 
 
 def shapes(m, d=D, e=E):
@@ -78,8 +82,15 @@ def reference(inputs, top_k=TOPK):
 
 
 def run_kernel(inputs, config=None, top_k=TOPK):
-  return mr.moe_router_topk(inputs["hidden"], inputs["weight"], inputs["bias"],
-                            inputs["routed_scaling_factor"], top_k=top_k, config=config, interpret=True)
+  return mr.moe_router_topk(
+    inputs["hidden"],
+    inputs["weight"],
+    inputs["bias"],
+    inputs["routed_scaling_factor"],
+    top_k=top_k,
+    config=config,
+    interpret=True,
+  )
 
 
 def launches(config, axes):
@@ -99,29 +110,36 @@ def launches(config, axes):
   if config.one_launch:
     return [TritonCall("moe_router_one_launch", grid, gemm.num_warps, gemm.num_stages)]
   epilogue_m = min(config.epilogue.block_m, pow2(m))
-  return [TritonCall("moe_router_logits", grid, gemm.num_warps, gemm.num_stages),
-          TritonCall("moe_router_reduce_route", (-(-m // epilogue_m), 1, 1), config.epilogue.num_warps, 1)]
+  return [
+    TritonCall("moe_router_logits", grid, gemm.num_warps, gemm.num_stages),
+    TritonCall("moe_router_reduce_route", (-(-m // epilogue_m), 1, 1), config.epilogue.num_warps, 1),
+  ]
 
 
 def weights_sum_to_the_scale(out, ref, inputs):
   np.testing.assert_allclose(np.asarray(out["expert_weights"]).sum(1), 1.5, rtol=1e-5)
 
 
-KERNEL_CASES = [Case(NAME, {"M": m}, config=config, check=weights_sum_to_the_scale, id=label)
-                for m, config, label in [
-                    (1, None, "decode_one_launch_one_row"),
-                    (16, None, "decode_one_launch_two_8_row_steps"),
-                    (5, TWO_LAUNCHES, "two_launches_five_rows_in_an_8_row_epilogue"),
-                    (3, WIDE, "decode_in_one_wide_tile"),
-                    (33, None, "ragged_m"),
-                    (70, WIDE, "wide_tiles_ragged_m"),
-                    (40, ODD_SPLIT, "uneven_d_splits")]]
+KERNEL_CASES = [
+  Case(NAME, {"M": m}, config=config, check=weights_sum_to_the_scale, id=label)
+  for m, config, label in [
+    (1, None, "decode_one_launch_one_row"),
+    (16, None, "decode_one_launch_two_8_row_steps"),
+    (5, TWO_LAUNCHES, "two_launches_five_rows_in_an_8_row_epilogue"),
+    (3, WIDE, "decode_in_one_wide_tile"),
+    (33, None, "ragged_m"),
+    (70, WIDE, "wide_tiles_ragged_m"),
+    (40, ODD_SPLIT, "uneven_d_splits"),
+  ]
+]
 # D not a multiple of block_d, E and top_k not powers of two (E blocks ragged).
 SMALL_E = {"M": 19, "D": 200, "E": 40, "TOPK": 3}
-KERNEL_CASES += [Case(NAME, SMALL_E, config=c, id=f"ragged_d_small_e_{i}")
-                 for i, c in enumerate((None, WIDE, ONE_LAUNCH))]
-LOWERING_CASES = [Case(NAME, SMALL_E, config=c, id=f"ragged_d_small_e_{i}")
-                  for i, c in enumerate((None, WIDE, ODD_SPLIT, ONE_LAUNCH))]
+KERNEL_CASES += [
+  Case(NAME, SMALL_E, config=c, id=f"ragged_d_small_e_{i}") for i, c in enumerate((None, WIDE, ONE_LAUNCH))
+]
+LOWERING_CASES = [
+  Case(NAME, SMALL_E, config=c, id=f"ragged_d_small_e_{i}") for i, c in enumerate((None, WIDE, ODD_SPLIT, ONE_LAUNCH))
+]
 LOWERING_CASES += [Case(NAME, {"M": m}, id=f"decode_one_launch_m{m}") for m in (1, 16)]
 SWEEP_CASE = Case(NAME, {"M": 5, "D": 256, "E": 40})  # D splits, E blocks, both epilogues, both launch forms
 
@@ -160,8 +178,12 @@ def _tied_inputs():
   for rank, expert in enumerate((5, 50, 100, 150, 383)):
     weight[expert, 1] = 8.0 - rank
   weight[[10, 200, 350], 1] = 2.0
-  return {"hidden": jnp.asarray(hidden, jnp.bfloat16), "weight": jnp.asarray(weight, jnp.bfloat16),
-          "bias": jnp.zeros((e,), jnp.float32), "routed_scaling_factor": jnp.float32(1.5)}
+  return {
+    "hidden": jnp.asarray(hidden, jnp.bfloat16),
+    "weight": jnp.asarray(weight, jnp.bfloat16),
+    "bias": jnp.zeros((e,), jnp.float32),
+    "routed_scaling_factor": jnp.float32(1.5),
+  }
 
 
 @pytest.mark.parametrize("config", [None, WIDE, ODD_SPLIT])
@@ -241,8 +263,8 @@ def test_a_nan_of_either_sign_routes_the_same_on_both_paths():
   NaN above every number, so both pick those four whatever their signs."""
   inputs = inputs_for(2, d=64, e=40)
   bias_bits = np.zeros(40, np.uint32)
-  bias_bits[[3, 17]] = 0xFFC00000   # -NaN
-  bias_bits[[9, 30]] = 0x7FC00000   # +NaN
+  bias_bits[[3, 17]] = 0xFFC00000  # -NaN
+  bias_bits[[9, 30]] = 0x7FC00000  # +NaN
   inputs = dict(inputs, bias=jnp.asarray(bias_bits.view(np.float32)))
   ids, _ = run_kernel(inputs)
   ref_ids = np.asarray(reference(inputs)["expert_ids"])
@@ -348,5 +370,4 @@ def test_policies_are_tie_aware_and_paired():
   assert scores.shape == (3, E) and scores.dtype == jnp.float32
   ids, _ = fam.moe_router_reference(**inputs)
   top = np.sort(np.asarray(scores), axis=1)[:, ::-1][:, :TOPK]
-  np.testing.assert_allclose(np.sort(np.take_along_axis(np.asarray(scores), np.asarray(ids), 1), axis=1)[:, ::-1],
-                             top)
+  np.testing.assert_allclose(np.sort(np.take_along_axis(np.asarray(scores), np.asarray(ids), 1), axis=1)[:, ::-1], top)

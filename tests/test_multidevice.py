@@ -24,10 +24,23 @@ def test_across_cpu_devices(test_file):
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
   # Not the outer pytest's per-worker variables (xdist's, the current test).
   env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
-  env = {**env, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={DEVICES}"])}
-  command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rs",
-             str(REPO / "tests" / test_file)]
+  env = {
+    **env,
+    "JAX_PLATFORMS": "cpu",
+    "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={DEVICES}"]),
+  }
+  command = [
+    sys.executable,
+    "-m",
+    "pytest",
+    "-q",
+    "-n",
+    "0",
+    "-p",
+    "no:cacheprovider",
+    "-rs",
+    str(REPO / "tests" / test_file),
+  ]
   p = subprocess.run(command, capture_output=True, text=True, timeout=1500, cwd=REPO, env=env)
   output = p.stdout[-8000:] + p.stderr[-4000:]
   assert p.returncode == 0, output

@@ -16,26 +16,28 @@ import json
 import math
 import os
 
+import gradients
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kit import Case, TritonCall
+from numerics import assert_bf16_close
 
-import gradients
 from jaxkern import ops
 from jaxkern.families import neighborhood_attention as fam
-from kit import Case, TritonCall
 from pallas_kernels.neighborhood_attention import tiles
 from pallas_kernels.neighborhood_attention import triton as na
 from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
-from numerics import assert_bf16_close
 
 DEFINITIONS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "definitions")
 WORKLOADS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "workloads")
-NAMES = ("neighborhood_attention_3d_h32_d64_kt3_ky7_kx7",
-         "neighborhood_attention_3d_h16_d64_kt3_ky7_kx7",
-         "neighborhood_attention_3d_h8_d64_kt3_ky5_kx5",
-         "neighborhood_attention_3d_h4_d64_kt11_ky11_kx11")
+NAMES = (
+  "neighborhood_attention_3d_h32_d64_kt3_ky7_kx7",
+  "neighborhood_attention_3d_h16_d64_kt3_ky7_kx7",
+  "neighborhood_attention_3d_h8_d64_kt3_ky5_kx5",
+  "neighborhood_attention_3d_h4_d64_kt11_ky11_kx11",
+)
 WINDOWS = {"kt3_ky7_kx7": (3, 7, 7), "kt3_ky5_kx5": (3, 5, 5), "kt11_ky11_kx11": (11, 11, 11)}
 
 
@@ -52,8 +54,7 @@ def records(name):
 
 
 def const_axes(name):
-  return {a: spec["value"] for a, spec in definition(name)["axes"].items()
-          if spec["type"] == "const"}
+  return {a: spec["value"] for a, spec in definition(name)["axes"].items() if spec["type"] == "const"}
 
 
 def window_of(name):
@@ -97,15 +98,13 @@ def reference(q, k, v, window):
   return fam.neighborhood_attention_3d_reference(q, k, v, KT=kt, KY=ky, KX=kx)
 
 
-SMALL_TILE = na.NeighborhoodAttentionConfig(block_t=1, block_y=4, block_x=4, block_k=16,
-                                            num_warps=1, num_stages=1)
+SMALL_TILE = na.NeighborhoodAttentionConfig(block_t=1, block_y=4, block_x=4, block_k=16, num_warps=1, num_stages=1)
 
 
 def launches(config, axes):
   """Grid (query tiles, B, H)."""
   tiles = math.prod(-(-axes[n] // b) for n, b in zip("TYX", config.tile))
-  return [TritonCall("neighborhood_attention_3d", (tiles, axes["B"], axes["H"]), config.num_warps,
-                     config.num_stages)]
+  return [TritonCall("neighborhood_attention_3d", (tiles, axes["B"], axes["H"]), config.num_warps, config.num_stages)]
 
 
 def case_axes(shape, window):
@@ -115,8 +114,10 @@ def case_axes(shape, window):
 
 
 # Kit data: edge cases (kernel in interpret mode vs reference), lowering.
-KERNEL_CASES = [Case(NAMES[0], case_axes(shape, window), id=label) for shape, window, label in [
-    ((1, 3, 7, 7, 2, 64), (3, 7, 7), "extents_equal_windows"),      # nothing moves
+KERNEL_CASES = [
+  Case(NAMES[0], case_axes(shape, window), id=label)
+  for shape, window, label in [
+    ((1, 3, 7, 7, 2, 64), (3, 7, 7), "extents_equal_windows"),  # nothing moves
     ((2, 4, 8, 8, 2, 64), (3, 7, 7), "just_above_b2"),
     ((1, 5, 11, 13, 1, 64), (3, 7, 7), "odd_no_tile_multiples"),
     ((1, 3, 5, 5, 2, 64), (3, 5, 5), "kt3_ky5_kx5_equal"),
@@ -126,19 +127,30 @@ KERNEL_CASES = [Case(NAMES[0], case_axes(shape, window), id=label) for shape, wi
     ((2, 3, 20, 9, 1, 64), (3, 7, 7), "t_equal_kt_long_y"),
     ((1, 4, 6, 9, 2, 32), (1, 3, 4), "kt1_even_window_d32"),
     ((2, 1, 2, 3, 1, 16), (1, 2, 3), "six_points_mostly_masked_tile"),
-]]
+  ]
+]
 # Tiles larger than the grid (a 64-point tile on a 3x7x7 grid, a 16x1x4 tile
 # on 3 planes): most of the tile is off the grid and must not be stored.
 _SMALL_GRID = case_axes((2, 3, 7, 7, 1, 64), (3, 7, 7))
-_BIG_TILES = [na.NeighborhoodAttentionConfig(*tile, block_k=32) for tile in ((4, 4, 4), (16, 1, 4), (1, 1, 16), (1, 1, 32))]
-KERNEL_CASES += [Case(NAMES[0], _SMALL_GRID, config=c, id=f"tile_{'x'.join(map(str, c.tile))}_over_grid")
-                 for c in _BIG_TILES]
-LOWERING_CASES = [Case(NAMES[0], _SMALL_GRID, config=c, id=f"tile_{'x'.join(map(str, c.tile))}_over_grid")
-                  for c in _BIG_TILES]
+_BIG_TILES = [
+  na.NeighborhoodAttentionConfig(*tile, block_k=32) for tile in ((4, 4, 4), (16, 1, 4), (1, 1, 16), (1, 1, 32))
+]
+KERNEL_CASES += [
+  Case(NAMES[0], _SMALL_GRID, config=c, id=f"tile_{'x'.join(map(str, c.tile))}_over_grid") for c in _BIG_TILES
+]
+LOWERING_CASES = [
+  Case(NAMES[0], _SMALL_GRID, config=c, id=f"tile_{'x'.join(map(str, c.tile))}_over_grid") for c in _BIG_TILES
+]
 # Tiles longer than the halo's window bits (34 > 31 points along the axes):
 # the halo walk tests packed coordinates instead.
-KERNEL_CASES.append(Case(NAMES[0], case_axes((1, 4, 5, 45, 1, 32), (3, 3, 7)), id="long_tile_packed_halo_test",
-                         config=na.NeighborhoodAttentionConfig(1, 1, 32, block_k=32)))
+KERNEL_CASES.append(
+  Case(
+    NAMES[0],
+    case_axes((1, 4, 5, 45, 1, 32), (3, 3, 7)),
+    id="long_tile_packed_halo_test",
+    config=na.NeighborhoodAttentionConfig(1, 1, 32, block_k=32),
+  )
+)
 SWEEP_CASE = Case(NAMES[0], case_axes((1, 4, 9, 11, 1, 64), (3, 7, 7)))
 
 
@@ -164,16 +176,18 @@ def test_unaffected_by_values_outside_the_window():
   k2 = jnp.where(mask, k, jnp.bfloat16(30.0))
   v2 = jnp.where(mask, v, jnp.bfloat16(-100.0))
   out2 = kernel(q, k2, v2, window)
-  np.testing.assert_array_equal(np.asarray(out2[:, 0, 0, 0], np.float32),
-                                np.asarray(out[:, 0, 0, 0], np.float32))
+  np.testing.assert_array_equal(np.asarray(out2[:, 0, 0, 0], np.float32), np.asarray(out[:, 0, 0, 0], np.float32))
 
 
-@pytest.mark.parametrize("dims,window,tile", [
+@pytest.mark.parametrize(
+  "dims,window,tile",
+  [
     ((121, 80, 128), (11, 11, 11), (4, 4, 4)),
     ((9, 28, 48), (3, 7, 7), (2, 4, 8)),
     ((5, 6, 7), (2, 3, 4), (1, 8, 8)),
-    ((4, 5, 45), (3, 3, 7), (1, 1, 32)),   # packed coordinates: 34 tile points > 31 window bits
-])
+    ((4, 5, 45), (3, 3, 7), (1, 1, 32)),  # packed coordinates: 34 tile points > 31 window bits
+  ],
+)
 def test_halo_slot_tables_are_the_window_test(dims, window, tile):
   """`halo_slots`: every slot's row offset is its box point's flat offset
   and its window test (bits against `window_probe`, or packed coordinates)
@@ -203,8 +217,10 @@ def test_halo_slot_tables_are_the_window_test(dims, window, tile):
   assert not got[:, size:].any() and not table.offsets[size:].any()
 
 
-@pytest.mark.parametrize("dims,window,tile", [((12, 13, 11), (11, 11, 11), (4, 4, 4)), ((9, 10, 17), (3, 7, 7), (2, 4, 8)),
-                                              ((5, 6, 7), (2, 3, 4), (1, 8, 8))])
+@pytest.mark.parametrize(
+  "dims,window,tile",
+  [((12, 13, 11), (11, 11, 11), (4, 4, 4)), ((9, 10, 17), (3, 7, 7), (2, 4, 8)), ((5, 6, 7), (2, 3, 4), (1, 8, 8))],
+)
 def test_query_box_slot_tables_are_the_window_test(dims, window, tile):
   """`query_box_slots` with `walk_query_box`'s test: for every key tile
   (edge tiles included), key j and slot o pass iff the query at
@@ -222,8 +238,11 @@ def test_query_box_slot_tables_are_the_window_test(dims, window, tile):
       run = np.asarray(tiles.last_query(keys, n, w, np.minimum)) - np.asarray(tiles.first_query(keys, w)) + 1
       got = (offsets[axis][None, :] - low[:, None] >= 0) & (offsets[axis][None, :] - low[:, None] < run[:, None])
       query = int(tiles.first_query(first, w)) + offsets[axis]
-      want = ((query < n)[None, :] & (start(query, n, w)[None, :] <= keys[:, None])
-              & (keys[:, None] < start(query, n, w)[None, :] + w))
+      want = (
+        (query < n)[None, :]
+        & (start(query, n, w)[None, :] <= keys[:, None])
+        & (keys[:, None] < start(query, n, w)[None, :] + w)
+      )
       want[:, size:] = False  # padding slots
       np.testing.assert_array_equal(got, want, err_msg=f"axis {axis}, key tile at {first}")
 
@@ -232,16 +251,20 @@ def test_query_box_slot_tables_are_the_window_test(dims, window, tile):
 # Reference vs float64 numpy.
 
 
-@pytest.mark.parametrize("shape,window", [
+@pytest.mark.parametrize(
+  "shape,window",
+  [
     ((2, 3, 7, 7, 3, 8), (3, 7, 7)),
     ((1, 5, 8, 10, 2, 8), (3, 5, 5)),
     ((1, 11, 12, 11, 1, 4), (11, 11, 11)),
     ((2, 4, 6, 9, 2, 8), (2, 3, 4)),
-])
+  ],
+)
 def test_reference_matches_float64(shape, window):
   q, k, v = qkv(shape, seed=5, dtype=jnp.float32)
-  np.testing.assert_allclose(np.asarray(reference(q, k, v, window)),
-                             natten_numpy(q, k, v, window), atol=2e-5, rtol=1e-4)
+  np.testing.assert_allclose(
+    np.asarray(reference(q, k, v, window)), natten_numpy(q, k, v, window), atol=2e-5, rtol=1e-4
+  )
 
 
 def test_reference_groups_query_planes(monkeypatch):
@@ -249,8 +272,9 @@ def test_reference_groups_query_planes(monkeypatch):
   shape, window = (1, 7, 6, 6, 1, 8), (3, 5, 5)
   q, k, v = qkv(shape, seed=6, dtype=jnp.float32)
   monkeypatch.setattr(fam, "_REF_GROUP_ELEMENTS", 3 * 6 * 6 * 8)  # 3 planes: 3 + 3 + 1
-  np.testing.assert_allclose(np.asarray(reference(q, k, v, window)),
-                             natten_numpy(q, k, v, window), atol=2e-5, rtol=1e-4)
+  np.testing.assert_allclose(
+    np.asarray(reference(q, k, v, window)), natten_numpy(q, k, v, window), atol=2e-5, rtol=1e-4
+  )
 
 
 def test_window_starts():
@@ -323,7 +347,8 @@ def test_impl_signatures_follow_the_contract():
   [impl] = fam.IMPLS
   for name in NAMES:
     assert definition(name)["reference"] == (
-        "jaxkern.families.neighborhood_attention:neighborhood_attention_3d_reference")
+      "jaxkern.families.neighborhood_attention:neighborhood_attention_3d_reference"
+    )
   inputs = list(definition(NAMES[0])["inputs"])
   for fn in (impl.reference, impl.default.launch):
     params = inspect.signature(fn).parameters
@@ -341,8 +366,13 @@ def test_impl_signatures_follow_the_contract():
 def test_make_inputs_match_definition(name):
   [impl] = fam.IMPLS
   spec = definition(name)
-  axes = {**const_axes(name), "B": 2, "T": const_axes(name)["KT"] + 1,
-          "Y": const_axes(name)["KY"], "X": const_axes(name)["KX"] + 4}
+  axes = {
+    **const_axes(name),
+    "B": 2,
+    "T": const_axes(name)["KT"] + 1,
+    "Y": const_axes(name)["KY"],
+    "X": const_axes(name)["KX"] + 4,
+  }
   a = impl.make_inputs(axes, jax.random.key(5), records(name)[0])
   b = impl.make_inputs(axes, jax.random.key(5), None)
   c = impl.make_inputs(axes, jax.random.key(6), None)
@@ -350,10 +380,8 @@ def test_make_inputs_match_definition(name):
   for input_name, tensor in spec["inputs"].items():
     assert a[input_name].shape == tuple(axes[d] for d in tensor["shape"])
     assert a[input_name].dtype == jnp.dtype(tensor["dtype"])
-    np.testing.assert_array_equal(np.asarray(a[input_name], np.float32),
-                                  np.asarray(b[input_name], np.float32))
-    assert not np.array_equal(np.asarray(a[input_name], np.float32),
-                              np.asarray(c[input_name], np.float32))
+    np.testing.assert_array_equal(np.asarray(a[input_name], np.float32), np.asarray(b[input_name], np.float32))
+    assert not np.array_equal(np.asarray(a[input_name], np.float32), np.asarray(c[input_name], np.float32))
   q, k = np.asarray(a["q"], np.float32), np.asarray(a["k"], np.float32)
   assert 0.9 < q.std() * 8 < 1.1 and 0.9 < k.std() < 1.1  # q carries the D**-0.5
 
@@ -363,7 +391,7 @@ def test_cpu_axes_keep_structure(name):
   [impl] = fam.IMPLS
   window = dict(zip(("T", "Y", "X"), window_of(name)))
   cases = [{**r["axes"], **const_axes(name)} for r in records(name)]
-  cases.append({**const_axes(name), "B": 3, **window})                         # extents == windows
+  cases.append({**const_axes(name), "B": 3, **window})  # extents == windows
   cases.append({**const_axes(name), "B": 1, **{n: w + 1 for n, w in window.items()}})
   for full in cases:
     small = impl.cpu_axes(full)
@@ -372,9 +400,9 @@ def test_cpu_axes_keep_structure(name):
     assert 1 <= small["B"] <= min(full["B"], 2)
     for n, w in window.items():
       assert w <= small[n] <= full[n]
-      assert (small[n] == w) == (full[n] == w)          # a still window stays still
+      assert (small[n] == w) == (full[n] == w)  # a still window stays still
       if full[n] - w > 3:
-        assert small[n] - w >= 2                        # borders and an interior remain
+        assert small[n] - w >= 2  # borders and an interior remain
     assert fam._kernel_triples(small) <= fam._CPU_TRIPLE_BUDGET
 
 
@@ -382,11 +410,11 @@ def test_public_op_jits_on_both_backends():
   q, k, v = qkv((2, 4, 7, 9, 2, 64), seed=7)
   want = reference(q, k, v, (3, 5, 5))
   for backend in ("xla", "pallas"):
-    f = jax.jit(functools.partial(ops.neighborhood_attention_3d, kernel_size=(3, 5, 5),
-                                  backend=backend))
+    f = jax.jit(functools.partial(ops.neighborhood_attention_3d, kernel_size=(3, 5, 5), backend=backend))
     assert_bf16_close(f(q, k, v), want)
-  cube = ops.neighborhood_attention_3d(q[:, :3, :5, :5], k[:, :3, :5, :5], v[:, :3, :5, :5],
-                                       kernel_size=3, backend="xla")
+  cube = ops.neighborhood_attention_3d(
+    q[:, :3, :5, :5], k[:, :3, :5, :5], v[:, :3, :5, :5], kernel_size=3, backend="xla"
+  )
   assert_bf16_close(cube, reference(q[:, :3, :5, :5], k[:, :3, :5, :5], v[:, :3, :5, :5], (3, 3, 3)))
 
 
@@ -394,20 +422,22 @@ def test_public_op_jits_on_both_backends():
 # Gradients (custom VJP: dQ and dK/dV kernels over the forward's tiles).
 
 SMALL_BWD = na.NeighborhoodAttentionBwdConfig(
-    dq=SMALL_TILE, dkdv=na.NeighborhoodAttentionConfig(block_t=2, block_y=2, block_x=4, block_k=16,
-                                                       num_warps=1, num_stages=1))
+  dq=SMALL_TILE,
+  dkdv=na.NeighborhoodAttentionConfig(block_t=2, block_y=2, block_x=4, block_k=16, num_warps=1, num_stages=1),
+)
 GRAD_CASES = [  # (shape, window), ragged against both tilings
-    ((1, 3, 7, 7, 2, 64), (3, 7, 7)),       # extents equal to the window: every query sees every key
-    ((2, 4, 8, 9, 1, 64), (3, 5, 5)),
-    ((1, 5, 6, 11, 1, 32), (1, 3, 5)),      # a window of 1 along T
-    ((1, 2, 3, 17, 2, 16), (2, 3, 3)),      # even windows
+  ((1, 3, 7, 7, 2, 64), (3, 7, 7)),  # extents equal to the window: every query sees every key
+  ((2, 4, 8, 9, 1, 64), (3, 5, 5)),
+  ((1, 5, 6, 11, 1, 32), (1, 3, 5)),  # a window of 1 along T
+  ((1, 2, 3, 17, 2, 16), (2, 3, 3)),  # even windows
 ]
 
 
 def kernel_grad_fn(window, config=SMALL_TILE, backward_config=SMALL_BWD):
   kt, ky, kx = window
   return lambda q, k, v: na.neighborhood_attention_3d(  # noqa: E731
-      q, k, v, KT=kt, KY=ky, KX=kx, config=config, backward_config=backward_config, interpret=True)
+    q, k, v, KT=kt, KY=ky, KX=kx, config=config, backward_config=backward_config, interpret=True
+  )
 
 
 @pytest.mark.parametrize("shape,window", GRAD_CASES, ids=lambda x: "x".join(map(str, x)))
@@ -420,17 +450,28 @@ def test_kernel_gradients_match_xla_under_jit(shape, window):
 
 def test_public_op_gradients_match_xla_and_run_backward_kernels():
   q, k, v = qkv((1, 4, 7, 9, 2, 64), seed=5)
-  op = lambda backend: functools.partial(ops.neighborhood_attention_3d, kernel_size=(3, 5, 5),  # noqa: E731
-                                         backend=backend)
-  gradients.assert_grads_close(gradients.grads(op("pallas"), (q, k, v), (0, 1, 2)),
-                               gradients.grads(op("xla"), (q, k, v), (0, 1, 2)), ("dq", "dk", "dv"))
+  op = lambda backend: functools.partial(
+    ops.neighborhood_attention_3d,
+    kernel_size=(3, 5, 5),  # noqa: E731
+    backend=backend,
+  )
+  gradients.assert_grads_close(
+    gradients.grads(op("pallas"), (q, k, v), (0, 1, 2)),
+    gradients.grads(op("xla"), (q, k, v), (0, 1, 2)),
+    ("dq", "dk", "dv"),
+  )
   weights = gradients.weights_like(q.shape)
   names = gradients.pallas_calls(jax.grad(gradients.loss(op("pallas"), weights), (0, 1, 2)), q, k, v)
-  assert sorted(names) == ["neighborhood_attention_3d", "neighborhood_attention_3d_bwd_dkdv",
-                           "neighborhood_attention_3d_bwd_dq"]
+  assert sorted(names) == [
+    "neighborhood_attention_3d",
+    "neighborhood_attention_3d_bwd_dkdv",
+    "neighborhood_attention_3d_bwd_dq",
+  ]
   # Only the kernel a gradient needs launches.
-  assert gradients.pallas_calls(jax.grad(gradients.loss(op("pallas"), weights), 0), q, k, v)[-1] == \
-      "neighborhood_attention_3d_bwd_dq"
+  assert (
+    gradients.pallas_calls(jax.grad(gradients.loss(op("pallas"), weights), 0), q, k, v)[-1]
+    == "neighborhood_attention_3d_bwd_dq"
+  )
 
 
 def natten64(q, k, v, window):
@@ -441,9 +482,9 @@ def natten64(q, k, v, window):
   offsets = np.stack(np.meshgrid(*(np.arange(w) for w in window), indexing="ij"), -1).reshape(-1, 3)
   points = np.stack(np.meshgrid(*(np.arange(n) for n in dims), indexing="ij"), -1).reshape(-1, 3)
   neighbours = np.stack([s[points[:, a]] for a, s in enumerate(starts)], -1)[:, None] + offsets[None]  # [N, W, 3]
-  index = np.ravel_multi_index(tuple(np.moveaxis(neighbours, -1, 0)), dims)                          # [N, W]
+  index = np.ravel_multi_index(tuple(np.moveaxis(neighbours, -1, 0)), dims)  # [N, W]
   flat = lambda a: a.reshape(batch, -1, heads, head_dim)  # noqa: E731
-  kw, vw = flat(k)[:, index], flat(v)[:, index]                                                     # [B, N, W, H, D]
+  kw, vw = flat(k)[:, index], flat(v)[:, index]  # [B, N, W, H, D]
   s = np.einsum("bnhd,bnwhd->bnhw", flat(q), kw)
   p = np.exp(s - s.max(-1, keepdims=True))
   return np.einsum("bnhw,bnwhd->bnhd", p / p.sum(-1, keepdims=True), vw).reshape(q.shape)
@@ -458,9 +499,11 @@ def test_gradients_match_float64_finite_differences():
   np.testing.assert_allclose(natten64(q, k, v, window), natten_numpy(q, k, v, window), rtol=1e-12, atol=1e-12)
   weights = gradients.weights_like(shape)
   got = jax.grad(gradients.loss(kernel_grad_fn(window), weights), (0, 1, 2))(
-      *(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
-  want = gradients.finite_difference_grads(functools.partial(natten64, window=window), [q, k, v],
-                                           np.asarray(weights, np.float64))
+    *(jnp.asarray(x, jnp.float32) for x in (q, k, v))
+  )
+  want = gradients.finite_difference_grads(
+    functools.partial(natten64, window=window), [q, k, v], np.asarray(weights, np.float64)
+  )
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-4, atol=1e-4)
 
@@ -473,8 +516,11 @@ def backward_launches(name, axes):
   avals = input_avals(name, axes)
   bwd = na.choose_backward_config(avals, KT=window[0], KY=window[1], KX=window[2])
   call = lambda kernel, c: TritonCall(kernel, launches(c, a)[0].grid, c.num_warps, c.num_stages)  # noqa: E731
-  return [call("neighborhood_attention_3d", na.choose_config(avals, KT=window[0], KY=window[1], KX=window[2])),
-          call("neighborhood_attention_3d_bwd_dq", bwd.dq), call("neighborhood_attention_3d_bwd_dkdv", bwd.dkdv)]
+  return [
+    call("neighborhood_attention_3d", na.choose_config(avals, KT=window[0], KY=window[1], KX=window[2])),
+    call("neighborhood_attention_3d_bwd_dq", bwd.dq),
+    call("neighborhood_attention_3d_bwd_dkdv", bwd.dkdv),
+  ]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -482,7 +528,10 @@ def test_backward_lowers_at_the_largest_recorded_size(name):
   axes = max((r["axes"] for r in records(name)), key=lambda a: a["B"] * a["T"] * a["Y"] * a["X"])
   window = window_of(name)
   avals = input_avals(name, axes)
-  loss = lambda q, k, v: jnp.sum(na.neighborhood_attention_3d(  # noqa: E731
-      q, k, v, KT=window[0], KY=window[1], KX=window[2], interpret=False).astype(jnp.float32))
+  loss = lambda q, k, v: jnp.sum(
+    na.neighborhood_attention_3d(  # noqa: E731
+      q, k, v, KT=window[0], KY=window[1], KX=window[2], interpret=False
+    ).astype(jnp.float32)
+  )
   calls = triton_calls(lower_for_h100(jax.grad(loss, (0, 1, 2)), avals["q"], avals["k"], avals["v"]))
   assert sorted(calls) == sorted(backward_launches(name, axes))

@@ -10,20 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import sharding_cases
+from numerics import assert_bf16_close
 
-from jaxkern import backends
-from jaxkern import dataset
-from jaxkern import dispatch
-from jaxkern import ops
-from jaxkern import tuning
+from jaxkern import backends, dataset, dispatch, ops, tuning
 from jaxkern.families import dense_gemm as gemm_family
 from jaxkern.families import flash_attention as attention_family
 from jaxkern.families import moe_router as router_family
 from pallas_kernels.dense_gemm import triton as dense_gemm
 from pallas_kernels.moe_router.config import MoeRouterConfig
 from pallas_kernels.shared.kernel import Unsupported
-from numerics import assert_bf16_close
-import sharding_cases
 
 BACKENDS = ["pallas", "xla", None]  # None: XLA here (no GPU)
 
@@ -34,7 +30,7 @@ def normal(seed, shape, scale=1.0):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dense_gemm_batched(backend):
-  a, b = normal(0, (2, 3, 48)), normal(1, (40, 48), 48 ** -0.5)
+  a, b = normal(0, (2, 3, 48)), normal(1, (40, 48), 48**-0.5)
   c = jax.jit(lambda a, b: ops.dense_gemm(a, b, backend=backend))(a, b)
   assert c.shape == (2, 3, 40) and c.dtype == jnp.bfloat16
   assert_bf16_close(c.reshape(6, 40), gemm_family.dense_gemm_reference(a.reshape(6, 48), b))
@@ -45,7 +41,8 @@ def test_moe_router_batched(backend):
   inputs = router_family.make_inputs({"M": 6, "D": 256, "E": 40, "TOPK": 6}, jax.random.key(3), None)
   hidden = inputs["hidden"].reshape(2, 3, 256)
   ids, weights = jax.jit(lambda h, w, b: ops.moe_router(h, w, b, backend=backend))(
-      hidden, inputs["weight"], inputs["bias"])
+    hidden, inputs["weight"], inputs["bias"]
+  )
   assert ids.shape == weights.shape == (2, 3, 6) and ids.dtype == jnp.int32
   ref_ids, ref_w = router_family.moe_router_reference(**inputs)
   np.testing.assert_array_equal(np.asarray(ids).reshape(6, 6), np.asarray(ref_ids))
@@ -131,13 +128,14 @@ def test_one_dispatch_serves_every_op():
 
 def _vmapped_both_backends(fn, *args):
   """fn under jax.vmap on the Pallas and XLA paths."""
-  return [jax.jit(jax.vmap(lambda *a, backend=backend: fn(*a, backend=backend)))(*args)
-          for backend in ("pallas", "xla")]
+  return [
+    jax.jit(jax.vmap(lambda *a, backend=backend: fn(*a, backend=backend)))(*args) for backend in ("pallas", "xla")
+  ]
 
 
 def test_dense_gemm_under_vmap_over_weights_and_activations():
   a = normal(10, (2, 5, 32))
-  b = normal(11, (2, 24, 32), 32 ** -0.5)
+  b = normal(11, (2, 24, 32), 32**-0.5)
   pallas, xla = _vmapped_both_backends(ops.dense_gemm, a, b)
   assert pallas.shape == (2, 5, 24)
   assert_bf16_close(pallas, xla)
@@ -153,7 +151,8 @@ def test_moe_router_under_vmap_over_layers():
 
 
 def test_grouped_gemm_under_vmap_over_two_problems():
-  from jaxkern import quant  # pylint: disable=g-import-not-at-top
+  from jaxkern import quant
+
   ka, kb = jax.random.split(jax.random.key(6))
   a, a_scale = quant.quantize_fp8_e4m3(jax.random.normal(ka, (2, 6, 64)), 32)
   b, b_scale = quant.quantize_e2m1(jax.random.normal(kb, (2, 4, 32, 64)) / 8, 32)
@@ -185,9 +184,10 @@ def test_triton_is_what_pallas_runs_for_every_op(case):
 
 
 def test_triton_equals_pallas_on_values():
-  a, b = normal(0, (5, 48)), normal(1, (40, 48), 48 ** -0.5)
-  np.testing.assert_array_equal(np.asarray(ops.dense_gemm(a, b, backend="triton")),
-                                np.asarray(ops.dense_gemm(a, b, backend="pallas")))
+  a, b = normal(0, (5, 48)), normal(1, (40, 48), 48**-0.5)
+  np.testing.assert_array_equal(
+    np.asarray(ops.dense_gemm(a, b, backend="triton")), np.asarray(ops.dense_gemm(a, b, backend="pallas"))
+  )
 
 
 def test_a_backend_the_op_lacks_names_the_ones_it_has():
@@ -195,19 +195,23 @@ def test_a_backend_the_op_lacks_names_the_ones_it_has():
   with pytest.raises(ValueError, match=r"moe_router has no 'mosaic_gpu' kernel; its backends: triton"):
     ops.moe_router(hidden, weight, bias, 1.0, backend="mosaic_gpu")
   a, b = normal(0, (2, 16)), normal(1, (16, 16))
-  with pytest.raises(TypeError, match=r"config MoeRouterConfig is no config of its kernels "
-                                      r"\(triton: DenseGemmConfig, mosaic_gpu: MosaicGemmConfig\)"):
+  with pytest.raises(
+    TypeError,
+    match=r"config MoeRouterConfig is no config of its kernels "
+    r"\(triton: DenseGemmConfig, mosaic_gpu: MosaicGemmConfig\)",
+  ):
     ops.dense_gemm(a, b, config=MoeRouterConfig(), backend="pallas")
 
 
 def test_pallas_falls_back_to_triton_where_the_mosaic_gpu_gemm_refuses():
   """N = 40 is off the Mosaic GPU GEMM's 64-column store tiles: asked for
   by name it refuses with the reason; `pallas` (Triton first) runs."""
-  a, b = normal(0, (2, 64)), normal(1, (40, 64), 64 ** -0.5)
+  a, b = normal(0, (2, 64)), normal(1, (40, 64), 64**-0.5)
   with pytest.raises(Unsupported, match=r"dense_gemm: no kernel takes these inputs .*mosaic_gpu: N=40 must be"):
     ops.dense_gemm(a, b, backend="mosaic_gpu")
-  np.testing.assert_array_equal(np.asarray(ops.dense_gemm(a, b, backend="pallas")),
-                                np.asarray(ops.dense_gemm(a, b, backend="triton")))
+  np.testing.assert_array_equal(
+    np.asarray(ops.dense_gemm(a, b, backend="pallas")), np.asarray(ops.dense_gemm(a, b, backend="triton"))
+  )
 
 
 # Set while a test calls ops: the audit hook records what they open then.
@@ -225,10 +229,10 @@ sys.addaudithook(_record_opens)
 def test_ops_open_no_dataset_file(tmp_path, monkeypatch):
   """A model's call picks its config from the kernel's own shapes: no file
   under `datasets/` is opened (the tuned table, read once, is all)."""
-  global _OPENED  # pylint: disable=global-statement
+  global _OPENED
   monkeypatch.setenv("JAXKERN_TUNED_DIR", str(tmp_path))
   calls = [(case.call("pallas", interpret=True), case.inputs()) for case in sharding_cases.CASES]
-  a, b = normal(0, (5, 48)), normal(1, (40, 48), 48 ** -0.5)
+  a, b = normal(0, (5, 48)), normal(1, (40, 48), 48**-0.5)
   datasets = str(dataset.default_dataset_dir().resolve())
   _OPENED = []
   try:

@@ -19,12 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxkern import compare
-from jaxkern import ops
-from jaxkern import registry
-from jaxkern.families import qsa_index as fam
 from kit import EVERY_CANDIDATE, Case, TritonCall
+
+from jaxkern import compare, ops, registry
+from jaxkern.families import qsa_index as fam
 from pallas_kernels.qsa_index import triton as qi
 from pallas_kernels.shared import radix_select
 from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
@@ -71,9 +69,12 @@ def index_case(seq_lens, max_pages, seed=0, num_pages=None, shared=()):
   seq_lens = np.asarray(seq_lens)
   pages = -(-(seq_lens // 4) // 16)
   num_pages = num_pages or int(pages.sum()) + 1
-  return dict(q=normal(rng, (len(seq_lens), 4, 128)), index_k=normal(rng, (num_pages, 16, 1, 128)),
-              page_table=page_table_for(rng, pages, max_pages, num_pages, shared),
-              seq_lens=jnp.asarray(seq_lens, jnp.int32))
+  return dict(
+    q=normal(rng, (len(seq_lens), 4, 128)),
+    index_k=normal(rng, (num_pages, 16, 1, 128)),
+    page_table=page_table_for(rng, pages, max_pages, num_pages, shared),
+    seq_lens=jnp.asarray(seq_lens, jnp.int32),
+  )
 
 
 def assert_topk_ok(ids, expected, inputs):
@@ -98,9 +99,13 @@ def launches(config, axes):
   width = lambda: -(-ids // max(score_chunk, select_chunk)) * max(score_chunk, select_chunk)
   while width() // select_chunk > 64:
     select_chunk *= 2
-  return [TritonCall("qsa_index_scores", (axes["B"], width() // score_chunk, 1), score.num_warps, score.num_stages),
-          *(TritonCall(name, (axes["B"], width() // select_chunk, 1), select.num_warps, select.num_stages)
-            for name in ("qsa_index_hist1", "qsa_index_write"))]
+  return [
+    TritonCall("qsa_index_scores", (axes["B"], width() // score_chunk, 1), score.num_warps, score.num_stages),
+    *(
+      TritonCall(name, (axes["B"], width() // select_chunk, 1), select.num_warps, select.num_stages)
+      for name in ("qsa_index_hist1", "qsa_index_write")
+    ),
+  ]
 
 
 def minus_one_suffix(out, ref, inputs):
@@ -112,20 +117,29 @@ def minus_one_suffix(out, ref, inputs):
 def at_cpu_scale(name, **axes):
   """A recorded workload shrunk by cpu_axes, with its record."""
   rec = first_record(name, **axes)
-  return Case(name, registry.get(name).cpu_axes(rec["axes"]), record=rec,
-              id="record_" + "_".join(f"{k}{v}" for k, v in axes.items()))
+  return Case(
+    name,
+    registry.get(name).cpu_axes(rec["axes"]),
+    record=rec,
+    id="record_" + "_".join(f"{k}{v}" for k, v in axes.items()),
+  )
 
 
 KERNEL_CASES = [
-    *(Case(INDEX, inputs=lambda s=seq_lens, p=max_pages: index_case(s, p), config=config, check=minus_one_suffix,
-           id=label) for seq_lens, max_pages, config, label in [
-        ((129,), 2, INDEX_SMALL, "recorded_tiny_n32"),
-        ((3, 2049, 2051 + 64 * 3), 36, INDEX_SMALL, "no_block_n512_n560"),
-        ((2052, 2055, 7), 33, INDEX_FINE, "n513_n513_n1_fine_select"),
-        ((4 * 16 * 40 + 3, 2100), 40, INDEX_COARSE, "n640_n525_coarse_select"),
-        ((4 * 16 * 40 + 3,), 40, None, "heuristic_n640")]),
-    at_cpu_scale(INDEX, B=1, MP=2),
-    at_cpu_scale(INDEX, B=23, MP=516),
+  *(
+    Case(
+      INDEX, inputs=lambda s=seq_lens, p=max_pages: index_case(s, p), config=config, check=minus_one_suffix, id=label
+    )
+    for seq_lens, max_pages, config, label in [
+      ((129,), 2, INDEX_SMALL, "recorded_tiny_n32"),
+      ((3, 2049, 2051 + 64 * 3), 36, INDEX_SMALL, "no_block_n512_n560"),
+      ((2052, 2055, 7), 33, INDEX_FINE, "n513_n513_n1_fine_select"),
+      ((4 * 16 * 40 + 3, 2100), 40, INDEX_COARSE, "n640_n525_coarse_select"),
+      ((4 * 16 * 40 + 3,), 40, None, "heuristic_n640"),
+    ]
+  ),
+  at_cpu_scale(INDEX, B=1, MP=2),
+  at_cpu_scale(INDEX, B=23, MP=516),
 ]
 # The largest recorded extremes, where every candidate is lowered.
 INDEX_LOWERING_AXES = [dict(B=1, MP=3895, NP=3895), dict(B=23, MP=517, NP=1550), dict(B=3, MP=555, NP=583)]
@@ -160,8 +174,9 @@ def test_index_scores_match_reference_with_shared_pages():
   np.testing.assert_array_equal(totals[:, 0].sum(axis=(1, 2)), np.isfinite(np.asarray(want)).sum(1))
   assert not totals[:, 1:].any()
   np.testing.assert_allclose(np.asarray(got[:, :width]), np.asarray(want), rtol=1e-5, atol=1e-5)
-  assert_topk_ok(qi.qsa_index_topk(**inputs, config=INDEX_SMALL, interpret=True),
-                 fam.qsa_index_topk_reference(**inputs), inputs)
+  assert_topk_ok(
+    qi.qsa_index_topk(**inputs, config=INDEX_SMALL, interpret=True), fam.qsa_index_topk_reference(**inputs), inputs
+  )
 
 
 def test_index_ties_go_to_the_lower_id():
@@ -175,10 +190,8 @@ def test_index_ties_go_to_the_lower_id():
 
 def test_index_no_complete_block_selects_nothing():
   inputs = index_case((1, 2, 3), 1)
-  np.testing.assert_array_equal(qi.qsa_index_topk(**inputs, config=INDEX_SMALL, interpret=True),
-                                -np.ones((3, 512)))
+  np.testing.assert_array_equal(qi.qsa_index_topk(**inputs, config=INDEX_SMALL, interpret=True), -np.ones((3, 512)))
   np.testing.assert_array_equal(fam.qsa_index_topk_reference(**inputs), -np.ones((3, 512)))
-
 
 
 # ---------------------------------------------------------------------------
@@ -196,18 +209,22 @@ def numpy_select(scores, topk):
     key = np.where(bits < 0, ~bits & 0xFFFFFFFF, bits | 0x80000000)
     candidates = np.flatnonzero(~np.isneginf(row))
     best = candidates[np.argsort(-key[candidates], kind="stable")][:topk]
-    out[b, :len(best)] = np.sort(best)
+    out[b, : len(best)] = np.sort(best)
   return out
 
 
 def select_rows(width=700, seed=0):
   rng = np.random.default_rng(seed)
-  rows = [rng.standard_normal(width), np.round(rng.standard_normal(width), 1), np.zeros(width),
-          np.abs(rng.standard_normal(width))]
+  rows = [
+    rng.standard_normal(width),
+    np.round(rng.standard_normal(width), 1),
+    np.zeros(width),
+    np.abs(rng.standard_normal(width)),
+  ]
   sparse = rng.standard_normal(width)
   sparse[::3] = -np.inf
   few = np.full(width, -np.inf)
-  few[5:50] = 1.0                      # 45 candidates, all tied
+  few[5:50] = 1.0  # 45 candidates, all tied
   special = rng.standard_normal(width)
   special[[3, 9]], special[4], special[31] = np.nan, -np.nan, np.inf
   special[10:20], special[20:30] = 0.0, -0.0
@@ -215,15 +232,17 @@ def select_rows(width=700, seed=0):
   return jnp.asarray(np.stack(rows).astype(np.float32))
 
 
-@pytest.mark.parametrize("topk,stage", [(512, qi.SelectStage(32, 128)), (100, qi.SelectStage(16, 64)),
-                                        (512, qi.SelectStage(256, 1024))])
+@pytest.mark.parametrize(
+  "topk,stage", [(512, qi.SelectStage(32, 128)), (100, qi.SelectStage(16, 64)), (512, qi.SelectStage(256, 1024))]
+)
 def test_radix_select_is_a_stable_total_order_top_k(topk, stage):
   """Random rows, many ties, all equal, non-candidates (-inf), fewer
   candidates than topk, none, NaN of both signs, +-0, +inf; a topk that is
   no power of two."""
   scores = select_rows()
-  got = radix_select.select_topk(scores, topk=topk, stage=radix_select.fit_stage(stage, scores.shape[1]),
-                                 interpret=True)
+  got = radix_select.select_topk(
+    scores, topk=topk, stage=radix_select.fit_stage(stage, scores.shape[1]), interpret=True
+  )
   np.testing.assert_array_equal(got, numpy_select(scores, topk))
 
 
@@ -232,7 +251,7 @@ def test_radix_select_of_no_rows():
 
 
 _SORTING = re.compile(r"stablehlo\.sort|chlo\.top_k|ApproxTopK|@TopK")
-_IR = re.compile(r'\bir = "(?:[^"\\]|\\.)*"')   # a Triton call's serialized kernel
+_IR = re.compile(r'\bir = "(?:[^"\\]|\\.)*"')  # a Triton call's serialized kernel
 
 
 def sorted_widths(stablehlo: str) -> list[int]:
@@ -276,7 +295,7 @@ def numpy_index_topk(q, index_k, page_table, seq_lens):
     keys = k[table[b, j // 16], j % 16]
     scores = np.maximum(keys @ q[b].T, 0.0).sum(1) / np.sqrt(128)
     order = j[np.argsort(-scores, kind="stable")[:512]]  # ties: lower id first
-    out[b, :len(order)] = np.sort(order)
+    out[b, : len(order)] = np.sort(order)
   return out
 
 
@@ -300,7 +319,7 @@ def test_index_seq_lens_beyond_the_table_are_clamped():
   """10**6 tokens on a 5-page table: its 80 ids, not ids past the table; a
   negative length selects nothing."""
   inputs = index_case((4 * 80, 100), 5, num_pages=8)
-  inputs["seq_lens"] = jnp.asarray([10 ** 6, -7], jnp.int32)
+  inputs["seq_lens"] = jnp.asarray([10**6, -7], jnp.int32)
   want = np.full((2, 512), -1)
   want[0, :80] = np.arange(80)
   for got in both_paths(inputs):
@@ -314,7 +333,7 @@ def test_index_absent_pages_hold_no_candidates():
   (on no candidate's page) change nothing."""
   inputs = index_case((4 * 16 * 40, 4 * 16 * 12 + 8), 40, seed=11, num_pages=60)
   table = np.asarray(inputs["page_table"]).copy()
-  table[0, [3, 17, 39]] = [60, -1, 10 ** 6]
+  table[0, [3, 17, 39]] = [60, -1, 10**6]
   table[1, [0, 11]] = [-5, 60]
   inputs["page_table"] = jnp.asarray(table)
   used = np.unique(table[(table >= 0) & (table < 60)])
@@ -323,7 +342,7 @@ def test_index_absent_pages_hold_no_candidates():
   index_k[unused] = np.nan
   inputs["index_k"] = jnp.asarray(index_k, jnp.bfloat16)
   want = numpy_index_topk(**inputs)
-  assert (want[1] == -1).sum() == 512 - (12 * 16 + 2 - 16 - 16)   # fewer candidates: a longer -1 suffix
+  assert (want[1] == -1).sum() == 512 - (12 * 16 + 2 - 16 - 16)  # fewer candidates: a longer -1 suffix
   for got in both_paths(inputs):
     assert_topk_ok(got, want, inputs)
     assert not np.isin(got[0], [*range(3 * 16, 4 * 16), *range(17 * 16, 18 * 16), *range(39 * 16, 40 * 16)]).any()
@@ -356,21 +375,20 @@ def test_index_of_no_sequences():
 
 def test_shared_prefix_page_table_uses_exactly_np_pages():
   rng = np.random.default_rng(0)
-  pages = np.array([554, 548, 552])       # the recorded B=3, MP=554, NP=580 case
+  pages = np.array([554, 548, 552])  # the recorded B=3, MP=554, NP=580 case
   table = fam.shared_prefix_page_table(pages, 554, 580, rng)
   used = np.concatenate([table[b, :p] for b, p in enumerate(pages)])
   assert len(np.unique(used)) == 580 and used.max() < 580
   for b, p in enumerate(pages):
     assert len(np.unique(table[b, :p])) == p
     shared = np.flatnonzero(table[b, :p] != table[0, :p])
-    assert b == 0 or shared.size == 0 or (table[b, :shared[0]] == table[0, :shared[0]]).all()
+    assert b == 0 or shared.size == 0 or (table[b, : shared[0]] == table[0, : shared[0]]).all()
   # Enough pages: all private, the rest unreferenced.
   table = fam.shared_prefix_page_table(np.array([3, 0, 2]), 4, 9, rng)
   assert len(np.unique(np.concatenate([table[0, :3], table[2, :2]]))) == 5
 
 
-@pytest.mark.parametrize("name,pages_of", [
-    (INDEX, lambda L: -(-(L // 4) // 16)), (GQA, lambda L: -(-L // 64))])
+@pytest.mark.parametrize("name,pages_of", [(INDEX, lambda L: -(-(L // 4) // 16)), (GQA, lambda L: -(-L // 64))])
 def test_structure_from_records(name, pages_of):
   """Every recorded workload at its own axes and at CPU scale: the recorded
   lengths (rescaled keeping residues mod 4), the longest filling MP pages,

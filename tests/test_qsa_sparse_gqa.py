@@ -14,22 +14,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxkern import ops
-from jaxkern import registry
-from jaxkern.families import qsa_sparse_gqa as gqa_fam
 from kit import EVERY_CANDIDATE, Case, TritonCall
-from pallas_kernels.qsa_sparse_gqa import triton as qg
 from numerics import assert_bf16_close
+from test_qsa_index import (
+  GQA,
+  GQA_LOWERING_AXES,
+  at_cpu_scale,
+  first_record,
+  normal,
+  page_table_for,
+  records,
+  sorted_widths,
+)
+
+from jaxkern import ops, registry
+from jaxkern.families import qsa_sparse_gqa as gqa_fam
+from pallas_kernels.qsa_sparse_gqa import triton as qg
 from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
-from test_qsa_index import (GQA, GQA_LOWERING_AXES, at_cpu_scale, first_record, normal, page_table_for, records,
-                            sorted_widths)
 
 GQA_SMALL = qg.QsaDecodeConfig(qg.SplitStage(block_k=4, keys_per_split=32, num_warps=4))
 # Value columns in four blocks of 64, two-step splits (the B=1 heuristic's
 # shape), a merge of 4 splits a step over 65 splits (ragged).
-GQA_VALUE_BLOCKS = qg.QsaDecodeConfig(qg.SplitStage(block_k=4, keys_per_split=8, num_warps=4), block_dv=64,
-                                      merge_block=4)
+GQA_VALUE_BLOCKS = qg.QsaDecodeConfig(
+  qg.SplitStage(block_k=4, keys_per_split=8, num_warps=4), block_dv=64, merge_block=4
+)
 
 
 def gqa_case(seq_lens, max_pages, seed=0, num_pages=None, shared=(), topk_ids=None):
@@ -42,12 +50,16 @@ def gqa_case(seq_lens, max_pages, seed=0, num_pages=None, shared=(), topk_ids=No
     topk_ids = -np.ones((batch, 512), np.int32)
     for b, n in enumerate(seq_lens // 4):
       sel = np.sort(rng.permutation(n)[:512])
-      topk_ids[b, :len(sel)] = sel
-  return dict(q=normal(rng, (batch, 24, 256)), k_cache=normal(rng, (num_pages, 64, 2, 256)),
-              v_cache=normal(rng, (num_pages, 64, 2, 256)),
-              page_table=page_table_for(rng, pages, max_pages, num_pages, shared),
-              seq_lens=jnp.asarray(seq_lens, jnp.int32), topk_ids=jnp.asarray(topk_ids, jnp.int32),
-              sm_scale=jnp.asarray(256 ** -0.5, jnp.float32))
+      topk_ids[b, : len(sel)] = sel
+  return dict(
+    q=normal(rng, (batch, 24, 256)),
+    k_cache=normal(rng, (num_pages, 64, 2, 256)),
+    v_cache=normal(rng, (num_pages, 64, 2, 256)),
+    page_table=page_table_for(rng, pages, max_pages, num_pages, shared),
+    seq_lens=jnp.asarray(seq_lens, jnp.int32),
+    topk_ids=jnp.asarray(topk_ids, jnp.int32),
+    sm_scale=jnp.asarray(256**-0.5, jnp.float32),
+  )
 
 
 def launches(config, axes):
@@ -58,15 +70,20 @@ def launches(config, axes):
   value_blocks = d // min(config.block_dv, d)
   step = max(split.block_k, 1 << (-(-16 // axes["C"]) - 1).bit_length())  # >= 16 tokens per step
   per_split = max(step, min(split.keys_per_split, 1 << axes["TOPK"].bit_length()))
-  return [TritonCall("qsa_sparse_gqa_split",
-                     (axes["B"], axes["HKV"] * value_blocks, -(-(axes["TOPK"] + 1) // per_split)),
-                     split.num_warps, split.num_stages)]
+  return [
+    TritonCall(
+      "qsa_sparse_gqa_split",
+      (axes["B"], axes["HKV"] * value_blocks, -(-(axes["TOPK"] + 1) // per_split)),
+      split.num_warps,
+      split.num_stages,
+    )
+  ]
 
 
 def shared_pages_unsorted_and_ignored_ids():
   inputs = gqa_case((1800, 1700, 900), 29, seed=5, num_pages=40, shared=((0, 1, 20), (0, 2, 14)))
   ids = np.asarray(inputs["topk_ids"]).copy()
-  ids = ids[:, np.random.default_rng(1).permutation(512)]          # any order
+  ids = ids[:, np.random.default_rng(1).permutation(512)]  # any order
   free = np.flatnonzero(ids[0] == -1)[:3]
   ids[0, free] = [450, 10_000, 451]  # id n = 450 (the tail's) and ids > n: ignored
   return {**inputs, "topk_ids": jnp.asarray(ids)}
@@ -78,16 +95,24 @@ def outputs_zero(out, ref, inputs):
 
 
 KERNEL_CASES = [
-    *(Case(GQA, inputs=lambda s=seq_lens, p=max_pages: gqa_case(s, p), config=config, id=label)
-      for seq_lens, max_pages, config, label in [
-          ((129,), 3, GQA_SMALL, "recorded_tiny_n32_one_token_tail"),
-          ((3, 2050, 2048), 33, GQA_SMALL, "tail_only_n512_plus_tail_n512"),
-          ((2055, 700, 5), 33, GQA_VALUE_BLOCKS, "value_blocks_n513_n175_tail_only"),
-          ((2055, 1), 33, None, "n513_three_token_tail_and_one_token")]),
-    Case(GQA, inputs=shared_pages_unsorted_and_ignored_ids, config=GQA_SMALL, id="shared_pages_unsorted_ignored_ids"),
-    Case(GQA, inputs=lambda: gqa_case((8, 64), 1, topk_ids=-np.ones((2, 512), np.int32)), config=GQA_SMALL,
-         check=outputs_zero, id="nothing_visible"),   # no ids, no tail
-    at_cpu_scale(GQA, B=3, MP=555),
+  *(
+    Case(GQA, inputs=lambda s=seq_lens, p=max_pages: gqa_case(s, p), config=config, id=label)
+    for seq_lens, max_pages, config, label in [
+      ((129,), 3, GQA_SMALL, "recorded_tiny_n32_one_token_tail"),
+      ((3, 2050, 2048), 33, GQA_SMALL, "tail_only_n512_plus_tail_n512"),
+      ((2055, 700, 5), 33, GQA_VALUE_BLOCKS, "value_blocks_n513_n175_tail_only"),
+      ((2055, 1), 33, None, "n513_three_token_tail_and_one_token"),
+    ]
+  ),
+  Case(GQA, inputs=shared_pages_unsorted_and_ignored_ids, config=GQA_SMALL, id="shared_pages_unsorted_ignored_ids"),
+  Case(
+    GQA,
+    inputs=lambda: gqa_case((8, 64), 1, topk_ids=-np.ones((2, 512), np.int32)),
+    config=GQA_SMALL,
+    check=outputs_zero,
+    id="nothing_visible",
+  ),  # no ids, no tail
+  at_cpu_scale(GQA, B=3, MP=555),
 ]
 LOWERING_CASES = [Case(GQA, a, config=EVERY_CANDIDATE) for a in GQA_LOWERING_AXES]
 SWEEP_CASE = Case(GQA, inputs=lambda: gqa_case((2055,), 33, seed=2), id="n513")
@@ -95,8 +120,7 @@ SWEEP_CASE = Case(GQA, inputs=lambda: gqa_case((2055,), 33, seed=2), id="n513")
 
 def test_gqa_sm_scale_is_traced():
   inputs = gqa_case((300,), 5, seed=4)
-  run = jax.jit(lambda s: qg.qsa_sparse_gqa_decode(**{**inputs, "sm_scale": s}, config=GQA_SMALL,
-                                                   interpret=True))
+  run = jax.jit(lambda s: qg.qsa_sparse_gqa_decode(**{**inputs, "sm_scale": s}, config=GQA_SMALL, interpret=True))
   for scale in (0.02, 0.3):
     want = gqa_fam.qsa_sparse_gqa_decode_reference(**{**inputs, "sm_scale": jnp.float32(scale)})
     assert_bf16_close(run(jnp.float32(scale)), want)
@@ -116,8 +140,10 @@ def numpy_gqa(q, k_cache, v_cache, page_table, seq_lens, topk_ids, sm_scale):
   out = np.zeros(q.shape)
   for b, length in enumerate(np.clip(np.asarray(seq_lens), 0, table.shape[1] * 64)):
     selected = set(ids[b][ids[b] >= 0].tolist())
-    tokens = np.array([t for t in range(length) if (t // 4 in selected or t >= 4 * (length // 4))
-                       and 0 <= table[b, t // 64] < len(k)], int)
+    tokens = np.array(
+      [t for t in range(length) if (t // 4 in selected or t >= 4 * (length // 4)) and 0 <= table[b, t // 64] < len(k)],
+      int,
+    )
     if not len(tokens):
       continue
     kt, vt = k[table[b, tokens // 64], tokens % 64], v[table[b, tokens // 64], tokens % 64]
@@ -134,7 +160,7 @@ def test_gqa_reference_matches_float64():
   got = np.asarray(gqa_fam.qsa_sparse_gqa_decode_reference(**inputs), np.float32)
   want = numpy_gqa(**inputs)
   assert_bf16_close(got, want)
-  assert np.abs(got - want).max() <= 2 ** -8 * np.abs(want).max()  # one bf16 rounding
+  assert np.abs(got - want).max() <= 2**-8 * np.abs(want).max()  # one bf16 rounding
 
 
 # ---------------------------------------------------------------------------
@@ -160,7 +186,7 @@ def test_gqa_page_entries_outside_the_cache_contribute_nothing():
   invisible in both paths (the kernel neither reads nor counts them)."""
   inputs = gqa_case((1800, 700), 29, seed=12, num_pages=44)
   table = np.asarray(inputs["page_table"]).copy()
-  table[0, [0, 5, 28]] = [44, -1, 10 ** 6]   # 28: the tail's page
+  table[0, [0, 5, 28]] = [44, -1, 10**6]  # 28: the tail's page
   table[1, 2] = -3
   inputs["page_table"] = jnp.asarray(table)
   assert_contract(inputs)
@@ -186,9 +212,9 @@ def test_gqa_seq_lens_beyond_the_table_are_clamped():
   table, ids >= 80 ignored); a negative length sees nothing."""
   inputs = gqa_case((320, 100), 5, seed=14, num_pages=8)
   ids = np.asarray(inputs["topk_ids"]).copy()
-  ids[0, -3:] = [80, 100, 249_999]       # blocks past the table, below 10**6 // 4
+  ids[0, -3:] = [80, 100, 249_999]  # blocks past the table, below 10**6 // 4
   inputs["topk_ids"] = jnp.asarray(ids)
-  inputs["seq_lens"] = jnp.asarray([10 ** 6 + 2, -5], jnp.int32)
+  inputs["seq_lens"] = jnp.asarray([10**6 + 2, -5], jnp.int32)
   want = assert_contract(inputs)
   assert np.abs(want[0]).max() > 0 and not want[1].any()
 
@@ -199,7 +225,7 @@ def test_gqa_hidden_nan_never_leaks():
   stay finite and right."""
   inputs = gqa_case((700, 66), 12, seed=15, num_pages=16)
   ids = np.asarray(inputs["topk_ids"]).copy()
-  ids[ids == 0] = -1                       # block 0 (token 0) unselected
+  ids[ids == 0] = -1  # block 0 (token 0) unselected
   inputs["topk_ids"] = jnp.asarray(ids)
   table, lengths = np.asarray(inputs["page_table"]), np.asarray(inputs["seq_lens"])
   visible = np.zeros((16, 64), bool)
@@ -235,7 +261,7 @@ def test_gqa_topk_ids_come_from_the_indexer():
   for b in range(len(ids)):
     real = ids[b][ids[b] >= 0]
     assert len(real) == min(n[b], 512) and (np.diff(real) > 0).all() and real.max() < n[b]
-    assert (ids[b][len(real):] == -1).all()
+    assert (ids[b][len(real) :] == -1).all()
   assert float(inputs["sm_scale"]) == pytest.approx(1 / 16)
 
 

@@ -47,8 +47,9 @@ def test_unpack_e2m1_low_nibble_first():
 
 def test_ue8m0_to_f32():
   s = jnp.array([1, 100, 126, 127, 128, 254], jnp.uint8)
-  np.testing.assert_array_equal(np.asarray(fp_formats.ue8m0_to_f32(s)),
-                                np.ldexp(np.float32(1), np.array([1, 100, 126, 127, 128, 254]) - 127))
+  np.testing.assert_array_equal(
+    np.asarray(fp_formats.ue8m0_to_f32(s)), np.ldexp(np.float32(1), np.array([1, 100, 126, 127, 128, 254]) - 127)
+  )
   edge = np.asarray(fp_formats.ue8m0_to_f32(jnp.array([0, 255], jnp.uint8)))
   assert edge[0] == 0.0 and np.isposinf(edge[1])  # documented edge bytes
 
@@ -88,18 +89,19 @@ def test_quantize_e2m1_rounds_to_nearest_even():
   mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.5, -0.75, 0.2, 2.9]
   want = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -1.0, 0.0, 3.0]
   x = np.zeros(32, np.float32)
-  x[:len(mids)] = mids
+  x[: len(mids)] = mids
   x[-1] = 6.0
   packed, scales = quant.quantize_e2m1(jnp.asarray(x), 32)
   back = np.asarray(quant.dequantize_e2m1(packed, scales, 32))
-  np.testing.assert_array_equal(back[:len(mids)], want)
+  np.testing.assert_array_equal(back[: len(mids)], want)
   # Same as ml_dtypes' float4_e2m1fn rounding.
   np.testing.assert_array_equal(back, x.astype(ml_dtypes.float4_e2m1fn).astype(np.float32))
 
 
 def test_e2m1_round_trip_bounds():
   x = jax.random.normal(jax.random.key(0), (8, 256), jnp.float32) * jnp.exp(
-      jax.random.normal(jax.random.key(1), (8, 1)) * 3)
+    jax.random.normal(jax.random.key(1), (8, 1)) * 3
+  )
   packed, scales = quant.quantize_e2m1(x, 32)
   assert packed.shape == (8, 128) and scales.shape == (8, 8)
   back = np.asarray(quant.dequantize_e2m1(packed, scales, 32))
@@ -119,7 +121,8 @@ def test_e2m1_round_trip_bounds():
 @pytest.mark.parametrize("scale_format", ["ue8m0", "f32"])
 def test_fp8_round_trip_bounds(scale_format):
   x = jax.random.normal(jax.random.key(2), (4, 128), jnp.float32) * jnp.exp(
-      jax.random.normal(jax.random.key(3), (4, 1)) * 3)
+    jax.random.normal(jax.random.key(3), (4, 1)) * 3
+  )
   values, scales = quant.quantize_fp8_e4m3(x.astype(jnp.bfloat16), 32, scale_format)
   assert values.dtype == jnp.float8_e4m3fn and values.shape == (4, 128)
   assert scales.shape == (4, 4)
@@ -159,7 +162,8 @@ def test_block_size_must_divide():
 def test_fp8_rounding_survives_jit():
   """quantize -> dequantize under one jit still rounds (XLA's excess-precision
   simplification must not fold the fp8 converts away)."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
+
   x = jnp.linspace(-3.0, 3.0, 64, dtype=jnp.float32).reshape(2, 32) * 1.013
   eager = quant.dequantize_fp8_e4m3(*quant.quantize_fp8_e4m3(x, 32), 32)
   jitted = jax.jit(lambda x: quant.dequantize_fp8_e4m3(*quant.quantize_fp8_e4m3(x, 32), 32))(x)

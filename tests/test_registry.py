@@ -12,12 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkern import backends
-from jaxkern import dataset
+from jaxkern import backends, dataset, registry, selection, tuning
 from jaxkern import plan as plan_lib
-from jaxkern import registry
-from jaxkern import selection
-from jaxkern import tuning
 from jaxkern.family import bind_axes, shrink_rows, shrink_until
 from pallas_kernels.dense_gemm import triton as dense_gemm
 
@@ -79,7 +75,8 @@ def test_a_new_shape_of_a_family_is_only_data(tmp_path):
   raw["axes"]["N"]["value"], raw["axes"]["K"]["value"] = 256, 96
   (ds / "definitions" / f"{raw['name']}.json").write_text(json.dumps(raw))
   (ds / "workloads" / f"{raw['name']}.jsonl").write_text(
-      json.dumps({"uuid": "w1", "definition": raw["name"], "axes": {"M": 37}}) + "\n")
+    json.dumps({"uuid": "w1", "definition": raw["name"], "axes": {"M": 37}}) + "\n"
+  )
   op = registry.get(raw["name"], ds)
   assert op.implemented
   [w] = dataset.load_workloads(raw["name"], ds)
@@ -101,10 +98,18 @@ def test_unimplemented_definition_raises_naming_the_module(tmp_path):
       call()
 
 
-@pytest.mark.parametrize("reference", [
-    "os:system", "jaxkern.families.dense_gemm:__import__('os')", "jaxkern.familiesx.gemm:f",
-    "jaxkern.families.gemm", "subprocess:run", "jaxkern.families..gemm:f", "jaxkern.families.dense_gemm:no_such_fn",
-])
+@pytest.mark.parametrize(
+  "reference",
+  [
+    "os:system",
+    "jaxkern.families.dense_gemm:__import__('os')",
+    "jaxkern.familiesx.gemm:f",
+    "jaxkern.families.gemm",
+    "subprocess:run",
+    "jaxkern.families..gemm:f",
+    "jaxkern.families.dense_gemm:no_such_fn",
+  ],
+)
 def test_hostile_reference_fields_are_rejected(tmp_path, reference):
   ds = copy_dataset(tmp_path, ())
   raw = json.loads((REPO / "datasets" / "definitions" / f"{GEMM}.json").read_text())
@@ -115,8 +120,9 @@ def test_hostile_reference_fields_are_rejected(tmp_path, reference):
 
 
 def test_constant_axes_bind_to_keyword_only_parameters():
-  def f(x, *, KT, top_k, other=1):  # pylint: disable=invalid-name
+  def f(x, *, KT, top_k, other=1):
     return x, KT, top_k, other
+
   bound = bind_axes(f, {"KT": 3, "TOPK": 6, "x": 9}, {"top_k": "TOPK"})
   assert bound(0) == (0, 3, 6, 1)
   assert bind_axes(len, {"KT": 3}, {}) is len
@@ -172,7 +178,7 @@ def test_config_for_explicit_then_tuned_then_heuristic(tuned_dir):
 
 
 def test_config_json_round_trip_with_nested_stages():
-  import dataclasses  # pylint: disable=g-import-not-at-top
+  import dataclasses
 
   @dataclasses.dataclass(frozen=True)
   class Stage:

@@ -9,17 +9,15 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 from absl import flags
 from ml_collections import config_flags
-import pytest
 
-from jaxkern import registry
-from jaxkern import evaluate
-from jaxkern import replay
+from jaxkern import evaluate, registry, replay
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
-TOY_FAMILY = '''
+TOY_FAMILY = """
 import dataclasses, os, threading
 import jax, jax.numpy as jnp
 from jaxkern.family import OpImpl
@@ -56,14 +54,18 @@ KERNEL = Kernel(name="toy", backend="triton", launch=kernel, config_class=ToyCon
 IMPLS = (OpImpl(
     reference=toy_reference, make_inputs=make_inputs, kernels=kernels(KERNEL),
     cpu_axes=lambda axes: {**axes, "M": min(axes["M"], 11)}),)
-'''
+"""
 
 TOY_DEFINITION = {
-    "name": "toy_scale", "op_type": "toy", "description": "y = x * s", "tags": [],
-    "axes": {"M": {"type": "var"}, "N": {"type": "const", "value": 8}},
-    "inputs": {"x": {"shape": ["M", "N"], "dtype": "float32"}, "s": {"shape": None, "dtype": "float32"}},
-    "outputs": {"y": {"shape": ["M", "N"], "dtype": "bfloat16"}},
-    "constraints": ["M >= 1"], "reference": "toy_family:toy_reference",
+  "name": "toy_scale",
+  "op_type": "toy",
+  "description": "y = x * s",
+  "tags": [],
+  "axes": {"M": {"type": "var"}, "N": {"type": "const", "value": 8}},
+  "inputs": {"x": {"shape": ["M", "N"], "dtype": "float32"}, "s": {"shape": None, "dtype": "float32"}},
+  "outputs": {"y": {"shape": ["M", "N"], "dtype": "bfloat16"}},
+  "constraints": ["M >= 1"],
+  "reference": "toy_family:toy_reference",
 }
 
 
@@ -73,8 +75,12 @@ def rec(uuid, m, variant="a"):
 
 def toy_env(tmp_path):
   """The environment a replay subprocess needs to find the toy family."""
-  return {"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu",
-          "JAXKERN_FAMILY_PACKAGES": "toy_family"}
+  return {
+    "PYTHONPATH": f"{tmp_path}:{REPO}",
+    "PATH": "/usr/bin:/bin",
+    "JAX_PLATFORMS": "cpu",
+    "JAXKERN_FAMILY_PACKAGES": "toy_family",
+  }
 
 
 @pytest.fixture
@@ -87,8 +93,13 @@ def toy(tmp_path, monkeypatch):
   (ds / "definitions").mkdir(parents=True)
   (ds / "workloads").mkdir()
   (ds / "definitions" / "toy_scale.json").write_text(json.dumps(TOY_DEFINITION))
-  lines = [json.dumps(rec("u0", 4)), json.dumps(rec("u1", 5)), '{"uuid": "u2", "definition": "toy_sc',
-           json.dumps(rec("u3", 6, "b")), json.dumps(rec("u4", 1, "b"))]
+  lines = [
+    json.dumps(rec("u0", 4)),
+    json.dumps(rec("u1", 5)),
+    '{"uuid": "u2", "definition": "toy_sc',
+    json.dumps(rec("u3", 6, "b")),
+    json.dumps(rec("u4", 1, "b")),
+  ]
   (ds / "workloads" / "toy_scale.jsonl").write_text("\n".join(lines) + "\n")
   return ds
 
@@ -111,16 +122,43 @@ def read(path):
 
 
 def test_config_files_define_every_field_and_accept_overrides():
-  spec_fields = ["dataset_dir", "definitions", "variants", "uuids", "max_workloads_per_definition", "seed",
-                 "scale", "interpret", "blob_root", "output", "resume", "warmup", "iters"]
+  spec_fields = [
+    "dataset_dir",
+    "definitions",
+    "variants",
+    "uuids",
+    "max_workloads_per_definition",
+    "seed",
+    "scale",
+    "interpret",
+    "blob_root",
+    "output",
+    "resume",
+    "warmup",
+    "iters",
+  ]
   for name in ("replay", "full", "smoke"):
-    cfg = parse_config(f"--config={REPO}/configs/{name}.py", "--config.definitions=dense_gemm",
-                       "--config.max_workloads_per_definition=2", "--config.interpret=True", "--config.seed=7",
-                       "--config.scale=smoke", "--config.resume=True", "--config.iters=4")
+    cfg = parse_config(
+      f"--config={REPO}/configs/{name}.py",
+      "--config.definitions=dense_gemm",
+      "--config.max_workloads_per_definition=2",
+      "--config.interpret=True",
+      "--config.seed=7",
+      "--config.scale=smoke",
+      "--config.resume=True",
+      "--config.iters=4",
+    )
     for f in spec_fields:
       assert f in cfg, (name, f)
-    assert (cfg.definitions, cfg.max_workloads_per_definition, cfg.interpret, cfg.seed, cfg.scale,
-            cfg.resume, cfg.iters) == ("dense_gemm", 2, True, 7, "smoke", True, 4)
+    assert (
+      cfg.definitions,
+      cfg.max_workloads_per_definition,
+      cfg.interpret,
+      cfg.seed,
+      cfg.scale,
+      cfg.resume,
+      cfg.iters,
+    ) == ("dense_gemm", 2, True, 7, "smoke", True, 4)
   full = parse_config(f"--config={REPO}/configs/full.py")
   assert full.scale == "full" and full.interpret is False and full.max_workloads_per_variant == 0
   default = parse_config(f"--config={REPO}/configs/replay.py")
@@ -148,8 +186,15 @@ def test_statuses_results_and_bad_line(toy, tmp_path):
   assert code == 1
   results = {r["workload"]["uuid"]: r for r in read(tmp_path / "out.jsonl")}
   status = {u: r["evaluation"]["status"] for u, r in results.items()}
-  assert status == {"u0": "passed", "u1": "passed", "u3": "passed", "u4": "passed",
-                    "u13": "incorrect_numerical", "u17": "compile_error", "u19": "runtime_error"}
+  assert status == {
+    "u0": "passed",
+    "u1": "passed",
+    "u3": "passed",
+    "u4": "passed",
+    "u13": "incorrect_numerical",
+    "u17": "compile_error",
+    "u19": "runtime_error",
+  }
   text = "\n".join(logs)
   assert f"{path}:3:" in text and "invalid JSON" in text
   assert f"{path}:9:" in text and "did you mean toy_scale" in text
@@ -164,7 +209,7 @@ def test_statuses_results_and_bad_line(toy, tmp_path):
   assert results["u19"]["evaluation"]["log"].startswith("inputs:")
   assert results["u13"]["evaluation"]["correctness"]["max_absolute_error"] == pytest.approx(1.0, abs=0.02)
   assert "toy_scale" in text and "4 passed, 3 failed" in text
-  assert f"[1/7] toy_scale u0: passed" in text  # one line per workload without a progress bar
+  assert "[1/7] toy_scale u0: passed" in text  # one line per workload without a progress bar
 
 
 def test_timeout_is_a_status_and_the_run_goes_on(toy, tmp_path):
@@ -180,7 +225,8 @@ def test_timeout_is_a_status_and_the_run_goes_on(toy, tmp_path):
   results = {r["workload"]["uuid"]: r["evaluation"] for r in read(tmp_path / "out.jsonl")}
   assert {u: e["status"] for u, e in results.items()} == {"u23": "timeout", "u24": "timeout"} and code == 1
   assert "no result within 0.0s" in results["u23"]["log"] and "killed" in results["u23"]["log"]
-  import multiprocessing  # pylint: disable=g-import-not-at-top
+  import multiprocessing
+
   assert not multiprocessing.active_children()  # the stuck worker was killed, the other one closed
 
 
@@ -205,10 +251,25 @@ def test_a_library_call_with_a_timeout_lets_the_process_exit_cleanly(toy, tmp_pa
   crash interpreter shutdown)."""
   with open(toy / "workloads" / "toy_scale.jsonl", "a") as f:
     f.write(json.dumps(rec("u23", 23, "t")) + "\n" + json.dumps(rec("u24", 3, "t")) + "\n")
-  overrides = {"dataset_dir": str(toy), "output": str(tmp_path / "lib.jsonl"), "variants": "t", "scale": "full",
-               "timeout_s": 2.0, "warmup": 0, "iters": 1, "progress": False, "max_workloads_per_variant": 0}
-  p = subprocess.run([sys.executable, "-c", LIBRARY_CALL, json.dumps(overrides)], capture_output=True, text=True,
-                     timeout=300, cwd=REPO, env=toy_env(tmp_path))
+  overrides = {
+    "dataset_dir": str(toy),
+    "output": str(tmp_path / "lib.jsonl"),
+    "variants": "t",
+    "scale": "full",
+    "timeout_s": 2.0,
+    "warmup": 0,
+    "iters": 1,
+    "progress": False,
+    "max_workloads_per_variant": 0,
+  }
+  p = subprocess.run(
+    [sys.executable, "-c", LIBRARY_CALL, json.dumps(overrides)],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=REPO,
+    env=toy_env(tmp_path),
+  )
   assert p.returncode == 0, p.stdout + p.stderr
   assert "code 1" in p.stdout
   got = statuses(tmp_path / "lib.jsonl")
@@ -219,8 +280,9 @@ def test_a_worker_that_dies_is_an_error_status_and_is_replaced(toy, tmp_path):
   """A workload that kills its worker process (here: os._exit in the
   kernel, as a crashing runtime would) is a runtime_error naming the exit
   code; the next workload runs in a fresh worker."""
-  (tmp_path / "toy_family.py").write_text(TOY_FAMILY.replace(
-      '  if m == 17:', '  if m == 29:\n    os._exit(7)\n  if m == 17:'))
+  (tmp_path / "toy_family.py").write_text(
+    TOY_FAMILY.replace("  if m == 17:", "  if m == 29:\n    os._exit(7)\n  if m == 17:")
+  )
   with open(toy / "workloads" / "toy_scale.jsonl", "a") as f:
     f.write(json.dumps(rec("d0", 29, "d")) + "\n" + json.dumps(rec("d1", 3, "d")) + "\n")
   cfg = make_config(toy, tmp_path, variants="d", scale="full", isolation="process")
@@ -233,7 +295,9 @@ def test_a_worker_that_dies_is_an_error_status_and_is_replaced(toy, tmp_path):
 def test_deadline_is_checked_before_timing(toy, tmp_path):
   """A workload past its budget after comparison is a timeout, with its
   correctness kept (run in this thread: no isolation timing involved)."""
-  from jaxkern import bench, dataset as dataset_lib, registry  # pylint: disable=g-import-not-at-top
+  from jaxkern import bench, registry
+  from jaxkern import dataset as dataset_lib
+
   [w] = [w for w in dataset_lib.load_workloads("toy_scale", toy, on_error=lambda e: None) if w.uuid == "u0"]
   cfg = make_config(toy, tmp_path, timeout_s=0.0, scale="full")
   t = evaluate.run_workload(registry.get("toy_scale", toy), w, cfg, bench.CompileCache(), True, False)
@@ -242,7 +306,8 @@ def test_deadline_is_checked_before_timing(toy, tmp_path):
 
 
 def test_selection_filters_and_caps(toy):
-  from jaxkern import selection  # pylint: disable=g-import-not-at-top
+  from jaxkern import selection
+
   sel = lambda **kw: [w.uuid for w in selection.select_workloads(toy, selection.Selection(**kw), lambda e: None)]  # noqa: E731
   assert sel() == ["u0", "u1", "u3", "u4"]
   assert sel(variants=("b",)) == ["u3", "u4"]
@@ -262,8 +327,9 @@ def test_scale_shrinks_and_records_both_axes(toy, tmp_path):
   (r,) = read(tmp_path / "out.jsonl")
   assert r["workload"]["axes"] == {"M": 40} and r["workload"]["axes_run"] == {"M": 11}
   assert r["workload"]["scaled"] is True and r["evaluation"]["status"] == "passed"
-  replay.replay(make_config(toy, tmp_path, variants="big", scale="full", output=str(tmp_path / "full.jsonl")),
-                log=lambda s: None)
+  replay.replay(
+    make_config(toy, tmp_path, variants="big", scale="full", output=str(tmp_path / "full.jsonl")), log=lambda s: None
+  )
   (r,) = read(tmp_path / "full.jsonl")
   assert r["workload"]["axes_run"] == {"M": 40} and r["workload"]["scaled"] is False
 
@@ -324,7 +390,8 @@ def test_definitions_without_a_family_are_skipped_not_failed(toy, tmp_path):
   raw = {**TOY_DEFINITION, "name": "toy_missing", "reference": "jaxkern.families.no_such_family:ref"}
   (toy / "definitions" / "toy_missing.json").write_text(json.dumps(raw))
   (toy / "workloads" / "toy_missing.jsonl").write_text(
-      "".join(json.dumps({**rec(f"m{i}", 4), "definition": "toy_missing"}) + "\n" for i in range(2)))
+    "".join(json.dumps({**rec(f"m{i}", 4), "definition": "toy_missing"}) + "\n" for i in range(2))
+  )
   logs = []
   assert replay.replay(make_config(toy, tmp_path, definitions="toy_missing"), log=logs.append) == 0
   results = read(tmp_path / "out.jsonl")
@@ -356,11 +423,19 @@ def test_first_line_says_how_many_per_variant(toy, tmp_path):
 def test_command_line_app(toy, tmp_path):
   """The absl entry point, as users run it."""
   env_path = f"{tmp_path}:{REPO}"
-  cmd = [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/smoke.py",
-         f"--config.dataset_dir={toy}", f"--config.output={tmp_path}/cli.jsonl", "--config.variants=a",
-         "--config.progress=False"]
-  p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**toy_env(tmp_path),
-                                                                                      "PYTHONPATH": env_path})
+  cmd = [
+    sys.executable,
+    "-m",
+    "jaxkern.replay",
+    f"--config={REPO}/configs/smoke.py",
+    f"--config.dataset_dir={toy}",
+    f"--config.output={tmp_path}/cli.jsonl",
+    "--config.variants=a",
+    "--config.progress=False",
+  ]
+  p = subprocess.run(
+    cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**toy_env(tmp_path), "PYTHONPATH": env_path}
+  )
   assert p.returncode == 1, p.stderr  # the corrupted line 3 makes the run fail
   assert "invalid JSON" in p.stdout and "1 passed, 0 failed" in p.stdout
   assert len(read(tmp_path / "cli.jsonl")) == 1
@@ -371,8 +446,16 @@ def test_command_line_rerun_and_bad_paths_are_one_message_exit_2(toy, tmp_path):
   results (exit 2, the file untouched); a missing --config file and an
   unwritable output are one message each, exit 2, no traceback."""
   out = tmp_path / "twice.jsonl"
-  cmd = [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/replay.py", f"--config.dataset_dir={toy}",
-         f"--config.output={out}", "--config.variants=b", "--config.progress=False"]
+  cmd = [
+    sys.executable,
+    "-m",
+    "jaxkern.replay",
+    f"--config={REPO}/configs/replay.py",
+    f"--config.dataset_dir={toy}",
+    f"--config.output={out}",
+    "--config.variants=b",
+    "--config.progress=False",
+  ]
 
   def run(c):
     return subprocess.run(c, capture_output=True, text=True, timeout=300, cwd=REPO, env=toy_env(tmp_path))
@@ -384,8 +467,10 @@ def test_command_line_rerun_and_bad_paths_are_one_message_exit_2(toy, tmp_path):
   assert second.returncode == 2 and out.read_text() == before
   assert "already holds results (1 lines)" in second.stdout and "--config.resume=True" in second.stdout
   assert run(cmd + ["--config.resume=True"]).returncode == 1 and out.read_text() == before  # nothing left to do
-  for bad, message in ((["--config=/nowhere/replay.py"], "--config file /nowhere/replay.py does not exist"),
-                       ([f"--config.output={tmp_path}/f.jsonl/x.jsonl"], "cannot write --config.output")):
+  for bad, message in (
+    (["--config=/nowhere/replay.py"], "--config file /nowhere/replay.py does not exist"),
+    ([f"--config.output={tmp_path}/f.jsonl/x.jsonl"], "cannot write --config.output"),
+  ):
     (tmp_path / "f.jsonl").write_text("")
     p = run(cmd[:3] + bad + cmd[4:] if bad[0].startswith("--config=") else cmd + bad)
     assert p.returncode == 2 and message in p.stdout + p.stderr, p.stdout + p.stderr
@@ -397,8 +482,14 @@ def test_one_worker_per_local_device(toy_many, tmp_path, isolation):
   """Two (CPU) devices: two workers share the workloads, each once."""
   out = tmp_path / "two.jsonl"
   env = {**toy_env(tmp_path), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-  p = subprocess.run(shard_cmd(toy_many, out, f"--config.isolation={isolation}"), capture_output=True, text=True,
-                     timeout=300, cwd=REPO, env=env)
+  p = subprocess.run(
+    shard_cmd(toy_many, out, f"--config.isolation={isolation}"),
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=REPO,
+    env=env,
+  )
   assert "2 device worker(s)" in p.stdout, p.stdout + p.stderr
   assert sorted(statuses(out)) == sorted(["u0", "u1", "u3", "u4"] + [f"p{i}" for i in range(5)])
 
@@ -409,8 +500,14 @@ def test_smoke_replay_of_real_definitions(tmp_path):
   sizes, Pallas in interpret mode, result lines with axes_run, the config,
   correctness and the speed of light, the summary and the exit code. Two
   families stand for all: a one-output GEMM and a two-output GDN."""
-  cfg = make_config(REPO / "datasets", tmp_path, definitions="dense_gemm_bf16_nt_n4096_k4096,gdn_decode",
-                    max_workloads_per_definition=1, scale="smoke", iters=1)
+  cfg = make_config(
+    REPO / "datasets",
+    tmp_path,
+    definitions="dense_gemm_bf16_nt_n4096_k4096,gdn_decode",
+    max_workloads_per_definition=1,
+    scale="smoke",
+    iters=1,
+  )
   logs = []
   code = replay.replay(cfg, log=logs.append)
   results = read(tmp_path / "out.jsonl")
@@ -426,9 +523,9 @@ def test_smoke_replay_of_real_definitions(tmp_path):
 
 
 def test_blob_root_loads_recorded_tensors_and_compares_expected_output(toy, tmp_path):
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  import ml_dtypes
+  import numpy as np
+  from safetensors.numpy import save_file
 
   blobs = tmp_path / "blobs"
   (blobs / "blob").mkdir(parents=True)
@@ -442,13 +539,13 @@ def test_blob_root_loads_recorded_tensors_and_compares_expected_output(toy, tmp_
   st = lambda name: {"type": "safetensors", "path": f"blob/{name}.safetensors", "tensor_key": "tensor"}  # noqa: E731
   inputs = {"x": st("x"), "s": {"type": "scalar", "value": 2.0}}
   records = [
-      {**rec("b-ok", 3, "blob"), "inputs": inputs, "expected_output": st("y")},
-      {**rec("b-engine-differs", 3, "blob"), "inputs": inputs, "expected_output": st("y_bad")},
-      {**rec("b-wrong-shape", 3, "blob"), "inputs": {**inputs, "x": st("x_short")}},
-      {**rec("b-absent", 3, "blob"), "inputs": {**inputs, "x": st("nowhere")}},
-      {**rec("b-escape", 3, "blob"), "inputs": {**inputs, "x": {**st("x"), "path": "../outside.safetensors"}}},
-      {**rec("b-too-big", 3, "blob"), "inputs": {**inputs, "x": st("x_big")}},
-      {**rec("b-expected-only", 3, "blob"), "expected_output": st("y_bad")},
+    {**rec("b-ok", 3, "blob"), "inputs": inputs, "expected_output": st("y")},
+    {**rec("b-engine-differs", 3, "blob"), "inputs": inputs, "expected_output": st("y_bad")},
+    {**rec("b-wrong-shape", 3, "blob"), "inputs": {**inputs, "x": st("x_short")}},
+    {**rec("b-absent", 3, "blob"), "inputs": {**inputs, "x": st("nowhere")}},
+    {**rec("b-escape", 3, "blob"), "inputs": {**inputs, "x": {**st("x"), "path": "../outside.safetensors"}}},
+    {**rec("b-too-big", 3, "blob"), "inputs": {**inputs, "x": st("x_big")}},
+    {**rec("b-expected-only", 3, "blob"), "expected_output": st("y_bad")},
   ]
   with open(toy / "workloads" / "toy_scale.jsonl", "a") as f:
     f.write("".join(json.dumps(r) + "\n" for r in records))
@@ -469,15 +566,17 @@ def test_blob_root_loads_recorded_tensors_and_compares_expected_output(toy, tmp_
   assert res["b-too-big"]["status"] == "runtime_error" and "(3, 8)" in res["b-too-big"]["log"]
   # A blob the record names but the root lacks: an error naming it, not synthesis.
   assert res["b-absent"]["status"] == "runtime_error"
-  assert "blob file(s) missing" in res["b-absent"]["log"] and "inputs.x: blob/nowhere.safetensors" in res["b-absent"]["log"]
+  assert (
+    "blob file(s) missing" in res["b-absent"]["log"] and "inputs.x: blob/nowhere.safetensors" in res["b-absent"]["log"]
+  )
   # An expected output on synthesized inputs (no recorded inputs) is not compared.
   assert res["b-expected-only"]["status"] == "passed" and res["b-expected-only"]["expected_output"] is None
 
 
 @pytest.mark.slow  # a subprocess
 def test_command_line_ctrl_c_exits_130_with_results_on_disk(toy, tmp_path):
-  import signal  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
+  import signal
+  import time
 
   with open(toy / "workloads" / "toy_scale.jsonl", "a") as f:
     for r in (rec("i0", 3, "i"), rec("i1", 23, "i"), rec("i2", 23, "i"), rec("i3", 4, "i")):
@@ -488,13 +587,25 @@ def test_command_line_ctrl_c_exits_130_with_results_on_disk(toy, tmp_path):
   # child would inherit that (and never stop). The child sets the handler
   # itself before running the module (a preexec_fn is unsafe in a process
   # with threads, as this one is once jax is imported).
-  launcher = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-              "runpy.run_module('jaxkern.replay', run_name='__main__', alter_sys=True)")
-  cmd = [sys.executable, "-c", launcher, f"--config={REPO}/configs/replay.py", f"--config.dataset_dir={toy}",
-         f"--config.output={out}", "--config.variants=i", "--config.scale=full", "--config.max_workloads_per_variant=0",
-         "--config.progress=False"]
-  p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                       env=toy_env(tmp_path))
+  launcher = (
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('jaxkern.replay', run_name='__main__', alter_sys=True)"
+  )
+  cmd = [
+    sys.executable,
+    "-c",
+    launcher,
+    f"--config={REPO}/configs/replay.py",
+    f"--config.dataset_dir={toy}",
+    f"--config.output={out}",
+    "--config.variants=i",
+    "--config.scale=full",
+    "--config.max_workloads_per_variant=0",
+    "--config.progress=False",
+  ]
+  p = subprocess.Popen(
+    cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=toy_env(tmp_path)
+  )
   try:
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_text().count("\n") >= 1) and time.monotonic() < deadline:
@@ -512,11 +623,23 @@ def test_command_line_ctrl_c_exits_130_with_results_on_disk(toy, tmp_path):
 @pytest.mark.slow  # a subprocess
 def test_command_line_from_another_directory_uses_the_package_dataset(tmp_path):
   """configs/smoke.py run from elsewhere still finds the shipped dataset."""
-  cmd = [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/smoke.py",
-         "--config.definitions=dense_gemm_bf16_nt_n4096_k4096", f"--config.output={tmp_path}/o.jsonl",
-         "--config.progress=False"]
-  p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                     env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+  cmd = [
+    sys.executable,
+    "-m",
+    "jaxkern.replay",
+    f"--config={REPO}/configs/smoke.py",
+    "--config.definitions=dense_gemm_bf16_nt_n4096_k4096",
+    f"--config.output={tmp_path}/o.jsonl",
+    "--config.progress=False",
+  ]
+  p = subprocess.run(
+    cmd,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=tmp_path,
+    env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+  )
   assert p.returncode == 0, p.stdout + p.stderr
   assert "1 passed, 0 failed" in p.stdout and str(REPO / "datasets") in p.stdout
 
@@ -524,8 +647,14 @@ def test_command_line_from_another_directory_uses_the_package_dataset(tmp_path):
 @pytest.mark.slow  # a subprocess
 def test_command_line_misspelt_field_names_the_valid_ones(tmp_path):
   cmd = [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/smoke.py", "--config.nosuchfield=1"]
-  p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                     env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+  p = subprocess.run(
+    cmd,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=tmp_path,
+    env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+  )
   assert p.returncode == 2
   assert "nosuchfield" in p.stderr and "valid --config fields" in p.stderr and "dataset_dir" in p.stderr
   assert "Traceback" not in p.stderr
@@ -535,17 +664,29 @@ def test_command_line_misspelt_field_names_the_valid_ones(tmp_path):
 
 
 def free_port():
-  import socket  # pylint: disable=g-import-not-at-top
+  import socket
+
   with socket.socket() as sock:
     sock.bind(("localhost", 0))
     return sock.getsockname()[1]
 
 
 def shard_cmd(toy, out, *extra):
-  return [sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/replay.py", f"--config.dataset_dir={toy}",
-          f"--config.output={out}", "--config.variants=a,b,p", "--config.scale=full",
-          "--config.max_workloads_per_variant=0", "--config.progress=False", "--config.warmup=0",
-          "--config.iters=1", *extra]
+  return [
+    sys.executable,
+    "-m",
+    "jaxkern.replay",
+    f"--config={REPO}/configs/replay.py",
+    f"--config.dataset_dir={toy}",
+    f"--config.output={out}",
+    "--config.variants=a,b,p",
+    "--config.scale=full",
+    "--config.max_workloads_per_variant=0",
+    "--config.progress=False",
+    "--config.warmup=0",
+    "--config.iters=1",
+    *extra,
+  ]
 
 
 def statuses(path):
@@ -563,26 +704,50 @@ def toy_many(toy):
 @pytest.mark.slow  # a subprocess
 def test_three_processes_with_a_coordinator_merge_to_the_single_process_run(toy_many, tmp_path):
   single = tmp_path / "single.jsonl"
-  assert subprocess.run(shard_cmd(toy_many, single), capture_output=True, timeout=300, cwd=REPO,
-                        env=toy_env(tmp_path)).returncode == 1  # the corrupted line 3, and p2 (M=13) is wrong
+  assert (
+    subprocess.run(
+      shard_cmd(toy_many, single), capture_output=True, timeout=300, cwd=REPO, env=toy_env(tmp_path)
+    ).returncode
+    == 1
+  )  # the corrupted line 3, and p2 (M=13) is wrong
   port = free_port()
   out = tmp_path / "multi.jsonl"
-  procs = [subprocess.Popen(shard_cmd(toy_many, out, f"--config.coordinator_address=localhost:{port}",
-                                      "--config.num_processes=3", f"--config.process_id={i}"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env=toy_env(tmp_path)) for i in range(3)]
+  procs = [
+    subprocess.Popen(
+      shard_cmd(
+        toy_many,
+        out,
+        f"--config.coordinator_address=localhost:{port}",
+        "--config.num_processes=3",
+        f"--config.process_id={i}",
+      ),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      cwd=REPO,
+      env=toy_env(tmp_path),
+    )
+    for i in range(3)
+  ]
   logs = [p.communicate(timeout=300)[0] for p in procs]
   files = [tmp_path / f"multi.{i}-of-3.jsonl" for i in range(3)]
   assert all(f.exists() for f in files), logs
   assert "shard 2 of 3" in logs[1]
   assert sum(len(read(f)) for f in files) == len(read(single)) == 9
   merged = tmp_path / "merged.jsonl"
-  p = subprocess.run([sys.executable, "-m", "jaxkern.shards", "merge", f"--output={merged}", *map(str, files)],
-                     capture_output=True, text=True, timeout=120, cwd=REPO, env=toy_env(tmp_path))
+  p = subprocess.run(
+    [sys.executable, "-m", "jaxkern.shards", "merge", f"--output={merged}", *map(str, files)],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=REPO,
+    env=toy_env(tmp_path),
+  )
   assert p.returncode == 0, p.stderr
   assert statuses(merged) == statuses(single)
   # A shard left out, or given twice, is an error.
-  from jaxkern import shards  # pylint: disable=g-import-not-at-top
+  from jaxkern import shards
+
   with pytest.raises(shards.MergeError, match=r"shards \[2\] of 3 are missing"):
     shards.merge(files[:2], tmp_path / "x.jsonl")
   with pytest.raises(shards.MergeError, match="given twice"):
@@ -594,14 +759,19 @@ def test_a_killed_shard_resumes_and_the_merge_is_complete(toy_many, tmp_path):
   """Shards without a coordinator (explicit process_id / num_processes); the
   second is killed while stuck on u23, then resumed; merge checks that every
   assigned workload has exactly one result."""
-  import signal  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
+  import signal
+  import time
+
   with open(toy_many / "workloads" / "toy_scale.jsonl", "a") as f:
     f.write(json.dumps(rec("u23", 23, "p")) + "\n")  # selection index 9: shard 9 % 3 = 0
   out = tmp_path / "k.jsonl"
   shard = lambda i, *extra: shard_cmd(toy_many, out, "--config.num_processes=3", f"--config.process_id={i}", *extra)  # noqa: E731
-  procs = {i: subprocess.Popen(shard(i), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                               env=toy_env(tmp_path)) for i in range(3)}
+  procs = {
+    i: subprocess.Popen(
+      shard(i), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=toy_env(tmp_path)
+    )
+    for i in range(3)
+  }
   for i in (1, 2):
     procs[i].communicate(timeout=300)
   first = tmp_path / "k.0-of-3.jsonl"
@@ -610,12 +780,19 @@ def test_a_killed_shard_resumes_and_the_merge_is_complete(toy_many, tmp_path):
     time.sleep(0.2)
   procs[0].send_signal(signal.SIGKILL)
   procs[0].communicate(timeout=60)
-  from jaxkern import shards  # pylint: disable=g-import-not-at-top
+  from jaxkern import shards
+
   files = [tmp_path / f"k.{i}-of-3.jsonl" for i in range(3)]
   with pytest.raises(shards.MergeError, match="no result"):
     shards.merge(files, tmp_path / "m.jsonl")
-  p = subprocess.run(shard(0, "--config.resume=True"), capture_output=True, text=True, timeout=300, cwd=REPO,
-                     env={**toy_env(tmp_path), "TOY_BLOCK": "0"})
+  p = subprocess.run(
+    shard(0, "--config.resume=True"),
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=REPO,
+    env={**toy_env(tmp_path), "TOY_BLOCK": "0"},
+  )
   assert "resume: 3 workloads already" in p.stdout, p.stdout + p.stderr
   assert shards.merge(files, tmp_path / "m.jsonl") == 10
   assert sorted(statuses(tmp_path / "m.jsonl")) == sorted(["u0", "u1", "u3", "u4", "u23"] + [f"p{i}" for i in range(5)])
@@ -625,7 +802,8 @@ def test_a_worker_that_cannot_start_is_each_workload_s_error(toy, tmp_path, monk
   """A worker process that dies while starting (here: its jax finds no
   such platform) gives each workload an error status; the run ends
   normally."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
+
   jax.devices()  # this process's backend is up; only the workers see the bad platform
   monkeypatch.setenv("JAX_PLATFORMS", "no_such_platform")
   cfg = make_config(toy, tmp_path, variants="b", isolation="process")

@@ -9,32 +9,46 @@ import subprocess
 
 import pytest
 
-from jaxkern import report
-from jaxkern import results
+from jaxkern import report, results
 from jaxkern.compare import Status
 
-GEMM = "dense_gemm_bf16_nt_n4096_k4096"        # output C bf16: atol 0.005
+GEMM = "dense_gemm_bf16_nt_n4096_k4096"  # output C bf16: atol 0.005
 ROUTER = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"  # expert_ids top-k, expert_weights f32: atol 2e-5
-ATTN = "noncausal_dense_attention_h32_d64"     # output o bf16
+ATTN = "noncausal_dense_attention_h32_d64"  # output o bf16
 MLA = "sparse_mla_prefill_h64_d512_k128"
 
 
 def trace(uuid, definition, status, errors=None, latency=None, ref=None, sol=None, frac=None, log="", axes=None):
   """A result line; `errors`: output -> max abs error."""
-  ev = results.Evaluation(status=status, environment={"hardware": "NVIDIA H200", "backend": "gpu",
-                                                      "libs": {"jax": "0.11.2"}, "interpret": False},
-                          timestamp="2026-11-30T00:00:00+00:00", log=log)
+  ev = results.Evaluation(
+    status=status,
+    environment={"hardware": "NVIDIA H200", "backend": "gpu", "libs": {"jax": "0.11.2"}, "interpret": False},
+    timestamp="2026-11-30T00:00:00+00:00",
+    log=log,
+  )
   if errors is not None:
-    ev.correctness = {"outputs": {n: {"status": "passed", "max_abs_error": e, "max_rel_error": 0.0,
-                                      "matched_ratio": 1.0, "tie_accepted_rows": 0, "message": ""}
-                                  for n, e in errors.items()}}
+    ev.correctness = {
+      "outputs": {
+        n: {
+          "status": "passed",
+          "max_abs_error": e,
+          "max_rel_error": 0.0,
+          "matched_ratio": 1.0,
+          "tie_accepted_rows": 0,
+          "message": "",
+        }
+        for n, e in errors.items()
+      }
+    }
   if latency is not None:
     ev.performance = {"latency_ms": latency, "reference_latency_ms": ref, "speed_of_light_ms": sol}
     if frac is not None:
       ev.performance["sol_fraction"] = frac
-  return results.Trace(definition=definition, evaluation=ev,
-                       workload=results.WorkloadInfo(uuid=uuid, variant=None, axes={"M": 8}, seed=0, source="x",
-                                                        axes_run=axes))
+  return results.Trace(
+    definition=definition,
+    evaluation=ev,
+    workload=results.WorkloadInfo(uuid=uuid, variant=None, axes={"M": 8}, seed=0, source="x", axes_run=axes),
+  )
 
 
 def write(path, traces):
@@ -44,7 +58,9 @@ def write(path, traces):
 
 @pytest.fixture
 def runs(tmp_path):
-  current = write(tmp_path / "current.jsonl", [
+  current = write(
+    tmp_path / "current.jsonl",
+    [
       trace("g1", GEMM, Status.PASSED, {"C": 0.01}, 1.0, 2.0, 0.5, 0.5),
       trace("g2", GEMM, Status.INCORRECT_NUMERICAL, {"C": 0.5}, 1.0, 2.0, 0.5, 0.5, log="C: 3 of 9 elements"),
       trace("g3", GEMM, Status.PASSED, {"C": 0.0}, 2.0, 2.0, 0.5, 0.25),
@@ -52,15 +68,19 @@ def runs(tmp_path):
       trace("a1", ATTN, Status.RUNTIME_ERROR, log="boom"),
       trace("a2", ATTN, Status.INCORRECT_NUMERICAL, {"o": "inf"}, 0.3, 0.1, 0.03, 0.1),
       trace("m1", MLA, Status.SKIPPED, log="no kernel yet"),
-  ])
-  baseline = write(tmp_path / "baseline.jsonl", [
+    ],
+  )
+  baseline = write(
+    tmp_path / "baseline.jsonl",
+    [
       trace("g1", GEMM, Status.INCORRECT_NUMERICAL, {"C": 0.5}, 2.0, 2.0, 0.5, 0.25),  # fixed, 2x faster now
-      trace("g2", GEMM, Status.PASSED, {"C": 0.001}, 0.5, 2.0, 0.5, 1.0),             # broke, 2x slower
-      trace("g3", GEMM, Status.PASSED, {"C": 0.0}, 2.0, 2.0, 0.5, 0.25),              # same
-      trace("a1", ATTN, Status.TIMEOUT, log="slow"),                                   # other change
+      trace("g2", GEMM, Status.PASSED, {"C": 0.001}, 0.5, 2.0, 0.5, 1.0),  # broke, 2x slower
+      trace("g3", GEMM, Status.PASSED, {"C": 0.0}, 2.0, 2.0, 0.5, 0.25),  # same
+      trace("a1", ATTN, Status.TIMEOUT, log="slow"),  # other change
       trace("r1", ROUTER, Status.PASSED, {"expert_weights": 0.0}, 0.2, 0.2, axes={"M": 2}),  # shrunk: no ratio
-      trace("old", ATTN, Status.PASSED, {"o": 0.0}, 1.0, 1.0, 0.1, 0.1),              # only in the baseline
-  ])
+      trace("old", ATTN, Status.PASSED, {"o": 0.0}, 1.0, 1.0, 0.1, 0.1),  # only in the baseline
+    ],
+  )
   return current, baseline
 
 
@@ -79,13 +99,13 @@ def test_table_counts_and_error_ratios(runs):
   # runtime error joins its definition's timer; a definition never timed has none.
   assert [rows[n][1] for n in (GEMM, ROUTER, ATTN, MLA)] == ["wall", "wall", "wall", "-"]
   assert rows[GEMM][2:6] == [3, 2, 1, 0]
-  assert rows[GEMM][6] == "100 (C)"                 # 0.5 / 0.005
+  assert rows[GEMM][6] == "100 (C)"  # 0.5 / 0.005
   assert rows[ROUTER][2:6] == [1, 1, 0, 0]
   assert rows[ROUTER][6] == "0.05 (expert_weights)"  # 1e-6 / 2e-5; the top-k ids have no tolerance
   assert rows[ATTN][2:6] == [2, 0, 2, 0] and rows[ATTN][6] == "inf (o)"
   assert rows[MLA][2:6] == [1, 0, 0, 1] and rows[MLA][6] == "-"
   assert rows["total"][2:6] == [7, 3, 3, 1]
-  assert rows[GEMM][7:] == ["1", "2", "0.5", "0.5"]   # medians: kernel, reference, SOL ms, SOL fraction
+  assert rows[GEMM][7:] == ["1", "2", "0.5", "0.5"]  # medians: kernel, reference, SOL ms, SOL fraction
   assert cells(rep.text, GEMM)[1:7] == ["-", "wall", "3", "2", "1", "0"]
   assert cells(rep.text, "total")[1:5] == ["7", "3", "3", "1"]
 
@@ -127,18 +147,32 @@ def test_page_renders_headless(runs):
   current, baseline = runs
   rep = report.build(current, baseline=baseline, out_dir=current.parent / "shot")
   shot = rep.html_path.parent / "screenshot.png"
-  subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                  "--window-size=1300,3000", f"--screenshot={shot}", rep.html_path.as_uri()],
-                 check=True, capture_output=True, timeout=120)
+  subprocess.run(
+    [
+      "chromium",
+      "--headless",
+      "--no-sandbox",
+      "--disable-gpu",
+      "--hide-scrollbars",
+      "--window-size=1300,3000",
+      f"--screenshot={shot}",
+      rep.html_path.as_uri(),
+    ],
+    check=True,
+    capture_output=True,
+    timeout=120,
+  )
   assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20000
 
 
 # -- failures, styles, labels ---------------------------------------
 
+
 def _points(ax):
   """Every scattered (x, y) point of an axes, with its face colour and the
   collection it belongs to."""
-  import matplotlib.colors as mcolors  # pylint: disable=g-import-not-at-top
+  import matplotlib.colors as mcolors
+
   out = []
   for coll in ax.collections:
     offsets = coll.get_offsets()
@@ -170,7 +204,7 @@ def test_errors_plot_shows_runtime_errors(rows):
   lanes = [t.get_text() for t in ax.get_yticklabels()]
   red = [(x, round(y)) for x, y, face, _, _ in pts if face == "#d62728"]
   band_x = max(x for x, *_ in pts)
-  assert (band_x, lanes.index(ATTN)) in red          # a1 at the error position, in its definition's lane
+  assert (band_x, lanes.index(ATTN)) in red  # a1 at the error position, in its definition's lane
   assert band_x > 10 * max(r.worst_ratio for r in with_ratio if r.worst_ratio != float("inf"))
   legend = [t.get_text() for t in ax.get_legend().get_texts()]
   assert any("no error values" in l for l in legend)
@@ -185,7 +219,7 @@ def test_latency_and_sol_plots_show_failures(rows):
   dots = [(x, y) for x, y, face, *_ in pts if face != "none"]
   assert len(dots) == len(shown) and len(rings) == sum(r.failed for r in shown)
   top = max(x for x, _ in dots)
-  assert (top, top) in rings                          # a1: no kernel and no reference time
+  assert (top, top) in rings  # a1: no kernel and no reference time
   assert ax.get_xlabel() and ax.get_ylabel()
   sol = report.sol_figure(rows)
   (ax,) = sol.axes
@@ -220,7 +254,8 @@ def test_every_plot_labels_its_axes(rows):
 
 
 def test_21_definitions_have_distinct_colours_and_markers():
-  from jaxkern import registry  # pylint: disable=g-import-not-at-top
+  from jaxkern import registry
+
   names = registry.names()
   styles = report.definition_styles(names)
   assert len(names) == 21
@@ -235,6 +270,7 @@ def test_21_definitions_have_distinct_colours_and_markers():
 
 # -- timers and the markdown summary -------------------------------
 
+
 def timed(uuid, definition, status, latency, timer=None, interpret=False, frac=None):
   t = trace(uuid, definition, status, latency=latency, ref=2 * latency, sol=0.1, frac=frac)
   t.evaluation.environment["interpret"] = interpret
@@ -244,18 +280,26 @@ def timed(uuid, definition, status, latency, timer=None, interpret=False, frac=N
 
 
 def test_tables_never_mix_timers(tmp_path):
-  path = write(tmp_path / "mixed.jsonl", [
+  path = write(
+    tmp_path / "mixed.jsonl",
+    [
       timed("d1", GEMM, Status.PASSED, 1.0, "device (profiler)", frac=0.5),
       timed("d2", GEMM, Status.PASSED, 3.0, "device (profiler)", frac=0.1),
       timed("w1", GEMM, Status.PASSED, 100.0, "wall"),
-      timed("i1", GEMM, Status.PASSED, 500.0, interpret=True),     # an old line in interpret mode
-      trace("e1", ROUTER, Status.RUNTIME_ERROR, log="boom"),       # not timed: joins the router's one timer
+      timed("i1", GEMM, Status.PASSED, 500.0, interpret=True),  # an old line in interpret mode
+      trace("e1", ROUTER, Status.RUNTIME_ERROR, log="boom"),  # not timed: joins the router's one timer
       timed("r1", ROUTER, Status.PASSED, 0.2, "device (profiler)", frac=0.04),
-  ])
+    ],
+  )
   rep = report.build(path, out_dir=tmp_path / "rep")
   lines = {(r[0], r[2]): [r[0], *r[2:]] for r in rep.table}
-  assert set(lines) == {(GEMM, "device (profiler)"), (GEMM, "wall"), (GEMM, "interpret"),
-                        (ROUTER, "device (profiler)"), ("total", "")}
+  assert set(lines) == {
+    (GEMM, "device (profiler)"),
+    (GEMM, "wall"),
+    (GEMM, "interpret"),
+    (ROUTER, "device (profiler)"),
+    ("total", ""),
+  }
   assert lines[(GEMM, "device (profiler)")][2:4] == [2, 2] and lines[(GEMM, "device (profiler)")][7] == "2"
   assert lines[(GEMM, "wall")][7] == "100" and lines[(GEMM, "interpret")][7] == "500"
   assert lines[(ROUTER, "device (profiler)")][2:5] == [2, 1, 1]
@@ -270,16 +314,21 @@ def test_tables_keep_backends_apart(tmp_path):
     t.evaluation.backend = backend
     return t
 
-  path = write(tmp_path / "backends.jsonl", [
+  path = write(
+    tmp_path / "backends.jsonl",
+    [
       on("triton", timed("t1", GEMM, Status.PASSED, 2.0, "device (profiler)")),
       on("mosaic_gpu", timed("m1", GEMM, Status.PASSED, 1.0, "device (profiler)")),
-  ])
+    ],
+  )
   rep = report.build(path, out_dir=tmp_path / "rep")
   lines = {(r[0], r[1]): r for r in rep.table}
   assert set(lines) == {(GEMM, "triton"), (GEMM, "mosaic_gpu"), ("total", "")}
   assert lines[(GEMM, "triton")][8] == "2" and lines[(GEMM, "mosaic_gpu")][8] == "1"
   assert [(l.backend, l.kernel_ms) for l in report.summary_lines(report.rows_of(results.read_traces(path)))] == [
-      ("mosaic_gpu", 1.0), ("triton", 2.0)]
+    ("mosaic_gpu", 1.0),
+    ("triton", 2.0),
+  ]
   # A baseline ratio only between the same backend.
   base = report.rows_of([on("triton", timed("m1", GEMM, Status.PASSED, 2.0, "device (profiler)"))])
   [change], _, _ = report.compare_runs(report.rows_of(results.read_traces(path)), base)
@@ -287,13 +336,16 @@ def test_tables_keep_backends_apart(tmp_path):
 
 
 def test_markdown_summary(tmp_path, capsys):
-  path = write(tmp_path / "gpu.jsonl", [
+  path = write(
+    tmp_path / "gpu.jsonl",
+    [
       timed("d1", GEMM, Status.PASSED, 1.0, "device (profiler)", frac=0.5),
       timed("d2", GEMM, Status.INCORRECT_NUMERICAL, 3.0, "device (profiler)", frac=0.1),
       timed("r1", ROUTER, Status.PASSED, 0.2, "device (profiler)", frac=0.04),
       timed("a1", ATTN, Status.PASSED, 0.5, "device (profiler)", frac=0.8),
       timed("w1", MLA, Status.PASSED, 9.0, "wall"),
-  ])
+    ],
+  )
   md = tmp_path / "nvidia_h200.md"
   assert report.main([str(path), "--out", str(tmp_path / "rep"), "--markdown", str(md)]) == 0
   assert f"summary: {md}" in capsys.readouterr().out
@@ -305,17 +357,23 @@ def test_markdown_summary(tmp_path, capsys):
   assert f"Geomean SOL fraction (device (profiler)): {(0.3 * 0.04 * 0.8) ** (1 / 3):.3g} over 3 definitions" in text
   furthest = [l for l in text.splitlines() if l[:3] in ("1. ", "2. ", "3. ")]
   assert furthest == [f"1. `{ROUTER}`: 0.04", f"2. `{GEMM}`: 0.3", f"3. `{ATTN}`: 0.8"]
-  assert "wall)" not in text.split("Geomean")[1]    # the wall-clock line has no SOL fraction to mix in
+  assert "wall)" not in text.split("Geomean")[1]  # the wall-clock line has no SOL fraction to mix in
   assert report.main([str(path), "--markdown", str(tmp_path / "no" / "such" / "dir.md")]) == 2
 
 
 def test_module_entry_point_and_sizes(runs):
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+  import pathlib
+  import sys
+
   current, _ = runs
-  out = subprocess.run([sys.executable, "-m", "jaxkern.report", str(current), "--out", str(current.parent / "m")],
-                       capture_output=True, text=True, timeout=300, check=False,
-                       cwd=pathlib.Path(__file__).resolve().parent.parent)
+  out = subprocess.run(
+    [sys.executable, "-m", "jaxkern.report", str(current), "--out", str(current.parent / "m")],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+    cwd=pathlib.Path(__file__).resolve().parent.parent,
+  )
   assert out.returncode == 0 and "report:" in out.stdout, out.stderr[-2000:]
   for path in pathlib.Path(report.__file__).parent.glob("*.py"):
     assert len(path.read_text().splitlines()) <= 450, path.name

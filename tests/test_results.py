@@ -17,9 +17,11 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 def trace(uuid, definition="d", status=Status.PASSED, timer="device (profiler)", latency=1.0):
   perf = None if timer is None else {"timer": timer, "latency_ms": latency, "reference_latency_ms": 2 * latency}
-  return results.Trace(definition=definition,
-                       workload=results.WorkloadInfo(uuid=uuid, variant=None, axes={"M": 1}, seed=0, source="x:1"),
-                       evaluation=results.Evaluation(status=status, environment={}, timestamp="t", performance=perf))
+  return results.Trace(
+    definition=definition,
+    workload=results.WorkloadInfo(uuid=uuid, variant=None, axes={"M": 1}, seed=0, source="x:1"),
+    evaluation=results.Evaluation(status=status, environment={}, timestamp="t", performance=perf),
+  )
 
 
 def line(t):
@@ -46,8 +48,13 @@ def test_bad_and_truncated_lines_are_reported(tmp_path, capsys):
 def test_the_report_says_a_line_is_truncated(tmp_path):
   path = tmp_path / "r.jsonl"
   path.write_text(line(trace("a")) + '{"definition": "d", "work')
-  p = subprocess.run([sys.executable, "-m", "jaxkern.report", str(path), "--out", str(tmp_path / "rep")],
-                     capture_output=True, text=True, timeout=300, cwd=REPO)
+  p = subprocess.run(
+    [sys.executable, "-m", "jaxkern.report", str(path), "--out", str(tmp_path / "rep")],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=REPO,
+  )
   assert f"{path}:2: truncated last line" in p.stderr, p.stdout + p.stderr
 
 
@@ -69,12 +76,19 @@ def test_writer_never_destroys_results(tmp_path):
 
 
 def test_summary_rows_never_mix_timers():
-  traces = [trace("a", timer="device (profiler)", latency=1.0), trace("b", timer="device (profiler)", latency=3.0),
-            trace("c", timer="wall", latency=100.0), trace("d", status=Status.COMPILE_ERROR, timer=None),
-            trace("e", definition="other", timer="interpret", latency=7.0)]
+  traces = [
+    trace("a", timer="device (profiler)", latency=1.0),
+    trace("b", timer="device (profiler)", latency=3.0),
+    trace("c", timer="wall", latency=100.0),
+    trace("d", status=Status.COMPILE_ERROR, timer=None),
+    trace("e", definition="other", timer="interpret", latency=7.0),
+  ]
   rows = [dict(zip(results.SUMMARY_HEADERS, r)) for r in results.summarize(traces)]
   assert [(r["definition"], r["timer"], r["n"], r["failed"], r["kernel ms"]) for r in rows] == [
-      ("d", "device (profiler)", 3, 1, "2"), ("d", "wall", 1, 0, "100"), ("other", "interpret", 1, 0, "7")]
+    ("d", "device (profiler)", 3, 1, "2"),
+    ("d", "wall", 1, 0, "100"),
+    ("other", "interpret", 1, 0, "7"),
+  ]
   assert results.timer_of(traces[3]) is None
   only_failed = [dict(zip(results.SUMMARY_HEADERS, r)) for r in results.summarize([traces[3]])]
   assert [(r["timer"], r["n"], r["kernel ms"]) for r in only_failed] == [("-", 1, "-")]

@@ -9,13 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkern import bench
-from jaxkern import dataset
-from jaxkern import registry
-from jaxkern import evaluate
-from jaxkern import replay
-from jaxkern import results
-from jaxkern import roofline
+from jaxkern import bench, dataset, evaluate, registry, replay, results, roofline
 from jaxkern.families import dense_gemm as dense_gemm_family
 from jaxkern.families import flash_attention as attention_family
 from jaxkern.families import grouped_gemm as grouped_gemm_family
@@ -31,6 +25,7 @@ def cost(name, inputs=None, **axes):
 
 # Each case overrides the constant axes with small ones, so the expected
 # numbers can be checked by hand (bytes: bf16 2, f32 / int32 4, fp8 / uint8 / bool 1).
+
 
 def test_dense_gemm():
   # 2*M*N*K; A 2x4, B 3x4, C 2x3 in bf16: (8 + 12 + 6) * 2.
@@ -58,11 +53,11 @@ def test_grouped_gemm_counts_only_routed_experts():
   # work), two distinct experts. a and a_scale of 3 rows (66 each), expert_ids 5x4, C 5x2 bf16,
   # weights of 2 experts.
   ids = jnp.asarray([3, 0, -1, 3, 7], jnp.int32)
-  assert cost(name, inputs={"expert_ids": ids}, M=5, E=4, **small) == (
-      2 * 3 * 2 * 64, 3 * 66 + 20 + 20 + 2 * 68, "fp8")
+  assert cost(name, inputs={"expert_ids": ids}, M=5, E=4, **small) == (2 * 3 * 2 * 64, 3 * 66 + 20 + 20 + 2 * 68, "fp8")
   # Folded scales run f16 dots: the same work, judged at the bf16/f16 MMA peak.
-  folded = grouped_gemm_family.kernel_lib.GroupedGemmConfig(64, 128, 128, swap_ab=True, expert_items=True,
-                                                            fold_scales=True)
+  folded = grouped_gemm_family.kernel_lib.GroupedGemmConfig(
+    64, 128, 128, swap_ab=True, expert_items=True, fold_scales=True
+  )
   work = registry.get(name).cost({"M": 1, "E": 4, **small}, config=folded)
   assert (work.flops, work.bytes, work.dtype_class) == (2 * 1 * 2 * 64, 74 + 68, "bf16")
 
@@ -78,7 +73,10 @@ def test_padded_attention_counts_only_its_visible_keys():
   # key_valid 6, o 32, and the k and v rows of the 4 visible keys (8 + 8 bytes each).
   key_valid = jnp.asarray([[True, False, False], [True, True, True]])
   assert cost(name, inputs={"key_valid": key_valid}, B=2, Nq=2, Nk=3, H=1, D=4) == (
-      4 * 2 * 4 * 4, 32 + 6 + 32 + 4 * 16, "bf16")
+    4 * 2 * 4 * 4,
+    32 + 6 + 32 + 4 * 16,
+    "bf16",
+  )
   # A recorded attn2 (padded text) workload as the replay synthesizes it: only its valid keys.
   op = registry.get("noncausal_dense_attention_h32_d128")
   w = next(w for w in dataset.load_workloads(op.name) if w.variant == "attn2")
@@ -156,8 +154,21 @@ def test_sparse_mla_counts_gathered_rows():
 
 
 def test_mixed_mla_counts_gathered_tokens_as_stored():
-  got = cost("mixed_mla_decode_deepseek41_h64_d512_k8128_k4512", B=1, N8=1, N4=1, P8=2, P4=2, H=1, HKV=1,
-             D=4, K8=1, K4=3, token_bytes_fp8=8, token_bytes_fp4=6)
+  got = cost(
+    "mixed_mla_decode_deepseek41_h64_d512_k8128_k4512",
+    B=1,
+    N8=1,
+    N4=1,
+    P8=2,
+    P4=2,
+    H=1,
+    HKV=1,
+    D=4,
+    K8=1,
+    K4=3,
+    token_bytes_fp8=8,
+    token_bytes_fp4=6,
+  )
   # slots min(1, 2) + min(3, 2) = 3; q 8, indices 4 + 12, sm_scale 4, sink 4, out 8, lse 4 = 44;
   # gathered: 1 fp8 token of 8 bytes + min(3, 2) fp4 tokens of 6 bytes = 20.
   assert got == (4 * 3 * 4, 64, "bf16")
@@ -169,37 +180,42 @@ def test_mixed_mla_counts_gathered_tokens_as_stored():
   # distinct tokens 1 + 1.
   inputs = {"indices_fp8": jnp.asarray([[1]], jnp.int32), "indices_fp4": jnp.asarray([[0, 0, 4]], jnp.int32)}
   c = registry.get("mixed_mla_decode_deepseek41_h64_d512_k8128_k4512").cost(
-      dict(B=1, N8=1, N4=2, P8=2, P4=2, H=1, HKV=1, D=4, K8=1, K4=3, token_bytes_fp8=8, token_bytes_fp4=6),
-      inputs=inputs)
+    dict(B=1, N8=1, N4=2, P8=2, P4=2, H=1, HKV=1, D=4, K8=1, K4=3, token_bytes_fp8=8, token_bytes_fp4=6), inputs=inputs
+  )
   assert (c.flops, c.bytes, c.gather_bytes) == (4 * 3 * 4, 44 + 8 + 6, 8 + 2 * 6)
 
 
 def test_qsa_index_topk_counts_referenced_pages():
-  got = cost("qsa_index_topk_decode_qwen38_h4_d128_topk512_c4", B=2, MP=2, NP=3, P=2, H=1, HKV=1, D=4,
-             TOPK=2, C=4)
+  got = cost("qsa_index_topk_decode_qwen38_h4_d128_topk512_c4", B=2, MP=2, NP=3, P=2, H=1, HKV=1, D=4, TOPK=2, C=4)
   # scores: 2*B*MP*P*H*D = 64; q 16, page_table 16, seq_lens 8, topk_ids 16; pages min(NP=3, B*MP=4)
   # of 2x1x4 bf16 = 16 bytes: 48.
   assert got == (64, 56 + 48, "bf16")
   # With the run's data: sequence 0 has 9 tokens (2 keys, on page 2), sequence 1 has 16 tokens
   # (4 keys: its pages 2 and 0, page 2 shared): 6 scored keys, 2 distinct pages.
   inputs = {"seq_lens": jnp.asarray([9, 16], jnp.int32), "page_table": jnp.asarray([[2, 1], [2, 0]], jnp.int32)}
-  got = cost("qsa_index_topk_decode_qwen38_h4_d128_topk512_c4", inputs=inputs, B=2, MP=2, NP=3, P=2, H=1,
-             HKV=1, D=4, TOPK=2, C=4)
+  got = cost(
+    "qsa_index_topk_decode_qwen38_h4_d128_topk512_c4", inputs=inputs, B=2, MP=2, NP=3, P=2, H=1, HKV=1, D=4, TOPK=2, C=4
+  )
   assert got == (2 * 6 * 4, 56 + 2 * 16, "bf16")
 
 
 def test_qsa_sparse_gqa_counts_visible_tokens():
-  got = cost("qsa_sparse_gqa_decode_qwen38_h24_kv2_d256_topk512_c4", B=1, MP=2, NP=2, P=4, HQ=2, HKV=1, D=2,
-             TOPK=1, C=2)
+  got = cost(
+    "qsa_sparse_gqa_decode_qwen38_h24_kv2_d256_topk512_c4", B=1, MP=2, NP=2, P=4, HQ=2, HKV=1, D=2, TOPK=1, C=2
+  )
   # t = min(MP*P=8, TOPK*C + C-1 = 3) = 3: 4*1*2*3*2; q 8, page_table 8, seq_lens 4, topk_ids 4,
   # sm_scale 4, o 8 = 36; gathered 3 tokens of k and v rows (1x2 bf16 each): 3 * 8.
   assert got == (48, 60, "bf16")
   # With the run's data: seq_len 7 (n = 3 blocks of 2 and a 1-token tail); ids 2, 2 (once), -1 and
   # 5 (>= n: ignored): tokens 4, 5 and the tail 6 on logical page 1 -> physical page 0.
-  inputs = {"seq_lens": jnp.asarray([7], jnp.int32), "topk_ids": jnp.asarray([[2, 2, -1, 5]], jnp.int32),
-            "page_table": jnp.asarray([[1, 0]], jnp.int32)}
+  inputs = {
+    "seq_lens": jnp.asarray([7], jnp.int32),
+    "topk_ids": jnp.asarray([[2, 2, -1, 5]], jnp.int32),
+    "page_table": jnp.asarray([[1, 0]], jnp.int32),
+  }
   c = registry.get("qsa_sparse_gqa_decode_qwen38_h24_kv2_d256_topk512_c4").cost(
-      dict(B=1, MP=2, NP=2, P=4, HQ=2, HKV=1, D=2, TOPK=4, C=2), inputs=inputs)
+    dict(B=1, MP=2, NP=2, P=4, HQ=2, HKV=1, D=2, TOPK=4, C=2), inputs=inputs
+  )
   # q 8, page_table 8, seq_lens 4, topk_ids 16, sm_scale 4, o 8 = 48; 3 rows of 8.
   assert (c.flops, c.bytes, c.gather_bytes) == (4 * 2 * 2 * 3, 48 + 24, 24)
 
@@ -221,8 +237,11 @@ def test_formulas_live_with_their_families():
     assert registry.get(name).impl.cost is dense_gemm_family.dense_gemm_cost
     assert registry.get(name).cost({"M": 1}).family == "dense_gemm_cost"
   costs = {registry.get(n).impl.cost for n in DEFS if n.startswith(("noncausal", "prefix_cached"))}
-  assert costs == {attention_family.noncausal_attention_cost, attention_family.prefix_cached_attention_cost,
-                   attention_family.block_causal_attention_cost}
+  assert costs == {
+    attention_family.noncausal_attention_cost,
+    attention_family.prefix_cached_attention_cost,
+    attention_family.block_causal_attention_cost,
+  }
 
 
 def test_speed_of_light_and_peaks():
@@ -234,8 +253,7 @@ def test_speed_of_light_and_peaks():
   assert roofline.speed_of_light_ms(one_ms_flops, 2 * one_ms_bytes, "h200", "bf16") == pytest.approx(2.0)
   assert roofline.speed_of_light_ms(one_ms_flops, 0, "h200", "fp8") == pytest.approx(0.5, rel=1e-3)
   assert roofline.speed_of_light_ms(0, one_ms_bytes, "h100_sxm") == pytest.approx(4.8 / 3.35)
-  assert roofline.speed_of_light_ms(one_ms_flops, 0, "h200", "bf16", basis="measured") == pytest.approx(
-      989.4 / 790)
+  assert roofline.speed_of_light_ms(one_ms_flops, 0, "h200", "bf16", basis="measured") == pytest.approx(989.4 / 790)
   assert roofline.peaks("h100_sxm", "measured") == roofline.peaks("h100_sxm")  # none measured: datasheet
   for key, dev in roofline.DEVICES.items():
     assert set(dev["datasheet"]) == {"bf16_tflops", "fp8_tflops", "fp32_tflops", "hbm_tb_s"}, key
@@ -253,9 +271,16 @@ def test_performance_fields():
   cpu = roofline.performance_fields(lambda: c, 5.0, device_kind="cpu", measured_on_gpu=False)
   assert "sol_fraction" not in cpu
   assert cpu["speed_of_light_ms"] == pytest.approx(c.speed_of_light_ms("h200"))
-  assert cpu["roofline"] == {"flops": c.flops, "bytes": c.bytes, "device": "h200", "dtype_class": "bf16",
-                             "peak": "bf16 MMA 989.4 TFLOP/s, HBM 4.8 TB/s", "bound": "compute",
-                             "basis": "datasheet", "counted_from": "axes"}
+  assert cpu["roofline"] == {
+    "flops": c.flops,
+    "bytes": c.bytes,
+    "device": "h200",
+    "dtype_class": "bf16",
+    "peak": "bf16 MMA 989.4 TFLOP/s, HBM 4.8 TB/s",
+    "bound": "compute",
+    "basis": "datasheet",
+    "counted_from": "axes",
+  }
   gpu = roofline.performance_fields(lambda: c, 0.5, device_kind="NVIDIA H100 80GB HBM3", measured_on_gpu=True)
   assert gpu["roofline"]["device"] == "h100_sxm"
   assert gpu["sol_fraction"] == pytest.approx(c.speed_of_light_ms("h100_sxm") / 0.5)
@@ -267,7 +292,7 @@ def test_performance_fields():
   assert broken["speed_of_light_ms"] is None and "no cost formula" in broken["roofline"]["error"]
 
 
-TOY_GEMM = '''
+TOY_GEMM = """
 import dataclasses
 import jax.numpy as jnp
 from jaxkern.families.dense_gemm import dense_gemm_cost
@@ -291,7 +316,7 @@ KERNEL = Kernel(name="toy_gemm", backend="triton", launch=kernel, config_class=T
                 choose_config=lambda s: ToyConfig(), candidate_configs=lambda s: [ToyConfig()])
 IMPLS = (OpImpl(reference=toy_matmul, make_inputs=make_inputs, kernels=kernels(KERNEL), cpu_axes=lambda axes: axes,
                 cost=dense_gemm_cost),)
-'''
+"""
 
 
 def test_replay_results_carry_speed_of_light_and_sol_fraction_only_on_gpu(tmp_path, monkeypatch):
@@ -305,14 +330,20 @@ def test_replay_results_carry_speed_of_light_and_sol_fraction_only_on_gpu(tmp_pa
   (ds / "definitions").mkdir(parents=True)
   (ds / "workloads").mkdir()
   definition = {
-      "name": "toy_gemm_n16_k32", "op_type": "gemm", "description": "C = A B^T", "tags": [],
-      "axes": {"M": {"type": "var"}, "N": {"type": "const", "value": 16}, "K": {"type": "const", "value": 32}},
-      "inputs": {"A": {"shape": ["M", "K"], "dtype": "bfloat16"}, "B": {"shape": ["N", "K"], "dtype": "bfloat16"}},
-      "outputs": {"C": {"shape": ["M", "N"], "dtype": "bfloat16"}}, "constraints": [],
-      "reference": "toy_gemm_family:toy_matmul"}
+    "name": "toy_gemm_n16_k32",
+    "op_type": "gemm",
+    "description": "C = A B^T",
+    "tags": [],
+    "axes": {"M": {"type": "var"}, "N": {"type": "const", "value": 16}, "K": {"type": "const", "value": 32}},
+    "inputs": {"A": {"shape": ["M", "K"], "dtype": "bfloat16"}, "B": {"shape": ["N", "K"], "dtype": "bfloat16"}},
+    "outputs": {"C": {"shape": ["M", "N"], "dtype": "bfloat16"}},
+    "constraints": [],
+    "reference": "toy_gemm_family:toy_matmul",
+  }
   (ds / "definitions" / "toy_gemm_n16_k32.json").write_text(json.dumps(definition))
   (ds / "workloads" / "toy_gemm_n16_k32.jsonl").write_text(
-      json.dumps({"uuid": "g0", "definition": "toy_gemm_n16_k32", "axes": {"M": 8}}) + "\n")
+    json.dumps({"uuid": "g0", "definition": "toy_gemm_n16_k32", "axes": {"M": 8}}) + "\n"
+  )
   op = registry.get("toy_gemm_n16_k32", ds)
   [w] = dataset.load_workloads("toy_gemm_n16_k32", ds)
   cfg = replay.default_config()

@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kit import EVERY_CANDIDATE, Case, MosaicGpuCall, TritonCall
+from numerics import assert_bf16_close, assert_f32_close
 
 from jaxkern.families import sparse_mla as fam
-from kit import EVERY_CANDIDATE, Case, MosaicGpuCall, TritonCall
 from pallas_kernels.sparse_mla import mosaic_gpu as sm_mosaic
 from pallas_kernels.sparse_mla import triton as sm
-from numerics import assert_bf16_close, assert_f32_close
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 K128 = "sparse_mla_prefill_h64_d512_k128"
@@ -62,7 +62,7 @@ def random_problem(m, nkv, topk, *, heads=64, dim=512, seed=0, lo=-3, hi_extra=5
   kv = jnp.asarray(rng.standard_normal((nkv, 1, dim), np.float32), jnp.bfloat16)
   idx = rng.integers(lo, nkv + hi_extra, (m, 1, topk)).astype(np.int32)
   sink = jnp.asarray(rng.uniform(-2, 4, heads), jnp.float32)
-  return q, kv, idx, jnp.float32(dim ** -0.5), sink
+  return q, kv, idx, jnp.float32(dim**-0.5), sink
 
 
 def numpy_float64(q, kv, indices, sm_scale, attn_sink):
@@ -92,9 +92,9 @@ def numpy_float64(q, kv, indices, sm_scale, attn_sink):
 
 def test_reference_matches_float64():
   q, kv, idx, scale, sink = random_problem(37, 90, 48, heads=16, dim=64, seed=1)
-  idx[3] = -1                      # lonely
-  idx[4] = 90 + np.arange(48)      # all >= Nkv: lonely
-  idx[5, 0, 1:] = -1               # one valid slot
+  idx[3] = -1  # lonely
+  idx[4] = 90 + np.arange(48)  # all >= Nkv: lonely
+  idx[5, 0, 1:] = -1  # one valid slot
   out, lse = fam.sparse_mla_prefill_reference(q, kv, jnp.asarray(idx), scale, sink)
   ref_out, ref_lse = numpy_float64(q, kv, idx, scale, sink)
   np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=4e-3, rtol=8e-3)
@@ -119,8 +119,7 @@ def test_reference_sink_only_in_denominator():
 
 def test_reference_chunks_rows():
   """More rows than one reference chunk, M not a multiple of it."""
-  q, kv, idx, scale, sink = random_problem(fam._REFERENCE_ROW_CHUNK * 2 + 3, 50, 16, heads=16,
-                                           dim=32, seed=3)
+  q, kv, idx, scale, sink = random_problem(fam._REFERENCE_ROW_CHUNK * 2 + 3, 50, 16, heads=16, dim=32, seed=3)
   out, lse = fam.sparse_mla_prefill_reference(q, kv, jnp.asarray(idx), scale, sink)
   ref_out, ref_lse = numpy_float64(q, kv, idx, scale, sink)
   np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=4e-3, rtol=8e-3)
@@ -138,14 +137,20 @@ def launches(config, axes):
   h, d, m, topk = axes["H"], axes["D"], axes["M"], axes["TOPK"]
   block_k = max(16, min(config.block_k, 1 << max(topk - 1, 0).bit_length()))
   blocks = -(-topk // block_k)
-  splits = -(-blocks // -(-blocks // config.splits))   # runs of equal length, the last shorter
-  calls = [TritonCall("sparse_mla_prefill", (h // min(config.block_h, h), splits, m),
-                      config.num_warps, config.num_stages)]
+  splits = -(-blocks // -(-blocks // config.splits))  # runs of equal length, the last shorter
+  calls = [
+    TritonCall("sparse_mla_prefill", (h // min(config.block_h, h), splits, m), config.num_warps, config.num_stages)
+  ]
   if splits > 1:
     c = config.combine
-    calls.append(TritonCall("sparse_mla_prefill_combine",
-                            (h // min(c.block_h, h & -h), m, d // min(c.block_d, d & -d)),
-                            c.num_warps, c.num_stages))
+    calls.append(
+      TritonCall(
+        "sparse_mla_prefill_combine",
+        (h // min(c.block_h, h & -h), m, d // min(c.block_d, d & -d)),
+        c.num_warps,
+        c.num_stages,
+      )
+    )
   return calls
 
 
@@ -157,10 +162,16 @@ def launches_mosaic_gpu(config, axes):
   fp32 partials (the Triton combine follows)."""
   h, d, m, nkv, topk = axes["H"], axes["D"], axes["M"], axes["Nkv"], axes["TOPK"]
   blocks = -(-topk // config.block_k)
-  splits = -(-blocks // -(-blocks // config.splits))   # runs of equal length, the last shorter
-  operands = (f"tensor<{m}x{h}x{d}xbf16>", f"tensor<{nkv}x{d}xbf16>", f"tensor<1x{d}xbf16>",
-              f"tensor<{m}x{blocks}x{config.block_k}xi32>", f"tensor<{m}x2xi32>", f"tensor<{h}xf32>",
-              f"tensor<{h}xf32>")
+  splits = -(-blocks // -(-blocks // config.splits))  # runs of equal length, the last shorter
+  operands = (
+    f"tensor<{m}x{h}x{d}xbf16>",
+    f"tensor<{nkv}x{d}xbf16>",
+    f"tensor<1x{d}xbf16>",
+    f"tensor<{m}x{blocks}x{config.block_k}xi32>",
+    f"tensor<{m}x2xi32>",
+    f"tensor<{h}xf32>",
+    f"tensor<{h}xf32>",
+  )
   if splits == 1:
     return [MosaicGpuCall(operands, (f"tensor<{m}x{h}x{d}xbf16>", f"tensor<{m}x{h}xf32>"))]
   return [MosaicGpuCall(operands, (f"tensor<{m}x{splits}x{h}x{d}xf32>", f"tensor<{m}x{splits}x{h}xf32>"))]
@@ -168,9 +179,11 @@ def launches_mosaic_gpu(config, axes):
 
 def problem(m, nkv, topk, seed, **kw):
   """`random_problem` as the definition's named inputs."""
+
   def build():
     q, kv, idx, scale, sink = random_problem(m, nkv, topk, seed=seed, **kw)
     return {"q": q, "kv": kv, "indices": jnp.asarray(idx), "sm_scale": scale, "attn_sink": sink}
+
   return build
 
 
@@ -186,8 +199,8 @@ def edge_rows():
   idx[3] = -1
   idx[3, 0, 40:50] = np.arange(10)
   idx[4, 0, 60:] = -1
-  idx[5] = 3                         # one row gathered 96 times
-  idx[6, 0, ::2] = nkv               # every other slot invalid
+  idx[5] = 3  # one row gathered 96 times
+  idx[6, 0, ::2] = nkv  # every other slot invalid
   return {"q": q, "kv": kv, "indices": jnp.asarray(idx), "sm_scale": scale, "attn_sink": sink}
 
 
@@ -204,46 +217,78 @@ def record_picks(name):
 
 
 KERNEL_CASES = [
-    *(Case(K128, inputs=problem(m, nkv, topk, seed=m + topk), config=config, id=label)
-      for m, nkv, topk, config, label in [
-          (6, 300, 80, SMALL, "ragged_last_slot_block"),     # 80 = 2.5 x 32
-          (1, 40, 128, SMALL, "one_row"),
-          (3, 200, 640, None, "k640_heuristic_split"),      # 32 heads, 4 TOPK splits
-          (4, 64, 24, CHUNKED, "topk_below_32_d_chunks"),
-          (5, 300, 80, SPLIT, "split_ragged_runs"),         # 5 blocks of 16 in runs 2, 2, 1
-          (2, 90, 40, dataclasses.replace(CHUNKED, prefetch=False), "no_index_carry")]),
-    *(Case(K128, inputs=edge_rows, config=c, check=first_two_rows_lonely, id=f"edge_rows_{i}")
-      for i, c in enumerate((SMALL, CHUNKED, SPLIT))),
-    *(Case(name, fam.cpu_axes(full_axes(name, rec["axes"])), record=rec, id=f"record_{rec['uuid'][:8]}")
-      for name in (K128, K640) for rec in record_picks(name)),
-    # The Mosaic GPU kernel (its own checks: test_sparse_mla_mosaic.py);
-    # at these M its heuristic splits TOPK (M = 3: 4 splits, the last of 10
-    # blocks alone; M = 6 and 1: 2), so each case also runs unsplit.
-    *(Case(K128, inputs=problem(m, nkv, topk, seed=m + topk), config=config, id=f"mosaic_{label}_{tag}",
-           backend="mosaic_gpu")
-      for m, nkv, topk, label in [(6, 300, 80, "ragged_last_slot_block"), (1, 40, 128, "one_row"),
-                                  (3, 200, 640, "k640"), (4, 64, 24, "topk_below_one_block")]
-      for config, tag in [(None, "heuristic"), (MOSAIC_UNSPLIT, "unsplit")]),
-    *(Case(K128, inputs=edge_rows, config=config, check=first_two_rows_lonely, id=f"mosaic_edge_rows_{tag}",
-           backend="mosaic_gpu")
-      for config, tag in [(None, "heuristic"), (MOSAIC_UNSPLIT, "unsplit")]),
-    # Records at CPU scale: k128's two (a k640 record takes 20-45 s in the
-    # Mosaic GPU interpreter; the replay with --config.backend=mosaic_gpu
-    # runs all 30, docs/perf/mosaic_gpu.md).
-    *(Case(K128, fam.cpu_axes(full_axes(K128, rec["axes"])), record=rec, id=f"mosaic_record_{rec['uuid'][:8]}",
-           backend="mosaic_gpu")
-      for rec in record_picks(K128)),
+  *(
+    Case(K128, inputs=problem(m, nkv, topk, seed=m + topk), config=config, id=label)
+    for m, nkv, topk, config, label in [
+      (6, 300, 80, SMALL, "ragged_last_slot_block"),  # 80 = 2.5 x 32
+      (1, 40, 128, SMALL, "one_row"),
+      (3, 200, 640, None, "k640_heuristic_split"),  # 32 heads, 4 TOPK splits
+      (4, 64, 24, CHUNKED, "topk_below_32_d_chunks"),
+      (5, 300, 80, SPLIT, "split_ragged_runs"),  # 5 blocks of 16 in runs 2, 2, 1
+      (2, 90, 40, dataclasses.replace(CHUNKED, prefetch=False), "no_index_carry"),
+    ]
+  ),
+  *(
+    Case(K128, inputs=edge_rows, config=c, check=first_two_rows_lonely, id=f"edge_rows_{i}")
+    for i, c in enumerate((SMALL, CHUNKED, SPLIT))
+  ),
+  *(
+    Case(name, fam.cpu_axes(full_axes(name, rec["axes"])), record=rec, id=f"record_{rec['uuid'][:8]}")
+    for name in (K128, K640)
+    for rec in record_picks(name)
+  ),
+  # The Mosaic GPU kernel (its own checks: test_sparse_mla_mosaic.py);
+  # at these M its heuristic splits TOPK (M = 3: 4 splits, the last of 10
+  # blocks alone; M = 6 and 1: 2), so each case also runs unsplit.
+  *(
+    Case(
+      K128, inputs=problem(m, nkv, topk, seed=m + topk), config=config, id=f"mosaic_{label}_{tag}", backend="mosaic_gpu"
+    )
+    for m, nkv, topk, label in [
+      (6, 300, 80, "ragged_last_slot_block"),
+      (1, 40, 128, "one_row"),
+      (3, 200, 640, "k640"),
+      (4, 64, 24, "topk_below_one_block"),
+    ]
+    for config, tag in [(None, "heuristic"), (MOSAIC_UNSPLIT, "unsplit")]
+  ),
+  *(
+    Case(
+      K128,
+      inputs=edge_rows,
+      config=config,
+      check=first_two_rows_lonely,
+      id=f"mosaic_edge_rows_{tag}",
+      backend="mosaic_gpu",
+    )
+    for config, tag in [(None, "heuristic"), (MOSAIC_UNSPLIT, "unsplit")]
+  ),
+  # Records at CPU scale: k128's two (a k640 record takes 20-45 s in the
+  # Mosaic GPU interpreter; the replay with --config.backend=mosaic_gpu
+  # runs all 30, docs/perf/mosaic_gpu.md).
+  *(
+    Case(
+      K128,
+      fam.cpu_axes(full_axes(K128, rec["axes"])),
+      record=rec,
+      id=f"mosaic_record_{rec['uuid'][:8]}",
+      backend="mosaic_gpu",
+    )
+    for rec in record_picks(K128)
+  ),
 ]
 # Each distinct tiling of the candidates (warps and stages do not change
 # interpret-mode semantics).
 SWEEP_CASE = Case(K640, inputs=problem(1, 120, 640, seed=9), id="m1_k640")
 SWEEP_CASE_MOSAIC_GPU = Case(K640, inputs=problem(2, 120, 640, seed=9), id="m2_k640")
 # The smallest recorded M: the heuristic splits TOPK; every candidate too.
-LOWERING_CASES = [Case(K640, dict(M=128, Nkv=256), config=EVERY_CANDIDATE),
-                  Case(K128, dict(M=128, Nkv=128), config=EVERY_CANDIDATE),
-                  # Below a wave of CTAs the Mosaic GPU kernel splits TOPK.
-                  Case(K640, dict(M=16, Nkv=256), config=EVERY_CANDIDATE, backend="mosaic_gpu"),
-                  Case(K128, dict(M=40, Nkv=128), config=EVERY_CANDIDATE, backend="mosaic_gpu")]
+LOWERING_CASES = [
+  Case(K640, dict(M=128, Nkv=256), config=EVERY_CANDIDATE),
+  Case(K128, dict(M=128, Nkv=128), config=EVERY_CANDIDATE),
+  # Below a wave of CTAs the Mosaic GPU kernel splits TOPK.
+  Case(K640, dict(M=16, Nkv=256), config=EVERY_CANDIDATE, backend="mosaic_gpu"),
+  Case(K128, dict(M=40, Nkv=128), config=EVERY_CANDIDATE, backend="mosaic_gpu"),
+]
 
 
 # ---------------------------------------------------------------------------
@@ -254,8 +299,7 @@ def test_kernel_traced_scale_and_large_sink():
   """sm_scale traced under jit; a sink that dominates the denominator."""
   q, kv, idx, _, sink = random_problem(2, 50, 32, seed=6, lo=0, hi_extra=0)
   sink = sink.at[:8].set(30.0).at[8:16].set(-30.0)
-  f = jax.jit(lambda s: sm.sparse_mla_prefill(q, kv, jnp.asarray(idx), s, sink, config=SMALL,
-                                              interpret=True))
+  f = jax.jit(lambda s: sm.sparse_mla_prefill(q, kv, jnp.asarray(idx), s, sink, config=SMALL, interpret=True))
   out, lse = f(jnp.float32(0.07))
   assert_close(out, lse, *fam.sparse_mla_prefill_reference(q, kv, jnp.asarray(idx), 0.07, sink))
 
@@ -326,11 +370,12 @@ def test_synthesized_indices_structure_full_size():
   layout = fam.workspace_layout(a["M"], a["Nkv"], 640, rec)
   idx = fam.layout_indices(layout, 640, np.random.default_rng(0))
   check_indices(layout, idx, 640, a["Nkv"])
-  assert np.all(np.asarray(idx)[:, 0, 128:] >= 0)   # every query sees >= 512
+  assert np.all(np.asarray(idx)[:, 0, 128:] >= 0)  # every query sees >= 512
 
 
-@pytest.mark.parametrize("m,nkv,topk", [(1, 1, 128), (1, 1, 640), (5, 5, 640), (7, 300, 640),
-                                        (3, 1000, 128), (64, 70, 640), (2, 2000, 16)])
+@pytest.mark.parametrize(
+  "m,nkv,topk", [(1, 1, 128), (1, 1, 640), (5, 5, 640), (7, 300, 640), (3, 1000, 128), (64, 70, 640), (2, 2000, 16)]
+)
 def test_synthesis_from_axes_alone(m, nkv, topk):
   layout = fam.workspace_layout(m, nkv, topk, None)
   assert layout.num_rows == nkv and sum(layout.new) == m
@@ -351,7 +396,7 @@ def test_make_inputs_deterministic_and_typed():
     assert a[name].shape == shape and str(a[name].dtype) == t["dtype"], name
     np.testing.assert_array_equal(np.asarray(a[name], np.float32), np.asarray(b[name], np.float32))
   assert not np.array_equal(np.asarray(a["q"], np.float32), np.asarray(c["q"], np.float32))
-  assert float(a["sm_scale"]) == pytest.approx(512 ** -0.5)
+  assert float(a["sm_scale"]) == pytest.approx(512**-0.5)
 
 
 @pytest.mark.parametrize("name", [K128, K640])
@@ -362,7 +407,7 @@ def test_cpu_axes(name):
     assert small["M"] == min(axes["M"], 16) and small["Nkv"] >= small["M"]
     assert {k: small[k] for k in CONST} == CONST and small["TOPK"] == TOPK[name]
     if axes["Nkv"] - axes["M"] <= 256:
-      assert small["Nkv"] - small["M"] == axes["Nkv"] - axes["M"]   # cached window kept
+      assert small["Nkv"] - small["M"] == axes["Nkv"] - axes["M"]  # cached window kept
 
 
 # ---------------------------------------------------------------------------
@@ -373,11 +418,13 @@ def largest_shapes(name):
   recs = records(name)
   m = max(r["axes"]["M"] for r in recs)
   nkv = max(r["axes"]["Nkv"] for r in recs)
-  return {"q": jax.ShapeDtypeStruct((m, 64, 512), jnp.bfloat16),
-          "kv": jax.ShapeDtypeStruct((nkv, 1, 512), jnp.bfloat16),
-          "indices": jax.ShapeDtypeStruct((m, 1, TOPK[name]), jnp.int32),
-          "sm_scale": jax.ShapeDtypeStruct((), jnp.float32),
-          "attn_sink": jax.ShapeDtypeStruct((64,), jnp.float32)}
+  return {
+    "q": jax.ShapeDtypeStruct((m, 64, 512), jnp.bfloat16),
+    "kv": jax.ShapeDtypeStruct((nkv, 1, 512), jnp.bfloat16),
+    "indices": jax.ShapeDtypeStruct((m, 1, TOPK[name]), jnp.int32),
+    "sm_scale": jax.ShapeDtypeStruct((), jnp.float32),
+    "attn_sink": jax.ShapeDtypeStruct((64,), jnp.float32),
+  }
 
 
 def shapes_at(name, m):
@@ -387,16 +434,25 @@ def shapes_at(name, m):
   return shapes
 
 
-@pytest.mark.parametrize("name,m,block_k,splits", [(K640, 4096, 64, 1), (K128, 4096, 64, 1), (K640, 448, 64, 1),
-                                                   (K640, 128, 64, 2), (K128, 128, 64, 2), (K640, 1, 64, 4),
-                                                   (K128, 1, 32, 4)])
+@pytest.mark.parametrize(
+  "name,m,block_k,splits",
+  [
+    (K640, 4096, 64, 1),
+    (K128, 4096, 64, 1),
+    (K640, 448, 64, 1),
+    (K640, 128, 64, 2),
+    (K128, 128, 64, 2),
+    (K640, 1, 64, 4),
+    (K128, 1, 32, 4),
+  ],
+)
 def test_heuristic_grids(name, m, block_k, splits):
   """32-head tiles with 128-column D chunks everywhere; TOPK split only
   under two waves of 132 SMs, into enough runs for two waves at the
   smallest recorded M = 128 (at most MAX_SPLITS)."""
   config = sm.choose_config(shapes_at(name, m))
   assert (config.block_h, config.block_d, config.block_k, config.splits) == (32, 128, block_k, splits)
-  (call, *combine), = [launches(config, full_axes(name, dict(M=m, Nkv=m)))]
+  ((call, *combine),) = [launches(config, full_axes(name, dict(M=m, Nkv=m)))]
   assert call.grid == (2, splits, m)
   assert len(combine) == (splits > 1)
   if m == 128:
@@ -412,16 +468,17 @@ def test_config_rules():
   shapes = shapes_at(K640, 1)
   shapes["indices"] = jax.ShapeDtypeStruct((1, 1, 20), jnp.int32)
   fitted = sm._fit(sm.SparseMlaPrefillConfig(splits=4), sm.SparseMlaSizes.of(shapes))
-  assert (fitted.block_k, fitted.splits) == (32, 1)   # one 32-slot block: one run
+  assert (fitted.block_k, fitted.splits) == (32, 1)  # one 32-slot block: one run
 
 
 def test_ops_function_both_backends_under_jit():
-  from jaxkern import ops  # pylint: disable=g-import-not-at-top
+  from jaxkern import ops
+
   q, kv, idx, _, sink = random_problem(3, 40, 64, seed=11)
-  ref = fam.sparse_mla_prefill_reference(q, kv, jnp.asarray(idx), 512 ** -0.5, sink)
+  ref = fam.sparse_mla_prefill_reference(q, kv, jnp.asarray(idx), 512**-0.5, sink)
   for backend in ("xla", "pallas"):
     f = jax.jit(lambda q, kv, i, s, b=backend: ops.sparse_mla_prefill(q, kv, i, s, backend=b))
-    out, lse = f(q, kv[:, 0], jnp.asarray(idx[:, 0]), sink)   # [Nkv, D] / [M, TOPK] forms
+    out, lse = f(q, kv[:, 0], jnp.asarray(idx[:, 0]), sink)  # [Nkv, D] / [M, TOPK] forms
     assert_close(out, lse, *ref)
 
 
@@ -439,7 +496,8 @@ def test_bad_arguments_raise():
 def test_empty_batch_and_lonely_batch(backend):
   """M = 0 gives empty outputs on both paths; rows whose slots are all
   invalid (negative, >= Nkv) give 0 and +inf."""
-  from jaxkern import ops  # pylint: disable=g-import-not-at-top
+  from jaxkern import ops
+
   q, kv, idx, _, sink = random_problem(2, 10, 32, heads=64, seed=12)
   out, lse = ops.sparse_mla_prefill(q[:0], kv, jnp.asarray(idx[:0]), sink, backend=backend)
   assert out.shape == (0, 64, 512) and out.dtype == jnp.bfloat16 and lse.shape == (0, 64)

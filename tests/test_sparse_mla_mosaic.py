@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import assert_bf16_close, assert_f32_close
 
 from jaxkern import ops
 from jaxkern.families import sparse_mla as fam
-from numerics import assert_bf16_close, assert_f32_close
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.kernel import Unsupported
 from pallas_kernels.sparse_mla import mosaic_gpu as mg
@@ -26,13 +26,14 @@ def problem(m, nkv, topk, *, heads=64, dim=512, seed=0):
   kv = jnp.asarray(rng.standard_normal((nkv, 1, dim), np.float32), jnp.bfloat16)
   idx = rng.integers(-2, nkv + 2, (m, 1, topk)).astype(np.int32)
   sink = jnp.asarray(rng.uniform(-2, 4, heads), jnp.float32)
-  return q, kv, idx, dim ** -0.5, sink
+  return q, kv, idx, dim**-0.5, sink
 
 
 def check(q, kv, idx, scale, sink, *, reference_kv=None, **kw):
   out, lse = mg.sparse_mla_prefill(q, kv, jnp.asarray(idx), scale, sink, interpret=True, **kw)
-  ref_out, ref_lse = fam.sparse_mla_prefill_reference(q, kv if reference_kv is None else reference_kv,
-                                                      jnp.asarray(idx), scale, sink)
+  ref_out, ref_lse = fam.sparse_mla_prefill_reference(
+    q, kv if reference_kv is None else reference_kv, jnp.asarray(idx), scale, sink
+  )
   assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:2] and lse.dtype == jnp.float32
   assert_bf16_close(out, ref_out)
   assert_f32_close(lse, ref_lse)
@@ -45,13 +46,14 @@ def test_unselected_rows_and_extreme_invalid_indices_reach_nothing():
   a lonely row: the output is the reference's on the clean workspace, and
   finite."""
   q, kv, idx, scale, sink = problem(4, 200, 130, seed=1)
-  idx = np.where(idx % 3 == 0, -1, np.clip(idx, 1, 99))      # valid slots select rows 1..99
+  idx = np.where(idx % 3 == 0, -1, np.clip(idx, 1, 99))  # valid slots select rows 1..99
   idx[0, 0, :5] = [INT32.max, INT32.min, 200, 201, -7]
-  idx[3] = INT32.max                                          # lonely
+  idx[3] = INT32.max  # lonely
   poison = np.zeros((200, 1, 1), bool)
   poison[0] = poison[100:] = True
-  dirty = jnp.where(jnp.asarray(poison), jnp.asarray(np.where(np.arange(200) % 2, np.inf, np.nan))[:, None, None],
-                    kv).astype(kv.dtype)
+  dirty = jnp.where(
+    jnp.asarray(poison), jnp.asarray(np.where(np.arange(200) % 2, np.inf, np.nan))[:, None, None], kv
+  ).astype(kv.dtype)
   out, lse = check(q, dirty, idx, scale, sink, reference_kv=kv)
   assert np.isfinite(np.asarray(out, np.float32)).all()
   np.testing.assert_array_equal(np.asarray(out[3], np.float32), 0.0)
@@ -89,11 +91,14 @@ def test_empty_sizes():
   assert np.isposinf(np.asarray(lse)).all()
 
 
-@pytest.mark.parametrize("heads,dim,dtype,match", [
+@pytest.mark.parametrize(
+  "heads,dim,dtype,match",
+  [
     (32, 512, jnp.bfloat16, "H=32 must be a multiple of 64"),
     (64, 128, jnp.bfloat16, "head dim D=128"),
     (64, 512, jnp.float32, "must be bfloat16"),
-])
+  ],
+)
 def test_inputs_it_does_not_take_are_unsupported(heads, dim, dtype, match):
   q, kv, idx, scale, sink = problem(1, 10, 16, heads=heads, dim=dim)
   with pytest.raises(Unsupported, match=match):
@@ -105,23 +110,31 @@ def test_bad_input_and_a_config_over_shared_memory_are_refused():
   with pytest.raises(ValueError, match=r"attn_sink \(63,\) must be \[64\]"):
     mg.sparse_mla_prefill(q, kv, jnp.asarray(idx), scale, sink[:63], interpret=True)
   with pytest.raises(ValueError, match="shared memory at D=512"):
-    mg.sparse_mla_prefill(q, kv, jnp.asarray(idx), scale, sink, config=mg.MosaicSparseMlaConfig(stages=2),
-                          interpret=True)
+    mg.sparse_mla_prefill(
+      q, kv, jnp.asarray(idx), scale, sink, config=mg.MosaicSparseMlaConfig(stages=2), interpret=True
+    )
 
 
 def test_shared_memory_of_one_ring_slot_fits_at_the_largest_topk_and_two_do_not():
-  assert mg.shared_memory_bytes(mg.MosaicSparseMlaConfig(), 512, 640) <= 232448 < mg.shared_memory_bytes(
-      mg.MosaicSparseMlaConfig(stages=2), 512, 128)
+  assert (
+    mg.shared_memory_bytes(mg.MosaicSparseMlaConfig(), 512, 640)
+    <= 232448
+    < mg.shared_memory_bytes(mg.MosaicSparseMlaConfig(stages=2), 512, 128)
+  )
 
 
-@pytest.mark.parametrize("m,topk,splits", [(4096, 640, 1), (128, 128, 1), (66, 640, 2), (40, 640, 3), (16, 640, 4),
-                                           (1, 128, 2), (1, 64, 1), (3, 300, 3)])
+@pytest.mark.parametrize(
+  "m,topk,splits",
+  [(4096, 640, 1), (128, 128, 1), (66, 640, 2), (40, 640, 3), (16, 640, 4), (1, 128, 2), (1, 64, 1), (3, 300, 3)],
+)
 def test_heuristic_splits_topk_only_below_half_a_wave(m, topk, splits):
   """132 SMs: 128 CTAs are not split; 66 take 2, 40 take 3, fewer take 4
   (or as many as there are slot blocks, in runs without an empty one: 5
   blocks in 4 splits are runs of 2, 2, 1)."""
-  shapes = {"q": jax.ShapeDtypeStruct((m, 64, 512), jnp.bfloat16),
-            "indices": jax.ShapeDtypeStruct((m, 1, topk), jnp.int32)}
+  shapes = {
+    "q": jax.ShapeDtypeStruct((m, 64, 512), jnp.bfloat16),
+    "indices": jax.ShapeDtypeStruct((m, 1, topk), jnp.int32),
+  }
   assert mg.choose_config(shapes).splits == splits
 
 
@@ -140,20 +153,26 @@ def test_split_rows_with_empty_runs_and_lonely_rows():
 
 
 @pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
-@pytest.mark.parametrize("fault,match", [
+@pytest.mark.parametrize(
+  "fault,match",
+  [
     # The ring slot released by one consumer: the producer refills it under
     # the other one's wgmmas; the release phases run ahead of their waiter.
     ("release_once", "phase"),
     # The staging barrier completing one copy early: the producer would copy
     # a half-gathered step into the ring; the late arrivals are left over.
     ("staged_short", "arrivals pending"),
-])
+  ],
+)
 def test_broken_synchronization_is_caught(fault, match):
-  q, kv, idx, scale, sink = problem(1, 300, 256, seed=4)   # 4 steps through 1 slot
+  q, kv, idx, scale, sink = problem(1, 300, 256, seed=4)  # 4 steps through 1 slot
   idx = np.clip(idx, 0, 299)
   try:
     with pytest.raises(Exception, match=match):
-      jax.block_until_ready(mg._forward(q, kv, jnp.asarray(idx), scale, sink, config=mg.MosaicSparseMlaConfig(),
-                                        interpret=True, fault=fault))
+      jax.block_until_ready(
+        mg._forward(
+          q, kv, jnp.asarray(idx), scale, sink, config=mg.MosaicSparseMlaConfig(), interpret=True, fault=fault
+        )
+      )
   finally:
     compat.reset_interpreter()

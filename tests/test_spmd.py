@@ -8,22 +8,21 @@ tests/test_multidevice.py)."""
 import functools
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
 import jax.numpy as jnp
+import kit
 import numpy as np
 import pytest
-
-import kit
 import sharding_cases
-from jaxkern import ops
-from jaxkern import registry
-from jaxkern import spmd
-from pallas_kernels.shared import common
-from pallas_kernels.shared import lowering
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxkern import ops, registry, spmd
+from pallas_kernels.shared import common, lowering
 
 CASES = {c.label: c for c in sharding_cases.CASES}
-GEMM_SPLIT = spmd.Split(inputs={"A": "m k", "B": "n k"}, outputs=("m n",), independent="m n",
-                        reasons={"k": "the contraction"})
+GEMM_SPLIT = spmd.Split(
+  inputs={"A": "m k", "B": "n k"}, outputs=("m n",), independent="m n", reasons={"k": "the contraction"}
+)
 
 
 def one_device_mesh(axis_type=jax.sharding.AxisType.Explicit):
@@ -68,11 +67,14 @@ def test_assign_reads_the_mesh_axes_of_each_split_dim():
   assert spmd.spec_for(("m", "k"), {"m": ("x", "y")}) == P(("x", "y"), None)
 
 
-@pytest.mark.parametrize("specs, message", [
+@pytest.mark.parametrize(
+  "specs, message",
+  [
     ({"A": P(None, "x")}, "dim 1 ('k'), which it cannot be split along: the contraction"),
     ({"A": P("x"), "B": P("x")}, "those axes already split another dim"),
     ({"A": P(("x", "y"))}, "4 shards do not divide input 'A' dim 0 (6)"),
-])
+  ],
+)
 def test_assign_rejects_what_the_op_cannot_follow(specs, message):
   shapes = {"A": (6, 4), "B": (8, 4)}
   with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -84,8 +86,9 @@ def test_assign_rejects_what_the_op_cannot_follow(specs, message):
 def test_inputs_sharding_one_dim_alike():
   split = spmd.Split(inputs={"q": "b h", "k": "b h"}, outputs=("b h",), independent="b h")
   with pytest.raises(ValueError, match="another input shards 'h' over"):
-    spmd.assign(split, "attn", {"q": P(None, "x"), "k": P(None, "y")}, {"q": (2, 4), "k": (2, 4)},
-                {"x": 2, "y": 2}, strict=True)
+    spmd.assign(
+      split, "attn", {"q": P(None, "x"), "k": P(None, "y")}, {"q": (2, 4), "k": (2, 4)}, {"x": 2, "y": 2}, strict=True
+    )
 
 
 def test_sharding_rule_marks_what_must_stay_whole():
@@ -107,8 +110,9 @@ def test_varying_axes_outside_and_inside_shard_map():
     seen.append((common.varying_axes(x), common.varying_axes(w), common.varying_axes(x, w)))
     return x
 
-  jax.shard_map(body, mesh=one_device_mesh(jax.sharding.AxisType.Auto), in_specs=(P("x"), P()),
-                out_specs=P("x"))(jnp.ones(2), jnp.ones(2))
+  jax.shard_map(body, mesh=one_device_mesh(jax.sharding.AxisType.Auto), in_specs=(P("x"), P()), out_specs=P("x"))(
+    jnp.ones(2), jnp.ones(2)
+  )
   assert seen == [(frozenset({"x"}), frozenset(), frozenset({"x"}))]
 
 
@@ -134,8 +138,9 @@ LANE_SMOKE = ("dense_gemm_bf16_nt_n4096_k4096-m+n", "noncausal_dense_attention_h
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-@pytest.mark.parametrize("label", [pytest.param(l, marks=pytest.mark.device_stack) if l in LANE_SMOKE else l
-                                   for l in CASES])
+@pytest.mark.parametrize(
+  "label", [pytest.param(l, marks=pytest.mark.device_stack) if l in LANE_SMOKE else l for l in CASES]
+)
 def test_every_op_runs_inside_shard_map_with_vma_checks(label, backend):
   """Failed before for every Pallas kernel ("`manual_axis_type` on
   `jax.ShapeDtypeStruct` must not be `None`") and for the XLA path of the
@@ -161,8 +166,9 @@ def test_every_kernel_lowers_for_h100_when_sharded(label):
   mesh = lowering.abstract_h100_mesh()
   specs = case.in_specs(inputs, ("x",))
   shapes = {n: jax.ShapeDtypeStruct(x.shape, x.dtype) for n, x in inputs.items()}
-  sharded = {n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, specs[n]))
-             for n, x in inputs.items()}
+  sharded = {
+    n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, specs[n])) for n, x in inputs.items()
+  }
   plain = lowering.triton_calls(lowering.lower_for_h100(case.call("pallas", interpret=False), shapes))
   assert plain
   for fn in (in_shard_map(case, "pallas", mesh, interpret=False), case.call("pallas", interpret=False)):
@@ -178,9 +184,12 @@ def test_contraction_dim_sharded_is_a_clear_error():
   a = jax.device_put(jnp.ones((8, 32), jnp.bfloat16), NamedSharding(mesh, P(None, "x")))
   b = jax.device_put(jnp.ones((16, 32), jnp.bfloat16), NamedSharding(mesh, P(None, "x")))
   for backend in ("xla", "pallas"):
-    with pytest.raises(ValueError, match=r"dense_gemm_reference: input 'A' \(8, 32\) is sharded over mesh axes "
-                                         r"\('x',\) along dim 1 \('k'\), which it cannot be split along: the "
-                                         r"contraction"):
+    with pytest.raises(
+      ValueError,
+      match=r"dense_gemm_reference: input 'A' \(8, 32\) is sharded over mesh axes "
+      r"\('x',\) along dim 1 \('k'\), which it cannot be split along: the "
+      r"contraction",
+    ):
       jax.jit(functools.partial(ops.dense_gemm, backend=backend))(a, b)
 
 
@@ -189,8 +198,9 @@ def test_experts_sharded_under_jit_point_to_shard_map():
   mesh = one_device_mesh()
   inputs = dict(case_inputs(case.label))
   inputs["b"] = jax.device_put(inputs["b"], NamedSharding(mesh, P("x")))
-  with pytest.raises(ValueError, match="rows carry global expert ids; for expert parallelism call the op inside "
-                                       "jax.shard_map"):
+  with pytest.raises(
+    ValueError, match="rows carry global expert ids; for expert parallelism call the op inside jax.shard_map"
+  ):
     jax.jit(lambda x: ops.grouped_gemm_fp8_fp4(**x, backend="xla"))(inputs)
 
 
@@ -204,8 +214,9 @@ def test_explicit_sharding_keeps_its_spec_through_the_op():
   for backend in ("xla", "pallas"):
     out = jax.jit(functools.partial(ops.attention, backend=backend))(q, k, v)
     assert out.sharding.spec == P(None, None, "x", None)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(ops.attention(*(inputs[n] for n in "qkv"),
-                                                                            backend=backend)))
+    np.testing.assert_array_equal(
+      np.asarray(out), np.asarray(ops.attention(*(inputs[n] for n in "qkv"), backend=backend))
+    )
 
 
 def test_kit_data_covers_every_family():

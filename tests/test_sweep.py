@@ -5,11 +5,10 @@ import pathlib
 import subprocess
 import sys
 
-from absl import app
 import pytest
+from absl import app
 
-from jaxkern import registry
-from jaxkern import sweep
+from jaxkern import registry, sweep
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -24,8 +23,9 @@ def test_parse_axes():
 
 def test_sweep_runs_checks_and_times_candidates():
   op = registry.get("moe_router_gemm_topk_deepseek41_d5120_e384_topk6")
-  rows = sweep.sweep(op, op.validated_axes({"M": 3}), seed=0, warmup=0, iters=1, interpret=True, max_configs=2,
-                     lower_only=False)
+  rows = sweep.sweep(
+    op, op.validated_axes({"M": 3}), seed=0, warmup=0, iters=1, interpret=True, max_configs=2, lower_only=False
+  )
   assert len(rows) == 2 and {r["backend"] for r in rows} == {"triton"}
   assert all(r["status"] == "passed" and r["latency_ms"] > 0 for r in rows)
   assert any(r["heuristic"] for r in rows)  # the heuristic's choice is among the first candidates
@@ -34,15 +34,28 @@ def test_sweep_runs_checks_and_times_candidates():
 @pytest.mark.slow  # a subprocess
 def test_sweep_command_line_lower_only(tmp_path):
   out = tmp_path / "sweep.jsonl"
-  p = subprocess.run([sys.executable, "-m", "jaxkern.sweep", "--definition=noncausal_dense_attention_h32_d64",
-                      "--axes=B=1,Nq=2352,Nk=51", "--lower_only", "--noaot", f"--output={out}"],
-                     capture_output=True, text=True, timeout=300, cwd=REPO)
+  p = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxkern.sweep",
+      "--definition=noncausal_dense_attention_h32_d64",
+      "--axes=B=1,Nq=2352,Nk=51",
+      "--lower_only",
+      "--noaot",
+      f"--output={out}",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=REPO,
+  )
   assert p.returncode == 0, p.stderr
   rows = [json.loads(l) for l in out.read_text().splitlines()]
   op = registry.get("noncausal_dense_attention_h32_d64")
   inputs = op.make_inputs({"B": 1, "Nq": 2352, "Nk": 51})
   per_backend = {b: len(op.candidate_configs(inputs, backend=b)) for b in op.backends}
-  assert set(per_backend) == {"triton", "mosaic_gpu"}   # one ranking over both backends' candidates
+  assert set(per_backend) == {"triton", "mosaic_gpu"}  # one ranking over both backends' candidates
   assert len(rows) == sum(per_backend.values()) and {r["backend"] for r in rows} == set(per_backend)
   assert all(r["status"] == "lowered" for r in rows) and "heuristic" in p.stdout
 
@@ -52,23 +65,59 @@ def test_write_tuned_then_replay_uses_it(tmp_path):
   """`--write_tuned` records the fastest correct (backend, config) for the
   shape bucket; the next replay on this device kind runs it and says it
   came from there."""
-  from jaxkern import dataset  # pylint: disable=g-import-not-at-top
+  from jaxkern import dataset
+
   name = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"
-  env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu",
-         "JAXKERN_TUNED_DIR": str(tmp_path / "tuned")}
-  p = subprocess.run([sys.executable, "-m", "jaxkern.sweep", f"--definition={name}", "--axes=M=3", "--max_configs=3",
-                      "--warmup=0", "--iters=1", "--write_tuned", "--noaot"], capture_output=True, text=True, timeout=300,
-                     cwd=tmp_path, env=env)
+  env = {
+    "PYTHONPATH": str(REPO),
+    "PATH": "/usr/bin:/bin",
+    "JAX_PLATFORMS": "cpu",
+    "JAXKERN_TUNED_DIR": str(tmp_path / "tuned"),
+  }
+  p = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxkern.sweep",
+      f"--definition={name}",
+      "--axes=M=3",
+      "--max_configs=3",
+      "--warmup=0",
+      "--iters=1",
+      "--write_tuned",
+      "--noaot",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=tmp_path,
+    env=env,
+  )
   assert p.returncode == 0, p.stdout + p.stderr
   [table] = (tmp_path / "tuned").glob("*.json")
   op = registry.get(name)
-  [(backend, entry)] = json.loads(table.read_text())["entries"]["moe_router"][op.bucket(op.input_shapes({"M": 3}))].items()
+  [(backend, entry)] = json.loads(table.read_text())["entries"]["moe_router"][
+    op.bucket(op.input_shapes({"M": 3}))
+  ].items()
   assert backend == "triton" and entry["definition"] == name
   record = next(w for w in dataset.load_workloads(name) if w.axes["M"] == 3)
   out = tmp_path / "r.jsonl"
-  p = subprocess.run([sys.executable, "-m", "jaxkern.replay", f"--config={REPO}/configs/smoke.py",
-                      f"--config.uuids={record.uuid}", f"--config.output={out}", "--config.progress=False"],
-                     capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+  p = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxkern.replay",
+      f"--config={REPO}/configs/smoke.py",
+      f"--config.uuids={record.uuid}",
+      f"--config.output={out}",
+      "--config.progress=False",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=tmp_path,
+    env=env,
+  )
   assert p.returncode == 0, p.stdout + p.stderr
   [line] = [json.loads(l) for l in out.read_text().splitlines()]
   assert line["evaluation"]["config_source"] == "tuned" and line["evaluation"]["backend"] == "triton"
@@ -83,11 +132,19 @@ class _FakeCompiler:
     self.calls = 0
 
   def compile(self, fn, shapes):
-    from jaxkern import aot  # pylint: disable=g-import-not-at-top
+    from jaxkern import aot
+
     self.calls += 1
     assert set(shapes) == {"hidden", "weight", "bias", "routed_scaling_factor"}
-    k = aot.KernelReport("moe_router_reduce_route", registers=255, smem_bytes=512, spill_stores=200,
-                         spill_loads=200, matrix_ops="none", ctas_per_sm=2)
+    k = aot.KernelReport(
+      "moe_router_reduce_route",
+      registers=255,
+      smem_bytes=512,
+      spill_stores=200,
+      spill_loads=200,
+      matrix_ops="none",
+      ctas_per_sm=2,
+    )
     if self.calls == 1:
       k.status = aot.SPILLS
     else:
@@ -98,8 +155,17 @@ class _FakeCompiler:
 def test_sweep_skips_configs_the_sm90a_compile_rejects():
   op = registry.get("moe_router_gemm_topk_deepseek41_d5120_e384_topk6")
   compiler = _FakeCompiler()
-  rows = sweep.sweep(op, op.validated_axes({"M": 3}), seed=0, warmup=0, iters=1, interpret=True, max_configs=2,
-                     lower_only=False, compiler=compiler)
+  rows = sweep.sweep(
+    op,
+    op.validated_axes({"M": 3}),
+    seed=0,
+    warmup=0,
+    iters=1,
+    interpret=True,
+    max_configs=2,
+    lower_only=False,
+    compiler=compiler,
+  )
   assert compiler.calls == 2
   assert rows[0]["status"] == "spills" and rows[0]["latency_ms"] is None and "200/200" in rows[0]["log"]
   assert rows[0]["aot"]["kernels"][0]["spill_stores"] == 200

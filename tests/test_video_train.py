@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("optax")
 
 import gradients  # noqa: E402
+
 from examples import video_train  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -40,7 +41,8 @@ def test_parameter_gradients_match_the_xla_path():
   # A trained-like read-out, so gradients reach every weight.
   params["w_out"] = jax.random.normal(jax.random.key(3), params["w_out"].shape) * 0.2
   grad = lambda backend: jax.jit(jax.grad(video_train.loss_fn), static_argnums=(3, 4))(  # noqa: E731
-      params, noisy, clean, SMALL, backend)
+    params, noisy, clean, SMALL, backend
+  )
   got, want = grad("pallas"), grad("xla")
   names = sorted(params)
   assert all(np.abs(np.asarray(want[n])).max() > 0 for n in names)
@@ -50,14 +52,27 @@ def test_parameter_gradients_match_the_xla_path():
 def test_gradient_runs_the_backward_kernels():
   params, noisy, clean = clips_and_params(SMALL)
   calls = gradients.pallas_calls(lambda p: jax.grad(video_train.loss_fn)(p, noisy, clean, SMALL, "pallas"), params)
-  assert {"dense_gemm_nt", "dense_gemm_nn", "dense_gemm_tn", "neighborhood_attention_3d",
-          "neighborhood_attention_3d_bwd_dq", "neighborhood_attention_3d_bwd_dkdv", "flash_attention",
-          "flash_attention_bwd_dq", "flash_attention_bwd_dkdv"} <= set(calls), calls
+  assert {
+    "dense_gemm_nt",
+    "dense_gemm_nn",
+    "dense_gemm_tn",
+    "neighborhood_attention_3d",
+    "neighborhood_attention_3d_bwd_dq",
+    "neighborhood_attention_3d_bwd_dkdv",
+    "flash_attention",
+    "flash_attention_bwd_dq",
+    "flash_attention_bwd_dkdv",
+  } <= set(calls), calls
 
 
 @pytest.mark.slow  # a subprocess
 def test_module_runs_as_a_program():
-  p = subprocess.run([sys.executable, "-m", "examples.video_train", "--backend", "xla", "--steps", "5"],
-                     capture_output=True, text=True, timeout=600, cwd=REPO)
+  p = subprocess.run(
+    [sys.executable, "-m", "examples.video_train", "--backend", "xla", "--steps", "5"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    cwd=REPO,
+  )
   assert p.returncode == 0, p.stdout + p.stderr
   assert p.stdout.count("step ") == 5 and "(decreasing)" in p.stdout

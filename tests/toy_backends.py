@@ -11,12 +11,13 @@ any float dtype. Both share one config class, as backends of a family may.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-import jax.numpy as jnp
 
 from jaxkern.family import OpImpl
 from pallas_kernels.shared import common
@@ -24,11 +25,15 @@ from pallas_kernels.shared.kernel import MOSAIC_GPU, TRITON, Kernel, Unsupported
 
 NAME = "toy_scale_rows"
 DEFINITION = {
-    "name": NAME, "op_type": "toy", "description": "y = x * s", "tags": [],
-    "axes": {"M": {"type": "var"}, "N": {"type": "const", "value": 128}},
-    "inputs": {"x": {"shape": ["M", "N"], "dtype": "float32"}, "s": {"shape": None, "dtype": "float32"}},
-    "outputs": {"y": {"shape": ["M", "N"], "dtype": "float32"}},
-    "constraints": ["M >= 1"], "reference": "toy_backends:toy_reference",
+  "name": NAME,
+  "op_type": "toy",
+  "description": "y = x * s",
+  "tags": [],
+  "axes": {"M": {"type": "var"}, "N": {"type": "const", "value": 128}},
+  "inputs": {"x": {"shape": ["M", "N"], "dtype": "float32"}, "s": {"shape": None, "dtype": "float32"}},
+  "outputs": {"y": {"shape": ["M", "N"], "dtype": "float32"}},
+  "constraints": ["M >= 1"],
+  "reference": "toy_backends:toy_reference",
 }
 RECORDS = [{"uuid": "toy-0", "definition": NAME, "axes": {"M": 16}}]
 
@@ -36,6 +41,7 @@ RECORDS = [{"uuid": "toy-0", "definition": NAME, "axes": {"M": 16}}]
 @dataclasses.dataclass(frozen=True)
 class ToyConfig:
   """Rows per program (Triton) or per block of the grid (Mosaic GPU)."""
+
   block_rows: int = 8
 
 
@@ -56,8 +62,9 @@ def _check_rows(x: jax.Array, config: ToyConfig) -> None:
     raise ValueError(f"x has {x.shape[0]} rows, not a multiple of block_rows={config.block_rows}")
 
 
-def triton_kernel(x: jax.Array, s: jax.Array, *, config: ToyConfig | None = None,
-                  interpret: bool | None = None) -> jax.Array:
+def triton_kernel(
+  x: jax.Array, s: jax.Array, *, config: ToyConfig | None = None, interpret: bool | None = None
+) -> jax.Array:
   """`x * s` on the Triton lowering, `block_rows` rows per program."""
   config = config or choose_config({"x": x})
   _check_rows(x, config)
@@ -67,13 +74,19 @@ def triton_kernel(x: jax.Array, s: jax.Array, *, config: ToyConfig | None = None
 
   rows = pl.BlockSpec((config.block_rows, x.shape[1]), lambda i: (i, 0))
   return common.pallas_call(
-      body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(x.shape[0] // config.block_rows,),
-      in_specs=[pl.BlockSpec((1,), lambda i: (0,)), rows], out_specs=rows, name="toy_scale_rows",
-      interpret=common.resolve_interpret(interpret))(s.reshape(1).astype(x.dtype), x)
+    body,
+    out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    grid=(x.shape[0] // config.block_rows,),
+    in_specs=[pl.BlockSpec((1,), lambda i: (0,)), rows],
+    out_specs=rows,
+    name="toy_scale_rows",
+    interpret=common.resolve_interpret(interpret),
+  )(s.reshape(1).astype(x.dtype), x)
 
 
-def mosaic_gpu_kernel(x: jax.Array, s: jax.Array, *, config: ToyConfig | None = None,
-                      interpret: bool | None = None) -> jax.Array:
+def mosaic_gpu_kernel(
+  x: jax.Array, s: jax.Array, *, config: ToyConfig | None = None, interpret: bool | None = None
+) -> jax.Array:
   """`x * s` as a Mosaic GPU kernel (`plgpu.kernel`, one block of
   `block_rows` rows per grid step); float32 only."""
   if x.dtype != jnp.float32:
@@ -88,15 +101,28 @@ def mosaic_gpu_kernel(x: jax.Array, s: jax.Array, *, config: ToyConfig | None = 
     y_ref[block, :] = x_ref[block, :] * s_ref[...]
 
   params = {"interpret": plgpu.InterpretGPUParams()} if common.resolve_interpret(interpret) else {}
-  launch = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(x.shape[0] // rows,),
-                        grid_names=("rows",), **params)
+  launch = plgpu.kernel(
+    body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(x.shape[0] // rows,), grid_names=("rows",), **params
+  )
   return launch(jnp.broadcast_to(s.astype(x.dtype), (x.shape[1],)), x)
 
 
-TRITON_KERNEL = Kernel(name=NAME, backend=TRITON, launch=triton_kernel, config_class=ToyConfig,
-                       choose_config=choose_config, candidate_configs=candidate_configs)
-MOSAIC_GPU_KERNEL = Kernel(name=NAME, backend=MOSAIC_GPU, launch=mosaic_gpu_kernel, config_class=ToyConfig,
-                           choose_config=choose_config, candidate_configs=candidate_configs)
+TRITON_KERNEL = Kernel(
+  name=NAME,
+  backend=TRITON,
+  launch=triton_kernel,
+  config_class=ToyConfig,
+  choose_config=choose_config,
+  candidate_configs=candidate_configs,
+)
+MOSAIC_GPU_KERNEL = Kernel(
+  name=NAME,
+  backend=MOSAIC_GPU,
+  launch=mosaic_gpu_kernel,
+  config_class=ToyConfig,
+  choose_config=choose_config,
+  candidate_configs=candidate_configs,
+)
 
 
 def make_inputs(axes, key, record):
@@ -105,19 +131,26 @@ def make_inputs(axes, key, record):
 
 
 def cost(definition, axes, *, inputs=None, record=None, config=None):
-  from jaxkern import roofline  # pylint: disable=g-import-not-at-top
+  from jaxkern import roofline
+
   return roofline.Work(axes["M"] * axes["N"], roofline.io_bytes(definition, axes), "fp32")
 
 
-IMPL = OpImpl(reference=toy_reference, kernels=kernels(TRITON_KERNEL, MOSAIC_GPU_KERNEL), make_inputs=make_inputs,
-              cpu_axes=dict, cost=cost)
+IMPL = OpImpl(
+  reference=toy_reference,
+  kernels=kernels(TRITON_KERNEL, MOSAIC_GPU_KERNEL),
+  make_inputs=make_inputs,
+  cpu_axes=dict,
+  cost=cost,
+)
 IMPLS = (IMPL,)
 
 
 def launches_mosaic_gpu(config: ToyConfig, axes: Mapping[str, int]) -> list:
   """The Mosaic GPU calls the toy lowers to: one, with the scale row and x
   in, y out."""
-  from pallas_kernels.shared.lowering import MosaicGpuCall  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.shared.lowering import MosaicGpuCall
+
   del config
   m, n = axes["M"], axes["N"]
   return [MosaicGpuCall(operands=(f"tensor<{n}xf32>", f"tensor<{m}x{n}xf32>"), results=(f"tensor<{m}x{n}xf32>",))]

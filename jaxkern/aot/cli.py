@@ -20,18 +20,30 @@ import datetime
 import json
 import pathlib
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from jaxkern.aot import targets
 from jaxkern.aot.report import OK, format_rows, markdown_page, markdown_section, page_sections
-from jaxkern.aot.toolchain import (DEFAULT_TARGET, PLUGIN_MODULE, Compiler, available, plugin_library, plugin_version,
-                                   ptxas_binary, ptxas_version, skip_cuda_checks, target_origin)
+from jaxkern.aot.toolchain import (
+  DEFAULT_TARGET,
+  PLUGIN_MODULE,
+  Compiler,
+  available,
+  plugin_library,
+  plugin_version,
+  ptxas_binary,
+  ptxas_version,
+  skip_cuda_checks,
+  target_origin,
+)
 
 
 def select_ops(patterns: Sequence[str]) -> list:
   """Implemented ops whose names equal or start with one of `patterns` (all
   implemented ones when empty); raises on a pattern that matches nothing."""
-  from jaxkern import registry  # pylint: disable=g-import-not-at-top
+  from jaxkern import registry
+
   ops = [registry.get(n) for n in registry.names()]
   if not patterns:
     return [op for op in ops if op.implemented]
@@ -52,39 +64,56 @@ def gradient_of(kernel: Callable[[dict], Any]) -> Callable[[dict, Any], Any]:
   """`(inputs, cotangent) -> gradients` of `kernel(inputs)` with respect to
   its floating inputs: what training compiles (the forward that saves the
   residuals, then the backward kernels)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
 
   def fn(inputs, cotangent):
     floating = {k: v for k, v in inputs.items() if jnp.issubdtype(v.dtype, jnp.floating)}
     _, vjp = jax.vjp(lambda d: kernel({**inputs, **d}), floating)
     return vjp(cotangent)
+
   return fn
 
 
-def check_op(compiler: Compiler, op, axes: Mapping[str, int], configs: Sequence[Any] | None = None,
-             progress: Callable[[dict], None] | None = None, backward: bool = False,
-             backend: str | None = None) -> list[dict]:
+def check_op(
+  compiler: Compiler,
+  op,
+  axes: Mapping[str, int],
+  configs: Sequence[Any] | None = None,
+  progress: Callable[[dict], None] | None = None,
+  backward: bool = False,
+  backend: str | None = None,
+) -> list[dict]:
   """Compiles `op`'s kernel of `backend` (None: its default one) at `axes`
   for each config (default: the heuristic's) and returns one JSON-ready row
   per config; with `backward`, its gradient (`gradient_of`: the forward and
   the backward kernels, whose configs are their heuristic's)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from jaxkern import tuning  # pylint: disable=g-import-not-at-top
+  import jax
+
+  from jaxkern import tuning
+
   shapes = op.input_shapes(axes)
   backend = op.kernel_of(backend).backend
   heuristic = op.choose_config(shapes, backend=backend)
   rows = []
-  for config in (configs if configs is not None else [heuristic]):
+  for config in configs if configs is not None else [heuristic]:
     kernel = lambda x, config=config: op.kernel(x, interpret=False, config=config, backend=backend)  # noqa: E731
     if backward:
       rep = compiler.compile(gradient_of(kernel), shapes, jax.eval_shape(kernel, shapes))
     else:
       rep = compiler.compile(kernel, shapes)
-    row = {"definition": op.name + (" (backward)" if backward else ""), "backend": backend,
-           "axes": {a: axes[a] for a in op.definition.var_axes if a in axes}, "config": tuning.config_to_json(config), "heuristic": config == heuristic, "target": compiler.target,
-           "status": rep.status, "compile_seconds": round(rep.compile_seconds, 2), "error": rep.error,
-           "kernels": [dataclasses.asdict(k) for k in rep.kernels]}
+    row = {
+      "definition": op.name + (" (backward)" if backward else ""),
+      "backend": backend,
+      "axes": {a: axes[a] for a in op.definition.var_axes if a in axes},
+      "config": tuning.config_to_json(config),
+      "heuristic": config == heuristic,
+      "target": compiler.target,
+      "status": rep.status,
+      "compile_seconds": round(rep.compile_seconds, 2),
+      "error": rep.error,
+      "kernels": [dataclasses.asdict(k) for k in rep.kernels],
+    }
     rows.append(row)
     if progress:
       progress(row)
@@ -94,6 +123,7 @@ def check_op(compiler: Compiler, op, axes: Mapping[str, int], configs: Sequence[
 @dataclasses.dataclass(frozen=True)
 class Flags:
   """The command line's flag holders (absl), defined by `define_flags`."""
+
   definition: Any
   axes: Any
   all_candidates: Any
@@ -111,25 +141,42 @@ _FLAGS: Flags | None = None
 def define_flags() -> Flags:
   """Defines the command line's flags; only `python -m jaxkern.aot` does
   this, so importing the package defines no global flag."""
-  global _FLAGS  # pylint: disable=global-statement
-  from absl import flags  # pylint: disable=g-import-not-at-top
+  global _FLAGS
+  from absl import flags
+
   _FLAGS = Flags(
-      definition=flags.DEFINE_list("definition", [], "Definition names or prefixes (default: every implemented one)."),
-      axes=flags.DEFINE_string("axes", "", "Variable axes, e.g. 'M=4096' (default: the largest recorded, by input "
-                               "bytes)."),
-      all_candidates=flags.DEFINE_bool("all_candidates", False, "Every sweep candidate, not just the heuristic's."),
-      target=flags.DEFINE_string("target", DEFAULT_TARGET, "GPU target (a device name in the CUDA plugin, or a "
-                                 "part of one)."),
-      json=flags.DEFINE_bool("json", False, "Print JSON instead of a table."),
-      markdown=flags.DEFINE_string("markdown", "", "Also write this jax version's section of the generated "
-                                   "markdown page here (e.g. docs/perf/sm90a_compile.md), keeping the others."),
-      backward=flags.DEFINE_bool("backward", False, "Compile the gradient instead (forward and backward kernels) "
-                                 "of the definitions whose kernels have Pallas backward kernels."),
-      backend=flags.DEFINE_string("backend", "pallas", "Kernel backend: pallas (each backend of the family) | "
-                                  "triton | mosaic_gpu."),
-      write_targets=flags.DEFINE_bool("write_targets", False, "Rewrite the shipped H100/H200 target texts "
-                                      "(jaxkern/aot/gpu_targets) from the installed plugin, which must embed them "
-                                      "(jax >= 0.12), then exit."))
+    definition=flags.DEFINE_list("definition", [], "Definition names or prefixes (default: every implemented one)."),
+    axes=flags.DEFINE_string(
+      "axes", "", "Variable axes, e.g. 'M=4096' (default: the largest recorded, by input bytes)."
+    ),
+    all_candidates=flags.DEFINE_bool("all_candidates", False, "Every sweep candidate, not just the heuristic's."),
+    target=flags.DEFINE_string(
+      "target", DEFAULT_TARGET, "GPU target (a device name in the CUDA plugin, or a part of one)."
+    ),
+    json=flags.DEFINE_bool("json", False, "Print JSON instead of a table."),
+    markdown=flags.DEFINE_string(
+      "markdown",
+      "",
+      "Also write this jax version's section of the generated "
+      "markdown page here (e.g. docs/perf/sm90a_compile.md), keeping the others.",
+    ),
+    backward=flags.DEFINE_bool(
+      "backward",
+      False,
+      "Compile the gradient instead (forward and backward kernels) "
+      "of the definitions whose kernels have Pallas backward kernels.",
+    ),
+    backend=flags.DEFINE_string(
+      "backend", "pallas", "Kernel backend: pallas (each backend of the family) | triton | mosaic_gpu."
+    ),
+    write_targets=flags.DEFINE_bool(
+      "write_targets",
+      False,
+      "Rewrite the shipped H100/H200 target texts "
+      "(jaxkern/aot/gpu_targets) from the installed plugin, which must embed them "
+      "(jax >= 0.12), then exit.",
+    ),
+  )
   return _FLAGS
 
 
@@ -142,19 +189,28 @@ def _write_targets() -> None:
 
 def toolchain_line(compiler: Compiler) -> str:
   """The plugin, ptxas and target text a page section names."""
-  origin = ("embedded in the plugin" if target_origin(compiler.target) == "plugin" else
-            "shipped in jaxkern/aot/gpu_targets (the plugin embeds none)")
+  origin = (
+    "embedded in the plugin"
+    if target_origin(compiler.target) == "plugin"
+    else "shipped in jaxkern/aot/gpu_targets (the plugin embeds none)"
+  )
   return f"jax-cuda13-plugin {plugin_version()}, {ptxas_version()}, target text {origin}"
 
 
 def _write_markdown(path: pathlib.Path, rows: list[dict], compiler: Compiler) -> None:
   """Writes `path` with this jax version's section replaced (or added) and
   the other versions' sections kept."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
+
   sections = page_sections(path.read_text(encoding="utf-8")) if path.exists() else {}
   sections[jax.__version__] = markdown_section(
-      rows, target=compiler.target, toolchain=toolchain_line(compiler), jax_version=jax.__version__,
-      command=_command(sys.argv), date=datetime.date.today().isoformat())
+    rows,
+    target=compiler.target,
+    toolchain=toolchain_line(compiler),
+    jax_version=jax.__version__,
+    command=_command(sys.argv),
+    date=datetime.date.today().isoformat(),
+  )
   path.write_text(markdown_page(sections), encoding="utf-8")
   print(f"wrote {path} (section jax {jax.__version__})", file=sys.stderr)
 
@@ -165,9 +221,9 @@ def _command(argv: Sequence[str]) -> str:
 
 def main(argv: list[str]) -> None:
   """The command line (run through absl's `app.run` after `define_flags`)."""
-  from absl import app  # pylint: disable=g-import-not-at-top
-  from absl import logging  # pylint: disable=g-import-not-at-top
-  from jaxkern import selection  # pylint: disable=g-import-not-at-top
+  from absl import app, logging
+
+  from jaxkern import selection
 
   if _FLAGS is None:
     raise RuntimeError("jaxkern.aot.main runs as `python -m jaxkern.aot` (its flags are defined there)")
@@ -203,21 +259,37 @@ def main(argv: list[str]) -> None:
   print(f"target: {compiler.target} (sm_90a), {toolchain_line(compiler)}, ptxas {ptxas_binary()}", file=sys.stderr)
   rows = []
   for op, backend in jobs:
-    axes = op.validated_axes(selection.parse_axes(f.axes.value) if f.axes.value else selection.largest_recorded_axes(op.definition))
+    axes = op.validated_axes(
+      selection.parse_axes(f.axes.value) if f.axes.value else selection.largest_recorded_axes(op.definition)
+    )
     configs = op.candidate_configs(op.input_shapes(axes), backend=backend) if f.all_candidates.value else None
-    rows += check_op(compiler, op, axes, configs, backward=f.backward.value, backend=backend, progress=lambda r: print(
+    rows += check_op(
+      compiler,
+      op,
+      axes,
+      configs,
+      backward=f.backward.value,
+      backend=backend,
+      progress=lambda r: print(
         f"{r['definition']} {r['backend']} {r['config']}: {r['status']} ({r['compile_seconds']:.1f} s)",
-        file=sys.stderr, flush=True))
+        file=sys.stderr,
+        flush=True,
+      ),
+    )
   if f.markdown.value:
     _write_markdown(pathlib.Path(f.markdown.value), rows, compiler)
   if f.json.value:
-    print(json.dumps({"target": compiler.target, "limits": dataclasses.asdict(compiler.limits), "rows": rows},
-                     indent=1))
+    print(
+      json.dumps({"target": compiler.target, "limits": dataclasses.asdict(compiler.limits), "rows": rows}, indent=1)
+    )
   else:
     print(format_rows(rows))
     bad = [r for r in rows if r["status"] != OK]
-    import jax  # pylint: disable=g-import-not-at-top
-    print(f"{len(rows) - len(bad)}/{len(rows)} configs compile clean for {compiler.target} (jax {jax.__version__}, "
-          f"{toolchain_line(compiler)})"
-          + "".join(f"\n  {r['definition']} {r['config']}: {r['status']} {r['error'][:300]}" for r in bad))
+    import jax
+
+    print(
+      f"{len(rows) - len(bad)}/{len(rows)} configs compile clean for {compiler.target} (jax {jax.__version__}, "
+      f"{toolchain_line(compiler)})"
+      + "".join(f"\n  {r['definition']} {r['config']}: {r['status']} {r['error'][:300]}" for r in bad)
+    )
   sys.exit(0 if all(r["status"] == OK for r in rows) else 1)

@@ -56,8 +56,10 @@ class Launch:
   smem_bytes: int
 
 
-_THUNK_RE = re.compile(r"kCustomKernel.*?\]\s+(\S+)\s+grid:\s*\[([\d,\s]+)\]\s+threads:\s*\[([\d,\s]+)\]"
-                       r"\s+shared_memory:\s*(\d+)")
+_THUNK_RE = re.compile(
+  r"kCustomKernel.*?\]\s+(\S+)\s+grid:\s*\[([\d,\s]+)\]\s+threads:\s*\[([\d,\s]+)\]"
+  r"\s+shared_memory:\s*(\d+)"
+)
 
 
 def parse_thunk_sequence(text: str) -> list[Launch]:
@@ -68,4 +70,3 @@ def parse_thunk_sequence(text: str) -> list[Launch]:
     threads = math.prod(int(x) for x in m.group(3).split(","))
     out.append(Launch(m.group(1), grid, threads, int(m.group(4))))
   return out
-

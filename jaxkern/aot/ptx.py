@@ -29,18 +29,87 @@ import re
 from typing import Any
 
 _FLOAT_TYPE = re.compile(r"\.(?:b?f16(?:x2)?|f32(?:x2)?|f64|tf32)\b")
-_ARITH = {"add", "sub", "mul", "mad", "fma", "div", "rem", "abs", "neg", "min", "max", "sad", "mul24", "mad24",
-          "addc", "subc", "madc", "dp4a", "dp2a", "copysign", "cvta"}
+_ARITH = {
+  "add",
+  "sub",
+  "mul",
+  "mad",
+  "fma",
+  "div",
+  "rem",
+  "abs",
+  "neg",
+  "min",
+  "max",
+  "sad",
+  "mul24",
+  "mad24",
+  "addc",
+  "subc",
+  "madc",
+  "dp4a",
+  "dp2a",
+  "copysign",
+  "cvta",
+}
 _FLOAT_ONLY = {"rcp", "sqrt", "rsqrt", "ex2", "lg2", "sin", "cos", "tanh", "testp"}
-_BIT = {"and", "or", "xor", "not", "cnot", "shl", "shr", "shf", "lop3", "prmt", "bfe", "bfi", "bfind", "brev",
-        "clz", "popc", "fns", "bmsk", "szext"}
+_BIT = {
+  "and",
+  "or",
+  "xor",
+  "not",
+  "cnot",
+  "shl",
+  "shr",
+  "shf",
+  "lop3",
+  "prmt",
+  "bfe",
+  "bfi",
+  "bfind",
+  "brev",
+  "clz",
+  "popc",
+  "fns",
+  "bmsk",
+  "szext",
+}
 _COMPARE = {"setp", "set", "selp", "slct"}
-_MEMORY = {"ld", "ldu", "st", "cp", "ldmatrix", "stmatrix", "atom", "red", "prefetch", "prefetchu", "mbarrier",
-           "tensormap", "multimem"}
+_MEMORY = {
+  "ld",
+  "ldu",
+  "st",
+  "cp",
+  "ldmatrix",
+  "stmatrix",
+  "atom",
+  "red",
+  "prefetch",
+  "prefetchu",
+  "mbarrier",
+  "tensormap",
+  "multimem",
+}
 ALU_CLASSES = ("int", "float", "convert", "bit", "compare")
 _SHAPE = re.compile(r"^m\d+n\d+k\d+$")
-_MMA_TYPES = {"f16", "bf16", "tf32", "f32", "f64", "e4m3", "e5m2", "e2m1", "e3m2", "e2m3", "s8", "u8", "s4", "u4",
-              "b1", "s32"}
+_MMA_TYPES = {
+  "f16",
+  "bf16",
+  "tf32",
+  "f32",
+  "f64",
+  "e4m3",
+  "e5m2",
+  "e2m1",
+  "e3m2",
+  "e2m3",
+  "s8",
+  "u8",
+  "s4",
+  "u4",
+  "b1",
+  "s32",
+}
 _LABEL = re.compile(r"^([A-Za-z_$][\w$]*):(?!:)")
 _INSTRUCTION = re.compile(r"^(?:@!?%?\w+\s+)?([a-z][\w.:]*)\s*(.*)$", re.S)
 _ENTRY = re.compile(r"^\s*(?:\.visible\s+)?\.entry\s+(\w+)\s*\(", re.M)
@@ -48,7 +117,7 @@ _ENTRY = re.compile(r"^\s*(?:\.visible\s+)?\.entry\s+(\w+)\s*\(", re.M)
 
 @dataclasses.dataclass(frozen=True)
 class Instruction:
-  opcode: str    # the whole opcode token, e.g. `wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16`
+  opcode: str  # the whole opcode token, e.g. `wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16`
   operands: str
 
 
@@ -58,9 +127,9 @@ def mma_kind(opcode: str) -> str | None:
   wgmma fences and waits included."""
   parts = opcode.split(".")
   if parts[0] == "wgmma" and "mma_async" in parts:
-    op, types = "wgmma", [p for p in parts if p in _MMA_TYPES][1:3]      # D, A, B
+    op, types = "wgmma", [p for p in parts if p in _MMA_TYPES][1:3]  # D, A, B
   elif parts[0] == "mma":
-    op, types = "mma", [p for p in parts if p in _MMA_TYPES][1:3]        # D, A, B, C
+    op, types = "mma", [p for p in parts if p in _MMA_TYPES][1:3]  # D, A, B, C
   else:
     return None
   shape = next((p for p in parts if _SHAPE.match(p)), "?")
@@ -91,13 +160,14 @@ def classify(opcode: str) -> str:
 @dataclasses.dataclass
 class InstructionMix:
   """Counts of one stretch of PTX (a kernel or a loop body)."""
-  mma: dict[str, int] = dataclasses.field(default_factory=dict)   # kind -> count
-  alu: dict[str, int] = dataclasses.field(default_factory=dict)   # ALU class -> count
+
+  mma: dict[str, int] = dataclasses.field(default_factory=dict)  # kind -> count
+  alu: dict[str, int] = dataclasses.field(default_factory=dict)  # ALU class -> count
   memory: int = 0
   other: int = 0
 
   @classmethod
-  def of(cls, instructions: list[Instruction]) -> "InstructionMix":
+  def of(cls, instructions: list[Instruction]) -> InstructionMix:
     mix = cls()
     for ins in instructions:
       kind = classify(ins.opcode)
@@ -126,9 +196,15 @@ class InstructionMix:
 
   def to_json(self) -> dict[str, Any]:
     ratio = self.alu_per_mma
-    return {"mma": dict(sorted(self.mma.items())), "mma_total": self.mma_total,
-            "alu": {c: self.alu.get(c, 0) for c in ALU_CLASSES}, "alu_total": self.alu_total,
-            "alu_per_mma": None if ratio is None else round(ratio, 2), "memory": self.memory, "other": self.other}
+    return {
+      "mma": dict(sorted(self.mma.items())),
+      "mma_total": self.mma_total,
+      "alu": {c: self.alu.get(c, 0) for c in ALU_CLASSES},
+      "alu_total": self.alu_total,
+      "alu_per_mma": None if ratio is None else round(ratio, 2),
+      "memory": self.memory,
+      "other": self.other,
+    }
 
 
 @dataclasses.dataclass
@@ -136,6 +212,7 @@ class HopperEvidence:
   """Static counts of one kernel's async machinery: `setmaxnreg` as
   `inc.232` / `dec.40`, TMA loads and stores, other `cp.async` copies, and
   mbarrier operations (`arrive`, `try_wait`, `expect_tx`, ...)."""
+
   setmaxnreg: list[str] = dataclasses.field(default_factory=list)
   tma_loads: int = 0
   tma_stores: int = 0
@@ -143,7 +220,7 @@ class HopperEvidence:
   mbarrier: dict[str, int] = dataclasses.field(default_factory=dict)
 
   @classmethod
-  def of(cls, instructions: list[Instruction]) -> "HopperEvidence":
+  def of(cls, instructions: list[Instruction]) -> HopperEvidence:
     ev = cls()
     for ins in instructions:
       parts = ins.opcode.split(".")
@@ -157,8 +234,11 @@ class HopperEvidence:
           ev.tma_loads += 1
         else:
           ev.tma_stores += 1
-      elif parts[0] == "cp" and parts[1] == "async" and parts[2] not in ("bulk", "commit_group", "wait_group",
-                                                                            "wait_all", "mbarrier"):
+      elif (
+        parts[0] == "cp"
+        and parts[1] == "async"
+        and parts[2] not in ("bulk", "commit_group", "wait_group", "wait_all", "mbarrier")
+      ):
         ev.cp_async += 1
       elif parts[0] == "mbarrier":
         kind = "arrive.expect_tx" if parts[1] == "arrive" and "expect_tx" in parts else parts[1]
@@ -166,14 +246,20 @@ class HopperEvidence:
     return ev
 
   def to_json(self) -> dict[str, Any]:
-    return {"setmaxnreg": sorted(self.setmaxnreg), "tma_loads": self.tma_loads, "tma_stores": self.tma_stores,
-            "cp_async": self.cp_async, "mbarrier": dict(sorted(self.mbarrier.items()))}
+    return {
+      "setmaxnreg": sorted(self.setmaxnreg),
+      "tma_loads": self.tma_loads,
+      "tma_stores": self.tma_stores,
+      "cp_async": self.cp_async,
+      "mbarrier": dict(sorted(self.mbarrier.items())),
+    }
 
 
 @dataclasses.dataclass
 class KernelPtx:
   """One `.entry` function: its instruction mix, the k-step's if it has a
   main loop, and its Hopper async machinery."""
+
   name: str
   kernel: InstructionMix
   k_step: InstructionMix | None
@@ -186,8 +272,11 @@ class KernelPtx:
     return "wgmma" if "wgmma" in ops else "mma" if "mma" in ops else "none"
 
   def to_json(self) -> dict[str, Any]:
-    return {"kernel": self.kernel.to_json(), "k_step": self.k_step.to_json() if self.k_step else None,
-            "hopper": self.hopper.to_json()}
+    return {
+      "kernel": self.kernel.to_json(),
+      "k_step": self.k_step.to_json() if self.k_step else None,
+      "hopper": self.hopper.to_json(),
+    }
 
 
 # Debug-line directives end at the line, without a `;`: left in, they would
@@ -213,7 +302,7 @@ def statements(body: str) -> list[tuple[str, Any]]:
       if not m:
         break
       out.append(("label", m.group(1)))
-      text = text[m.end():]
+      text = text[m.end() :]
     if not text or text.startswith("."):
       continue
     m = _INSTRUCTION.match(text)
@@ -243,13 +332,16 @@ def kernel_ptx(name: str, body: str) -> KernelPtx:
   k_step = None
   with_mma = []
   for first, last in loops(stmts):
-    mix = InstructionMix.of([v for k, v in stmts[first:last + 1] if k == "ins"])
+    mix = InstructionMix.of([v for k, v in stmts[first : last + 1] if k == "ins"])
     if mix.mma_total:
       with_mma.append((first, last, mix))
   # The innermost loops that hold MMAs (no such loop inside them); of
   # several (a kernel with a fallback path), the one with the most MMAs.
-  innermost = [(mix.mma_total, first - last, mix) for first, last, mix in with_mma
-               if not any(first <= f and l <= last and (f, l) != (first, last) for f, l, _ in with_mma)]
+  innermost = [
+    (mix.mma_total, first - last, mix)
+    for first, last, mix in with_mma
+    if not any(first <= f and l <= last and (f, l) != (first, last) for f, l, _ in with_mma)
+  ]
   if innermost:
     k_step = max(innermost, key=lambda t: t[:2])[2]
   return KernelPtx(name, InstructionMix.of(instructions), k_step, HopperEvidence.of(instructions))
@@ -259,7 +351,7 @@ def parse_ptx(ptx: str) -> dict[str, KernelPtx]:
   """Per `.entry` function of a PTX module, its instruction mix."""
   parts = _ENTRY.split(ptx)
   # Each body starts after the parameter list, at the function's opening brace.
-  return {name: kernel_ptx(name, body[body.find("{"):]) for name, body in zip(parts[1::2], parts[2::2])}
+  return {name: kernel_ptx(name, body[body.find("{") :]) for name, body in zip(parts[1::2], parts[2::2])}
 
 
 def ptx_matrix_ops(ptx: str) -> dict[str, str]:

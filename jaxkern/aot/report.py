@@ -7,7 +7,8 @@ import dataclasses
 import json
 import math
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jaxkern.aot.parsing import Launch, PtxasStats
 from jaxkern.aot.ptx import ALU_CLASSES, KernelPtx
@@ -19,27 +20,32 @@ OK, SPILLS, SMEM_OVERFLOW, ERROR = "ok", "spills", "smem_overflow", "error"
 @dataclasses.dataclass(frozen=True)
 class Limits:
   """Per-SM resources of a target (defaults: H100/H200, sm_90)."""
+
   threads_per_sm: int = 2048
   registers_per_sm: int = 65536
-  smem_per_sm: int = 233472          # 228 KiB
-  smem_per_block: int = 232448       # 227 KiB opt-in maximum per CTA
+  smem_per_sm: int = 233472  # 228 KiB
+  smem_per_block: int = 232448  # 227 KiB opt-in maximum per CTA
   max_ctas_per_sm: int = 32
   smem_reserved_per_cta: int = 1024  # the driver's per-CTA reservation
-  register_granularity: int = 256    # registers are allocated per warp in these units
+  register_granularity: int = 256  # registers are allocated per warp in these units
   max_registers_per_thread: int = 255
 
   @classmethod
-  def from_target_config(cls, text: str) -> "Limits":
+  def from_target_config(cls, text: str) -> Limits:
     """The limits a `GpuTargetConfigProto` text states; defaults otherwise."""
+
     def field(name, default):
       m = re.search(rf"^\s*{name}: (\d+)", text, re.M)
       return int(m.group(1)) if m else default
+
     d = cls()
     return dataclasses.replace(
-        d, threads_per_sm=field("threads_per_core_limit", d.threads_per_sm),
-        registers_per_sm=field("registers_per_core_limit", d.registers_per_sm),
-        smem_per_sm=field("shared_memory_per_core", d.smem_per_sm),
-        smem_per_block=field("shared_memory_per_block_optin", d.smem_per_block))
+      d,
+      threads_per_sm=field("threads_per_core_limit", d.threads_per_sm),
+      registers_per_sm=field("registers_per_core_limit", d.registers_per_sm),
+      smem_per_sm=field("shared_memory_per_core", d.smem_per_sm),
+      smem_per_block=field("shared_memory_per_block_optin", d.smem_per_block),
+    )
 
 
 def occupancy(registers: int, threads: int, smem_bytes: int, limits: Limits = Limits()) -> tuple[int, str]:
@@ -52,11 +58,12 @@ def occupancy(registers: int, threads: int, smem_bytes: int, limits: Limits = Li
   warps = max(1, math.ceil(threads / 32))
   per_warp = math.ceil(max(registers, 1) * 32 / limits.register_granularity) * limits.register_granularity
   bounds = {
-      "threads": limits.threads_per_sm // max(threads, 1),
-      "registers": (limits.registers_per_sm // per_warp) // warps,
-      "smem": (limits.smem_per_sm // (smem_bytes + limits.smem_reserved_per_cta)
-               if smem_bytes <= limits.smem_per_block else 0),
-      "ctas": limits.max_ctas_per_sm,
+    "threads": limits.threads_per_sm // max(threads, 1),
+    "registers": (limits.registers_per_sm // per_warp) // warps,
+    "smem": (
+      limits.smem_per_sm // (smem_bytes + limits.smem_reserved_per_cta) if smem_bytes <= limits.smem_per_block else 0
+    ),
+    "ctas": limits.max_ctas_per_sm,
   }
   limiter = min(bounds, key=lambda k: (bounds[k], list(bounds).index(k)))
   return bounds[limiter], limiter
@@ -67,11 +74,11 @@ class KernelReport:
   name: str
   status: str = OK
   registers: int | None = None
-  smem_bytes: int | None = None       # dynamic (Triton) + static
+  smem_bytes: int | None = None  # dynamic (Triton) + static
   spill_stores: int | None = None
   spill_loads: int | None = None
   stack_frame: int | None = None
-  matrix_ops: str | None = None       # wgmma | mma | none
+  matrix_ops: str | None = None  # wgmma | mma | none
   threads: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
@@ -113,8 +120,10 @@ class CompileReport:
       if k.registers is None:
         parts.append(f"{k.name}: {k.status}")
       else:
-        parts.append(f"{k.name}: {k.registers} regs, {_kib(k.smem_bytes)} smem, "
-                     f"spills {k.spill_stores}/{k.spill_loads} B, {k.matrix_ops}, {k.ctas_per_sm} CTA/SM")
+        parts.append(
+          f"{k.name}: {k.registers} regs, {_kib(k.smem_bytes)} smem, "
+          f"spills {k.spill_stores}/{k.spill_loads} B, {k.matrix_ops}, {k.ctas_per_sm} CTA/SM"
+        )
     return "; ".join(parts) + (f" [{self.status}]" if not self.ok else "")
 
 
@@ -130,8 +139,14 @@ def kernel_status(k: KernelReport, limits: Limits) -> str:
   return OK
 
 
-def _mosaic_gpu_report(call: MosaicGpuCall, entry: str | None, ptxas: Mapping[str, PtxasStats],
-                       ptx: Mapping[str, KernelPtx], limits: Limits, error: str) -> KernelReport:
+def _mosaic_gpu_report(
+  call: MosaicGpuCall,
+  entry: str | None,
+  ptxas: Mapping[str, PtxasStats],
+  ptx: Mapping[str, KernelPtx],
+  limits: Limits,
+  error: str,
+) -> KernelReport:
   """A Mosaic GPU call's report from the plugin's dump: its kernel entry's
   ptxas statistics and PTX (the lowering names no kernel, grid or warps)."""
   k = KernelReport(name=entry or f"mosaic_gpu{call.operands} -> {call.results}")
@@ -150,10 +165,15 @@ def _mosaic_gpu_report(call: MosaicGpuCall, entry: str | None, ptxas: Mapping[st
   return k
 
 
-def build_reports(calls: Sequence[TritonCall | MosaicGpuCall], launches: Sequence[Launch],
-                  ptxas: Mapping[str, PtxasStats], ptx: Mapping[str, KernelPtx],
-                  limits: Limits, error: str = "",
-                  mosaic_ptxas: Mapping[str, PtxasStats] | None = None) -> list[KernelReport]:
+def build_reports(
+  calls: Sequence[TritonCall | MosaicGpuCall],
+  launches: Sequence[Launch],
+  ptxas: Mapping[str, PtxasStats],
+  ptx: Mapping[str, KernelPtx],
+  limits: Limits,
+  error: str = "",
+  mosaic_ptxas: Mapping[str, PtxasStats] | None = None,
+) -> list[KernelReport]:
   """Joins what the lowering (names, warps, stages), XLA's thunks (launch),
   ptxas and the PTX said about each Pallas kernel, by name and in order. A
   Mosaic GPU call takes the next entry of `mosaic_ptxas` (the plugin's
@@ -175,12 +195,14 @@ def build_reports(calls: Sequence[TritonCall | MosaicGpuCall], launches: Sequenc
   reports = []
   for call in calls:
     if isinstance(call, MosaicGpuCall):
-      reports.append(_mosaic_gpu_report(call, mosaic_entries.pop(0) if mosaic_entries else None, mosaic_ptxas, ptx,
-                                        limits, error))
+      reports.append(
+        _mosaic_gpu_report(call, mosaic_entries.pop(0) if mosaic_entries else None, mosaic_ptxas, ptx, limits, error)
+      )
       continue
     name, num_stages, num_warps = call.name, call.num_stages, call.num_warps
     launch = next((l for l in unused if l.name == name), None) or next(
-        (l for l in unused if l.name.startswith(name)), None)
+      (l for l in unused if l.name.startswith(name)), None
+    )
     if launch is not None:
       unused.remove(launch)
       launched.add(name)
@@ -208,6 +230,7 @@ def build_reports(calls: Sequence[TritonCall | MosaicGpuCall], launches: Sequenc
 
 
 # -- tables -------------------------------------------------------------------
+
 
 def _kib(n: int | None) -> str:
   return "-" if n is None else f"{n / 1024:.1f} KiB"
@@ -242,66 +265,117 @@ def _spills(k: Mapping[str, Any]) -> str:
 
 def format_rows(rows: Sequence[dict]) -> str:
   """The terminal table: one line per kernel of each compiled config."""
-  import tabulate  # pylint: disable=g-import-not-at-top
+  import tabulate
+
   table = []
   for r, k in _kernel_lines(rows):
     axes = ",".join(f"{a}={v}" for a, v in r["axes"].items())
-    table.append([
-        r["definition"], axes, json.dumps(r["config"], separators=(",", ":")) + (" *" if r["heuristic"] else ""),
-        k["name"], _n(k.get("registers")), _kib(k.get("smem_bytes")), _spills(k), k.get("matrix_ops") or "-",
+    table.append(
+      [
+        r["definition"],
+        axes,
+        json.dumps(r["config"], separators=(",", ":")) + (" *" if r["heuristic"] else ""),
+        k["name"],
+        _n(k.get("registers")),
+        _kib(k.get("smem_bytes")),
+        _spills(k),
+        k.get("matrix_ops") or "-",
         "-" if k.get("ctas_per_sm") is None else f"{k['ctas_per_sm']} ({k['occupancy_limit']})",
-        f"{k.get('num_warps') or '-'}w", *mix_cells(k.get("instruction_mix")), k["status"],
-        f"{r['compile_seconds']:.1f}"])
-  return tabulate.tabulate(table, headers=[
-      "definition", "axes", "config (* heuristic)", "kernel", "regs", "smem", "spill st/ld B", "mma", "CTA/SM",
-      "warps", "MMA per k-step", "ALU per k-step (" + "/".join(ALU_CLASSES) + ")", "ALU/MMA", "status", "s"])
+        f"{k.get('num_warps') or '-'}w",
+        *mix_cells(k.get("instruction_mix")),
+        k["status"],
+        f"{r['compile_seconds']:.1f}",
+      ]
+    )
+  return tabulate.tabulate(
+    table,
+    headers=[
+      "definition",
+      "axes",
+      "config (* heuristic)",
+      "kernel",
+      "regs",
+      "smem",
+      "spill st/ld B",
+      "mma",
+      "CTA/SM",
+      "warps",
+      "MMA per k-step",
+      "ALU per k-step (" + "/".join(ALU_CLASSES) + ")",
+      "ALU/MMA",
+      "status",
+      "s",
+    ],
+  )
 
 
 PAGE_TITLE = "# sm_90a compile of the kernels (no GPU)"
 _SECTION_RE = re.compile(r"^## jax (\S+)", re.M)
 
 
-def markdown_section(rows: Sequence[dict], *, target: str, toolchain: str, jax_version: str, command: str,
-                     date: str) -> str:
+def markdown_section(
+  rows: Sequence[dict], *, target: str, toolchain: str, jax_version: str, command: str, date: str
+) -> str:
   """One toolchain's part of the page: `## jax <version>`, how it was made
   (`toolchain`: plugin, ptxas and where the target text came from), and one
   table line per kernel of each compiled config."""
   clean = sum(r["status"] == OK for r in rows)
   lines = [
-      f"## jax {jax_version}", "",
-      f"Generated by `{command}` on {date}: jax {jax_version}, {toolchain}; XLA's Triton, the plugin's Mosaic GPU and ptxas for "
-      f"`{target}` (sm_90a), compiled on a machine without a GPU. "
-      f"{clean}/{len(rows)} configs compile clean (no spills, no shared-memory overflow, no error).", "",
-      "| definition | axes | config | kernel | grid | registers | shared memory | spills (st/ld B) "
-      "| tensor cores | CTAs/SM | MMA per k-step | ALU per k-step (" + "/".join(ALU_CLASSES)
-      + ") | ALU/MMA | status |",
-      "|" + " --- |" * 14,
+    f"## jax {jax_version}",
+    "",
+    f"Generated by `{command}` on {date}: jax {jax_version}, {toolchain}; "
+    "XLA's Triton, the plugin's Mosaic GPU and ptxas for "
+    f"`{target}` (sm_90a), compiled on a machine without a GPU. "
+    f"{clean}/{len(rows)} configs compile clean (no spills, no shared-memory overflow, no error).",
+    "",
+    "| definition | axes | config | kernel | grid | registers | shared memory | spills (st/ld B) "
+    "| tensor cores | CTAs/SM | MMA per k-step | ALU per k-step (" + "/".join(ALU_CLASSES) + ") | ALU/MMA | status |",
+    "|" + " --- |" * 14,
   ]
   for r, k in _kernel_lines(rows):
     axes = ", ".join(f"{a}={v}" for a, v in r["axes"].items())
     config = json.dumps(r["config"], separators=(",", ":")) + ("" if r["heuristic"] else " (candidate)")
     grid = "-" if not k.get("grid") else "x".join(str(g) for g in k["grid"])
-    cells = [f"`{r['definition']}`", axes, f"`{config}`", f"`{k['name']}`", grid, _n(k.get("registers")),
-             _kib(k.get("smem_bytes")), _spills(k), k.get("matrix_ops") or "-",
-             "-" if k.get("ctas_per_sm") is None else f"{k['ctas_per_sm']} ({k['occupancy_limit']})",
-             *mix_cells(k.get("instruction_mix")), k["status"]]
+    cells = [
+      f"`{r['definition']}`",
+      axes,
+      f"`{config}`",
+      f"`{k['name']}`",
+      grid,
+      _n(k.get("registers")),
+      _kib(k.get("smem_bytes")),
+      _spills(k),
+      k.get("matrix_ops") or "-",
+      "-" if k.get("ctas_per_sm") is None else f"{k['ctas_per_sm']} ({k['occupancy_limit']})",
+      *mix_cells(k.get("instruction_mix")),
+      k["status"],
+    ]
     lines.append("| " + " | ".join(cells) + " |")
   hopper = [(r, k) for r, k in _kernel_lines(rows) if _uses_async_machinery(k)]
   if hopper:
-    lines += ["", "Warp-specialized kernels (Mosaic GPU's shared memory is dynamic: its lowering refuses a "
-              "kernel over the per-CTA limit): register budgets (`setmaxnreg`), TMA copies and mbarrier "
-              "operations, static PTX counts.", "",
-              "| definition | axes | config | setmaxnreg | TMA loads / stores | cp.async | mbarrier |",
-              "|" + " --- |" * 7]
+    lines += [
+      "",
+      "Warp-specialized kernels (Mosaic GPU's shared memory is dynamic: its lowering refuses a "
+      "kernel over the per-CTA limit): register budgets (`setmaxnreg`), TMA copies and mbarrier "
+      "operations, static PTX counts.",
+      "",
+      "| definition | axes | config | setmaxnreg | TMA loads / stores | cp.async | mbarrier |",
+      "|" + " --- |" * 7,
+    ]
     for r, k in hopper:
       h = k["instruction_mix"]["hopper"]
       axes = ", ".join(f"{a}={v}" for a, v in r["axes"].items())
       config = json.dumps(r["config"], separators=(",", ":")) + ("" if r["heuristic"] else " (candidate)")
       barriers = ", ".join(f"{n} {op}" for op, n in h["mbarrier"].items()) or "-"
-      lines.append(f"| `{r['definition']}` | {axes} | `{config}` | {' '.join(h['setmaxnreg']) or '-'} | "
-                   f"{h['tma_loads']} / {h['tma_stores']} | {h['cp_async']} | {barriers} |")
-  errors = [f"- `{r['definition']}` {json.dumps(r['config'])}: {r['status']}: {r['error'][:300]}"
-            for r in rows if r["status"] != OK]
+      lines.append(
+        f"| `{r['definition']}` | {axes} | `{config}` | {' '.join(h['setmaxnreg']) or '-'} | "
+        f"{h['tma_loads']} / {h['tma_stores']} | {h['cp_async']} | {barriers} |"
+      )
+  errors = [
+    f"- `{r['definition']}` {json.dumps(r['config'])}: {r['status']}: {r['error'][:300]}"
+    for r in rows
+    if r["status"] != OK
+  ]
   if errors:
     lines += ["", "### Not clean", "", *errors]
   return "\n".join(lines) + "\n"
@@ -327,15 +401,17 @@ def markdown_page(sections: Mapping[str, str]) -> str:
   """The generated page (docs/perf/sm90a_compile.md): what the columns
   mean, then one `markdown_section` per jax version, oldest first."""
   lines = [
-      PAGE_TITLE, "",
-      "One section per jax version and its toolchain (README: `jaxkern.aot`); each is rewritten by the "
-      "command it names, run in an environment with that jax and the `aot` extra, which keeps the other "
-      "versions' sections. Do not edit by hand.", "",
-      "Per kernel: registers per thread, shared memory (dynamic + static), spill stores/loads in bytes, "
-      "the tensor-core instructions of the PTX, CTAs per SM (and what limits them), and the instruction mix "
-      "of one k-step: one iteration of the kernel's main loop (the innermost loop whose body holds MMA "
-      "instructions), static PTX counts per warp. `(kernel)`: no such loop, counts of the whole kernel. "
-      "ALU = integer and float arithmetic, conversions (cvt), bit operations, compares/selects; address "
-      "arithmetic counts as integer ALU.",
+    PAGE_TITLE,
+    "",
+    "One section per jax version and its toolchain (README: `jaxkern.aot`); each is rewritten by the "
+    "command it names, run in an environment with that jax and the `aot` extra, which keeps the other "
+    "versions' sections. Do not edit by hand.",
+    "",
+    "Per kernel: registers per thread, shared memory (dynamic + static), spill stores/loads in bytes, "
+    "the tensor-core instructions of the PTX, CTAs per SM (and what limits them), and the instruction mix "
+    "of one k-step: one iteration of the kernel's main loop (the innermost loop whose body holds MMA "
+    "instructions), static PTX counts per warp. `(kernel)`: no such loop, counts of the whole kernel. "
+    "ALU = integer and float arithmetic, conversions (cvt), bit operations, compares/selects; address "
+    "arithmetic counts as integer ALU.",
   ]
   return "\n".join(lines) + "\n" + "".join("\n" + sections[v] for v in sorted(sections, key=_version_key))

@@ -52,7 +52,7 @@ def shipped_target_configs(directory: str = TARGETS_DIR) -> dict[str, str]:
       text = f.read()
     m = _NAME_RE.search(text)
     if m is None:
-      raise ValueError(f"{path}: no `device_description_str: \"...\"` line; expected a GpuTargetConfigProto text")
+      raise ValueError(f'{path}: no `device_description_str: "..."` line; expected a GpuTargetConfigProto text')
     found[m.group(1)] = text
   return found
 
@@ -64,14 +64,17 @@ def file_name(device: str) -> str:
 
 def header(device: str, source: str) -> str:
   """The comment lines above a shipped text: what it is and where it came from."""
-  return (f"# GpuTargetConfigProto of `{device}` for jaxkern.aot's compile-only device.\n"
-          f"# Extracted unchanged from {source}\n"
-          "# by `python -m jaxkern.aot --write_targets`; used where the installed CUDA plugin embeds no text\n"
-          "# for this device (the jax 0.11.2 plugin embeds none). Do not edit by hand.\n\n")
+  return (
+    f"# GpuTargetConfigProto of `{device}` for jaxkern.aot's compile-only device.\n"
+    f"# Extracted unchanged from {source}\n"
+    "# by `python -m jaxkern.aot --write_targets`; used where the installed CUDA plugin embeds no text\n"
+    "# for this device (the jax 0.11.2 plugin embeds none). Do not edit by hand.\n\n"
+  )
 
 
-def write_shipped(library: str, source: str, directory: str = TARGETS_DIR,
-                  devices: tuple[str, ...] = SHIPPED) -> list[str]:
+def write_shipped(
+  library: str, source: str, directory: str = TARGETS_DIR, devices: tuple[str, ...] = SHIPPED
+) -> list[str]:
   """Writes each of `devices`' embedded text (with `header`) into
   `directory`; returns the paths. Raises naming a device the library lacks."""
   embedded = embedded_target_configs(library)

@@ -33,13 +33,14 @@ import stat
 import subprocess
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jaxkern.aot import targets
 from jaxkern.aot.parsing import PtxasStats, parse_ptxas_verbose, parse_thunk_sequence
-from pallas_kernels.shared.lowering import mosaic_gpu_calls, triton_calls
 from jaxkern.aot.ptx import KernelPtx, parse_ptx
 from jaxkern.aot.report import CompileReport, Limits, build_reports
+from pallas_kernels.shared.lowering import mosaic_gpu_calls, triton_calls
 
 DEFAULT_TARGET = "NVIDIA H200 141GB HBM3e"
 
@@ -63,8 +64,9 @@ def _package_dir(module: str) -> str | None:
 
 
 PLUGIN_MODULE = "jax_plugins.xla_cuda13"  # jax-cuda13-pjrt
-PLUGIN_PACKAGE = "jax_cuda13_plugin"      # jax-cuda13-plugin
-PTXAS_PACKAGE = "nvidia.cu13"             # nvidia-cuda-nvcc (bin/ptxas) and nvidia-nvvm (nvvm/libdevice)
+PLUGIN_PACKAGE = "jax_cuda13_plugin"  # jax-cuda13-plugin
+PTXAS_PACKAGE = "nvidia.cu13"  # nvidia-cuda-nvcc (bin/ptxas) and nvidia-nvvm (nvvm/libdevice)
+
 
 def plugin_library() -> str | None:
   """The CUDA 13 PJRT plugin's shared library (from `jax-cuda13-pjrt`)."""
@@ -126,13 +128,18 @@ def available() -> str | None:
   elif libdevice_dir() is None:
     missing.append("nvidia-nvvm (nvidia/cu13/nvvm/libdevice)")
   if missing:
-    return ("the aot extra is not installed: missing " + ", ".join(missing)
-            + "; install it with: make install (or see README: jaxkern.aot)")
+    return (
+      "the aot extra is not installed: missing "
+      + ", ".join(missing)
+      + "; install it with: make install (or see README: jaxkern.aot)"
+    )
   jax_version = _version("jax")
   wrong = [f"{d} {_version(d)}" for d in ("jax-cuda13-plugin", "jax-cuda13-pjrt") if _version(d) != jax_version]
   if wrong:
-    return (f"the aot extra does not match jax {jax_version}: {', '.join(wrong)}; install "
-            f"jax-cuda13-plugin=={jax_version} jax-cuda13-pjrt=={jax_version} (pip install --no-deps)")
+    return (
+      f"the aot extra does not match jax {jax_version}: {', '.join(wrong)}; install "
+      f"jax-cuda13-plugin=={jax_version} jax-cuda13-pjrt=={jax_version} (pip install --no-deps)"
+    )
   return None
 
 
@@ -159,8 +166,7 @@ def resolve_target(name: str) -> tuple[str, str]:
   targets = target_configs()
   if name in targets:
     return name, targets[name]
-  matches = sorted((n for n in targets if name.lower() in n.lower()),
-                   key=lambda n: ("MIG" in n, "PCIe" in n, len(n)))
+  matches = sorted((n for n in targets if name.lower() in n.lower()), key=lambda n: ("MIG" in n, "PCIe" in n, len(n)))
   if not matches:
     raise ValueError(f"no GPU target matching {name!r}; known: {sorted(targets)}")
   return matches[0], targets[matches[0]]
@@ -197,9 +203,9 @@ class Compiler:
     if reason:
       raise RuntimeError(reason)
     skip_cuda_checks()
-    import jax  # pylint: disable=g-import-not-at-top
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+    import jax
+    import numpy as np
+    from jax.experimental import topologies
 
     self.target, text = resolve_target(target)
     self.limits = Limits.from_target_config(text)
@@ -222,8 +228,7 @@ class Compiler:
     with open(wrapper, "w", encoding="utf-8") as f:
       f.write(_WRAPPER.format(real=shlex.quote(real), logs=shlex.quote(self._logs)))
     os.chmod(wrapper, os.stat(wrapper).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    topology = topologies.get_topology_desc(platform="cuda", topology_name="", target_config=text,
-                                            topology="1x1x1")
+    topology = topologies.get_topology_desc(platform="cuda", topology_name="", target_config=text, topology="1x1x1")
     self._jax = jax
     self.mesh = jax.sharding.Mesh(np.array(topology.devices[:1]), ("x",))
     self._count = 0
@@ -236,8 +241,9 @@ class Compiler:
     jax = self._jax
     self._count += 1
     dump = os.path.join(self.workdir, f"dump{self._count}")
-    for f in glob.glob(os.path.join(self._logs, "*")) + glob.glob(os.path.join(self._mosaic_dump, "**", "*"),
-                                                                      recursive=True):
+    for f in glob.glob(os.path.join(self._logs, "*")) + glob.glob(
+      os.path.join(self._mosaic_dump, "**", "*"), recursive=True
+    ):
       if os.path.isfile(f):
         os.remove(f)
     sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
@@ -253,7 +259,7 @@ class Compiler:
       # an explicit option overrides it. A fresh dump folder per compile
       # also keeps jax from reusing a cached executable.
       lowered.compile({"xla_dump_to": dump, "xla_gpu_cuda_data_dir": self._cuda_root})
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       error = _short(e)
     seconds = time.perf_counter() - t0
     launches = []
@@ -261,7 +267,7 @@ class Compiler:
       with open(path, encoding="utf-8") as f:
         launches += parse_thunk_sequence(f.read())
     stats: dict[str, PtxasStats] = {}
-    mosaic_stats: dict[str, PtxasStats] = {}   # the plugin's dump: Mosaic GPU kernels only
+    mosaic_stats: dict[str, PtxasStats] = {}  # the plugin's dump: Mosaic GPU kernels only
     kernels: dict[str, KernelPtx] = {}
     for path in sorted(glob.glob(os.path.join(self._logs, "*.log"))):
       with open(path, encoding="utf-8", errors="replace") as f:
@@ -282,8 +288,9 @@ class Compiler:
     shutil.rmtree(dump, ignore_errors=True)
     if not calls and not error:
       error = "no Pallas kernel (Triton or Mosaic GPU call) in the lowered function"
-    return CompileReport(build_reports(calls, launches, stats, kernels, self.limits, error, mosaic_ptxas=mosaic_stats),
-                         seconds, error)
+    return CompileReport(
+      build_reports(calls, launches, stats, kernels, self.limits, error, mosaic_ptxas=mosaic_stats), seconds, error
+    )
 
 
 def _short(e: BaseException, limit: int = 600) -> str:
@@ -291,5 +298,5 @@ def _short(e: BaseException, limit: int = 600) -> str:
   for key in ("Shared memory size limit exceeded",):
     i = text.find(key)
     if i >= 0:
-      return text[max(0, i - 200): i + 300].strip()
+      return text[max(0, i - 200) : i + 300].strip()
   return text if len(text) <= limit else text[:limit] + " ..."

@@ -9,12 +9,24 @@ from __future__ import annotations
 
 import ast
 import operator
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
-_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-            ast.Gt: operator.gt, ast.GtE: operator.ge}
+_BINARY = {
+  ast.Add: operator.add,
+  ast.Sub: operator.sub,
+  ast.Mult: operator.mul,
+  ast.FloorDiv: operator.floordiv,
+  ast.Mod: operator.mod,
+}
+_COMPARE = {
+  ast.Eq: operator.eq,
+  ast.NotEq: operator.ne,
+  ast.Lt: operator.lt,
+  ast.LtE: operator.le,
+  ast.Gt: operator.gt,
+  ast.GtE: operator.ge,
+}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Not: operator.not_}
 _STRUCTURE = (ast.Expression, ast.Name, ast.Load, ast.BoolOp, ast.And, ast.Or, ast.Compare, ast.BinOp, ast.UnaryOp)
 
@@ -29,11 +41,17 @@ def parse_constraint(expr: Any) -> ast.Expression:
   except SyntaxError as e:
     raise ValueError(f"does not parse: {e.msg}") from None
   for node in ast.walk(tree):
-    ok = (isinstance(node, _STRUCTURE) or type(node) in _BINARY or type(node) in _COMPARE
-          or type(node) in _UNARY or (isinstance(node, ast.Constant) and type(node.value) is int))
+    ok = (
+      isinstance(node, _STRUCTURE)
+      or type(node) in _BINARY
+      or type(node) in _COMPARE
+      or type(node) in _UNARY
+      or (isinstance(node, ast.Constant) and type(node.value) is int)
+    )
     if not ok:
-      raise ValueError(f"{type(node).__name__} is not allowed (integers, axis names, + - * // %, "
-                       "comparisons, and/or/not only)")
+      raise ValueError(
+        f"{type(node).__name__} is not allowed (integers, axis names, + - * // %, comparisons, and/or/not only)"
+      )
   return tree
 
 

@@ -9,7 +9,8 @@ import json
 import os
 import pathlib
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from jaxkern.dataset.loading import ErrorSink, load_definitions, raise_error, read_records, validate_dataset
 from jaxkern.dataset.records import DatasetError, Definition, Workload
@@ -34,9 +35,13 @@ def record_from_line(obj: Any) -> Any:
   return obj
 
 
-def convert(input_path: str | os.PathLike, output_dir: str | os.PathLike, *,
-            definitions: Mapping[str, Definition] | None = None,
-            on_error: ErrorSink = raise_error) -> dict[str, int]:
+def convert(
+  input_path: str | os.PathLike,
+  output_dir: str | os.PathLike,
+  *,
+  definitions: Mapping[str, Definition] | None = None,
+  on_error: ErrorSink = raise_error,
+) -> dict[str, int]:
   """Splits a JSONL of records (or FIB traces) into `output_dir/workloads/<definition>.jsonl`.
 
   Seed lines are written verbatim, so every field keeps its recorded value and
@@ -44,8 +49,9 @@ def convert(input_path: str | os.PathLike, output_dir: str | os.PathLike, *,
   with records in the input are replaced; returns counts per definition."""
   defs = definitions if definitions is not None else load_definitions()
   out: dict[str, list[str]] = collections.defaultdict(list)
-  for w, text, converted in read_records(input_path, defs, on_error=on_error, seen_uuids=set(),
-                                         to_record=record_from_line):
+  for w, text, converted in read_records(
+    input_path, defs, on_error=on_error, seen_uuids=set(), to_record=record_from_line
+  ):
     # Seed records verbatim; records made from FIB traces in a canonical form.
     out[w.definition].append(json.dumps(w.record, sort_keys=True) if converted else text)
   wdir = pathlib.Path(output_dir) / "workloads"
@@ -69,24 +75,35 @@ def stats_rows(workloads: Mapping[str, list[Workload]]) -> list[list[Any]]:
     shown = ", ".join(f"{k}:{v}" for k, v in sorted(variants.items())[:4])
     if len(variants) > 4:
       shown += f", ... ({len(variants)} variants)"
-    rows.append([name, len(ws), shown or "-",
-                 ", ".join(f"{a}={lo}" if lo == hi else f"{a}={lo}..{hi}" for a, (lo, hi) in ranges.items())])
+    rows.append(
+      [
+        name,
+        len(ws),
+        shown or "-",
+        ", ".join(f"{a}={lo}" if lo == hi else f"{a}={lo}..{hi}" for a, (lo, hi) in ranges.items()),
+      ]
+    )
   return rows
 
 
 def main(argv: list[str] | None = None) -> int:
   """The command line; exit code 1 when any record was bad."""
-  import argparse  # pylint: disable=g-import-not-at-top
-  import tabulate  # pylint: disable=g-import-not-at-top
+  import argparse
 
-  parser = argparse.ArgumentParser(prog="python -m jaxkern.dataset", description=USAGE,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  import tabulate
+
+  parser = argparse.ArgumentParser(
+    prog="python -m jaxkern.dataset", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   sub = parser.add_subparsers(dest="cmd", required=True)
   p = sub.add_parser("convert", help="import seed records or FIB traces")
   p.add_argument("--input", required=True)
   p.add_argument("--output", required=True)
-  p.add_argument("--definitions", default=None,
-                 help="dataset dir whose definitions/ validates the input (default: the output, else the repo's)")
+  p.add_argument(
+    "--definitions",
+    default=None,
+    help="dataset dir whose definitions/ validates the input (default: the output, else the repo's)",
+  )
   for name in ("validate", "stats"):
     sub.add_parser(name).add_argument("--dataset", default=None)
   args = parser.parse_args(argv)

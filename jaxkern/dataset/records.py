@@ -4,7 +4,8 @@ workloads, and the one error type every bad record or definition raises."""
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import chex
 import ml_dtypes
@@ -13,9 +14,12 @@ import numpy as np
 from jaxkern.dataset import constraints
 
 NP_DTYPES = {
-    "bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
-    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn), "uint8": np.dtype(np.uint8),
-    "int32": np.dtype(np.int32), "bool": np.dtype(np.bool_),
+  "bfloat16": np.dtype(ml_dtypes.bfloat16),
+  "float32": np.dtype(np.float32),
+  "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+  "uint8": np.dtype(np.uint8),
+  "int32": np.dtype(np.int32),
+  "bool": np.dtype(np.bool_),
 }
 DTYPES = tuple(NP_DTYPES)
 # Fields every workload record must carry; everything else is provenance.
@@ -27,9 +31,16 @@ class DatasetError(ValueError):
 
   The message names the file, line, field and what was expected."""
 
-  def __init__(self, message: str, *, file: str | os.PathLike | None = None,
-               line: int | None = None, field: str | None = None,
-               expected: Any = None, got: Any = None):
+  def __init__(
+    self,
+    message: str,
+    *,
+    file: str | os.PathLike | None = None,
+    line: int | None = None,
+    field: str | None = None,
+    expected: Any = None,
+    got: Any = None,
+  ):
     self.file = None if file is None else str(file)
     self.line, self.field, self.expected, self.got = line, field, expected, got
     self.detail = message

@@ -8,14 +8,14 @@ Kernel: `pallas_kernels.dense_gemm`.
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 
-from jaxkern import dispatch
-from jaxkern import roofline
+from jaxkern import dispatch, roofline
 from jaxkern.family import OpImpl, cdiv, shrink_rows, shrink_until
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.dense_gemm import KERNELS
@@ -31,8 +31,7 @@ _CPU_MAC_BUDGET = 3 * 10**9
 _NT = (((1,), (1,)), ((), ()))
 
 
-def dense_gemm_reference(A: jax.Array, B: jax.Array, *,  # pylint: disable=invalid-name
-                         out_dtype=jnp.bfloat16) -> jax.Array:
+def dense_gemm_reference(A: jax.Array, B: jax.Array, *, out_dtype=jnp.bfloat16) -> jax.Array:
   """Plain-jnp reference: C = A @ B^T, fp32 accumulation, one rounding to
   `out_dtype` (the definitions' bf16).
 
@@ -81,9 +80,11 @@ def make_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | None = N
 def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
   """M shrunk to 64 + M % 64 (4125 -> 93 stays ragged); then N or K, the
   larger first, halved while M*N*K exceeds the interpret-mode budget."""
+
   def halve_larger(a):
     larger = "N" if a["N"] >= a["K"] else "K"
     return {**a, larger: a[larger] // 2}
+
   out = {**axes, "M": shrink_rows(int(axes["M"]))}
   return shrink_until(out, lambda a: a["M"] * a["N"] * a["K"] <= _CPU_MAC_BUDGET, halve_larger)
 
@@ -99,10 +100,15 @@ def dense_gemm_cost(definition, axes, *, inputs=None, record=None, config=None):
 
 # How the op splits across devices (`jaxkern.spmd`): rows of A, rows of B
 # (output columns); K is the contraction.
-SPLIT = Split(inputs={"A": "m k", "B": "n k"}, outputs=("m n",), independent="m n",
-              reasons={"k": CONTRACTION})
-IMPL = OpImpl(reference=dense_gemm_reference, kernels=KERNELS, make_inputs=make_inputs,
-              cpu_axes=cpu_axes, cost=dense_gemm_cost, split=SPLIT)
+SPLIT = Split(inputs={"A": "m k", "B": "n k"}, outputs=("m n",), independent="m n", reasons={"k": CONTRACTION})
+IMPL = OpImpl(
+  reference=dense_gemm_reference,
+  kernels=KERNELS,
+  make_inputs=make_inputs,
+  cpu_axes=cpu_axes,
+  cost=dense_gemm_cost,
+  split=SPLIT,
+)
 IMPLS = (IMPL,)
 
 
@@ -110,8 +116,9 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
-def dense_gemm(a: jax.Array, b: jax.Array, *, config: Any = None, backend: dispatch.Backend = None,
-               checks: bool = False) -> jax.Array:
+def dense_gemm(
+  a: jax.Array, b: jax.Array, *, config: Any = None, backend: dispatch.Backend = None, checks: bool = False
+) -> jax.Array:
   """`a @ b.T`: activations a [..., K], weight b [N, K] (torch Linear layout);
   fp32 accumulation, output in a's dtype.
 
@@ -121,6 +128,7 @@ def dense_gemm(a: jax.Array, b: jax.Array, *, config: Any = None, backend: dispa
   Differentiable in a and b (Pallas: dA and dB as launches of the same GEMM
   kernel)."""
   *batch, k = a.shape
-  c = dispatch.run(IMPL, {"A": a.reshape(-1, k), "B": b}, params={"out_dtype": a.dtype}, config=config,
-                   backend=backend, checks=checks)
+  c = dispatch.run(
+    IMPL, {"A": a.reshape(-1, k), "B": b}, params={"out_dtype": a.dtype}, config=config, backend=backend, checks=checks
+  )
   return c.reshape(*batch, b.shape[0])

@@ -19,15 +19,15 @@ gradient 0 (a NaN or Inf in them reaches no gradient either).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxkern import dispatch
-from jaxkern import roofline
+from jaxkern import dispatch, roofline
 from jaxkern.family import OpImpl, Precondition, cdiv
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.flash_attention import KERNELS
@@ -48,8 +48,9 @@ _CPU_KEEP_LEN = 64
 # References (plain jnp, fp32, bounded memory).
 
 
-def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None, segment_ids=None,
-                        sm_scale=None, q_chunk: int = 1024) -> jax.Array:
+def attention_reference(
+  q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None, segment_ids=None, sm_scale=None, q_chunk: int = 1024
+) -> jax.Array:
   """Attention of q [B, Nq, H, D] over the visible keys of k, v [B, Nk, H, D]
   (after the prefix k_prefix, v_prefix [B, Np, H, D], every prefix key
   visible): key j visible unless `key_valid[b, j]` is False or, with
@@ -73,11 +74,9 @@ def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None
   if q_len == 0:
     return jnp.zeros(q.shape, q.dtype)
   kv_len = k.shape[1]
-  sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-  key_visible = (jnp.ones((batch, kv_len), bool) if key_valid is None
-                 else key_valid.astype(bool))
-  q_segments = (jnp.zeros((batch, q_len), jnp.int32) if segment_ids is None
-                else segment_ids.astype(jnp.int32))
+  sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
+  key_visible = jnp.ones((batch, kv_len), bool) if key_valid is None else key_valid.astype(bool)
+  q_segments = jnp.zeros((batch, q_len), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
   k_segments = q_segments if segment_ids is not None else jnp.zeros((batch, kv_len), jnp.int32)
   if k_prefix is not None and k_prefix.shape[1]:
     prefix_len = k_prefix.shape[1]
@@ -86,7 +85,8 @@ def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None
     key_visible = jnp.concatenate([jnp.ones((batch, prefix_len), bool), key_visible], axis=1)
     # The smallest segment id: every query sees the prefix.
     k_segments = jnp.concatenate(
-        [jnp.full((batch, prefix_len), jnp.iinfo(jnp.int32).min, jnp.int32), k_segments], axis=1)
+      [jnp.full((batch, prefix_len), jnp.iinfo(jnp.int32).min, jnp.int32), k_segments], axis=1
+    )
   if not k.shape[1]:  # no key: every row lonely
     return jnp.zeros(q.shape, q.dtype)
   hidden = ~key_visible[:, :, None, None]
@@ -97,22 +97,20 @@ def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None
   # [H, chunks, B, chunk, D] queries, [chunks, B, chunk] segment ids.
   q_chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
   q_chunks = q_chunks.reshape(batch, num_chunks, chunk, num_heads, head_dim).transpose(3, 1, 0, 2, 4)
-  q_segment_chunks = jnp.pad(q_segments, ((0, 0), (0, pad))).reshape(
-      batch, num_chunks, chunk).transpose(1, 0, 2)
-  visible_keys = key_visible[:, None, :]                 # [B, 1, Nk]
+  q_segment_chunks = jnp.pad(q_segments, ((0, 0), (0, pad))).reshape(batch, num_chunks, chunk).transpose(1, 0, 2)
+  visible_keys = key_visible[:, None, :]  # [B, 1, Nk]
 
   def one_head(args):
-    q_h, k_h, v_h = args                                 # [chunks, B, c, D], [B, Nk, D] x2
+    q_h, k_h, v_h = args  # [chunks, B, c, D], [B, Nk, D] x2
     k_h, v_h = k_h.astype(jnp.float32), v_h.astype(jnp.float32)
 
     def one_chunk(args):
-      q_c, seg_c = args                                  # [B, c, D], [B, c]
-      s = jnp.einsum("bqd,bkd->bqk", q_c.astype(jnp.float32), k_h,
-                     precision=lax.Precision.HIGHEST) * sm_scale
+      q_c, seg_c = args  # [B, c, D], [B, c]
+      s = jnp.einsum("bqd,bkd->bqk", q_c.astype(jnp.float32), k_h, precision=lax.Precision.HIGHEST) * sm_scale
       visible = visible_keys & (k_segments[:, None, :] <= seg_c[:, :, None])
       s = jnp.where(visible, s, -jnp.inf)
       m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf))
-      p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))   # 0 where not visible
+      p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))  # 0 where not visible
       l = jnp.sum(p, axis=-1, keepdims=True)
       if segment_ids is None:  # hidden values are already 0
         o = jnp.einsum("bqk,bkd->bqd", p, v_h, precision=lax.Precision.HIGHEST)
@@ -120,7 +118,7 @@ def attention_reference(q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None
         o = _visible_values_sum(p, visible, v_h)
       return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(q.dtype)
 
-    return lax.map(one_chunk, (q_h, q_segment_chunks))   # [chunks, B, c, D]
+    return lax.map(one_chunk, (q_h, q_segment_chunks))  # [chunks, B, c, D]
 
   o = lax.map(one_head, (q_chunks, k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)))
   o = o.transpose(2, 1, 3, 0, 4).reshape(batch, num_chunks * chunk, num_heads, head_dim)
@@ -134,13 +132,15 @@ def _visible_values_sum(p: jax.Array, visible: jax.Array, v: jax.Array) -> jax.A
   0 * NaN is NaN: when some value is not finite the sum selects per query
   (`where`, one query row at a time: `[B, Nk, D]` memory); otherwise the
   matmul is exact (0 * finite = 0)."""
+
   def matmul():
     return jnp.einsum("bqk,bkd->bqd", p, v, precision=lax.Precision.HIGHEST)
 
   def selected():
     def one_query(args):
-      p_q, visible_q = args                               # [B, Nk] each
+      p_q, visible_q = args  # [B, Nk] each
       return jnp.sum(jnp.where(visible_q[..., None], p_q[..., None] * v, 0.0), axis=1)
+
     return lax.map(one_query, (p.transpose(1, 0, 2), visible.transpose(1, 0, 2))).transpose(1, 0, 2)
 
   return lax.cond(jnp.all(jnp.isfinite(v)), matmul, selected)
@@ -201,13 +201,13 @@ def segment_ends(prefix_segments, q_len: int) -> list[int]:
 
 def segment_ids_from_ends(ends: list[int], batch: int, q_len: int) -> jax.Array:
   """`[B, Nq]` int32: token t gets the index of the segment containing it."""
-  ids = jnp.searchsorted(jnp.asarray(ends, jnp.int32), jnp.arange(q_len, dtype=jnp.int32),
-                         side="right").astype(jnp.int32)
+  ids = jnp.searchsorted(jnp.asarray(ends, jnp.int32), jnp.arange(q_len, dtype=jnp.int32), side="right").astype(
+    jnp.int32
+  )
   return jnp.broadcast_to(ids, (batch, q_len))
 
 
-def make_noncausal_inputs(axes: Mapping[str, int], key: jax.Array,
-                          record: dict | None = None) -> dict[str, jax.Array]:
+def make_noncausal_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | None = None) -> dict[str, jax.Array]:
   """q, k, v ~ N(0, 1) bf16. key_valid: a valid prefix of random length per
   batch row for the padded-text variants (`attn2`, `audio_attn2`), else all
   true; all true without a record. Lengths come from `axes`, so a scaled run
@@ -222,19 +222,20 @@ def make_noncausal_inputs(axes: Mapping[str, int], key: jax.Array,
   return {"q": q, "k": k, "v": v, "key_valid": key_valid}
 
 
-def make_prefix_cached_inputs(axes: Mapping[str, int], key: jax.Array,
-                              record: dict | None = None) -> dict[str, jax.Array]:
+def make_prefix_cached_inputs(
+  axes: Mapping[str, int], key: jax.Array, record: dict | None = None
+) -> dict[str, jax.Array]:
   """q, k, v, k_prefix, v_prefix ~ N(0, 1) bf16. No mask input, so the
   record's `prefix_segments` (the prefix's own structure) are not needed."""
   del record
   b, nq, np_, h, d = (int(axes[n]) for n in ("B", "Nq", "Np", "H", "D"))
-  q, k, v, k_prefix, v_prefix = _normal_bf16(
-      key, *[(b, nq, h, d)] * 3, *[(b, np_, h, d)] * 2)
+  q, k, v, k_prefix, v_prefix = _normal_bf16(key, *[(b, nq, h, d)] * 3, *[(b, np_, h, d)] * 2)
   return {"q": q, "k": k, "v": v, "k_prefix": k_prefix, "v_prefix": v_prefix}
 
 
-def make_block_causal_inputs(axes: Mapping[str, int], key: jax.Array,
-                             record: dict | None = None) -> dict[str, jax.Array]:
+def make_block_causal_inputs(
+  axes: Mapping[str, int], key: jax.Array, record: dict | None = None
+) -> dict[str, jax.Array]:
   """q, k, v ~ N(0, 1) bf16; segment_ids from the record's `prefix_segments`
   (rescaled to `axes['Nq']`, see `segment_ends`). Without a record (or
   without `prefix_segments`) all tokens form one segment: plain non-causal
@@ -306,10 +307,16 @@ def noncausal_attention_cost(definition, axes, *, inputs=None, record=None, conf
   b, nk = axes["B"], axes["Nk"]
   key_valid = None if inputs is None else inputs.get("key_valid")
   keys = b * nk if key_valid is None else int(np.count_nonzero(roofline.host(key_valid)))
-  kv_row = (roofline.tensor_bytes(definition, "k", axes) + roofline.tensor_bytes(definition, "v", axes)) // max(b * nk, 1)
+  kv_row = (roofline.tensor_bytes(definition, "k", axes) + roofline.tensor_bytes(definition, "v", axes)) // max(
+    b * nk, 1
+  )
   nbytes = roofline.io_bytes(definition, axes, skip=("k", "v")) + keys * kv_row
-  return roofline.Work(4 * axes["H"] * axes["Nq"] * axes["D"] * keys, nbytes, "bf16",
-                       counted_from="axes" if key_valid is None else "inputs")
+  return roofline.Work(
+    4 * axes["H"] * axes["Nq"] * axes["D"] * keys,
+    nbytes,
+    "bf16",
+    counted_from="axes" if key_valid is None else "inputs",
+  )
 
 
 def prefix_cached_attention_cost(definition, axes, *, inputs=None, record=None, config=None):
@@ -355,8 +362,9 @@ def block_causal_attention_cost(definition, axes, *, inputs=None, record=None, c
   else:
     segments = (record or {}).get("prefix_segments")
     pairs, source = b * block_causal_pairs(segment_ends(segments, nq) if segments else [nq]), "axes"
-  return roofline.Work(4 * axes["H"] * axes["D"] * pairs, roofline.io_bytes(definition, axes), "bf16",
-                       counted_from=source)
+  return roofline.Work(
+    4 * axes["H"] * axes["D"] * pairs, roofline.io_bytes(definition, axes), "bf16", counted_from=source
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -367,15 +375,22 @@ def block_causal_attention_cost(definition, axes, *, inputs=None, record=None, c
 def segment_preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
   """Checked mode: segment ids nondecreasing along the tokens of each row."""
   ids = inputs["segment_ids"]
-  rises = jnp.concatenate([jnp.ones(ids.shape[:-1] + (min(ids.shape[-1], 1),), bool),
-                           ids[..., 1:] >= ids[..., :-1]], axis=-1)
+  rises = jnp.concatenate(
+    [jnp.ones(ids.shape[:-1] + (min(ids.shape[-1], 1),), bool), ids[..., 1:] >= ids[..., :-1]], axis=-1
+  )
   return [Precondition("segment_ids", rises, "nondecreasing along Nq (segment_ids[b, i] >= segment_ids[b, i-1])")]
 
 
 def _impl(reference, make_inputs, cost, split, preconditions=None) -> OpImpl:
-  return OpImpl(reference=reference, kernels=KERNELS, make_inputs=make_inputs,
-                cpu_axes=cpu_axes, cost=cost, split=split,
-                preconditions=preconditions)
+  return OpImpl(
+    reference=reference,
+    kernels=KERNELS,
+    make_inputs=make_inputs,
+    cpu_axes=cpu_axes,
+    cost=cost,
+    split=split,
+    preconditions=preconditions,
+  )
 
 
 # How the ops split across devices (`jaxkern.spmd`): batch, heads and, where
@@ -383,18 +398,33 @@ def _impl(reference, make_inputs, cost, split, preconditions=None) -> OpImpl:
 _KEYS = "each query's softmax runs over all keys"
 _REASONS = {"t": _KEYS, "p": _KEYS, "d": CONTRACTION}
 _QKV = {"q": "b s h d", "k": "b t h d", "v": "b t h d"}
-NONCAUSAL_SPLIT = Split(inputs={**_QKV, "key_valid": "b t"}, outputs=("b s h d",), independent="b s h",
-                        reasons=_REASONS)
-PREFIX_CACHED_SPLIT = Split(inputs={**_QKV, "k_prefix": "b p h d", "v_prefix": "b p h d"}, outputs=("b s h d",),
-                            independent="b s h", reasons=_REASONS)
+NONCAUSAL_SPLIT = Split(
+  inputs={**_QKV, "key_valid": "b t"}, outputs=("b s h d",), independent="b s h", reasons=_REASONS
+)
+PREFIX_CACHED_SPLIT = Split(
+  inputs={**_QKV, "k_prefix": "b p h d", "v_prefix": "b p h d"},
+  outputs=("b s h d",),
+  independent="b s h",
+  reasons=_REASONS,
+)
 # Block-causal: queries and keys are the same tokens (one name, `s`).
-BLOCK_CAUSAL_SPLIT = Split(inputs={"q": "b s h d", "k": "b s h d", "v": "b s h d", "segment_ids": "b s"},
-                           outputs=("b s h d",), independent="b h", reasons={**_REASONS, "s": _KEYS})
+BLOCK_CAUSAL_SPLIT = Split(
+  inputs={"q": "b s h d", "k": "b s h d", "v": "b s h d", "segment_ids": "b s"},
+  outputs=("b s h d",),
+  independent="b h",
+  reasons={**_REASONS, "s": _KEYS},
+)
 NONCAUSAL = _impl(noncausal_attention_reference, make_noncausal_inputs, noncausal_attention_cost, NONCAUSAL_SPLIT)
-PREFIX_CACHED = _impl(prefix_cached_attention_reference, make_prefix_cached_inputs, prefix_cached_attention_cost,
-                      PREFIX_CACHED_SPLIT)
-BLOCK_CAUSAL = _impl(block_causal_attention_reference, make_block_causal_inputs, block_causal_attention_cost,
-                     BLOCK_CAUSAL_SPLIT, segment_preconditions)
+PREFIX_CACHED = _impl(
+  prefix_cached_attention_reference, make_prefix_cached_inputs, prefix_cached_attention_cost, PREFIX_CACHED_SPLIT
+)
+BLOCK_CAUSAL = _impl(
+  block_causal_attention_reference,
+  make_block_causal_inputs,
+  block_causal_attention_cost,
+  BLOCK_CAUSAL_SPLIT,
+  segment_preconditions,
+)
 IMPLS = (NONCAUSAL, PREFIX_CACHED, BLOCK_CAUSAL)
 
 
@@ -402,9 +432,17 @@ IMPLS = (NONCAUSAL, PREFIX_CACHED, BLOCK_CAUSAL)
 # Public ops (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.Array | None = None,
-              sm_scale: float | None = None, config: Any = None, backend: dispatch.Backend = None,
-              checks: bool = False) -> jax.Array:
+def attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  key_valid: jax.Array | None = None,
+  sm_scale: float | None = None,
+  config: Any = None,
+  backend: dispatch.Backend = None,
+  checks: bool = False,
+) -> jax.Array:
   """Non-causal attention, [B, N, H, D] layout.
 
   Contract: q [B, Nq, H, D], k, v [B, Nk, H, D], one float dtype (bf16);
@@ -414,13 +452,28 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.Array 
   visible key is 0. sm_scale defaults to D**-0.5. Non-finite values of
   visible keys reach the rows that see them. No index inputs (`checks=True`
   has nothing to check)."""
-  return dispatch.run(NONCAUSAL, {"q": q, "k": k, "v": v, "key_valid": key_valid}, params={"sm_scale": sm_scale},
-                      config=config, backend=backend, checks=checks)
+  return dispatch.run(
+    NONCAUSAL,
+    {"q": q, "k": k, "v": v, "key_valid": key_valid},
+    params={"sm_scale": sm_scale},
+    config=config,
+    backend=backend,
+    checks=checks,
+  )
 
 
-def prefix_cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_prefix: jax.Array,
-                            v_prefix: jax.Array, *, sm_scale: float | None = None, config: Any = None,
-                            backend: dispatch.Backend = None, checks: bool = False) -> jax.Array:
+def prefix_cached_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  k_prefix: jax.Array,
+  v_prefix: jax.Array,
+  *,
+  sm_scale: float | None = None,
+  config: Any = None,
+  backend: dispatch.Backend = None,
+  checks: bool = False,
+) -> jax.Array:
   """Attention of q over keys concat(k_prefix, k), all visible; the
   concatenation is never materialized by the kernel.
 
@@ -428,13 +481,22 @@ def prefix_cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_prefix: 
   one float dtype; no masks and no index inputs (`checks=True` has nothing
   to check); non-finite values reach every row."""
   inputs = {"q": q, "k": k, "v": v, "k_prefix": k_prefix, "v_prefix": v_prefix}
-  return dispatch.run(PREFIX_CACHED, inputs, params={"sm_scale": sm_scale}, config=config, backend=backend,
-                      checks=checks)
+  return dispatch.run(
+    PREFIX_CACHED, inputs, params={"sm_scale": sm_scale}, config=config, backend=backend, checks=checks
+  )
 
 
-def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                           sm_scale: float | None = None, config: Any = None,
-                           backend: dispatch.Backend = None, checks: bool = False) -> jax.Array:
+def block_causal_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: jax.Array,
+  *,
+  sm_scale: float | None = None,
+  config: Any = None,
+  backend: dispatch.Backend = None,
+  checks: bool = False,
+) -> jax.Array:
   """Self-attention where token j is visible to token i iff
   segment_ids[b, j] <= segment_ids[b, i].
 
@@ -443,5 +505,11 @@ def block_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
   visibility rule is the answer for any ids; a key hidden from a query
   never reaches it, even when its neighbours see it (a NaN in a later
   segment leaves earlier rows finite)."""
-  return dispatch.run(BLOCK_CAUSAL, {"q": q, "k": k, "v": v, "segment_ids": segment_ids},
-                      params={"sm_scale": sm_scale}, config=config, backend=backend, checks=checks)
+  return dispatch.run(
+    BLOCK_CAUSAL,
+    {"q": q, "k": k, "v": v, "segment_ids": segment_ids},
+    params={"sm_scale": sm_scale},
+    config=config,
+    backend=backend,
+    checks=checks,
+  )

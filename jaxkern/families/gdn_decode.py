@@ -14,14 +14,14 @@ synthesis defined here.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 
-from jaxkern import dispatch
-from jaxkern import roofline
+from jaxkern import dispatch, roofline
 from jaxkern.family import OpImpl
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.gdn_decode import KERNELS
@@ -61,7 +61,7 @@ def delta_step(s, q, k, v, g, beta, scale):
   g/beta [...]. Returns (new s, output [..., V]). Elementwise products and
   sums only (exact fp32 on every backend, no matmul precision setting)."""
   s = s * g[..., None, None]
-  predicted = jnp.sum(s * k[..., None, :], axis=-1)             # (S^T k)[v]
+  predicted = jnp.sum(s * k[..., None, :], axis=-1)  # (S^T k)[v]
   u = beta[..., None] * (v - predicted)
   s = s + u[..., :, None] * k[..., None, :]
   return s, scale * jnp.sum(s * q[..., None, :], axis=-1)
@@ -71,10 +71,16 @@ def gdn_decode_reference(q, k, v, state, A_log, a, dt_bias, b, scale):
   """q, k [B,1,HQ,D], v [B,1,HV,D], state [B,HV,V,K] f32 -> (output [B,1,HV,D]
   bf16, new_state [B,HV,V,K] f32)."""
   hv, d = v.shape[-2:]
-  g, beta = gates(a[:, 0], b[:, 0], A_log, dt_bias)              # [B, HV]
-  s, o = delta_step(state.astype(jnp.float32), per_v_head(q[:, 0], hv),
-                     per_v_head(k[:, 0], hv), v[:, 0].astype(jnp.float32), g, beta,
-                     resolve_scale(scale, d))
+  g, beta = gates(a[:, 0], b[:, 0], A_log, dt_bias)  # [B, HV]
+  s, o = delta_step(
+    state.astype(jnp.float32),
+    per_v_head(q[:, 0], hv),
+    per_v_head(k[:, 0], hv),
+    v[:, 0].astype(jnp.float32),
+    g,
+    beta,
+    resolve_scale(scale, d),
+  )
   return o[:, None].astype(jnp.bfloat16), s
 
 
@@ -87,8 +93,8 @@ def gdn_decode_reference(q, k, v, state, A_log, a, dt_bias, b, scale):
 _A_RANGE = (1.0, 16.0)
 _DT_RANGE = (1e-3, 1e-1)
 _A_STD = 2.0
-_B_STD = 2.0          # beta = sigmoid(b) spread over (0, 1)
-STATE_STD = 0.5      # moderate: S^T k ~ 0.5 per element for unit k, v ~ N(0, 1)
+_B_STD = 2.0  # beta = sigmoid(b) spread over (0, 1)
+STATE_STD = 0.5  # moderate: S^T k ~ 0.5 per element for unit k, v ~ N(0, 1)
 
 
 def _unit_rows(key, shape):
@@ -99,21 +105,20 @@ def _unit_rows(key, shape):
 def head_params(key, num_v_heads: int):
   k_a, k_dt = jax.random.split(key)
   A = jax.random.uniform(k_a, (num_v_heads,), jnp.float32, *_A_RANGE)
-  log_dt = jax.random.uniform(k_dt, (num_v_heads,), jnp.float32,
-                              math.log(_DT_RANGE[0]), math.log(_DT_RANGE[1]))
+  log_dt = jax.random.uniform(k_dt, (num_v_heads,), jnp.float32, math.log(_DT_RANGE[0]), math.log(_DT_RANGE[1]))
   dt = jnp.exp(log_dt)
-  dt_bias = dt + jnp.log(-jnp.expm1(-dt))                       # softplus^-1(dt)
+  dt_bias = dt + jnp.log(-jnp.expm1(-dt))  # softplus^-1(dt)
   return jnp.log(A), dt_bias
 
 
 def token_inputs(key, lead: tuple[int, ...], hq: int, hv: int, d: int):
   kq, kk, kv, ka, kb = jax.random.split(key, 5)
   return {
-      "q": _unit_rows(kq, (*lead, hq, d)),
-      "k": _unit_rows(kk, (*lead, hq, d)),
-      "v": jax.random.normal(kv, (*lead, hv, d), jnp.float32).astype(jnp.bfloat16),
-      "a": (_A_STD * jax.random.normal(ka, (*lead, hv), jnp.float32)).astype(jnp.bfloat16),
-      "b": (_B_STD * jax.random.normal(kb, (*lead, hv), jnp.float32)).astype(jnp.bfloat16),
+    "q": _unit_rows(kq, (*lead, hq, d)),
+    "k": _unit_rows(kk, (*lead, hq, d)),
+    "v": jax.random.normal(kv, (*lead, hv, d), jnp.float32).astype(jnp.bfloat16),
+    "a": (_A_STD * jax.random.normal(ka, (*lead, hv), jnp.float32)).astype(jnp.bfloat16),
+    "b": (_B_STD * jax.random.normal(kb, (*lead, hv), jnp.float32)).astype(jnp.bfloat16),
   }
 
 
@@ -127,13 +132,22 @@ def make_decode_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | N
   inputs = token_inputs(k_tok, (batch, int(axes["seq_len"])), hq, hv, d)
   A_log, dt_bias = head_params(k_head, hv)
   state = STATE_STD * jax.random.normal(k_state, (batch, hv, d, d), jnp.float32)
-  return {"q": inputs["q"], "k": inputs["k"], "v": inputs["v"], "state": state, "A_log": A_log,
-          "a": inputs["a"], "dt_bias": dt_bias, "b": inputs["b"], "scale": jnp.zeros((), jnp.float32)}
+  return {
+    "q": inputs["q"],
+    "k": inputs["k"],
+    "v": inputs["v"],
+    "state": state,
+    "A_log": A_log,
+    "a": inputs["a"],
+    "dt_bias": dt_bias,
+    "b": inputs["b"],
+    "scale": jnp.zeros((), jnp.float32),
+  }
 
 
 # --------------------------------------------------------------- CPU budgets
 
-_CPU_BATCH = 8          # decode rows at CPU scale
+_CPU_BATCH = 8  # decode rows at CPU scale
 
 
 def decode_cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
@@ -158,23 +172,39 @@ def gdn_decode_cost(definition, axes, *, inputs=None, record=None, config=None):
   `gdn_flops`; the per-head gates are not counted), matrix-vector work on
   the FP32 (non-tensor-core) peak. Bytes: all inputs read once (the f32
   state [B,HV,K,V] dominates) and output and new_state written once."""
-  return roofline.Work(gdn_flops(axes["batch_size"] * axes["seq_len"], axes), roofline.io_bytes(definition, axes),
-                       "fp32")
+  return roofline.Work(
+    gdn_flops(axes["batch_size"] * axes["seq_len"], axes), roofline.io_bytes(definition, axes), "fp32"
+  )
 
 
 # ------------------------------------------------------------------ registry
 
 # How the op splits across devices (`jaxkern.spmd`): batch and heads (q/k
 # heads with the v heads that read them: v head h reads q/k head h // (HV/HQ)).
-SPLIT = Split(inputs={"q": "b o h dk", "k": "b o h dk", "v": "b o h dv", "state": "b h dv dk", "A_log": "h",
-                      "a": "b o h", "dt_bias": "h", "b": "b o h", "scale": ""},
-              outputs=("b o h dv", "b h dv dk"), independent="b h",
-              reasons={"dk": CONTRACTION, "dv": "the state's rows are updated from all of them"})
-IMPL = OpImpl(reference=gdn_decode_reference,
-              kernels=KERNELS, make_inputs=make_decode_inputs,
-              cpu_axes=decode_cpu_axes,
-              cost=gdn_decode_cost,
-              split=SPLIT)
+SPLIT = Split(
+  inputs={
+    "q": "b o h dk",
+    "k": "b o h dk",
+    "v": "b o h dv",
+    "state": "b h dv dk",
+    "A_log": "h",
+    "a": "b o h",
+    "dt_bias": "h",
+    "b": "b o h",
+    "scale": "",
+  },
+  outputs=("b o h dv", "b h dv dk"),
+  independent="b h",
+  reasons={"dk": CONTRACTION, "dv": "the state's rows are updated from all of them"},
+)
+IMPL = OpImpl(
+  reference=gdn_decode_reference,
+  kernels=KERNELS,
+  make_inputs=make_decode_inputs,
+  cpu_axes=decode_cpu_axes,
+  cost=gdn_decode_cost,
+  split=SPLIT,
+)
 IMPLS = (IMPL,)
 
 
@@ -182,10 +212,21 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
-def gdn_decode(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log: jax.Array,  # pylint: disable=invalid-name
-               a: jax.Array, dt_bias: jax.Array, b: jax.Array, scale: float | jax.Array | None = None, *,
-               config: Any = None, backend: dispatch.Backend = None,
-               checks: bool = False) -> tuple[jax.Array, jax.Array]:
+def gdn_decode(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  state: jax.Array,
+  A_log: jax.Array,
+  a: jax.Array,
+  dt_bias: jax.Array,
+  b: jax.Array,
+  scale: float | jax.Array | None = None,
+  *,
+  config: Any = None,
+  backend: dispatch.Backend = None,
+  checks: bool = False,
+) -> tuple[jax.Array, jax.Array]:
   """Gated delta net decode step (Qwen3-Next): q, k [B, 1, HQ, D], v [B, 1, HV, D],
   k-last state [B, HV, V, K] f32, a, b [B, 1, HV], A_log, dt_bias [HV];
   scale None/0 -> D**-0.5. Returns (output [B, 1, HV, D] bf16, new_state f32).
@@ -193,6 +234,15 @@ def gdn_decode(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log
   Contract: any B >= 0; HV a multiple of HQ; q, k, v, a, b bf16. Rows are
   independent and there are no index inputs (`checks=True` has nothing to
   check); non-finite values reach their own row's output and state."""
-  inputs = dict(q=q, k=k, v=v, state=state, A_log=A_log, a=a, dt_bias=dt_bias, b=b,
-                scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32))
+  inputs = dict(
+    q=q,
+    k=k,
+    v=v,
+    state=state,
+    A_log=A_log,
+    a=a,
+    dt_bias=dt_bias,
+    b=b,
+    scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32),
+  )
   return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

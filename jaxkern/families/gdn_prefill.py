@@ -8,23 +8,30 @@ new_state row. Kernel: `pallas_kernels.gdn_prefill`.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxkern import compare
-from jaxkern import dispatch
-from jaxkern import roofline
-from jaxkern.families.gdn_decode import (STATE_STD, delta_step, gates, gdn_flops, head_params, per_v_head,
-                                         resolve_scale, token_inputs)
+from jaxkern import compare, dispatch, roofline
+from jaxkern.families.gdn_decode import (
+  STATE_STD,
+  delta_step,
+  gates,
+  gdn_flops,
+  head_params,
+  per_v_head,
+  resolve_scale,
+  token_inputs,
+)
 from jaxkern.family import OpImpl, Precondition, varying_like
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.gdn_prefill import KERNELS
 
-_CPU_TOKENS = 192       # prefill tokens at CPU scale (plus total % 64: ragged chunks stay)
+_CPU_TOKENS = 192  # prefill tokens at CPU scale (plus total % 64: ragged chunks stay)
 _CPU_SEQS = 4
 
 
@@ -53,12 +60,12 @@ def gdn_prefill_reference(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scal
   # reach neither the forward nor, through where's zero branch, a gradient.
   dead = lambda x: jnp.where(live.reshape(-1, *(1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))  # noqa: E731
   q, k, v, a, b = map(dead, (q, k, v, a, b))
-  g, beta = gates(a, b, A_log, dt_bias)                          # [T, HV]
+  g, beta = gates(a, b, A_log, dt_bias)  # [T, HV]
   scale = resolve_scale(scale, d)
 
   def token_step(s, x):
     n, on, qt, kt, vt, gt, bt = x
-    s_n = s[n]                                                    # [HV, V, K]
+    s_n = s[n]  # [HV, V, K]
     s_next, o = delta_step(s_n, per_v_head(qt, hv), per_v_head(kt, hv), vt.astype(jnp.float32), gt, bt, scale)
     return s.at[n].set(jnp.where(on, s_next, s_n)), jnp.where(on, o, 0.0)
 
@@ -102,10 +109,12 @@ def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
   cu, total = inputs["cu_seqlens"].astype(jnp.int32), inputs["q"].shape[0]
   i = jnp.arange(cu.shape[0])
   previous = jnp.concatenate([cu[:1], cu[:-1]])
-  valid = ((cu >= 0) & (cu <= total) & (cu >= previous) & ((i > 0) | (cu == 0))
-           & ((i < cu.shape[0] - 1) | (cu == total)))
-  return [Precondition("cu_seqlens", valid,
-                       f"0 = cu_seqlens[0] <= cu_seqlens[1] <= ... <= cu_seqlens[N] = T with T = {total} (tokens)")]
+  valid = (cu >= 0) & (cu <= total) & (cu >= previous) & ((i > 0) | (cu == 0)) & ((i < cu.shape[0] - 1) | (cu == total))
+  return [
+    Precondition(
+      "cu_seqlens", valid, f"0 = cu_seqlens[0] <= cu_seqlens[1] <= ... <= cu_seqlens[N] = T with T = {total} (tokens)"
+    )
+  ]
 
 
 def split_lengths(total: int, num_seqs: int, seed: int) -> np.ndarray:
@@ -139,9 +148,18 @@ def make_prefill_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | 
   seed = int(jax.random.randint(k_split, (), 0, np.iinfo(np.int32).max))
   lengths = split_lengths(total, num_seqs, seed)
   cu_seqlens = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-  return {"q": inputs["q"], "k": inputs["k"], "v": inputs["v"], "state": state, "A_log": A_log,
-          "a": inputs["a"], "dt_bias": dt_bias, "b": inputs["b"], "cu_seqlens": cu_seqlens,
-          "scale": jnp.zeros((), jnp.float32)}
+  return {
+    "q": inputs["q"],
+    "k": inputs["k"],
+    "v": inputs["v"],
+    "state": state,
+    "A_log": A_log,
+    "a": inputs["a"],
+    "dt_bias": dt_bias,
+    "b": inputs["b"],
+    "cu_seqlens": cu_seqlens,
+    "scale": jnp.zeros((), jnp.float32),
+  }
 
 
 def prefill_cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
@@ -175,18 +193,39 @@ def gdn_prefill_cost(definition, axes, *, inputs=None, record=None, config=None)
 # v heads that read them); the tokens of a sequence are a recurrence and
 # cu_seqlens indexes them globally.
 _PACKED = "cu_seqlens indexes the packed tokens of every sequence (the tokens of one form a recurrence)"
-SPLIT = Split(inputs={"q": "t h dk", "k": "t h dk", "v": "t h dv", "state": "n h dv dk", "A_log": "h", "a": "t h",
-                      "dt_bias": "h", "b": "t h", "cu_seqlens": "c", "scale": ""},
-              outputs=("t h dv", "n h dv dk"), independent="h",
-              reasons={"t": _PACKED, "n": _PACKED, "c": _PACKED, "dk": CONTRACTION,
-                       "dv": "the state's rows are updated from all of them"})
-IMPL = OpImpl(reference=gdn_prefill_reference,
-              kernels=KERNELS, make_inputs=make_prefill_inputs,
-              cpu_axes=prefill_cpu_axes,
-              cost=gdn_prefill_cost,
-              policies={"new_state": compare.StateMetric()},
-              split=SPLIT,
-              preconditions=preconditions)
+SPLIT = Split(
+  inputs={
+    "q": "t h dk",
+    "k": "t h dk",
+    "v": "t h dv",
+    "state": "n h dv dk",
+    "A_log": "h",
+    "a": "t h",
+    "dt_bias": "h",
+    "b": "t h",
+    "cu_seqlens": "c",
+    "scale": "",
+  },
+  outputs=("t h dv", "n h dv dk"),
+  independent="h",
+  reasons={
+    "t": _PACKED,
+    "n": _PACKED,
+    "c": _PACKED,
+    "dk": CONTRACTION,
+    "dv": "the state's rows are updated from all of them",
+  },
+)
+IMPL = OpImpl(
+  reference=gdn_prefill_reference,
+  kernels=KERNELS,
+  make_inputs=make_prefill_inputs,
+  cpu_axes=prefill_cpu_axes,
+  cost=gdn_prefill_cost,
+  policies={"new_state": compare.StateMetric()},
+  split=SPLIT,
+  preconditions=preconditions,
+)
 IMPLS = (IMPL,)
 
 
@@ -194,10 +233,22 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
-def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_log: jax.Array,  # pylint: disable=invalid-name
-                a: jax.Array, dt_bias: jax.Array, b: jax.Array, cu_seqlens: jax.Array,
-                scale: float | jax.Array | None = None, *, config: Any = None,
-                backend: dispatch.Backend = None, checks: bool = False) -> tuple[jax.Array, jax.Array]:
+def gdn_prefill(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  state: jax.Array,
+  A_log: jax.Array,
+  a: jax.Array,
+  dt_bias: jax.Array,
+  b: jax.Array,
+  cu_seqlens: jax.Array,
+  scale: float | jax.Array | None = None,
+  *,
+  config: Any = None,
+  backend: dispatch.Backend = None,
+  checks: bool = False,
+) -> tuple[jax.Array, jax.Array]:
   """Gated delta net over packed sequences (chunked on the Pallas path): q, k [T, HQ, D],
   v [T, HV, D], a, b [T, HV], initial k-last states [N, HV, V, K] f32, cu_seqlens
   [N + 1]. Returns (output [T, HV, D] bf16, final states f32; empty sequences 0).
@@ -213,6 +264,16 @@ def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, A_lo
     at T; a token no sequence covers outputs 0; an empty sequence's
     new_state is 0. Tokens outside every sequence never reach an output.
   """
-  inputs = dict(q=q, k=k, v=v, state=state, A_log=A_log, a=a, dt_bias=dt_bias, b=b, cu_seqlens=cu_seqlens,
-                scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32))
+  inputs = dict(
+    q=q,
+    k=k,
+    v=v,
+    state=state,
+    A_log=A_log,
+    a=a,
+    dt_bias=dt_bias,
+    b=b,
+    cu_seqlens=cu_seqlens,
+    scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32),
+  )
   return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

@@ -35,23 +35,22 @@ Input synthesis (SPEC 6), decided from the records:
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxkern import dispatch
-from jaxkern import quant
-from jaxkern import roofline
+from jaxkern import dispatch, quant, roofline
 from jaxkern.family import OpImpl, Precondition, cdiv, in_range, varying_like
 from jaxkern.spmd import CONTRACTION, Split
-from pallas_kernels.grouped_gemm import triton as kernel_lib
 from pallas_kernels.grouped_gemm import KERNELS
+from pallas_kernels.grouped_gemm import triton as kernel_lib
 
-TOP_K = 6          # routed experts per token (DeepSeek-V4.1-Flash)
-GROUP = 32         # k values per scale byte
+TOP_K = 6  # routed experts per token (DeepSeek-V4.1-Flash)
+GROUP = 32  # k values per scale byte
 
 # Reference: rows per window of one expert's product (bounds the fp32 temporary
 # to window x N x 4 bytes).
@@ -73,8 +72,9 @@ def _dequantize_a(a: jax.Array, a_scale: jax.Array) -> jax.Array:
   return quant.dequantize_fp8_e4m3(a, a_scale, GROUP).astype(jnp.bfloat16)
 
 
-def grouped_gemm_fp8_fp4_reference(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
-                                   expert_ids: jax.Array) -> jax.Array:
+def grouped_gemm_fp8_fp4_reference(
+  a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, expert_ids: jax.Array
+) -> jax.Array:
   """Plain-jnp reference (SPEC 4.3).
 
   Operands are dequantized to bf16, which is exact (e4m3 / e2m1 values times
@@ -137,10 +137,12 @@ def _routing_and_activations(key, *, m: int, e: int, k: int, sequences: int):
   tokens = cdiv(m, top_k)
   # Router logits: token noise + expert popularity + the token's sequence topic.
   seq_of_token = (jnp.arange(tokens) * sequences) // tokens
-  logits = (jax.random.normal(key_tok, (tokens, e))
-            + _POPULARITY_STD * jax.random.normal(key_pop, (e,))
-            + _TOPIC_STD * jax.random.normal(key_topic, (sequences, e))[seq_of_token])
-  _, chosen = lax.top_k(logits, top_k)                     # distinct experts per token
+  logits = (
+    jax.random.normal(key_tok, (tokens, e))
+    + _POPULARITY_STD * jax.random.normal(key_pop, (e,))
+    + _TOPIC_STD * jax.random.normal(key_topic, (sequences, e))[seq_of_token]
+  )
+  _, chosen = lax.top_k(logits, top_k)  # distinct experts per token
   ids = jnp.sort(chosen.reshape(-1)[:m].astype(jnp.int32))  # grouped by expert
   x = jax.random.normal(key_a, (m, k), jnp.float32)
   a, a_scale = quant.quantize_fp8_e4m3(x, GROUP, "ue8m0")
@@ -168,8 +170,10 @@ def _expert_weights(key, expert_ids, *, e: int, n: int, k: int):
       b, b_scale = carry
       w = jax.random.normal(jax.random.fold_in(key, expert), (n, k), jnp.float32) * lax.rsqrt(jnp.float32(k))
       packed, scales = quant.quantize_e2m1(w, GROUP)
-      return (lax.dynamic_update_index_in_dim(b, packed, expert, 0),
-              lax.dynamic_update_index_in_dim(b_scale, scales, expert, 0))
+      return (
+        lax.dynamic_update_index_in_dim(b, packed, expert, 0),
+        lax.dynamic_update_index_in_dim(b_scale, scales, expert, 0),
+      )
 
     return lax.cond(expert < e, fill, lambda c: c, (b, b_scale))
 
@@ -231,7 +235,9 @@ def grouped_gemm_cost(definition, axes, *, inputs=None, record=None, config=None
   to e4m3, Hopper having no FP4 tensor cores; f16 for folded scales)."""
   m, e = axes["M"], axes["E"]
   per_expert = (roofline.tensor_bytes(definition, "b", axes) + roofline.tensor_bytes(definition, "b_scale", axes)) / e
-  per_row = (roofline.tensor_bytes(definition, "a", axes) + roofline.tensor_bytes(definition, "a_scale", axes)) / max(m, 1)
+  per_row = (roofline.tensor_bytes(definition, "a", axes) + roofline.tensor_bytes(definition, "a_scale", axes)) / max(
+    m, 1
+  )
   ids = None if inputs is None else inputs.get("expert_ids")
   if ids is None:
     rows, experts, source = m, expected_experts(m, e), "axes"
@@ -239,8 +245,11 @@ def grouped_gemm_cost(definition, axes, *, inputs=None, record=None, config=None
     ids = roofline.host(ids)
     routed = ids[(ids >= 0) & (ids < e)]
     rows, experts, source = routed.size, np.unique(routed).size, "inputs"
-  nbytes = (roofline.io_bytes(definition, axes, skip=("a", "a_scale", "b", "b_scale"))
-            + round(rows * per_row) + round(experts * per_expert))
+  nbytes = (
+    roofline.io_bytes(definition, axes, skip=("a", "a_scale", "b", "b_scale"))
+    + round(rows * per_row)
+    + round(experts * per_expert)
+  )
   dtype_class = "fp8" if jnp.dtype(kernel_lib.dot_operand_dtype(config)).itemsize == 1 else "bf16"
   return roofline.Work(2 * rows * axes["N"] * axes["K"], nbytes, dtype_class, counted_from=source)
 
@@ -249,27 +258,40 @@ def grouped_gemm_cost(definition, axes, *, inputs=None, record=None, config=None
 # ids) and output columns. Experts do not split here, as rows name them by
 # global id: expert parallelism is a shard_map with local ids
 # (examples/moe_sharded.py).
-SPLIT = Split(inputs={"a": "m k", "a_scale": "m g", "b": "e n kp", "b_scale": "e n g", "expert_ids": "m"},
-              outputs=("m n",), independent="m n",
-              reasons={"k": CONTRACTION, "kp": CONTRACTION, "g": CONTRACTION,
-                       "e": "rows carry global expert ids; for expert parallelism call the op inside "
-                            "jax.shard_map on each device's rows with local ids (examples/moe_sharded.py)"})
+SPLIT = Split(
+  inputs={"a": "m k", "a_scale": "m g", "b": "e n kp", "b_scale": "e n g", "expert_ids": "m"},
+  outputs=("m n",),
+  independent="m n",
+  reasons={
+    "k": CONTRACTION,
+    "kp": CONTRACTION,
+    "g": CONTRACTION,
+    "e": "rows carry global expert ids; for expert parallelism call the op inside "
+    "jax.shard_map on each device's rows with local ids (examples/moe_sharded.py)",
+  },
+)
 
 
 def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
   """Checked mode: every expert id is -1 or an expert of b."""
   ids, experts = inputs["expert_ids"], inputs["b"].shape[0]
-  return [Precondition("expert_ids", (ids == -1) | in_range(ids, 0, experts),
-                       f"-1 (padding row) or [0, E) with E = {experts} (b.shape[0])")]
+  return [
+    Precondition(
+      "expert_ids",
+      (ids == -1) | in_range(ids, 0, experts),
+      f"-1 (padding row) or [0, E) with E = {experts} (b.shape[0])",
+    )
+  ]
 
 
 IMPL = OpImpl(
-    reference=grouped_gemm_fp8_fp4_reference,
-    kernels=KERNELS, make_inputs=make_inputs,
-    cpu_axes=cpu_axes,
-    cost=grouped_gemm_cost,
-    split=SPLIT,
-    preconditions=preconditions,
+  reference=grouped_gemm_fp8_fp4_reference,
+  kernels=KERNELS,
+  make_inputs=make_inputs,
+  cpu_axes=cpu_axes,
+  cost=grouped_gemm_cost,
+  split=SPLIT,
+  preconditions=preconditions,
 )
 IMPLS = (IMPL,)
 
@@ -278,9 +300,17 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
-def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
-                         expert_ids: jax.Array, *, config: Any = None, backend: dispatch.Backend = None,
-                         checks: bool = False) -> jax.Array:
+def grouped_gemm_fp8_fp4(
+  a: jax.Array,
+  a_scale: jax.Array,
+  b: jax.Array,
+  b_scale: jax.Array,
+  expert_ids: jax.Array,
+  *,
+  config: Any = None,
+  backend: dispatch.Backend = None,
+  checks: bool = False,
+) -> jax.Array:
   """MoE expert GEMM, FP8 activations x MXFP4 weights (SPEC 4.3).
 
   Contract (both backends):

@@ -31,16 +31,15 @@ Synthesis (SPEC 6) from the record's `scheduler_sequence_lengths`:
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxkern import dispatch
-from jaxkern import quant
-from jaxkern import roofline
+from jaxkern import dispatch, quant, roofline
 from jaxkern.family import OpImpl, Precondition, in_range
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.mixed_mla import KERNELS
@@ -68,8 +67,9 @@ def _gather_rows(cache: jax.Array, indices: jax.Array) -> tuple[jax.Array, jax.A
   return flat[jnp.where(valid, indices, 0)], valid
 
 
-def mixed_mla_decode_reference(q, kv_fp8, indices_fp8, kv_fp4, indices_fp4, sm_scale,
-                               attn_sink) -> tuple[jax.Array, jax.Array]:
+def mixed_mla_decode_reference(
+  q, kv_fp8, indices_fp8, kv_fp4, indices_fp4, sm_scale, attn_sink
+) -> tuple[jax.Array, jax.Array]:
   """SPEC 4.10 in plain jnp, fp32 after dequantization, one sequence at a
   time (`lax.map`: a [640, 512] f32 key block per step).
 
@@ -80,16 +80,16 @@ def mixed_mla_decode_reference(q, kv_fp8, indices_fp8, kv_fp4, indices_fp4, sm_s
     q_b, idx8, idx4 = args
     rec8, valid8 = _gather_rows(kv_fp8, idx8)
     rec4, valid4 = _gather_rows(kv_fp4, idx4)
-    keys = jnp.concatenate([quant.dequantize_mla_fp8_tokens(rec8),
-                            quant.dequantize_mla_fp4_tokens(rec4)], axis=0)   # [K8 + K4, D]
+    keys = jnp.concatenate(
+      [quant.dequantize_mla_fp8_tokens(rec8), quant.dequantize_mla_fp4_tokens(rec4)], axis=0
+    )  # [K8 + K4, D]
     valid = jnp.concatenate([valid8, valid4])
     keys = jnp.where(valid[:, None], keys, 0.0)
-    logits = jnp.einsum("hd,kd->hk", q_b.astype(jnp.float32), keys,
-                        precision=lax.Precision.HIGHEST) * sm_scale
+    logits = jnp.einsum("hd,kd->hk", q_b.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST) * sm_scale
     logits = jnp.where(valid[None, :], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1)
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    p = jnp.exp(logits - m_safe[:, None])           # 0 at invalid slots
+    p = jnp.exp(logits - m_safe[:, None])  # 0 at invalid slots
     l = jnp.sum(p, axis=-1)
     seen = l > 0
     lse = jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
@@ -104,8 +104,7 @@ def mixed_mla_decode_reference(q, kv_fp8, indices_fp8, kv_fp4, indices_fp4, sm_s
 # Input synthesis.
 
 
-def _sequence_lengths(axes: Mapping[str, int], record: dict | None,
-                      rng: np.random.Generator) -> list[int]:
+def _sequence_lengths(axes: Mapping[str, int], record: dict | None, rng: np.random.Generator) -> list[int]:
   """Per-sequence token counts: the record's `scheduler_sequence_lengths`
   (the first B when a scaled run has fewer sequences), else random lengths
   whose compressed pages roughly match N4."""
@@ -126,8 +125,7 @@ def _physical_pages(logical: list[tuple], num_pages: int, rng: np.random.Generat
   return {key: int(order[rank % num_pages]) for rank, key in enumerate(logical)}
 
 
-def _window_indices(lengths: list[int], axes: Mapping[str, int],
-                    rng: np.random.Generator) -> np.ndarray:
+def _window_indices(lengths: list[int], axes: Mapping[str, int], rng: np.random.Generator) -> np.ndarray:
   """[B, K8] flat FP8 rows of each sequence's last <= K8 tokens, -1 padded."""
   k8, p8, n8 = int(axes["K8"]), int(axes["P8"]), int(axes["N8"])
   positions = [np.arange(max(0, n - k8), n) for n in lengths]
@@ -136,20 +134,20 @@ def _window_indices(lengths: list[int], axes: Mapping[str, int],
   out = np.full((len(lengths), k8), -1, np.int64)
   for b, pos in enumerate(positions):
     rows = [page[(b, int(t) // p8)] * p8 + int(t) % p8 for t in pos]
-    out[b, :len(rows)] = rows
+    out[b, : len(rows)] = rows
   return out
 
 
-def _compressed_indices(lengths: list[int], axes: Mapping[str, int],
-                        rng: np.random.Generator) -> np.ndarray:
+def _compressed_indices(lengths: list[int], axes: Mapping[str, int], rng: np.random.Generator) -> np.ndarray:
   """[B, K4] flat FP4 rows of each sequence's selected compressed tokens
   (ascending), -1 padded. The pages of the batch's common prefix are shared."""
   k4, p4, n4 = int(axes["K4"]), int(axes["P4"]), int(axes["N4"])
   compressed = [n // _COMPRESS_RATIO for n in lengths]
   # Whole pages of the shortest sequence, but its last, are the shared prefix.
   shared_pages = max(0, -(-min(compressed) // p4) - 1) if len(lengths) > 1 else 0
-  selections = [np.sort(rng.choice(n, size=min(k4, n), replace=False)) if n else
-                np.zeros(0, np.int64) for n in compressed]
+  selections = [
+    np.sort(rng.choice(n, size=min(k4, n), replace=False)) if n else np.zeros(0, np.int64) for n in compressed
+  ]
 
   def logical_page(b, t):
     lp = int(t) // p4
@@ -160,12 +158,13 @@ def _compressed_indices(lengths: list[int], axes: Mapping[str, int],
   out = np.full((len(lengths), k4), -1, np.int64)
   for b, sel in enumerate(selections):
     rows = [page[logical_page(b, t)] * p4 + int(t) % p4 for t in sel]
-    out[b, :len(rows)] = rows
+    out[b, : len(rows)] = rows
   return out
 
 
-def _synthesize(key: jax.Array, *, batch: int, heads: int, head_dim: int, pages8: int,
-                page8: int, pages4: int, page4: int):
+def _synthesize(
+  key: jax.Array, *, batch: int, heads: int, head_dim: int, pages8: int, page8: int, pages4: int, page4: int
+):
   key_q, key_k8, key_k4, key_sink = jax.random.split(key, 4)
   q = jax.random.normal(key_q, (batch, heads, head_dim), jnp.bfloat16)
   tokens8 = jax.random.normal(key_k8, (pages8, page8, 1, head_dim), jnp.bfloat16)
@@ -174,12 +173,12 @@ def _synthesize(key: jax.Array, *, batch: int, heads: int, head_dim: int, pages8
   return q, quant.quantize_mla_fp8_tokens(tokens8), quant.quantize_mla_fp4_tokens(tokens4), sink
 
 
-_synthesize_jit = jax.jit(_synthesize, static_argnames=(
-    "batch", "heads", "head_dim", "pages8", "page8", "pages4", "page4"))
+_synthesize_jit = jax.jit(
+  _synthesize, static_argnames=("batch", "heads", "head_dim", "pages8", "page8", "pages4", "page4")
+)
 
 
-def make_inputs(axes: Mapping[str, int], key: jax.Array,
-                record: dict | None = None) -> dict[str, jax.Array]:
+def make_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | None = None) -> dict[str, jax.Array]:
   """Deterministic inputs for `axes` (see the module docstring); valid for
   any B >= 1, N8 >= 1, N4 >= 1, with or without a record."""
   batch, heads, head_dim = int(axes["B"]), int(axes["H"]), int(axes["D"])
@@ -187,16 +186,23 @@ def make_inputs(axes: Mapping[str, int], key: jax.Array,
   rng = np.random.default_rng(seed)
   lengths = _sequence_lengths(axes, record, rng)
   q, kv_fp8, kv_fp4, sink = _synthesize_jit(
-      key, batch=batch, heads=heads, head_dim=head_dim, pages8=int(axes["N8"]),
-      page8=int(axes["P8"]), pages4=int(axes["N4"]), page4=int(axes["P4"]))
+    key,
+    batch=batch,
+    heads=heads,
+    head_dim=head_dim,
+    pages8=int(axes["N8"]),
+    page8=int(axes["P8"]),
+    pages4=int(axes["N4"]),
+    page4=int(axes["P4"]),
+  )
   return {
-      "q": q,
-      "kv_fp8": kv_fp8,
-      "indices_fp8": jnp.asarray(_window_indices(lengths, axes, rng), jnp.int32),
-      "kv_fp4": kv_fp4,
-      "indices_fp4": jnp.asarray(_compressed_indices(lengths, axes, rng), jnp.int32),
-      "sm_scale": jnp.asarray(head_dim ** -0.5, jnp.float32),
-      "attn_sink": sink,
+    "q": q,
+    "kv_fp8": kv_fp8,
+    "indices_fp8": jnp.asarray(_window_indices(lengths, axes, rng), jnp.int32),
+    "kv_fp4": kv_fp4,
+    "indices_fp4": jnp.asarray(_compressed_indices(lengths, axes, rng), jnp.int32),
+    "sm_scale": jnp.asarray(head_dim**-0.5, jnp.float32),
+    "attn_sink": sink,
   }
 
 
@@ -228,8 +234,10 @@ def mixed_mla_decode_cost(definition, axes, *, inputs=None, record=None, config=
   out and lse written once. The dequantized tokens meet the queries in bf16
   dots: the bf16 peak."""
   slots, tokens, gather, source = 0, 0, 0, "axes"
-  for cache, table, keys, pages, page in (("kv_fp8", "indices_fp8", "K8", "N8", "P8"),
-                                          ("kv_fp4", "indices_fp4", "K4", "N4", "P4")):
+  for cache, table, keys, pages, page in (
+    ("kv_fp8", "indices_fp8", "K8", "N8", "P8"),
+    ("kv_fp4", "indices_fp4", "K4", "N4", "P4"),
+  ):
     n = axes[pages] * axes[page]
     token = roofline.tensor_bytes(definition, cache, axes) // max(n, 1)
     idx = None if inputs is None else inputs.get(table)
@@ -251,29 +259,51 @@ def mixed_mla_decode_cost(definition, axes, *, inputs=None, record=None, config=
 # How the op splits across devices (`jaxkern.spmd`): sequences (with their
 # indices) and heads (with their sinks); indices address the whole caches.
 _CACHE = "indices address rows of the whole cache"
-SPLIT = Split(inputs={"q": "b h d", "kv_fp8": "n8 p8 o8 r8", "indices_fp8": "b k8", "kv_fp4": "n4 p4 o4 r4",
-                      "indices_fp4": "b k4", "sm_scale": "", "attn_sink": "h"},
-              outputs=("b h d", "b h"), independent="b h",
-              reasons={"n8": _CACHE, "p8": _CACHE, "n4": _CACHE, "p4": _CACHE, "d": CONTRACTION,
-                       **dict.fromkeys(("k8", "k4"), "the softmax runs over all selected keys")})
+SPLIT = Split(
+  inputs={
+    "q": "b h d",
+    "kv_fp8": "n8 p8 o8 r8",
+    "indices_fp8": "b k8",
+    "kv_fp4": "n4 p4 o4 r4",
+    "indices_fp4": "b k4",
+    "sm_scale": "",
+    "attn_sink": "h",
+  },
+  outputs=("b h d", "b h"),
+  independent="b h",
+  reasons={
+    "n8": _CACHE,
+    "p8": _CACHE,
+    "n4": _CACHE,
+    "p4": _CACHE,
+    "d": CONTRACTION,
+    **dict.fromkeys(("k8", "k4"), "the softmax runs over all selected keys"),
+  },
+)
 
 
 def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
   """Checked mode: every index is -1 or a token row of its cache."""
+
   def rule(name: str, cache: str) -> Precondition:
     idx, (pages, page) = inputs[name], inputs[cache].shape[:2]
-    return Precondition(name, (idx == -1) | in_range(idx, 0, pages * page),
-                        f"-1 (empty slot) or [0, N*P) with N*P = {pages}*{page} ({cache} pages x tokens per page)")
+    return Precondition(
+      name,
+      (idx == -1) | in_range(idx, 0, pages * page),
+      f"-1 (empty slot) or [0, N*P) with N*P = {pages}*{page} ({cache} pages x tokens per page)",
+    )
+
   return [rule("indices_fp8", "kv_fp8"), rule("indices_fp4", "kv_fp4")]
 
 
 IMPL = OpImpl(
-    reference=mixed_mla_decode_reference,
-    kernels=KERNELS, make_inputs=make_inputs,
-    cpu_axes=cpu_axes,
-    cost=mixed_mla_decode_cost,
-    split=SPLIT,
-    preconditions=preconditions,
+  reference=mixed_mla_decode_reference,
+  kernels=KERNELS,
+  make_inputs=make_inputs,
+  cpu_axes=cpu_axes,
+  cost=mixed_mla_decode_cost,
+  split=SPLIT,
+  preconditions=preconditions,
 )
 IMPLS = (IMPL,)
 
@@ -282,10 +312,19 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
-def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv_fp4: jax.Array,
-                     indices_fp4: jax.Array, attn_sink: jax.Array,
-                     sm_scale: float | jax.Array | None = None, *, config: Any = None,
-                     backend: dispatch.Backend = None, checks: bool = False) -> tuple[jax.Array, jax.Array]:
+def mixed_mla_decode(
+  q: jax.Array,
+  kv_fp8: jax.Array,
+  indices_fp8: jax.Array,
+  kv_fp4: jax.Array,
+  indices_fp4: jax.Array,
+  attn_sink: jax.Array,
+  sm_scale: float | jax.Array | None = None,
+  *,
+  config: Any = None,
+  backend: dispatch.Backend = None,
+  checks: bool = False,
+) -> tuple[jax.Array, jax.Array]:
   """DeepSeek-V4 MLA decode over an FP8 window cache and an FP4 compressed cache.
 
   q [B, H, D] bf16; kv_fp8 [N8, P8, 1, D + D/32] uint8 token records (see
@@ -305,6 +344,13 @@ def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv
   * Records are not validated: a selected record whose scales decode to
     Inf or NaN reaches its row."""
   sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-  inputs = dict(q=q, kv_fp8=kv_fp8, indices_fp8=indices_fp8, kv_fp4=kv_fp4, indices_fp4=indices_fp4,
-                sm_scale=jnp.asarray(sm_scale, jnp.float32), attn_sink=attn_sink)
+  inputs = dict(
+    q=q,
+    kv_fp8=kv_fp8,
+    indices_fp8=indices_fp8,
+    kv_fp4=kv_fp4,
+    indices_fp4=indices_fp4,
+    sm_scale=jnp.asarray(sm_scale, jnp.float32),
+    attn_sink=attn_sink,
+  )
   return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

@@ -11,15 +11,14 @@ Kernel: `pallas_kernels.moe_router`.
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 
-from jaxkern import compare
-from jaxkern import dispatch
-from jaxkern import roofline
+from jaxkern import compare, dispatch, roofline
 from jaxkern.family import OpImpl, shrink_rows
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.moe_router import KERNELS
@@ -87,8 +86,12 @@ def make_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | None = N
   """
   del record
   hidden, weight, bias = _synthesize(key, m=int(axes["M"]), d=int(axes["D"]), e=int(axes["E"]))
-  return {"hidden": hidden, "weight": weight, "bias": bias,
-          "routed_scaling_factor": jnp.asarray(ROUTED_SCALING_FACTOR, jnp.float32)}
+  return {
+    "hidden": hidden,
+    "weight": weight,
+    "bias": bias,
+    "routed_scaling_factor": jnp.asarray(ROUTED_SCALING_FACTOR, jnp.float32),
+  }
 
 
 def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
@@ -110,14 +113,22 @@ def moe_router_cost(definition, axes, *, inputs=None, record=None, config=None):
 
 # How the op splits across devices (`jaxkern.spmd`): tokens; the top-k needs
 # every expert's score and each score the whole hidden vector.
-SPLIT = Split(inputs={"hidden": "m d", "weight": "e d", "bias": "e", "routed_scaling_factor": ""},
-              outputs=("m t", "m t"), independent="m",
-              reasons={"d": CONTRACTION, "e": "each token's top-k chooses among all experts"})
-IMPL = OpImpl(reference=moe_router_reference, kernels=KERNELS, make_inputs=make_inputs,
-              cpu_axes=cpu_axes, cost=moe_router_cost, axis_params={"top_k": "TOPK"},
-              policies={"expert_ids": compare.TopK(scores=selection_scores),
-                        "expert_weights": compare.PairedWith("expert_ids")},
-              split=SPLIT)
+SPLIT = Split(
+  inputs={"hidden": "m d", "weight": "e d", "bias": "e", "routed_scaling_factor": ""},
+  outputs=("m t", "m t"),
+  independent="m",
+  reasons={"d": CONTRACTION, "e": "each token's top-k chooses among all experts"},
+)
+IMPL = OpImpl(
+  reference=moe_router_reference,
+  kernels=KERNELS,
+  make_inputs=make_inputs,
+  cpu_axes=cpu_axes,
+  cost=moe_router_cost,
+  axis_params={"top_k": "TOPK"},
+  policies={"expert_ids": compare.TopK(scores=selection_scores), "expert_weights": compare.PairedWith("expert_ids")},
+  split=SPLIT,
+)
 IMPLS = (IMPL,)
 
 
@@ -125,10 +136,17 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
-def moe_router(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
-               routed_scaling_factor: float | jax.Array = ROUTED_SCALING_FACTOR, *, top_k: int = 6,
-               config: Any = None, backend: dispatch.Backend = None,
-               checks: bool = False) -> tuple[jax.Array, jax.Array]:
+def moe_router(
+  hidden: jax.Array,
+  weight: jax.Array,
+  bias: jax.Array,
+  routed_scaling_factor: float | jax.Array = ROUTED_SCALING_FACTOR,
+  *,
+  top_k: int = 6,
+  config: Any = None,
+  backend: dispatch.Backend = None,
+  checks: bool = False,
+) -> tuple[jax.Array, jax.Array]:
   """DeepSeek-V4 sqrtsoftplus router (SPEC 4.2).
 
   Contract:
@@ -143,8 +161,11 @@ def moe_router(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
     selected scores are not finite gets non-finite weights.
   """
   *batch, d = hidden.shape
-  inputs = {"hidden": hidden.reshape(-1, d), "weight": weight, "bias": bias,
-            "routed_scaling_factor": jnp.asarray(routed_scaling_factor, jnp.float32)}
-  ids, weights = dispatch.run(IMPL, inputs, const_axes={"TOPK": top_k}, config=config, backend=backend,
-                              checks=checks)
+  inputs = {
+    "hidden": hidden.reshape(-1, d),
+    "weight": weight,
+    "bias": bias,
+    "routed_scaling_factor": jnp.asarray(routed_scaling_factor, jnp.float32),
+  }
+  ids, weights = dispatch.run(IMPL, inputs, const_axes={"TOPK": top_k}, config=config, backend=backend, checks=checks)
   return ids.reshape(*batch, top_k), weights.reshape(*batch, top_k)

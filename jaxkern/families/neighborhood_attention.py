@@ -15,18 +15,18 @@ registry fills from the definition. Kernel:
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 
-from jaxkern import dispatch
-from jaxkern import roofline
+from jaxkern import dispatch, roofline
 from jaxkern.family import OpImpl, cdiv, varying_like
 from jaxkern.spmd import CONTRACTION, Split
-from pallas_kernels.neighborhood_attention import triton as kernel_lib
 from pallas_kernels.neighborhood_attention import KERNELS
+from pallas_kernels.neighborhood_attention import triton as kernel_lib
 
 # The reference processes query t-planes in groups of at most this many
 # `[B, tc, Y, X, H, D]` elements (at least one plane): fp32 accumulator and
@@ -63,15 +63,14 @@ def neighborhood_attention_3d_reference(q, k, v, *, KT: int, KY: int, KX: int) -
   batch, t_len, y_len, x_len, num_heads, head_dim = q.shape
   if q.size == 0:  # B = 0 or H = 0 (or D = 0): nothing to attend
     return jnp.zeros(q.shape, q.dtype)
-  starts_t, starts_y, starts_x = (window_starts(n, w) for n, w in
-                                  ((t_len, KT), (y_len, KY), (x_len, KX)))
+  starts_t, starts_y, starts_x = (window_starts(n, w) for n, w in ((t_len, KT), (y_len, KY), (x_len, KX)))
   plane = batch * y_len * x_len * num_heads * head_dim
   group = max(1, min(t_len, _REF_GROUP_ELEMENTS // plane))
   num_groups = cdiv(t_len, group)
 
   def one_group(g):
     t = jnp.minimum(g * group + jnp.arange(group, dtype=jnp.int32), t_len - 1)
-    q_g = q[:, t].astype(jnp.float32)                      # [B, tc, Y, X, H, D]
+    q_g = q[:, t].astype(jnp.float32)  # [B, tc, Y, X, H, D]
 
     def neighbours(x, dt, dy, dx):
       """x at each query's neighbour (dt, dy, dx) of its window."""
@@ -90,15 +89,24 @@ def neighborhood_attention_3d_reference(q, k, v, *, KT: int, KY: int, KX: int) -
       return o, m_next, correction * l + p
 
     shape = q_g.shape[:-1]
-    o, _, l = lax.fori_loop(0, KT * KY * KX, step, varying_like(
+    o, _, l = lax.fori_loop(
+      0,
+      KT * KY * KX,
+      step,
+      varying_like(
         (jnp.zeros(q_g.shape, jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32)),
-        q, k, v))
+        q,
+        k,
+        v,
+      ),
+    )
     return (o / l[..., None]).astype(q.dtype)
 
   # Groups write into the output in place (no stacked copy of the result).
   out = varying_like(jnp.zeros((batch, num_groups * group, y_len, x_len, num_heads, head_dim), q.dtype), q, k, v)
-  out = lax.fori_loop(0, num_groups, lambda g, out: lax.dynamic_update_slice_in_dim(
-      out, one_group(g), g * group, axis=1), out)
+  out = lax.fori_loop(
+    0, num_groups, lambda g, out: lax.dynamic_update_slice_in_dim(out, one_group(g), g * group, axis=1), out
+  )
   return out[:, :t_len]
 
 
@@ -106,8 +114,7 @@ def neighborhood_attention_3d_reference(q, k, v, *, KT: int, KY: int, KX: int) -
 # Input synthesis.
 
 
-def make_inputs(axes: Mapping[str, int], key: jax.Array,
-                record: dict | None = None) -> dict[str, jax.Array]:
+def make_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | None = None) -> dict[str, jax.Array]:
   """q, k, v `[B, T, Y, X, H, D]` bf16. k, v ~ N(0, 1) (post-norm, post-RoPE
   activations); q ~ N(0, 1) * D**-0.5 (captured after query scaling), so
   the logits q.k have unit variance: neither flat nor one-hot. The records
@@ -117,9 +124,11 @@ def make_inputs(axes: Mapping[str, int], key: jax.Array,
   shape = tuple(int(axes[n]) for n in ("B", "T", "Y", "X", "H", "D"))
   key_q, key_k, key_v = jax.random.split(key, 3)
   q = jax.random.normal(key_q, shape, jnp.float32) * shape[-1] ** -0.5
-  return {"q": q.astype(jnp.bfloat16),
-          "k": jax.random.normal(key_k, shape, jnp.bfloat16),
-          "v": jax.random.normal(key_v, shape, jnp.bfloat16)}
+  return {
+    "q": q.astype(jnp.bfloat16),
+    "k": jax.random.normal(key_k, shape, jnp.bfloat16),
+    "v": jax.random.normal(key_v, shape, jnp.bfloat16),
+  }
 
 
 # ---------------------------------------------------------------------------
@@ -182,14 +191,19 @@ def neighborhood_attention_3d_cost(definition, axes, *, inputs=None, record=None
 # How the op splits across devices (`jaxkern.spmd`): batch and heads; the
 # windows of a split T, Y or X axis would reach across shards.
 _WINDOW = "neighborhood windows reach across a split of it (a halo exchange would be needed)"
-SPLIT = Split(inputs={"q": "b t y x h d", "k": "b t y x h d", "v": "b t y x h d"}, outputs=("b t y x h d",),
-              independent="b h", reasons={"t": _WINDOW, "y": _WINDOW, "x": _WINDOW, "d": CONTRACTION})
+SPLIT = Split(
+  inputs={"q": "b t y x h d", "k": "b t y x h d", "v": "b t y x h d"},
+  outputs=("b t y x h d",),
+  independent="b h",
+  reasons={"t": _WINDOW, "y": _WINDOW, "x": _WINDOW, "d": CONTRACTION},
+)
 IMPL = OpImpl(
-    reference=neighborhood_attention_3d_reference,
-    kernels=KERNELS, make_inputs=make_inputs,
-    cpu_axes=cpu_axes,
-    cost=neighborhood_attention_3d_cost,
-    split=SPLIT,
+  reference=neighborhood_attention_3d_reference,
+  kernels=KERNELS,
+  make_inputs=make_inputs,
+  cpu_axes=cpu_axes,
+  cost=neighborhood_attention_3d_cost,
+  split=SPLIT,
 )
 IMPLS = (IMPL,)
 
@@ -198,9 +212,16 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
-def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                              kernel_size: int | tuple[int, int, int], config: Any = None,
-                              backend: dispatch.Backend = None, checks: bool = False) -> jax.Array:
+def neighborhood_attention_3d(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  kernel_size: int | tuple[int, int, int],
+  config: Any = None,
+  backend: dispatch.Backend = None,
+  checks: bool = False,
+) -> jax.Array:
   """3-D neighborhood attention, NATTEN `na3d` semantics with `scale=1` (q
   already scaled): q, k, v [B, T, Y, X, H, D]; each query attends to the
   `kernel_size` (KT, KY, KX, or one int for all) window around it, shifted
@@ -213,5 +234,11 @@ def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *,
   Differentiable in q, k, v (Pallas: dQ and dK/dV kernels over the
   forward's tiles)."""
   kt, ky, kx = (kernel_size,) * 3 if isinstance(kernel_size, int) else kernel_size
-  return dispatch.run(IMPL, {"q": q, "k": k, "v": v}, const_axes={"KT": kt, "KY": ky, "KX": kx}, config=config,
-                      backend=backend, checks=checks)
+  return dispatch.run(
+    IMPL,
+    {"q": q, "k": k, "v": v},
+    const_axes={"KT": kt, "KY": ky, "KX": kx},
+    config=config,
+    backend=backend,
+    checks=checks,
+  )

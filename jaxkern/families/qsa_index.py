@@ -24,18 +24,16 @@ Input synthesis (SPEC 6), shared by both QSA definitions:
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxkern import compare
-from jaxkern import dispatch
-from jaxkern import roofline
+from jaxkern import compare, dispatch, roofline
 from jaxkern.family import OpImpl, Precondition, in_range
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.qsa_index import KERNELS
@@ -57,8 +55,10 @@ _CPU_PAGES = 40
 # ---------------------------------------------------------------------------
 # References (plain jnp, fp32).
 
-def index_candidates(page_table: jax.Array, seq_lens: jax.Array, num_pages: int, page: int,
-                     compress: int = COMPRESS) -> jax.Array:
+
+def index_candidates(
+  page_table: jax.Array, seq_lens: jax.Array, num_pages: int, page: int, compress: int = COMPRESS
+) -> jax.Array:
   """bool `[B, MP * P]`: logical id j is a candidate of sequence b iff
   j < seq_lens[b] // compress (ids beyond the page table do not exist) and
   its page-table entry page_table[b, j // P] is a page, in [0, NP)."""
@@ -67,8 +67,9 @@ def index_candidates(page_table: jax.Array, seq_lens: jax.Array, num_pages: int,
   return (j < (seq_lens // compress)[:, None]) & (entry >= 0) & (entry < num_pages)
 
 
-def qsa_index_scores(q: jax.Array, index_k: jax.Array, page_table: jax.Array,
-                     seq_lens: jax.Array, *, compress: int = COMPRESS) -> jax.Array:
+def qsa_index_scores(
+  q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_lens: jax.Array, *, compress: int = COMPRESS
+) -> jax.Array:
   """score[b, j] = sum_h relu(q[b, h] . index_k[page_table[b, j // P], j % P]) / sqrt(D)
   for every candidate logical id j (`index_candidates`), -inf for the
   others, whose keys are never read. NaN scores are made one NaN (sign bit
@@ -89,8 +90,15 @@ def qsa_index_scores(q: jax.Array, index_k: jax.Array, page_table: jax.Array,
   return lax.map(row, (q, page_table, candidates))
 
 
-def qsa_index_topk_reference(q: jax.Array, index_k: jax.Array, page_table: jax.Array,
-                             seq_lens: jax.Array, *, topk: int = TOPK, compress: int = COMPRESS) -> jax.Array:
+def qsa_index_topk_reference(
+  q: jax.Array,
+  index_k: jax.Array,
+  page_table: jax.Array,
+  seq_lens: jax.Array,
+  *,
+  topk: int = TOPK,
+  compress: int = COMPRESS,
+) -> jax.Array:
   """SPEC 4.11: the top-`topk` candidate ids (`index_candidates`) by
   `qsa_index_scores` (ties to the lower id: `lax.top_k` orders equal values
   by index; its total order ranks NaN first), sorted ascending with a -1
@@ -117,6 +125,7 @@ def index_topk_scores(inputs: Mapping[str, jax.Array]) -> jax.Array:
 # ---------------------------------------------------------------------------
 # Input synthesis.
 
+
 def _numpy_rng(key: jax.Array) -> np.random.Generator:
   return np.random.default_rng(np.asarray(jax.random.key_data(key)).astype(np.uint32).tolist())
 
@@ -136,8 +145,7 @@ class Paging:
   def length_range(self, max_pages: int) -> tuple[int, int]:
     """The lengths whose page count is exactly `max_pages` (>= 1)."""
     if self.index:  # complete blocks only; up to C - 1 tail tokens extra
-      return (self.compress * (self.page * (max_pages - 1) + 1),
-              self.compress * (self.page * max_pages + 1) - 1)
+      return (self.compress * (self.page * (max_pages - 1) + 1), self.compress * (self.page * max_pages + 1) - 1)
     return self.page * (max_pages - 1) + 1, self.page * max_pages
 
   def clip(self, x, lo: int, hi: int):
@@ -149,8 +157,9 @@ class Paging:
     return np.where(x < lo, x + c, x)
 
 
-def sequence_lengths(batch: int, max_pages: int, rng: np.random.Generator, record: dict | None,
-                     paging: Paging) -> np.ndarray:
+def sequence_lengths(
+  batch: int, max_pages: int, rng: np.random.Generator, record: dict | None, paging: Paging
+) -> np.ndarray:
   """int64 `[B]` token counts whose longest needs exactly `max_pages` pages.
 
   From `record["scheduler_sequence_lengths"]` when present: the first B
@@ -177,8 +186,7 @@ def sequence_lengths(batch: int, max_pages: int, rng: np.random.Generator, recor
   return lengths
 
 
-def shared_prefix_page_table(pages: np.ndarray, max_pages: int, num_pages: int,
-                             rng: np.random.Generator) -> np.ndarray:
+def shared_prefix_page_table(pages: np.ndarray, max_pages: int, num_pages: int, rng: np.random.Generator) -> np.ndarray:
   """int32 `[B, MP]` page table over exactly `num_pages` physical pages.
 
   Sequence i needs `pages[i]` pages. When they need more than `num_pages`
@@ -204,12 +212,12 @@ def shared_prefix_page_table(pages: np.ndarray, max_pages: int, num_pages: int,
     shared[others] = share
   perm = rng.permutation(num_pages).astype(np.int32)
   table = np.zeros((batch, max_pages), np.int32)
-  table[donor, :pages[donor]] = perm[:pages[donor]]
+  table[donor, : pages[donor]] = perm[: pages[donor]]
   used = int(pages[donor])
   for i in others:
     s, p = int(shared[i]), int(pages[i])
     table[i, :s] = table[donor, :s]
-    table[i, s:p] = perm[used:used + p - s]
+    table[i, s:p] = perm[used : used + p - s]
     used += p - s
   return table
 
@@ -226,8 +234,7 @@ def paged_structure(axes: Mapping[str, int], key: jax.Array, record: dict | None
   return jnp.asarray(table), jnp.asarray(lengths.astype(np.int32))
 
 
-def make_index_inputs(axes: Mapping[str, int], key: jax.Array,
-                      record: dict | None = None) -> dict[str, jax.Array]:
+def make_index_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | None = None) -> dict[str, jax.Array]:
   """4.11 inputs: bf16 N(0, 1) queries and compressed keys (scores then spread
   like a trained indexer's, with exact zeros where every head's dot is
   negative, about 1 key in 16), page table and lengths as in the module
@@ -236,9 +243,12 @@ def make_index_inputs(axes: Mapping[str, int], key: jax.Array,
   page_table, seq_lens = paged_structure(axes, key_struct, record, index=True)
   b, h, d = int(axes["B"]), int(axes["H"]), int(axes["D"])
   shape_k = (int(axes["NP"]), int(axes["P"]), int(axes["HKV"]), d)
-  return {"q": jax.random.normal(key_q, (b, h, d), jnp.bfloat16),
-          "index_k": jax.random.normal(key_k, shape_k, jnp.bfloat16),
-          "page_table": page_table, "seq_lens": seq_lens}
+  return {
+    "q": jax.random.normal(key_q, (b, h, d), jnp.bfloat16),
+    "index_k": jax.random.normal(key_k, shape_k, jnp.bfloat16),
+    "page_table": page_table,
+    "seq_lens": seq_lens,
+  }
 
 
 def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
@@ -285,19 +295,23 @@ def qsa_index_topk_cost(definition, axes, *, inputs=None, record=None, config=No
     keys, source = int(n.sum()), "inputs"
     pages = referenced_pages(roofline.host(inputs["page_table"]), n, axes["P"], axes["NP"]).size
   flops = 2 * keys * axes["H"] * axes["D"]
-  return roofline.Work(flops, roofline.io_bytes(definition, axes, skip=("index_k",)) + pages * page, "bf16",
-                       counted_from=source)
+  return roofline.Work(
+    flops, roofline.io_bytes(definition, axes, skip=("index_k",)) + pages * page, "bf16", counted_from=source
+  )
 
 
-def page_table_precondition(page_table: jax.Array, tokens_per_entry: jax.Array, tokens_per_page: int,
-                            num_pages: int) -> Precondition:
+def page_table_precondition(
+  page_table: jax.Array, tokens_per_entry: jax.Array, tokens_per_page: int, num_pages: int
+) -> Precondition:
   """The page-table entries a sequence uses (the first ceil(tokens / tokens
   per page)) must be pages, in [0, NP); later entries are never read."""
   used = -(-tokens_per_entry // tokens_per_page)
   col = jnp.arange(page_table.shape[1])
-  return Precondition("page_table", (col[None, :] >= used[:, None]) | in_range(page_table, 0, num_pages),
-                      f"[0, NP) with NP = {num_pages} in the entries a sequence uses (the first "
-                      f"ceil(its tokens / {tokens_per_page}))")
+  return Precondition(
+    "page_table",
+    (col[None, :] >= used[:, None]) | in_range(page_table, 0, num_pages),
+    f"[0, NP) with NP = {num_pages} in the entries a sequence uses (the first ceil(its tokens / {tokens_per_page}))",
+  )
 
 
 def index_preconditions(inputs: Mapping[str, jax.Array], *, compress: int = COMPRESS) -> list[Precondition]:
@@ -305,10 +319,15 @@ def index_preconditions(inputs: Mapping[str, jax.Array], *, compress: int = COMP
   page_table, seq_lens = inputs["page_table"], inputs["seq_lens"]
   num_pages, page = inputs["index_k"].shape[:2]
   capacity = (page_table.shape[1] * page + 1) * compress  # tokens: whole blocks + a tail
-  return [Precondition("seq_lens", in_range(seq_lens, 0, capacity),
-                       f"[0, (MP*P + 1)*C) = [0, {capacity}) tokens (the page table holds "
-                       f"{page_table.shape[1]}*{page} blocks of C = {compress} tokens)"),
-          page_table_precondition(page_table, seq_lens // compress, page, num_pages)]
+  return [
+    Precondition(
+      "seq_lens",
+      in_range(seq_lens, 0, capacity),
+      f"[0, (MP*P + 1)*C) = [0, {capacity}) tokens (the page table holds "
+      f"{page_table.shape[1]}*{page} blocks of C = {compress} tokens)",
+    ),
+    page_table_precondition(page_table, seq_lens // compress, page, num_pages),
+  ]
 
 
 # Keyword-only parameters that receive the definition's constant axes.
@@ -316,19 +335,22 @@ AXIS_PARAMS = {"topk": "TOPK", "compress": "C"}
 
 # How the op splits across devices (`jaxkern.spmd`): sequences (with their
 # page tables); a score sums over the heads, page tables address every page.
-SPLIT = Split(inputs={"q": "b h d", "index_k": "np ps o d", "page_table": "b mp", "seq_lens": "b"},
-              outputs=("b k",), independent="b",
-              reasons={"h": "a block's score sums over the heads", "np": "page tables address the whole cache",
-                       "d": CONTRACTION})
+SPLIT = Split(
+  inputs={"q": "b h d", "index_k": "np ps o d", "page_table": "b mp", "seq_lens": "b"},
+  outputs=("b k",),
+  independent="b",
+  reasons={"h": "a block's score sums over the heads", "np": "page tables address the whole cache", "d": CONTRACTION},
+)
 IMPL = OpImpl(
-    reference=qsa_index_topk_reference,
-    kernels=KERNELS, make_inputs=make_index_inputs,
-    cpu_axes=cpu_axes,
-    cost=qsa_index_topk_cost,
-    policies={"topk_ids": compare.TopK(scores=index_topk_scores)},
-    axis_params=AXIS_PARAMS,
-    split=SPLIT,
-    preconditions=index_preconditions,
+  reference=qsa_index_topk_reference,
+  kernels=KERNELS,
+  make_inputs=make_index_inputs,
+  cpu_axes=cpu_axes,
+  cost=qsa_index_topk_cost,
+  policies={"topk_ids": compare.TopK(scores=index_topk_scores)},
+  axis_params=AXIS_PARAMS,
+  split=SPLIT,
+  preconditions=index_preconditions,
 )
 IMPLS = (IMPL,)
 
@@ -337,8 +359,16 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
-def qsa_index_topk(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_lens: jax.Array, *,
-                   config: Any = None, backend: dispatch.Backend = None, checks: bool = False) -> jax.Array:
+def qsa_index_topk(
+  q: jax.Array,
+  index_k: jax.Array,
+  page_table: jax.Array,
+  seq_lens: jax.Array,
+  *,
+  config: Any = None,
+  backend: dispatch.Backend = None,
+  checks: bool = False,
+) -> jax.Array:
   """QSA indexer: q [B, 4, 128], paged compressed keys index_k [NP, 16, 1, 128],
   page_table [B, MP], seq_lens [B] tokens -> int32 [B, 512] top-512 block ids
   (block = 4 tokens) by sum_h relu(q_h . k) / sqrt(128), ascending, -1 suffix.

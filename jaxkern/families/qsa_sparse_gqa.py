@@ -9,25 +9,40 @@ indexer's reference on the same page table.
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxkern import dispatch
-from jaxkern import roofline
-from jaxkern.families.qsa_index import (AXIS_PARAMS, COMPRESS, INDEX_HEADS, cpu_axes, page_table_precondition,
-                                        paged_structure, qsa_index_topk_reference)
+from jaxkern import dispatch, roofline
+from jaxkern.families.qsa_index import (
+  AXIS_PARAMS,
+  COMPRESS,
+  INDEX_HEADS,
+  cpu_axes,
+  page_table_precondition,
+  paged_structure,
+  qsa_index_topk_reference,
+)
 from jaxkern.family import OpImpl, Precondition, in_range
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.qsa_sparse_gqa import KERNELS
 
 
-def qsa_sparse_gqa_decode_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                                    page_table: jax.Array, seq_lens: jax.Array, topk_ids: jax.Array,
-                                    sm_scale: jax.Array, *, compress: int = COMPRESS) -> jax.Array:
+def qsa_sparse_gqa_decode_reference(
+  q: jax.Array,
+  k_cache: jax.Array,
+  v_cache: jax.Array,
+  page_table: jax.Array,
+  seq_lens: jax.Array,
+  topk_ids: jax.Array,
+  sm_scale: jax.Array,
+  *,
+  compress: int = COMPRESS,
+) -> jax.Array:
   """SPEC 4.12: softmax attention of q over the visible tokens: t < seq_len
   with t // C among topk_ids, plus the tail t >= C * (seq_len // C) (C =
   `compress`, 4). Query head h reads kv head h // (HQ / HKV). fp32, rounded
@@ -52,8 +67,8 @@ def qsa_sparse_gqa_decode_reference(q: jax.Array, k_cache: jax.Array, v_cache: j
     # added anyway; a repeated id counts once (a set of blocks).
     ids_b = jnp.sort(jnp.where((ids_b >= 0) & (ids_b < n), ids_b, -1))
     ids_b = jnp.where(jnp.concatenate([jnp.array([False]), ids_b[1:] == ids_b[:-1]]), -1, ids_b)
-    blocks = jnp.concatenate([ids_b, n[None]])                    # [TOPK + 1]
-    t = (blocks[:, None] * compress + lane).reshape(-1)          # candidate tokens
+    blocks = jnp.concatenate([ids_b, n[None]])  # [TOPK + 1]
+    t = (blocks[:, None] * compress + lane).reshape(-1)  # candidate tokens
     visible = (jnp.repeat(blocks, compress) >= 0) & (t < len_b)
     t = jnp.where(visible, t, 0)
     phys = pages_b[t // page]
@@ -82,15 +97,22 @@ def preconditions(inputs: Mapping[str, jax.Array], *, compress: int = COMPRESS) 
   num_pages, page = inputs["k_cache"].shape[:2]
   capacity = page_table.shape[1] * page
   blocks = (seq_lens // compress)[:, None]
-  return [Precondition("seq_lens", in_range(seq_lens, 0, capacity + 1),
-                       f"[0, MP*P] = [0, {capacity}] tokens (the page table's {page_table.shape[1]} pages of {page})"),
-          page_table_precondition(page_table, seq_lens, page, num_pages),
-          Precondition("topk_ids", (ids == -1) | in_range(ids, 0, blocks),
-                       f"-1 (empty slot) or a block of the sequence, [0, seq_lens[b] // {compress})")]
+  return [
+    Precondition(
+      "seq_lens",
+      in_range(seq_lens, 0, capacity + 1),
+      f"[0, MP*P] = [0, {capacity}] tokens (the page table's {page_table.shape[1]} pages of {page})",
+    ),
+    page_table_precondition(page_table, seq_lens, page, num_pages),
+    Precondition(
+      "topk_ids",
+      (ids == -1) | in_range(ids, 0, blocks),
+      f"-1 (empty slot) or a block of the sequence, [0, seq_lens[b] // {compress})",
+    ),
+  ]
 
 
-def make_gqa_inputs(axes: Mapping[str, int], key: jax.Array,
-                    record: dict | None = None) -> dict[str, jax.Array]:
+def make_gqa_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | None = None) -> dict[str, jax.Array]:
   """4.12 inputs: bf16 N(0, 1) q, K and V (scores q.k * D^-0.5 ~ N(0, 1)),
   sm_scale = D^-0.5, page table and lengths as in the module docstring, and
   topk_ids from `qsa_index_topk_reference` on synthetic indexer inputs over
@@ -102,15 +124,18 @@ def make_gqa_inputs(axes: Mapping[str, int], key: jax.Array,
   index_page = page // int(axes["C"])  # compressed keys per KV page
   index_q = jax.random.normal(key_iq, (b, INDEX_HEADS, 128), jnp.bfloat16)
   index_k = jax.random.normal(key_ik, (num_pages, index_page, 1, 128), jnp.bfloat16)
-  select = jax.jit(functools.partial(qsa_index_topk_reference, topk=int(axes["TOPK"]),
-                                     compress=int(axes["C"])))
+  select = jax.jit(functools.partial(qsa_index_topk_reference, topk=int(axes["TOPK"]), compress=int(axes["C"])))
   topk_ids = select(index_q, index_k, page_table, seq_lens)
   cache_shape = (num_pages, page, kv_heads, d)
-  return {"q": jax.random.normal(key_q, (b, hq, d), jnp.bfloat16),
-          "k_cache": jax.random.normal(key_k, cache_shape, jnp.bfloat16),
-          "v_cache": jax.random.normal(key_v, cache_shape, jnp.bfloat16),
-          "page_table": page_table, "seq_lens": seq_lens, "topk_ids": topk_ids,
-          "sm_scale": jnp.asarray(d ** -0.5, jnp.float32)}
+  return {
+    "q": jax.random.normal(key_q, (b, hq, d), jnp.bfloat16),
+    "k_cache": jax.random.normal(key_k, cache_shape, jnp.bfloat16),
+    "v_cache": jax.random.normal(key_v, cache_shape, jnp.bfloat16),
+    "page_table": page_table,
+    "seq_lens": seq_lens,
+    "topk_ids": topk_ids,
+    "sm_scale": jnp.asarray(d**-0.5, jnp.float32),
+  }
 
 
 # ---------------------------------------------------------------------------
@@ -138,8 +163,9 @@ def qsa_sparse_gqa_decode_cost(definition, axes, *, inputs=None, record=None, co
   distinct rows are read (bounds). q, page_table, seq_lens, topk_ids and the
   scalar read, o written once."""
   tokens = axes["NP"] * axes["P"]
-  row = (roofline.tensor_bytes(definition, "k_cache", axes)
-         + roofline.tensor_bytes(definition, "v_cache", axes)) // max(tokens, 1)
+  row = (
+    roofline.tensor_bytes(definition, "k_cache", axes) + roofline.tensor_bytes(definition, "v_cache", axes)
+  ) // max(tokens, 1)
   capacity = axes["MP"] * axes["P"]
   names = ("seq_lens", "topk_ids", "page_table")
   if inputs is None or any(inputs.get(n) is None for n in names):
@@ -156,24 +182,34 @@ def qsa_sparse_gqa_decode_cost(definition, axes, *, inputs=None, record=None, co
     rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
     seen, distinct, source = rows.size, np.unique(rows).size, "inputs"
   nbytes = roofline.io_bytes(definition, axes, skip=("k_cache", "v_cache")) + distinct * row
-  return roofline.Work(4 * axes["HQ"] * axes["D"] * seen, nbytes, "bf16", gather_bytes=seen * row,
-                       counted_from=source)
+  return roofline.Work(4 * axes["HQ"] * axes["D"] * seen, nbytes, "bf16", gather_bytes=seen * row, counted_from=source)
 
 
 # How the op splits across devices (`jaxkern.spmd`): sequences and heads (q
 # heads with the kv head they read: q head h reads kv head h // (HQ/HKV)).
-SPLIT = Split(inputs={"q": "b h d", "k_cache": "np ps h d", "v_cache": "np ps h d", "page_table": "b mp",
-                      "seq_lens": "b", "topk_ids": "b k", "sm_scale": ""},
-              outputs=("b h d",), independent="b h",
-              reasons={"np": "page tables address the whole cache", "d": CONTRACTION})
+SPLIT = Split(
+  inputs={
+    "q": "b h d",
+    "k_cache": "np ps h d",
+    "v_cache": "np ps h d",
+    "page_table": "b mp",
+    "seq_lens": "b",
+    "topk_ids": "b k",
+    "sm_scale": "",
+  },
+  outputs=("b h d",),
+  independent="b h",
+  reasons={"np": "page tables address the whole cache", "d": CONTRACTION},
+)
 IMPL = OpImpl(
-    reference=qsa_sparse_gqa_decode_reference,
-    kernels=KERNELS, make_inputs=make_gqa_inputs,
-    cpu_axes=cpu_axes,
-    cost=qsa_sparse_gqa_decode_cost,
-    axis_params=AXIS_PARAMS,
-    split=SPLIT,
-    preconditions=preconditions,
+  reference=qsa_sparse_gqa_decode_reference,
+  kernels=KERNELS,
+  make_inputs=make_gqa_inputs,
+  cpu_axes=cpu_axes,
+  cost=qsa_sparse_gqa_decode_cost,
+  axis_params=AXIS_PARAMS,
+  split=SPLIT,
+  preconditions=preconditions,
 )
 IMPLS = (IMPL,)
 
@@ -182,10 +218,19 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
-def qsa_sparse_gqa_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_table: jax.Array,
-                          seq_lens: jax.Array, topk_ids: jax.Array, sm_scale: float | jax.Array | None = None,
-                          *, config: Any = None, backend: dispatch.Backend = None,
-                          checks: bool = False) -> jax.Array:
+def qsa_sparse_gqa_decode(
+  q: jax.Array,
+  k_cache: jax.Array,
+  v_cache: jax.Array,
+  page_table: jax.Array,
+  seq_lens: jax.Array,
+  topk_ids: jax.Array,
+  sm_scale: float | jax.Array | None = None,
+  *,
+  config: Any = None,
+  backend: dispatch.Backend = None,
+  checks: bool = False,
+) -> jax.Array:
   """QSA sparse decode: q [B, 24, 256] over the 4-token blocks in topk_ids
   [B, 512] (-1 = empty) plus the incomplete tail, paged k/v_cache
   [NP, 64, 2, 256]; GQA (12 q heads per kv head); sm_scale defaults to
@@ -207,6 +252,13 @@ def qsa_sparse_gqa_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
   Cost on the kernel path: one small XLA sort of [B, 513] ids (the
   dedupe, one launch); the rest are selects inside the kernel."""
   sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-  inputs = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "page_table": page_table, "seq_lens": seq_lens,
-            "topk_ids": topk_ids, "sm_scale": jnp.asarray(sm_scale, jnp.float32)}
+  inputs = {
+    "q": q,
+    "k_cache": k_cache,
+    "v_cache": v_cache,
+    "page_table": page_table,
+    "seq_lens": seq_lens,
+    "topk_ids": topk_ids,
+    "sm_scale": jnp.asarray(sm_scale, jnp.float32),
+  }
   return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

@@ -41,15 +41,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxkern import dispatch
-from jaxkern import roofline
+from jaxkern import dispatch, roofline
 from jaxkern.family import OpImpl, Precondition, in_range
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.sparse_mla import KERNELS
@@ -93,17 +93,16 @@ def sparse_mla_prefill_reference(q, kv, indices, sm_scale, attn_sink):
   scale = jnp.asarray(sm_scale, jnp.float32)
 
   def one_chunk(args):
-    q_c, idx_c = args                                            # [c, H, D], [c, T]
+    q_c, idx_c = args  # [c, H, D], [c, T]
     valid = (idx_c >= 0) & (idx_c < num_kv)
     rows = jnp.take(kv2, jnp.where(valid, idx_c, 0), axis=0).astype(jnp.float32)  # [c, T, D]
     rows = jnp.where(valid[..., None], rows, 0.0)
-    s = jnp.einsum("chd,ctd->cht", q_c.astype(jnp.float32), rows,
-                   precision=lax.Precision.HIGHEST) * scale
+    s = jnp.einsum("chd,ctd->cht", q_c.astype(jnp.float32), rows, precision=lax.Precision.HIGHEST) * scale
     s = jnp.where(valid[:, None, :], s, -jnp.inf)
-    mx = jnp.max(s, axis=-1)                                     # [c, H]
+    mx = jnp.max(s, axis=-1)  # [c, H]
     seen = mx > -jnp.inf
     mx = jnp.where(seen, mx, 0.0)
-    p = jnp.exp(s - mx[..., None])                               # 0 where invalid
+    p = jnp.exp(s - mx[..., None])  # 0 where invalid
     l = jnp.sum(p, axis=-1)
     lse = jnp.where(seen, mx + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
     denom = l + jnp.exp(sink[None, :] - mx)
@@ -111,8 +110,9 @@ def sparse_mla_prefill_reference(q, kv, indices, sm_scale, attn_sink):
     o = jnp.where(seen[..., None], o / denom[..., None], 0.0)
     return o.astype(q.dtype), lse
 
-  out, lse = lax.map(one_chunk, (q_pad.reshape(num_chunks, chunk, num_heads, head_dim),
-                                 idx.reshape(num_chunks, chunk, topk)))
+  out, lse = lax.map(
+    one_chunk, (q_pad.reshape(num_chunks, chunk, num_heads, head_dim), idx.reshape(num_chunks, chunk, topk))
+  )
   return (out.reshape(-1, num_heads, head_dim)[:m], lse.reshape(-1, num_heads)[:m])
 
 
@@ -123,10 +123,11 @@ def sparse_mla_prefill_reference(q, kv, indices, sm_scale, attn_sink):
 @dataclasses.dataclass(frozen=True)
 class WorkspaceLayout:
   """Where each sequence's rows live in the workspace (see module doc)."""
-  new: tuple[int, ...]          # new (query) tokens per sequence
-  cached: tuple[int, ...]       # cached tokens per sequence
-  ratio: int                    # compression ratio; 0 = window only
-  spare: int                    # never-indexed rows at the end
+
+  new: tuple[int, ...]  # new (query) tokens per sequence
+  cached: tuple[int, ...]  # cached tokens per sequence
+  ratio: int  # compression ratio; 0 = window only
+  spare: int  # never-indexed rows at the end
 
   @property
   def window_cached(self) -> tuple[int, ...]:
@@ -176,8 +177,7 @@ def workspace_layout(m: int, nkv: int, topk: int, record: Mapping | None = None)
   new = _split_evenly(m, num_seqs)
 
   rec_axes = record.get("axes") or {}
-  if (recorded and len(recorded) == num_seqs and rec_axes.get("M") == m
-      and all(s >= n for s, n in zip(recorded, new))):
+  if recorded and len(recorded) == num_seqs and rec_axes.get("M") == m and all(s >= n for s, n in zip(recorded, new)):
     cached = [s - n for s, n in zip(recorded, new)]
     if _rows(new, cached, ratio) == nkv:
       return WorkspaceLayout(tuple(new), tuple(cached), ratio, 0)
@@ -217,15 +217,16 @@ def layout_indices(layout: WorkspaceLayout, topk: int, rng: np.random.Generator)
   comp_base = layout.window_rows + np.cumsum([0, *layout.compressed])
   row = 0
   for i, (new, cached) in enumerate(zip(layout.new, layout.cached)):
-    pos = cached + np.arange(new)                      # positions of the queries
+    pos = cached + np.arange(new)  # positions of the queries
     first_window_token = cached - layout.window_cached[i]
-    w = np.minimum(window_slots, pos + 1)              # window tokens seen
+    w = np.minimum(window_slots, pos + 1)  # window tokens seen
     s = np.arange(window_slots)
-    tok = pos[:, None] - w[:, None] + 1 + s[None, :]   # ascending, last = pos
-    out[row:row + new, :window_slots] = np.where(
-        s[None, :] < w[:, None], window_base[i] + tok - first_window_token, -1)
+    tok = pos[:, None] - w[:, None] + 1 + s[None, :]  # ascending, last = pos
+    out[row : row + new, :window_slots] = np.where(
+      s[None, :] < w[:, None], window_base[i] + tok - first_window_token, -1
+    )
     if comp_slots:
-      visible = (pos + 1) // layout.ratio              # compressed rows seen
+      visible = (pos + 1) // layout.ratio  # compressed rows seen
       j = np.arange(comp_slots)
       # Stratified choice when more are visible than fit: stratum
       # [j*V//K, (j+1)*V//K) of each slot j holds at least one row.
@@ -233,8 +234,9 @@ def layout_indices(layout: WorkspaceLayout, topk: int, rng: np.random.Generator)
       hi = ((j[None, :] + 1) * visible[:, None]) // comp_slots
       pick = lo + np.floor(rng.random(lo.shape) * np.maximum(hi - lo, 1)).astype(np.int64)
       chosen = np.where(visible[:, None] > comp_slots, pick, j[None, :])
-      out[row:row + new, window_slots:] = np.where(
-          j[None, :] < np.minimum(visible, comp_slots)[:, None], comp_base[i] + chosen, -1)
+      out[row : row + new, window_slots:] = np.where(
+        j[None, :] < np.minimum(visible, comp_slots)[:, None], comp_base[i] + chosen, -1
+      )
     row += new
   return out.astype(np.int32)[:, None, :]
 
@@ -247,11 +249,11 @@ def make_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | None = N
   seed = int(jax.random.randint(key_idx, (), 0, np.iinfo(np.int32).max))
   indices = layout_indices(layout, topk, np.random.default_rng(seed))
   return {
-      "q": jax.random.normal(key_q, (m, h, d), jnp.bfloat16),
-      "kv": jax.random.normal(key_kv, (nkv, hkv, d), jnp.bfloat16),
-      "indices": jnp.asarray(indices),
-      "sm_scale": jnp.asarray(d ** -0.5, jnp.float32),
-      "attn_sink": jax.random.uniform(key_sink, (h,), jnp.float32, *_SINK_RANGE),
+    "q": jax.random.normal(key_q, (m, h, d), jnp.bfloat16),
+    "kv": jax.random.normal(key_kv, (nkv, hkv, d), jnp.bfloat16),
+    "indices": jnp.asarray(indices),
+    "sm_scale": jnp.asarray(d**-0.5, jnp.float32),
+    "attn_sink": jax.random.uniform(key_sink, (h,), jnp.float32, *_SINK_RANGE),
   }
 
 
@@ -294,8 +296,7 @@ def sparse_mla_prefill_cost(definition, axes, *, inputs=None, record=None, confi
     valid = idx[(idx >= 0) & (idx < axes["Nkv"])]
     slots, rows, source = valid.size, np.unique(valid).size, "inputs"
   nbytes = roofline.io_bytes(definition, axes, skip=("kv",)) + rows * row
-  return roofline.Work(4 * axes["H"] * axes["D"] * slots, nbytes, "bf16", gather_bytes=slots * row,
-                       counted_from=source)
+  return roofline.Work(4 * axes["H"] * axes["D"] * slots, nbytes, "bf16", gather_bytes=slots * row, counted_from=source)
 
 
 # ---------------------------------------------------------------------------
@@ -304,26 +305,36 @@ def sparse_mla_prefill_cost(definition, axes, *, inputs=None, record=None, confi
 
 # How the op splits across devices (`jaxkern.spmd`): query rows (with their
 # indices) and heads (with their sinks); indices address the whole workspace.
-SPLIT = Split(inputs={"q": "m h d", "kv": "n o d", "indices": "m o k", "sm_scale": "", "attn_sink": "h"},
-              outputs=("m h d", "m h"), independent="m h",
-              reasons={"n": "indices address rows of the whole latent workspace", "k": "the softmax runs over all "
-                       "selected keys", "d": CONTRACTION})
+SPLIT = Split(
+  inputs={"q": "m h d", "kv": "n o d", "indices": "m o k", "sm_scale": "", "attn_sink": "h"},
+  outputs=("m h d", "m h"),
+  independent="m h",
+  reasons={
+    "n": "indices address rows of the whole latent workspace",
+    "k": "the softmax runs over all selected keys",
+    "d": CONTRACTION,
+  },
+)
 
 
 def preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
   """Checked mode: every slot is -1 or a workspace row."""
   idx, rows = inputs["indices"], inputs["kv"].shape[0]
-  return [Precondition("indices", (idx == -1) | in_range(idx, 0, rows),
-                       f"-1 (empty slot) or [0, Nkv) with Nkv = {rows} (kv.shape[0])")]
+  return [
+    Precondition(
+      "indices", (idx == -1) | in_range(idx, 0, rows), f"-1 (empty slot) or [0, Nkv) with Nkv = {rows} (kv.shape[0])"
+    )
+  ]
 
 
 IMPL = OpImpl(
-    reference=sparse_mla_prefill_reference,
-    kernels=KERNELS, make_inputs=make_inputs,
-    cpu_axes=cpu_axes,
-    cost=sparse_mla_prefill_cost,
-    split=SPLIT,
-    preconditions=preconditions,
+  reference=sparse_mla_prefill_reference,
+  kernels=KERNELS,
+  make_inputs=make_inputs,
+  cpu_axes=cpu_axes,
+  cost=sparse_mla_prefill_cost,
+  split=SPLIT,
+  preconditions=preconditions,
 )
 IMPLS = (IMPL,)
 
@@ -332,9 +343,17 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
-def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, attn_sink: jax.Array, *,
-                       sm_scale: float | jax.Array | None = None, config: Any = None,
-                       backend: dispatch.Backend = None, checks: bool = False) -> tuple[jax.Array, jax.Array]:
+def sparse_mla_prefill(
+  q: jax.Array,
+  kv: jax.Array,
+  indices: jax.Array,
+  attn_sink: jax.Array,
+  *,
+  sm_scale: float | jax.Array | None = None,
+  config: Any = None,
+  backend: dispatch.Backend = None,
+  checks: bool = False,
+) -> tuple[jax.Array, jax.Array]:
   """DeepSeek sparse MLA prefill (FlashMLA sparse semantics): q [M, H, D],
   latent workspace kv [Nkv, D] or [Nkv, 1, D] (key and value), indices
   [M, TOPK] or [M, 1, TOPK] int32, per-head sink logits attn_sink [H]
@@ -350,7 +369,11 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, attn_sin
     per slot. A row with no valid slot gives out 0 and lse +inf.
   * Non-finite values in rows a slot selects reach that query row."""
   m, _, d = q.shape
-  inputs = dict(q=q, kv=kv.reshape(kv.shape[0], 1, d), indices=indices.reshape(m, 1, indices.shape[-1]),
-                sm_scale=jnp.asarray(d ** -0.5 if sm_scale is None else sm_scale, jnp.float32),
-                attn_sink=attn_sink)
+  inputs = dict(
+    q=q,
+    kv=kv.reshape(kv.shape[0], 1, d),
+    indices=indices.reshape(m, 1, indices.shape[-1]),
+    sm_scale=jnp.asarray(d**-0.5 if sm_scale is None else sm_scale, jnp.float32),
+    attn_sink=attn_sink,
+  )
   return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

@@ -13,12 +13,12 @@ only by the `*_torch` functions (FIB's process has it; ours need not).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from jaxkern import registry
-from jaxkern import tuning
+from jaxkern import registry, tuning
 from jaxkern.fib import formats
 
 _UINT_BY_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -38,8 +38,10 @@ def to_our_array(value: Any, spec) -> np.ndarray:
       raise ValueError(f"input {spec.name}: int64 values outside int32")
     return value.astype(np.int32)
   if value.dtype.itemsize != want.itemsize:
-    raise ValueError(f"input {spec.name}: {value.dtype} ({value.dtype.itemsize} bytes) cannot be read as "
-                     f"{spec.dtype} ({want.itemsize} bytes)")
+    raise ValueError(
+      f"input {spec.name}: {value.dtype} ({value.dtype.itemsize} bytes) cannot be read as "
+      f"{spec.dtype} ({want.itemsize} bytes)"
+    )
   return np.ascontiguousarray(value).view(want)
 
 
@@ -50,8 +52,9 @@ def run_reference(name: str, *args: Any) -> tuple[np.ndarray, ...]:
   return _run(op, args, lambda inputs: op.reference(inputs))
 
 
-def run_kernel(name: str, config: Mapping[str, Any] | None, *args: Any,
-               backend: str | None = None) -> tuple[np.ndarray, ...]:
+def run_kernel(
+  name: str, config: Mapping[str, Any] | None, *args: Any, backend: str | None = None
+) -> tuple[np.ndarray, ...]:
   """Our Pallas kernel of definition `name` on `backend` (None: the op's
   best available) with `config` (a config's JSON; None: the op's own
   choice) on numpy inputs in definition order."""
@@ -67,7 +70,8 @@ def run_kernel(name: str, config: Mapping[str, Any] | None, *args: Any,
 
 
 def _run(op: registry.Op, args: Sequence[Any], fn) -> tuple[np.ndarray, ...]:
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+
   specs = list(op.definition.inputs.values())
   if len(args) != len(specs):
     raise TypeError(f"{op.name}: expected {len(specs)} inputs {[s.name for s in specs]}, got {len(args)}")
@@ -78,8 +82,10 @@ def _run(op: registry.Op, args: Sequence[Any], fn) -> tuple[np.ndarray, ...]:
 
 # -- torch side -----------------------------------------------------------
 
+
 def torch_to_numpy(t: Any) -> Any:
-  import torch  # pylint: disable=g-import-not-at-top
+  import torch
+
   if not isinstance(t, torch.Tensor):
     return t
   t = t.detach().cpu().contiguous()
@@ -91,7 +97,8 @@ def torch_to_numpy(t: Any) -> Any:
 
 
 def _numpy_to_torch(x: np.ndarray, fib_dtype: str, device: Any) -> Any:
-  import torch  # pylint: disable=g-import-not-at-top
+  import torch
+
   target = torch.float4_e2m1fn_x2 if fib_dtype == "float4_e2m1" else getattr(torch, fib_dtype)
   x = np.ascontiguousarray(x)
   if x.dtype == np.bool_:
@@ -103,12 +110,14 @@ def _numpy_to_torch(x: np.ndarray, fib_dtype: str, device: Any) -> Any:
 
 
 def _torch_call(name: str, args: Sequence[Any], run) -> Any:
-  import torch  # pylint: disable=g-import-not-at-top
+  import torch
+
   op = registry.get(name)
   device = next((a.device for a in args if isinstance(a, torch.Tensor)), "cpu")
   outs = run(*(torch_to_numpy(a) for a in args))
-  tensors = tuple(_numpy_to_torch(x, formats.fib_dtype(spec), device)
-                  for x, spec in zip(outs, op.definition.outputs.values()))
+  tensors = tuple(
+    _numpy_to_torch(x, formats.fib_dtype(spec), device) for x, spec in zip(outs, op.definition.outputs.values())
+  )
   return tensors[0] if len(tensors) == 1 else tensors
 
 

@@ -21,11 +21,12 @@ def main(argv: list[str] | None = None) -> int:
   """Exit codes: 0 done (export: results FIB cannot hold are counted, by
   reason); 1 import done, but definitions or records were left out
   (reported); 2 bad arguments, a missing or non-empty folder, or a bad dataset."""
-  from jaxkern.fib import export as fib_export  # pylint: disable=g-import-not-at-top
-  from jaxkern.fib import import_ as fib_import  # pylint: disable=g-import-not-at-top
+  from jaxkern.fib import export as fib_export
+  from jaxkern.fib import import_ as fib_import
 
-  parser = argparse.ArgumentParser(prog="python -m jaxkern.fib", description=USAGE,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="python -m jaxkern.fib", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   sub = parser.add_subparsers(dest="cmd", required=True)
   ex = sub.add_parser("export", help="our dataset and results as a FIB TraceSet folder")
   ex.add_argument("--out", required=True)
@@ -44,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
       return 0
     s = fib_import.import_trace_set(args.dir, args.out)
     print("\n".join(s.lines()))
-    print(f"replay: python -m jaxkern.replay --config configs/replay.py --config.dataset_dir={args.out}"
-          f" [--config.blob_root={args.dir}]")
+    print(
+      f"replay: python -m jaxkern.replay --config configs/replay.py --config.dataset_dir={args.out}"
+      f" [--config.blob_root={args.dir}]"
+    )
     return 1 if (s.unmatched or s.problems) else 0
   except (FileExistsError, FileNotFoundError, KeyError, dataset.DatasetError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -39,7 +39,8 @@ import dataclasses
 import json
 import os
 import pathlib
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from jaxkern import dataset
 from jaxkern import results as results_lib
@@ -61,13 +62,15 @@ class ExportSummary:
   skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reason -> results
 
   def lines(self) -> list[str]:
-    out = [f"{self.definitions} definitions, {self.workloads} workloads, {self.traces} traces, "
-           f"{self.solutions} solutions"]
+    out = [
+      f"{self.definitions} definitions, {self.workloads} workloads, {self.traces} traces, {self.solutions} solutions"
+    ]
     out += [f"not exported: {n} result(s): {reason}" for reason, n in sorted(self.skipped.items())]
     return out
 
 
 # -- workloads ------------------------------------------------------------
+
 
 def workload_inputs(d: dataset.Definition, record: Mapping[str, Any]) -> dict[str, Any]:
   """FIB `inputs` of a record: its recorded entries, `random` for the rest."""
@@ -77,13 +80,21 @@ def workload_inputs(d: dataset.Definition, record: Mapping[str, Any]) -> dict[st
 
 def workload_trace(d: dataset.Definition, w: dataset.Workload) -> dict[str, Any]:
   rest = {k: v for k, v in w.record.items() if k not in dataset.CORE_FIELDS}
-  return {"definition": d.name,
-          "workload": {"axes": dict(w.record["axes"]), "inputs": workload_inputs(d, w.record), "uuid": w.uuid,
-                       RECORD_FIELD: rest},
-          "solution": None, "evaluation": None}
+  return {
+    "definition": d.name,
+    "workload": {
+      "axes": dict(w.record["axes"]),
+      "inputs": workload_inputs(d, w.record),
+      "uuid": w.uuid,
+      RECORD_FIELD: rest,
+    },
+    "solution": None,
+    "evaluation": None,
+  }
 
 
 # -- traces ---------------------------------------------------------------
+
 
 def _error(v: Any) -> float:
   """An error as FIB reads it: a non-negative float or NaN (unmeasured)."""
@@ -108,31 +119,45 @@ def _skip_reason(t: results_lib.Trace, defs: Mapping[str, dataset.Definition]) -
   return None
 
 
-def result_trace(t: results_lib.Trace, raw: Mapping[str, Any], d: dataset.Definition,
-                 record: Mapping[str, Any] | None) -> tuple[dict[str, Any], str, dict[str, Any] | None]:
+def result_trace(
+  t: results_lib.Trace, raw: Mapping[str, Any], d: dataset.Definition, record: Mapping[str, Any] | None
+) -> tuple[dict[str, Any], str, dict[str, Any] | None]:
   """(FIB trace, backend, config) of one exportable result (a result from
   before the backend was recorded ran on Triton); `raw` is its JSON line,
   kept whole in the trace."""
   ev = t.evaluation
   status = formats.FIB_STATUSES[Status(ev.status)]
   evaluation: dict[str, Any] = {
-      "status": status,
-      "environment": {"hardware": formats.hardware_name(str(ev.environment.get("hardware") or "unknown")),
-                      "libs": {k: str(v) for k, v in (ev.environment.get("libs") or {}).items()}},
-      "timestamp": ev.timestamp, "log": ev.log or "", "correctness": None, "performance": None}
+    "status": status,
+    "environment": {
+      "hardware": formats.hardware_name(str(ev.environment.get("hardware") or "unknown")),
+      "libs": {k: str(v) for k, v in (ev.environment.get("libs") or {}).items()},
+    },
+    "timestamp": ev.timestamp,
+    "log": ev.log or "",
+    "correctness": None,
+    "performance": None,
+  }
   if status in ("PASSED", "INCORRECT_NUMERICAL"):
     c = dict(ev.correctness or {})
-    evaluation["correctness"] = {"max_relative_error": _error(c.pop("max_relative_error", None)),
-                                 "max_absolute_error": _error(c.pop("max_absolute_error", None)), "extra": c}
+    evaluation["correctness"] = {
+      "max_relative_error": _error(c.pop("max_relative_error", None)),
+      "max_absolute_error": _error(c.pop("max_absolute_error", None)),
+      "extra": c,
+    }
   if status == "PASSED":
     p = ev.performance
     evaluation["performance"] = {k: float(p[k]) for k in ("latency_ms", "reference_latency_ms", "speedup_factor")}
   backend = ev.backend or formats.DEFAULT_BACKEND
   config = ev.config
   workload = {"axes": dict(t.workload.axes), "inputs": workload_inputs(d, record or {}), "uuid": t.workload.uuid}
-  trace = {"definition": t.definition, "workload": workload,
-           "solution": formats.solution_name(t.definition, backend, config), "evaluation": evaluation,
-           RESULT_FIELD: dict(raw)}
+  trace = {
+    "definition": t.definition,
+    "workload": workload,
+    "solution": formats.solution_name(t.definition, backend, config),
+    "evaluation": evaluation,
+    RESULT_FIELD: dict(raw),
+  }
   return trace, backend, config
 
 
@@ -140,18 +165,29 @@ def solution(d: dataset.Definition, backend: str, config: Mapping[str, Any] | No
   """The FIB Solution a trace names: Python source whose `run` calls our
   kernel with that config through `jaxkern.fib.bridge`."""
   params = ", ".join(d.inputs)
-  source = (f'"""jaxkern\'s {backend} Pallas kernel of {d.name}, config {json.dumps(config, sort_keys=True)}."""\n'
-            "import json\n\nfrom jaxkern.fib import bridge\n\n"
-            f"BACKEND = {backend!r}\n"
-            f"CONFIG = json.loads({json.dumps(json.dumps(config, sort_keys=True))})\n\n\n"
-            f"def run({params}):\n"
-            f"  return bridge.run_kernel_torch({d.name!r}, CONFIG, {params}, backend=BACKEND)\n")
-  return {"name": formats.solution_name(d.name, backend, config), "definition": d.name, "author": formats.AUTHOR,
-          "spec": {"language": "python", "target_hardware": ["cuda"], "entry_point": "main.py::run",
-                   "dependencies": ["jax", "jaxkern"], "destination_passing_style": False},
-          "sources": [{"path": "main.py", "content": source}],
-          "description": f"jaxkern {backend} (Pallas) kernel of {d.name} with config "
-                         f"{json.dumps(config, sort_keys=True)}; needs jax and jaxkern"}
+  source = (
+    f'"""jaxkern\'s {backend} Pallas kernel of {d.name}, config {json.dumps(config, sort_keys=True)}."""\n'
+    "import json\n\nfrom jaxkern.fib import bridge\n\n"
+    f"BACKEND = {backend!r}\n"
+    f"CONFIG = json.loads({json.dumps(json.dumps(config, sort_keys=True))})\n\n\n"
+    f"def run({params}):\n"
+    f"  return bridge.run_kernel_torch({d.name!r}, CONFIG, {params}, backend=BACKEND)\n"
+  )
+  return {
+    "name": formats.solution_name(d.name, backend, config),
+    "definition": d.name,
+    "author": formats.AUTHOR,
+    "spec": {
+      "language": "python",
+      "target_hardware": ["cuda"],
+      "entry_point": "main.py::run",
+      "dependencies": ["jax", "jaxkern"],
+      "destination_passing_style": False,
+    },
+    "sources": [{"path": "main.py", "content": source}],
+    "description": f"jaxkern {backend} (Pallas) kernel of {d.name} with config "
+    f"{json.dumps(config, sort_keys=True)}; needs jax and jaxkern",
+  }
 
 
 def _read_result_lines(path: str | os.PathLike) -> Iterable[tuple[results_lib.Trace, dict[str, Any]]]:
@@ -171,6 +207,7 @@ def _read_result_lines(path: str | os.PathLike) -> Iterable[tuple[results_lib.Tr
 
 # -- the folder -----------------------------------------------------------
 
+
 def _write_json(path: pathlib.Path, obj: Any) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
@@ -181,8 +218,13 @@ def _write_jsonl(path: pathlib.Path, objs: list[Any]) -> None:
   path.write_text("".join(json.dumps(o) + "\n" for o in objs), encoding="utf-8")
 
 
-def export(out_dir: str | os.PathLike, *, dataset_dir: str | os.PathLike | None = None,
-           results: Iterable[str | os.PathLike] = (), names: Iterable[str] | None = None) -> ExportSummary:
+def export(
+  out_dir: str | os.PathLike,
+  *,
+  dataset_dir: str | os.PathLike | None = None,
+  results: Iterable[str | os.PathLike] = (),
+  names: Iterable[str] | None = None,
+) -> ExportSummary:
   """Writes the TraceSet folder `out_dir` (which must be absent or empty)
   from the dataset (default: the shipped one; `names`: only those
   definitions) and the result files `results`."""
@@ -227,4 +269,3 @@ def export(out_dir: str | os.PathLike, *, dataset_dir: str | os.PathLike | None 
     _write_json(formats.solution_path(out, defs[s["definition"]].op_type, s["definition"], sname), s)
   summary.solutions = len(solutions)
   return summary
-

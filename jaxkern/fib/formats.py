@@ -24,15 +24,27 @@ import hashlib
 import json
 import pathlib
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from jaxkern import dataset
 from jaxkern.compare import Status
 
 FIB_VERSION = "0.1.2"
 # flashinfer_bench.data.definition.DType of 0.1.2.
-FIB_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1", "int64", "int32",
-              "int16", "int8", "bool")
+FIB_DTYPES = (
+  "float32",
+  "float16",
+  "bfloat16",
+  "float8_e4m3fn",
+  "float8_e5m2",
+  "float4_e2m1",
+  "int64",
+  "int32",
+  "int16",
+  "int8",
+  "bool",
+)
 # flashinfer_bench.data.trace.EvaluationStatus of 0.1.2: ours upper-cased; `skipped` has no FIB status.
 FIB_STATUSES = {s: s.value.upper() for s in Status if s is not Status.SKIPPED}
 OUR_STATUSES = {v: k for k, v in FIB_STATUSES.items()}
@@ -63,8 +75,11 @@ def dtype_matches(fib: str, ours: dataset.TensorSpec) -> bool:
   """Whether a FIB tensor of dtype `fib` can be our tensor `ours`: the dtype
   we export it with, FIB's float4_e2m1 for our packed e2m1 bytes, or FIB's
   int64 for our int32."""
-  return (fib == fib_dtype(ours) or (ours.dtype == "int32" and fib == "int64")
-          or (fib == "float4_e2m1" and ours.dtype == "uint8" and byte_kind(ours) == "e2m1"))
+  return (
+    fib == fib_dtype(ours)
+    or (ours.dtype == "int32" and fib == "int64")
+    or (fib == "float4_e2m1" and ours.dtype == "uint8" and byte_kind(ours) == "e2m1")
+  )
 
 
 def hardware_name(device_kind: str) -> str:

@@ -39,8 +39,10 @@ class ImportSummary:
 
   def lines(self) -> list[str]:
     out = [m.message for m in self.matched] + [m.message for m in self.unmatched] + self.problems
-    out.append(f"{len(self.matched)} definitions imported, {len(self.unmatched)} not implemented; "
-               f"{sum(self.workloads.values())} workloads written, {len(self.problems)} problems")
+    out.append(
+      f"{len(self.matched)} definitions imported, {len(self.unmatched)} not implemented; "
+      f"{sum(self.workloads.values())} workloads written, {len(self.problems)} problems"
+    )
     return out
 
 
@@ -60,8 +62,9 @@ def record_of(trace: dict[str, Any]) -> dict[str, Any]:
   return {**core, "inputs": w.get("inputs") or {}}
 
 
-def import_trace_set(fib_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                     ours: dict[str, dataset.Definition] | None = None) -> ImportSummary:
+def import_trace_set(
+  fib_dir: str | os.PathLike, out_dir: str | os.PathLike, *, ours: dict[str, dataset.Definition] | None = None
+) -> ImportSummary:
   """Writes the dataset `out_dir` (which must be absent or empty) from the
   TraceSet folder `fib_dir`, matching against `ours` (default: the shipped
   dataset's definitions)."""
@@ -80,8 +83,7 @@ def import_trace_set(fib_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
       summary.unmatched.append(m)
       continue
     raw, unread = fib_definitions.to_ours(fib, m)
-    summary.problems += [f"{m.name}: constraint {c!r} is not in our constraint language; left out"
-                         for c in unread]
+    summary.problems += [f"{m.name}: constraint {c!r} is not in our constraint language; left out" for c in unread]
     target = out / "definitions" / f"{raw['name']}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")

@@ -33,8 +33,9 @@ from jaxkern.report.page import build
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m jaxkern.report", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="python -m jaxkern.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("results", nargs="+", help="replay results JSONL (several: read together, e.g. one per backend)")
   parser.add_argument("--baseline", default=None, help="another run's results JSONL to compare with")
   parser.add_argument("--out", default=None, help="output folder (default: <results>_report beside the results)")
@@ -49,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"error: --markdown {args.markdown}: no folder {pathlib.Path(args.markdown).parent}", file=sys.stderr)
     return 2
   try:
-    report = build(args.results, baseline=args.baseline, out_dir=args.out, dataset_dir=args.dataset_dir,
-                   markdown=args.markdown)
+    report = build(
+      args.results, baseline=args.baseline, out_dir=args.out, dataset_dir=args.dataset_dir, markdown=args.markdown
+    )
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -7,13 +7,25 @@ import dataclasses
 import html
 import os
 import pathlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from jaxkern import results as results_lib
 from jaxkern.report import plots
 from jaxkern.report.rows import Row, rows_of
-from jaxkern.report.tables import (BASELINE_HEADERS, FAILED_COLUMN, HEADERS, Change, baseline_table, change_kind,
-                                   compare_runs, definition_table, summary_lines, summary_markdown, sol_by_timer)
+from jaxkern.report.tables import (
+  BASELINE_HEADERS,
+  FAILED_COLUMN,
+  HEADERS,
+  Change,
+  baseline_table,
+  change_kind,
+  compare_runs,
+  definition_table,
+  sol_by_timer,
+  summary_lines,
+  summary_markdown,
+)
 
 PNGS = ("errors.png", "latency.png", "sol_fraction.png")
 BASELINE_PNG = "baseline.png"
@@ -36,34 +48,50 @@ img{max-width:100%;border:1px solid #eee}p.note{color:#555;font-size:13px}code{f
 
 def environments(traces: list[results_lib.Trace]) -> str:
   """The distinct environments of a run, in one line."""
-  seen = sorted({(str(t.evaluation.environment.get("hardware")), str(t.evaluation.environment.get("backend")),
-                  str((t.evaluation.environment.get("libs") or {}).get("jax")),
-                  bool(t.evaluation.environment.get("interpret"))) for t in traces})
-  return "; ".join(f"{hw} ({backend}, jax {jax}{', interpret mode' if interp else ''})"
-                   for hw, backend, jax, interp in seen)
+  seen = sorted(
+    {
+      (
+        str(t.evaluation.environment.get("hardware")),
+        str(t.evaluation.environment.get("backend")),
+        str((t.evaluation.environment.get("libs") or {}).get("jax")),
+        bool(t.evaluation.environment.get("interpret")),
+      )
+      for t in traces
+    }
+  )
+  return "; ".join(
+    f"{hw} ({backend}, jax {jax}{', interpret mode' if interp else ''})" for hw, backend, jax, interp in seen
+  )
 
 
 def _sol_html(rows: list[Row]) -> str:
   items = []
   for timer, (geomean, count, furthest) in sol_by_timer(summary_lines(rows)).items():
     worst = ", ".join(f"<code>{html.escape(l.definition)}</code> {l.sol_fraction:.3g}" for l in furthest)
-    items.append(f"<li>{html.escape(timer)}: geomean SOL fraction {geomean:.3g} over {count} definitions; "
-                 f"furthest from their speed of light: {worst}</li>")
+    items.append(
+      f"<li>{html.escape(timer)}: geomean SOL fraction {geomean:.3g} over {count} definitions; "
+      f"furthest from their speed of light: {worst}</li>"
+    )
   return f"<ul>{''.join(items)}</ul>" if items else ""
 
 
 def _baseline_html(baseline: Any, base_count: int, changes: list[Change], btable: list[list[Any]]) -> str:
   moved = [c for c in changes if change_kind(c) not in ("same", "failing")]
-  items = "".join(f"<li><code>{html.escape(c.definition)} {html.escape(c.uuid)}</code>: "
-                  f"{html.escape(c.before.value if c.before else '-')} &rarr; "
-                  f"{html.escape(c.after.value if c.after else '-')}</li>" for c in moved[:200])
-  return (f"<h2>Change against the baseline</h2><p class=note>baseline: <code>{html.escape(str(baseline))}"
-          f"</code> ({base_count} results; {len(changes)} workloads in both). fixed = failed before, passed now; "
-          f"broke = the reverse; failing = failed in both; latency ratio = median of this run / baseline kernel "
-          f"time, over workloads run at the same axes with the same timer in both (axes differ: not compared)."
-          f"</p>{_html_table(BASELINE_HEADERS, btable)}"
-          f"<ul>{items or '<li>no status changed</li>'}</ul>"
-          f'<img src="{BASELINE_PNG}" alt="status changes and latency ratio against the baseline">')
+  items = "".join(
+    f"<li><code>{html.escape(c.definition)} {html.escape(c.uuid)}</code>: "
+    f"{html.escape(c.before.value if c.before else '-')} &rarr; "
+    f"{html.escape(c.after.value if c.after else '-')}</li>"
+    for c in moved[:200]
+  )
+  return (
+    f"<h2>Change against the baseline</h2><p class=note>baseline: <code>{html.escape(str(baseline))}"
+    f"</code> ({base_count} results; {len(changes)} workloads in both). fixed = failed before, passed now; "
+    f"broke = the reverse; failing = failed in both; latency ratio = median of this run / baseline kernel "
+    f"time, over workloads run at the same axes with the same timer in both (axes differ: not compared)."
+    f"</p>{_html_table(BASELINE_HEADERS, btable)}"
+    f"<ul>{items or '<li>no status changed</li>'}</ul>"
+    f'<img src="{BASELINE_PNG}" alt="status changes and latency ratio against the baseline">'
+  )
 
 
 @dataclasses.dataclass
@@ -77,18 +105,26 @@ class Report:
   summary_markdown: str = ""
 
 
-def build(results_path: str | os.PathLike | Sequence[str | os.PathLike], *,
-          baseline: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None,
-          dataset_dir: str = "", markdown: str | os.PathLike | None = None) -> Report:
+def build(
+  results_path: str | os.PathLike | Sequence[str | os.PathLike],
+  *,
+  baseline: str | os.PathLike | None = None,
+  out_dir: str | os.PathLike | None = None,
+  dataset_dir: str = "",
+  markdown: str | os.PathLike | None = None,
+) -> Report:
   """Reads the results (one file or several, e.g. one per kernel backend of
   the same workloads) and the baseline, writes the page and plots (and the
   summary as markdown to `markdown`), and returns the tables and the printed
   text. The default folder sits beside the first results file. ValueError
   when there is no result."""
-  import tabulate  # pylint: disable=g-import-not-at-top
+  import tabulate
 
-  paths = [pathlib.Path(results_path)] if isinstance(results_path, (str, os.PathLike)) else [
-      pathlib.Path(p) for p in results_path]
+  paths = (
+    [pathlib.Path(results_path)]
+    if isinstance(results_path, (str, os.PathLike))
+    else [pathlib.Path(p) for p in results_path]
+  )
   traces = [t for path in paths for t in results_lib.read_traces(path)]
   if not traces:
     raise ValueError(f"no result lines in {', '.join(map(str, paths))}")
@@ -115,20 +151,24 @@ def build(results_path: str | os.PathLike | Sequence[str | os.PathLike], *,
     text.append(f"\nagainst baseline {baseline}:")
     text.append(tabulate.tabulate(btable, headers=BASELINE_HEADERS))
     for c in [c for c in changes if change_kind(c) not in ("same", "failing")][:30]:
-      text.append(f"  {c.definition} {c.uuid}: {c.before.value if c.before else None} -> "
-                  f"{c.after.value if c.after else None}")
+      text.append(
+        f"  {c.definition} {c.uuid}: {c.before.value if c.before else None} -> {c.after.value if c.after else None}"
+      )
     plots.plot_baseline(changes, out / BASELINE_PNG)
     pngs.append(out / BASELINE_PNG)
     base_html = _baseline_html(baseline, len(base_traces), changes, btable)
 
-  summary = summary_markdown(rows, title=f"Replay summary: {results_path.name}", source=str(results_path),
-                             environment=environments(traces))
+  summary = summary_markdown(
+    rows, title=f"Replay summary: {results_path.name}", source=str(results_path), environment=environments(traces)
+  )
   if markdown is not None:
     pathlib.Path(markdown).write_text(summary, encoding="utf-8")
   failed = [r for r in rows if r.failed]
-  fail_items = "".join(f"<li><code>{html.escape(r.definition)} {html.escape(r.uuid)}</code>: "
-                       f"{html.escape(r.status.value)}{': ' + html.escape(r.log[:300]) if r.log else ''}</li>"
-                       for r in failed[:100])
+  fail_items = "".join(
+    f"<li><code>{html.escape(r.definition)} {html.escape(r.uuid)}</code>: "
+    f"{html.escape(r.status.value)}{': ' + html.escape(r.log[:300]) if r.log else ''}</li>"
+    for r in failed[:100]
+  )
   interp = any(r.interpret for r in rows)
   title = f"jaxkern replay report: {results_path.name}"
   page = f"""<!doctype html>
@@ -165,5 +205,12 @@ shaded error band.</p>
   text.append(f"\nreport: {html_path} ({', '.join(p.name for p in pngs)})")
   if markdown is not None:
     text.append(f"summary: {markdown}")
-  return Report(table=table, baseline_table=btable, changes=changes, html_path=html_path, pngs=pngs,
-                text="\n".join(text), summary_markdown=summary)
+  return Report(
+    table=table,
+    baseline_table=btable,
+    changes=changes,
+    html_path=html_path,
+    pngs=pngs,
+    text="\n".join(text),
+    summary_markdown=summary,
+  )

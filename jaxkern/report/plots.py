@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import pathlib
-from typing import Sequence
+from collections.abc import Sequence
 
 from jaxkern.compare import Status
 from jaxkern.report.rows import Row, by_definition, failed
@@ -20,18 +20,40 @@ PASS, FAIL, OTHER = "#2a9d3f", "#d62728", "#888888"
 BAND = "#fde8e8"
 # 21 colours for the definitions: matplotlib's tab20 without its two reds
 # (red means failure here) and three of tab20b's dark tones.
-PALETTE = ("#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#9467bd", "#c5b0d5", "#8c564b",
-           "#c49c94", "#e377c2", "#f7b6d2", "#7f7f7f", "#c7c7c7", "#bcbd22", "#dbdb8d", "#17becf", "#9edae5",
-           "#393b79", "#637939", "#7b4173")
+PALETTE = (
+  "#1f77b4",
+  "#aec7e8",
+  "#ff7f0e",
+  "#ffbb78",
+  "#2ca02c",
+  "#98df8a",
+  "#9467bd",
+  "#c5b0d5",
+  "#8c564b",
+  "#c49c94",
+  "#e377c2",
+  "#f7b6d2",
+  "#7f7f7f",
+  "#c7c7c7",
+  "#bcbd22",
+  "#dbdb8d",
+  "#17becf",
+  "#9edae5",
+  "#393b79",
+  "#637939",
+  "#7b4173",
+)
 # Five markers: with 21 colours (coprime) the pairs stay distinct for 105
 # definitions, and a tab20 dark/light pair (neighbours) never shares a marker.
 MARKERS = ("o", "s", "D", "^", "v")
 
 
 def pyplot():
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
+
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
+
   return plt
 
 
@@ -81,8 +103,9 @@ def _error_band(ax, axis: str, start: float, end: float, at: float, text: str) -
     ax.set_xlim(lo, end)
   else:
     ax.axhspan(start, end, color=BAND, zorder=0)
-    ax.text(1.005, at, text, transform=ax.get_yaxis_transform(), ha="left", va="center", fontsize=7, color=FAIL,
-            rotation=90)
+    ax.text(
+      1.005, at, text, transform=ax.get_yaxis_transform(), ha="left", va="center", fontsize=7, color=FAIL, rotation=90
+    )
     lo = ax.get_ylim()[0]
     ax.set_yticks([t for t in ax.get_yticks() if lo <= t < start])
     ax.set_ylim(lo, end)
@@ -96,13 +119,24 @@ def _no_data(ax, text: str) -> None:
 
 def _legend(ax, entries: list[tuple[str, str, str]], **kw) -> None:
   """A legend of (label, colour, marker) entries."""
-  from matplotlib.lines import Line2D  # pylint: disable=g-import-not-at-top
+  from matplotlib.lines import Line2D
+
   handles = [Line2D([], [], ls="", marker=m, color=c, markersize=6, label=l) for l, c, m in entries]
   ax.legend(handles=handles, fontsize=7, **kw)
 
 
-def _value_strip(ax, names: list[str], points: dict[str, list[tuple[float, str, str]]], *, scale: str,
-                 lo: float, band: float, error_x: float, xlabel: str, legend: list[tuple[str, str, str]]) -> None:
+def _value_strip(
+  ax,
+  names: list[str],
+  points: dict[str, list[tuple[float, str, str]]],
+  *,
+  scale: str,
+  lo: float,
+  band: float,
+  error_x: float,
+  xlabel: str,
+  legend: list[tuple[str, str, str]],
+) -> None:
   """Lanes of values from `lo`, a dashed line at 1, and the error band from
   `band` on (failed workloads without a value are drawn at `error_x`)."""
   _strip(ax, names, points)
@@ -122,22 +156,38 @@ def errors_figure(rows: list[Row]):
   by = by_definition(rows)
   names = list(by)
   fig, ax = plt.subplots(figsize=(10, _height(len(names))))
-  finite = [r.worst_ratio for r in rows if r.worst_ratio is not None and math.isfinite(r.worst_ratio)
-            and r.worst_ratio > 0]
+  finite = [
+    r.worst_ratio for r in rows if r.worst_ratio is not None and math.isfinite(r.worst_ratio) and r.worst_ratio > 0
+  ]
   floor = min(min(finite, default=1e-3) / 2, 1e-3)
   ceiling = max(max(finite, default=1.0) * 4, 10.0)
   error_x = ceiling * 6
   points = {}
   for name, rs in by.items():
-    points[name] = [(min(max(r.worst_ratio, floor), ceiling), status_color(r.status),
-                     "x" if math.isinf(r.worst_ratio) else "o") for r in rs if r.worst_ratio is not None]
+    points[name] = [
+      (min(max(r.worst_ratio, floor), ceiling), status_color(r.status), "x" if math.isinf(r.worst_ratio) else "o")
+      for r in rs
+      if r.worst_ratio is not None
+    ]
     points[name] += [(error_x, FAIL, "X") for r in rs if r.worst_ratio is None and r.failed]
   if any(points.values()):
-    _value_strip(ax, names, points, scale="log", lo=floor / 1.5, band=ceiling * 2.5, error_x=error_x,
-                 xlabel="worst output error / tolerance (max abs err / atol; 1 = at atol; x = non-finite; "
-                 f"0 drawn at {floor:.0e}; error band: failed without error values)",
-                 legend=[("passed", PASS, "o"), ("failed", FAIL, "o"), ("non-finite error", FAIL, "x"),
-                         ("failed, no error values (e.g. runtime error)", FAIL, "X")])
+    _value_strip(
+      ax,
+      names,
+      points,
+      scale="log",
+      lo=floor / 1.5,
+      band=ceiling * 2.5,
+      error_x=error_x,
+      xlabel="worst output error / tolerance (max abs err / atol; 1 = at atol; x = non-finite; "
+      f"0 drawn at {floor:.0e}; error band: failed without error values)",
+      legend=[
+        ("passed", PASS, "o"),
+        ("failed", FAIL, "o"),
+        ("non-finite error", FAIL, "x"),
+        ("failed, no error values (e.g. runtime error)", FAIL, "X"),
+      ],
+    )
   else:
     _no_data(ax, "no floating-point output errors and no failures in these results")
   ax.set_title("Error vs tolerance per workload", fontsize=10, pad=14)
@@ -196,17 +246,41 @@ def sol_figure(rows: list[Row]):
   if shown:
     top = max([1.05] + [r.sol_fraction * 1.05 for r in measured])
     error_x = top * 1.12
-    points = {n: [(r.sol_fraction, status_color(r.status), "o") if r.sol_fraction is not None
-                  else (error_x, FAIL, "X") for r in rs] for n, rs in by.items()}
-    _value_strip(ax, list(by), points, scale="linear", lo=0.0, band=top * 1.05, error_x=error_x,
-                 xlabel="speed of light / kernel median time (1 = at the roofline; error band: failed, no fraction)",
-                 legend=[("passed", PASS, "o"), ("failed", FAIL, "o"), ("failed, no SOL fraction", FAIL, "X")])
+    points = {
+      n: [
+        (r.sol_fraction, status_color(r.status), "o") if r.sol_fraction is not None else (error_x, FAIL, "X")
+        for r in rs
+      ]
+      for n, rs in by.items()
+    }
+    _value_strip(
+      ax,
+      list(by),
+      points,
+      scale="linear",
+      lo=0.0,
+      band=top * 1.05,
+      error_x=error_x,
+      xlabel="speed of light / kernel median time (1 = at the roofline; error band: failed, no fraction)",
+      legend=[("passed", PASS, "o"), ("failed", FAIL, "o"), ("failed, no SOL fraction", FAIL, "X")],
+    )
     if not measured:
-      ax.text(0.5, 0.5, "no SOL fraction measured: no workload was timed on a GPU", ha="center", va="center",
-              transform=ax.transAxes, fontsize=9, color="#555555")
+      ax.text(
+        0.5,
+        0.5,
+        "no SOL fraction measured: no workload was timed on a GPU",
+        ha="center",
+        va="center",
+        transform=ax.transAxes,
+        fontsize=9,
+        color="#555555",
+      )
   else:
-    _no_data(ax, "no SOL fraction measured: no workload was timed on a GPU\n"
-             "(speed of light ms is in the table; the fraction needs GPU timings)")
+    _no_data(
+      ax,
+      "no SOL fraction measured: no workload was timed on a GPU\n"
+      "(speed of light ms is in the table; the fraction needs GPU timings)",
+    )
   ax.set_title("Speed-of-light fraction per workload", fontsize=10, pad=14)
   return fig
 
@@ -220,8 +294,9 @@ def baseline_figure(changes: list[Change]):
   band."""
   plt = pyplot()
   names = sorted({c.definition for c in changes})
-  fig, (left, right) = plt.subplots(1, 2, figsize=(13, _height(len(names))), sharey=True,
-                                    gridspec_kw={"width_ratios": [1, 1.4]})
+  fig, (left, right) = plt.subplots(
+    1, 2, figsize=(13, _height(len(names))), sharey=True, gridspec_kw={"width_ratios": [1, 1.4]}
+  )
   if names:
     kinds = {n: [change_kind(c) for c in changes if c.definition == n] for n in names}
     start = [0] * len(names)
@@ -239,12 +314,26 @@ def baseline_figure(changes: list[Change]):
     ratios = [c.latency_ratio for c in changes if c.latency_ratio]
     lo, hi = min(ratios, default=0.5), max(ratios, default=2.0)
     error_x = hi * 4
-    points = {n: [(c.latency_ratio, status_color(c.after), "o") if c.latency_ratio else (error_x, FAIL, "X")
-                  for c in changes if c.definition == n and (c.latency_ratio or failed(c.after))] for n in names}
+    points = {
+      n: [
+        (c.latency_ratio, status_color(c.after), "o") if c.latency_ratio else (error_x, FAIL, "X")
+        for c in changes
+        if c.definition == n and (c.latency_ratio or failed(c.after))
+      ]
+      for n in names
+    }
     if any(points.values()):
-      _value_strip(right, names, points, scale="log", lo=lo / 2, band=hi * 2, error_x=error_x,
-                   xlabel="kernel latency, this run / baseline (< 1 = faster now; error band: failed now, no ratio)",
-                   legend=[("passed now", PASS, "o"), ("failed now", FAIL, "o"), ("failed now, no ratio", FAIL, "X")])
+      _value_strip(
+        right,
+        names,
+        points,
+        scale="log",
+        lo=lo / 2,
+        band=hi * 2,
+        error_x=error_x,
+        xlabel="kernel latency, this run / baseline (< 1 = faster now; error band: failed now, no ratio)",
+        legend=[("passed now", PASS, "o"), ("failed now", FAIL, "o"), ("failed now, no ratio", FAIL, "X")],
+      )
       right.tick_params(labelleft=True)  # sharey hides them; this panel names its lanes too
     else:
       _no_data(right, "no workload timed in both runs and no failure")

@@ -20,10 +20,10 @@ import dataclasses
 import functools
 import math
 import statistics
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-from jaxkern import compare
-from jaxkern import dataset
+from jaxkern import compare, dataset
 from jaxkern import results as results_lib
 from jaxkern.compare import Status
 
@@ -36,7 +36,7 @@ def output_tolerances(dataset_dir: str = "") -> dict[str, dict[str, tuple[str, f
   """definition -> output -> (what, threshold) or None (no tolerance: an
   integer output). From the definitions' output dtypes and the families'
   comparison policies (where a family module is importable)."""
-  from jaxkern import registry  # pylint: disable=g-import-not-at-top
+  from jaxkern import registry
 
   try:
     defs = dataset.load_definitions(dataset_dir or None)
@@ -48,7 +48,7 @@ def output_tolerances(dataset_dir: str = "") -> dict[str, dict[str, tuple[str, f
     try:
       op = registry.get(name, dataset_dir or None)
       policies = op.impl.policies if op.impl is not None else {}
-    except Exception:  # pylint: disable=broad-except  # a broken family still gets dtype tolerances
+    except Exception:  # a broken family still gets dtype tolerances
       policies = {}
     per: dict[str, tuple[str, float] | None] = {}
     for out, spec in d.outputs.items():
@@ -103,10 +103,11 @@ def recorded_timer(trace: results_lib.Trace) -> str | None:
 @dataclasses.dataclass
 class Row:
   """One workload, flattened for tables and plots."""
+
   uuid: str
   definition: str
   status: Status | None
-  worst_ratio: float | None      # max over outputs of error / tolerance
+  worst_ratio: float | None  # max over outputs of error / tolerance
   worst_output: str | None
   latency_ms: float | None
   reference_ms: float | None
@@ -134,12 +135,23 @@ def rows_of(traces: Iterable[results_lib.Trace], dataset_dir: str = "") -> list[
     ratios = error_ratios(t, tol_table.get(t.definition, {}))
     worst = max(ratios, key=ratios.get) if ratios else None
     perf = t.evaluation.performance or {}
-    rows.append(Row(uuid=t.workload.uuid, definition=t.definition, status=t.status,
-                    worst_ratio=ratios[worst] if worst else None, worst_output=worst,
-                    latency_ms=number(perf.get("latency_ms")), reference_ms=number(perf.get("reference_latency_ms")),
-                    sol_ms=number(perf.get("speed_of_light_ms")), sol_fraction=number(perf.get("sol_fraction")),
-                    interpret=bool(t.evaluation.environment.get("interpret")), log=t.evaluation.log or "",
-                    axes_run=t.workload.axes_run or t.workload.axes, backend=t.evaluation.backend or "-"))
+    rows.append(
+      Row(
+        uuid=t.workload.uuid,
+        definition=t.definition,
+        status=t.status,
+        worst_ratio=ratios[worst] if worst else None,
+        worst_output=worst,
+        latency_ms=number(perf.get("latency_ms")),
+        reference_ms=number(perf.get("reference_latency_ms")),
+        sol_ms=number(perf.get("speed_of_light_ms")),
+        sol_fraction=number(perf.get("sol_fraction")),
+        interpret=bool(t.evaluation.environment.get("interpret")),
+        log=t.evaluation.log or "",
+        axes_run=t.workload.axes_run or t.workload.axes,
+        backend=t.evaluation.backend or "-",
+      )
+    )
     timers.append(recorded_timer(t))
   per_definition: dict[str, set[str]] = {}
   for r, timer in zip(rows, timers):

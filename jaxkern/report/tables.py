@@ -5,24 +5,58 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from jaxkern.compare import Status
 from jaxkern.report.rows import Row, by_definition_backend_and_timer, failed, fmt, median
 
-HEADERS = ["definition", "backend", "timer", "n", "passed", "failed", "skipped", "worst err/tol", "kernel ms", "ref ms",
-           "SOL ms", "SOL frac"]
+HEADERS = [
+  "definition",
+  "backend",
+  "timer",
+  "n",
+  "passed",
+  "failed",
+  "skipped",
+  "worst err/tol",
+  "kernel ms",
+  "ref ms",
+  "SOL ms",
+  "SOL frac",
+]
 FAILED_COLUMN = HEADERS.index("failed")
-BASELINE_HEADERS = ["definition", "matched", "axes differ", "fixed", "broke", "other changes", "failing in both",
-                    "only here", "only in baseline", "latency ratio"]
-SUMMARY_HEADERS = ["definition", "backend", "timer", "passed / total", "kernel ms (median)", "reference ms (median)",
-                   "SOL fraction (median)"]
+BASELINE_HEADERS = [
+  "definition",
+  "matched",
+  "axes differ",
+  "fixed",
+  "broke",
+  "other changes",
+  "failing in both",
+  "only here",
+  "only in baseline",
+  "latency ratio",
+]
+SUMMARY_HEADERS = [
+  "definition",
+  "backend",
+  "timer",
+  "passed / total",
+  "kernel ms (median)",
+  "reference ms (median)",
+  "SOL fraction (median)",
+]
 FURTHEST = 5  # definitions listed as furthest from their speed of light
 
 
 def _counts(rows: Sequence[Row]) -> list[int]:
-  return [len(rows), sum(r.status == Status.PASSED for r in rows), sum(r.failed for r in rows),
-          sum(r.status == Status.SKIPPED for r in rows)]
+  return [
+    len(rows),
+    sum(r.status == Status.PASSED for r in rows),
+    sum(r.failed for r in rows),
+    sum(r.status == Status.SKIPPED for r in rows),
+  ]
 
 
 def definition_table(rows: list[Row]) -> list[list[Any]]:
@@ -31,9 +65,19 @@ def definition_table(rows: list[Row]) -> list[list[Any]]:
   for (name, backend, timer), rs in by_definition_backend_and_timer(rows).items():
     ratios = [(r.worst_ratio, r.worst_output) for r in rs if r.worst_ratio is not None]
     worst = max(ratios, key=lambda x: x[0]) if ratios else None
-    table.append([name, backend, timer, *_counts(rs), f"{fmt(worst[0])} ({worst[1]})" if worst else "-",
-                  fmt(median(r.latency_ms for r in rs)), fmt(median(r.reference_ms for r in rs)),
-                  fmt(median(r.sol_ms for r in rs)), fmt(median(r.sol_fraction for r in rs))])
+    table.append(
+      [
+        name,
+        backend,
+        timer,
+        *_counts(rs),
+        f"{fmt(worst[0])} ({worst[1]})" if worst else "-",
+        fmt(median(r.latency_ms for r in rs)),
+        fmt(median(r.reference_ms for r in rs)),
+        fmt(median(r.sol_ms for r in rs)),
+        fmt(median(r.sol_fraction for r in rs)),
+      ]
+    )
   table.append(["total", "", "", *_counts(rows), "", "", "", "", ""])
   return table
 
@@ -64,10 +108,10 @@ def compare_runs(rows: list[Row], base: list[Row]) -> tuple[list[Change], list[R
     if b is None:
       continue
     same = r.axes_run == b.axes_run
-    comparable = (same and r.timer == b.timer and r.backend == b.backend and r.latency_ms is not None
-                  and b.latency_ms)
-    changes.append(Change(r.uuid, r.definition, b.status, r.status, r.latency_ms / b.latency_ms if comparable else None,
-                          same))
+    comparable = same and r.timer == b.timer and r.backend == b.backend and r.latency_ms is not None and b.latency_ms
+    changes.append(
+      Change(r.uuid, r.definition, b.status, r.status, r.latency_ms / b.latency_ms if comparable else None, same)
+    )
   return changes, [r for r in rows if r.uuid not in base_by], [b for b in base if b.uuid not in here]
 
 
@@ -89,10 +133,20 @@ def baseline_table(changes: list[Change], only_here: list[Row], only_base: list[
   for name in names:
     cs = [c for c in changes if c.definition == name]
     kinds = [change_kind(c) for c in cs]
-    table.append([name, len(cs), sum(not c.same_axes for c in cs), kinds.count("fixed"), kinds.count("broke"),
-                  kinds.count("other"), kinds.count("failing"),
-                  sum(r.definition == name for r in only_here), sum(r.definition == name for r in only_base),
-                  fmt(median(c.latency_ratio for c in cs))])
+    table.append(
+      [
+        name,
+        len(cs),
+        sum(not c.same_axes for c in cs),
+        kinds.count("fixed"),
+        kinds.count("broke"),
+        kinds.count("other"),
+        kinds.count("failing"),
+        sum(r.definition == name for r in only_here),
+        sum(r.definition == name for r in only_base),
+        fmt(median(c.latency_ratio for c in cs)),
+      ]
+    )
   return table
 
 
@@ -114,10 +168,19 @@ class SummaryLine:
 
 def summary_lines(rows: list[Row]) -> list[SummaryLine]:
   """Per definition, backend and timer: passed / total and the medians."""
-  return [SummaryLine(name, backend, timer, sum(r.status == Status.PASSED for r in rs), len(rs),
-                      median(r.latency_ms for r in rs), median(r.reference_ms for r in rs),
-                      median(r.sol_fraction for r in rs))
-          for (name, backend, timer), rs in by_definition_backend_and_timer(rows).items()]
+  return [
+    SummaryLine(
+      name,
+      backend,
+      timer,
+      sum(r.status == Status.PASSED for r in rs),
+      len(rs),
+      median(r.latency_ms for r in rs),
+      median(r.reference_ms for r in rs),
+      median(r.sol_fraction for r in rs),
+    )
+    for (name, backend, timer), rs in by_definition_backend_and_timer(rows).items()
+  ]
 
 
 def sol_by_timer(lines: list[SummaryLine]) -> dict[str, tuple[float, int, list[SummaryLine]]]:
@@ -143,22 +206,42 @@ def summary_markdown(rows: list[Row], *, title: str, source: str, environment: s
   timer the geomean SOL fraction and the definitions furthest from their
   speed of light. Different timers are never mixed in one figure."""
   lines = summary_lines(rows)
-  out = [f"# {title}", "", f"Results: `{source}` ({len(rows)} workloads). Environment: {environment}.", "",
-         "Times are medians over each definition's workloads, per timer (`device (profiler)`: kernel time on the "
-         "device from jax's profiler; `wall`: wall clock around calls; `interpret`: CPU interpret mode, which "
-         "checks plumbing, not speed). SOL fraction: the roofline's speed of light / kernel time.", "",
-         _md_row(SUMMARY_HEADERS), "|" + " --- |" * len(SUMMARY_HEADERS)]
+  out = [
+    f"# {title}",
+    "",
+    f"Results: `{source}` ({len(rows)} workloads). Environment: {environment}.",
+    "",
+    "Times are medians over each definition's workloads, per timer (`device (profiler)`: kernel time on the "
+    "device from jax's profiler; `wall`: wall clock around calls; `interpret`: CPU interpret mode, which "
+    "checks plumbing, not speed). SOL fraction: the roofline's speed of light / kernel time.",
+    "",
+    _md_row(SUMMARY_HEADERS),
+    "|" + " --- |" * len(SUMMARY_HEADERS),
+  ]
   for l in lines:
-    out.append(_md_row([f"`{l.definition}`", l.backend, l.timer, f"{l.passed} / {l.total}", fmt(l.kernel_ms),
-                        fmt(l.reference_ms), fmt(l.sol_fraction)]))
+    out.append(
+      _md_row(
+        [
+          f"`{l.definition}`",
+          l.backend,
+          l.timer,
+          f"{l.passed} / {l.total}",
+          fmt(l.kernel_ms),
+          fmt(l.reference_ms),
+          fmt(l.sol_fraction),
+        ]
+      )
+    )
   passed, total = sum(l.passed for l in lines), sum(l.total for l in lines)
   out += ["", f"Passed: {passed} / {total} workloads in {len({l.definition for l in lines})} definitions.", ""]
   sol = sol_by_timer(lines)
   if not sol:
     out.append("No SOL fraction: no workload was timed on a GPU.")
   for timer, (geomean, n, furthest) in sol.items():
-    out += [f"Geomean SOL fraction ({timer}): {geomean:.3g} over {n} definitions. Furthest from their speed of "
-            f"light:", ""]
+    out += [
+      f"Geomean SOL fraction ({timer}): {geomean:.3g} over {n} definitions. Furthest from their speed of light:",
+      "",
+    ]
     out += [f"{i}. `{l.definition}`: {fmt(l.sol_fraction)}" for i, l in enumerate(furthest, 1)]
     out.append("")
   return "\n".join(out).rstrip() + "\n"

@@ -10,6 +10,6 @@ from pallas_kernels.dense_gemm import mosaic_gpu, triton
 from pallas_kernels.shared.kernel import Kernel, kernels
 
 KERNELS = kernels(
-    Kernel.of(triton, launch=triton.dense_gemm_nt, own_vjp=True),
-    Kernel.of(mosaic_gpu, launch=mosaic_gpu.dense_gemm_nt),
+  Kernel.of(triton, launch=triton.dense_gemm_nt, own_vjp=True),
+  Kernel.of(mosaic_gpu, launch=mosaic_gpu.dense_gemm_nt),
 )

@@ -4,14 +4,23 @@ and sweeps share)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels.shared import device
-from pallas_kernels.shared.config_rules import (DOT_BLOCK, KernelConfig, NUM_STAGES, NUM_WARPS, Rule, at_least, field,
-                                                 one_of)
+from pallas_kernels.shared.config_rules import (
+  DOT_BLOCK,
+  NUM_STAGES,
+  NUM_WARPS,
+  KernelConfig,
+  Rule,
+  at_least,
+  field,
+  one_of,
+)
 from pallas_kernels.shared.mosaic_gpu import NUM_CONSUMERS
 
 
@@ -19,6 +28,7 @@ from pallas_kernels.shared.mosaic_gpu import NUM_CONSUMERS
 class DenseGemmConfig(KernelConfig):
   """Tiling of the NT GEMM; `group_m` M-tiles per group in the grouped
   program order."""
+
   block_m: int = field(128, DOT_BLOCK)
   block_n: int = field(256, DOT_BLOCK)
   block_k: int = field(64, DOT_BLOCK)
@@ -28,13 +38,17 @@ class DenseGemmConfig(KernelConfig):
 
 
 def _multiple_of_64(minimum: int) -> Rule:
-  return Rule(f"a multiple of 64 >= {minimum}",
-              lambda v, _: isinstance(v, int) and not isinstance(v, bool) and v >= minimum and v % 64 == 0)
+  return Rule(
+    f"a multiple of 64 >= {minimum}",
+    lambda v, _: isinstance(v, int) and not isinstance(v, bool) and v >= minimum and v % 64 == 0,
+  )
 
 
 def _grid_rule() -> Rule:
-  return Rule("None (the device's SM count) or an int >= 1",
-              lambda v, _: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1))
+  return Rule(
+    "None (the device's SM count) or an int >= 1",
+    lambda v, _: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +61,7 @@ class MosaicGemmConfig(KernelConfig):
   `group_m` M-tiles per group in the grouped tile order; `epilogue_n` the
   width of one TMA store; `grid` the persistent CTA count (None: the SM
   count, `num_sms()`)."""
+
   block_m: int = field(128, _multiple_of_64(64))
   block_n: int = field(256, _multiple_of_64(64))
   block_k: int = field(64, one_of(64, 128))
@@ -87,18 +102,20 @@ class MosaicGemmConfig(KernelConfig):
   # A consumer's fp32 accumulator takes accumulator_elements / 128 registers
   # per thread: 128 leaves room under 232 for addresses and the epilogue.
   _derived_rules = {
-      "accumulator_elements": (Rule("<= 16384 (128 fp32 registers per consumer thread)",
-                                    lambda v, _: v <= 128 * 128),),
-      "consumer_rows": (Rule("a multiple of 64 (wgmma's M per warpgroup)", lambda v, _: v % 64 == 0),),
-      "consumer_cols": (Rule("a multiple of epilogue_n and <= 256 (wgmma's N)",
-                             lambda v, c: v % c.epilogue_n == 0 and v <= 256),),
-      "shared_memory_bytes": (Rule(f"<= {device.SHARED_MEMORY_PER_BLOCK} (227 KiB per CTA)",
-                                   lambda v, _: v <= device.SHARED_MEMORY_PER_BLOCK),),
+    "accumulator_elements": (Rule("<= 16384 (128 fp32 registers per consumer thread)", lambda v, _: v <= 128 * 128),),
+    "consumer_rows": (Rule("a multiple of 64 (wgmma's M per warpgroup)", lambda v, _: v % 64 == 0),),
+    "consumer_cols": (
+      Rule("a multiple of epilogue_n and <= 256 (wgmma's N)", lambda v, c: v % c.epilogue_n == 0 and v <= 256),
+    ),
+    "shared_memory_bytes": (
+      Rule(f"<= {device.SHARED_MEMORY_PER_BLOCK} (227 KiB per CTA)", lambda v, _: v <= device.SHARED_MEMORY_PER_BLOCK),
+    ),
   }
 
 
 class DenseGemmSizes(NamedTuple):
   """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+
   m: int
   n: int
   k: int

@@ -77,20 +77,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-import jax.numpy as jnp
 
 from pallas_kernels.dense_gemm.config import DenseGemmSizes, MosaicGemmConfig, tile_coords
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import cdiv, check_nt_operands, resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
-from pallas_kernels.shared.mosaic_gpu import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_TRANSFORMS,
-                                              TILE_COLS, WGMMA_TRANSFORMS, drain_releases, num_sms, pad_rows)
+from pallas_kernels.shared.mosaic_gpu import (
+  CONSUMER_REGISTERS,
+  NUM_CONSUMERS,
+  PRODUCER_REGISTERS,
+  ROW_TRANSFORMS,
+  TILE_COLS,
+  WGMMA_TRANSFORMS,
+  drain_releases,
+  num_sms,
+  pad_rows,
+)
 
 # Test-only sync faults (`_gemm(fault=...)`): each breaks one rule of the
 # synchronization argument so a test can show the interpret run catches it.
@@ -104,12 +114,12 @@ DEFAULT_CONFIG = MosaicGemmConfig()
 
 # What a sweep explores beside it; each fits the 227 KiB.
 _SWEEP_CONFIGS = (
-    DEFAULT_CONFIG,
-    MosaicGemmConfig(128, 256, 64, stages=4, group_m=16),
-    MosaicGemmConfig(128, 256, 64, stages=3, split="n"),
-    MosaicGemmConfig(256, 128, 64, stages=3, split="m"),
-    MosaicGemmConfig(128, 128, 64, stages=6, split="m"),
-    MosaicGemmConfig(128, 256, 128, stages=2, split="m"),
+  DEFAULT_CONFIG,
+  MosaicGemmConfig(128, 256, 64, stages=4, group_m=16),
+  MosaicGemmConfig(128, 256, 64, stages=3, split="n"),
+  MosaicGemmConfig(256, 128, 64, stages=3, split="m"),
+  MosaicGemmConfig(128, 128, 64, stages=6, split="m"),
+  MosaicGemmConfig(128, 256, 128, stages=2, split="m"),
 )
 
 
@@ -148,8 +158,7 @@ def candidate_configs(shapes: Mapping[str, Any]) -> list[MosaicGemmConfig]:
   return list(dict.fromkeys([chosen, *fitting]))
 
 
-def _kernel(a_gmem, b_gmem, c_gmem, *, config: MosaicGemmConfig, m: int, n: int, k: int,
-            grid: int, fault: str | None):
+def _kernel(a_gmem, b_gmem, c_gmem, *, config: MosaicGemmConfig, m: int, n: int, k: int, grid: int, fault: str | None):
   bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.stages
   rows, cols = config.consumer_tile
   num_pid_m, num_pid_n = cdiv(m, bm), cdiv(n, bn)
@@ -233,21 +242,22 @@ def _kernel(a_gmem, b_gmem, c_gmem, *, config: MosaicGemmConfig, m: int, n: int,
         for piece in range(cols // config.epilogue_n):
           out = out_smem.at[wg, piece % 2]
           plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-          out[...] = c_tile[:, piece * config.epilogue_n:(piece + 1) * config.epilogue_n]
+          out[...] = c_tile[:, piece * config.epilogue_n : (piece + 1) * config.epilogue_n]
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(
-              out, c_gmem.at[pl.ds(row0, rows), pl.ds(col0 + piece * config.epilogue_n, config.epilogue_n)])
+            out, c_gmem.at[pl.ds(row0, rows), pl.ds(col0 + piece * config.epilogue_n, config.epilogue_n)]
+          )
 
       plgpu.wait_smem_to_gmem(0)
 
   pl.run_scoped(
-      scoped,
-      plgpu.SMEM((stages, bm, bk), a_gmem.dtype, transforms=WGMMA_TRANSFORMS),
-      plgpu.SMEM((stages, bn, bk), b_gmem.dtype, transforms=WGMMA_TRANSFORMS),
-      plgpu.SMEM((NUM_CONSUMERS, 2, rows, config.epilogue_n), c_gmem.dtype, transforms=ROW_TRANSFORMS),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
-      collective_axes="wg",
+    scoped,
+    plgpu.SMEM((stages, bm, bk), a_gmem.dtype, transforms=WGMMA_TRANSFORMS),
+    plgpu.SMEM((stages, bn, bk), b_gmem.dtype, transforms=WGMMA_TRANSFORMS),
+    plgpu.SMEM((NUM_CONSUMERS, 2, rows, config.epilogue_n), c_gmem.dtype, transforms=ROW_TRANSFORMS),
+    plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
+    collective_axes="wg",
   )
 
 
@@ -258,8 +268,7 @@ def grid_size(config: MosaicGemmConfig, m: int, n: int) -> int:
   return max(1, min(config.grid or num_sms(), tiles))
 
 
-def _gemm(a: jax.Array, b: jax.Array, config: MosaicGemmConfig, interpret: bool, out_dtype,
-          fault: str | None = None):
+def _gemm(a: jax.Array, b: jax.Array, config: MosaicGemmConfig, interpret: bool, out_dtype, fault: str | None = None):
   """The launch; `fault` (tests only, one of `FAULTS`) breaks the
   synchronization on purpose."""
   if fault is not None and fault not in FAULTS:
@@ -272,13 +281,13 @@ def _gemm(a: jax.Array, b: jax.Array, config: MosaicGemmConfig, interpret: bool,
   a = pad_rows(a, 0)
   grid = grid_size(config, m, n)
   kernel = plgpu.kernel(
-      functools.partial(_kernel, config=config, m=m, n=n, k=k, grid=grid, fault=fault),
-      out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(grid,),
-      grid_names=("cta",),
-      num_threads=NUM_CONSUMERS + 1,
-      thread_name="wg",
-      **compat.interpret_kwargs(interpret),
+    functools.partial(_kernel, config=config, m=m, n=n, k=k, grid=grid, fault=fault),
+    out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+    grid=(grid,),
+    grid_names=("cta",),
+    num_threads=NUM_CONSUMERS + 1,
+    thread_name="wg",
+    **compat.interpret_kwargs(interpret),
   )
   return kernel(a, b)
 
@@ -289,9 +298,14 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "out_dtype"))
-def dense_gemm_nt(A: jax.Array, B: jax.Array, *,  # pylint: disable=invalid-name
-                  config: MosaicGemmConfig | None = None, interpret: bool | None = None,
-                  out_dtype=jnp.bfloat16) -> jax.Array:
+def dense_gemm_nt(
+  A: jax.Array,
+  B: jax.Array,
+  *,
+  config: MosaicGemmConfig | None = None,
+  interpret: bool | None = None,
+  out_dtype=jnp.bfloat16,
+) -> jax.Array:
   """C = A @ B^T, A [M, K] and B [N, K] of one dtype (bf16 or f16), fp32
   accumulation, C [M, N] rounded once to `out_dtype` (bf16 or f16). Any
   M >= 0; N and K multiples of the config's block_n and block_k; an empty
@@ -303,8 +317,10 @@ def dense_gemm_nt(A: jax.Array, B: jax.Array, *,  # pylint: disable=invalid-name
   itself: `jaxkern.autodiff` differentiates it through the reference."""
   check_nt_operands(A, B, "A", "B")
   if A.dtype not in DTYPES or jnp.dtype(out_dtype) not in DTYPES:
-    raise Unsupported(f"A, B and out_dtype must be bfloat16 or float16 for the Mosaic GPU GEMM, "
-                      f"got {A.dtype} and {jnp.dtype(out_dtype)}")
+    raise Unsupported(
+      f"A, B and out_dtype must be bfloat16 or float16 for the Mosaic GPU GEMM, "
+      f"got {A.dtype} and {jnp.dtype(out_dtype)}"
+    )
   if config is None:
     config = choose_config({"A": A, "B": B})
   return _gemm(A, B, config, resolve_interpret(interpret), jnp.dtype(out_dtype))

@@ -22,37 +22,39 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from pallas_kernels.shared import common
-import jax.numpy as jnp
 
-from pallas_kernels.shared.common import cdiv, check_nt_operands, fit_block, fitted_candidates, resolve_interpret
 from pallas_kernels.dense_gemm.config import DenseGemmConfig, DenseGemmSizes, tile_coords
+from pallas_kernels.shared import common
+from pallas_kernels.shared.common import cdiv, check_nt_operands, fit_block, fitted_candidates, resolve_interpret
 
 
 def _fit(config: DenseGemmConfig, m: int, n: int, k: int) -> DenseGemmConfig:
   return dataclasses.replace(
-      config,
-      block_m=fit_block(config.block_m, m),
-      block_n=fit_block(config.block_n, n),
-      block_k=fit_block(config.block_k, k))
+    config,
+    block_m=fit_block(config.block_m, m),
+    block_n=fit_block(config.block_n, n),
+    block_k=fit_block(config.block_k, k),
+  )
 
 
 # Tile shapes a sweep explores. Shared memory per stage is
 # (block_m + block_n) * block_k * 2 bytes; every entry stays under the 227 KiB
 # an H100/H200 SM offers at its stage count.
 _SWEEP_CONFIGS = (
-    DenseGemmConfig(128, 256, 64, 8, num_warps=8, num_stages=3),
-    DenseGemmConfig(256, 128, 64, 8, num_warps=8, num_stages=3),
-    DenseGemmConfig(128, 128, 64, 8, num_warps=4, num_stages=4),
-    DenseGemmConfig(128, 128, 128, 8, num_warps=8, num_stages=3),
-    DenseGemmConfig(64, 256, 64, 8, num_warps=4, num_stages=4),
-    DenseGemmConfig(64, 128, 64, 8, num_warps=4, num_stages=4),
+  DenseGemmConfig(128, 256, 64, 8, num_warps=8, num_stages=3),
+  DenseGemmConfig(256, 128, 64, 8, num_warps=8, num_stages=3),
+  DenseGemmConfig(128, 128, 64, 8, num_warps=4, num_stages=4),
+  DenseGemmConfig(128, 128, 128, 8, num_warps=8, num_stages=3),
+  DenseGemmConfig(64, 256, 64, 8, num_warps=4, num_stages=4),
+  DenseGemmConfig(64, 128, 64, 8, num_warps=4, num_stages=4),
 )
 
 
@@ -106,9 +108,22 @@ def _k_block(ref, start, block_k: int, k_first: bool, line_ok, k_ok):
   return plgpu.load(ref.at[index], mask=mask, other=0.0)
 
 
-def _dense_gemm_kernel(x_ref, y_ref, c_ref, *, layout: str, m: int, n: int, k: int,
-                       block_m: int, block_n: int, block_k: int,
-                       num_pid_m: int, num_pid_n: int, group_m: int):
+def _dense_gemm_kernel(
+  x_ref,
+  y_ref,
+  c_ref,
+  *,
+  layout: str,
+  m: int,
+  n: int,
+  k: int,
+  block_m: int,
+  block_n: int,
+  block_k: int,
+  num_pid_m: int,
+  num_pid_n: int,
+  group_m: int,
+):
   # x_ref: the rows of X this tile needs ([block_m, K] or [K, block_m]);
   # y_ref: its columns of Y ([K, block_n] or [block_n, K]); c_ref:
   # [block_m, block_n]. K extents are padded to whole `block_k` steps and
@@ -156,8 +171,15 @@ def gemm_sizes(x_shape, y_shape, layout: str) -> DenseGemmSizes:
   return DenseGemmSizes(int(m), int(n), int(k))
 
 
-def gemm(x: jax.Array, y: jax.Array, *, layout: str = "nt", config: DenseGemmConfig | None = None,
-         interpret: bool = False, out_dtype=jnp.bfloat16) -> jax.Array:
+def gemm(
+  x: jax.Array,
+  y: jax.Array,
+  *,
+  layout: str = "nt",
+  config: DenseGemmConfig | None = None,
+  interpret: bool = False,
+  out_dtype=jnp.bfloat16,
+) -> jax.Array:
   """`C[M,N] = op(X) . op(Y)` in one Pallas launch (`dense_gemm_<layout>`),
   fp32 accumulation, one rounding to `out_dtype`; see `LAYOUTS`. `config`
   None picks `choose_config` for the problem's (M, N, K); a given one is
@@ -185,20 +207,27 @@ def gemm(x: jax.Array, y: jax.Array, *, layout: str = "nt", config: DenseGemmCon
     return pl.BlockSpec((lines, k_pad), lambda pid: (tile(pid)[which], 0))
 
   kernel = functools.partial(
-      _dense_gemm_kernel, layout=layout, m=m, n=n, k=k, block_m=config.block_m,
-      block_n=config.block_n, block_k=config.block_k, num_pid_m=num_pid_m,
-      num_pid_n=num_pid_n, group_m=group_m)
+    _dense_gemm_kernel,
+    layout=layout,
+    m=m,
+    n=n,
+    k=k,
+    block_m=config.block_m,
+    block_n=config.block_n,
+    block_k=config.block_k,
+    num_pid_m=num_pid_m,
+    num_pid_n=num_pid_n,
+    group_m=group_m,
+  )
   return common.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(num_pid_m * num_pid_n,),
-      in_specs=[operand_spec(config.block_m, layout[0] == "t", 0),
-                operand_spec(config.block_n, layout[1] == "n", 1)],
-      out_specs=pl.BlockSpec((config.block_m, config.block_n), tile),
-      compiler_params=plgpu.CompilerParams(
-          num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret,
-      name=f"dense_gemm_{layout}",
+    kernel,
+    out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+    grid=(num_pid_m * num_pid_n,),
+    in_specs=[operand_spec(config.block_m, layout[0] == "t", 0), operand_spec(config.block_n, layout[1] == "n", 1)],
+    out_specs=pl.BlockSpec((config.block_m, config.block_n), tile),
+    compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+    interpret=interpret,
+    name=f"dense_gemm_{layout}",
   )(x, y)
 
 
@@ -235,11 +264,15 @@ _differentiable_gemm.defvjp(_gemm_fwd, _gemm_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backward_config", "interpret", "out_dtype"))
-def dense_gemm_nt(A: jax.Array, B: jax.Array, *,  # pylint: disable=invalid-name
-                  config: DenseGemmConfig | None = None,
-                  backward_config: tuple[DenseGemmConfig, DenseGemmConfig] | None = None,
-                  interpret: bool | None = None,
-                  out_dtype=jnp.bfloat16) -> jax.Array:
+def dense_gemm_nt(
+  A: jax.Array,
+  B: jax.Array,
+  *,
+  config: DenseGemmConfig | None = None,
+  backward_config: tuple[DenseGemmConfig, DenseGemmConfig] | None = None,
+  interpret: bool | None = None,
+  out_dtype=jnp.bfloat16,
+) -> jax.Array:
   """C = A @ B^T with A [M,K], B [N,K] (one dtype, bf16 in the definitions);
   fp32 accumulation, one rounding to `out_dtype`. Any M, N, K >= 0 (an
   empty product is zeros).

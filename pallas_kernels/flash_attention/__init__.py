@@ -12,6 +12,6 @@ from pallas_kernels.flash_attention import mosaic_gpu, triton
 from pallas_kernels.shared.kernel import Kernel, kernels
 
 KERNELS = kernels(
-    Kernel.of(triton, launch=triton.flash_attention, own_vjp=True),
-    Kernel.of(mosaic_gpu, launch=mosaic_gpu.flash_attention, own_vjp=True),
+  Kernel.of(triton, launch=triton.flash_attention, own_vjp=True),
+  Kernel.of(mosaic_gpu, launch=mosaic_gpu.flash_attention, own_vjp=True),
 )

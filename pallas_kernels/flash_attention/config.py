@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.shared.config_rules import (DOT_BLOCK, KernelConfig, NUM_STAGES, NUM_WARPS, at_least, field,
-                                                instance_of, one_of)
+from pallas_kernels.shared.config_rules import (
+  DOT_BLOCK,
+  NUM_STAGES,
+  NUM_WARPS,
+  KernelConfig,
+  at_least,
+  field,
+  instance_of,
+  one_of,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class FlashAttentionConfig(KernelConfig):
   """Tiling of the forward kernel: `block_q` query rows per program, keys
   walked `block_k` at a time."""
+
   block_q: int = field(128, DOT_BLOCK)
   block_k: int = field(64, DOT_BLOCK)
   num_warps: int = field(8, NUM_WARPS)
@@ -24,6 +33,7 @@ class FlashAttentionBwdConfig(KernelConfig):
   """Tiling of the backward kernels: a dQ program owns `block_q_dq` query
   rows and walks the keys `block_k_dq` at a time; a dK/dV program owns
   `block_k_dkv` keys and walks the queries `block_q_dkv` at a time."""
+
   block_q_dq: int = field(64, DOT_BLOCK)
   block_k_dq: int = field(64, DOT_BLOCK)
   block_k_dkv: int = field(64, DOT_BLOCK)
@@ -38,6 +48,7 @@ class MosaicAttentionConfig(KernelConfig):
   `block_k` at a time through a ring of `stages` slots; `ping_pong`: the two
   consumers take turns on the tensor cores (one's softmax under the other's
   wgmma, FlashAttention-3's schedule) instead of running freely."""
+
   block_q: int = field(64, one_of(64))
   block_k: int = field(128, one_of(64, 128))
   stages: int = field(2, at_least(2))

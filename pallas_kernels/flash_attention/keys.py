@@ -15,13 +15,14 @@ gradient.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-import jax.numpy as jnp
 
 from pallas_kernels.shared.common import cdiv
 from pallas_kernels.shared.online_softmax import hide_keys
@@ -104,6 +105,7 @@ class Keys:
   optional prefix `[Np, D]`, `key_valid [Nk]` int8, `segment_ids [N]` int32
   (the queries' and keys' ids) and `block_limits [2]` int32 (the query
   block's `key_block_limits` entry)."""
+
   k: Any
   v: Any
   kv_len: int
@@ -145,6 +147,7 @@ def walk_keys(step: Callable[..., Any], carry: Any, keys: Keys, q_segments=None)
     def body(block, carry):
       rows = pl.ds(block * block_k, block_k)
       return step(k_ref[rows, :], v_ref[rows, :], None, carry)
+
     return body
 
   if keys.prefix_len:
@@ -183,9 +186,16 @@ def _count_le(sorted_seq, values):  # [B, N], [B, Q] -> [B, Q]
   return jnp.sum(sorted_seq[:, None, :] <= values[:, :, None], axis=2, dtype=jnp.int32)
 
 
-def key_block_limits(key_valid: jax.Array | None, segment_ids: jax.Array | None,
-                     *, batch: int, q_len: int, kv_len: int, block_q: int,
-                     block_k: int) -> jax.Array:
+def key_block_limits(
+  key_valid: jax.Array | None,
+  segment_ids: jax.Array | None,
+  *,
+  batch: int,
+  q_len: int,
+  kv_len: int,
+  block_q: int,
+  block_k: int,
+) -> jax.Array:
   """Per (batch row, query block): `[n_unmasked, n_blocks]` key blocks.
 
   Keys `[0, full)` are visible to every query row of the block and keys from
@@ -200,8 +210,7 @@ def key_block_limits(key_valid: jax.Array | None, segment_ids: jax.Array | None,
   if key_valid is not None:
     valid = key_valid.astype(bool)
     first_invalid = jnp.where(jnp.all(valid, axis=1), kv_len, jnp.argmin(valid, axis=1))
-    last_valid_end = jnp.where(jnp.any(valid, axis=1),
-                               kv_len - jnp.argmax(valid[:, ::-1], axis=1), 0)
+    last_valid_end = jnp.where(jnp.any(valid, axis=1), kv_len - jnp.argmax(valid[:, ::-1], axis=1), 0)
     full = jnp.minimum(full, first_invalid.astype(jnp.int32)[:, None])
     end = jnp.minimum(end, last_valid_end.astype(jnp.int32)[:, None])
   if segment_ids is not None:
@@ -222,9 +231,16 @@ def key_block_limits(key_valid: jax.Array | None, segment_ids: jax.Array | None,
   return jnp.stack([n_unmasked, n_blocks], axis=-1)
 
 
-def query_block_limits(key_valid: jax.Array | None, segment_ids: jax.Array | None,
-                       *, batch: int, q_len: int, kv_len: int, block_q: int,
-                       block_k: int) -> jax.Array:
+def query_block_limits(
+  key_valid: jax.Array | None,
+  segment_ids: jax.Array | None,
+  *,
+  batch: int,
+  q_len: int,
+  kv_len: int,
+  block_q: int,
+  block_k: int,
+) -> jax.Array:
   """Per (batch row, key block): `[first, end)` query blocks, outside of
   which no query sees a key of the block (the dK/dV kernel's walk).
 
@@ -250,8 +266,7 @@ def query_block_limits(key_valid: jax.Array | None, segment_ids: jax.Array | Non
     # nondecreasing); from `last_end` on, the suffix max is (it is
     # nonincreasing): each is one fused count.
     first = jnp.sum(lax.cummax(seg, axis=1)[:, None, :] < lo[:, :, None], axis=2, dtype=jnp.int32)
-    last_end = jnp.sum(lax.cummax(seg, axis=1, reverse=True)[:, None, :] >= lo[:, :, None], axis=2,
-                       dtype=jnp.int32)
+    last_end = jnp.sum(lax.cummax(seg, axis=1, reverse=True)[:, None, :] >= lo[:, :, None], axis=2, dtype=jnp.int32)
   first_block = jnp.where(any_visible, first // block_q, 0)
   end_block = jnp.where(any_visible, jnp.minimum((last_end + block_q - 1) // block_q, num_q_blocks), 0)
   return jnp.stack([first_block, jnp.maximum(end_block, first_block)], axis=-1)

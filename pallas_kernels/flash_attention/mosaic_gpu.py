@@ -91,24 +91,33 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-import jax.numpy as jnp
 
 from pallas_kernels.flash_attention.config import FlashAttentionBwdConfig, MosaicAttentionConfig
+from pallas_kernels.flash_attention.keys import INVISIBLE_SEGMENT, check_attention_inputs, key_block_limits, key_sources
+from pallas_kernels.flash_attention.triton_bwd import attention_backward, backward_config_for
 from pallas_kernels.shared import device
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
-from pallas_kernels.shared.mosaic_gpu import (CONSUMER_REGISTERS, NUM_CONSUMERS, PRODUCER_REGISTERS, ROW_ALIGN,
-                                              WGMMA_TRANSFORMS, drain_releases, pad_rows, softmax_carry,
-                                              softmax_step)
-from pallas_kernels.flash_attention.keys import INVISIBLE_SEGMENT, check_attention_inputs, key_block_limits, key_sources
-from pallas_kernels.flash_attention.triton_bwd import attention_backward, backward_config_for
+from pallas_kernels.shared.mosaic_gpu import (
+  CONSUMER_REGISTERS,
+  NUM_CONSUMERS,
+  PRODUCER_REGISTERS,
+  ROW_ALIGN,
+  WGMMA_TRANSFORMS,
+  drain_releases,
+  pad_rows,
+  softmax_carry,
+  softmax_step,
+)
 from pallas_kernels.shared.online_softmax import LOG2_E
 
 HEAD_DIMS = (64, 128)
@@ -125,8 +134,15 @@ def shared_memory_bytes(config: MosaicAttentionConfig, head_dim: int) -> int:
   lowering for every config here."""
   align = lambda n: -(-n // 1024) * 1024  # noqa: E731
   bq, bk, stages = config.block_q, config.block_k, config.stages
-  buffers = [NUM_CONSUMERS * bq * head_dim * 2, NUM_CONSUMERS * bq * bk * 2, NUM_CONSUMERS * bq * 4,
-             NUM_CONSUMERS * bq * 4, stages * bk * head_dim * 2, stages * bk * head_dim * 2, stages * bk * 4]
+  buffers = [
+    NUM_CONSUMERS * bq * head_dim * 2,
+    NUM_CONSUMERS * bq * bk * 2,
+    NUM_CONSUMERS * bq * 4,
+    NUM_CONSUMERS * bq * 4,
+    stages * bk * head_dim * 2,
+    stages * bk * head_dim * 2,
+    stages * bk * 4,
+  ]
   barriers = 8 * (NUM_CONSUMERS + 4 * stages + 1)
   return sum(map(align, buffers)) + barriers + 2048
 
@@ -155,8 +171,23 @@ def candidate_configs(shapes: Mapping[str, Any]) -> list[MosaicAttentionConfig]:
   return list(dict.fromkeys([chosen, dataclasses.replace(chosen, ping_pong=False), *fits]))
 
 
-def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gmem, steps_gmem, o_gmem, lse_gmem,
-            *, config: MosaicAttentionConfig, qk_scale: float, prefix_steps: int, fault: str | None):
+def _kernel(
+  q_gmem,
+  k_gmem,
+  v_gmem,
+  kp_gmem,
+  vp_gmem,
+  key_ids_gmem,
+  query_ids_gmem,
+  steps_gmem,
+  o_gmem,
+  lse_gmem,
+  *,
+  config: MosaicAttentionConfig,
+  qk_scale: float,
+  prefix_steps: int,
+  fault: str | None,
+):
   bq, bk, stages = config.block_q, config.block_k, config.stages
   head_dim = q_gmem.shape[-1]
   head, q_block, batch = lax.axis_index("h"), lax.axis_index("q"), lax.axis_index("b")
@@ -165,8 +196,9 @@ def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gm
   # one some row sees): producer and consumers read the same count.
   steps = steps_gmem[batch, q_block]
 
-  def scoped(q_smem, p_smem, lse_smem, qid_smem, k_smem, v_smem, kid_smem, q_barrier, k_full, v_full, k_empty,
-             v_empty, turn):
+  def scoped(
+    q_smem, p_smem, lse_smem, qid_smem, k_smem, v_smem, kid_smem, q_barrier, k_full, v_full, k_empty, v_empty, turn
+  ):
     wg = lax.axis_index("wg")
 
     def meet():
@@ -182,8 +214,10 @@ def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gm
       def load(g, prefix_src, src, dst, barrier):
         """Step g's key block into `dst`: from the prefix for the first
         `prefix_steps` steps, then from the keys."""
+
         def copy(source, first):
           plgpu.copy_gmem_to_smem(source.at[batch, pl.ds((g - first) * bk, bk), head], dst, barrier)
+
         if not prefix_steps:
           copy(src, 0)
           return
@@ -227,16 +261,15 @@ def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gm
 
         def scores(s_ref):
           plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].T)
-          meet()   # the other consumer's softmax runs under this wgmma
+          meet()  # the other consumer's softmax runs under this wgmma
           return s_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32)) * qk_scale
         key_ids = plgpu.load(kid_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
         plgpu.barrier_arrive(k_empty.at[slot])
-        visible = (lax.broadcast_in_dim(key_ids, s.shape, [1])
-                   <= lax.broadcast_in_dim(query_ids, s.shape, [0]))
+        visible = lax.broadcast_in_dim(key_ids, s.shape, [1]) <= lax.broadcast_in_dim(query_ids, s.shape, [0])
         p, correction, m_next, l_next = softmax_step(s, visible, m, l)
-        if config.ping_pong:   # done with the softmax; the tensor cores are free once the other arrives
+        if config.ping_pong:  # done with the softmax; the tensor cores are free once the other arrives
           plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(v_full.at[slot])
         if config.ping_pong:
@@ -255,9 +288,9 @@ def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gm
         plgpu.barrier_arrive(v_empty.at[slot])
         return acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv, m_next, l_next
 
-      pl.when(wg == 1)(meet)   # consumer 1 starts one rendezvous behind
+      pl.when(wg == 1)(meet)  # consumer 1 starts one rendezvous behind
       acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
-      pl.when(wg == 0)(meet)   # ... and consumer 0 makes up for it at the end
+      pl.when(wg == 0)(meet)  # ... and consumer 0 makes up for it at the end
       seen = l > 0.0
       inverse = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
       # O reuses the Q tile: the last S wgmma that read it has completed.
@@ -270,25 +303,25 @@ def _kernel(q_gmem, k_gmem, v_gmem, kp_gmem, vp_gmem, key_ids_gmem, query_ids_gm
 
   dtype = q_gmem.dtype
   pl.run_scoped(
-      scoped,
-      plgpu.SMEM((NUM_CONSUMERS, bq, head_dim), dtype, transforms=WGMMA_TRANSFORMS),
-      plgpu.SMEM((NUM_CONSUMERS, bq, bk), dtype, transforms=WGMMA_TRANSFORMS),
-      plgpu.SMEM((NUM_CONSUMERS, bq), jnp.float32),
-      plgpu.SMEM((NUM_CONSUMERS, bq), jnp.int32),
-      plgpu.SMEM((stages, bk, head_dim), dtype, transforms=WGMMA_TRANSFORMS),
-      plgpu.SMEM((stages, bk, head_dim), dtype, transforms=WGMMA_TRANSFORMS),
-      plgpu.SMEM((stages, bk), jnp.int32),
-      plgpu.Barrier(num_arrivals=2, num_barriers=NUM_CONSUMERS),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=1 if fault == "turn_once" else NUM_CONSUMERS),
-      collective_axes="wg",
+    scoped,
+    plgpu.SMEM((NUM_CONSUMERS, bq, head_dim), dtype, transforms=WGMMA_TRANSFORMS),
+    plgpu.SMEM((NUM_CONSUMERS, bq, bk), dtype, transforms=WGMMA_TRANSFORMS),
+    plgpu.SMEM((NUM_CONSUMERS, bq), jnp.float32),
+    plgpu.SMEM((NUM_CONSUMERS, bq), jnp.int32),
+    plgpu.SMEM((stages, bk, head_dim), dtype, transforms=WGMMA_TRANSFORMS),
+    plgpu.SMEM((stages, bk, head_dim), dtype, transforms=WGMMA_TRANSFORMS),
+    plgpu.SMEM((stages, bk), jnp.int32),
+    plgpu.Barrier(num_arrivals=2, num_barriers=NUM_CONSUMERS),
+    plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+    plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
+    plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
+    plgpu.Barrier(num_arrivals=1 if fault == "turn_once" else NUM_CONSUMERS),
+    collective_axes="wg",
   )
 
 
-_HIDDEN = INVISIBLE_SEGMENT          # a key id no query reaches
+_HIDDEN = INVISIBLE_SEGMENT  # a key id no query reaches
 _EVERYONE = jnp.iinfo(jnp.int32).min  # a key id every query reaches (prefix keys)
 
 
@@ -302,8 +335,20 @@ def _key_ids(batch, kv_len, steps, block, key_valid, segment_ids):
   return jnp.pad(ids, ((0, 0), (0, steps * block - kv_len)), constant_values=_HIDDEN)
 
 
-def _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, *, sm_scale: float,
-             config: MosaicAttentionConfig, interpret: bool, fault: str | None = None):
+def _forward(
+  q,
+  k,
+  v,
+  k_prefix,
+  v_prefix,
+  key_valid,
+  segment_ids,
+  *,
+  sm_scale: float,
+  config: MosaicAttentionConfig,
+  interpret: bool,
+  fault: str | None = None,
+):
   """(o, lse) of one launch; `fault` (tests only, one of `FAULTS`) breaks the
   synchronization on purpose."""
   if fault is not None and fault not in FAULTS:
@@ -322,8 +367,9 @@ def _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, *, sm_scale: f
   # (tight for a valid prefix of keys and nondecreasing segment ids).
   key_blocks = jnp.full((batch, q_blocks), kv_steps, jnp.int32)
   if key_valid is not None or segment_ids is not None:
-    key_blocks = key_block_limits(key_valid, segment_ids, batch=batch, q_len=q_len, kv_len=kv_len,
-                                  block_q=cta_rows, block_k=bk)[..., 1]
+    key_blocks = key_block_limits(
+      key_valid, segment_ids, batch=batch, q_len=q_len, kv_len=kv_len, block_q=cta_rows, block_k=bk
+    )[..., 1]
   steps = prefix_steps + key_blocks
   # Rows past Nq see no key (their output is never stored).
   query_ids = jnp.zeros((batch, q_len), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
@@ -332,15 +378,18 @@ def _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, *, sm_scale: f
   # TMA needs 16-byte aligned) get a multiple of 8 rows, sliced after.
   rows = -(-q_len // ROW_ALIGN) * ROW_ALIGN
   kernel = plgpu.kernel(
-      functools.partial(_kernel, config=config, qk_scale=float(sm_scale) * LOG2_E, prefix_steps=prefix_steps,
-                        fault=fault),
-      out_type=(jax.ShapeDtypeStruct((batch, rows, heads, head_dim), q.dtype),
-                jax.ShapeDtypeStruct((batch, heads, rows), jnp.float32)),
-      grid=(heads, q_blocks, batch),
-      grid_names=("h", "q", "b"),
-      num_threads=NUM_CONSUMERS + 1,
-      thread_name="wg",
-      **compat.interpret_kwargs(interpret),
+    functools.partial(
+      _kernel, config=config, qk_scale=float(sm_scale) * LOG2_E, prefix_steps=prefix_steps, fault=fault
+    ),
+    out_type=(
+      jax.ShapeDtypeStruct((batch, rows, heads, head_dim), q.dtype),
+      jax.ShapeDtypeStruct((batch, heads, rows), jnp.float32),
+    ),
+    grid=(heads, q_blocks, batch),
+    grid_names=("h", "q", "b"),
+    num_threads=NUM_CONSUMERS + 1,
+    thread_name="wg",
+    **compat.interpret_kwargs(interpret),
   )
   k, v = pad_rows(k, 1), pad_rows(v, 1)
   # Without prefix keys the prefix operands are k and v again, never read.
@@ -350,11 +399,19 @@ def _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, *, sm_scale: f
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
-def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.Array | None = None,
-                            k_prefix: jax.Array | None = None, v_prefix: jax.Array | None = None,
-                            segment_ids: jax.Array | None = None, sm_scale: float | None = None,
-                            config: MosaicAttentionConfig | None = None,
-                            interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+def flash_attention_forward(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  key_valid: jax.Array | None = None,
+  k_prefix: jax.Array | None = None,
+  v_prefix: jax.Array | None = None,
+  segment_ids: jax.Array | None = None,
+  sm_scale: float | None = None,
+  config: MosaicAttentionConfig | None = None,
+  interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """`(o, lse)` of `softmax(q k^T * sm_scale) v` over the visible keys.
 
   q `[B, Nq, H, D]`, k and v `[B, Nk, H, D]`, bf16, D 64 or 128. The
@@ -378,30 +435,62 @@ def flash_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, key_val
   kv_len = k.shape[1]
   if not (batch and q_len and heads and kv_len):
     return jnp.zeros(q.shape, q.dtype), jnp.full((batch, heads, q_len), jnp.inf, jnp.float32)
-  return _checked_forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids,
-                          sm_scale=head_dim ** -0.5 if sm_scale is None else float(sm_scale), config=config,
-                          interpret=interpret)
+  return _checked_forward(
+    q,
+    k,
+    v,
+    k_prefix,
+    v_prefix,
+    key_valid,
+    segment_ids,
+    sm_scale=head_dim**-0.5 if sm_scale is None else float(sm_scale),
+    config=config,
+    interpret=interpret,
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
-def _checked_forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, *, sm_scale: float,
-                     config: MosaicAttentionConfig | None, interpret: bool | None):
+def _checked_forward(
+  q,
+  k,
+  v,
+  k_prefix,
+  v_prefix,
+  key_valid,
+  segment_ids,
+  *,
+  sm_scale: float,
+  config: MosaicAttentionConfig | None,
+  interpret: bool | None,
+):
   """`flash_attention_forward` past its checks: inputs checked and
   supported, key sources resolved (`key_sources`), at least one query and
   one key, `sm_scale` a float."""
   head_dim = q.shape[-1]
   config = config or choose_config({"q": q, "k": k, "k_prefix": k_prefix})
   if shared_memory_bytes(config, head_dim) > device.SHARED_MEMORY_PER_BLOCK:
-    raise ValueError(f"{config} needs {shared_memory_bytes(config, head_dim)} bytes of shared memory at D={head_dim}; "
-                     f"the limit is {device.SHARED_MEMORY_PER_BLOCK} (fewer stages or a smaller block_k)")
+    raise ValueError(
+      f"{config} needs {shared_memory_bytes(config, head_dim)} bytes of shared memory at D={head_dim}; "
+      f"the limit is {device.SHARED_MEMORY_PER_BLOCK} (fewer stages or a smaller block_k)"
+    )
   if key_valid is not None:
     # A hidden key's probability is 0, but 0 * NaN is NaN in the P V product:
     # non-finite values of hidden keys are zeroed first (a copy of v, made
     # only when v holds one).
     hidden = ~key_valid.astype(bool)[:, :, None, None]
     v = lax.cond(jnp.all(jnp.isfinite(v)), lambda v: v, lambda v: jnp.where(hidden, jnp.zeros_like(v), v), v)
-  return _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, sm_scale=sm_scale, config=config,
-                  interpret=resolve_interpret(interpret))
+  return _forward(
+    q,
+    k,
+    v,
+    k_prefix,
+    v_prefix,
+    key_valid,
+    segment_ids,
+    sm_scale=sm_scale,
+    config=config,
+    interpret=resolve_interpret(interpret),
+  )
 
 
 def check_supported(q: jax.Array, sm_scale: Any) -> None:
@@ -413,14 +502,15 @@ def check_supported(q: jax.Array, sm_scale: Any) -> None:
   if q.shape[-1] not in HEAD_DIMS:
     raise Unsupported(f"head dim D={q.shape[-1]} must be one of {HEAD_DIMS} for the Mosaic GPU attention")
   if sm_scale is not None and not isinstance(sm_scale, (int, float)):
-    raise Unsupported("sm_scale must be a Python float (or None) for the Mosaic GPU attention, "
-                      f"got {type(sm_scale).__name__}")
+    raise Unsupported(
+      f"sm_scale must be a Python float (or None) for the Mosaic GPU attention, got {type(sm_scale).__name__}"
+    )
 
 
 class _Static(NamedTuple):
   sm_scale: float
   config: MosaicAttentionConfig | None
-  backward_config: FlashAttentionBwdConfig   # fitted
+  backward_config: FlashAttentionBwdConfig  # fitted
   interpret: bool | None
 
 
@@ -430,8 +520,18 @@ def _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, static: _Sta
 
 
 def _attention_fwd(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, static: _Static):
-  o, lse = _checked_forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, sm_scale=static.sm_scale,
-                            config=static.config, interpret=static.interpret)
+  o, lse = _checked_forward(
+    q,
+    k,
+    v,
+    k_prefix,
+    v_prefix,
+    key_valid,
+    segment_ids,
+    sm_scale=static.sm_scale,
+    config=static.config,
+    interpret=static.interpret,
+  )
   return o, (q, k, v, k_prefix, v_prefix, key_valid, segment_ids, o, lse)
 
 
@@ -441,21 +541,39 @@ def _attention_bwd(static: _Static, residuals, do):
   # for a row that sees no key (`flash_attention_forward`).
   *args, o, lse = residuals
   scale = jnp.full((1,), static.sm_scale, jnp.float32)
-  g = attention_backward(*args, scale, o, lse, do, config=static.backward_config,
-                         interpret=resolve_interpret(static.interpret), need_dq=True, need_dkv=True,
-                         need_dprefix=args[3] is not None, need_dscale=False)
+  g = attention_backward(
+    *args,
+    scale,
+    o,
+    lse,
+    do,
+    config=static.backward_config,
+    interpret=resolve_interpret(static.interpret),
+    need_dq=True,
+    need_dkv=True,
+    need_dprefix=args[3] is not None,
+    need_dscale=False,
+  )
   return g.dq, g.dk, g.dv, g.dk_prefix, g.dv_prefix, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.Array | None = None,
-                    k_prefix: jax.Array | None = None, v_prefix: jax.Array | None = None,
-                    segment_ids: jax.Array | None = None, sm_scale: float | None = None,
-                    config: MosaicAttentionConfig | None = None,
-                    backward_config: FlashAttentionBwdConfig | None = None,
-                    interpret: bool | None = None) -> jax.Array:
+def flash_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  key_valid: jax.Array | None = None,
+  k_prefix: jax.Array | None = None,
+  v_prefix: jax.Array | None = None,
+  segment_ids: jax.Array | None = None,
+  sm_scale: float | None = None,
+  config: MosaicAttentionConfig | None = None,
+  backward_config: FlashAttentionBwdConfig | None = None,
+  interpret: bool | None = None,
+) -> jax.Array:
   """The output of `flash_attention_forward` (its contract; lse dropped):
   the forward of the Triton kernel's `flash_attention` on the inputs this
   kernel takes (`check_supported`: bf16, D 64 or 128, a static scale),
@@ -474,7 +592,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, key_valid: jax.
   if not (batch and q_len and heads and kv_len):
     return jnp.zeros(q.shape, q.dtype)
   longest = max(kv_len, 0 if k_prefix is None else k_prefix.shape[1])
-  backward_config = backward_config_for(backward_config, batch=batch, heads=heads, q_len=q_len, kv_len=longest,
-                                        head_dim=head_dim)
-  static = _Static(head_dim ** -0.5 if sm_scale is None else float(sm_scale), config, backward_config, interpret)
+  backward_config = backward_config_for(
+    backward_config, batch=batch, heads=heads, q_len=q_len, kv_len=longest, head_dim=head_dim
+  )
+  static = _Static(head_dim**-0.5 if sm_scale is None else float(sm_scale), config, backward_config, interpret)
   return _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, static)

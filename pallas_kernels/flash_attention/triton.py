@@ -35,42 +35,61 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
-from pallas_kernels.shared import common
-import jax.numpy as jnp
 
+from pallas_kernels.flash_attention.config import FlashAttentionConfig
+from pallas_kernels.flash_attention.keys import (
+  Keys,
+  check_attention_inputs,
+  key_block_limits,
+  key_sources,
+  load_rows,
+  store_rows,
+  walk_keys,
+)
+from pallas_kernels.flash_attention.triton_bwd import (
+  FlashAttentionBwdConfig,
+  attention_backward,
+  backward_config_for,
+)
+from pallas_kernels.shared import common
 from pallas_kernels.shared.common import cdiv, check_pow2_dim, fit_block, fitted_candidates, resolve_interpret
 from pallas_kernels.shared.device import SHARED_MEMORY_PER_BLOCK, num_sms
-from pallas_kernels.flash_attention.triton_bwd import (FlashAttentionBwdConfig, attention_backward, backward_config_for,
-                                                choose_backward_config)
-from pallas_kernels.flash_attention.keys import (Keys, check_attention_inputs, key_block_limits, key_sources,
-                                                 load_rows, store_rows, walk_keys)
 from pallas_kernels.shared.online_softmax import LOG2_E, init_carry, lse_for_backward, normalize, online_softmax_step
-from pallas_kernels.flash_attention.config import FlashAttentionConfig
 
 
 class FlashAttentionSizes(NamedTuple):
   """Problem sizes of the inputs' shapes (input name -> array or
   ShapeDtypeStruct; `k_prefix` may be absent or None)."""
+
   batch: int
   heads: int
   q_len: int
   kv_len: int
-  prefix_len: int   # 0 without prefix keys
+  prefix_len: int  # 0 without prefix keys
   head_dim: int
-  itemsize: int     # bytes per q/k/v element
+  itemsize: int  # bytes per q/k/v element
 
   @classmethod
   def of(cls, shapes: Mapping[str, Any]) -> FlashAttentionSizes:
     batch, q_len, heads, head_dim = shapes["q"].shape
     prefix = shapes.get("k_prefix")
     prefix_len = 0 if prefix is None else prefix.shape[1]
-    return cls(int(batch), int(heads), int(q_len), int(shapes["k"].shape[1]), int(prefix_len),
-               int(head_dim), jnp.dtype(shapes["q"].dtype).itemsize)
+    return cls(
+      int(batch),
+      int(heads),
+      int(q_len),
+      int(shapes["k"].shape[1]),
+      int(prefix_len),
+      int(head_dim),
+      jnp.dtype(shapes["q"].dtype).itemsize,
+    )
 
   @property
   def longest_keys(self) -> int:
@@ -81,21 +100,21 @@ class FlashAttentionSizes(NamedTuple):
 def _fit(config: FlashAttentionConfig, q_len: int, kv_len: int) -> FlashAttentionConfig:
   """Shrinks the blocks of `config` to the problem (tiny Nq or Nk)."""
   return dataclasses.replace(
-      config, block_q=fit_block(config.block_q, q_len),
-      block_k=fit_block(config.block_k, kv_len))
+    config, block_q=fit_block(config.block_q, q_len), block_k=fit_block(config.block_k, kv_len)
+  )
 
 
 # What a sweep explores, before fitting to the problem. Shared memory per
 # pipeline stage is 2 * block_k * D * 2 bytes (a K and a V tile) on top of the
 # resident Q tile.
 _SWEEP_CONFIGS = (
-    FlashAttentionConfig(128, 64, num_warps=8, num_stages=3),
-    FlashAttentionConfig(128, 128, num_warps=8, num_stages=3),
-    FlashAttentionConfig(128, 64, num_warps=4, num_stages=3),
-    FlashAttentionConfig(128, 128, num_warps=8, num_stages=2),
-    FlashAttentionConfig(128, 32, num_warps=4, num_stages=4),
-    FlashAttentionConfig(64, 64, num_warps=4, num_stages=3),
-    FlashAttentionConfig(64, 128, num_warps=4, num_stages=2),
+  FlashAttentionConfig(128, 64, num_warps=8, num_stages=3),
+  FlashAttentionConfig(128, 128, num_warps=8, num_stages=3),
+  FlashAttentionConfig(128, 64, num_warps=4, num_stages=3),
+  FlashAttentionConfig(128, 128, num_warps=8, num_stages=2),
+  FlashAttentionConfig(128, 32, num_warps=4, num_stages=4),
+  FlashAttentionConfig(64, 64, num_warps=4, num_stages=3),
+  FlashAttentionConfig(64, 128, num_warps=4, num_stages=2),
 )
 
 # These spill registers on sm_90a at D >= 128 and are left out of the sweep
@@ -103,12 +122,15 @@ _SWEEP_CONFIGS = (
 # docs/perf/kernel_notes.md): 128x64 on 4 warps; with prefix keys also 128x32
 # and 64x128 on 4 warps.
 _SPILL_AT_D128 = (FlashAttentionConfig(128, 64, num_warps=4, num_stages=3),)
-_SPILL_AT_D128_WITH_PREFIX = (FlashAttentionConfig(128, 32, num_warps=4, num_stages=4),
-                              FlashAttentionConfig(64, 128, num_warps=4, num_stages=2))
+_SPILL_AT_D128_WITH_PREFIX = (
+  FlashAttentionConfig(128, 32, num_warps=4, num_stages=4),
+  FlashAttentionConfig(64, 128, num_warps=4, num_stages=2),
+)
 
 
-def shared_memory_bytes(config: FlashAttentionConfig, head_dim: int, itemsize: int = 2, *,
-                        has_prefix: bool = False) -> int:
+def shared_memory_bytes(
+  config: FlashAttentionConfig, head_dim: int, itemsize: int = 2, *, has_prefix: bool = False
+) -> int:
   """Triton's shared memory for this kernel (the sm_90a compile agrees, see
   docs/perf/kernel_notes.md): the Q tile plus one K and one V tile per
   pipeline stage, and one stage more when prefix keys add a second
@@ -156,20 +178,49 @@ def candidate_configs(shapes: Mapping[str, Any]) -> list[FlashAttentionConfig]:
     excluded.update(_SPILL_AT_D128)
     if has_prefix:
       excluded.update(_SPILL_AT_D128_WITH_PREFIX)
-  kept = [c for c in _SWEEP_CONFIGS
-          if c not in excluded and shared_memory_bytes(
-              c, sizes.head_dim, sizes.itemsize, has_prefix=has_prefix) <= SHARED_MEMORY_PER_BLOCK]
+  kept = [
+    c
+    for c in _SWEEP_CONFIGS
+    if c not in excluded
+    and shared_memory_bytes(c, sizes.head_dim, sizes.itemsize, has_prefix=has_prefix) <= SHARED_MEMORY_PER_BLOCK
+  ]
   return fitted_candidates(choose_config(shapes), kept, lambda c: _fit(c, sizes.q_len, sizes.longest_keys))
 
 
-def _flash_attention_kernel(*, scale_ref, q_ref, k_ref, v_ref, k_prefix_ref, v_prefix_ref, key_valid_ref,
-                            segment_ids_ref, block_limits_ref, o_ref, lse_ref, block_q: int, block_k: int,
-                            q_len: int, kv_len: int, prefix_len: int):
+def _flash_attention_kernel(
+  *,
+  scale_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  k_prefix_ref,
+  v_prefix_ref,
+  key_valid_ref,
+  segment_ids_ref,
+  block_limits_ref,
+  o_ref,
+  lse_ref,
+  block_q: int,
+  block_k: int,
+  q_len: int,
+  kv_len: int,
+  prefix_len: int,
+):
   # scale [1] f32 (sm_scale); q [bq, D]; k, v [Nk, D]; optional: the prefix's
   # k, v [Np, D], key_valid [Nk] int8, segment_ids [Nq] int32, block_limits
   # [2] int32; out: o [bq, D] and, when asked, lse [bq] f32 (base 2).
-  keys = Keys(k_ref, v_ref, kv_len, block_k, k_prefix_ref, v_prefix_ref, prefix_len,
-              key_valid=key_valid_ref, segment_ids=segment_ids_ref, block_limits=block_limits_ref)
+  keys = Keys(
+    k_ref,
+    v_ref,
+    kv_len,
+    block_k,
+    k_prefix_ref,
+    v_prefix_ref,
+    prefix_len,
+    key_valid=key_valid_ref,
+    segment_ids=segment_ids_ref,
+    block_limits=block_limits_ref,
+  )
   has_segments, with_lse = segment_ids_ref is not None, lse_ref is not None
   qk_scale = scale_ref[0] * LOG2_E
 
@@ -192,8 +243,20 @@ def _flash_attention_kernel(*, scale_ref, q_ref, k_ref, v_ref, k_prefix_ref, v_p
     store_rows(lse_ref, lse_for_backward(m, l), q_len - q_start, ragged)
 
 
-def _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, *, config: FlashAttentionConfig,
-             interpret: bool, with_lse: bool):
+def _forward(
+  q,
+  k,
+  v,
+  k_prefix,
+  v_prefix,
+  key_valid,
+  segment_ids,
+  scale,
+  *,
+  config: FlashAttentionConfig,
+  interpret: bool,
+  with_lse: bool,
+):
   """One launch of the forward kernel (`config` fitted, `scale` `[1]` f32):
   `o`, and with `with_lse` also `lse [B, H, Nq]` (base 2, +inf for a
   lonely row)."""
@@ -209,39 +272,51 @@ def _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, *, conf
   prefix_spec = pl.BlockSpec((None, prefix_len, None, head_dim), lambda i, b, h: (b, 0, h, 0))
   limits = None
   if key_valid is not None or segment_ids is not None:
-    limits = key_block_limits(key_valid, segment_ids, batch=batch, q_len=q_len, kv_len=kv_len,
-                              block_q=block_q, block_k=block_k)
+    limits = key_block_limits(
+      key_valid, segment_ids, batch=batch, q_len=q_len, kv_len=kv_len, block_q=block_q, block_k=block_k
+    )
   inputs = {
-      "scale": (scale, pl.BlockSpec((1,), lambda i, b, h: (0,))),
-      "q": (q, q_spec), "k": (k, kv_spec), "v": (v, kv_spec),
-      "k_prefix": (k_prefix if prefix_len else None, prefix_spec),
-      "v_prefix": (v_prefix if prefix_len else None, prefix_spec),
-      "key_valid": (None if key_valid is None else key_valid.astype(jnp.int8),
-                    pl.BlockSpec((None, kv_len), lambda i, b, h: (b, 0))),
-      "segment_ids": (None if segment_ids is None else segment_ids.astype(jnp.int32),
-                      pl.BlockSpec((None, q_len), lambda i, b, h: (b, 0))),
-      "block_limits": (limits, pl.BlockSpec((None, None, 2), lambda i, b, h: (b, i, 0))),
+    "scale": (scale, pl.BlockSpec((1,), lambda i, b, h: (0,))),
+    "q": (q, q_spec),
+    "k": (k, kv_spec),
+    "v": (v, kv_spec),
+    "k_prefix": (k_prefix if prefix_len else None, prefix_spec),
+    "v_prefix": (v_prefix if prefix_len else None, prefix_spec),
+    "key_valid": (
+      None if key_valid is None else key_valid.astype(jnp.int8),
+      pl.BlockSpec((None, kv_len), lambda i, b, h: (b, 0)),
+    ),
+    "segment_ids": (
+      None if segment_ids is None else segment_ids.astype(jnp.int32),
+      pl.BlockSpec((None, q_len), lambda i, b, h: (b, 0)),
+    ),
+    "block_limits": (limits, pl.BlockSpec((None, None, 2), lambda i, b, h: (b, i, 0))),
   }
   outputs = {
-      "o": (jax.ShapeDtypeStruct(q.shape, q.dtype), q_spec),
-      "lse": (jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32) if with_lse else None,
-              pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))),
+    "o": (jax.ShapeDtypeStruct(q.shape, q.dtype), q_spec),
+    "lse": (
+      jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32) if with_lse else None,
+      pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i)),
+    ),
   }
-  kernel = functools.partial(_flash_attention_kernel, block_q=block_q, block_k=block_k, q_len=q_len,
-                             kv_len=kv_len, prefix_len=prefix_len)
+  kernel = functools.partial(
+    _flash_attention_kernel, block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, prefix_len=prefix_len
+  )
   outs = common.named_pallas_call(
-      kernel, inputs=inputs, outputs=outputs,
-      grid=(cdiv(q_len, block_q), batch, num_heads),
-      compiler_params=common.compiler_params(config),
-      interpret=interpret,
-      name="flash_attention",
+    kernel,
+    inputs=inputs,
+    outputs=outputs,
+    grid=(cdiv(q_len, block_q), batch, num_heads),
+    compiler_params=common.compiler_params(config),
+    interpret=interpret,
+    name="flash_attention",
   )
   return (outs["o"], outs["lse"]) if with_lse else outs["o"]
 
 
 class _Static(NamedTuple):
-  config: FlashAttentionConfig                      # fitted
-  backward_config: FlashAttentionBwdConfig          # fitted
+  config: FlashAttentionConfig  # fitted
+  backward_config: FlashAttentionBwdConfig  # fitted
   interpret: bool
 
 
@@ -249,6 +324,7 @@ class _Static(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class _Needed:
   """Which gradients the backward pass makes (residual metadata, no leaves)."""
+
   dq: bool
   dkv: bool
   dprefix: bool
@@ -257,8 +333,19 @@ class _Needed:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, static: _Static):
-  return _forward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, config=static.config,
-                  interpret=static.interpret, with_lse=False)
+  return _forward(
+    q,
+    k,
+    v,
+    k_prefix,
+    v_prefix,
+    key_valid,
+    segment_ids,
+    scale,
+    config=static.config,
+    interpret=static.interpret,
+    with_lse=False,
+  )
 
 
 def _attention_fwd(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, static: _Static):
@@ -266,8 +353,12 @@ def _attention_fwd(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, s
   # launches only the kernels whose gradients are needed.
   args = (q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale)
   perturbed = lambda x: x is not None and x.perturbed  # noqa: E731
-  needed = _Needed(dq=perturbed(q), dkv=perturbed(k) or perturbed(v),
-                   dprefix=perturbed(k_prefix) or perturbed(v_prefix), dscale=perturbed(scale))
+  needed = _Needed(
+    dq=perturbed(q),
+    dkv=perturbed(k) or perturbed(v),
+    dprefix=perturbed(k_prefix) or perturbed(v_prefix),
+    dscale=perturbed(scale),
+  )
   args = [None if x is None else x.value for x in args]
   o, lse = _forward(*args, config=static.config, interpret=static.interpret, with_lse=True)
   return o, (*args, o, lse, needed)
@@ -277,9 +368,18 @@ def _attention_bwd(static: _Static, residuals, do):
   *args, o, lse, needed = residuals
   if isinstance(do, SymbolicZero):
     do = jnp.zeros(o.shape, o.dtype)
-  g = attention_backward(*args, o, lse, do, config=static.backward_config, interpret=static.interpret,
-                         need_dq=needed.dq, need_dkv=needed.dkv, need_dprefix=needed.dprefix,
-                         need_dscale=needed.dscale)
+  g = attention_backward(
+    *args,
+    o,
+    lse,
+    do,
+    config=static.backward_config,
+    interpret=static.interpret,
+    need_dq=needed.dq,
+    need_dkv=needed.dkv,
+    need_dprefix=needed.dprefix,
+    need_dscale=needed.dscale,
+  )
   return g.dq, g.dk, g.dv, g.dk_prefix, g.dv_prefix, None, None, g.dscale
 
 
@@ -288,18 +388,18 @@ _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 @functools.partial(jax.jit, static_argnames=("config", "backward_config", "interpret"))
 def flash_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    key_valid: jax.Array | None = None,
-    k_prefix: jax.Array | None = None,
-    v_prefix: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-    sm_scale: float | jax.Array | None = None,
-    config: FlashAttentionConfig | None = None,
-    backward_config: FlashAttentionBwdConfig | None = None,
-    interpret: bool | None = None,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  key_valid: jax.Array | None = None,
+  k_prefix: jax.Array | None = None,
+  v_prefix: jax.Array | None = None,
+  segment_ids: jax.Array | None = None,
+  sm_scale: float | jax.Array | None = None,
+  config: FlashAttentionConfig | None = None,
+  backward_config: FlashAttentionBwdConfig | None = None,
+  interpret: bool | None = None,
 ) -> jax.Array:
   """Softmax attention `softmax(q k^T * sm_scale) v` over the visible keys.
 
@@ -343,11 +443,12 @@ def flash_attention(
   prefix_len = 0 if k_prefix is None else k_prefix.shape[1]
   if not (batch and q_len and kv_len):
     return jnp.zeros(q.shape, q.dtype)
-  scale = jnp.asarray(head_dim ** -0.5 if sm_scale is None else sm_scale, jnp.float32).reshape(1)
+  scale = jnp.asarray(head_dim**-0.5 if sm_scale is None else sm_scale, jnp.float32).reshape(1)
   if config is None:
     config = choose_config({"q": q, "k": k, "k_prefix": k_prefix})
   longest = max(kv_len, prefix_len)
-  backward_config = backward_config_for(backward_config, batch=batch, heads=num_heads, q_len=q_len, kv_len=longest,
-                                        head_dim=head_dim)
+  backward_config = backward_config_for(
+    backward_config, batch=batch, heads=num_heads, q_len=q_len, kv_len=longest, head_dim=head_dim
+  )
   static = _Static(_fit(config, q_len, longest), backward_config, resolve_interpret(interpret))
   return _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, static)

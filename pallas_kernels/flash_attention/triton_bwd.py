@@ -37,29 +37,41 @@ import functools
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-import jax.numpy as jnp
 
+from pallas_kernels.flash_attention.config import FlashAttentionBwdConfig
+from pallas_kernels.flash_attention.keys import (
+  INVISIBLE_SEGMENT,
+  Keys,
+  key_block_limits,
+  load_rows,
+  query_block_limits,
+  store_rows,
+  walk_keys,
+)
 from pallas_kernels.shared import common
 from pallas_kernels.shared.common import cdiv, fit_block
 from pallas_kernels.shared.device import num_sms
-from pallas_kernels.flash_attention.keys import (INVISIBLE_SEGMENT, Keys, key_block_limits, load_rows,
-                                                 query_block_limits, store_rows, walk_keys)
 from pallas_kernels.shared.online_softmax import LOG2_E, hide_keys
-from pallas_kernels.flash_attention.config import FlashAttentionBwdConfig
 
 
 def fit_backward_config(config: FlashAttentionBwdConfig, q_len: int, kv_len: int) -> FlashAttentionBwdConfig:
   """Shrinks the blocks to the problem (tiny Nq or Nk; `kv_len` the longer
   key source)."""
   return dataclasses.replace(
-      config, block_q_dq=fit_block(config.block_q_dq, q_len), block_k_dq=fit_block(config.block_k_dq, kv_len),
-      block_k_dkv=fit_block(config.block_k_dkv, kv_len), block_q_dkv=fit_block(config.block_q_dkv, q_len))
+    config,
+    block_q_dq=fit_block(config.block_q_dq, q_len),
+    block_k_dq=fit_block(config.block_k_dq, kv_len),
+    block_k_dkv=fit_block(config.block_k_dkv, kv_len),
+    block_q_dkv=fit_block(config.block_q_dkv, q_len),
+  )
 
 
-def choose_backward_config(*, batch: int, heads: int, q_len: int, kv_len: int,
-                           head_dim: int) -> FlashAttentionBwdConfig:
+def choose_backward_config(
+  *, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int
+) -> FlashAttentionBwdConfig:
   """Heuristic, the forward's reasoning: 128-row programs on 8 warps (each
   warpgroup owns 64 rows: every dot is a 64-row wgmma), dQ walking keys 64
   at a time; dK/dV walking queries 64 at a time at D = 64 and 32 at a time
@@ -78,8 +90,9 @@ def choose_backward_config(*, batch: int, heads: int, q_len: int, kv_len: int,
   return fit_backward_config(config, q_len, kv_len)
 
 
-def backward_config_for(config: FlashAttentionBwdConfig | None, *, batch: int, heads: int, q_len: int, kv_len: int,
-                        head_dim: int) -> FlashAttentionBwdConfig:
+def backward_config_for(
+  config: FlashAttentionBwdConfig | None, *, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int
+) -> FlashAttentionBwdConfig:
   """A launcher's backward tiling: the caller's `config` fitted to the
   problem, else `choose_backward_config`'s. `kv_len` is the longer key
   source."""
@@ -88,13 +101,42 @@ def backward_config_for(config: FlashAttentionBwdConfig | None, *, batch: int, h
   return fit_backward_config(config, q_len, kv_len)
 
 
-def _dq_kernel(*, scale_ref, q_ref, k_ref, v_ref, k_prefix_ref, v_prefix_ref, key_valid_ref, segment_ids_ref,
-               block_limits_ref, do_ref, lse_ref, delta_ref, dq_ref, dscale_ref, block_q: int, block_k: int,
-               q_len: int, kv_len: int, prefix_len: int):
+def _dq_kernel(
+  *,
+  scale_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  k_prefix_ref,
+  v_prefix_ref,
+  key_valid_ref,
+  segment_ids_ref,
+  block_limits_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  dq_ref,
+  dscale_ref,
+  block_q: int,
+  block_k: int,
+  q_len: int,
+  kv_len: int,
+  prefix_len: int,
+):
   # As the forward's operands, then do [bq, D], lse [bq], delta [bq]; out:
   # dq [bq, D] and, when asked, dscale [bq] f32.
-  keys = Keys(k_ref, v_ref, kv_len, block_k, k_prefix_ref, v_prefix_ref, prefix_len,
-              key_valid=key_valid_ref, segment_ids=segment_ids_ref, block_limits=block_limits_ref)
+  keys = Keys(
+    k_ref,
+    v_ref,
+    kv_len,
+    block_k,
+    k_prefix_ref,
+    v_prefix_ref,
+    prefix_len,
+    key_valid=key_valid_ref,
+    segment_ids=segment_ids_ref,
+    block_limits=block_limits_ref,
+  )
   has_segments, with_dscale = segment_ids_ref is not None, dscale_ref is not None
   sm_scale = scale_ref[0]
   qk_scale = sm_scale * LOG2_E
@@ -104,7 +146,7 @@ def _dq_kernel(*, scale_ref, q_ref, k_ref, v_ref, k_prefix_ref, v_prefix_ref, ke
   valid = q_len - q_start
   q = load_rows(q_ref, 0, block_q, valid, 0.0, ragged)
   do = load_rows(do_ref, 0, block_q, valid, 0.0, ragged)
-  lse = load_rows(lse_ref, 0, block_q, valid, jnp.inf, ragged)   # padding rows: p = 0
+  lse = load_rows(lse_ref, 0, block_q, valid, jnp.inf, ragged)  # padding rows: p = 0
   delta = load_rows(delta_ref, 0, block_q, valid, 0.0, ragged)
   q_segments = load_rows(keys.segment_ids, q_start, block_q, q_len, 0, ragged) if has_segments else None
 
@@ -123,8 +165,25 @@ def _dq_kernel(*, scale_ref, q_ref, k_ref, v_ref, k_prefix_ref, v_prefix_ref, ke
     store_rows(dscale_ref, jnp.sum(q.astype(jnp.float32) * dq, axis=1), valid, ragged)
 
 
-def _dkdv_kernel(*, scale_ref, q_ref, k_ref, v_ref, key_valid_ref, segment_ids_ref, block_limits_ref, do_ref,
-                 lse_ref, delta_ref, dk_ref, dv_ref, block_q: int, block_k: int, q_len: int, kv_len: int):
+def _dkdv_kernel(
+  *,
+  scale_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  key_valid_ref,
+  segment_ids_ref,
+  block_limits_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  dk_ref,
+  dv_ref,
+  block_q: int,
+  block_k: int,
+  q_len: int,
+  kv_len: int,
+):
   # scale [1] f32; q [Nq, D]; k, v [bk, D]; optional key_valid [Nk] int8,
   # segment_ids [N] int32, block_limits [2] int32; do [Nq, D], lse, delta
   # [Nq]; out: dk, dv [bk, D].
@@ -179,22 +238,47 @@ def _dkdv_kernel(*, scale_ref, q_ref, k_ref, v_ref, key_valid_ref, segment_ids_r
 
 class Gradients(NamedTuple):
   """What `attention_backward` returns; None where not asked for."""
+
   dq: jax.Array | None
   dk: jax.Array | None
   dv: jax.Array | None
   dk_prefix: jax.Array | None
   dv_prefix: jax.Array | None
-  dscale: jax.Array | None   # [1] f32
+  dscale: jax.Array | None  # [1] f32
 
 
 def _launch(kernel, grid, inputs, outputs, config, interpret, name):
-  return common.named_pallas_call(kernel, inputs=inputs, outputs=outputs, grid=grid,
-                                  compiler_params=common.compiler_params(config), interpret=interpret, name=name)
+  return common.named_pallas_call(
+    kernel,
+    inputs=inputs,
+    outputs=outputs,
+    grid=grid,
+    compiler_params=common.compiler_params(config),
+    interpret=interpret,
+    name=name,
+  )
 
 
-def attention_backward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, o, lse, do, *,
-                       config: FlashAttentionBwdConfig, interpret: bool, need_dq: bool, need_dkv: bool,
-                       need_dprefix: bool, need_dscale: bool) -> Gradients:
+def attention_backward(
+  q,
+  k,
+  v,
+  k_prefix,
+  v_prefix,
+  key_valid,
+  segment_ids,
+  scale,
+  o,
+  lse,
+  do,
+  *,
+  config: FlashAttentionBwdConfig,
+  interpret: bool,
+  need_dq: bool,
+  need_dkv: bool,
+  need_dprefix: bool,
+  need_dscale: bool,
+) -> Gradients:
   """The gradients of `flash_attention` (see the module docstring) from
   its saved inputs, output `o [B, Nq, H, D]`, `lse [B, H, Nq]` and the
   cotangent `do`; `scale` is `[1]` f32; `config` already fitted. Each
@@ -218,22 +302,33 @@ def attention_backward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scal
     bq, bk = config.block_q_dq, config.block_k_dq
     q_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
     stats_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-    limits = (key_block_limits(key_valid, segment_ids, batch=batch, q_len=q_len, kv_len=kv_len, block_q=bq,
-                               block_k=bk) if has_masks else None)
+    limits = (
+      key_block_limits(key_valid, segment_ids, batch=batch, q_len=q_len, kv_len=kv_len, block_q=bq, block_k=bk)
+      if has_masks
+      else None
+    )
     inputs = {
-        "scale": (scale, scale_spec), "q": (q, q_spec), "k": (k, rows_spec(kv_len)), "v": (v, rows_spec(kv_len)),
-        "k_prefix": (k_prefix if prefix_len else None, rows_spec(prefix_len)),
-        "v_prefix": (v_prefix if prefix_len else None, rows_spec(prefix_len)),
-        "key_valid": (key_valid_i8, mask_spec(kv_len)), "segment_ids": (segments, mask_spec(q_len)),
-        "block_limits": (limits, limits_spec),
-        "do": (do, q_spec), "lse": (lse, stats_spec), "delta": (delta, stats_spec),
+      "scale": (scale, scale_spec),
+      "q": (q, q_spec),
+      "k": (k, rows_spec(kv_len)),
+      "v": (v, rows_spec(kv_len)),
+      "k_prefix": (k_prefix if prefix_len else None, rows_spec(prefix_len)),
+      "v_prefix": (v_prefix if prefix_len else None, rows_spec(prefix_len)),
+      "key_valid": (key_valid_i8, mask_spec(kv_len)),
+      "segment_ids": (segments, mask_spec(q_len)),
+      "block_limits": (limits, limits_spec),
+      "do": (do, q_spec),
+      "lse": (lse, stats_spec),
+      "delta": (delta, stats_spec),
     }
-    outputs = {"dq": (jax.ShapeDtypeStruct(q.shape, q.dtype), q_spec),
-               "dscale": (jax.ShapeDtypeStruct(lse.shape, jnp.float32) if need_dscale else None, stats_spec)}
-    kernel = functools.partial(_dq_kernel, block_q=bq, block_k=bk, q_len=q_len, kv_len=kv_len,
-                               prefix_len=prefix_len)
-    outs = _launch(kernel, (cdiv(q_len, bq), batch, num_heads), inputs, outputs, config, interpret,
-                   "flash_attention_bwd_dq")
+    outputs = {
+      "dq": (jax.ShapeDtypeStruct(q.shape, q.dtype), q_spec),
+      "dscale": (jax.ShapeDtypeStruct(lse.shape, jnp.float32) if need_dscale else None, stats_spec),
+    }
+    kernel = functools.partial(_dq_kernel, block_q=bq, block_k=bk, q_len=q_len, kv_len=kv_len, prefix_len=prefix_len)
+    outs = _launch(
+      kernel, (cdiv(q_len, bq), batch, num_heads), inputs, outputs, config, interpret, "flash_attention_bwd_dq"
+    )
     dq = outs["dq"]
     if need_dscale:
       dscale = jnp.sum(outs["dscale"]).reshape(1)
@@ -243,19 +338,34 @@ def attention_backward(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scal
     to it (the cached prefix is visible to every query)."""
     bq, bk = config.block_q_dkv, config.block_k_dkv
     k_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
-    limits = (query_block_limits(key_valid, segment_ids, batch=batch, q_len=q_len, kv_len=length, block_q=bq,
-                                 block_k=bk) if masked and has_masks else None)
+    limits = (
+      query_block_limits(key_valid, segment_ids, batch=batch, q_len=q_len, kv_len=length, block_q=bq, block_k=bk)
+      if masked and has_masks
+      else None
+    )
     inputs = {
-        "scale": (scale, scale_spec), "q": (q, rows_spec(q_len)), "k": (keys, k_spec), "v": (values, k_spec),
-        "key_valid": (key_valid_i8 if masked else None, mask_spec(length)),
-        "segment_ids": (segments if masked else None, mask_spec(q_len)),
-        "block_limits": (limits, pl.BlockSpec((None, None, 2), lambda j, b, h: (b, j, 0))),
-        "do": (do, rows_spec(q_len)), "lse": (lse, row_stats_spec(q_len)), "delta": (delta, row_stats_spec(q_len)),
+      "scale": (scale, scale_spec),
+      "q": (q, rows_spec(q_len)),
+      "k": (keys, k_spec),
+      "v": (values, k_spec),
+      "key_valid": (key_valid_i8 if masked else None, mask_spec(length)),
+      "segment_ids": (segments if masked else None, mask_spec(q_len)),
+      "block_limits": (limits, pl.BlockSpec((None, None, 2), lambda j, b, h: (b, j, 0))),
+      "do": (do, rows_spec(q_len)),
+      "lse": (lse, row_stats_spec(q_len)),
+      "delta": (delta, row_stats_spec(q_len)),
     }
     shape = jax.ShapeDtypeStruct(keys.shape, keys.dtype)
     kernel = functools.partial(_dkdv_kernel, block_q=bq, block_k=bk, q_len=q_len, kv_len=length)
-    outs = _launch(kernel, (cdiv(length, bk), batch, num_heads), inputs,
-                   {"dk": (shape, k_spec), "dv": (shape, k_spec)}, config, interpret, name)
+    outs = _launch(
+      kernel,
+      (cdiv(length, bk), batch, num_heads),
+      inputs,
+      {"dk": (shape, k_spec), "dv": (shape, k_spec)},
+      config,
+      interpret,
+      name,
+    )
     return outs["dk"], outs["dv"]
 
   if need_dkv:

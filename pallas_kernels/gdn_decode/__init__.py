@@ -8,5 +8,5 @@ from pallas_kernels.gdn_decode import triton
 from pallas_kernels.shared.kernel import Kernel, kernels
 
 KERNELS = kernels(
-    Kernel.of(triton, launch=triton.gdn_decode),
+  Kernel.of(triton, launch=triton.gdn_decode),
 )

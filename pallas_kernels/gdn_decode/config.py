@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.shared.config_rules import KernelConfig, NUM_STAGES, NUM_WARPS, field, pow2
+from pallas_kernels.shared.config_rules import NUM_STAGES, NUM_WARPS, KernelConfig, field, pow2
 
 
 @dataclasses.dataclass(frozen=True)
 class GdnDecodeConfig(KernelConfig):
   """`block_v`: state rows (V) per program (capped to V)."""
+
   block_v: int = field(32, pow2())
   num_warps: int = field(4, NUM_WARPS)
   num_stages: int = field(1, NUM_STAGES)

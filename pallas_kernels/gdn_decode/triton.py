@@ -26,24 +26,26 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from pallas_kernels.shared import common
 
+from pallas_kernels.gdn_decode.config import GdnDecodeConfig
+from pallas_kernels.shared import common
 from pallas_kernels.shared.common import check_pow2_dim, resolve_interpret
 from pallas_kernels.shared.device import num_sms
-from pallas_kernels.gdn_decode.config import GdnDecodeConfig
 
 
 class GdnDecodeSizes(NamedTuple):
   """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+
   batch: int
   v_heads: int
-  v_dim: int    # state rows per head
+  v_dim: int  # state rows per head
 
   @classmethod
   def of(cls, shapes: Mapping[str, Any]) -> GdnDecodeSizes:
@@ -91,19 +93,21 @@ def check_common(q, k, v, a, b, A_log, dt_bias, *, lead: tuple[int, ...]):
   check_pow2_dim("head_size", d)
   return hq, hv, d
 
+
 # ---------------------------------------------------------------------- decode
 
 
-def _decode_kernel(scale_ref, a_log_ref, dt_bias_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
-                   state_ref, o_ref, new_state_ref):
+def _decode_kernel(
+  scale_ref, a_log_ref, dt_bias_ref, q_ref, k_ref, v_ref, a_ref, b_ref, state_ref, o_ref, new_state_ref
+):
   # q_ref, k_ref: [K]; v_ref, o_ref: [block_v]; state refs: [block_v, K];
   # a_ref, b_ref, a_log_ref, dt_bias_ref: [1]; scale_ref: [1].
   g = jnp.exp(log_decay(a_ref[...], a_log_ref[...], dt_bias_ref[...]))  # [1]
-  beta = sigmoid(b_ref[...])                                             # [1]
+  beta = sigmoid(b_ref[...])  # [1]
   q = q_ref[...].astype(jnp.float32)
   k = k_ref[...].astype(jnp.float32)
-  s = state_ref[...] * g[:, None]                                        # [block_v, K]
-  predicted = jnp.sum(s * k[None, :], axis=1)                            # (S^T k)[v]
+  s = state_ref[...] * g[:, None]  # [block_v, K]
+  predicted = jnp.sum(s * k[None, :], axis=1)  # (S^T k)[v]
   u = beta * (v_ref[...].astype(jnp.float32) - predicted)
   s = s + u[:, None] * k[None, :]
   o = jnp.sum(s * q[None, :], axis=1) * scale_ref[...]
@@ -126,14 +130,25 @@ def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> GdnDecodeConfig
 def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[GdnDecodeConfig]:
   v_dim = GdnDecodeSizes.of(shapes).v_dim
   chosen = choose_config(shapes)
-  sweep = [GdnDecodeConfig(block_v=bv, num_warps=w)
-           for bv in (16, 32, 64, 128) if bv <= v_dim for w in (2, 4, 8)]
+  sweep = [GdnDecodeConfig(block_v=bv, num_warps=w) for bv in (16, 32, 64, 128) if bv <= v_dim for w in (2, 4, 8)]
   return list(dict.fromkeys([chosen, *sweep]))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def gdn_decode(q, k, v, state, A_log, a, dt_bias, b, scale=None, *,
-               config: GdnDecodeConfig | None = None, interpret: bool | None = None):
+def gdn_decode(
+  q,
+  k,
+  v,
+  state,
+  A_log,
+  a,
+  dt_bias,
+  b,
+  scale=None,
+  *,
+  config: GdnDecodeConfig | None = None,
+  interpret: bool | None = None,
+):
   """One decode step of the gated delta rule per sequence.
 
   Args:
@@ -164,16 +179,22 @@ def gdn_decode(q, k, v, state, A_log, a, dt_bias, b, scale=None, *,
   head_spec = pl.BlockSpec((1,), lambda i, h, j: (h,))
   state_spec = pl.BlockSpec((None, None, block_v, d), lambda i, h, j: (i, h, j, 0))
   return common.pallas_call(
-      _decode_kernel,
-      out_shape=(jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
-                 jax.ShapeDtypeStruct(state.shape, jnp.float32)),
-      grid=(batch, hv, d // block_v),
-      in_specs=[pl.BlockSpec((1,), lambda i, h, j: (0,)), head_spec, head_spec,
-                qk_spec, qk_spec, v_spec, gate_spec, gate_spec, state_spec],
-      out_specs=(v_spec, state_spec),
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-      interpret=resolve_interpret(interpret),
-      name="gdn_decode",
-  )(scale, A_log.astype(jnp.float32), dt_bias.astype(jnp.float32), q, k, v, a, b,
-    state.astype(jnp.float32))
+    _decode_kernel,
+    out_shape=(jax.ShapeDtypeStruct(v.shape, jnp.bfloat16), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
+    grid=(batch, hv, d // block_v),
+    in_specs=[
+      pl.BlockSpec((1,), lambda i, h, j: (0,)),
+      head_spec,
+      head_spec,
+      qk_spec,
+      qk_spec,
+      v_spec,
+      gate_spec,
+      gate_spec,
+      state_spec,
+    ],
+    out_specs=(v_spec, state_spec),
+    compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+    interpret=resolve_interpret(interpret),
+    name="gdn_decode",
+  )(scale, A_log.astype(jnp.float32), dt_bias.astype(jnp.float32), q, k, v, a, b, state.astype(jnp.float32))

@@ -8,5 +8,5 @@ from pallas_kernels.gdn_prefill import triton
 from pallas_kernels.shared.kernel import Kernel, kernels
 
 KERNELS = kernels(
-    Kernel.of(triton, launch=triton.gdn_prefill, own_vjp=True),
+  Kernel.of(triton, launch=triton.gdn_prefill, own_vjp=True),
 )

@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -52,6 +52,7 @@ class ChunkTable(NamedTuple):
   """Per slot: first token, end of its segment (exclusive), whether it is a
   chunk of a sequence (1) or of a gap / unused (0); per sequence: its first
   slot; and the normalized `cu` [N + 1]."""
+
   slot_start: jax.Array
   slot_end: jax.Array
   slot_real: jax.Array
@@ -65,7 +66,7 @@ def chunk_table(cu_seqlens: jax.Array, total: int, chunk: int) -> ChunkTable:
   n = cu.shape[0] - 1
   slots = num_slots(total, n, chunk)
   zero, end = jnp.zeros((1,), jnp.int32), jnp.full((1,), total, jnp.int32)
-  bounds = jnp.concatenate([zero, cu, end])                 # N + 2 segments
+  bounds = jnp.concatenate([zero, cu, end])  # N + 2 segments
   seg_chunks = (bounds[1:] - bounds[:-1] + chunk - 1) // chunk
   first = jnp.concatenate([zero, jnp.cumsum(seg_chunks)[:-1].astype(jnp.int32)])
   slot = jnp.arange(slots, dtype=jnp.int32)
@@ -76,7 +77,7 @@ def chunk_table(cu_seqlens: jax.Array, total: int, chunk: int) -> ChunkTable:
   start = jnp.where(used, bounds[seg] + (slot - first[seg]) * chunk, 0)
   stop = jnp.where(used, bounds[seg + 1], 0)
   real = (used & (seg >= 1) & (seg <= n)).astype(jnp.int32)
-  return ChunkTable(start, stop, real, first[1:n + 1], cu)
+  return ChunkTable(start, stop, real, first[1 : n + 1], cu)
 
 
 def chunk_rows(t0, end, chunk: int):
@@ -125,8 +126,7 @@ def mm(x, y, contract: tuple[int, int], precision: str):
 
 
 def _f32_dot(x, y):
-  return lax.dot_general(x, y, (((1,), (0,)), ((), ())), precision=_F32_DOT,
-                         preferred_element_type=jnp.float32)
+  return lax.dot_general(x, y, (((1,), (0,)), ((), ())), precision=_F32_DOT, preferred_element_type=jnp.float32)
 
 
 # ------------------------------------------------------ triangular inverse
@@ -139,7 +139,7 @@ def _concat(parts: list, axis: int):
   while len(parts) > 1:
     joined = []
     for x, y in zip(parts[::2], parts[1::2]):
-      s = jnp.stack([x, y], axis=-1)                                 # [r, c, 2]
+      s = jnp.stack([x, y], axis=-1)  # [r, c, 2]
       s = jnp.transpose(s, (2, 0, 1) if axis == 0 else (0, 2, 1))
       rows, cols = x.shape
       joined.append(s.reshape((2 * rows, cols) if axis == 0 else (rows, 2 * cols)))

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.shared.config_rules import DOT_BLOCK, KernelConfig, NUM_STAGES, NUM_WARPS, field, instance_of, one_of
+from pallas_kernels.shared.config_rules import (
+  DOT_BLOCK,
+  NUM_STAGES,
+  NUM_WARPS,
+  KernelConfig,
+  field,
+  instance_of,
+  one_of,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class DvStage(KernelConfig):
   """Launch 1: `block_v` columns of dO per program."""
+
   block_v: int = field(64, DOT_BLOCK)
   num_warps: int = field(4, NUM_WARPS)
   num_stages: int = field(1, NUM_STAGES)
@@ -19,6 +28,7 @@ class DvStage(KernelConfig):
 @dataclasses.dataclass(frozen=True)
 class StateBwdStage(KernelConfig):
   """Launch 2: `block_v` state rows (V) per program, as the forward's state pass."""
+
   block_v: int = field(32, DOT_BLOCK)
   num_warps: int = field(8, NUM_WARPS)
   num_stages: int = field(2, NUM_STAGES)
@@ -28,6 +38,7 @@ class StateBwdStage(KernelConfig):
 class ChunkBwdStage(KernelConfig):
   """Launch 3: `block_v` columns of V per step of the program's V loop;
   `solve_block`: block of the triangular inverse (as the forward's)."""
+
   block_v: int = field(16, DOT_BLOCK)
   solve_block: int = field(16, DOT_BLOCK)
   num_warps: int = field(8, NUM_WARPS)
@@ -38,6 +49,7 @@ class ChunkBwdStage(KernelConfig):
 class DqkStage(KernelConfig):
   """Launch 4: `block_k` columns of dq and dk per program, `block_v`
   columns of V per step of its V loop."""
+
   block_k: int = field(32, DOT_BLOCK)
   block_v: int = field(32, DOT_BLOCK)
   num_warps: int = field(4, NUM_WARPS)
@@ -48,6 +60,7 @@ class DqkStage(KernelConfig):
 class GdnPrefillBwdConfig(KernelConfig):
   """The backward's chunk (the recomputed forward launches use it too,
   whatever the forward's form) and its four launches."""
+
   chunk: int = field(64, DOT_BLOCK)
   dv: DvStage = field(DvStage(), instance_of(DvStage))
   state: StateBwdStage = field(StateBwdStage(), instance_of(StateBwdStage))
@@ -65,6 +78,7 @@ _FORMS = ("chunked", "serial")
 class IntraStage(KernelConfig):
   """Launch 1: `block_d` columns of K and V per step of the program's column
   loop (fewer live fp32 tiles); `solve_block`: block of the inverse."""
+
   block_d: int = field(64, DOT_BLOCK)
   solve_block: int = field(16, DOT_BLOCK)
   num_warps: int = field(8, NUM_WARPS)
@@ -75,6 +89,7 @@ class IntraStage(KernelConfig):
 class StateStage(KernelConfig):
   """Launch 2: `block_v` state rows (V) per program; two stages prefetch
   the next chunk's rows while the current one runs."""
+
   block_v: int = field(32, DOT_BLOCK)
   num_warps: int = field(4, NUM_WARPS)
   num_stages: int = field(2, NUM_STAGES)
@@ -83,6 +98,7 @@ class StateStage(KernelConfig):
 @dataclasses.dataclass(frozen=True)
 class OutputStage(KernelConfig):
   """Launch 3: `block_v` output columns (V) per program."""
+
   block_v: int = field(64, DOT_BLOCK)
   num_warps: int = field(8, NUM_WARPS)
   num_stages: int = field(1, NUM_STAGES)
@@ -91,6 +107,7 @@ class OutputStage(KernelConfig):
 @dataclasses.dataclass(frozen=True)
 class SerialStage(KernelConfig):
   """Form "serial": `block_v` state rows per program."""
+
   block_v: int = field(32, DOT_BLOCK)
   num_warps: int = field(4, NUM_WARPS)
   num_stages: int = field(1, NUM_STAGES)
@@ -104,6 +121,7 @@ class GdnPrefillConfig(KernelConfig):
   correlated keys with beta ~ 1 and decay ~ 1: docs/perf/kernel_notes.md).
   The stage of the other form is unused. `backward`: the gradient's
   launches (`gdn_prefill_bwd`), whatever the forward's form."""
+
   form: str = field("chunked", one_of(*_FORMS))
   chunk: int = field(64, DOT_BLOCK)
   dot_precision: str = field("bf16x3", one_of(*_DOT_PRECISIONS))

@@ -52,26 +52,42 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.shared import common
-from pallas_kernels.gdn_prefill import chunks as gc
-from pallas_kernels.shared.common import resolve_interpret
 from pallas_kernels.gdn_decode.triton import check_common, log_decay, resolve_scale, sigmoid
-from pallas_kernels.gdn_prefill.triton_bwd import chunk_backward, choose_backward_config
-from pallas_kernels.gdn_prefill.config import StateStage, OutputStage, SerialStage, GdnPrefillConfig
-
+from pallas_kernels.gdn_prefill import chunks as gc
+from pallas_kernels.gdn_prefill.config import GdnPrefillConfig, OutputStage, SerialStage, StateStage
+from pallas_kernels.gdn_prefill.triton_bwd import choose_backward_config, chunk_backward
+from pallas_kernels.shared import common
+from pallas_kernels.shared.common import resolve_interpret
 
 # ------------------------------------------------------------ launch 1
 
 
-def _intra_kernel(start_ref, end_ref, a_log_ref, dt_bias_ref, k_ref, v_ref, a_ref, b_ref,
-                  g_ref, w_ref, u_ref, *, chunk: int, block_d: int, solve_block: int, precision: str):
+def _intra_kernel(
+  start_ref,
+  end_ref,
+  a_log_ref,
+  dt_bias_ref,
+  k_ref,
+  v_ref,
+  a_ref,
+  b_ref,
+  g_ref,
+  w_ref,
+  u_ref,
+  *,
+  chunk: int,
+  block_d: int,
+  solve_block: int,
+  precision: str,
+):
   # k, w refs: [T, K]; v, u refs: [T, V]; a, b, g refs: [T].
   c = pl.program_id(0)
   tokens, valid = gc.chunk_rows(start_ref[c], end_ref[c], chunk)
@@ -82,8 +98,8 @@ def _intra_kernel(start_ref, end_ref, a_log_ref, dt_bias_ref, k_ref, v_ref, a_re
   k = gc.load_rows(k_ref, tokens, valid)
   decay = gc.decay_matrix(cum)
   a_mat = beta[:, None] * gc.strictly_lower(decay * mm(k, k, (1, 1)))
-  tb = gc.unit_lower_inverse(a_mat, solve_block) * beta[None, :]          # T diag(beta)
-  tbe = tb * jnp.exp(cum)[None, :]                                        # T diag(beta e)
+  tb = gc.unit_lower_inverse(a_mat, solve_block) * beta[None, :]  # T diag(beta)
+  tbe = tb * jnp.exp(cum)[None, :]  # T diag(beta e)
   for j in range(k_ref.shape[1] // block_d):
     cols = pl.ds(j * block_d, block_d)
     gc.store_rows(w_ref, tokens, valid, mm(tbe, gc.load_rows(k_ref, tokens, valid, cols), (1, 0)), cols)
@@ -95,8 +111,9 @@ def _intra_kernel(start_ref, end_ref, a_log_ref, dt_bias_ref, k_ref, v_ref, a_re
 # ------------------------------------------------------------ launch 2
 
 
-def _state_kernel(first_ref, cu_ref, k_ref, g_ref, w_ref, u_ref, state_ref, h_ref, new_state_ref, *vn_ref,
-                  chunk: int, precision: str):
+def _state_kernel(
+  first_ref, cu_ref, k_ref, g_ref, w_ref, u_ref, state_ref, h_ref, new_state_ref, *vn_ref, chunk: int, precision: str
+):
   # k, w refs: [T, K]; u ref and the optional vn ref (V', for launch 3):
   # [T, block_v]; g ref: [T]; state refs: [block_v, K]; h ref: [slots, block_v, K].
   n = pl.program_id(0)
@@ -107,7 +124,7 @@ def _state_kernel(first_ref, cu_ref, k_ref, g_ref, w_ref, u_ref, state_ref, h_re
     h_ref[first_ref[n] + i] = s.astype(h_ref.dtype)
     tokens, valid = gc.chunk_rows(start + i * chunk, end, chunk)
     cum = gc.load_rows(g_ref, tokens, valid)
-    last = jnp.min(cum)                        # G at the chunk's last token (rows past it read 0)
+    last = jnp.min(cum)  # G at the chunk's last token (rows past it read 0)
     v_new = gc.load_rows(u_ref, tokens, valid) - mm(gc.load_rows(w_ref, tokens, valid), s, (1, 1))
     for ref in vn_ref:
       gc.store_rows(ref, tokens, valid, v_new)
@@ -122,8 +139,9 @@ def _state_kernel(first_ref, cu_ref, k_ref, g_ref, w_ref, u_ref, state_ref, h_re
 # ------------------------------------------------------------ launch 3
 
 
-def _output_kernel(start_ref, end_ref, real_ref, scale_ref, q_ref, k_ref, g_ref, vn_ref, h_ref, o_ref, *,
-                   chunk: int, precision: str):
+def _output_kernel(
+  start_ref, end_ref, real_ref, scale_ref, q_ref, k_ref, g_ref, vn_ref, h_ref, o_ref, *, chunk: int, precision: str
+):
   # q, k refs: [T, K]; g ref: [T]; vn (V'), o refs: [T, block_v]; h ref:
   # [block_v, K]. O = scale (diag(e) Q S + M V'), M recomputed from Q, K, G.
   c = pl.program_id(0)
@@ -133,8 +151,9 @@ def _output_kernel(start_ref, end_ref, real_ref, scale_ref, q_ref, k_ref, g_ref,
   cum = jnp.where(valid, cum, jnp.min(cum))
   q = gc.load_rows(q_ref, tokens, valid)
   m = gc.decay_matrix(cum) * gc.mm(q, gc.load_rows(k_ref, tokens, valid), (1, 1), precision)
-  o = (jnp.exp(cum)[:, None] * gc.mm(q, h_ref[...], (1, 1), precision)
-       + gc.mm(m, gc.load_rows(vn_ref, tokens, valid), (1, 0), precision))
+  o = jnp.exp(cum)[:, None] * gc.mm(q, h_ref[...], (1, 1), precision) + gc.mm(
+    m, gc.load_rows(vn_ref, tokens, valid), (1, 0), precision
+  )
   # Chunks of no sequence have no state (H unwritten there): selected away.
   gc.store_rows(o_ref, tokens, valid, jnp.where(real_ref[c] > 0, o * scale_ref[...], 0.0))
 
@@ -153,14 +172,29 @@ def _substitution_inverse(a):
   eye = (rows == cols).astype(jnp.float32)
 
   def body(i, t):
-    a_row = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)       # a[i, :] as [C] (index j)
+    a_row = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)  # a[i, :] as [C] (index j)
     return jnp.where(rows == i, eye - jnp.sum(a_row[:, None] * t, axis=0)[None, :], t)
 
   return lax.fori_loop(1, chunk, body, eye)
 
 
-def _serial_kernel(scale_ref, a_log_ref, dt_bias_ref, cu_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
-                   state_ref, o_ref, new_state_ref, *, chunk: int, precision: str):
+def _serial_kernel(
+  scale_ref,
+  a_log_ref,
+  dt_bias_ref,
+  cu_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  a_ref,
+  b_ref,
+  state_ref,
+  o_ref,
+  new_state_ref,
+  *,
+  chunk: int,
+  precision: str,
+):
   # q, k refs: [T, K]; v, o refs: [T, block_v]; a, b refs: [T]; state refs:
   # [block_v, K]. The same chunk math as launches 1-3, in one program per
   # (sequence, v-head, V block), residual form: V' = T diag(beta) (V - diag(e) K S).
@@ -191,10 +225,11 @@ def _serial_kernel(scale_ref, a_log_ref, dt_bias_ref, cu_ref, q_ref, k_ref, v_re
 
 class GdnPrefillSizes(NamedTuple):
   """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+
   tokens: int
   num_seqs: int
   v_heads: int
-  v_dim: int    # state rows per head
+  v_dim: int  # state rows per head
 
   @classmethod
   def of(cls, shapes: Mapping[str, Any]) -> GdnPrefillSizes:
@@ -216,8 +251,11 @@ def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> GdnPrefillConfi
   backward = choose_backward_config(num_seqs, hv, v_dim)
   if tokens <= 32:
     return GdnPrefillConfig(form="serial", chunk=32, serial=SerialStage(block_v=min(32, v_dim)), backward=backward)
-  return GdnPrefillConfig(state=StateStage(block_v=min(16, v_dim), num_stages=1),
-                          output=OutputStage(block_v=min(64, v_dim)), backward=backward)
+  return GdnPrefillConfig(
+    state=StateStage(block_v=min(16, v_dim), num_stages=1),
+    output=OutputStage(block_v=min(64, v_dim)),
+    backward=backward,
+  )
 
 
 def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[GdnPrefillConfig]:
@@ -228,10 +266,11 @@ def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[GdnPre
   spills on sm_90a)."""
   v_dim = GdnPrefillSizes.of(shapes).v_dim
   fit = lambda block: min(block, v_dim)  # noqa: E731
-  chunked = [GdnPrefillConfig(state=StateStage(block_v=fit(16))),
-             GdnPrefillConfig(state=StateStage(block_v=fit(32)))]
-  serial = [GdnPrefillConfig(form="serial", chunk=32, serial=SerialStage(block_v=fit(32))),
-            GdnPrefillConfig(form="serial", chunk=32, serial=SerialStage(block_v=fit(64), num_warps=8))]
+  chunked = [GdnPrefillConfig(state=StateStage(block_v=fit(16))), GdnPrefillConfig(state=StateStage(block_v=fit(32)))]
+  serial = [
+    GdnPrefillConfig(form="serial", chunk=32, serial=SerialStage(block_v=fit(32))),
+    GdnPrefillConfig(form="serial", chunk=32, serial=SerialStage(block_v=fit(64), num_warps=8)),
+  ]
   return list(dict.fromkeys([choose_config(shapes), *chunked, *serial]))
 
 
@@ -243,6 +282,7 @@ class Forward(NamedTuple):
   and, for the backward, the states entering every chunk slot (`h` [slots,
   HV, V, K], fp32 without launch 3, else bf16; slots of no sequence
   unwritten), the cumulative log-decay `g` [T, HV] and `w` [T, HV, K]."""
+
   output: jax.Array | None
   new_state: jax.Array
   h: jax.Array
@@ -250,8 +290,22 @@ class Forward(NamedTuple):
   w: jax.Array
 
 
-def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, scale, *,
-                    config: GdnPrefillConfig, interpret: bool, with_output: bool = True) -> Forward:
+def chunked_forward(
+  q,
+  k,
+  v,
+  state,
+  A_log,
+  a,
+  dt_bias,
+  b,
+  table: gc.ChunkTable,
+  scale,
+  *,
+  config: GdnPrefillConfig,
+  interpret: bool,
+  with_output: bool = True,
+) -> Forward:
   """Launches 1-3 over the chunk table `table` (`gdn_chunks.chunk_table`);
   launches 1-2 only without `with_output` (what the backward recomputes).
   With launch 3, launch 2 also stores V' and rounds the chunk states `h` to
@@ -270,14 +324,20 @@ def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, 
   v_rows = pl.BlockSpec((total, None, d), lambda c, h: (0, h, 0))
   gate_rows = pl.BlockSpec((total, None), lambda c, h: (0, h))
   g, w, u = common.pallas_call(
-      functools.partial(_intra_kernel, chunk=chunk, block_d=min(intra.block_d, d),
-                        solve_block=min(intra.solve_block, chunk), precision=config.dot_precision),
-      out_shape=(jax.ShapeDtypeStruct((total, hv), f32),
-                 *(jax.ShapeDtypeStruct((total, hv, d), f32) for _ in range(2))),
-      grid=(slots, hv),
-      in_specs=[whole(slots), whole(slots), head, head, qk_rows, v_rows, gate_rows, gate_rows],
-      out_specs=(gate_rows, v_rows, v_rows),
-      compiler_params=common.compiler_params(intra), interpret=interpret, name="gdn_prefill_intra",
+    functools.partial(
+      _intra_kernel,
+      chunk=chunk,
+      block_d=min(intra.block_d, d),
+      solve_block=min(intra.solve_block, chunk),
+      precision=config.dot_precision,
+    ),
+    out_shape=(jax.ShapeDtypeStruct((total, hv), f32), *(jax.ShapeDtypeStruct((total, hv, d), f32) for _ in range(2))),
+    grid=(slots, hv),
+    in_specs=[whole(slots), whole(slots), head, head, qk_rows, v_rows, gate_rows, gate_rows],
+    out_specs=(gate_rows, v_rows, v_rows),
+    compiler_params=common.compiler_params(intra),
+    interpret=interpret,
+    name="gdn_prefill_intra",
   )(table.slot_start, table.slot_end, A_log, dt_bias, k, v, a, b)
 
   bv = min(config.state.block_v, d)
@@ -285,42 +345,59 @@ def chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table: gc.ChunkTable, 
   # For launch 3: V' (bf16) and the chunk states in bf16; fp32 states for the backward.
   for_output = ((jax.ShapeDtypeStruct(v.shape, f32),), (v_block,)) if with_output else ((), ())
   h, new_state, *v_new = common.pallas_call(
-      functools.partial(_state_kernel, chunk=chunk, precision=config.dot_precision),
-      out_shape=(jax.ShapeDtypeStruct((slots, hv, d, d), jnp.bfloat16 if with_output else f32),
-                 jax.ShapeDtypeStruct(state.shape, f32), *for_output[0]),
-      grid=(num_seqs, hv, d // bv),
-      in_specs=[whole(num_seqs), whole(num_seqs + 1),
-                pl.BlockSpec((total, None, d), lambda n, h, j: (0, h // group, 0)),
-                pl.BlockSpec((total, None), lambda n, h, j: (0, h)),
-                pl.BlockSpec((total, None, d), lambda n, h, j: (0, h, 0)),
-                v_block,
-                pl.BlockSpec((None, None, bv, d), lambda n, h, j: (n, h, j, 0))],
-      out_specs=(pl.BlockSpec((slots, None, bv, d), lambda n, h, j: (0, h, j, 0)),
-                 pl.BlockSpec((None, None, bv, d), lambda n, h, j: (n, h, j, 0)), *for_output[1]),
-      compiler_params=common.compiler_params(config.state), interpret=interpret, name="gdn_prefill_state",
+    functools.partial(_state_kernel, chunk=chunk, precision=config.dot_precision),
+    out_shape=(
+      jax.ShapeDtypeStruct((slots, hv, d, d), jnp.bfloat16 if with_output else f32),
+      jax.ShapeDtypeStruct(state.shape, f32),
+      *for_output[0],
+    ),
+    grid=(num_seqs, hv, d // bv),
+    in_specs=[
+      whole(num_seqs),
+      whole(num_seqs + 1),
+      pl.BlockSpec((total, None, d), lambda n, h, j: (0, h // group, 0)),
+      pl.BlockSpec((total, None), lambda n, h, j: (0, h)),
+      pl.BlockSpec((total, None, d), lambda n, h, j: (0, h, 0)),
+      v_block,
+      pl.BlockSpec((None, None, bv, d), lambda n, h, j: (n, h, j, 0)),
+    ],
+    out_specs=(
+      pl.BlockSpec((slots, None, bv, d), lambda n, h, j: (0, h, j, 0)),
+      pl.BlockSpec((None, None, bv, d), lambda n, h, j: (n, h, j, 0)),
+      *for_output[1],
+    ),
+    compiler_params=common.compiler_params(config.state),
+    interpret=interpret,
+    name="gdn_prefill_state",
   )(table.seq_first_slot, table.cu, k, g, w, u, state)
   if not with_output:
     return Forward(None, new_state, h, g, w)
 
   bo = min(config.output.block_v, d)
   output = common.pallas_call(
-      functools.partial(_output_kernel, chunk=chunk, precision=config.dot_precision),
-      out_shape=jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
-      grid=(slots, hv, d // bo),
-      in_specs=[whole(slots), whole(slots), whole(slots), whole(1),
-                pl.BlockSpec((total, None, d), lambda c, h, j: (0, h // group, 0)),
-                pl.BlockSpec((total, None, d), lambda c, h, j: (0, h // group, 0)),
-                pl.BlockSpec((total, None), lambda c, h, j: (0, h)),
-                pl.BlockSpec((total, None, bo), lambda c, h, j: (0, h, j)),
-                pl.BlockSpec((None, None, bo, d), lambda c, h, j: (c, h, j, 0))],
-      out_specs=pl.BlockSpec((total, None, bo), lambda c, h, j: (0, h, j)),
-      compiler_params=common.compiler_params(config.output), interpret=interpret, name="gdn_prefill_output",
+    functools.partial(_output_kernel, chunk=chunk, precision=config.dot_precision),
+    out_shape=jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
+    grid=(slots, hv, d // bo),
+    in_specs=[
+      whole(slots),
+      whole(slots),
+      whole(slots),
+      whole(1),
+      pl.BlockSpec((total, None, d), lambda c, h, j: (0, h // group, 0)),
+      pl.BlockSpec((total, None, d), lambda c, h, j: (0, h // group, 0)),
+      pl.BlockSpec((total, None), lambda c, h, j: (0, h)),
+      pl.BlockSpec((total, None, bo), lambda c, h, j: (0, h, j)),
+      pl.BlockSpec((None, None, bo, d), lambda c, h, j: (c, h, j, 0)),
+    ],
+    out_specs=pl.BlockSpec((total, None, bo), lambda c, h, j: (0, h, j)),
+    compiler_params=common.compiler_params(config.output),
+    interpret=interpret,
+    name="gdn_prefill_output",
   )(table.slot_start, table.slot_end, table.slot_real, scale, q, k, g, v_new[0], h)
   return Forward(output, new_state, h, g, w)
 
 
-def serial_forward(q, k, v, state, A_log, a, dt_bias, b, cu, scale, *, config: GdnPrefillConfig,
-                   interpret: bool):
+def serial_forward(q, k, v, state, A_log, a, dt_bias, b, cu, scale, *, config: GdnPrefillConfig, interpret: bool):
   """Form "serial": one launch over (sequence, v-head, V block); tokens of
   no sequence (where `cu` leaves any) are zeroed afterwards."""
   total, hq, d = q.shape
@@ -333,14 +410,25 @@ def serial_forward(q, k, v, state, A_log, a, dt_bias, b, cu, scale, *, config: G
   head_spec = pl.BlockSpec((1,), lambda n, h, j: (h,))
   state_spec = pl.BlockSpec((None, None, bv, d), lambda n, h, j: (n, h, j, 0))
   out, new_state = common.pallas_call(
-      functools.partial(_serial_kernel, chunk=config.chunk, precision=config.dot_precision),
-      out_shape=(jax.ShapeDtypeStruct(v.shape, jnp.bfloat16), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
-      grid=(state.shape[0], hv, d // bv),
-      in_specs=[pl.BlockSpec((1,), lambda n, h, j: (0,)), head_spec, head_spec,
-                pl.BlockSpec((cu.shape[0],), lambda n, h, j: (0,)),
-                qk_spec, qk_spec, v_spec, gate_spec, gate_spec, state_spec],
-      out_specs=(v_spec, state_spec),
-      compiler_params=common.compiler_params(config.serial), interpret=interpret, name="gdn_prefill_serial",
+    functools.partial(_serial_kernel, chunk=config.chunk, precision=config.dot_precision),
+    out_shape=(jax.ShapeDtypeStruct(v.shape, jnp.bfloat16), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
+    grid=(state.shape[0], hv, d // bv),
+    in_specs=[
+      pl.BlockSpec((1,), lambda n, h, j: (0,)),
+      head_spec,
+      head_spec,
+      pl.BlockSpec((cu.shape[0],), lambda n, h, j: (0,)),
+      qk_spec,
+      qk_spec,
+      v_spec,
+      gate_spec,
+      gate_spec,
+      state_spec,
+    ],
+    out_specs=(v_spec, state_spec),
+    compiler_params=common.compiler_params(config.serial),
+    interpret=interpret,
+    name="gdn_prefill_serial",
   )(scale, A_log, dt_bias, cu, q, k, v, a, b, state)
   covered = gc.covered_tokens(cu, total)
   return jnp.where(covered[:, None, None], out, jnp.zeros((), out.dtype)), new_state
@@ -357,14 +445,25 @@ def check_prefill(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens) -> None:
     raise ValueError(f"cu_seqlens {cu_seqlens.shape} != ({num_seqs + 1},) (num_seqs + 1 from state)")
 
 
-def _forward(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, *, config: GdnPrefillConfig,
-             interpret: bool):
+def _forward(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, *, config: GdnPrefillConfig, interpret: bool):
   total = q.shape[0]
   if config.form == "serial":
     cu = gc.normalize_cu_seqlens(cu_seqlens, total)
     return serial_forward(q, k, v, state, A_log, a, dt_bias, b, cu, scale, config=config, interpret=interpret)
-  fwd = chunked_forward(q, k, v, state, A_log, a, dt_bias, b, gc.chunk_table(cu_seqlens, total, config.chunk),
-                        scale, config=config, interpret=interpret)
+  fwd = chunked_forward(
+    q,
+    k,
+    v,
+    state,
+    A_log,
+    a,
+    dt_bias,
+    b,
+    gc.chunk_table(cu_seqlens, total, config.chunk),
+    scale,
+    config=config,
+    interpret=interpret,
+  )
   return fwd.output, fwd.new_state
 
 
@@ -375,8 +474,9 @@ class _Static(NamedTuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
 def _prefill(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, static: _Static):
-  return _forward(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, config=static.config,
-                  interpret=static.interpret)
+  return _forward(
+    q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, config=static.config, interpret=static.interpret
+  )
 
 
 def _prefill_fwd(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, static: _Static):
@@ -393,31 +493,82 @@ def _prefill_bwd(static: _Static, residuals, cotangents):
   config = static.config
   bwd = config.backward
   table = gc.chunk_table(cu_seqlens, total, bwd.chunk)
-  fwd = chunked_forward(q, k, v, state, A_log, a, dt_bias, b, table, scale,
-                        config=dataclasses.replace(config, form="chunked", chunk=bwd.chunk),
-                        interpret=static.interpret, with_output=False)
-  grads = chunk_backward(q, k, v, A_log, a, dt_bias, b, table, scale, fwd.g, fwd.w, fwd.h, d_out,
-                         d_new_state.astype(jnp.float32), config=bwd, precision=config.dot_precision,
-                         interpret=static.interpret)
+  fwd = chunked_forward(
+    q,
+    k,
+    v,
+    state,
+    A_log,
+    a,
+    dt_bias,
+    b,
+    table,
+    scale,
+    config=dataclasses.replace(config, form="chunked", chunk=bwd.chunk),
+    interpret=static.interpret,
+    with_output=False,
+  )
+  grads = chunk_backward(
+    q,
+    k,
+    v,
+    A_log,
+    a,
+    dt_bias,
+    b,
+    table,
+    scale,
+    fwd.g,
+    fwd.w,
+    fwd.h,
+    d_out,
+    d_new_state.astype(jnp.float32),
+    config=bwd,
+    precision=config.dot_precision,
+    interpret=static.interpret,
+  )
   per_qk_head = lambda x: x.reshape(total, hq, -1, d).sum(axis=2)  # noqa: E731
   # The gates' own chain rule, on tokens some sequence covers (elsewhere
   # dgamma = dbeta = 0, and a NaN gate there must not make 0 * NaN).
   covered = gc.covered_tokens(table.cu, total)[:, None]
   live = lambda x: jnp.where(covered, x, jnp.zeros((), x.dtype))  # noqa: E731
-  _, gate_vjp = jax.vjp(lambda a, A_log, dt_bias, b: (log_decay(a, A_log, dt_bias), sigmoid(b)),
-                        live(a), A_log, dt_bias, live(b))
+  _, gate_vjp = jax.vjp(
+    lambda a, A_log, dt_bias, b: (log_decay(a, A_log, dt_bias), sigmoid(b)), live(a), A_log, dt_bias, live(b)
+  )
   da, dA_log, ddt_bias, db = gate_vjp((grads.dgamma, grads.dbeta))
-  return (per_qk_head(grads.dq).astype(q.dtype), per_qk_head(grads.dk).astype(k.dtype),
-          grads.dv.astype(v.dtype), grads.dstate, dA_log, da.astype(a.dtype), ddt_bias, db.astype(b.dtype), None,
-          jnp.sum(grads.dscale_rows).reshape(scale.shape))
+  return (
+    per_qk_head(grads.dq).astype(q.dtype),
+    per_qk_head(grads.dk).astype(k.dtype),
+    grads.dv.astype(v.dtype),
+    grads.dstate,
+    dA_log,
+    da.astype(a.dtype),
+    ddt_bias,
+    db.astype(b.dtype),
+    None,
+    jnp.sum(grads.dscale_rows).reshape(scale.shape),
+  )
 
 
 _prefill.defvjp(_prefill_fwd, _prefill_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def gdn_prefill(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale=None, *,
-                config: GdnPrefillConfig | None = None, interpret: bool | None = None):
+def gdn_prefill(
+  q,
+  k,
+  v,
+  state,
+  A_log,
+  a,
+  dt_bias,
+  b,
+  cu_seqlens,
+  scale=None,
+  *,
+  config: GdnPrefillConfig | None = None,
+  interpret: bool | None = None,
+):
   """Gated delta rule over packed variable-length sequences.
 
   Args:

@@ -51,14 +51,14 @@ import functools
 from typing import NamedTuple
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.shared import common
 from pallas_kernels.gdn_prefill import chunks as gc
+from pallas_kernels.gdn_prefill.config import ChunkBwdStage, DqkStage, DvStage, GdnPrefillBwdConfig, StateBwdStage
+from pallas_kernels.shared import common
 from pallas_kernels.shared.device import num_sms
-from pallas_kernels.gdn_prefill.config import DvStage, StateBwdStage, ChunkBwdStage, DqkStage, GdnPrefillBwdConfig
 
 
 def choose_backward_config(num_seqs: int, v_heads: int, v_dim: int) -> GdnPrefillBwdConfig:
@@ -71,9 +71,12 @@ def choose_backward_config(num_seqs: int, v_heads: int, v_dim: int) -> GdnPrefil
   block_v = fit(32)
   if block_v > 16 and num_seqs * v_heads * (v_dim // block_v) < 2 * num_sms():
     block_v = 16
-  return GdnPrefillBwdConfig(dv=DvStage(block_v=fit(64)), state=StateBwdStage(block_v=block_v),
-                             chunk_grads=ChunkBwdStage(block_v=fit(16), solve_block=32),
-                             dqk=DqkStage(block_k=fit(32), block_v=fit(32)))
+  return GdnPrefillBwdConfig(
+    dv=DvStage(block_v=fit(64)),
+    state=StateBwdStage(block_v=block_v),
+    chunk_grads=ChunkBwdStage(block_v=fit(16), solve_block=32),
+    dqk=DqkStage(block_k=fit(32), block_v=fit(32)),
+  )
 
 
 def _from_the_end(dg):
@@ -85,8 +88,9 @@ def _from_the_end(dg):
 # ------------------------------------------------------------ launch 1
 
 
-def _dv_kernel(start_ref, end_ref, scale_ref, q_ref, k_ref, g_ref, do_ref, dvi_ref, qdo_ref, *, chunk: int,
-               precision: str):
+def _dv_kernel(
+  start_ref, end_ref, scale_ref, q_ref, k_ref, g_ref, do_ref, dvi_ref, qdo_ref, *, chunk: int, precision: str
+):
   # q, k refs: [T, K]; do, dvi refs: [T, block_v]; g ref: [T]; qdo ref:
   # [block_v, K]. The carry-free parts of the reverse state pass: M^T dÔ
   # and (Q^T diag(e) dÔ)^T.
@@ -106,8 +110,22 @@ def _dv_kernel(start_ref, end_ref, scale_ref, q_ref, k_ref, g_ref, do_ref, dvi_r
 # ------------------------------------------------------------ launch 2
 
 
-def _state_bwd_kernel(first_ref, cu_ref, k_ref, g_ref, w_ref, dvi_ref, qdo_ref, ds_final_ref, dsn_ref, dvp_ref,
-                      dstate_ref, *, chunk: int, precision: str):
+def _state_bwd_kernel(
+  first_ref,
+  cu_ref,
+  k_ref,
+  g_ref,
+  w_ref,
+  dvi_ref,
+  qdo_ref,
+  ds_final_ref,
+  dsn_ref,
+  dvp_ref,
+  dstate_ref,
+  *,
+  chunk: int,
+  precision: str,
+):
   # k, w refs: [T, K]; g ref: [T]; dvi, dvp refs: [T, block_v]; ds_final,
   # dstate refs: [block_v, K]; qdo, dsn refs: [slots, block_v, K].
   n = pl.program_id(0)
@@ -120,9 +138,10 @@ def _state_bwd_kernel(first_ref, cu_ref, k_ref, g_ref, w_ref, dvi_ref, qdo_ref, 
     dsn_ref[slot] = ds
     tokens, valid = gc.chunk_rows(start + (chunks - 1 - step) * chunk, end, chunk)
     cum = gc.load_rows(g_ref, tokens, valid)
-    last = jnp.min(cum)                        # G at the chunk's last token (rows past it read 0)
-    dv = (gc.load_rows(dvi_ref, tokens, valid)
-          + jnp.exp(last - cum)[:, None] * mm(gc.load_rows(k_ref, tokens, valid), ds, (1, 1)))
+    last = jnp.min(cum)  # G at the chunk's last token (rows past it read 0)
+    dv = gc.load_rows(dvi_ref, tokens, valid) + jnp.exp(last - cum)[:, None] * mm(
+      gc.load_rows(k_ref, tokens, valid), ds, (1, 1)
+    )
     gc.store_rows(dvp_ref, tokens, valid, dv)
     return jnp.exp(last) * ds + qdo_ref[slot] - mm(dv, gc.load_rows(w_ref, tokens, valid), (0, 0))
 
@@ -134,9 +153,34 @@ def _state_bwd_kernel(first_ref, cu_ref, k_ref, g_ref, w_ref, dvi_ref, qdo_ref, 
 # ------------------------------------------------------------ launch 3
 
 
-def _chunk_bwd_kernel(start_ref, end_ref, real_ref, scale_ref, a_log_ref, dt_bias_ref, q_ref, k_ref, v_ref, a_ref,
-                      b_ref, h_ref, do_ref, dvp_ref, dv_ref, vf_ref, dm_ref, p_ref, dgamma_ref, dbeta_ref,
-                      dscale_ref, *, chunk: int, block_v: int, solve_block: int, precision: str):
+def _chunk_bwd_kernel(
+  start_ref,
+  end_ref,
+  real_ref,
+  scale_ref,
+  a_log_ref,
+  dt_bias_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  a_ref,
+  b_ref,
+  h_ref,
+  do_ref,
+  dvp_ref,
+  dv_ref,
+  vf_ref,
+  dm_ref,
+  p_ref,
+  dgamma_ref,
+  dbeta_ref,
+  dscale_ref,
+  *,
+  chunk: int,
+  block_v: int,
+  solve_block: int,
+  precision: str,
+):
   # q, k refs: [T, K]; v, do, dvp, dv, vf refs: [T, V]; a, b, dgamma,
   # dbeta, dscale refs: [T]; h ref: [V, K] (the state entering the chunk,
   # k-last); dm, p refs: [C, C]. The terms of the gate and scale gradients
@@ -148,7 +192,7 @@ def _chunk_bwd_kernel(start_ref, end_ref, real_ref, scale_ref, a_log_ref, dt_bia
   mm = functools.partial(gc.mm, precision=precision)
   gamma, beta = gc.chunk_gates(a_ref, b_ref, tokens, valid, a_log_ref[...], dt_bias_ref[...])
   cum = jnp.cumsum(gamma)
-  e, f = jnp.exp(cum), jnp.exp(jnp.sum(gamma) - cum)             # the sum: G at the last row
+  e, f = jnp.exp(cum), jnp.exp(jnp.sum(gamma) - cum)  # the sum: G at the last row
   k = gc.load_rows(k_ref, tokens, valid)
   decay = gc.decay_matrix(cum)
   kk = mm(k, k, (1, 1))
@@ -159,9 +203,9 @@ def _chunk_bwd_kernel(start_ref, end_ref, real_ref, scale_ref, a_log_ref, dt_bia
     drv, dov, dbeta = carry
     cols = pl.ds(j * block_v, block_v)
     v = gc.load_rows(v_ref, tokens, valid, cols).astype(jnp.float32)
-    x = v - e[:, None] * mm(k, h_ref[cols, :], (1, 1))           # V - diag(e) K S
-    v_new = mm(t_inv, beta[:, None] * x, (1, 0))                 # V' = T R
-    dr = mm(t_inv, gc.load_rows(dvp_ref, tokens, valid, cols), (0, 0))   # T^T dV'
+    x = v - e[:, None] * mm(k, h_ref[cols, :], (1, 1))  # V - diag(e) K S
+    v_new = mm(t_inv, beta[:, None] * x, (1, 0))  # V' = T R
+    dr = mm(t_inv, gc.load_rows(dvp_ref, tokens, valid, cols), (0, 0))  # T^T dV'
     gc.store_rows(dv_ref, tokens, valid, zero(beta[:, None] * dr), cols)
     gc.store_rows(vf_ref, tokens, valid, f[:, None] * v_new, cols)
     do = gc.load_rows(do_ref, tokens, valid, cols).astype(jnp.float32)
@@ -173,9 +217,9 @@ def _chunk_bwd_kernel(start_ref, end_ref, real_ref, scale_ref, a_log_ref, dt_bia
 
   qk = mm(gc.load_rows(q_ref, tokens, valid), k, (1, 1))
   da = -gc.strictly_lower(drv)
-  dm_ref[...] = zero(scale * dov * decay)                        # d(Q K^T), lower with the diagonal
-  p_ref[...] = zero(beta[:, None] * da * decay)                  # d(K K^T), strictly lower
-  dd = (beta[:, None] * da * kk + scale * dov * qk) * decay      # d(D) * D: D's share of dG
+  dm_ref[...] = zero(scale * dov * decay)  # d(Q K^T), lower with the diagonal
+  p_ref[...] = zero(beta[:, None] * da * decay)  # d(K K^T), strictly lower
+  dd = (beta[:, None] * da * kk + scale * dov * qk) * decay  # d(D) * D: D's share of dG
   dg = jnp.sum(dd, axis=1) - jnp.sum(dd, axis=0)
   gc.store_rows(dgamma_ref, tokens, valid, zero(_from_the_end(dg)))
   gc.store_rows(dbeta_ref, tokens, valid, zero(dbeta + jnp.sum(da * decay * kk, axis=1)))
@@ -186,9 +230,32 @@ def _chunk_bwd_kernel(start_ref, end_ref, real_ref, scale_ref, a_log_ref, dt_bia
 # ------------------------------------------------------------ launch 4
 
 
-def _dqk_kernel(start_ref, end_ref, real_ref, scale_ref, a_log_ref, dt_bias_ref, q_ref, k_ref, a_ref, h_ref,
-                dsn_ref, do_ref, dv_ref, vf_ref, dm_ref, p_ref, dq_ref, dk_ref, dgamma_ref, dscale_ref, *,
-                chunk: int, block_v: int, precision: str):
+def _dqk_kernel(
+  start_ref,
+  end_ref,
+  real_ref,
+  scale_ref,
+  a_log_ref,
+  dt_bias_ref,
+  q_ref,
+  k_ref,
+  a_ref,
+  h_ref,
+  dsn_ref,
+  do_ref,
+  dv_ref,
+  vf_ref,
+  dm_ref,
+  p_ref,
+  dq_ref,
+  dk_ref,
+  dgamma_ref,
+  dscale_ref,
+  *,
+  chunk: int,
+  block_v: int,
+  precision: str,
+):
   # q, k, dq, dk refs: [T, block_k]; a, dgamma, dscale refs: [T]; h, dsn
   # refs: [V, block_k]; do, dv, vf refs: [T, V]; dm, p refs: [C, C].
   # dgamma and dscale: this K block's share of the terms through S and dS_next.
@@ -203,16 +270,19 @@ def _dqk_kernel(start_ref, end_ref, real_ref, scale_ref, a_log_ref, dt_bias_ref,
   def v_block(j, carry):
     do_s, dv_s, vf_ds, s_ds = carry
     cols = pl.ds(j * block_v, block_v)
-    s, ds = h_ref[cols, :], dsn_ref[cols, :]                     # [block_v, block_k]
+    s, ds = h_ref[cols, :], dsn_ref[cols, :]  # [block_v, block_k]
     do = gc.load_rows(do_ref, tokens, valid, cols).astype(jnp.float32)
-    return (do_s + mm(do, s, (1, 0)),                            # dO S^T
-            dv_s + mm(gc.load_rows(dv_ref, tokens, valid, cols), s, (1, 0)),   # diag(beta) dR S^T
-            vf_ds + mm(gc.load_rows(vf_ref, tokens, valid, cols), ds, (1, 0)),  # diag(e_C / e) V' dS_next^T
-            s_ds + jnp.sum(jnp.sum(s * ds, axis=1)))   # one axis at a time: lowers under a mesh
+    return (
+      do_s + mm(do, s, (1, 0)),  # dO S^T
+      dv_s + mm(gc.load_rows(dv_ref, tokens, valid, cols), s, (1, 0)),  # diag(beta) dR S^T
+      vf_ds + mm(gc.load_rows(vf_ref, tokens, valid, cols), ds, (1, 0)),  # diag(e_C / e) V' dS_next^T
+      s_ds + jnp.sum(jnp.sum(s * ds, axis=1)),
+    )  # one axis at a time: lowers under a mesh
 
   tile = jnp.zeros((chunk, q_ref.shape[1]), jnp.float32)
-  do_s, dv_s, vf_ds, s_ds = lax.fori_loop(0, do_ref.shape[1] // block_v, v_block,
-                                          (tile, tile, tile, jnp.zeros((), jnp.float32)))
+  do_s, dv_s, vf_ds, s_ds = lax.fori_loop(
+    0, do_ref.shape[1] // block_v, v_block, (tile, tile, tile, jnp.zeros((), jnp.float32))
+  )
   q = gc.load_rows(q_ref, tokens, valid)
   k = gc.load_rows(k_ref, tokens, valid)
   dm, p = dm_ref[...], p_ref[...]
@@ -239,6 +309,7 @@ class ChunkGrads(NamedTuple):
   (to be summed over the v-heads of a q/k head), dv [T, HV, V] fp32, dgamma
   and dbeta [T, HV] (of the per-token log-decay and beta), dscale_rows
   [T, HV] (summing to d(scale)), dstate [N, HV, V, K]."""
+
   dq: jax.Array
   dk: jax.Array
   dv: jax.Array
@@ -248,8 +319,26 @@ class ChunkGrads(NamedTuple):
   dstate: jax.Array
 
 
-def chunk_backward(q, k, v, A_log, a, dt_bias, b, table: gc.ChunkTable, scale, g, w, h, d_out, d_new_state, *,
-                   config: GdnPrefillBwdConfig, precision: str, interpret: bool) -> ChunkGrads:
+def chunk_backward(
+  q,
+  k,
+  v,
+  A_log,
+  a,
+  dt_bias,
+  b,
+  table: gc.ChunkTable,
+  scale,
+  g,
+  w,
+  h,
+  d_out,
+  d_new_state,
+  *,
+  config: GdnPrefillBwdConfig,
+  precision: str,
+  interpret: bool,
+) -> ChunkGrads:
   """Launches 1-4 over `table` (chunks of `config.chunk` tokens), given the
   recomputed forward's cumulative log-decay `g` [T, HV], `w` [T, HV, K] and
   chunk-entry states `h` [slots, HV, V, K], and the cotangents of the
@@ -267,15 +356,25 @@ def chunk_backward(q, k, v, A_log, a, dt_bias, b, table: gc.ChunkTable, scale, g
   bd = min(config.dv.block_v, d)
   qk_rows = pl.BlockSpec((total, None, d), lambda c, h, j: (0, h // group, 0))
   dvi, qdo = common.pallas_call(
-      functools.partial(_dv_kernel, chunk=chunk, precision=precision),
-      out_shape=(rows(total, hv, d), rows(slots, hv, d, d)),
-      grid=(slots, hv, d // bd),
-      in_specs=[whole(slots), whole(slots), whole(1), qk_rows, qk_rows,
-                pl.BlockSpec((total, None), lambda c, h, j: (0, h)),
-                pl.BlockSpec((total, None, bd), lambda c, h, j: (0, h, j))],
-      out_specs=(pl.BlockSpec((total, None, bd), lambda c, h, j: (0, h, j)),
-                 pl.BlockSpec((None, None, bd, d), lambda c, h, j: (c, h, j, 0))),
-      compiler_params=common.compiler_params(config.dv), interpret=interpret, name="gdn_prefill_bwd_dv",
+    functools.partial(_dv_kernel, chunk=chunk, precision=precision),
+    out_shape=(rows(total, hv, d), rows(slots, hv, d, d)),
+    grid=(slots, hv, d // bd),
+    in_specs=[
+      whole(slots),
+      whole(slots),
+      whole(1),
+      qk_rows,
+      qk_rows,
+      pl.BlockSpec((total, None), lambda c, h, j: (0, h)),
+      pl.BlockSpec((total, None, bd), lambda c, h, j: (0, h, j)),
+    ],
+    out_specs=(
+      pl.BlockSpec((total, None, bd), lambda c, h, j: (0, h, j)),
+      pl.BlockSpec((None, None, bd, d), lambda c, h, j: (c, h, j, 0)),
+    ),
+    compiler_params=common.compiler_params(config.dv),
+    interpret=interpret,
+    name="gdn_prefill_bwd_dv",
   )(*slot_args, scale, q, k, g, d_out)
 
   bs = min(config.state.block_v, d)
@@ -283,16 +382,23 @@ def chunk_backward(q, k, v, A_log, a, dt_bias, b, table: gc.ChunkTable, scale, g
   state_block = pl.BlockSpec((None, None, bs, d), lambda n, h, j: (n, h, j, 0))
   slot_states = pl.BlockSpec((slots, None, bs, d), lambda n, h, j: (0, h, j, 0))
   dsn, dvp, dstate = common.pallas_call(
-      functools.partial(_state_bwd_kernel, chunk=chunk, precision=precision),
-      out_shape=(rows(slots, hv, d, d), rows(total, hv, d), rows(*d_new_state.shape)),
-      grid=(num_seqs, hv, d // bs),
-      in_specs=[whole(num_seqs), whole(num_seqs + 1),
-                pl.BlockSpec((total, None, d), lambda n, h, j: (0, h // group, 0)),
-                pl.BlockSpec((total, None), lambda n, h, j: (0, h)),
-                pl.BlockSpec((total, None, d), lambda n, h, j: (0, h, 0)),
-                v_block, slot_states, state_block],
-      out_specs=(slot_states, v_block, state_block),
-      compiler_params=common.compiler_params(config.state), interpret=interpret, name="gdn_prefill_bwd_state",
+    functools.partial(_state_bwd_kernel, chunk=chunk, precision=precision),
+    out_shape=(rows(slots, hv, d, d), rows(total, hv, d), rows(*d_new_state.shape)),
+    grid=(num_seqs, hv, d // bs),
+    in_specs=[
+      whole(num_seqs),
+      whole(num_seqs + 1),
+      pl.BlockSpec((total, None, d), lambda n, h, j: (0, h // group, 0)),
+      pl.BlockSpec((total, None), lambda n, h, j: (0, h)),
+      pl.BlockSpec((total, None, d), lambda n, h, j: (0, h, 0)),
+      v_block,
+      slot_states,
+      state_block,
+    ],
+    out_specs=(slot_states, v_block, state_block),
+    compiler_params=common.compiler_params(config.state),
+    interpret=interpret,
+    name="gdn_prefill_bwd_state",
   )(table.seq_first_slot, table.cu, k, g, w, dvi, qdo, d_new_state)
 
   stage = config.chunk_grads
@@ -303,15 +409,43 @@ def chunk_backward(q, k, v, A_log, a, dt_bias, b, table: gc.ChunkTable, scale, g
   slot_state = pl.BlockSpec((None, None, d, d), lambda c, h: (c, h, 0, 0))
   slot_square = pl.BlockSpec((None, None, chunk, chunk), lambda c, h: (c, h, 0, 0))
   dv, vf, dm, p, dgamma, dbeta, dscale_rows = common.pallas_call(
-      functools.partial(_chunk_bwd_kernel, chunk=chunk, block_v=min(stage.block_v, d),
-                        solve_block=min(stage.solve_block, chunk), precision=precision),
-      out_shape=(rows(total, hv, d), rows(total, hv, d), rows(slots, hv, chunk, chunk),
-                 rows(slots, hv, chunk, chunk), rows(total, hv), rows(total, hv), rows(total, hv)),
-      grid=(slots, hv),
-      in_specs=[whole(slots), whole(slots), whole(slots), whole(1), head, head, qk_rows, qk_rows, v_rows,
-                gate_rows, gate_rows, slot_state, v_rows, v_rows],
-      out_specs=(v_rows, v_rows, slot_square, slot_square, gate_rows, gate_rows, gate_rows),
-      compiler_params=common.compiler_params(stage), interpret=interpret, name="gdn_prefill_bwd_chunk",
+    functools.partial(
+      _chunk_bwd_kernel,
+      chunk=chunk,
+      block_v=min(stage.block_v, d),
+      solve_block=min(stage.solve_block, chunk),
+      precision=precision,
+    ),
+    out_shape=(
+      rows(total, hv, d),
+      rows(total, hv, d),
+      rows(slots, hv, chunk, chunk),
+      rows(slots, hv, chunk, chunk),
+      rows(total, hv),
+      rows(total, hv),
+      rows(total, hv),
+    ),
+    grid=(slots, hv),
+    in_specs=[
+      whole(slots),
+      whole(slots),
+      whole(slots),
+      whole(1),
+      head,
+      head,
+      qk_rows,
+      qk_rows,
+      v_rows,
+      gate_rows,
+      gate_rows,
+      slot_state,
+      v_rows,
+      v_rows,
+    ],
+    out_specs=(v_rows, v_rows, slot_square, slot_square, gate_rows, gate_rows, gate_rows),
+    compiler_params=common.compiler_params(stage),
+    interpret=interpret,
+    name="gdn_prefill_bwd_chunk",
   )(*slot_args, table.slot_real, scale, A_log, dt_bias, q, k, v, a, b, h, d_out, dvp)
 
   stage = config.dqk
@@ -324,14 +458,32 @@ def chunk_backward(q, k, v, A_log, a, dt_bias, b, table: gc.ChunkTable, scale, g
   per_v_head = pl.BlockSpec((total, None, bk), lambda c, h, j: (0, h, j))
   per_k_block = pl.BlockSpec((total, None, None), lambda c, h, j: (0, h, j))
   dq, dk, dgamma_state, dscale_state = common.pallas_call(
-      functools.partial(_dqk_kernel, chunk=chunk, block_v=min(stage.block_v, d), precision=precision),
-      out_shape=(rows(total, hv, d), rows(total, hv, d), rows(total, hv, d // bk), rows(total, hv, d // bk)),
-      grid=(slots, hv, d // bk),
-      in_specs=[whole(slots), whole(slots), whole(slots), whole(1), head, head, qk_cols, qk_cols,
-                pl.BlockSpec((total, None), lambda c, h, j: (0, h)), slot_state, slot_state, v_rows, v_rows,
-                v_rows, slot_square, slot_square],
-      out_specs=(per_v_head, per_v_head, per_k_block, per_k_block),
-      compiler_params=common.compiler_params(stage), interpret=interpret, name="gdn_prefill_bwd_dqk",
+    functools.partial(_dqk_kernel, chunk=chunk, block_v=min(stage.block_v, d), precision=precision),
+    out_shape=(rows(total, hv, d), rows(total, hv, d), rows(total, hv, d // bk), rows(total, hv, d // bk)),
+    grid=(slots, hv, d // bk),
+    in_specs=[
+      whole(slots),
+      whole(slots),
+      whole(slots),
+      whole(1),
+      head,
+      head,
+      qk_cols,
+      qk_cols,
+      pl.BlockSpec((total, None), lambda c, h, j: (0, h)),
+      slot_state,
+      slot_state,
+      v_rows,
+      v_rows,
+      v_rows,
+      slot_square,
+      slot_square,
+    ],
+    out_specs=(per_v_head, per_v_head, per_k_block, per_k_block),
+    compiler_params=common.compiler_params(stage),
+    interpret=interpret,
+    name="gdn_prefill_bwd_dqk",
   )(*slot_args, table.slot_real, scale, A_log, dt_bias, q, k, a, h, dsn, d_out, dv, vf, dm, p)
-  return ChunkGrads(dq, dk, dv, dgamma + dgamma_state.sum(axis=2), dbeta, dscale_rows + dscale_state.sum(axis=2),
-                    dstate)
+  return ChunkGrads(
+    dq, dk, dv, dgamma + dgamma_state.sum(axis=2), dbeta, dscale_rows + dscale_state.sum(axis=2), dstate
+  )

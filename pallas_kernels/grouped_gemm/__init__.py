@@ -8,5 +8,5 @@ from pallas_kernels.grouped_gemm import triton
 from pallas_kernels.shared.kernel import Kernel, kernels
 
 KERNELS = kernels(
-    Kernel.of(triton, launch=triton.grouped_gemm_fp8_fp4),
+  Kernel.of(triton, launch=triton.grouped_gemm_fp8_fp4),
 )

@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.shared.config_rules import (DOT_BLOCK, KernelConfig, NUM_STAGES, NUM_WARPS, at_least, field, instance_of,
-                                               one_of, only_with)
+from pallas_kernels.shared.config_rules import (
+  DOT_BLOCK,
+  NUM_STAGES,
+  NUM_WARPS,
+  KernelConfig,
+  at_least,
+  field,
+  instance_of,
+  one_of,
+  only_with,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +29,7 @@ class GroupedGemmConfig(KernelConfig):
   are unused). `fold_scales`: f16 dots with both operands' scales folded
   in exactly, one accumulation over K (no per-group promotion); items
   whose scales do not fold run the fp8 dots (`triton` module docstring)."""
+
   block_m: int = field(64, DOT_BLOCK)
   block_n: int = field(128, DOT_BLOCK)
   block_k: int = field(128, one_of(32, 64, 128))

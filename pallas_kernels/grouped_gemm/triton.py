@@ -104,20 +104,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from pallas_kernels.shared import common
-import jax.numpy as jnp
 
-from pallas_kernels.shared.common import NT_DIMS, cdiv, fit_block, fitted_candidates, resolve_interpret
-from pallas_kernels.shared.fp8_mma import (e2m1_to_e4m3_operand, e2m1_to_f16_operand, e4m3_to_f16_operand, fp8_dot_nt,
-                                          promote)
-from pallas_kernels.shared.fp_formats import E2M1_E4M3_EXPONENT, ue8m0_to_f32
 from pallas_kernels.grouped_gemm.config import GroupedGemmConfig
+from pallas_kernels.shared import common
+from pallas_kernels.shared.common import NT_DIMS, cdiv, fit_block, fitted_candidates, resolve_interpret
+from pallas_kernels.shared.fp8_mma import (
+  e2m1_to_e4m3_operand,
+  e2m1_to_f16_operand,
+  e4m3_to_f16_operand,
+  fp8_dot_nt,
+  promote,
+)
+from pallas_kernels.shared.fp_formats import E2M1_E4M3_EXPONENT, ue8m0_to_f32
 
 GROUP = 32  # k values per UE8M0 scale byte (both operands)
 MIN_BLOCK_K = GROUP  # a step is whole scale groups
@@ -125,6 +131,7 @@ MIN_BLOCK_K = GROUP  # a step is whole scale groups
 
 class GroupedGemmSizes(NamedTuple):
   """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+
   m: int
   n: int
   k: int
@@ -151,8 +158,12 @@ def _fit(config: GroupedGemmConfig, m: int, n: int, k: int, e: int) -> GroupedGe
   block_m = fit_block(config.block_m, m)
   slots = 1 if config.expert_items else min(config.expert_slots, max_experts_per_tile(m, e, block_m))
   return dataclasses.replace(
-      config, block_m=block_m, block_n=fit_block(config.block_n, n),
-      block_k=max(MIN_BLOCK_K, min(config.block_k, k_pow2)), expert_slots=slots)
+    config,
+    block_m=block_m,
+    block_n=fit_block(config.block_n, n),
+    block_k=max(MIN_BLOCK_K, min(config.block_k, k_pow2)),
+    expert_slots=slots,
+  )
 
 
 # Rows per expert (M / E) from which expert items with folded scales
@@ -180,8 +191,7 @@ def _heuristic(m: int, e: int) -> GroupedGemmConfig:
   over 966, 49.7 M."""
   if m <= 16 or cdiv(m, e) < _ROWS_PER_EXPERT_FOR_ITEMS:
     return GroupedGemmConfig(16, 128, 128, expert_slots=16, swap_ab=True, num_warps=4, num_stages=3)
-  return GroupedGemmConfig(64, 128, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4,
-                           num_stages=3)
+  return GroupedGemmConfig(64, 128, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4, num_stages=3)
 
 
 def choose_config(shapes: Mapping[str, Any]) -> GroupedGemmConfig:
@@ -191,20 +201,20 @@ def choose_config(shapes: Mapping[str, Any]) -> GroupedGemmConfig:
 
 
 _SWEEP_CONFIGS = (
-    GroupedGemmConfig(16, 64, 128, expert_slots=16, swap_ab=True, num_warps=4, num_stages=3),
-    GroupedGemmConfig(16, 128, 128, expert_slots=16, swap_ab=True, num_warps=4, num_stages=3),
-    GroupedGemmConfig(16, 256, 128, expert_slots=4, swap_ab=True, num_warps=8, num_stages=3),
-    GroupedGemmConfig(32, 128, 128, expert_slots=2, swap_ab=True, num_warps=4, num_stages=4),
-    GroupedGemmConfig(32, 256, 128, expert_slots=2, swap_ab=True, num_warps=8, num_stages=3),
-    GroupedGemmConfig(64, 128, 128, expert_slots=2, swap_ab=True, num_warps=8, num_stages=3),
-    GroupedGemmConfig(64, 128, 128, expert_slots=2, num_warps=8, num_stages=3),
-    GroupedGemmConfig(128, 64, 128, expert_slots=2, num_warps=8, num_stages=3),
-    GroupedGemmConfig(32, 128, 128, swap_ab=True, expert_items=True, num_warps=4, num_stages=4),
-    GroupedGemmConfig(64, 128, 128, swap_ab=True, expert_items=True, num_warps=8, num_stages=3),
-    GroupedGemmConfig(128, 64, 128, expert_items=True, num_warps=8, num_stages=3),
-    GroupedGemmConfig(32, 128, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4, num_stages=4),
-    GroupedGemmConfig(64, 128, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4, num_stages=3),
-    GroupedGemmConfig(128, 128, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=8, num_stages=3),
+  GroupedGemmConfig(16, 64, 128, expert_slots=16, swap_ab=True, num_warps=4, num_stages=3),
+  GroupedGemmConfig(16, 128, 128, expert_slots=16, swap_ab=True, num_warps=4, num_stages=3),
+  GroupedGemmConfig(16, 256, 128, expert_slots=4, swap_ab=True, num_warps=8, num_stages=3),
+  GroupedGemmConfig(32, 128, 128, expert_slots=2, swap_ab=True, num_warps=4, num_stages=4),
+  GroupedGemmConfig(32, 256, 128, expert_slots=2, swap_ab=True, num_warps=8, num_stages=3),
+  GroupedGemmConfig(64, 128, 128, expert_slots=2, swap_ab=True, num_warps=8, num_stages=3),
+  GroupedGemmConfig(64, 128, 128, expert_slots=2, num_warps=8, num_stages=3),
+  GroupedGemmConfig(128, 64, 128, expert_slots=2, num_warps=8, num_stages=3),
+  GroupedGemmConfig(32, 128, 128, swap_ab=True, expert_items=True, num_warps=4, num_stages=4),
+  GroupedGemmConfig(64, 128, 128, swap_ab=True, expert_items=True, num_warps=8, num_stages=3),
+  GroupedGemmConfig(128, 64, 128, expert_items=True, num_warps=8, num_stages=3),
+  GroupedGemmConfig(32, 128, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4, num_stages=4),
+  GroupedGemmConfig(64, 128, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=4, num_stages=3),
+  GroupedGemmConfig(128, 128, 128, swap_ab=True, expert_items=True, fold_scales=True, num_warps=8, num_stages=3),
 )
 
 
@@ -248,7 +258,7 @@ FOLD_A_EXPONENT = 7
 FOLD_B_EXPONENT = 15
 FOLD_A_MAX_SHIFT = 22
 FOLD_B_MAX_SHIFT = 32
-FOLD_UNSHIFT = 127 + 8   # each row's factor 2^(hi - 135): 2 x 135 = 254 + 16
+FOLD_UNSHIFT = 127 + 8  # each row's factor 2^(hi - 135): 2 x 135 = 254 + 16
 # Rows of an item whose scales do not fold are computed on fp8 dots in
 # slices of this many rows (the fp8 path's accumulator and partial product
 # for all of a 64-row item would set the kernel's register count).
@@ -306,9 +316,28 @@ def dot_operand_dtype(config: GroupedGemmConfig | None = None):
   return jnp.float16 if config is not None and config.fold_scales else jnp.float8_e4m3fn
 
 
-def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, a_bytes_ref, b_bytes_ref, *refs, m: int,
-                         n: int, k: int, e: int, block_m: int, block_n: int, block_k: int, slots: int, swap_ab: bool,
-                         items: bool, fold: bool, ptx: bool):
+def _grouped_gemm_kernel(
+  ids_ref,
+  a_ref,
+  a_scale_ref,
+  b_ref,
+  b_scale_ref,
+  a_bytes_ref,
+  b_bytes_ref,
+  *refs,
+  m: int,
+  n: int,
+  k: int,
+  e: int,
+  block_m: int,
+  block_n: int,
+  block_k: int,
+  slots: int,
+  swap_ab: bool,
+  items: bool,
+  fold: bool,
+  ptx: bool,
+):
   # Whole-array refs: a/ids [M, ...], b [E, N, K/2], c [M, N]; the scales as
   # words of one k-step's scale bytes: a_scale [M, K/block_k],
   # b_scale [E, N, K/block_k] (byte g = scale group g of the step), and as
@@ -320,8 +349,8 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, a_byte
   n0 = pl.program_id(0) * block_n
   cols = n0 + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
   cols_c = jnp.minimum(cols, n - 1)
-  b_rows = cols_c[:, None]                                           # [block_n, 1]
-  k_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP), 1)          # [1, 32]
+  b_rows = cols_c[:, None]  # [block_n, 1]
+  k_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP), 1)  # [1, 32]
   pair_in_group = lax.broadcasted_iota(jnp.int32, (1, GROUP // 4), 1)  # [1, 8]
   groups_per_step = block_k // GROUP
   steps = k // block_k
@@ -333,8 +362,8 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, a_byte
     a_rows = rows_c[:, None]
 
     def step(kk, acc):
-      a_words = a_scale_ref[rows_c, kk]                  # [rows]
-      b_words = b_scale_ref[expert, cols_c, kk]          # [block_n]
+      a_words = a_scale_ref[rows_c, kk]  # [rows]
+      b_words = b_scale_ref[expert, cols_c, kk]  # [block_n]
       # One block_k step = block_k / 32 scale groups, unrolled: within a
       # group both operands have one scale per row, so scales are vectors.
       for g in range(groups_per_step):
@@ -358,21 +387,43 @@ def _grouped_gemm_kernel(ids_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, a_byte
   if not items:
     lone_row = None
     if swap_ab:
-      lone_row = functools.partial(_lone_row_product, a_ref, a_bytes_ref, b_ref, b_bytes_ref, cols_c=cols_c, k=k,
-                                   block_k=block_k, ptx=ptx)
-    _store_tile_experts(fp8_product, lone_row, c_ref, ids_ref, cols, m=m, n=n, e=e, block_m=block_m,
-                        block_n=block_n, slots=slots, swap_ab=swap_ab)
+      lone_row = functools.partial(
+        _lone_row_product, a_ref, a_bytes_ref, b_ref, b_bytes_ref, cols_c=cols_c, k=k, block_k=block_k, ptx=ptx
+      )
+    _store_tile_experts(
+      fp8_product,
+      lone_row,
+      c_ref,
+      ids_ref,
+      cols,
+      m=m,
+      n=n,
+      e=e,
+      block_m=block_m,
+      block_n=block_n,
+      slots=slots,
+      swap_ab=swap_ab,
+    )
     return
   folded = None
   if fold:
-    folded = functools.partial(_folded_product, *extra_refs[2:], b_ref, b_scale_ref, cols_c=cols_c,
-                               groups_per_step=groups_per_step, steps=steps, swap_ab=swap_ab, ptx=ptx)
-  _store_items(fp8_product, folded, *extra_refs, c_ref, cols_c=cols_c, m=m, e=e, block_m=block_m,
-               swap_ab=swap_ab)
+    folded = functools.partial(
+      _folded_product,
+      *extra_refs[2:],
+      b_ref,
+      b_scale_ref,
+      cols_c=cols_c,
+      groups_per_step=groups_per_step,
+      steps=steps,
+      swap_ab=swap_ab,
+      ptx=ptx,
+    )
+  _store_items(fp8_product, folded, *extra_refs, c_ref, cols_c=cols_c, m=m, e=e, block_m=block_m, swap_ab=swap_ab)
 
 
-def _store_items(fp8_product, folded_product, order_ref, table_ref, *refs, cols_c, m: int, e: int, block_m: int,
-                 swap_ab: bool):
+def _store_items(
+  fp8_product, folded_product, order_ref, table_ref, *refs, cols_c, m: int, e: int, block_m: int, swap_ab: bool
+):
   """Expert items (`expert_items`): this program's item, up to `block_m`
   rows of one expert, gathered by index and scattered back; with
   `folded_product` (`fold_scales`) on folded scales when all of the item's
@@ -418,11 +469,11 @@ def _store_items(fp8_product, folded_product, order_ref, table_ref, *refs, cols_
   zeros_shape = (cols_c.shape[0], block_m) if swap_ab else (block_m, cols_c.shape[0])
   pl.when(item_expert < e)(item_product)
   pl.when(item_expert == e)(  # the rows with invalid ids (and empty item slots: no rows)
-      lambda: store_rows(rows_c, jnp.zeros(zeros_shape, jnp.float32)))
+    lambda: store_rows(rows_c, jnp.zeros(zeros_shape, jnp.float32))
+  )
 
 
-def _lone_row_product(a_ref, a_bytes_ref, b_ref, b_bytes_ref, expert, row, *, cols_c, k: int, block_k: int,
-                      ptx: bool):
+def _lone_row_product(a_ref, a_bytes_ref, b_ref, b_bytes_ref, expert, row, *, cols_c, k: int, block_k: int, ptx: bool):
   """The expert's product for its one row `row` of a tile, fp32 [block_n]
   (`swap_ab` decode). The MMA's 16 columns hold 16 scale groups of that row:
   the activations laid block-diagonally (column j: the row's group j of a
@@ -435,16 +486,16 @@ def _lone_row_product(a_ref, a_bytes_ref, b_ref, b_bytes_ref, expert, row, *, co
   groups_per_step = block_k // GROUP
   steps = k // block_k
   steps_per_block = LONE_ROW_GROUPS // groups_per_step
-  column = lax.broadcasted_iota(jnp.int32, (LONE_ROW_GROUPS, 1), 0)          # [16, 1]
-  k_in_step = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)               # [1, block_k]
-  pair_in_step = lax.broadcasted_iota(jnp.int32, (1, block_k // 4), 1)       # [1, block_k / 4]
-  group_in_block = lax.broadcasted_iota(jnp.int32, (LONE_ROW_GROUPS,), 0)    # [16]
+  column = lax.broadcasted_iota(jnp.int32, (LONE_ROW_GROUPS, 1), 0)  # [16, 1]
+  k_in_step = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, block_k]
+  pair_in_step = lax.broadcasted_iota(jnp.int32, (1, block_k // 4), 1)  # [1, block_k / 4]
+  group_in_block = lax.broadcasted_iota(jnp.int32, (LONE_ROW_GROUPS,), 0)  # [16]
 
   def block(first_step, acc, block_steps: int):
     part = jnp.zeros((block_n, LONE_ROW_GROUPS), jnp.float32)
     for q in range(block_steps):
       kk = first_step + q
-      a_row = a_ref[row, kk * block_k + k_in_step]                           # [1, block_k]
+      a_row = a_ref[row, kk * block_k + k_in_step]  # [1, block_k]
       a_op = jnp.where(column == q * groups_per_step + k_in_step // GROUP, a_row, 0).astype(jnp.uint8)
       b_op = e2m1_to_e4m3_operand(b_ref[expert, b_rows, kk * (block_k // 4) + pair_in_step], ptx=ptx)
       part = fp8_dot_nt(b_op, lax.bitcast_convert_type(a_op, jnp.float8_e4m3fn), part)
@@ -465,8 +516,22 @@ def _lone_row_product(a_ref, a_bytes_ref, b_ref, b_bytes_ref, expert, row, *, co
   return jnp.sum(acc, axis=1) * jnp.float32(2.0**E2M1_E4M3_EXPONENT)
 
 
-def _folded_product(a_pairs_ref, a_mult_ref, a_fold_ref, b_fold_ref, b_ref, b_scale_ref, expert, rows_c, *,
-                    cols_c, groups_per_step: int, steps: int, swap_ab: bool, ptx: bool):
+def _folded_product(
+  a_pairs_ref,
+  a_mult_ref,
+  a_fold_ref,
+  b_fold_ref,
+  b_ref,
+  b_scale_ref,
+  expert,
+  rows_c,
+  *,
+  cols_c,
+  groups_per_step: int,
+  steps: int,
+  swap_ab: bool,
+  ptx: bool,
+):
   """The expert's product for rows `rows_c` with folded scales (module
   docstring), fp32 in the MMA's orientation: f16 dots accumulated over all
   of K, then each row's and column's unit factor."""
@@ -482,11 +547,13 @@ def _folded_product(a_pairs_ref, a_mult_ref, a_fold_ref, b_fold_ref, b_ref, b_sc
     b_words = b_scale_ref[expert, cols_c, kk]
     for g in range(groups_per_step):
       group = kk * groups_per_step + g
-      a_op = e4m3_to_f16_operand(a_pairs_ref[a_rows, group * (GROUP // 2) + half_in_group],
-                                 a_mult_ref[rows_c, group][:, None], ptx=ptx)
+      a_op = e4m3_to_f16_operand(
+        a_pairs_ref[a_rows, group * (GROUP // 2) + half_in_group], a_mult_ref[rows_c, group][:, None], ptx=ptx
+      )
       b_shift = FOLD_B_EXPONENT - (b_hi - scale_byte(b_words, g))
-      b_op = e2m1_to_f16_operand(b_ref[expert, b_rows, group * (GROUP // 4) + pair_in_group],
-                                 f16_pow2(b_shift)[:, None], ptx=ptx)
+      b_op = e2m1_to_f16_operand(
+        b_ref[expert, b_rows, group * (GROUP // 4) + pair_in_group], f16_pow2(b_shift)[:, None], ptx=ptx
+      )
       lhs, rhs = (b_op, a_op) if swap_ab else (a_op, b_op)
       acc = acc + lax.dot_general(lhs, rhs, NT_DIMS, preferred_element_type=jnp.float32)
     return acc
@@ -498,8 +565,21 @@ def _folded_product(a_pairs_ref, a_mult_ref, a_fold_ref, b_fold_ref, b_ref, b_sc
   return acc * (b_unit[:, None] * a_unit[None, :] if swap_ab else a_unit[:, None] * b_unit[None, :])
 
 
-def _store_tile_experts(product, lone_row, c_ref, ids_ref, cols, *, m: int, n: int, e: int, block_m: int,
-                        block_n: int, slots: int, swap_ab: bool):
+def _store_tile_experts(
+  product,
+  lone_row,
+  c_ref,
+  ids_ref,
+  cols,
+  *,
+  m: int,
+  n: int,
+  e: int,
+  block_m: int,
+  block_n: int,
+  slots: int,
+  swap_ab: bool,
+):
   """Row tiles without a work list: this program's slot computes the tile's
   experts of rank slot, slot + slots, ... (`rank_tile_experts`), each stored
   for the rows of that expert (an expert with one row of the tile through
@@ -507,7 +587,7 @@ def _store_tile_experts(product, lone_row, c_ref, ids_ref, cols, *, m: int, n: i
   slot = pl.program_id(1)
   row0 = pl.program_id(2) * block_m
   rows = row0 + lax.broadcasted_iota(jnp.int32, (block_m,), 0)
-  rows_c = jnp.minimum(rows, m - 1)            # clamped: loads need no mask
+  rows_c = jnp.minimum(rows, m - 1)  # clamped: loads need no mask
   ids = jnp.where(rows < m, ids_ref[rows_c], -1)
   key, first, rank, count = rank_tile_experts(ids, e)
   store_ok = (rows < m)[:, None] & (cols < n)[None, :]
@@ -589,8 +669,9 @@ def scale_words(scales: jax.Array, groups_per_step: int) -> jax.Array:
   *lead, groups = scales.shape
   if groups_per_step == 1:
     return scales
-  return lax.bitcast_convert_type(scales.reshape(*lead, groups // groups_per_step, groups_per_step),
-                                  _WORD_TYPES[groups_per_step])
+  return lax.bitcast_convert_type(
+    scales.reshape(*lead, groups // groups_per_step, groups_per_step), _WORD_TYPES[groups_per_step]
+  )
 
 
 def byte_pairs(packed: jax.Array) -> jax.Array:
@@ -609,9 +690,13 @@ def check_operands(a, a_scale, b, b_scale, expert_ids) -> None:
   e, n, k_packed = b.shape
   if k % GROUP or k_packed * 2 != k:
     raise ValueError(f"K={k} must be a multiple of {GROUP} and b [E, N, K/2] = [{e}, {n}, {k // 2}], got b {b.shape}")
-  expected = {"a_scale": (a_scale, (m, k // GROUP), jnp.uint8), "b_scale": (b_scale, (e, n, k // GROUP), jnp.uint8),
-              "expert_ids": (expert_ids, (m,), None), "b": (b, b.shape, jnp.uint8),
-              "a": (a, a.shape, jnp.float8_e4m3fn)}
+  expected = {
+    "a_scale": (a_scale, (m, k // GROUP), jnp.uint8),
+    "b_scale": (b_scale, (e, n, k // GROUP), jnp.uint8),
+    "expert_ids": (expert_ids, (m,), None),
+    "b": (b, b.shape, jnp.uint8),
+    "a": (a, a.shape, jnp.float8_e4m3fn),
+  }
   for name, (x, shape, dtype) in expected.items():
     if x.shape != shape:
       raise ValueError(f"{name} must have shape {shape} for M={m}, E={e}, N={n}, K={k}, got {x.shape}")
@@ -622,9 +707,16 @@ def check_operands(a, a_scale, b, b_scale, expert_ids) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
-                         expert_ids: jax.Array, *, config: GroupedGemmConfig | None = None,
-                         interpret: bool | None = None) -> jax.Array:
+def grouped_gemm_fp8_fp4(
+  a: jax.Array,
+  a_scale: jax.Array,
+  b: jax.Array,
+  b_scale: jax.Array,
+  expert_ids: jax.Array,
+  *,
+  config: GroupedGemmConfig | None = None,
+  interpret: bool | None = None,
+) -> jax.Array:
   """C [M, N] bf16 of the FP8 x FP4 m-grouped GEMM (module docstring).
 
   a [M, K] float8_e4m3fn, a_scale [M, K/32] uint8, b [E, N, K/2] uint8,
@@ -643,8 +735,15 @@ def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale
   # fp8 travels as its bytes; the kernel bitcasts them back (masked or
   # gathered fp8 loads do not lower).
   steps = config.block_k // GROUP
-  operands = (expert_ids.astype(jnp.int32), lax.bitcast_convert_type(a, jnp.uint8), scale_words(a_scale, steps),
-              byte_pairs(b), scale_words(b_scale, steps), a_scale, b_scale)
+  operands = (
+    expert_ids.astype(jnp.int32),
+    lax.bitcast_convert_type(a, jnp.uint8),
+    scale_words(a_scale, steps),
+    byte_pairs(b),
+    scale_words(b_scale, steps),
+    a_scale,
+    b_scale,
+  )
 
   def whole(x):
     return pl.BlockSpec(x.shape, lambda *_, nd=x.ndim: (0,) * nd)
@@ -656,17 +755,28 @@ def grouped_gemm_fp8_fp4(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale
   if config.fold_scales:
     operands += fold_operands(a, a_scale, b_scale)
 
-  kernel = functools.partial(_grouped_gemm_kernel, m=m, n=n, k=k, e=e, block_m=config.block_m,
-                             block_n=config.block_n, block_k=config.block_k, slots=config.expert_slots,
-                             swap_ab=config.swap_ab, items=config.expert_items, fold=config.fold_scales,
-                             ptx=not interpret)
+  kernel = functools.partial(
+    _grouped_gemm_kernel,
+    m=m,
+    n=n,
+    k=k,
+    e=e,
+    block_m=config.block_m,
+    block_n=config.block_n,
+    block_k=config.block_k,
+    slots=config.expert_slots,
+    swap_ab=config.swap_ab,
+    items=config.expert_items,
+    fold=config.fold_scales,
+    ptx=not interpret,
+  )
   return common.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
-      grid=(cdiv(n, config.block_n), config.expert_slots, row_programs),
-      in_specs=[whole(x) for x in operands],
-      out_specs=pl.BlockSpec((m, n), lambda *_: (0, 0)),
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret,
-      name="grouped_gemm_fp8_fp4",
+    kernel,
+    out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+    grid=(cdiv(n, config.block_n), config.expert_slots, row_programs),
+    in_specs=[whole(x) for x in operands],
+    out_specs=pl.BlockSpec((m, n), lambda *_: (0, 0)),
+    compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+    interpret=interpret,
+    name="grouped_gemm_fp8_fp4",
   )(*operands)

@@ -10,6 +10,6 @@ from pallas_kernels.mixed_mla import mosaic_gpu, triton
 from pallas_kernels.shared.kernel import Kernel, kernels
 
 KERNELS = kernels(
-    Kernel.of(triton, launch=triton.mixed_mla_decode),
-    Kernel.of(mosaic_gpu, launch=mosaic_gpu.mixed_mla_decode),
+  Kernel.of(triton, launch=triton.mixed_mla_decode),
+  Kernel.of(mosaic_gpu, launch=mosaic_gpu.mixed_mla_decode),
 )

@@ -4,29 +4,32 @@ empty caches and slot tables."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.mixed_mla.config import CHUNK
 
-FP4_GROUP = 16   # dims per UE8M0 scale of the FP4 records
+FP4_GROUP = 16  # dims per UE8M0 scale of the FP4 records
 
 
 class MixedMlaSizes(NamedTuple):
   """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+
   batch: int
   heads: int
   head_dim: int
-  k8: int     # FP8 window slots per sequence
-  k4: int     # FP4 compressed slots per sequence
+  k8: int  # FP8 window slots per sequence
+  k4: int  # FP4 compressed slots per sequence
 
   @classmethod
   def of(cls, shapes: Mapping[str, Any]) -> MixedMlaSizes:
     batch, heads, head_dim = shapes["q"].shape
-    return cls(int(batch), int(heads), int(head_dim), int(shapes["indices_fp8"].shape[1]),
-               int(shapes["indices_fp4"].shape[1]))
+    return cls(
+      int(batch), int(heads), int(head_dim), int(shapes["indices_fp8"].shape[1]), int(shapes["indices_fp4"].shape[1])
+    )
 
 
 def fp8_record_bytes(head_dim: int) -> int:
@@ -39,8 +42,14 @@ def fp4_record_bytes(head_dim: int) -> int:
   return head_dim // 2 + head_dim // FP4_GROUP
 
 
-def check_inputs(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv_fp4: jax.Array,
-                 indices_fp4: jax.Array, attn_sink: jax.Array) -> None:
+def check_inputs(
+  q: jax.Array,
+  kv_fp8: jax.Array,
+  indices_fp8: jax.Array,
+  kv_fp4: jax.Array,
+  indices_fp4: jax.Array,
+  attn_sink: jax.Array,
+) -> None:
   """Raises ValueError naming the input and what it must be: D a multiple of
   128, caches `[pages, page size, 1, bytes]` with the record sizes of D,
   index tables `[B, K]`, attn_sink `[H]`."""
@@ -54,10 +63,17 @@ def check_inputs(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv_fp4
   bytes8, bytes4 = kv_fp8.shape[3], kv_fp4.shape[3]
   if bytes8 != fp8_record_bytes(head_dim) or bytes4 != fp4_record_bytes(head_dim):
     raise ValueError(f"token records {bytes8}/{bytes4} bytes do not match D={head_dim}")
-  if (indices_fp8.ndim != 2 or indices_fp4.ndim != 2 or indices_fp8.shape[0] != batch
-      or indices_fp4.shape[0] != batch or attn_sink.shape != (heads,)):
-    raise ValueError(f"indices_fp8 {indices_fp8.shape}, indices_fp4 {indices_fp4.shape} must be [{batch}, K] "
-                     f"and attn_sink {attn_sink.shape} [{heads}]")
+  if (
+    indices_fp8.ndim != 2
+    or indices_fp4.ndim != 2
+    or indices_fp8.shape[0] != batch
+    or indices_fp4.shape[0] != batch
+    or attn_sink.shape != (heads,)
+  ):
+    raise ValueError(
+      f"indices_fp8 {indices_fp8.shape}, indices_fp4 {indices_fp4.shape} must be [{batch}, K] "
+      f"and attn_sink {attn_sink.shape} [{heads}]"
+    )
 
 
 def nonempty(cache: jax.Array, indices: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -8,8 +8,7 @@ import dataclasses
 from pallas_kernels.shared.config_rules import KernelConfig, at_least, field, instance_of, one_of, pow2
 from pallas_kernels.shared.split_kv import CombineStage, SplitStage
 
-
-CHUNK = 128   # dims per FP8 scale group, and per dequantization chunk
+CHUNK = 128  # dims per FP8 scale group, and per dequantization chunk
 HALF = CHUNK // 2
 
 
@@ -18,6 +17,7 @@ class MixedMlaSplitStage(SplitStage):
   """`SplitStage` plus `block_d`: output columns per program (a multiple of
   64 dividing D; D = no column split). Every program computes the scores
   over all D dims."""
+
   block_d: int = field(512, pow2(HALF))
 
 
@@ -27,6 +27,7 @@ class MixedMlaDecodeConfig(KernelConfig):
   heads (both >= 16: dot dimensions) and `block_d` output columns,
   `keys_per_split` slots in all; `combine`: `split_kv.combine_splits`'
   tiling."""
+
   split: MixedMlaSplitStage = field(MixedMlaSplitStage(), instance_of(MixedMlaSplitStage))
   combine: CombineStage = field(CombineStage(), instance_of(CombineStage))
 
@@ -40,6 +41,7 @@ class MosaicMixedMlaConfig(KernelConfig):
   sequence over its slot blocks (the FP8 window's, then the FP4 ones; 1 =
   none; more write fp32 partials that `combine`, the shared
   `split_kv.combine_splits`, merges)."""
+
   block_k: int = field(64, one_of(64))
   stages: int = field(1, at_least(1))
   splits: int = field(1, at_least(1))

@@ -90,13 +90,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-import jax.numpy as jnp
 
 from pallas_kernels.mixed_mla.caches import FP4_GROUP, MixedMlaSizes, check_inputs, nonempty
 from pallas_kernels.mixed_mla.config import CHUNK, MosaicMixedMlaConfig
@@ -104,15 +105,28 @@ from pallas_kernels.shared import device, fp_formats
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import cdiv, resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
-from pallas_kernels.shared.mosaic_gpu import (F32_TRANSFORMS, GATHER_FAULTS as FAULTS, NUM_CONSUMERS, TILE_COLS,
-                                              WGMMA_TRANSFORMS, consumer_registers, drain_releases, finish_rows,
-                                              gather_ring_scratch, gather_shared_memory_bytes, num_sms,
-                                              rescale_and_accumulate, softmax_carry, softmax_step, store_rows)
+from pallas_kernels.shared.mosaic_gpu import (
+  F32_TRANSFORMS,
+  NUM_CONSUMERS,
+  TILE_COLS,
+  WGMMA_TRANSFORMS,
+  consumer_registers,
+  drain_releases,
+  finish_rows,
+  gather_ring_scratch,
+  gather_shared_memory_bytes,
+  num_sms,
+  rescale_and_accumulate,
+  softmax_carry,
+  softmax_step,
+  store_rows,
+)
+from pallas_kernels.shared.mosaic_gpu import GATHER_FAULTS as FAULTS
 from pallas_kernels.shared.online_softmax import LOG2_E
 from pallas_kernels.shared.split_kv import combine_splits
 from pallas_kernels.sparse_mla.slots import blocks_per_split, slot_block_limits, split_runs
 
-BLOCK_H = 64          # heads per CTA: one wgmma row tile
+BLOCK_H = 64  # heads per CTA: one wgmma row tile
 HEAD_DIM = 512
 # The splits the heuristic makes at most: a sequence's 640 slots are 10
 # blocks of 64, so B = 1 can spread over 10 CTAs.
@@ -156,8 +170,15 @@ def shared_memory_bytes(config: MosaicMixedMlaConfig, slots: int) -> int:
   (4 bytes each), each aligned to 1 KiB, the barriers, and the 2 KiB more
   Mosaic GPU reports at lowering."""
   bk, stages = config.block_k, config.stages
-  buffers = [BLOCK_H * HEAD_DIM * 2, stages * bk * HEAD_DIM * 2, bk * FP8_WORDS * 2, bk * FP4_BYTES,
-             NUM_CONSUMERS * BLOCK_H * bk * 2, NUM_CONSUMERS * BLOCK_H * bk * 2, stages * (HEAD_DIM // CHUNK) * bk * 4]
+  buffers = [
+    BLOCK_H * HEAD_DIM * 2,
+    stages * bk * HEAD_DIM * 2,
+    bk * FP8_WORDS * 2,
+    bk * FP4_BYTES,
+    NUM_CONSUMERS * BLOCK_H * bk * 2,
+    NUM_CONSUMERS * BLOCK_H * bk * 2,
+    stages * (HEAD_DIM // CHUNK) * bk * 4,
+  ]
   return gather_shared_memory_bytes(buffers, slots, BLOCK_H, stages)
 
 
@@ -168,8 +189,7 @@ def _slots(sizes: MixedMlaSizes, block_k: int) -> int:
 
 def fit(config: MosaicMixedMlaConfig, sizes: MixedMlaSizes) -> MosaicMixedMlaConfig:
   """`config` with `splits` cut to the runs its slot blocks make, none empty."""
-  return dataclasses.replace(config, splits=split_runs(_slots(sizes, config.block_k), config.block_k,
-                                                       config.splits))
+  return dataclasses.replace(config, splits=split_runs(_slots(sizes, config.block_k), config.block_k, config.splits))
 
 
 def choose_config(shapes: Mapping[str, Any]) -> MosaicMixedMlaConfig:
@@ -188,10 +208,16 @@ def candidate_configs(shapes: Mapping[str, Any]) -> list[MosaicMixedMlaConfig]:
   none), then 2 ring slots where they fit (not at D = 512)."""
   sizes = MixedMlaSizes.of(shapes)
   chosen = choose_config(shapes)
-  sweep = [chosen, *(fit(dataclasses.replace(chosen, splits=s), sizes) for s in (5, 2, 1)),
-           dataclasses.replace(chosen, stages=2)]
-  return [c for c in dict.fromkeys(sweep)
-          if shared_memory_bytes(c, _slots(sizes, c.block_k)) <= device.SHARED_MEMORY_PER_BLOCK]
+  sweep = [
+    chosen,
+    *(fit(dataclasses.replace(chosen, splits=s), sizes) for s in (5, 2, 1)),
+    dataclasses.replace(chosen, stages=2),
+  ]
+  return [
+    c
+    for c in dict.fromkeys(sweep)
+    if shared_memory_bytes(c, _slots(sizes, c.block_k)) <= device.SHARED_MEMORY_PER_BLOCK
+  ]
 
 
 def check_supported(q: jax.Array) -> None:
@@ -233,8 +259,10 @@ def _fp8_scales(staging):
   """The staged records' f32 scales, one `[block_k]` row vector per 128-dim
   chunk (word pairs after the values, little-endian)."""
   words = _load(staging.at[:, pl.ds(HEAD_DIM // 2, FP8_WORDS - HEAD_DIM // 2)])
-  return [lax.bitcast_convert_type((_column(words, 2 * c + 1) << 16) | _column(words, 2 * c), jnp.float32)
-          for c in range(HEAD_DIM // CHUNK)]
+  return [
+    lax.bitcast_convert_type((_column(words, 2 * c + 1) << 16) | _column(words, 2 * c), jnp.float32)
+    for c in range(HEAD_DIM // CHUNK)
+  ]
 
 
 def _fp4_chunk(staging, j):
@@ -248,14 +276,20 @@ def _fp4_chunk(staging, j):
   groups = TILE_COLS // FP4_GROUP
   chunks_per_tile = FP4_SCALE_TILE // groups
   scale_bytes = _load(staging.at[:, pl.ds(HEAD_DIM // 2 + FP4_SCALE_TILE * (j // chunks_per_tile), FP4_SCALE_TILE)])
-  scales = [fp_formats.ue8m0_to_f32(_column(scale_bytes, groups * lax.rem(j, chunks_per_tile) + g))
-            for g in range(groups)]
+  scales = [
+    fp_formats.ue8m0_to_f32(_column(scale_bytes, groups * lax.rem(j, chunks_per_tile) + g)) for g in range(groups)
+  ]
   width = PAIR // groups
 
   def scaled(codes):
     values = fp_formats.e2m1_to_f32(codes)
-    return jnp.concatenate([values[:, width * g:width * (g + 1)] * lax.broadcast_in_dim(s, (values.shape[0], width), [0])
-                            for g, s in enumerate(scales)], axis=1)
+    return jnp.concatenate(
+      [
+        values[:, width * g : width * (g + 1)] * lax.broadcast_in_dim(s, (values.shape[0], width), [0])
+        for g, s in enumerate(scales)
+      ],
+      axis=1,
+    )
 
   return jnp.concatenate([scaled(packed & 0xF), scaled(packed >> 4)], axis=1)
 
@@ -264,9 +298,25 @@ def _fp4_chunk(staging, j):
 # Kernel.
 
 
-def _kernel(q_gmem, kv8_gmem, zeros8_gmem, kv4_gmem, zeros4_gmem, idx_gmem, limits_gmem, sink_gmem, scale_gmem,
-            o_gmem, lse_gmem, *, config: MosaicMixedMlaConfig, blocks8: int, blocks_per_split: int,
-            interpret: bool, fault: str | None):
+def _kernel(
+  q_gmem,
+  kv8_gmem,
+  zeros8_gmem,
+  kv4_gmem,
+  zeros4_gmem,
+  idx_gmem,
+  limits_gmem,
+  sink_gmem,
+  scale_gmem,
+  o_gmem,
+  lse_gmem,
+  *,
+  config: MosaicMixedMlaConfig,
+  blocks8: int,
+  blocks_per_split: int,
+  interpret: bool,
+  fault: str | None,
+):
   bk, stages = config.block_k, config.stages
   half = HEAD_DIM // NUM_CONSUMERS
   chunks_per_half = half // TILE_COLS
@@ -277,8 +327,23 @@ def _kernel(q_gmem, kv8_gmem, zeros8_gmem, kv4_gmem, zeros4_gmem, idx_gmem, limi
   first = jnp.maximum(limits_gmem[seq, 0], run)
   steps = jnp.maximum(jnp.minimum(limits_gmem[seq, 1], run + blocks_per_split) - first, 0)
 
-  def scoped(buffers, staging8, staging4, p_hi_smem, p_lo_smem, ring_scales, idx_smem, sink_smem, scale_smem, lse_smem, start,
-             staged, ring_full, ring_empty, done):
+  def scoped(
+    buffers,
+    staging8,
+    staging4,
+    p_hi_smem,
+    p_lo_smem,
+    ring_scales,
+    idx_smem,
+    sink_smem,
+    scale_smem,
+    lse_smem,
+    start,
+    staged,
+    ring_full,
+    ring_empty,
+    done,
+  ):
     wg = lax.axis_index("wg")
     (q_smem, ring), partial_smem = buffers
 
@@ -299,12 +364,13 @@ def _kernel(q_gmem, kv8_gmem, zeros8_gmem, kv4_gmem, zeros4_gmem, idx_gmem, limi
         for begin, width in pieces:
           cols = pl.ds(begin, width)
           row = dst.at[pl.ds(slot_in_block, 1), cols]
-          pl.when(valid)(lambda: plgpu.copy_gmem_to_smem(src.at[pl.ds(index, 1), cols], row, staged))
-          pl.when(~valid)(lambda: plgpu.copy_gmem_to_smem(zeros.at[pl.ds(0, 1), cols], row, staged))
+          pl.when(valid)(lambda cols=cols, row=row: plgpu.copy_gmem_to_smem(src.at[pl.ds(index, 1), cols], row, staged))
+          pl.when(~valid)(lambda cols=cols, row=row: plgpu.copy_gmem_to_smem(zeros.at[pl.ds(0, 1), cols], row, staged))
 
       def store_chunk(slot, j, values):
         ring.at[slot, j // chunks_per_half][:, pl.ds(lax.rem(j, chunks_per_half) * TILE_COLS, TILE_COLS)] = (
-            plgpu.layout_cast(values.astype(ring.dtype), plgpu.Layout.WGMMA))
+          plgpu.layout_cast(values.astype(ring.dtype), plgpu.Layout.WGMMA)
+        )
 
       # The chunk loops are not unrolled: unrolled, the loads of later
       # chunks are hoisted and the producer's registers spill.
@@ -312,6 +378,7 @@ def _kernel(q_gmem, kv8_gmem, zeros8_gmem, kv4_gmem, zeros4_gmem, idx_gmem, limi
         @pl.loop(0, HEAD_DIM // TILE_COLS)
         def _(j):
           store_chunk(slot, j, _fp8_chunk(staging8, j))
+
         for c, scale in enumerate(_fp8_scales(staging8)):
           ring_scales[slot, c] = scale
 
@@ -319,6 +386,7 @@ def _kernel(q_gmem, kv8_gmem, zeros8_gmem, kv4_gmem, zeros4_gmem, idx_gmem, limi
         @pl.loop(0, HEAD_DIM // TILE_COLS)
         def _(j):
           store_chunk(slot, j, _fp4_chunk(staging4, j))
+
         ones = plgpu.layout_cast(jnp.ones((bk,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         for c in range(scale_chunks):
           ring_scales[slot, c] = ones
@@ -331,10 +399,26 @@ def _kernel(q_gmem, kv8_gmem, zeros8_gmem, kv4_gmem, zeros4_gmem, idx_gmem, limi
         @pl.loop(0, bk)
         def _slot(t):
           index = idx_smem[block, t]
-          pl.when(is_fp8)(lambda: gather(kv8_gmem, zeros8_gmem, staging8,
-                                         ((0, HEAD_DIM // 2), (HEAD_DIM // 2, FP8_WORDS - HEAD_DIM // 2)), t, index))
-          pl.when(~is_fp8)(lambda: gather(kv4_gmem, zeros4_gmem, staging4,
-                                          ((0, HEAD_DIM // 2), (HEAD_DIM // 2, FP4_BYTES - HEAD_DIM // 2)), t, index))
+          pl.when(is_fp8)(
+            lambda: gather(
+              kv8_gmem,
+              zeros8_gmem,
+              staging8,
+              ((0, HEAD_DIM // 2), (HEAD_DIM // 2, FP8_WORDS - HEAD_DIM // 2)),
+              t,
+              index,
+            )
+          )
+          pl.when(~is_fp8)(
+            lambda: gather(
+              kv4_gmem,
+              zeros4_gmem,
+              staging4,
+              ((0, HEAD_DIM // 2), (HEAD_DIM // 2, FP4_BYTES - HEAD_DIM // 2)),
+              t,
+              index,
+            )
+          )
 
         plgpu.barrier_wait(staged)
         slot = lax.rem(g, stages)
@@ -358,7 +442,7 @@ def _kernel(q_gmem, kv8_gmem, zeros8_gmem, kv4_gmem, zeros4_gmem, idx_gmem, limi
       plgpu.barrier_wait(start)
       row_layout, key_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
       qk_scale = plgpu.load(scale_smem, layout=row_layout)
-      own = scale_chunks // NUM_CONSUMERS   # value chunks of 128 dims a consumer owns
+      own = scale_chunks // NUM_CONSUMERS  # value chunks of 128 dims a consumer owns
       acc, m, l = softmax_carry(BLOCK_H, CHUNK)
       accs = [acc] * own
 
@@ -376,14 +460,20 @@ def _kernel(q_gmem, kv8_gmem, zeros8_gmem, kv4_gmem, zeros4_gmem, idx_gmem, limi
           def product(s_ref):
             @pl.loop(0, CHUNK // TILE_COLS)
             def _(k):
-              tile = c * (CHUNK // TILE_COLS) + k     # 64-column tile of D
+              tile = c * (CHUNK // TILE_COLS) + k  # 64-column tile of D
               h, cols = tile // chunks_per_half, pl.ds(lax.rem(tile, chunks_per_half) * TILE_COLS, TILE_COLS)
               plgpu.wgmma(s_ref, q_smem.at[h].at[:, cols], ring.at[slot, h].at[:, cols].T)
+
             return s_ref[...]
+
           return s + pl.run_scoped(product, plgpu.ACC((BLOCK_H, bk), jnp.float32)) * key_scales(slot, c)
 
-        s = lax.fori_loop(0, scale_chunks, add_chunk_scores,
-                          plgpu.layout_cast(jnp.zeros((BLOCK_H, bk), jnp.float32), plgpu.Layout.WGMMA))
+        s = lax.fori_loop(
+          0,
+          scale_chunks,
+          add_chunk_scores,
+          plgpu.layout_cast(jnp.zeros((BLOCK_H, bk), jnp.float32), plgpu.Layout.WGMMA),
+        )
         s = s * lax.broadcast_in_dim(qk_scale, s.shape, [0])
         index = plgpu.load(idx_smem.at[first + g], layout=key_layout)
         valid = lax.broadcast_in_dim(index >= 0, s.shape, [1])
@@ -400,8 +490,9 @@ def _kernel(q_gmem, kv8_gmem, zeros8_gmem, kv4_gmem, zeros4_gmem, idx_gmem, limi
           # index into a ref the compiled accumulation closes over does not
           # lower.)
           values = ring.at[slot, wg].at[:, pl.ds(i * CHUNK, CHUNK)]
-          new_accs.append(rescale_and_accumulate(acc, correction, [(p_hi_smem.at[wg], values),
-                                                                   (p_lo_smem.at[wg], values)], interpret))
+          new_accs.append(
+            rescale_and_accumulate(acc, correction, [(p_hi_smem.at[wg], values), (p_lo_smem.at[wg], values)], interpret)
+          )
         plgpu.barrier_arrive(ring_empty.at[slot])
         return new_accs, m_next, l_next
 
@@ -412,23 +503,25 @@ def _kernel(q_gmem, kv8_gmem, zeros8_gmem, kv4_gmem, zeros4_gmem, idx_gmem, limi
       outs, lse = finish_rows(accs, m, l, sink)
       out = q_smem.at[wg] if config.splits == 1 else partial_smem.at[wg]
       where = (seq, heads) if config.splits == 1 else (seq, split, heads)
-      store_rows(wg, outs, lse, out, lse_smem, o_gmem.at[*where, pl.ds(wg * half, half)],
-                 lse_gmem.at[*where])
+      store_rows(wg, outs, lse, out, lse_smem, o_gmem.at[*where, pl.ds(wg * half, half)], lse_gmem.at[*where])
 
   dtype = q_gmem.dtype
   pl.run_scoped(
-      scoped,
-      plgpu.RefUnion(
-          (plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), dtype, transforms=WGMMA_TRANSFORMS),
-           plgpu.SMEM((stages, NUM_CONSUMERS, bk, half), dtype, transforms=WGMMA_TRANSFORMS)),
-          plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), jnp.float32, transforms=F32_TRANSFORMS)),
-      plgpu.SMEM((bk, FP8_WORDS), jnp.uint16, transforms=STAGING8_TRANSFORMS),
-      plgpu.SMEM((bk, FP4_BYTES), jnp.uint8, transforms=STAGING4_TRANSFORMS),
-      plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, bk), dtype, transforms=WGMMA_TRANSFORMS),
-      plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, bk), dtype, transforms=WGMMA_TRANSFORMS),
-      plgpu.SMEM((stages, scale_chunks, bk), jnp.float32),
-      *gather_ring_scratch(idx_gmem.shape[1:], BLOCK_H, bk, stages, fault),
-      collective_axes="wg",
+    scoped,
+    plgpu.RefUnion(
+      (
+        plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), dtype, transforms=WGMMA_TRANSFORMS),
+        plgpu.SMEM((stages, NUM_CONSUMERS, bk, half), dtype, transforms=WGMMA_TRANSFORMS),
+      ),
+      plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), jnp.float32, transforms=F32_TRANSFORMS),
+    ),
+    plgpu.SMEM((bk, FP8_WORDS), jnp.uint16, transforms=STAGING8_TRANSFORMS),
+    plgpu.SMEM((bk, FP4_BYTES), jnp.uint8, transforms=STAGING4_TRANSFORMS),
+    plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, bk), dtype, transforms=WGMMA_TRANSFORMS),
+    plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, bk), dtype, transforms=WGMMA_TRANSFORMS),
+    plgpu.SMEM((stages, scale_chunks, bk), jnp.float32),
+    *gather_ring_scratch(idx_gmem.shape[1:], BLOCK_H, bk, stages, fault),
+    collective_axes="wg",
   )
 
 
@@ -440,8 +533,19 @@ def _slot_blocks(indices: jax.Array, rows: int, block_k: int) -> jax.Array:
   return jnp.pad(idx, ((0, 0), (0, -indices.shape[1] % block_k)), constant_values=-1)
 
 
-def _forward(q, kv_fp8, indices_fp8, kv_fp4, indices_fp4, sm_scale, attn_sink, *, config: MosaicMixedMlaConfig,
-             interpret: bool, fault: str | None = None):
+def _forward(
+  q,
+  kv_fp8,
+  indices_fp8,
+  kv_fp4,
+  indices_fp4,
+  sm_scale,
+  attn_sink,
+  *,
+  config: MosaicMixedMlaConfig,
+  interpret: bool,
+  fault: str | None = None,
+):
   """(out, lse) past the checks (B >= 1, caches with a row); `fault`
   (tests only, one of `FAULTS`) breaks the synchronization on purpose."""
   if fault is not None and fault not in FAULTS:
@@ -460,33 +564,65 @@ def _forward(q, kv_fp8, indices_fp8, kv_fp4, indices_fp4, sm_scale, attn_sink, *
   if splits == 1:
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads), jnp.float32))
   else:
-    out_type = (jax.ShapeDtypeStruct((batch, splits, heads, head_dim), jnp.float32),
-                jax.ShapeDtypeStruct((batch, splits, heads), jnp.float32))
+    out_type = (
+      jax.ShapeDtypeStruct((batch, splits, heads, head_dim), jnp.float32),
+      jax.ShapeDtypeStruct((batch, splits, heads), jnp.float32),
+    )
   kernel = plgpu.kernel(
-      functools.partial(_kernel, config=config, blocks8=idx8.shape[1] // bk,
-                        blocks_per_split=blocks_per_split(blocks * bk, bk, splits), interpret=interpret,
-                        fault=fault),
-      out_type=out_type,
-      grid=(heads // BLOCK_H, splits, batch),
-      grid_names=("h", "s", "b"),
-      num_threads=NUM_CONSUMERS + 1,
-      thread_name="wg",
-      **compat.interpret_kwargs(interpret),
+    functools.partial(
+      _kernel,
+      config=config,
+      blocks8=idx8.shape[1] // bk,
+      blocks_per_split=blocks_per_split(blocks * bk, bk, splits),
+      interpret=interpret,
+      fault=fault,
+    ),
+    out_type=out_type,
+    grid=(heads // BLOCK_H, splits, batch),
+    grid_names=("h", "s", "b"),
+    num_threads=NUM_CONSUMERS + 1,
+    thread_name="wg",
+    **compat.interpret_kwargs(interpret),
   )
   sink = attn_sink.astype(jnp.float32)
-  out, lse = kernel(permute_dims(q), kv8, jnp.zeros((1, FP8_WORDS), jnp.uint16), kv4,
-                    jnp.zeros((1, FP4_BYTES), jnp.uint8), idx.reshape(batch, blocks, bk), limits, sink, qk_scale)
+  out, lse = kernel(
+    permute_dims(q),
+    kv8,
+    jnp.zeros((1, FP8_WORDS), jnp.uint16),
+    kv4,
+    jnp.zeros((1, FP4_BYTES), jnp.uint8),
+    idx.reshape(batch, blocks, bk),
+    limits,
+    sink,
+    qk_scale,
+  )
   if splits > 1:
-    out, lse = combine_splits(out, lse, sink, stage=config.combine, out_dtype=q.dtype, with_lse=True,
-                              name="mixed_mla_decode_combine", interpret=interpret)
+    out, lse = combine_splits(
+      out,
+      lse,
+      sink,
+      stage=config.combine,
+      out_dtype=q.dtype,
+      with_lse=True,
+      name="mixed_mla_decode_combine",
+      interpret=interpret,
+    )
   return unpermute_dims(out), lse
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv_fp4: jax.Array,
-                     indices_fp4: jax.Array, sm_scale: jax.Array, attn_sink: jax.Array, *,
-                     config: MosaicMixedMlaConfig | None = None,
-                     interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+def mixed_mla_decode(
+  q: jax.Array,
+  kv_fp8: jax.Array,
+  indices_fp8: jax.Array,
+  kv_fp4: jax.Array,
+  indices_fp4: jax.Array,
+  sm_scale: jax.Array,
+  attn_sink: jax.Array,
+  *,
+  config: MosaicMixedMlaConfig | None = None,
+  interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Mixed FP8/FP4 MLA decode: the contract of
   `pallas_kernels.mixed_mla.triton.mixed_mla_decode` on the inputs this
   kernel takes (`check_supported`), `Unsupported` otherwise.
@@ -505,7 +641,17 @@ def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv
   config = fit(config or choose_config({"q": q, "indices_fp8": indices_fp8, "indices_fp4": indices_fp4}), sizes)
   need = shared_memory_bytes(config, _slots(sizes, config.block_k))
   if need > device.SHARED_MEMORY_PER_BLOCK:
-    raise ValueError(f"{config} needs {need} bytes of shared memory; the limit is "
-                     f"{device.SHARED_MEMORY_PER_BLOCK} (fewer stages)")
-  return _forward(q, kv_fp8, indices_fp8, kv_fp4, indices_fp4, sm_scale, attn_sink, config=config,
-                  interpret=resolve_interpret(interpret))
+    raise ValueError(
+      f"{config} needs {need} bytes of shared memory; the limit is {device.SHARED_MEMORY_PER_BLOCK} (fewer stages)"
+    )
+  return _forward(
+    q,
+    kv_fp8,
+    indices_fp8,
+    kv_fp4,
+    indices_fp4,
+    sm_scale,
+    attn_sink,
+    config=config,
+    interpret=resolve_interpret(interpret),
+  )

@@ -35,38 +35,38 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from pallas_kernels.shared import common
-import jax.numpy as jnp
 
-from pallas_kernels.shared import fp_formats
+from pallas_kernels.mixed_mla.caches import FP4_GROUP, MixedMlaSizes, check_inputs, nonempty
+from pallas_kernels.mixed_mla.config import CHUNK, HALF, MixedMlaDecodeConfig, MixedMlaSplitStage
+from pallas_kernels.shared import common, fp_formats
 from pallas_kernels.shared.common import MIN_DOT_DIM, cdiv, resolve_interpret
 from pallas_kernels.shared.device import num_sms
 from pallas_kernels.shared.online_softmax import LOG2_E, init_carry, lse_base2, normalize, online_softmax_step
 from pallas_kernels.shared.split_kv import CombineStage, choose_combine, combine_splits, fit_combine
-from pallas_kernels.mixed_mla.caches import FP4_GROUP, MixedMlaSizes, check_inputs, nonempty
-from pallas_kernels.mixed_mla.config import CHUNK, HALF, MixedMlaDecodeConfig, MixedMlaSplitStage
-
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
   """Static problem facts the kernels need."""
+
   head_dim: int
   k8: int
   k4: int
   rows8: int
   rows4: int
-  keys8: int      # slots per FP8 split (keys_per_split, capped to K8 rounded up)
+  keys8: int  # slots per FP8 split (keys_per_split, capped to K8 rounded up)
   keys4: int
   splits8: int
   splits4: int
-  block_d: int    # output columns per program
+  block_d: int  # output columns per program
 
   @property
   def splits(self) -> int:
@@ -80,9 +80,20 @@ class _Layout:
 def _layout(head_dim, k8, k4, rows8, rows4, split: MixedMlaSplitStage) -> _Layout:
   def keys(k):
     return min(split.keys_per_split, cdiv(k, split.block_k) * split.block_k)
+
   keys8, keys4 = keys(k8), keys(k4)
-  return _Layout(head_dim, k8, k4, rows8, rows4, keys8, keys4, cdiv(k8, keys8) if k8 else 0,
-                 cdiv(k4, keys4) if k4 else 0, split.block_d)
+  return _Layout(
+    head_dim,
+    k8,
+    k4,
+    rows8,
+    rows4,
+    keys8,
+    keys4,
+    cdiv(k8, keys8) if k8 else 0,
+    cdiv(k4, keys4) if k4 else 0,
+    split.block_d,
+  )
 
 
 def _fit_block_d(block_d: int, head_dim: int) -> int:
@@ -97,12 +108,17 @@ def _fit(config: MixedMlaDecodeConfig, sizes: MixedMlaSizes) -> MixedMlaDecodeCo
   """Caps the head and column blocks to the problem and raises the key step
   to a dot dimension; the combine's blocks divide H and D."""
   block_k = max(config.split.block_k, MIN_DOT_DIM)
-  split = dataclasses.replace(config.split, block_h=min(config.split.block_h, max(sizes.heads, MIN_DOT_DIM)),
-                              block_k=block_k, keys_per_split=max(config.split.keys_per_split, block_k),
-                              block_d=_fit_block_d(config.split.block_d, sizes.head_dim))
+  split = dataclasses.replace(
+    config.split,
+    block_h=min(config.split.block_h, max(sizes.heads, MIN_DOT_DIM)),
+    block_k=block_k,
+    keys_per_split=max(config.split.keys_per_split, block_k),
+    block_d=_fit_block_d(config.split.block_d, sizes.head_dim),
+  )
   lay = _layout(sizes.head_dim, sizes.k8, sizes.k4, 1, 1, split)
-  return MixedMlaDecodeConfig(split=split, combine=fit_combine(config.combine, sizes.heads, sizes.head_dim,
-                                                               max(lay.splits, 1)))
+  return MixedMlaDecodeConfig(
+    split=split, combine=fit_combine(config.combine, sizes.heads, sizes.head_dim, max(lay.splits, 1))
+  )
 
 
 def _split_programs(sizes: MixedMlaSizes, split: MixedMlaSplitStage) -> int:
@@ -130,8 +146,9 @@ def choose_config(shapes: Mapping[str, Any]) -> MixedMlaDecodeConfig:
   4 heads x 32 columns, 256 programs)."""
   sizes = MixedMlaSizes.of(shapes)
   for keys_per_split, block_d in _SPLIT_TRIES:
-    split = MixedMlaSplitStage(block_h=16, block_k=32, keys_per_split=keys_per_split, num_warps=8,
-                               num_stages=2, block_d=block_d)
+    split = MixedMlaSplitStage(
+      block_h=16, block_k=32, keys_per_split=keys_per_split, num_warps=8, num_stages=2, block_d=block_d
+    )
     split = _fit(MixedMlaDecodeConfig(split=split), sizes).split
     if _split_programs(sizes, split) >= num_sms():
       break
@@ -151,10 +168,15 @@ def candidate_configs(shapes: Mapping[str, Any]) -> list[MixedMlaDecodeConfig]:
   combine = chosen.combine
   configs = [chosen]
   for block_h, block_k, keys_per_split, block_d, num_warps in (
-      (16, 32, 64, 128, 8), (16, 32, 64, 256, 8), (16, 32, 128, 512, 8), (16, 32, 64, 512, 8),
-      (16, 32, 32, 512, 8), (16, 32, 128, 64, 8), (32, 16, 128, 256, 8)):
-    split = MixedMlaSplitStage(block_h, block_k, keys_per_split, num_warps=num_warps, num_stages=2,
-                               block_d=block_d)
+    (16, 32, 64, 128, 8),
+    (16, 32, 64, 256, 8),
+    (16, 32, 128, 512, 8),
+    (16, 32, 64, 512, 8),
+    (16, 32, 32, 512, 8),
+    (16, 32, 128, 64, 8),
+    (32, 16, 128, 256, 8),
+  ):
+    split = MixedMlaSplitStage(block_h, block_k, keys_per_split, num_warps=num_warps, num_stages=2, block_d=block_d)
     configs.append(MixedMlaDecodeConfig(split=split, combine=combine))
   for block_h, block_d in ((16, 64), (16, 128), (8, 32)):
     configs.append(MixedMlaDecodeConfig(split=chosen.split, combine=CombineStage(block_h, block_d)))
@@ -229,7 +251,7 @@ def _fp4_tile(kv_ref, rows, valid, head_dim):
   scales applied (exact)."""
   parts = []
   for c in range(head_dim // CHUNK):
-    packed = kv_ref[rows, pl.ds(HALF * c, HALF)]     # bytes of dims 128c + 2j, +1
+    packed = kv_ref[rows, pl.ds(HALF * c, HALF)]  # bytes of dims 128c + 2j, +1
     scale = _fp4_scales(kv_ref, rows, head_dim, c)
     parts += [_fp4_values(code, scale, valid) for code in fp_formats.unpack_e2m1(packed)]
   return parts
@@ -238,8 +260,7 @@ def _fp4_tile(kv_ref, rows, valid, head_dim):
 def _fp8_value_part(kv_ref, rows, valid, head_dim, part):
   """Value part `part` (traced) of the gathered FP8 records: (bf16 [bk, 64]
   unscaled, f32 scale [bk])."""
-  return (_fp8_values(kv_ref[rows, _part_columns(part)], valid),
-          _fp8_scale(kv_ref, rows, valid, head_dim, part // 2))
+  return (_fp8_values(kv_ref[rows, _part_columns(part)], valid), _fp8_scale(kv_ref, rows, valid, head_dim, part // 2))
 
 
 def _fp4_value_part(kv_ref, rows, valid, head_dim, part):
@@ -256,16 +277,16 @@ def _scores(q_parts, k_parts, scales):
   parity) parts of `q . k`; `scales` (FP8 only) multiply each chunk's part."""
   s = None
   for c in range(len(q_parts) // 2):
-    part = sum(jnp.dot(q_parts[2 * c + p], k_parts[2 * c + p].T, preferred_element_type=jnp.float32)
-               for p in (0, 1))
+    part = sum(jnp.dot(q_parts[2 * c + p], k_parts[2 * c + p].T, preferred_element_type=jnp.float32) for p in (0, 1))
     if scales is not None:
       part = part * scales[c][None, :]
     s = part if s is None else s + part
   return s
 
 
-def _split_kernel(q_ref, idx8_ref, idx4_ref, kv8_ref, kv4_ref, scale_ref, o_ref, lse_ref, *,
-                  lay: _Layout, block_k: int):
+def _split_kernel(
+  q_ref, idx8_ref, idx4_ref, kv8_ref, kv4_ref, scale_ref, o_ref, lse_ref, *, lay: _Layout, block_k: int
+):
   # q_ref [bh, D]; idx*_ref [K*]; kv*_ref [rows, bytes]; scale_ref [1];
   # o_ref [bh, D] (this program writes its block_d columns); lse_ref [bh].
   head_dim = lay.head_dim
@@ -284,10 +305,12 @@ def _split_kernel(q_ref, idx8_ref, idx4_ref, kv8_ref, kv4_ref, scale_ref, o_ref,
   is_fp8 = split < lay.splits8
   base8 = split * lay.keys8
   base4 = (split - lay.splits8) * lay.keys4
-  load8 = functools.partial(_load_rows, idx8_ref, block_k=block_k, num_slots=lay.k8,
-                            num_rows=lay.rows8, masked=lay.k8 % lay.keys8 != 0)
-  load4 = functools.partial(_load_rows, idx4_ref, block_k=block_k, num_slots=lay.k4,
-                            num_rows=lay.rows4, masked=lay.k4 % lay.keys4 != 0)
+  load8 = functools.partial(
+    _load_rows, idx8_ref, block_k=block_k, num_slots=lay.k8, num_rows=lay.rows8, masked=lay.k8 % lay.keys8 != 0
+  )
+  load4 = functools.partial(
+    _load_rows, idx4_ref, block_k=block_k, num_slots=lay.k4, num_rows=lay.rows4, masked=lay.k4 % lay.keys4 != 0
+  )
 
   def fp8_body(t, carry):
     rows, valid = load8(base8 + t * block_k)
@@ -298,15 +321,22 @@ def _split_kernel(q_ref, idx8_ref, idx4_ref, kv8_ref, kv4_ref, scale_ref, o_ref,
       values, value_scales = map(list, zip(*(_fp8_value_part(kv8_ref, rows, valid, head_dim, j) for j in parts)))
     # FP8 scales multiply the probabilities of their chunk's parts (exact
     # values in the dot).
-    return online_softmax_step(_scores(q_parts, k_parts, scales) * qk_scale, carry, values,
-                               visible=valid[None, :], value_scales=value_scales, p_hi_lo=True)
+    return online_softmax_step(
+      _scores(q_parts, k_parts, scales) * qk_scale,
+      carry,
+      values,
+      visible=valid[None, :],
+      value_scales=value_scales,
+      p_hi_lo=True,
+    )
 
   def fp4_body(t, carry):
     rows, valid = load4(base4 + t * block_k)
     k_parts = _fp4_tile(kv4_ref, rows, valid, head_dim)
     values = k_parts if every_part else [_fp4_value_part(kv4_ref, rows, valid, head_dim, j) for j in parts]
-    return online_softmax_step(_scores(q_parts, k_parts, None) * qk_scale, carry, values,
-                               visible=valid[None, :], p_hi_lo=True)
+    return online_softmax_step(
+      _scores(q_parts, k_parts, None) * qk_scale, carry, values, visible=valid[None, :], p_hi_lo=True
+    )
 
   # Trip counts from program_id. (Not `jnp.where(is_fp8, n, 0)`: XLA's
   # Triton then rejects the loop, "scf.for ... bounds have same type".)
@@ -324,10 +354,18 @@ def _split_kernel(q_ref, idx8_ref, idx4_ref, kv8_ref, kv4_ref, scale_ref, o_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv_fp4: jax.Array,
-                     indices_fp4: jax.Array, sm_scale: jax.Array, attn_sink: jax.Array, *,
-                     config: MixedMlaDecodeConfig | None = None,
-                     interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+def mixed_mla_decode(
+  q: jax.Array,
+  kv_fp8: jax.Array,
+  indices_fp8: jax.Array,
+  kv_fp4: jax.Array,
+  indices_fp4: jax.Array,
+  sm_scale: jax.Array,
+  attn_sink: jax.Array,
+  *,
+  config: MixedMlaDecodeConfig | None = None,
+  interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Mixed FP8/FP4 MLA decode (SPEC 4.10).
 
   Args:
@@ -370,28 +408,38 @@ def mixed_mla_decode(q: jax.Array, kv_fp8: jax.Array, indices_fp8: jax.Array, kv
   scale = jnp.asarray(sm_scale, jnp.float32).reshape(1)
   block_h, cols = split_cfg.block_h, lay.column_blocks
   o_part, lse_part = common.pallas_call(
-      functools.partial(_split_kernel, lay=lay, block_k=split_cfg.block_k),
-      out_shape=(jax.ShapeDtypeStruct((batch, lay.splits, heads, head_dim), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, lay.splits, heads), jnp.float32)),
-      # Axis 2: head block major, column block minor.
-      grid=(batch, lay.splits, heads // block_h * cols),
-      in_specs=[
-          pl.BlockSpec((None, block_h, head_dim), lambda b, s, hc: (b, hc // cols, 0)),
-          pl.BlockSpec((None, sizes.k8), lambda b, s, hc: (b, 0)),
-          pl.BlockSpec((None, sizes.k4), lambda b, s, hc: (b, 0)),
-          pl.BlockSpec((rows8, bytes8), lambda b, s, hc: (0, 0)),
-          pl.BlockSpec((rows4, bytes4), lambda b, s, hc: (0, 0)),
-          pl.BlockSpec((1,), lambda b, s, hc: (0,)),
-      ],
-      # Whole rows: the column blocks of a head block write their columns of it.
-      out_specs=(pl.BlockSpec((None, None, block_h, head_dim), lambda b, s, hc: (b, s, hc // cols, 0)),
-                 pl.BlockSpec((None, None, block_h), lambda b, s, hc: (b, s, hc // cols))),
-      compiler_params=plgpu.CompilerParams(num_warps=split_cfg.num_warps,
-                                           num_stages=split_cfg.num_stages),
-      interpret=interpret,
-      name="mixed_mla_decode_split",
+    functools.partial(_split_kernel, lay=lay, block_k=split_cfg.block_k),
+    out_shape=(
+      jax.ShapeDtypeStruct((batch, lay.splits, heads, head_dim), jnp.float32),
+      jax.ShapeDtypeStruct((batch, lay.splits, heads), jnp.float32),
+    ),
+    # Axis 2: head block major, column block minor.
+    grid=(batch, lay.splits, heads // block_h * cols),
+    in_specs=[
+      pl.BlockSpec((None, block_h, head_dim), lambda b, s, hc: (b, hc // cols, 0)),
+      pl.BlockSpec((None, sizes.k8), lambda b, s, hc: (b, 0)),
+      pl.BlockSpec((None, sizes.k4), lambda b, s, hc: (b, 0)),
+      pl.BlockSpec((rows8, bytes8), lambda b, s, hc: (0, 0)),
+      pl.BlockSpec((rows4, bytes4), lambda b, s, hc: (0, 0)),
+      pl.BlockSpec((1,), lambda b, s, hc: (0,)),
+    ],
+    # Whole rows: the column blocks of a head block write their columns of it.
+    out_specs=(
+      pl.BlockSpec((None, None, block_h, head_dim), lambda b, s, hc: (b, s, hc // cols, 0)),
+      pl.BlockSpec((None, None, block_h), lambda b, s, hc: (b, s, hc // cols)),
+    ),
+    compiler_params=plgpu.CompilerParams(num_warps=split_cfg.num_warps, num_stages=split_cfg.num_stages),
+    interpret=interpret,
+    name="mixed_mla_decode_split",
   )(q, indices_fp8, indices_fp4, kv8_flat, kv4_flat, scale)
 
-  return combine_splits(o_part, lse_part, attn_sink.astype(jnp.float32), stage=config.combine,
-                        out_dtype=q.dtype, with_lse=True, name="mixed_mla_decode_combine",
-                        interpret=interpret)
+  return combine_splits(
+    o_part,
+    lse_part,
+    attn_sink.astype(jnp.float32),
+    stage=config.combine,
+    out_dtype=q.dtype,
+    with_lse=True,
+    name="mixed_mla_decode_combine",
+    interpret=interpret,
+  )

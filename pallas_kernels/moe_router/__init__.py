@@ -8,5 +8,5 @@ from pallas_kernels.moe_router import triton
 from pallas_kernels.shared.kernel import Kernel, kernels
 
 KERNELS = kernels(
-    Kernel.of(triton, launch=triton.moe_router_topk),
+  Kernel.of(triton, launch=triton.moe_router_topk),
 )

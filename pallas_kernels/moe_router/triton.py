@@ -48,21 +48,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from pallas_kernels.shared import common
-import jax.numpy as jnp
 
-from pallas_kernels.shared.common import (NT_DIMS, cdiv, check_nt_operands, fit_block, fitted_candidates, next_pow2,
-                                   resolve_interpret)
-from pallas_kernels.shared import last_program
+from pallas_kernels.moe_router.config import MoeRouterConfig, RouterEpilogueStage, RouterGemmStage
+from pallas_kernels.shared import common, last_program
+from pallas_kernels.shared.common import (
+  NT_DIMS,
+  cdiv,
+  check_nt_operands,
+  fit_block,
+  fitted_candidates,
+  next_pow2,
+  resolve_interpret,
+)
 from pallas_kernels.shared.device import num_sms
 from pallas_kernels.shared.fp_formats import f32_bits_one_nan
-from pallas_kernels.moe_router.config import RouterGemmStage, RouterEpilogueStage, MoeRouterConfig
 
 # The most D splits the heuristic and the sweep use: past this the partials'
 # traffic and the reduce kernel's loads grow while the GEMM stage gains little.
@@ -82,6 +89,7 @@ _ONE_LAUNCH_MAX_M = 16
 
 class MoeRouterSizes(NamedTuple):
   """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+
   m: int
   d: int
   experts: int
@@ -100,8 +108,12 @@ def _fit(config: MoeRouterConfig, m: int, d: int, e: int) -> MoeRouterConfig:
   """Clamps blocks to the problem (powers of two >= 16 covering M, E, D),
   `split_d` to the D ranges its blocks make, the epilogue's rows to M (and,
   in one launch, to a row block)."""
-  gemm = dataclasses.replace(config.gemm, block_m=fit_block(config.gemm.block_m, m),
-                             block_e=fit_block(config.gemm.block_e, e), block_d=fit_block(config.gemm.block_d, d))
+  gemm = dataclasses.replace(
+    config.gemm,
+    block_m=fit_block(config.gemm.block_m, m),
+    block_e=fit_block(config.gemm.block_e, e),
+    block_d=fit_block(config.gemm.block_d, d),
+  )
   gemm = dataclasses.replace(gemm, split_d=cdiv(cdiv(d, gemm.block_d), _d_blocks_per_split(gemm, d)))
   rows = min(config.epilogue.block_m, next_pow2(m))
   if config.one_launch:  # a step routes rows of one row block
@@ -130,8 +142,7 @@ def _gemm_stage(m: int, d: int, e: int, sms: int) -> RouterGemmStage:
   (decode: E and D split, one pass over the weight)."""
   block_d = 128
   for block_m, block_e in _TILES:
-    gemm = RouterGemmStage(block_m, block_e, block_d, 1, num_warps=8 if block_m * block_e >= 8192 else 4,
-                           num_stages=3)
+    gemm = RouterGemmStage(block_m, block_e, block_d, 1, num_warps=8 if block_m * block_e >= 8192 else 4, num_stages=3)
     if gemm_programs(_fit(MoeRouterConfig(gemm), m, d, e).gemm, m, e) >= _FILL * sms:
       return gemm
   tiles = max(1, cdiv(m, 16) * cdiv(e, 16))  # M = 0: the decode form (the launcher then launches nothing)
@@ -145,8 +156,9 @@ def _one_launch(gemm: RouterGemmStage, m: int, warps: int) -> MoeRouterConfig:
   up to one row per warp (each [rows, next_pow2(E)] temporary of the
   routing then holds 16 fp32 values a thread at E = 384, spill-free on
   sm_90a with the GEMM's registers)."""
-  return MoeRouterConfig(dataclasses.replace(gemm, num_warps=warps),
-                         RouterEpilogueStage(min(next_pow2(m), warps), warps), one_launch=True)
+  return MoeRouterConfig(
+    dataclasses.replace(gemm, num_warps=warps), RouterEpilogueStage(min(next_pow2(m), warps), warps), one_launch=True
+  )
 
 
 def choose_config(shapes: Mapping[str, Any]) -> MoeRouterConfig:
@@ -174,10 +186,14 @@ def candidate_configs(shapes: Mapping[str, Any]) -> list[MoeRouterConfig]:
   variants = []
   if m <= _ONE_LAUNCH_MAX_M:
     one = [_one_launch(two_launch.gemm, m, warps) for warps in (4, 8)]
-    variants += one + [dataclasses.replace(one[1], epilogue=RouterEpilogueStage(16, 8)),
-                       dataclasses.replace(chosen, gemm=dataclasses.replace(chosen.gemm, block_d=64, num_stages=4))]
-  variants += [two_launch, MoeRouterConfig(dataclasses.replace(two_launch.gemm, block_d=64, num_stages=4),
-                                           two_launch.epilogue)]
+    variants += one + [
+      dataclasses.replace(one[1], epilogue=RouterEpilogueStage(16, 8)),
+      dataclasses.replace(chosen, gemm=dataclasses.replace(chosen.gemm, block_d=64, num_stages=4)),
+    ]
+  variants += [
+    two_launch,
+    MoeRouterConfig(dataclasses.replace(two_launch.gemm, block_d=64, num_stages=4), two_launch.epilogue),
+  ]
   variants += [MoeRouterConfig(two_launch.gemm, epilogue) for epilogue in epilogues]
   for block_m, block_e in _TILES:
     for split_d in (1, 2, 4, 8):
@@ -186,8 +202,19 @@ def candidate_configs(shapes: Mapping[str, Any]) -> list[MoeRouterConfig]:
   return fitted_candidates(chosen, variants, lambda c: _fit(c, m, d, e))
 
 
-def _logits_kernel(hidden_ref, weight_ref, partial_ref, *, m: int, d: int, e: int, block_m: int, block_e: int,
-                   block_d: int, d_blocks_per_split: int):
+def _logits_kernel(
+  hidden_ref,
+  weight_ref,
+  partial_ref,
+  *,
+  m: int,
+  d: int,
+  e: int,
+  block_m: int,
+  block_e: int,
+  block_d: int,
+  d_blocks_per_split: int,
+):
   # Whole-array refs: hidden [M, D], weight [E, D], partial [splits, M, E].
   expert0 = pl.program_id(0) * block_e
   row0 = pl.program_id(1) * block_m
@@ -264,13 +291,11 @@ def _route(logits, bias, scale, *, e: int, top_k: int, top_k_padded: int):
 
 def _load_bias(bias_ref, *, e: int, experts_padded: int):
   experts = lax.broadcasted_iota(jnp.int32, (experts_padded,), 0)
-  bias = plgpu.load(bias_ref.at[pl.ds(jnp.int32(0), experts_padded)],
-                    mask=experts < e, other=0.0)
+  bias = plgpu.load(bias_ref.at[pl.ds(jnp.int32(0), experts_padded)], mask=experts < e, other=0.0)
   return bias[None, :]
 
 
-def _store_routes(ids_ref, weights_ref, ids, weights, *, m: int, row_start, ref_row0,
-                  top_k: int):
+def _store_routes(ids_ref, weights_ref, ids, weights, *, m: int, row_start, ref_row0, top_k: int):
   """Stores rows `row_start..` (masks: rows < m, slots < top_k) at rows
   `ref_row0..` of the refs (a row block's refs: 0; whole arrays: row_start)."""
   rows, top_k_padded = ids.shape
@@ -291,8 +316,24 @@ def _splits_per_load(block_m: int, num_warps: int, num_splits: int, experts_padd
   return min(next_pow2(num_splits), 1 << (budget.bit_length() - 1))
 
 
-def _reduce_and_route_rows(partial_ref, bias_ref, scale_ref, ids_ref, weights_ref, *, row_start, ref_row0, m, e, top_k,
-                           top_k_padded, num_splits, rows, experts_padded, splits_per_load):
+def _reduce_and_route_rows(
+  partial_ref,
+  bias_ref,
+  scale_ref,
+  ids_ref,
+  weights_ref,
+  *,
+  row_start,
+  ref_row0,
+  m,
+  e,
+  top_k,
+  top_k_padded,
+  num_splits,
+  rows,
+  experts_padded,
+  splits_per_load,
+):
   """Sums the splits' partial logits of `rows` rows (global rows
   `row_start..`, at rows `ref_row0..` of `partial_ref [num_splits, *, E]`
   and of the output refs), routes them and stores their ids and weights."""
@@ -304,12 +345,15 @@ def _reduce_and_route_rows(partial_ref, bias_ref, scale_ref, ids_ref, weights_re
   def add_splits(chunk, acc):
     first = chunk * splits_per_load
     tile = plgpu.load(
-        partial_ref.at[pl.ds(first, splits_per_load), pl.ds(ref_row0, rows), pl.ds(jnp.int32(0), experts_padded)],
-        mask=row_col_ok & (first + split_ids < num_splits), other=0.0)
+      partial_ref.at[pl.ds(first, splits_per_load), pl.ds(ref_row0, rows), pl.ds(jnp.int32(0), experts_padded)],
+      mask=row_col_ok & (first + split_ids < num_splits),
+      other=0.0,
+    )
     return acc + jnp.sum(tile, axis=0)
 
-  logits = lax.fori_loop(0, cdiv(num_splits, splits_per_load), add_splits,
-                         jnp.zeros((rows, experts_padded), jnp.float32))
+  logits = lax.fori_loop(
+    0, cdiv(num_splits, splits_per_load), add_splits, jnp.zeros((rows, experts_padded), jnp.float32)
+  )
   bias = _load_bias(bias_ref, e=e, experts_padded=experts_padded)
   ids, weights = _route(logits, bias, scale_ref[0], e=e, top_k=top_k, top_k_padded=top_k_padded)
   _store_routes(ids_ref, weights_ref, ids, weights, m=m, row_start=row_start, ref_row0=ref_row0, top_k=top_k)
@@ -317,13 +361,36 @@ def _reduce_and_route_rows(partial_ref, bias_ref, scale_ref, ids_ref, weights_re
 
 def _reduce_and_route_kernel(partial_ref, bias_ref, scale_ref, ids_ref, weights_ref, *, block_m, routing):
   # partial_ref: [num_splits, block_m, E] fp32 rows of M; ids/weights: [block_m, top_k] blocks.
-  _reduce_and_route_rows(partial_ref, bias_ref, scale_ref, ids_ref, weights_ref, row_start=pl.program_id(0) * block_m,
-                         ref_row0=jnp.int32(0), rows=block_m, **routing)
+  _reduce_and_route_rows(
+    partial_ref,
+    bias_ref,
+    scale_ref,
+    ids_ref,
+    weights_ref,
+    row_start=pl.program_id(0) * block_m,
+    ref_row0=jnp.int32(0),
+    rows=block_m,
+    **routing,
+  )
 
 
-def _one_launch_kernel(hidden_ref, weight_ref, bias_ref, scale_ref, arrivals_in_ref, partial_ref, arrivals_ref,
-                       ids_ref, weights_ref, *, tiling, routing, programs_per_row_block: int, route_rows: int,
-                       interpret: bool):
+def _one_launch_kernel(
+  hidden_ref,
+  weight_ref,
+  bias_ref,
+  scale_ref,
+  arrivals_in_ref,
+  partial_ref,
+  arrivals_ref,
+  ids_ref,
+  weights_ref,
+  *,
+  tiling,
+  routing,
+  programs_per_row_block: int,
+  route_rows: int,
+  interpret: bool,
+):
   """The GEMM program of `_logits_kernel`, then, in the last program of its
   row block to finish, the reduce-and-route of that row block's rows,
   `route_rows` at a time (whole-array refs; `arrivals [M blocks]` int32,
@@ -344,18 +411,33 @@ def _one_launch_kernel(hidden_ref, weight_ref, bias_ref, scale_ref, arrivals_in_
 
     def route_step(i, carry):
       start = row0 + i * route_rows
-      _reduce_and_route_rows(partial_ref, bias_ref, scale_ref, ids_ref, weights_ref, row_start=start, ref_row0=start,
-                             rows=route_rows, **routing)
+      _reduce_and_route_rows(
+        partial_ref,
+        bias_ref,
+        scale_ref,
+        ids_ref,
+        weights_ref,
+        row_start=start,
+        ref_row0=start,
+        rows=route_rows,
+        **routing,
+      )
       return carry
 
     lax.fori_loop(0, cdiv(rows_here, route_rows), route_step, jnp.int32(0))
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "config", "interpret"))
-def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
-                    routed_scaling_factor: jax.Array | float, *, top_k: int = 6,
-                    config: MoeRouterConfig | None = None,
-                    interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+def moe_router_topk(
+  hidden: jax.Array,
+  weight: jax.Array,
+  bias: jax.Array,
+  routed_scaling_factor: jax.Array | float,
+  *,
+  top_k: int = 6,
+  config: MoeRouterConfig | None = None,
+  interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Router GEMM + sqrtsoftplus + biased top-k in Pallas.
 
   hidden [M,D] and weight [E,D] share a dtype (bf16); bias [E] f32;
@@ -379,15 +461,27 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
   bias = bias.astype(jnp.float32)
   scale = jnp.reshape(jnp.asarray(routed_scaling_factor, jnp.float32), (1,))
   num_splits = gemm.split_d
-  tiling = dict(m=m, d=d, e=e, block_m=gemm.block_m, block_e=gemm.block_e, block_d=gemm.block_d,
-                d_blocks_per_split=_d_blocks_per_split(gemm, d))
+  tiling = dict(
+    m=m,
+    d=d,
+    e=e,
+    block_m=gemm.block_m,
+    block_e=gemm.block_e,
+    block_d=gemm.block_d,
+    d_blocks_per_split=_d_blocks_per_split(gemm, d),
+  )
   grid = (cdiv(e, gemm.block_e), cdiv(m, gemm.block_m), num_splits)
   partial_shape = jax.ShapeDtypeStruct((num_splits, m, e), jnp.float32)
   routes_shape = (jax.ShapeDtypeStruct((m, top_k), jnp.int32), jax.ShapeDtypeStruct((m, top_k), jnp.float32))
-  routing = dict(m=m, e=e, top_k=top_k, top_k_padded=top_k_padded, num_splits=num_splits,
-                 experts_padded=experts_padded,
-                 splits_per_load=_splits_per_load(config.epilogue.block_m, config.epilogue.num_warps, num_splits,
-                                                  experts_padded))
+  routing = dict(
+    m=m,
+    e=e,
+    top_k=top_k,
+    top_k_padded=top_k_padded,
+    num_splits=num_splits,
+    experts_padded=experts_padded,
+    splits_per_load=_splits_per_load(config.epilogue.block_m, config.epilogue.num_warps, num_splits, experts_padded),
+  )
 
   def whole(x):
     return pl.BlockSpec(x.shape, lambda *_, nd=x.ndim: (0,) * nd)
@@ -395,42 +489,47 @@ def moe_router_topk(hidden: jax.Array, weight: jax.Array, bias: jax.Array,
   if config.one_launch:
     arrivals = jnp.zeros((grid[1],), jnp.int32)
     _, _, ids, weights = common.pallas_call(
-        functools.partial(_one_launch_kernel, tiling=tiling, routing=routing,
-                          programs_per_row_block=grid[0] * grid[2], route_rows=config.epilogue.block_m,
-                          interpret=interpret),
-        out_shape=(partial_shape, jax.ShapeDtypeStruct(arrivals.shape, jnp.int32), *routes_shape),
-        grid=grid,
-        in_specs=[whole(hidden), whole(weight), whole(bias), whole(scale), whole(arrivals)],
-        out_specs=[whole(partial_shape), whole(arrivals), whole(routes_shape[0]), whole(routes_shape[1])],
-        input_output_aliases={4: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=gemm.num_warps, num_stages=gemm.num_stages),
+      functools.partial(
+        _one_launch_kernel,
+        tiling=tiling,
+        routing=routing,
+        programs_per_row_block=grid[0] * grid[2],
+        route_rows=config.epilogue.block_m,
         interpret=interpret,
-        name="moe_router_one_launch",
+      ),
+      out_shape=(partial_shape, jax.ShapeDtypeStruct(arrivals.shape, jnp.int32), *routes_shape),
+      grid=grid,
+      in_specs=[whole(hidden), whole(weight), whole(bias), whole(scale), whole(arrivals)],
+      out_specs=[whole(partial_shape), whole(arrivals), whole(routes_shape[0]), whole(routes_shape[1])],
+      input_output_aliases={4: 1},
+      compiler_params=plgpu.CompilerParams(num_warps=gemm.num_warps, num_stages=gemm.num_stages),
+      interpret=interpret,
+      name="moe_router_one_launch",
     )(hidden, weight, bias, scale, arrivals)
     return ids, weights
 
   partial = common.pallas_call(
-      functools.partial(_logits_kernel, **tiling),
-      out_shape=partial_shape,
-      grid=grid,
-      in_specs=[whole(hidden), whole(weight)],
-      out_specs=whole(partial_shape),
-      compiler_params=plgpu.CompilerParams(num_warps=gemm.num_warps, num_stages=gemm.num_stages),
-      interpret=interpret,
-      name="moe_router_logits",
+    functools.partial(_logits_kernel, **tiling),
+    out_shape=partial_shape,
+    grid=grid,
+    in_specs=[whole(hidden), whole(weight)],
+    out_specs=whole(partial_shape),
+    compiler_params=plgpu.CompilerParams(num_warps=gemm.num_warps, num_stages=gemm.num_stages),
+    interpret=interpret,
+    name="moe_router_logits",
   )(hidden, weight)
   epilogue_block_m = config.epilogue.block_m
   return common.pallas_call(
-      functools.partial(_reduce_and_route_kernel, block_m=epilogue_block_m, routing=routing),
-      out_shape=routes_shape,
-      grid=(cdiv(m, epilogue_block_m),),
-      in_specs=[
-          pl.BlockSpec((num_splits, epilogue_block_m, e), lambda i: (0, i, 0)),
-          pl.BlockSpec((e,), lambda i: (0,)),
-          pl.BlockSpec((1,), lambda i: (0,)),
-      ],
-      out_specs=[pl.BlockSpec((epilogue_block_m, top_k), lambda i: (i, 0))] * 2,
-      compiler_params=plgpu.CompilerParams(num_warps=config.epilogue.num_warps, num_stages=1),
-      interpret=interpret,
-      name="moe_router_reduce_route",
+    functools.partial(_reduce_and_route_kernel, block_m=epilogue_block_m, routing=routing),
+    out_shape=routes_shape,
+    grid=(cdiv(m, epilogue_block_m),),
+    in_specs=[
+      pl.BlockSpec((num_splits, epilogue_block_m, e), lambda i: (0, i, 0)),
+      pl.BlockSpec((e,), lambda i: (0,)),
+      pl.BlockSpec((1,), lambda i: (0,)),
+    ],
+    out_specs=[pl.BlockSpec((epilogue_block_m, top_k), lambda i: (i, 0))] * 2,
+    compiler_params=plgpu.CompilerParams(num_warps=config.epilogue.num_warps, num_stages=1),
+    interpret=interpret,
+    name="moe_router_reduce_route",
   )(partial, bias, scale)

@@ -8,5 +8,5 @@ from pallas_kernels.neighborhood_attention import triton
 from pallas_kernels.shared.kernel import Kernel, kernels
 
 KERNELS = kernels(
-    Kernel.of(triton, launch=triton.neighborhood_attention_3d, own_vjp=True),
+  Kernel.of(triton, launch=triton.neighborhood_attention_3d, own_vjp=True),
 )

@@ -6,7 +6,16 @@ from __future__ import annotations
 import dataclasses
 
 from pallas_kernels.shared.common import MIN_DOT_DIM
-from pallas_kernels.shared.config_rules import DOT_BLOCK, KernelConfig, NUM_STAGES, NUM_WARPS, at_least, field, instance_of, pow2
+from pallas_kernels.shared.config_rules import (
+  DOT_BLOCK,
+  NUM_STAGES,
+  NUM_WARPS,
+  KernelConfig,
+  at_least,
+  field,
+  instance_of,
+  pow2,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,6 +23,7 @@ class NeighborhoodAttentionConfig(KernelConfig):
   """Tiling: a query tile of `block_t x block_y x block_x` grid points (each a
   power of two, `block_queries` >= 16 in all: the rows of both dots), key
   chunks of `block_k` halo keys."""
+
   _derived_rules = {"block_queries": (at_least(MIN_DOT_DIM),)}
   block_t: int = field(1, pow2())
   block_y: int = field(8, pow2())
@@ -36,6 +46,6 @@ class NeighborhoodAttentionBwdConfig(KernelConfig):
   """Tilings of the backward kernels: `dq` as the forward's (query tiles,
   key chunks); `dkdv` with its tile a key tile and `block_k` the queries
   walked per chunk."""
+
   dq: NeighborhoodAttentionConfig = field(NeighborhoodAttentionConfig(), instance_of(NeighborhoodAttentionConfig))
-  dkdv: NeighborhoodAttentionConfig = field(NeighborhoodAttentionConfig(),
-                                            instance_of(NeighborhoodAttentionConfig))
+  dkdv: NeighborhoodAttentionConfig = field(NeighborhoodAttentionConfig(), instance_of(NeighborhoodAttentionConfig))

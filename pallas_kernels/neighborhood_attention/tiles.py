@@ -37,13 +37,14 @@ masked, and never counted.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.shared.common import cdiv
 
@@ -72,10 +73,12 @@ def query_box(dims: Dims, window: Dims, tile: Dims) -> Dims:
   """Static extents of the query box of a key tile: per axis the most
   queries that see some key of one tile (`first_query` of its first key to
   `last_query` of its last), over every tile position."""
+
   def extent(length, k, block):
     first_keys = np.arange(0, length, block)
     last_keys = np.minimum(first_keys + block, length) - 1
     return int(np.max(last_query(last_keys, length, k, np.minimum) - first_query(first_keys, k))) + 1
+
   return tuple(extent(n, k, b) for n, k, b in zip(dims, window, tile))
 
 
@@ -111,6 +114,7 @@ class TilePoints(NamedTuple):
   """The grid points of the program's tile (`block_t x block_y x block_x`
   from the first grid axis): first point, coordinates clamped into the
   grid (`[P]` each), their rows and whether each is in the grid."""
+
   first: tuple[Any, Any, Any]
   coords: tuple[Any, Any, Any]
   rows: Any
@@ -121,8 +125,11 @@ def tile_points(dims: Dims, tile: Dims) -> TilePoints:
   """The points of the tile `pl.program_id(0)` (tiles in C order)."""
   tiles_y, tiles_x = cdiv(dims[1], tile[1]), cdiv(dims[2], tile[2])
   pid = pl.program_id(0)
-  first = (lax.div(pid, tiles_y * tiles_x) * tile[0], lax.rem(lax.div(pid, tiles_x), tiles_y) * tile[1],
-           lax.rem(pid, tiles_x) * tile[2])
+  first = (
+    lax.div(pid, tiles_y * tiles_x) * tile[0],
+    lax.rem(lax.div(pid, tiles_x), tiles_y) * tile[1],
+    lax.rem(pid, tiles_x) * tile[2],
+  )
   offsets = unravel(jnp.arange(math.prod(tile), dtype=jnp.int32), tile)
   points = [f + o for f, o in zip(first, offsets)]
   in_grid = (points[0] < dims[0]) & (points[1] < dims[1]) & (points[2] < dims[2])
@@ -138,6 +145,7 @@ class SlotTables(NamedTuple):
   `offsets` the row offset of each slot; `tests` its window bits
   (`bits=True`) or its packed box coordinates (`shifts` per axis). Both
   `[chunks * chunk]` int32, slots past the box padded."""
+
   offsets: np.ndarray
   tests: np.ndarray
   bits: bool
@@ -166,7 +174,7 @@ def _packed(coords: np.ndarray, slots: int, limits: Dims) -> tuple[np.ndarray, t
   shifts = (widths[1] + widths[2], widths[2], 0)
   packed = np.zeros(slots, np.int64)
   padded = np.array(limits, np.int64)[:, None].repeat(slots, 1)
-  padded[:, :coords.shape[1]] = coords
+  padded[:, : coords.shape[1]] = coords
   for axis in range(3):
     packed |= padded[axis] << shifts[axis]
   return packed.astype(np.int32), shifts
@@ -195,7 +203,7 @@ def halo_slots(dims: Dims, window: Dims, tile: Dims, block_k: int) -> SlotTables
   for axis, (block, k) in enumerate(zip(tile, window)):
     for r in range(block):
       seen = (coords[axis] >= r) & (coords[axis] < r + k)
-      bits[:coords.shape[1]] |= seen.astype(np.int64) << (field + r)
+      bits[: coords.shape[1]] |= seen.astype(np.int64) << (field + r)
     field += block
   return SlotTables(offsets, bits.astype(np.int32), True, (0, 0, 0))
 
@@ -226,8 +234,19 @@ def slot_operands(tables: SlotTables):
   return arrays, [pl.BlockSpec(a.shape, lambda i, b, h: (0,)) for a in arrays]
 
 
-def walk_halo(step: Callable[..., Any], carry: Any, k_ref, v_ref, slot_refs, tables: SlotTables,
-              queries: TilePoints, dims: Dims, window: Dims, tile: Dims, block_k: int) -> Any:
+def walk_halo(
+  step: Callable[..., Any],
+  carry: Any,
+  k_ref,
+  v_ref,
+  slot_refs,
+  tables: SlotTables,
+  queries: TilePoints,
+  dims: Dims,
+  window: Dims,
+  tile: Dims,
+  block_k: int,
+) -> Any:
   """Folds `step(k, v, visible, carry)` over the halo of a query tile in
   chunks of `block_k` keys: `k`, `v` `[block_k, D]` gathered from the
   `[N, D]` refs, `visible [P, block_k]` the window test; `slot_refs` the
@@ -251,16 +270,26 @@ def walk_halo(step: Callable[..., Any], carry: Any, k_ref, v_ref, slot_refs, tab
       visible = (tests_ref[slots][None, :] & probe) == probe
     else:
       offsets = unpack(tests_ref[slots], tables.shifts)
-      visible = (in_window(offsets[0][None, :], rel[0][:, None], window[0])
-                 & in_window(offsets[1][None, :], rel[1][:, None], window[1])
-                 & in_window(offsets[2][None, :], rel[2][:, None], window[2]))
+      visible = (
+        in_window(offsets[0][None, :], rel[0][:, None], window[0])
+        & in_window(offsets[1][None, :], rel[1][:, None], window[1])
+        & in_window(offsets[2][None, :], rel[2][:, None], window[2])
+      )
     return step(k_ref[rows, :], v_ref[rows, :], visible, carry)
 
   return lax.fori_loop(0, len(tables.offsets) // block_k, body, carry)
 
 
-def walk_query_box(step: Callable[..., Any], carry: Any, slot_refs, tables: SlotTables, keys: TilePoints,
-                   dims: Dims, window: Dims, block_q: int) -> Any:
+def walk_query_box(
+  step: Callable[..., Any],
+  carry: Any,
+  slot_refs,
+  tables: SlotTables,
+  keys: TilePoints,
+  dims: Dims,
+  window: Dims,
+  block_q: int,
+) -> Any:
   """Folds `step(rows, visible, carry)` over the queries that may see a key
   of the tile, in chunks of `block_q`: `rows [block_q]` the queries' grid
   rows (`query_box_slots`: rows past the grid belong to no window of these
@@ -282,9 +311,11 @@ def walk_query_box(step: Callable[..., Any], carry: Any, slot_refs, tables: Slot
     slots = pl.ds(chunk * block_q, block_q)
     rows = jnp.minimum(base + offsets_ref[slots], last_row)
     offsets = unpack(tests_ref[slots], tables.shifts)
-    visible = (in_window(offsets[0][None, :], low[0], runs[0])
-               & in_window(offsets[1][None, :], low[1], runs[1])
-               & in_window(offsets[2][None, :], low[2], runs[2]))
+    visible = (
+      in_window(offsets[0][None, :], low[0], runs[0])
+      & in_window(offsets[1][None, :], low[1], runs[1])
+      & in_window(offsets[2][None, :], low[2], runs[2])
+    )
     return step(rows, visible, carry)
 
   return lax.fori_loop(0, len(tables.offsets) // block_q, body, carry)
@@ -313,7 +344,9 @@ def store_tile(ref, x, points: TilePoints, dims: Dims, tile: Dims) -> None:
     ref[...] = x
     return
   first = points.first
-  in_grid = ((first[0] + jnp.arange(tile[0]) < dims[0])[:, None, None]
-             & (first[1] + jnp.arange(tile[1]) < dims[1])[None, :, None]
-             & (first[2] + jnp.arange(tile[2]) < dims[2])[None, None, :])
+  in_grid = (
+    (first[0] + jnp.arange(tile[0]) < dims[0])[:, None, None]
+    & (first[1] + jnp.arange(tile[1]) < dims[1])[None, :, None]
+    & (first[2] + jnp.arange(tile[2]) < dims[2])[None, None, :]
+  )
   plgpu.store(ref, x, mask=in_grid if x.ndim == 3 else in_grid[..., None])

@@ -61,23 +61,38 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from pallas_kernels.shared import common
-import jax.numpy as jnp
 
-from pallas_kernels.shared.common import cdiv, check_pow2_dim, next_pow2, resolve_interpret
+from pallas_kernels.neighborhood_attention.config import NeighborhoodAttentionBwdConfig, NeighborhoodAttentionConfig
+from pallas_kernels.neighborhood_attention.tiles import (
+  SlotTables,
+  halo_box,
+  halo_slots,
+  query_box,
+  slot_operands,
+  store_tile,
+  tile_points,
+  tile_spec,
+  walk_halo,
+)
 from pallas_kernels.neighborhood_attention.triton_bwd import attention_backward
-from pallas_kernels.neighborhood_attention.tiles import (SlotTables, halo_box, halo_slots, query_box, slot_operands, store_tile,
-                                                        tile_points, tile_spec, walk_halo)
-from pallas_kernels.shared.online_softmax import (LOG2_E, init_carry, lse_for_backward, normalize, online_softmax_step,
-                                                  row_sums)
-from pallas_kernels.neighborhood_attention.config import NeighborhoodAttentionConfig, NeighborhoodAttentionBwdConfig
-
+from pallas_kernels.shared import common
+from pallas_kernels.shared.common import cdiv, check_pow2_dim, next_pow2, resolve_interpret
+from pallas_kernels.shared.online_softmax import (
+  LOG2_E,
+  init_carry,
+  lse_for_backward,
+  normalize,
+  online_softmax_step,
+  row_sums,
+)
 
 # ---------------------------------------------------------------------------
 # Heuristic and sweep candidates.
@@ -85,6 +100,7 @@ from pallas_kernels.neighborhood_attention.config import NeighborhoodAttentionCo
 
 class NeighborhoodAttentionSizes(NamedTuple):
   """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+
   batch: int
   t: int
   y: int
@@ -106,8 +122,7 @@ def halo_size(tile: tuple[int, int, int], window: tuple[int, int, int]) -> int:
   return math.prod(halo_box(tile, window))
 
 
-def scored_pairs(config: NeighborhoodAttentionConfig, dims: tuple[int, int, int],
-                 window: tuple[int, int, int]) -> int:
+def scored_pairs(config: NeighborhoodAttentionConfig, dims: tuple[int, int, int], window: tuple[int, int, int]) -> int:
   """(query, key) scores one (batch row, head) computes: tiles x tile queries
   x halo keys rounded up to whole chunks (edge tiles count in full)."""
   tiles = math.prod(cdiv(n, b) for n, b in zip(dims, config.tile))
@@ -120,25 +135,32 @@ def _tiles(queries: int, dims: tuple[int, int, int]) -> list[tuple[int, int, int
   needs (next power of two of the extent); for grids of fewer points than
   that, every tile of `queries` points (the excess is masked)."""
   sides = [1 << i for i in range(queries.bit_length())]
-  tiles = [(bt, by, queries // (bt * by)) for bt in sides for by in sides
-           if queries % (bt * by) == 0]
+  tiles = [(bt, by, queries // (bt * by)) for bt in sides for by in sides if queries % (bt * by) == 0]
   fitting = [t for t in tiles if all(b <= next_pow2(n) for b, n in zip(t, dims))]
   return fitting or tiles
 
 
-def _best(queries: int, block_k: int, num_warps: int, num_stages: int,
-          dims: tuple[int, int, int], window: tuple[int, int, int],
-          pairs=scored_pairs) -> NeighborhoodAttentionConfig:
-  configs = [NeighborhoodAttentionConfig(*tile, block_k=block_k, num_warps=num_warps,
-                                         num_stages=num_stages)
-             for tile in _tiles(queries, dims)]
+def _best(
+  queries: int,
+  block_k: int,
+  num_warps: int,
+  num_stages: int,
+  dims: tuple[int, int, int],
+  window: tuple[int, int, int],
+  pairs=scored_pairs,
+) -> NeighborhoodAttentionConfig:
+  configs = [
+    NeighborhoodAttentionConfig(*tile, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    for tile in _tiles(queries, dims)
+  ]
   # Fewest scored pairs; among equals, the flattest tile in t (shares K/V
   # t-planes with the neighbouring programs), then the widest in x.
   return min(configs, key=lambda c: (pairs(c, dims, window), c.block_t, -c.block_x))
 
 
-def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct], *, KT: int, KY: int,
-                  KX: int) -> NeighborhoodAttentionConfig:
+def choose_config(
+  shapes: Mapping[str, jax.ShapeDtypeStruct], *, KT: int, KY: int, KX: int
+) -> NeighborhoodAttentionConfig:
   """Heuristic: 64-query tiles (one warpgroup: both dots are 64-row wgmma) of
   the shape that scores the fewest (query, key) pairs for this grid and
   window (`scored_pairs`), 64-key chunks, two pipeline stages (K and V
@@ -146,44 +168,68 @@ def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct], *, KT: int, KY: in
   return _best(64, 64, 4, 2, NeighborhoodAttentionSizes.of(shapes).grid, (KT, KY, KX))
 
 
-def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct], *, KT: int, KY: int,
-                      KX: int) -> list[NeighborhoodAttentionConfig]:
+def candidate_configs(
+  shapes: Mapping[str, jax.ShapeDtypeStruct], *, KT: int, KY: int, KX: int
+) -> list[NeighborhoodAttentionConfig]:
   """The heuristic first, then the best tile shapes at 32, 64 and 128 queries
   with 32- and 64-key chunks and a few warp / stage counts, no duplicates."""
   dims, window = NeighborhoodAttentionSizes.of(shapes).grid, (KT, KY, KX)
   out = [choose_config(shapes, KT=KT, KY=KY, KX=KX)]
-  for queries, block_k, warps, stages in ((64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2),
-                                          (128, 32, 4, 2), (32, 64, 2, 2), (64, 64, 8, 2)):
+  for queries, block_k, warps, stages in (
+    (64, 32, 4, 2),
+    (64, 64, 4, 3),
+    (128, 64, 8, 2),
+    (128, 32, 4, 2),
+    (32, 64, 2, 2),
+    (64, 64, 8, 2),
+  ):
     out.append(_best(queries, block_k, warps, stages, dims, window))
   return list(dict.fromkeys(out))
 
 
-def _dkdv_pairs(config: NeighborhoodAttentionConfig, dims: tuple[int, int, int],
-                window: tuple[int, int, int]) -> int:
+def _dkdv_pairs(config: NeighborhoodAttentionConfig, dims: tuple[int, int, int], window: tuple[int, int, int]) -> int:
   """(key, query) pairs the dK/dV kernel scores per (batch row, head) with
   `config` as its key tile and `block_k` queries per chunk."""
   tiles = math.prod(cdiv(n, b) for n, b in zip(dims, config.tile))
-  return tiles * config.block_queries * cdiv(math.prod(query_box(dims, window, config.tile)),
-                                              config.block_k) * config.block_k
+  return (
+    tiles
+    * config.block_queries
+    * cdiv(math.prod(query_box(dims, window, config.tile)), config.block_k)
+    * config.block_k
+  )
 
 
-def choose_backward_config(shapes: Mapping[str, jax.ShapeDtypeStruct], *, KT: int, KY: int,
-                           KX: int) -> NeighborhoodAttentionBwdConfig:
+def choose_backward_config(
+  shapes: Mapping[str, jax.ShapeDtypeStruct], *, KT: int, KY: int, KX: int
+) -> NeighborhoodAttentionBwdConfig:
   """Heuristic: dQ as the forward (`choose_config`); dK/dV 64-key tiles of
   the shape that scores the fewest pairs over its query boxes, 64 queries
   per chunk, 8 warps (two fp32 `[64, D]` accumulators), two stages."""
   dims, window = NeighborhoodAttentionSizes.of(shapes).grid, (KT, KY, KX)
   return NeighborhoodAttentionBwdConfig(
-      dq=choose_config(shapes, KT=KT, KY=KY, KX=KX),
-      dkdv=_best(64, 64, 8, 2, dims, window, pairs=_dkdv_pairs))
+    dq=choose_config(shapes, KT=KT, KY=KY, KX=KX), dkdv=_best(64, 64, 8, 2, dims, window, pairs=_dkdv_pairs)
+  )
 
 
 # ---------------------------------------------------------------------------
 # Kernel.
 
 
-def _neighborhood_attention_kernel(q_ref, k_ref, v_ref, offsets_ref, tests_ref, o_ref, *lse_ref, dims, window, tile,
-                                   block_k: int, tables: SlotTables, ptx: bool):
+def _neighborhood_attention_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  offsets_ref,
+  tests_ref,
+  o_ref,
+  *lse_ref,
+  dims,
+  window,
+  tile,
+  block_k: int,
+  tables: SlotTables,
+  ptx: bool,
+):
   """One query tile of one (batch row, head). Refs are `[N, D]` rows of the
   flattened grid (`N = T * Y * X`) and the halo's slot tables (`tables`
   describes them); with `lse_ref` (the tile's block), also the per-query
@@ -193,8 +239,9 @@ def _neighborhood_attention_kernel(q_ref, k_ref, v_ref, offsets_ref, tests_ref, 
 
   def step(k, v, visible, carry):
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # q is pre-scaled
-    return online_softmax_step(s, carry, v, visible=visible, score_scale=LOG2_E, fma_ptx=ptx, row_sums_by_dot=True,
-                               finite_max=True)
+    return online_softmax_step(
+      s, carry, v, visible=visible, score_scale=LOG2_E, fma_ptx=ptx, row_sums_by_dot=True, finite_max=True
+    )
 
   carry = init_carry(q.shape[0], q.shape[1], row_sums_by_dot=True, finite_max=True)
   o, m, l = walk_halo(step, carry, k_ref, v_ref, (offsets_ref, tests_ref), tables, queries, dims, window, tile, block_k)
@@ -220,18 +267,24 @@ def _forward(q, k, v, *, window, config: NeighborhoodAttentionConfig, interpret:
     out_specs.append(tile_spec(dims, config.tile, None))
   tables = halo_slots(dims, window, config.tile, config.block_k)
   slots, slot_specs = slot_operands(tables)
-  kernel = functools.partial(_neighborhood_attention_kernel, dims=dims, window=window,
-                             tile=config.tile, block_k=config.block_k, tables=tables, ptx=not interpret)
+  kernel = functools.partial(
+    _neighborhood_attention_kernel,
+    dims=dims,
+    window=window,
+    tile=config.tile,
+    block_k=config.block_k,
+    tables=tables,
+    ptx=not interpret,
+  )
   outs = common.pallas_call(
-      kernel,
-      out_shape=out_shape,
-      grid=(math.prod(cdiv(d, b) for d, b in zip(dims, config.tile)), batch, num_heads),
-      in_specs=[spec, spec, spec, *slot_specs],
-      out_specs=out_specs,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-      interpret=interpret,
-      name="neighborhood_attention_3d",
+    kernel,
+    out_shape=out_shape,
+    grid=(math.prod(cdiv(d, b) for d, b in zip(dims, config.tile)), batch, num_heads),
+    in_specs=[spec, spec, spec, *slot_specs],
+    out_specs=out_specs,
+    compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+    interpret=interpret,
+    name="neighborhood_attention_3d",
   )(flat(q), flat(k), flat(v), *slots)
   return tuple(outs) if with_lse else outs[0]
 
@@ -247,22 +300,21 @@ class _Static(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class _Needed:
   """Which gradients the backward pass makes (residual metadata, no leaves)."""
+
   dq: bool
   dkv: bool
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _attention(q, k, v, static: _Static):
-  return _forward(q, k, v, window=static.window, config=static.config, interpret=static.interpret,
-                  with_lse=False)
+  return _forward(q, k, v, window=static.window, config=static.config, interpret=static.interpret, with_lse=False)
 
 
 def _attention_fwd(q, k, v, static: _Static):
   # symbolic_zeros: `.perturbed` tells which gradients are needed.
   needed = _Needed(dq=q.perturbed, dkv=k.perturbed or v.perturbed)
   q, k, v = q.value, k.value, v.value
-  o, lse = _forward(q, k, v, window=static.window, config=static.config, interpret=static.interpret,
-                    with_lse=True)
+  o, lse = _forward(q, k, v, window=static.window, config=static.config, interpret=static.interpret, with_lse=True)
   return o, (q, k, v, o, lse, needed)
 
 
@@ -270,19 +322,38 @@ def _attention_bwd(static: _Static, residuals, do):
   q, k, v, o, lse, needed = residuals
   if isinstance(do, SymbolicZero):
     do = jnp.zeros(o.shape, o.dtype)
-  return attention_backward(q, k, v, o, lse, do, window=static.window, dq_config=static.backward_config.dq,
-                            dkdv_config=static.backward_config.dkdv, interpret=static.interpret,
-                            need_dq=needed.dq, need_dkv=needed.dkv)
+  return attention_backward(
+    q,
+    k,
+    v,
+    o,
+    lse,
+    do,
+    window=static.window,
+    dq_config=static.backward_config.dq,
+    dkdv_config=static.backward_config.dkdv,
+    interpret=static.interpret,
+    need_dq=needed.dq,
+    need_dkv=needed.dkv,
+  )
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 @functools.partial(jax.jit, static_argnames=("KT", "KY", "KX", "config", "backward_config", "interpret"))
-def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *, KT: int, KY: int,
-                              KX: int, config: NeighborhoodAttentionConfig | None = None,
-                              backward_config: NeighborhoodAttentionBwdConfig | None = None,
-                              interpret: bool | None = None) -> jax.Array:
+def neighborhood_attention_3d(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  KT: int,
+  KY: int,
+  KX: int,
+  config: NeighborhoodAttentionConfig | None = None,
+  backward_config: NeighborhoodAttentionBwdConfig | None = None,
+  interpret: bool | None = None,
+) -> jax.Array:
   """3-D neighborhood attention, NATTEN semantics, no extra scale.
 
   Args:
@@ -314,7 +385,10 @@ def neighborhood_attention_3d(q: jax.Array, k: jax.Array, v: jax.Array, *, KT: i
   if not (batch and num_heads):
     return jnp.zeros(q.shape, q.dtype)
   shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype)}
-  static = _Static(window, config or choose_config(shapes, KT=KT, KY=KY, KX=KX),
-                   backward_config or choose_backward_config(shapes, KT=KT, KY=KY, KX=KX),
-                   resolve_interpret(interpret))
+  static = _Static(
+    window,
+    config or choose_config(shapes, KT=KT, KY=KY, KX=KX),
+    backward_config or choose_backward_config(shapes, KT=KT, KY=KY, KX=KX),
+    resolve_interpret(interpret),
+  )
   return _attention(q, k, v, static)

@@ -29,20 +29,46 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-import jax.numpy as jnp
 
+from pallas_kernels.neighborhood_attention.config import NeighborhoodAttentionConfig
+from pallas_kernels.neighborhood_attention.tiles import (
+  Dims,
+  SlotTables,
+  halo_slots,
+  query_box_slots,
+  slot_operands,
+  store_tile,
+  tile_points,
+  tile_spec,
+  walk_halo,
+  walk_query_box,
+)
 from pallas_kernels.shared import common
 from pallas_kernels.shared.common import cdiv
-from pallas_kernels.neighborhood_attention.tiles import (Dims, SlotTables, halo_slots, query_box_slots, slot_operands,
-                                                        store_tile, tile_points, tile_spec, walk_halo, walk_query_box)
 from pallas_kernels.shared.online_softmax import LOG2_E, scaled_minus
-from pallas_kernels.neighborhood_attention.config import NeighborhoodAttentionConfig
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, offsets_ref, tests_ref, dq_ref, *, dims: Dims,
-               window: Dims, tile: Dims, block_k: int, tables: SlotTables, ptx: bool):
+def _dq_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  offsets_ref,
+  tests_ref,
+  dq_ref,
+  *,
+  dims: Dims,
+  window: Dims,
+  tile: Dims,
+  block_k: int,
+  tables: SlotTables,
+  ptx: bool,
+):
   """One query tile of one (batch row, head); `[N, D]` and `[N]` refs, the
   halo's slot tables; `ptx`: inline PTX (compiled, not interpreted)."""
   queries = tile_points(dims, tile)
@@ -55,13 +81,41 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, offsets_ref, tes
     ds = p * (jnp.dot(do, v.T, preferred_element_type=jnp.float32) - delta[:, None])
     return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-  dq = walk_halo(step, jnp.zeros(q.shape, jnp.float32), k_ref, v_ref, (offsets_ref, tests_ref), tables, queries,
-                 dims, window, tile, block_k)
+  dq = walk_halo(
+    step,
+    jnp.zeros(q.shape, jnp.float32),
+    k_ref,
+    v_ref,
+    (offsets_ref, tests_ref),
+    tables,
+    queries,
+    dims,
+    window,
+    tile,
+    block_k,
+  )
   store_tile(dq_ref, dq.astype(dq_ref.dtype), queries, dims, tile)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, offsets_ref, tests_ref, dk_ref, dv_ref, *,
-                 dims: Dims, window: Dims, tile: Dims, block_q: int, tables: SlotTables, ptx: bool):
+def _dkdv_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  offsets_ref,
+  tests_ref,
+  dk_ref,
+  dv_ref,
+  *,
+  dims: Dims,
+  window: Dims,
+  tile: Dims,
+  block_q: int,
+  tables: SlotTables,
+  ptx: bool,
+):
   """One key tile of one (batch row, head); `[N, D]` and `[N]` refs, the
   query box's slot tables; `ptx` as `_dq_kernel`'s."""
   keys = tile_points(dims, tile)
@@ -84,9 +138,21 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, offsets_ref, t
   store_tile(dv_ref, dv.astype(dv_ref.dtype), keys, dims, tile)
 
 
-def attention_backward(q, k, v, o, lse, do, *, window: Dims, dq_config: NeighborhoodAttentionConfig,
-                       dkdv_config: NeighborhoodAttentionConfig, interpret: bool, need_dq: bool,
-                       need_dkv: bool) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
+def attention_backward(
+  q,
+  k,
+  v,
+  o,
+  lse,
+  do,
+  *,
+  window: Dims,
+  dq_config: NeighborhoodAttentionConfig,
+  dkdv_config: NeighborhoodAttentionConfig,
+  interpret: bool,
+  need_dq: bool,
+  need_dkv: bool,
+) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
   """(dq, dk, dv) of `neighborhood_attention_3d` from its inputs, output
   `o`, `lse [B, H, T, Y, X]` and the cotangent `do` (`[B, T, Y, X, H, D]`);
   None where not needed (that kernel does not launch)."""
@@ -94,8 +160,7 @@ def attention_backward(q, k, v, o, lse, do, *, window: Dims, dq_config: Neighbor
   dims = tuple(dims)
   n = math.prod(dims)
   do = do.astype(q.dtype)
-  delta = jnp.einsum("btyxhd,btyxhd->bhtyx", o.astype(jnp.float32), do.astype(jnp.float32)).reshape(
-      batch, num_heads, n)
+  delta = jnp.einsum("btyxhd,btyxhd->bhtyx", o.astype(jnp.float32), do.astype(jnp.float32)).reshape(batch, num_heads, n)
   flat = lambda a: a.reshape(batch, n, num_heads, head_dim)  # noqa: E731
   rows = pl.BlockSpec((None, n, None, head_dim), lambda i, b, h: (b, 0, h, 0))
   stats = pl.BlockSpec((None, None, n), lambda i, b, h: (b, h, 0))
@@ -106,22 +171,26 @@ def attention_backward(q, k, v, o, lse, do, *, window: Dims, dq_config: Neighbor
     spec = tile_spec(dims, config.tile, head_dim)
     slots, slot_specs = slot_operands(tables)
     outs = common.pallas_call(
-        functools.partial(kernel, tables=tables, ptx=not interpret), out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)] * num_outputs,
-        grid=(math.prod(cdiv(d, b) for d, b in zip(dims, config.tile)), batch, num_heads),
-        in_specs=[*in_specs, *slot_specs], out_specs=[spec] * num_outputs,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret, name=name)(*inputs, *slots)
+      functools.partial(kernel, tables=tables, ptx=not interpret),
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)] * num_outputs,
+      grid=(math.prod(cdiv(d, b) for d, b in zip(dims, config.tile)), batch, num_heads),
+      in_specs=[*in_specs, *slot_specs],
+      out_specs=[spec] * num_outputs,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret,
+      name=name,
+    )(*inputs, *slots)
     return outs
 
   dq = dk = dv = None
   if need_dq:
-    kernel = functools.partial(_dq_kernel, dims=dims, window=window, tile=dq_config.tile,
-                               block_k=dq_config.block_k)
+    kernel = functools.partial(_dq_kernel, dims=dims, window=window, tile=dq_config.tile, block_k=dq_config.block_k)
     tables = halo_slots(dims, window, dq_config.tile, dq_config.block_k)
     [dq] = launch(kernel, dq_config, tables, 1, "neighborhood_attention_3d_bwd_dq")
   if need_dkv:
-    kernel = functools.partial(_dkdv_kernel, dims=dims, window=window, tile=dkdv_config.tile,
-                               block_q=dkdv_config.block_k)
+    kernel = functools.partial(
+      _dkdv_kernel, dims=dims, window=window, tile=dkdv_config.tile, block_q=dkdv_config.block_k
+    )
     tables = query_box_slots(dims, window, dkdv_config.tile, dkdv_config.block_k)
     dk, dv = launch(kernel, dkdv_config, tables, 2, "neighborhood_attention_3d_bwd_dkdv")
   return dq, dk, dv

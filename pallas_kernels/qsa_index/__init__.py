@@ -8,5 +8,5 @@ from pallas_kernels.qsa_index import triton
 from pallas_kernels.shared.kernel import Kernel, kernels
 
 KERNELS = kernels(
-    Kernel.of(triton, launch=triton.qsa_index_topk),
+  Kernel.of(triton, launch=triton.qsa_index_topk),
 )

@@ -49,27 +49,28 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from pallas_kernels.shared import common
-import jax.numpy as jnp
 
-from pallas_kernels.shared import radix_select
+from pallas_kernels.qsa_index.config import QsaIndexConfig, ScoreStage
+from pallas_kernels.shared import common, radix_select
 from pallas_kernels.shared.common import MIN_DOT_DIM, cdiv, check_pow2_dim, next_pow2, resolve_interpret
 from pallas_kernels.shared.device import num_sms
 from pallas_kernels.shared.radix_select import HIST_COLS, HIST_ROWS, SelectStage
-from pallas_kernels.qsa_index.config import ScoreStage, QsaIndexConfig
 
 
 class QsaIndexSizes(NamedTuple):
   """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+
   batch: int
-  max_pages: int   # page-table width MP
-  page: int        # compressed keys per page P
+  max_pages: int  # page-table width MP
+  page: int  # compressed keys per page P
 
   @classmethod
   def of(cls, shapes: Mapping[str, Any]) -> QsaIndexSizes:
@@ -84,8 +85,10 @@ def _fit(config: QsaIndexConfig, ids: int, page: int) -> QsaIndexConfig:
   score = config.score
   block = max(MIN_DOT_DIM, next_pow2(page), min(score.block_keys, next_pow2(ids)))
   chunk = max(block, min(score.chunk_keys, next_pow2(ids)))
-  fitted = QsaIndexConfig(score=dataclasses.replace(score, block_keys=block, chunk_keys=chunk),
-                          select=radix_select.fit_stage(config.select, ids))
+  fitted = QsaIndexConfig(
+    score=dataclasses.replace(score, block_keys=block, chunk_keys=chunk),
+    select=radix_select.fit_stage(config.select, ids),
+  )
   while score_width(fitted, ids) // fitted.select.chunk_keys > radix_select.MAX_CHUNKS:
     select = fitted.select
     fitted = dataclasses.replace(fitted, select=dataclasses.replace(select, chunk_keys=2 * select.chunk_keys))
@@ -121,13 +124,11 @@ def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> QsaIndexConfig:
 
 
 _SWEEP = (
-    QsaIndexConfig(ScoreStage(128, 1024, num_warps=4, num_stages=2), SelectStage(256, 1024, num_warps=4)),
-    QsaIndexConfig(ScoreStage(128, 2048, num_warps=4, num_stages=3), SelectStage(256, 2048, num_warps=8)),
-    QsaIndexConfig(ScoreStage(256, 2048, num_warps=8, num_stages=2), SelectStage(128, 512, num_warps=4,
-                                                                                 write_block=64)),
-    QsaIndexConfig(ScoreStage(64, 512, num_warps=4, num_stages=3), SelectStage(128, 256, num_warps=4,
-                                                                               write_block=256)),
-    QsaIndexConfig(ScoreStage(256, 4096, num_warps=8, num_stages=3), SelectStage(256, 4096, num_warps=8)),
+  QsaIndexConfig(ScoreStage(128, 1024, num_warps=4, num_stages=2), SelectStage(256, 1024, num_warps=4)),
+  QsaIndexConfig(ScoreStage(128, 2048, num_warps=4, num_stages=3), SelectStage(256, 2048, num_warps=8)),
+  QsaIndexConfig(ScoreStage(256, 2048, num_warps=8, num_stages=2), SelectStage(128, 512, num_warps=4, write_block=64)),
+  QsaIndexConfig(ScoreStage(64, 512, num_warps=4, num_stages=3), SelectStage(128, 256, num_warps=4, write_block=256)),
+  QsaIndexConfig(ScoreStage(256, 4096, num_warps=8, num_stages=3), SelectStage(256, 4096, num_warps=8)),
 )
 
 
@@ -138,8 +139,24 @@ def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[QsaInd
   return list(dict.fromkeys([chosen, *(_fit(c, max_pages * page, page) for c in _SWEEP)]))
 
 
-def _score_kernel(q_ref, k_ref, pt_ref, len_ref, _, o_ref, totals_ref, *, block_keys: int, chunk_keys: int,
-                  page: int, max_pages: int, num_pages: int, compress: int, scale: float, interpret: bool):
+def _score_kernel(
+  q_ref,
+  k_ref,
+  pt_ref,
+  len_ref,
+  _,
+  o_ref,
+  totals_ref,
+  *,
+  block_keys: int,
+  chunk_keys: int,
+  page: int,
+  max_pages: int,
+  num_pages: int,
+  compress: int,
+  scale: float,
+  interpret: bool,
+):
   # q_ref [H, D], k_ref [NP * P, D], pt_ref [MP], len_ref [1] (tokens),
   # o_ref [chunk_keys] f32, totals_ref the row's selection counts (aliased
   # to the zeroed input `_`): this chunk's candidates by first key digit are
@@ -154,8 +171,9 @@ def _score_kernel(q_ref, k_ref, pt_ref, len_ref, _, o_ref, totals_ref, *, block_
   cols = jnp.arange(head_dim, dtype=jnp.int32)
   # The heads as the 16 rows of a dot operand: rows past H read as zero.
   head = jnp.arange(max(MIN_DOT_DIM, next_pow2(heads)), dtype=jnp.int32)
-  q = plgpu.load(q_ref.at[jnp.minimum(head, heads - 1)[:, None], cols[None, :]], mask=(head < heads)[:, None],
-                 other=0.0)
+  q = plgpu.load(
+    q_ref.at[jnp.minimum(head, heads - 1)[:, None], cols[None, :]], mask=(head < heads)[:, None], other=0.0
+  )
   lane = jnp.arange(block_keys, dtype=jnp.int32)
 
   def score_step(i, hist):
@@ -163,7 +181,7 @@ def _score_kernel(q_ref, k_ref, pt_ref, len_ref, _, o_ref, totals_ref, *, block_
     valid = ids < n
     logical_page = jnp.minimum(ids // page, max_pages - 1)
     phys = plgpu.load(pt_ref.at[logical_page], mask=valid, other=0)
-    valid = valid & (phys >= 0) & (phys < num_pages)   # an absent page holds no candidate
+    valid = valid & (phys >= 0) & (phys < num_pages)  # an absent page holds no candidate
     rows = jnp.where(valid, phys * page + ids % page, 0)
     # Gather whole rows with two broadcast index vectors (rows x columns):
     # lowers to one pointer tensor, and interprets (a vector-and-slice
@@ -172,7 +190,7 @@ def _score_kernel(q_ref, k_ref, pt_ref, len_ref, _, o_ref, totals_ref, *, block_
     s = jnp.dot(k, q.T, preferred_element_type=jnp.float32)  # [block_keys, Hp]
     # relu by select: Triton's float max is maxnum, which would drop a NaN.
     score = jnp.sum(jnp.where(s < 0.0, 0.0, s), axis=1) * scale
-    score = jnp.where(score != score, jnp.nan, score)       # one NaN: ranks first
+    score = jnp.where(score != score, jnp.nan, score)  # one NaN: ranks first
     o_ref[pl.ds(i * block_keys, block_keys)] = jnp.where(valid, score, -jnp.inf)
     digits = radix_select.digit_of(radix_select.order_key(score), 0)
     return hist + radix_select.digit_histogram(digits, valid)
@@ -186,9 +204,16 @@ def _score_kernel(q_ref, k_ref, pt_ref, len_ref, _, o_ref, totals_ref, *, block_
   radix_select.add_histogram(totals_ref, 0, hist, interpret=interpret)
 
 
-def index_scores(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_lens: jax.Array, *,
-                 compress: int, config: QsaIndexConfig,
-                 interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+def index_scores(
+  q: jax.Array,
+  index_k: jax.Array,
+  page_table: jax.Array,
+  seq_lens: jax.Array,
+  *,
+  compress: int,
+  config: QsaIndexConfig,
+  interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Stage 1: f32 `[B, W]` scores by logical id, -inf for ids that are no
   candidate (>= n, or on an absent page), W = `score_width`; and the
   selection's row totals (`radix_select.totals_shape`) holding the first
@@ -206,32 +231,54 @@ def index_scores(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_le
   chunks = width // score.chunk_keys
   interpret = resolve_interpret(interpret)
   k_flat = index_k.reshape(num_pages * page, head_dim)
-  kernel = functools.partial(_score_kernel, block_keys=score.block_keys, chunk_keys=score.chunk_keys,
-                             page=page, max_pages=max_pages, num_pages=num_pages, compress=compress,
-                             scale=1.0 / math.sqrt(head_dim), interpret=interpret)
+  kernel = functools.partial(
+    _score_kernel,
+    block_keys=score.block_keys,
+    chunk_keys=score.chunk_keys,
+    page=page,
+    max_pages=max_pages,
+    num_pages=num_pages,
+    compress=compress,
+    scale=1.0 / math.sqrt(head_dim),
+    interpret=interpret,
+  )
   return common.pallas_call(
-      kernel,
-      out_shape=(jax.ShapeDtypeStruct((batch, width), jnp.float32), radix_select.totals_shape(batch)),
-      grid=(batch, chunks),
-      in_specs=[
-          pl.BlockSpec((None, heads, head_dim), lambda b, c: (b, 0, 0)),
-          pl.BlockSpec((num_pages * page, head_dim), lambda b, c: (0, 0)),
-          pl.BlockSpec((None, max_pages), lambda b, c: (b, 0)),
-          pl.BlockSpec((None, 1), lambda b, c: (b, 0)),
-          radix_select.totals_spec(),
-      ],
-      out_specs=(pl.BlockSpec((None, score.chunk_keys), lambda b, c: (b, c)), radix_select.totals_spec()),
-      input_output_aliases={4: 1},
-      compiler_params=plgpu.CompilerParams(num_warps=score.num_warps, num_stages=score.num_stages),
-      interpret=interpret,
-      name="qsa_index_scores",
-  )(q, k_flat, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32).reshape(batch, 1), jnp.zeros(radix_select.totals_shape(batch).shape, jnp.int32))
+    kernel,
+    out_shape=(jax.ShapeDtypeStruct((batch, width), jnp.float32), radix_select.totals_shape(batch)),
+    grid=(batch, chunks),
+    in_specs=[
+      pl.BlockSpec((None, heads, head_dim), lambda b, c: (b, 0, 0)),
+      pl.BlockSpec((num_pages * page, head_dim), lambda b, c: (0, 0)),
+      pl.BlockSpec((None, max_pages), lambda b, c: (b, 0)),
+      pl.BlockSpec((None, 1), lambda b, c: (b, 0)),
+      radix_select.totals_spec(),
+    ],
+    out_specs=(pl.BlockSpec((None, score.chunk_keys), lambda b, c: (b, c)), radix_select.totals_spec()),
+    input_output_aliases={4: 1},
+    compiler_params=plgpu.CompilerParams(num_warps=score.num_warps, num_stages=score.num_stages),
+    interpret=interpret,
+    name="qsa_index_scores",
+  )(
+    q,
+    k_flat,
+    page_table.astype(jnp.int32),
+    seq_lens.astype(jnp.int32).reshape(batch, 1),
+    jnp.zeros(radix_select.totals_shape(batch).shape, jnp.int32),
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "compress", "config", "interpret"))
-def qsa_index_topk(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_lens: jax.Array, *,
-                   topk: int = 512, compress: int = 4, config: QsaIndexConfig | None = None,
-                   interpret: bool | None = None) -> jax.Array:
+def qsa_index_topk(
+  q: jax.Array,
+  index_k: jax.Array,
+  page_table: jax.Array,
+  seq_lens: jax.Array,
+  *,
+  topk: int = 512,
+  compress: int = 4,
+  config: QsaIndexConfig | None = None,
+  interpret: bool | None = None,
+) -> jax.Array:
   """QSA indexer top-k decode.
 
   Args:
@@ -257,7 +304,7 @@ def qsa_index_topk(q: jax.Array, index_k: jax.Array, page_table: jax.Array, seq_
     return jnp.zeros((0, topk), jnp.int32)
   config = _fit(config, sizes.max_pages * sizes.page, sizes.page)
   interpret = resolve_interpret(interpret)
-  scores, totals = index_scores(q, index_k, page_table, seq_lens, compress=compress, config=config,
-                                interpret=interpret)
-  return radix_select.select_topk(scores, topk=topk, stage=config.select, totals=totals, name="qsa_index",
-                                  interpret=interpret)
+  scores, totals = index_scores(q, index_k, page_table, seq_lens, compress=compress, config=config, interpret=interpret)
+  return radix_select.select_topk(
+    scores, topk=topk, stage=config.select, totals=totals, name="qsa_index", interpret=interpret
+  )

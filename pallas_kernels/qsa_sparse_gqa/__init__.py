@@ -8,5 +8,5 @@ from pallas_kernels.qsa_sparse_gqa import triton
 from pallas_kernels.shared.kernel import Kernel, kernels
 
 KERNELS = kernels(
-    Kernel.of(triton, launch=triton.qsa_sparse_gqa_decode),
+  Kernel.of(triton, launch=triton.qsa_sparse_gqa_decode),
 )

@@ -18,7 +18,9 @@ class QsaDecodeConfig(KernelConfig):
   block_dv programs share a split's ids). `merge_block`: splits per step of
   the merge that the last split program of each (sequence, kv head, value
   block) runs (`split_kv.merge_splits`)."""
-  split: SplitStage = field(SplitStage(block_k=16, keys_per_split=64, num_warps=4, num_stages=2),
-                            instance_of(SplitStage))
+
+  split: SplitStage = field(
+    SplitStage(block_k=16, keys_per_split=64, num_warps=4, num_stages=2), instance_of(SplitStage)
+  )
   block_dv: int = field(256, DOT_BLOCK)
   merge_block: int = field(4, pow2())

@@ -54,25 +54,34 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from pallas_kernels.shared import common
-import jax.numpy as jnp
 
-from pallas_kernels.shared.common import MIN_DOT_DIM, cdiv, check_pow2_dim, fitted_candidates, next_pow2, resolve_interpret
-from pallas_kernels.shared.device import num_sms
-from pallas_kernels.shared.online_softmax import LOG2_E, init_carry, lse_base2, normalize, online_softmax_step
-from pallas_kernels.shared.last_program import arrive
-from pallas_kernels.shared.split_kv import SplitStage, merge_splits
 from pallas_kernels.qsa_sparse_gqa.config import QsaDecodeConfig
+from pallas_kernels.shared import common
+from pallas_kernels.shared.common import (
+  MIN_DOT_DIM,
+  cdiv,
+  check_pow2_dim,
+  fitted_candidates,
+  next_pow2,
+  resolve_interpret,
+)
+from pallas_kernels.shared.device import num_sms
+from pallas_kernels.shared.last_program import arrive
+from pallas_kernels.shared.online_softmax import LOG2_E, init_carry, lse_base2, normalize, online_softmax_step
+from pallas_kernels.shared.split_kv import SplitStage, merge_splits
 
 
 class QsaDecodeSizes(NamedTuple):
   """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+
   batch: int
   q_heads: int
   kv_heads: int
@@ -101,8 +110,9 @@ def _fit(config: QsaDecodeConfig, sizes: QsaDecodeSizes, compress: int) -> QsaDe
   per_split = max(block, min(split.keys_per_split, next_pow2(sizes.topk + 1)))
   split = dataclasses.replace(split, block_h=sizes.group_rows, block_k=block, keys_per_split=per_split)
   splits = cdiv(sizes.topk + 1, per_split)
-  return QsaDecodeConfig(split=split, block_dv=min(config.block_dv, sizes.head_dim),
-                         merge_block=min(config.merge_block, next_pow2(splits)))
+  return QsaDecodeConfig(
+    split=split, block_dv=min(config.block_dv, sizes.head_dim), merge_block=min(config.merge_block, next_pow2(splits))
+  )
 
 
 # (ids per split, ids per step, warps, stages): longest splits first, each of
@@ -134,35 +144,57 @@ def choose_config(shapes: Mapping[str, Any], *, compress: int = 4) -> QsaDecodeC
       choice = (split, fits[0])
       break
   (per_split, block, warps, stages), blocks = choice
-  config = QsaDecodeConfig(split=SplitStage(block_k=block, keys_per_split=per_split, num_warps=warps,
-                                            num_stages=stages),
-                           block_dv=sizes.head_dim // blocks, merge_block=_MERGE_BLOCK)
+  config = QsaDecodeConfig(
+    split=SplitStage(block_k=block, keys_per_split=per_split, num_warps=warps, num_stages=stages),
+    block_dv=sizes.head_dim // blocks,
+    merge_block=_MERGE_BLOCK,
+  )
   return _fit(config, sizes, compress)
 
 
 _SWEEP = (
-    QsaDecodeConfig(SplitStage(block_k=16, keys_per_split=64, num_warps=4, num_stages=2)),
-    QsaDecodeConfig(SplitStage(block_k=16, keys_per_split=64, num_warps=8, num_stages=3), merge_block=2),
-    QsaDecodeConfig(SplitStage(block_k=32, keys_per_split=128, num_warps=8, num_stages=2), merge_block=1),
-    QsaDecodeConfig(SplitStage(block_k=8, keys_per_split=32, num_warps=4, num_stages=2), block_dv=128,
-                    merge_block=2),
-    QsaDecodeConfig(SplitStage(block_k=8, keys_per_split=8, num_warps=4, num_stages=1), merge_block=1),
-    QsaDecodeConfig(SplitStage(block_k=16, keys_per_split=32, num_warps=8, num_stages=3), block_dv=64),
-    QsaDecodeConfig(SplitStage(block_k=8, keys_per_split=16, num_warps=4, num_stages=2), block_dv=128),
+  QsaDecodeConfig(SplitStage(block_k=16, keys_per_split=64, num_warps=4, num_stages=2)),
+  QsaDecodeConfig(SplitStage(block_k=16, keys_per_split=64, num_warps=8, num_stages=3), merge_block=2),
+  QsaDecodeConfig(SplitStage(block_k=32, keys_per_split=128, num_warps=8, num_stages=2), merge_block=1),
+  QsaDecodeConfig(SplitStage(block_k=8, keys_per_split=32, num_warps=4, num_stages=2), block_dv=128, merge_block=2),
+  QsaDecodeConfig(SplitStage(block_k=8, keys_per_split=8, num_warps=4, num_stages=1), merge_block=1),
+  QsaDecodeConfig(SplitStage(block_k=16, keys_per_split=32, num_warps=8, num_stages=3), block_dv=64),
+  QsaDecodeConfig(SplitStage(block_k=8, keys_per_split=16, num_warps=4, num_stages=2), block_dv=128),
 )
 
 
 def candidate_configs(shapes: Mapping[str, Any], *, compress: int = 4) -> list[QsaDecodeConfig]:
   """Heuristic first, then the sweep's configurations fitted to the shapes."""
   sizes = QsaDecodeSizes.of(shapes)
-  return fitted_candidates(choose_config(shapes, compress=compress), _SWEEP,
-                           lambda c: _fit(c, sizes, compress))
+  return fitted_candidates(choose_config(shapes, compress=compress), _SWEEP, lambda c: _fit(c, sizes, compress))
 
 
-def _split_kernel(q_ref, k_ref, v_ref, pt_ref, ids_ref, len_ref, scale_ref, _, o_part_ref, lse_part_ref,
-                  counter_ref, out_ref, counted_ref, *, block_ids: int, steps: int, compress: int, page: int,
-                  max_pages: int, num_pages: int, value_blocks: int, num_splits: int, merge_block: int,
-                  interpret: bool):
+def _split_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  pt_ref,
+  ids_ref,
+  len_ref,
+  scale_ref,
+  _,
+  o_part_ref,
+  lse_part_ref,
+  counter_ref,
+  out_ref,
+  counted_ref,
+  *,
+  block_ids: int,
+  steps: int,
+  compress: int,
+  page: int,
+  max_pages: int,
+  num_pages: int,
+  value_blocks: int,
+  num_splits: int,
+  merge_block: int,
+  interpret: bool,
+):
   # q_ref [group, D] (the kv head's query heads); k_ref [NP * P, D] (this kv
   # head); v_ref [NP * P, block_dv] (its value block); pt_ref [MP];
   # ids_ref [TOPK] the listed ids; len_ref [1] (tokens); scale_ref [1];
@@ -174,7 +206,7 @@ def _split_kernel(q_ref, k_ref, v_ref, pt_ref, ids_ref, len_ref, scale_ref, _, o
   j, split = pl.program_id(1), pl.program_id(2)
   topk = ids_ref.shape[0]
   per_split = steps * block_ids
-  seq_len = jnp.clip(len_ref[0], 0, max_pages * page)   # L: the table's capacity at most
+  seq_len = jnp.clip(len_ref[0], 0, max_pages * page)  # L: the table's capacity at most
   blocks = seq_len // compress
 
   # The split's slots: an id counts if it is in [0, L // C) and no earlier
@@ -213,12 +245,12 @@ def _split_kernel(q_ref, k_ref, v_ref, pt_ref, ids_ref, len_ref, scale_ref, _, o
   value_cols = jnp.arange(v_ref.shape[-1], dtype=jnp.int32)
 
   def body(i, carry):
-    block = counted_ref[i * block_ids + lane // compress]         # [block_t]
+    block = counted_ref[i * block_ids + lane // compress]  # [block_t]
     t = block * compress + lane % compress
     visible = (block >= 0) & (t < seq_len)
     logical_page = jnp.clip(t // page, 0, max_pages - 1)
     phys = plgpu.load(pt_ref.at[logical_page], mask=visible, other=0)
-    visible = visible & (phys >= 0) & (phys < num_pages)        # an absent page contributes nothing
+    visible = visible & (phys >= 0) & (phys < num_pages)  # an absent page contributes nothing
     rows = jnp.where(visible, phys * page + t % page, 0)
     k = plgpu.load(k_ref.at[rows[:, None], cols[None, :]], mask=visible[:, None], other=0.0)
     # Zeros, not garbage: a 0 probability times a NaN value would be NaN.
@@ -243,10 +275,19 @@ def _split_kernel(q_ref, k_ref, v_ref, pt_ref, ids_ref, len_ref, scale_ref, _, o
 
 
 @functools.partial(jax.jit, static_argnames=("compress", "config", "interpret"))
-def qsa_sparse_gqa_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_table: jax.Array,
-                          seq_lens: jax.Array, topk_ids: jax.Array, sm_scale: jax.Array | float | None = None,
-                          *, compress: int = 4, config: QsaDecodeConfig | None = None,
-                          interpret: bool | None = None) -> jax.Array:
+def qsa_sparse_gqa_decode(
+  q: jax.Array,
+  k_cache: jax.Array,
+  v_cache: jax.Array,
+  page_table: jax.Array,
+  seq_lens: jax.Array,
+  topk_ids: jax.Array,
+  sm_scale: jax.Array | float | None = None,
+  *,
+  compress: int = 4,
+  config: QsaDecodeConfig | None = None,
+  interpret: bool | None = None,
+) -> jax.Array:
   """QSA sparse GQA decode.
 
   Args:
@@ -286,49 +327,69 @@ def qsa_sparse_gqa_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
   split = config.split
   num_splits = cdiv(topk + 1, split.keys_per_split)
   value_blocks = head_dim // config.block_dv
-  programs = kv_heads * value_blocks   # grid axis 1: (kv head, value block)
+  programs = kv_heads * value_blocks  # grid axis 1: (kv head, value block)
   group = q_heads // kv_heads
   group_p = split.block_h
 
   k_flat = k_cache.reshape(num_pages * page, kv_heads, head_dim)
   v_flat = v_cache.reshape(num_pages * page, kv_heads, head_dim)
   if sm_scale is None:
-    sm_scale = head_dim ** -0.5
+    sm_scale = head_dim**-0.5
   scale = jnp.asarray(sm_scale, jnp.float32).reshape(1)
   interpret = resolve_interpret(interpret)
 
   heads = lambda j: j // value_blocks
   _, _, _, out, _ = common.pallas_call(
-      functools.partial(_split_kernel, block_ids=split.block_k, steps=split.keys_per_split // split.block_k,
-                        compress=compress, page=page, max_pages=max_pages, num_pages=num_pages,
-                        value_blocks=value_blocks, num_splits=num_splits, merge_block=config.merge_block,
-                        interpret=interpret),
-      out_shape=(jax.ShapeDtypeStruct((batch, programs, num_splits, group_p, config.block_dv), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, programs, num_splits, group_p), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, programs), jnp.int32),
-                 jax.ShapeDtypeStruct((batch, kv_heads, group, head_dim), q.dtype),
-                 jax.ShapeDtypeStruct((batch, programs, num_splits, split.keys_per_split), jnp.int32)),
-      grid=(batch, programs, num_splits),
-      in_specs=[
-          pl.BlockSpec((None, None, group, head_dim), lambda b, j, s: (b, heads(j), 0, 0)),
-          pl.BlockSpec((num_pages * page, None, head_dim), lambda b, j, s: (0, heads(j), 0)),
-          pl.BlockSpec((num_pages * page, None, config.block_dv), lambda b, j, s: (0, heads(j), j % value_blocks)),
-          pl.BlockSpec((None, max_pages), lambda b, j, s: (b, 0)),
-          pl.BlockSpec((None, topk), lambda b, j, s: (b, 0)),
-          pl.BlockSpec((None, 1), lambda b, j, s: (b, 0)),
-          pl.BlockSpec((1,), lambda b, j, s: (0,)),
-          pl.BlockSpec((None, programs), lambda b, j, s: (b, 0)),
-      ],
-      out_specs=(pl.BlockSpec((None, None, num_splits, group_p, config.block_dv), lambda b, j, s: (b, j, 0, 0, 0)),
-                 pl.BlockSpec((None, None, num_splits, group_p), lambda b, j, s: (b, j, 0, 0)),
-                 pl.BlockSpec((None, programs), lambda b, j, s: (b, 0)),
-                 pl.BlockSpec((None, None, group, head_dim), lambda b, j, s: (b, heads(j), 0, 0)),
-                 pl.BlockSpec((None, None, None, split.keys_per_split), lambda b, j, s: (b, j, s, 0))),
-      input_output_aliases={7: 2},
-      compiler_params=plgpu.CompilerParams(num_warps=split.num_warps, num_stages=split.num_stages),
+    functools.partial(
+      _split_kernel,
+      block_ids=split.block_k,
+      steps=split.keys_per_split // split.block_k,
+      compress=compress,
+      page=page,
+      max_pages=max_pages,
+      num_pages=num_pages,
+      value_blocks=value_blocks,
+      num_splits=num_splits,
+      merge_block=config.merge_block,
       interpret=interpret,
-      name="qsa_sparse_gqa_split",
-  )(q.reshape(batch, kv_heads, group, head_dim), k_flat, v_flat, page_table.astype(jnp.int32),
-    topk_ids.astype(jnp.int32), seq_lens.astype(jnp.int32).reshape(batch, 1), scale,
-    jnp.zeros((batch, programs), jnp.int32))
+    ),
+    out_shape=(
+      jax.ShapeDtypeStruct((batch, programs, num_splits, group_p, config.block_dv), jnp.float32),
+      jax.ShapeDtypeStruct((batch, programs, num_splits, group_p), jnp.float32),
+      jax.ShapeDtypeStruct((batch, programs), jnp.int32),
+      jax.ShapeDtypeStruct((batch, kv_heads, group, head_dim), q.dtype),
+      jax.ShapeDtypeStruct((batch, programs, num_splits, split.keys_per_split), jnp.int32),
+    ),
+    grid=(batch, programs, num_splits),
+    in_specs=[
+      pl.BlockSpec((None, None, group, head_dim), lambda b, j, s: (b, heads(j), 0, 0)),
+      pl.BlockSpec((num_pages * page, None, head_dim), lambda b, j, s: (0, heads(j), 0)),
+      pl.BlockSpec((num_pages * page, None, config.block_dv), lambda b, j, s: (0, heads(j), j % value_blocks)),
+      pl.BlockSpec((None, max_pages), lambda b, j, s: (b, 0)),
+      pl.BlockSpec((None, topk), lambda b, j, s: (b, 0)),
+      pl.BlockSpec((None, 1), lambda b, j, s: (b, 0)),
+      pl.BlockSpec((1,), lambda b, j, s: (0,)),
+      pl.BlockSpec((None, programs), lambda b, j, s: (b, 0)),
+    ],
+    out_specs=(
+      pl.BlockSpec((None, None, num_splits, group_p, config.block_dv), lambda b, j, s: (b, j, 0, 0, 0)),
+      pl.BlockSpec((None, None, num_splits, group_p), lambda b, j, s: (b, j, 0, 0)),
+      pl.BlockSpec((None, programs), lambda b, j, s: (b, 0)),
+      pl.BlockSpec((None, None, group, head_dim), lambda b, j, s: (b, heads(j), 0, 0)),
+      pl.BlockSpec((None, None, None, split.keys_per_split), lambda b, j, s: (b, j, s, 0)),
+    ),
+    input_output_aliases={7: 2},
+    compiler_params=plgpu.CompilerParams(num_warps=split.num_warps, num_stages=split.num_stages),
+    interpret=interpret,
+    name="qsa_sparse_gqa_split",
+  )(
+    q.reshape(batch, kv_heads, group, head_dim),
+    k_flat,
+    v_flat,
+    page_table.astype(jnp.int32),
+    topk_ids.astype(jnp.int32),
+    seq_lens.astype(jnp.int32).reshape(batch, 1),
+    scale,
+    jnp.zeros((batch, programs), jnp.int32),
+  )
   return out.reshape(batch, q_heads, head_dim)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import jax
 from jax.experimental import pallas as pl
@@ -52,8 +53,9 @@ def _varying_struct(shape: jax.ShapeDtypeStruct, axes: frozenset[str]) -> jax.Sh
   return jax.ShapeDtypeStruct(shape.shape, shape.dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=axes))
 
 
-def pallas_call(kernel: Callable[..., None], *, out_shape: Any, interpret: bool = False,
-                **kwargs: Any) -> Callable[..., Any]:
+def pallas_call(
+  kernel: Callable[..., None], *, out_shape: Any, interpret: bool = False, **kwargs: Any
+) -> Callable[..., Any]:
   """`pl.pallas_call(kernel, out_shape=..., interpret=..., **kwargs)` that also
   works inside `jax.shard_map` with its default `check_vma=True`: every kernel
   launches through it.
@@ -67,20 +69,23 @@ def pallas_call(kernel: Callable[..., None], *, out_shape: Any, interpret: bool 
   (`all_gather(..., to="invarying")`), the kernel runs once per shard of the
   varying axes (`lax.map`) and each device keeps its own shard's outputs:
   correct and typed, at n times the work, which only CPU checks pay."""
+
   def call(*args: Any) -> Any:
     axes = varying_axes(*args)
     if not (interpret and axes):
       shapes = jax.tree.map(lambda s: _varying_struct(s, axes), out_shape)
       return pl.pallas_call(kernel, out_shape=shapes, interpret=interpret, **kwargs)(*args)
     mesh_axes = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a in axes)
-    launch = pl.pallas_call(kernel, out_shape=jax.tree.map(lambda s: _varying_struct(s, frozenset()), out_shape),
-                            interpret=True, **kwargs)
+    launch = pl.pallas_call(
+      kernel, out_shape=jax.tree.map(lambda s: _varying_struct(s, frozenset()), out_shape), interpret=True, **kwargs
+    )
     varying = [i for i, a in enumerate(args) if varying_axes(a)]
 
     def every_shard(a):  # varying over all of `mesh_axes`, then [shards, ...] on every device
       missing = tuple(ax for ax in mesh_axes if ax not in varying_axes(a))
-      return jax.lax.all_gather(jax.lax.pcast(a, missing, to="varying") if missing else a, mesh_axes,
-                                axis=0, tiled=False, to="invarying")
+      return jax.lax.all_gather(
+        jax.lax.pcast(a, missing, to="varying") if missing else a, mesh_axes, axis=0, tiled=False, to="invarying"
+      )
 
     def one_shard(shard_args):
       full = list(args)
@@ -91,11 +96,17 @@ def pallas_call(kernel: Callable[..., None], *, out_shape: Any, interpret: bool 
     outs = jax.lax.map(one_shard, [every_shard(args[i]) for i in varying])
     own = jax.lax.axis_index(mesh_axes)
     return jax.tree.map(lambda o: o[own], outs)
+
   return call
 
 
-def named_pallas_call(kernel: Callable[..., None], *, inputs: Mapping[str, tuple[Any, Any]],
-                      outputs: Mapping[str, tuple[Any, Any]], **kwargs: Any) -> dict[str, Any]:
+def named_pallas_call(
+  kernel: Callable[..., None],
+  *,
+  inputs: Mapping[str, tuple[Any, Any]],
+  outputs: Mapping[str, tuple[Any, Any]],
+  **kwargs: Any,
+) -> dict[str, Any]:
   """`pallas_call` with operands by name, for kernels with optional ones.
 
   `inputs`: name -> (array or None, BlockSpec); `outputs`: name ->
@@ -114,8 +125,13 @@ def named_pallas_call(kernel: Callable[..., None], *, inputs: Mapping[str, tuple
   def body(*refs):
     kernel(**{f"{n}_ref": r for n, r in zip([*given, *made], refs)}, **absent)
 
-  outs = pallas_call(body, out_shape=[outputs[n][0] for n in made], in_specs=[inputs[n][1] for n in given],
-                     out_specs=[outputs[n][1] for n in made], **kwargs)(*[inputs[n][0] for n in given])
+  outs = pallas_call(
+    body,
+    out_shape=[outputs[n][0] for n in made],
+    in_specs=[inputs[n][1] for n in given],
+    out_specs=[outputs[n][1] for n in made],
+    **kwargs,
+  )(*[inputs[n][0] for n in given])
   return dict(zip(made, outs))
 
 

@@ -21,7 +21,8 @@ rules), e.g. the number of points of a 3-D tile.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 from pallas_kernels.shared.common import MIN_DOT_DIM, is_pow2
 
@@ -32,6 +33,7 @@ _RULES = "rules"
 class Rule:
   """`text` completes "must be ..."; `holds(value, config)` tests it (the
   config gives access to the other fields)."""
+
   text: str
   holds: Callable[[Any, Any], bool]
 
@@ -54,17 +56,21 @@ def one_of(*choices: Any) -> Rule:
 
 def multiple_of(other: str) -> Rule:
   """A multiple of the (positive int) field `other` of the same config."""
+
   def holds(value, config):
     divisor = getattr(config, other)
     return _is_int(value) and _is_int(divisor) and divisor > 0 and value % divisor == 0
+
   return Rule(f"a multiple of {other}", holds)
 
 
 def only_with(*flags: str) -> Rule:
   """A bool that may be True only where the bool fields `flags` of the same
   config are True."""
-  return Rule(f"a bool, True only with {' and '.join(flags)}",
-              lambda v, config: isinstance(v, bool) and (not v or all(getattr(config, f) for f in flags)))
+  return Rule(
+    f"a bool, True only with {' and '.join(flags)}",
+    lambda v, config: isinstance(v, bool) and (not v or all(getattr(config, f) for f in flags)),
+  )
 
 
 def instance_of(cls: type) -> Rule:
@@ -72,8 +78,8 @@ def instance_of(cls: type) -> Rule:
 
 
 # The rules most fields share.
-DOT_BLOCK = pow2(MIN_DOT_DIM)   # a dot dimension on the Triton lowering
-NUM_WARPS = pow2(1)             # Triton launches a power of two of warps
+DOT_BLOCK = pow2(MIN_DOT_DIM)  # a dot dimension on the Triton lowering
+NUM_WARPS = pow2(1)  # Triton launches a power of two of warps
 NUM_STAGES = at_least(1)
 
 
@@ -92,6 +98,7 @@ def _raise_unless(config: Any, name: str, rules: tuple[Rule, ...]) -> None:
 class KernelConfig:
   """Base of the frozen config dataclasses: checks the declared rules on
   construction."""
+
   _derived_rules: ClassVar[Mapping[str, tuple[Rule, ...]]] = {}
 
   def __post_init__(self):

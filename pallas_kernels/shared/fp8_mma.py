@@ -33,14 +33,14 @@ is `lax.dot_general` with fp32 accumulation.
 from __future__ import annotations
 
 import jax
-from jax import lax
-from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
+from jax import lax
 from jax._src import core as jax_core  # a primitive with its own Triton lowering
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import lowering as triton_lowering
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.shared.common import NT_DIMS
 from pallas_kernels.shared.fp_formats import e2m1_to_e4m3_bits
@@ -87,13 +87,13 @@ mlir.register_lowering(fp8_dot_nt_p, mlir.lower_fun(_dot_reference, multiple_res
 def _triton_lowering(ctx, a, b, acc=None):
   dot_rule = triton_lowering.triton_lowering_rules[lax.dot_general_p]
   rule_ctx = ctx if acc is None else ctx.replace(avals_in=ctx.avals_in[:2])
-  out = dot_rule(rule_ctx, a, b, dimension_numbers=NT_DIMS, out_sharding=None, precision=None,
-                 preferred_element_type=jnp.float32)
+  out = dot_rule(
+    rule_ctx, a, b, dimension_numbers=NT_DIMS, out_sharding=None, precision=None, preferred_element_type=jnp.float32
+  )
   dot = out.owner
   if dot.name != "tt.dot":  # Pallas's rule returns the dot's fp32 result itself
     raise NotImplementedError(f"fp8_dot_nt: expected the lowering to end in tt.dot, got {dot.name}")
-  dot.attributes["maxNumImpreciseAcc"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32),
-                                                            MAX_IMPRECISE_PRODUCTS)
+  dot.attributes["maxNumImpreciseAcc"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), MAX_IMPRECISE_PRODUCTS)
   if acc is not None:  # the rule's zero accumulator replaced: the wgmma accumulates onto `acc`
     dot.operands[2] = acc
   return out
@@ -145,8 +145,7 @@ def _inline_asm_abstract_eval(*avals, asm, constraints, pack, results):
 def _inline_asm_lowering(ctx, *args, asm, constraints, pack, results):
   del results
   types = [mlir.aval_to_ir_type(ctx.context.mlir_ctx, aval) for aval in ctx.avals_out]
-  op = tt_dialect.ElementwiseInlineAsmOp(types, asm, constraints=constraints, pure=True, packed_element=pack,
-                                         args=args)
+  op = tt_dialect.ElementwiseInlineAsmOp(types, asm, constraints=constraints, pure=True, packed_element=pack, args=args)
   return list(op.results)
 
 
@@ -162,8 +161,9 @@ def _even_odd(pairs: jax.Array, *, ptx: bool) -> tuple[jax.Array, jax.Array]:
 def _even_odd_asm(pairs: jax.Array) -> tuple[jax.Array, jax.Array]:
   # Two uint16 pairs per asm instance, one register.
   out = jax.ShapeDtypeStruct(pairs.shape, jnp.int16)
-  even, odd = inline_asm_p.bind(lax.bitcast_convert_type(pairs, jnp.int16), asm=E2M1_TO_E4M3_PTX,
-                                constraints="=r,=r,r", pack=2, results=(out, out))
+  even, odd = inline_asm_p.bind(
+    lax.bitcast_convert_type(pairs, jnp.int16), asm=E2M1_TO_E4M3_PTX, constraints="=r,=r,r", pack=2, results=(out, out)
+  )
   return lax.bitcast_convert_type(even, jnp.uint16), lax.bitcast_convert_type(odd, jnp.uint16)
 
 
@@ -211,8 +211,9 @@ def _pair_to_f16(even: jax.Array, odd: jax.Array, scale: jax.Array, *, ptx: bool
   if ptx:
     out = jax.ShapeDtypeStruct(even.shape, jnp.float16)
     args = [lax.bitcast_convert_type(x, jnp.int16) for x in (even, odd)] + [jnp.broadcast_to(scale, even.shape)]
-    values = inline_asm_p.bind(*args, asm=E4M3_PAIR_TO_F16_PTX, constraints="=h,=h,=h,=h,h,h,h", pack=1,
-                               results=(out,) * 4)
+    values = inline_asm_p.bind(
+      *args, asm=E4M3_PAIR_TO_F16_PTX, constraints="=h,=h,=h,=h,h,h,h", pack=1, results=(out,) * 4
+    )
     # Triton stacks two arrays at a time, on the last axis: [(v0, v2), (v1, v3)] is v0..v3.
     v0, v1, v2, v3 = values
     return jnp.stack([jnp.stack([v0, v2], axis=-1), jnp.stack([v1, v3], axis=-1)], axis=-1).reshape(*even.shape, 4)
@@ -238,8 +239,14 @@ def e4m3_to_f16_operand(pairs: jax.Array, scale: jax.Array, *, ptx: bool) -> jax
   rows, width = pairs.shape
   if ptx:
     out = jax.ShapeDtypeStruct(pairs.shape, jnp.float16)
-    lo, hi = inline_asm_p.bind(lax.bitcast_convert_type(pairs, jnp.int16), jnp.broadcast_to(scale, pairs.shape),
-                               asm=E4M3X2_TO_F16_PTX, constraints="=h,=h,h,h", pack=1, results=(out, out))
+    lo, hi = inline_asm_p.bind(
+      lax.bitcast_convert_type(pairs, jnp.int16),
+      jnp.broadcast_to(scale, pairs.shape),
+      asm=E4M3X2_TO_F16_PTX,
+      constraints="=h,=h,h,h",
+      pack=1,
+      results=(out, out),
+    )
     values = jnp.stack([lo, hi], axis=-1)
   else:
     both = jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1).astype(jnp.uint8)
@@ -286,5 +293,10 @@ def promote(acc: jax.Array, part: jax.Array, a_scale: jax.Array, b_scale: jax.Ar
     return acc + part * (a_scale * b_scale)
   shape = acc.shape
   args = [part, jnp.broadcast_to(a_scale, shape), jnp.broadcast_to(b_scale, shape), acc]
-  return plgpu.elementwise_inline_asm(PROMOTE_PTX, args=args, constraints="=f,f,f,f,f", pack=1,
-                                      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])[0]
+  return plgpu.elementwise_inline_asm(
+    PROMOTE_PTX,
+    args=args,
+    constraints="=f,f,f,f,f",
+    pack=1,
+    result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)],
+  )[0]

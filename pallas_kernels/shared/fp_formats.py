@@ -18,8 +18,8 @@ Formats:
 
 from __future__ import annotations
 
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 
 
 def f32_bits_one_nan(x):

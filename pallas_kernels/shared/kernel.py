@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from pallas_kernels.shared import lowering
 
 TRITON, MOSAIC_GPU = "triton", "mosaic_gpu"
 # Kernel backends, each with the custom call its lowering emits and the parser of those calls.
 BACKENDS: Mapping[str, Callable[[str], list[Any]]] = {
-    TRITON: lowering.triton_calls,
-    MOSAIC_GPU: lowering.mosaic_gpu_calls,
+  TRITON: lowering.triton_calls,
+  MOSAIC_GPU: lowering.mosaic_gpu_calls,
 }
 
 
@@ -44,6 +45,7 @@ class Kernel:
   `own_vjp`: the launcher is a `jax.custom_vjp` with its own backward
   kernels (otherwise `jaxkern.autodiff` differentiates it through the
   family's reference)."""
+
   name: str
   backend: str
   launch: Callable[..., Any]
@@ -72,9 +74,15 @@ class Kernel:
     config_class = inspect.get_annotations(choose, eval_str=True).get("return")
     if not inspect.isclass(config_class):
       raise TypeError(f"{module.__name__}.choose_config must be annotated to return its config class")
-    return cls(name=family.rpartition(".")[2], backend=backend, launch=launch or module.kernel,
-               config_class=config_class, choose_config=choose, candidate_configs=module.candidate_configs,
-               own_vjp=own_vjp)
+    return cls(
+      name=family.rpartition(".")[2],
+      backend=backend,
+      launch=launch or module.kernel,
+      config_class=config_class,
+      choose_config=choose,
+      candidate_configs=module.candidate_configs,
+      own_vjp=own_vjp,
+    )
 
 
 def kernels(*members: Kernel) -> dict[str, Kernel]:

@@ -48,8 +48,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
 
 
 def arrive(counter_ref, idx: Any, *, interpret: bool) -> jax.Array:

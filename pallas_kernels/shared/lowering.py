@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -17,10 +18,14 @@ H100_NUM_SMS = 132
 
 
 def abstract_h100_mesh():
-  from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from jax._src import mesh as mesh_lib
+
   return mesh_lib.AbstractMesh(
-      (1,), ("x",), (mesh_lib.AxisType.Explicit,),
-      abstract_device=mesh_lib.AbstractDevice("NVIDIA H100", H100_NUM_SMS, "cuda"))
+    (1,),
+    ("x",),
+    (mesh_lib.AxisType.Explicit,),
+    abstract_device=mesh_lib.AbstractDevice("NVIDIA H100", H100_NUM_SMS, "cuda"),
+  )
 
 
 def lower_for_h100(fn: Callable[..., Any], *avals: Any, **static_kwargs: Any) -> str:
@@ -37,6 +42,7 @@ def lower_for_h100(fn: Callable[..., Any], *avals: Any, **static_kwargs: Any) ->
 class TritonCall:
   """One `__gpu$xla.gpu.triton` custom call of a lowered module: the kernel
   (`pallas_call(name=...)`) and the launch XLA will make of it."""
+
   name: str
   grid: tuple[int, int, int]
   num_warps: int
@@ -73,10 +79,14 @@ def triton_calls(stablehlo: str) -> list[TritonCall]:
   calls = []
   for line in _call_lines(stablehlo, _TRITON_CALL):
     fields = _IR_FIELD.sub("", line)
-    calls.append(TritonCall(
+    calls.append(
+      TritonCall(
         name=_triton_name(line),
         grid=tuple(_int_field(fields, f"grid_{axis}") for axis in "xyz"),
-        num_warps=_int_field(fields, "num_warps"), num_stages=_int_field(fields, "num_stages")))
+        num_warps=_int_field(fields, "num_warps"),
+        num_stages=_int_field(fields, "num_stages"),
+      )
+    )
   return calls
 
 
@@ -85,6 +95,7 @@ class MosaicGpuCall:
   """One `mosaic_gpu_v2` custom call of a lowered module: its operand and
   result tensor types as written (`tensor<2x128xf32>`); the kernel itself
   is serialized bytecode, so the types are what the text tells."""
+
   operands: tuple[str, ...]
   results: tuple[str, ...]
 
@@ -110,14 +121,29 @@ def mosaic_gpu_calls(stablehlo: str) -> list[MosaicGpuCall]:
   return [MosaicGpuCall(*_signature(line, "Mosaic GPU")) for line in _call_lines(stablehlo, _MOSAIC_GPU_CALL)]
 
 
-_ELEMENT_BYTES = {"i1": 1, "i8": 1, "ui8": 1, "f8E4M3FN": 1, "f8E5M2": 1, "f8E4M3FNUZ": 1, "f8E5M2FNUZ": 1,
-                  "f4E2M1FN": 0.5, "i16": 2, "bf16": 2, "f16": 2, "i32": 4, "ui32": 4, "f32": 4, "i64": 8,
-                  "f64": 8}
+_ELEMENT_BYTES = {
+  "i1": 1,
+  "i8": 1,
+  "ui8": 1,
+  "f8E4M3FN": 1,
+  "f8E5M2": 1,
+  "f8E4M3FNUZ": 1,
+  "f8E5M2FNUZ": 1,
+  "f4E2M1FN": 0.5,
+  "i16": 2,
+  "bf16": 2,
+  "f16": 2,
+  "i32": 4,
+  "ui32": 4,
+  "f32": 4,
+  "i64": 8,
+  "f64": 8,
+}
 
 
 def tensor_bytes(tensor_type: str) -> float:
   """Bytes of one `tensor<2x128xf32>` type (a 0-d `tensor<f32>` too)."""
-  *dims, element = tensor_type[len("tensor<"):-1].split("x")
+  *dims, element = tensor_type[len("tensor<") : -1].split("x")
   if element not in _ELEMENT_BYTES:
     raise ValueError(f"unknown element type in {tensor_type}")
   size = _ELEMENT_BYTES[element]
@@ -131,6 +157,7 @@ class TritonBuffers:
   """The buffers of one Triton call: its name and the bytes of its operands
   and results (whole buffers: an upper bound on what the kernel reads and
   writes, exact where every element is touched once)."""
+
   name: str
   operand_bytes: float
   result_bytes: float

@@ -12,10 +12,10 @@ through its registers) takes them from the consumers: `consumer_registers`.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-import jax.numpy as jnp
 
 from pallas_kernels.shared import device
 from pallas_kernels.shared.online_softmax import LOG2_E, lse_base2, lse_natural
@@ -35,6 +35,7 @@ def consumer_registers(producer_registers: int) -> int:
   shared by the consumers (`consumer_registers(PRODUCER_REGISTERS) ==
   CONSUMER_REGISTERS`)."""
   return (CTA_REGISTERS // 128 - producer_registers) // NUM_CONSUMERS // 8 * 8
+
 
 # wgmma operands in shared memory: (8, 64)-element tiles of bf16 with the
 # 128-byte swizzle.
@@ -57,8 +58,7 @@ ROW_ALIGN = 8
 GATHER_FAULTS = ("release_once", "staged_short")
 
 
-def gather_ring_scratch(slot_table: tuple[int, ...], heads: int, block_k: int, stages: int,
-                        fault: str | None) -> tuple:
+def gather_ring_scratch(slot_table: tuple[int, ...], heads: int, block_k: int, stages: int, fault: str | None) -> tuple:
   """The scratch a gathering kernel allocates after its buffers, in this
   order: the row's slot table (int32 `slot_table`); the `heads` heads'
   sinks, scales and lse (fp32); and the barriers of the protocol its
@@ -67,13 +67,15 @@ def gather_ring_scratch(slot_table: tuple[int, ...], heads: int, block_k: int, s
   (the producer), `ring_empty[stages]` (each consumer) and `done` (each
   consumer). `fault` (tests only, one of `GATHER_FAULTS`) takes one
   arrival from `staged` or `ring_empty`."""
-  return (plgpu.SMEM(slot_table, jnp.int32),
-          *(plgpu.SMEM((heads,), jnp.float32) for _ in range(3)),
-          plgpu.Barrier(num_arrivals=5),
-          plgpu.Barrier(num_arrivals=2 * block_k - (fault == "staged_short")),
-          plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-          plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
-          plgpu.Barrier(num_arrivals=NUM_CONSUMERS))
+  return (
+    plgpu.SMEM(slot_table, jnp.int32),
+    *(plgpu.SMEM((heads,), jnp.float32) for _ in range(3)),
+    plgpu.Barrier(num_arrivals=5),
+    plgpu.Barrier(num_arrivals=2 * block_k - (fault == "staged_short")),
+    plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+    plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
+    plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+  )
 
 
 def align_kib(nbytes: int) -> int:
@@ -119,6 +121,7 @@ def drain_releases(steps, stages: int, *empty) -> None:
   loop has waited on the releases of steps `< steps - stages`, this lets
   the producer observe every phase of every release barrier (the 0.11.2
   interpreter requires it before the barriers are freed)."""
+
   @pl.loop(jnp.maximum(steps - stages, stages), steps)
   def _drain(g):
     for barriers in empty:
@@ -130,9 +133,11 @@ def softmax_carry(rows: int, width: int):
   row sums 0 (`Layout.WGMMA.reduce(1)`), and a `[rows, width]` fp32 output
   accumulator of zeros (`Layout.WGMMA`)."""
   row_layout = plgpu.Layout.WGMMA.reduce(1)
-  return (plgpu.layout_cast(jnp.zeros((rows, width), jnp.float32), plgpu.Layout.WGMMA),
-          plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout),
-          plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout))
+  return (
+    plgpu.layout_cast(jnp.zeros((rows, width), jnp.float32), plgpu.Layout.WGMMA),
+    plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout),
+    plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout),
+  )
 
 
 def softmax_step(s, visible, m, l):
@@ -164,15 +169,18 @@ def rescale_and_accumulate(acc, correction, products, interpret: bool):
   result was read), so the caller may overwrite the P tiles."""
   rescaled = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
   if interpret:
+
     def product(pv_ref):
       for p_ref, v_ref in products:
         plgpu.wgmma(pv_ref, p_ref, v_ref)
       return pv_ref[...]
+
     return rescaled + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
 
   def accumulate(acc_ref):
     for p_ref, v_ref in products:
       plgpu.wgmma(acc_ref, p_ref, v_ref)
+
   return pl.run_state(accumulate)(plgpu.ACC.init(rescaled))
 
 

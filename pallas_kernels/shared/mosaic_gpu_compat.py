@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def interpret_kwargs(interpret: bool) -> dict[str, Any]:

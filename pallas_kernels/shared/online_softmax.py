@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 
 import jax
-from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -31,8 +31,9 @@ LN_2 = math.log(2.0)
 ROW_SUM_COLUMNS = 16
 
 
-def init_carry(rows: int, width: int, parts: int | None = None, *, row_sums_by_dot: bool = False,
-               finite_max: bool = False):
+def init_carry(
+  rows: int, width: int, parts: int | None = None, *, row_sums_by_dot: bool = False, finite_max: bool = False
+):
   """`(acc, m, l)` of rows that have seen nothing: acc `[rows, width]` zeros,
   or a list of `parts` such arrays; `l` `[rows]`, or with `row_sums_by_dot`
   `[rows, ROW_SUM_COLUMNS]` (`row_sums` reads it); `m` -inf, or with
@@ -59,12 +60,28 @@ def scaled_minus(s, scale: float, m, *, ptx: bool):
   if not ptx:
     return s * scale - m
   args = [s, jnp.full(s.shape, scale, jnp.float32), jnp.broadcast_to(-m, s.shape)]
-  return plgpu.elementwise_inline_asm("fma.rn.f32 $0, $1, $2, $3;", args=args, constraints="=f,f,f,f", pack=1,
-                                      result_shape_dtypes=[jax.ShapeDtypeStruct(s.shape, jnp.float32)])[0]
+  return plgpu.elementwise_inline_asm(
+    "fma.rn.f32 $0, $1, $2, $3;",
+    args=args,
+    constraints="=f,f,f,f",
+    pack=1,
+    result_shape_dtypes=[jax.ShapeDtypeStruct(s.shape, jnp.float32)],
+  )[0]
 
 
-def online_softmax_step(s, carry, values, *, visible=None, value_scales=None, p_hi_lo=False, score_scale=None,
-                        fma_ptx=False, row_sums_by_dot=False, finite_max=False):
+def online_softmax_step(
+  s,
+  carry,
+  values,
+  *,
+  visible=None,
+  value_scales=None,
+  p_hi_lo=False,
+  score_scale=None,
+  fma_ptx=False,
+  row_sums_by_dot=False,
+  finite_max=False,
+):
   """Folds one key block into the carry; returns the new carry.
 
   Args:
@@ -127,8 +144,10 @@ def online_softmax_step(s, carry, values, *, visible=None, value_scales=None, p_
     l_next = correction * l_prev + jnp.sum(p, axis=-1)
   if isinstance(values, (list, tuple)):
     scales = value_scales or [None] * len(values)
-    acc = [correction[:, None] * a + _weighted_values(p if w is None else p * w[None, :], v, p_hi_lo)
-           for a, v, w in zip(acc, values, scales)]
+    acc = [
+      correction[:, None] * a + _weighted_values(p if w is None else p * w[None, :], v, p_hi_lo)
+      for a, v, w in zip(acc, values, scales)
+    ]
   else:
     acc = correction[:, None] * acc + _weighted_values(p, values, p_hi_lo)
   return acc, m_next, l_next

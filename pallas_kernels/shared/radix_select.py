@@ -55,10 +55,10 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-import jax.numpy as jnp
 
 from pallas_kernels.shared import common
 from pallas_kernels.shared.common import cdiv, next_pow2, resolve_interpret
@@ -68,7 +68,7 @@ from pallas_kernels.shared.last_program import add_nonzero, arrive
 
 DIGIT_BITS = (11, 11, 10)  # most significant first; they cover the 32-bit key
 DIGITS = len(DIGIT_BITS)
-LOW_BITS = 6               # a digit's bins as HIST_ROWS x HIST_COLS (high, low bits)
+LOW_BITS = 6  # a digit's bins as HIST_ROWS x HIST_COLS (high, low bits)
 HIST_ROWS = 1 << (max(DIGIT_BITS) - LOW_BITS)
 HIST_COLS = 1 << LOW_BITS
 BINS = HIST_ROWS * HIST_COLS
@@ -79,7 +79,7 @@ assert sum(DIGIT_BITS) == 32 and 1 << DIGIT_BITS[-1] <= BINS - 1
 # The write pass's row list is walked chunk by chunk with every chunk's
 # offset in registers: at most this many chunks a row (`fit_stage`).
 MAX_CHUNKS = 64
-_SIGN = -2 ** 31           # int32 with only the sign bit set
+_SIGN = -(2**31)  # int32 with only the sign bit set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +88,7 @@ class SelectStage(KernelConfig):
   `chunk_keys` ids per program (at most `MAX_CHUNKS` chunks a row: widened
   by `fit_stage`); `write_block`: items per step of the last program's walk
   of the row's items."""
+
   block_keys: int = field(256, DOT_BLOCK)
   chunk_keys: int = field(1024, DOT_BLOCK, multiple_of("block_keys"))
   num_warps: int = field(4, NUM_WARPS)
@@ -106,6 +107,7 @@ def fit_stage(stage: SelectStage, width: int) -> SelectStage:
 # ---------------------------------------------------------------------------
 # Pieces shared by the kernels (also the kernel that computes the scores).
 
+
 def order_key(scores: jax.Array) -> jax.Array:
   """int32 bits whose *unsigned* order is the total order of the f32 scores,
   every NaN counted as +NaN (the top of the order) whatever its sign bit."""
@@ -115,7 +117,7 @@ def order_key(scores: jax.Array) -> jax.Array:
 
 def _shift(digit: int) -> int:
   """Bits of the key below `digit`."""
-  return 32 - sum(DIGIT_BITS[:digit + 1])
+  return 32 - sum(DIGIT_BITS[: digit + 1])
 
 
 def digit_of(key: jax.Array, digit: int) -> jax.Array:
@@ -135,8 +137,8 @@ def digit_histogram(digits: jax.Array, counted: jax.Array) -> jax.Array:
   matrices (int8 halves the operands' shared memory against bf16)."""
   rows = jnp.arange(HIST_ROWS, dtype=jnp.int32)
   cols = jnp.arange(HIST_COLS, dtype=jnp.int32)
-  high = ((digits[None, :] >> LOW_BITS) == rows[:, None]) & counted[None, :]   # [rows, n]
-  low = (digits[:, None] & (HIST_COLS - 1)) == cols[None, :]                    # [n, cols]
+  high = ((digits[None, :] >> LOW_BITS) == rows[:, None]) & counted[None, :]  # [rows, n]
+  low = (digits[:, None] & (HIST_COLS - 1)) == cols[None, :]  # [n, cols]
   return jnp.dot(high.astype(jnp.int8), low.astype(jnp.int8), preferred_element_type=jnp.int32)
 
 
@@ -174,7 +176,7 @@ def _flat_bins() -> jax.Array:
 def _at_or_above(hist: jax.Array) -> jax.Array:
   """Per bin d = HIST_COLS * h + l, the counts of the bins >= d."""
   rows = jnp.sum(hist, axis=1)
-  rows_above = jnp.sum(rows) - jnp.cumsum(rows)                      # bins of the rows h' > h
+  rows_above = jnp.sum(rows) - jnp.cumsum(rows)  # bins of the rows h' > h
   return rows_above[:, None] + rows[:, None] - _exclusive_cumsum(hist, axis=1)
 
 
@@ -195,7 +197,7 @@ def _replay(totals_ref, digits: int, topk: int):
   prefix, remaining = jnp.int32(0), selected
   for d in range(digits):
     hist = totals_ref[d]
-    if 1 << DIGIT_BITS[d] < BINS:   # cells past the digit's bins (the row counter)
+    if 1 << DIGIT_BITS[d] < BINS:  # cells past the digit's bins (the row counter)
       hist = jnp.where(_flat_bins() < 1 << DIGIT_BITS[d], hist, 0)
     digit, remaining = _boundary(hist, remaining)
     prefix = (prefix << DIGIT_BITS[d]) | digit
@@ -204,6 +206,7 @@ def _replay(totals_ref, digits: int, topk: int):
 
 # ---------------------------------------------------------------------------
 # Kernels.
+
 
 def _hist_kernel(s_ref, totals_in_ref, totals_ref, *, block: int, digit: int, topk: int, interpret: bool):
   # s_ref [chunk] f32; totals_in_ref / totals_ref the row's counts (aliased:
@@ -222,8 +225,21 @@ def _hist_kernel(s_ref, totals_in_ref, totals_ref, *, block: int, digit: int, to
   add_histogram(totals_ref, digit, hist, interpret=interpret)
 
 
-def _write_kernel(s_ref, totals_in_ref, totals_ref, item_id_ref, item_key_ref, count_ref, o_ref, *, block: int,
-                  write_block: int, chunks: int, topk: int, interpret: bool):
+def _write_kernel(
+  s_ref,
+  totals_in_ref,
+  totals_ref,
+  item_id_ref,
+  item_key_ref,
+  count_ref,
+  o_ref,
+  *,
+  block: int,
+  write_block: int,
+  chunks: int,
+  topk: int,
+  interpret: bool,
+):
   # s_ref [chunk] f32; totals_in_ref / totals_ref the row's counts (aliased);
   # item_id_ref / item_key_ref [W] the row's items, chunk c's compacted at
   # the start of its own chunk; count_ref [chunks] items per chunk;
@@ -231,7 +247,7 @@ def _write_kernel(s_ref, totals_in_ref, totals_ref, item_id_ref, item_key_ref, c
   c = pl.program_id(1)
   chunk = s_ref.shape[0]
   last = DIGITS - 1
-  prefix = _replay(totals_in_ref, last, topk)[0]   # the 22-bit prefix P of T
+  prefix = _replay(totals_in_ref, last, topk)[0]  # the 22-bit prefix P of T
   lane = jnp.arange(block, dtype=jnp.int32)
   past_row = item_id_ref.shape[0]
 
@@ -259,7 +275,7 @@ def _write_kernel(s_ref, totals_in_ref, totals_ref, item_id_ref, item_key_ref, c
   @pl.when(ticket == chunks - 1)
   def _():
     key_t, ties, selected = _replay(totals_ref, DIGITS, topk)
-    threshold = key_t ^ jnp.int32(_SIGN)   # signed: compares as the scores do
+    threshold = key_t ^ jnp.int32(_SIGN)  # signed: compares as the scores do
     chunk_ids = jnp.arange(next_pow2(chunks), dtype=jnp.int32)
     counts = _gather(count_ref, chunk_ids, chunk_ids < chunks)
     offsets = _exclusive_cumsum(counts)
@@ -268,7 +284,7 @@ def _write_kernel(s_ref, totals_in_ref, totals_ref, item_id_ref, item_key_ref, c
 
     def walk(carry):
       i, taken, tied = carry
-      k = i * write_block + slot                       # the row's k-th item
+      k = i * write_block + slot  # the row's k-th item
       present = k < items
       # Its chunk: the last whose offset is <= k (offsets never decrease).
       before = (offsets[None, :] <= k[:, None]) & (chunk_ids[None, :] < chunks)
@@ -288,8 +304,9 @@ def _write_kernel(s_ref, totals_in_ref, totals_ref, item_id_ref, item_key_ref, c
     # Until every item is seen or every selected id is taken (a row of ties
     # stops after its first topk items).
     steps = (items + write_block - 1) // write_block
-    lax.while_loop(lambda carry: (carry[0] < steps) & (carry[1] < selected), walk,
-                   (jnp.int32(0), jnp.int32(0), jnp.int32(0)))
+    lax.while_loop(
+      lambda carry: (carry[0] < steps) & (carry[1] < selected), walk, (jnp.int32(0), jnp.int32(0), jnp.int32(0))
+    )
     out_slot = jnp.arange(next_pow2(topk), dtype=jnp.int32)
     empty = (out_slot >= selected) & (out_slot < topk)
     _scatter(o_ref, jnp.where(empty, out_slot, topk), jnp.full(out_slot.shape, -1, jnp.int32), empty)
@@ -305,26 +322,34 @@ def _scatter(ref, index: jax.Array, values: jax.Array, mask: jax.Array) -> None:
   plgpu.store(ref.at[index], values, mask=mask)
 
 
-def count_first_digit(scores: jax.Array, totals: jax.Array, *, stage: SelectStage, name: str,
-                      interpret: bool) -> jax.Array:
+def count_first_digit(
+  scores: jax.Array, totals: jax.Array, *, stage: SelectStage, name: str, interpret: bool
+) -> jax.Array:
   """The first digit's histogram pass: `totals` with every row's candidates
   counted by their first digit."""
   batch = scores.shape[0]
   return common.pallas_call(
-      functools.partial(_hist_kernel, block=stage.block_keys, digit=0, topk=1, interpret=interpret),
-      out_shape=totals_shape(batch),
-      grid=(batch, scores.shape[1] // stage.chunk_keys),
-      in_specs=[pl.BlockSpec((None, stage.chunk_keys), lambda b, c: (b, c)), totals_spec()],
-      out_specs=totals_spec(),
-      input_output_aliases={1: 0},
-      compiler_params=common.compiler_params(stage),
-      interpret=interpret,
-      name=f"{name}_hist0",
+    functools.partial(_hist_kernel, block=stage.block_keys, digit=0, topk=1, interpret=interpret),
+    out_shape=totals_shape(batch),
+    grid=(batch, scores.shape[1] // stage.chunk_keys),
+    in_specs=[pl.BlockSpec((None, stage.chunk_keys), lambda b, c: (b, c)), totals_spec()],
+    out_specs=totals_spec(),
+    input_output_aliases={1: 0},
+    compiler_params=common.compiler_params(stage),
+    interpret=interpret,
+    name=f"{name}_hist0",
   )(scores, totals)
 
 
-def select_topk(scores: jax.Array, *, topk: int, stage: SelectStage, totals: jax.Array | None = None,
-                name: str = "radix_select", interpret: bool | None = None) -> jax.Array:
+def select_topk(
+  scores: jax.Array,
+  *,
+  topk: int,
+  stage: SelectStage,
+  totals: jax.Array | None = None,
+  name: str = "radix_select",
+  interpret: bool | None = None,
+) -> jax.Array:
   """int32 `[B, topk]`: the ids of each row's `topk` best candidates (module
   docstring), increasing, -1 suffix.
 
@@ -353,35 +378,46 @@ def select_topk(scores: jax.Array, *, topk: int, stage: SelectStage, totals: jax
   if chunks > MAX_CHUNKS:
     raise ValueError(f"{chunks} chunks of {stage.chunk_keys} ids a row: at most {MAX_CHUNKS} (fit_stage)")
   if totals is None:
-    totals = count_first_digit(scores, jnp.zeros(totals_shape(batch).shape, jnp.int32), stage=stage, name=name,
-                               interpret=interpret)
+    totals = count_first_digit(
+      scores, jnp.zeros(totals_shape(batch).shape, jnp.int32), stage=stage, name=name, interpret=interpret
+    )
   scores_spec = pl.BlockSpec((None, stage.chunk_keys), lambda b, c: (b, c))
   params = common.compiler_params(stage)
   for digit in range(1, DIGITS - 1):
     totals = common.pallas_call(
-        functools.partial(_hist_kernel, block=stage.block_keys, digit=digit, topk=topk, interpret=interpret),
-        out_shape=totals_shape(batch),
-        grid=(batch, chunks),
-        in_specs=[scores_spec, totals_spec()],
-        out_specs=totals_spec(),
-        input_output_aliases={1: 0},
-        compiler_params=params,
-        interpret=interpret,
-        name=f"{name}_hist{digit}",
-    )(scores, totals)
-  row = lambda n: pl.BlockSpec((None, n), lambda b, c: (b, 0))
-  outputs = common.pallas_call(
-      functools.partial(_write_kernel, block=stage.block_keys, write_block=stage.write_block, chunks=chunks,
-                        topk=topk, interpret=interpret),
-      out_shape=(totals_shape(batch), jax.ShapeDtypeStruct((batch, padded), jnp.int32),
-                 jax.ShapeDtypeStruct((batch, padded), jnp.int32), jax.ShapeDtypeStruct((batch, chunks), jnp.int32),
-                 jax.ShapeDtypeStruct((batch, topk), jnp.int32)),
+      functools.partial(_hist_kernel, block=stage.block_keys, digit=digit, topk=topk, interpret=interpret),
+      out_shape=totals_shape(batch),
       grid=(batch, chunks),
       in_specs=[scores_spec, totals_spec()],
-      out_specs=(totals_spec(), row(padded), row(padded), row(chunks), row(topk)),
+      out_specs=totals_spec(),
       input_output_aliases={1: 0},
       compiler_params=params,
       interpret=interpret,
-      name=f"{name}_write",
+      name=f"{name}_hist{digit}",
+    )(scores, totals)
+  row = lambda n: pl.BlockSpec((None, n), lambda b, c: (b, 0))
+  outputs = common.pallas_call(
+    functools.partial(
+      _write_kernel,
+      block=stage.block_keys,
+      write_block=stage.write_block,
+      chunks=chunks,
+      topk=topk,
+      interpret=interpret,
+    ),
+    out_shape=(
+      totals_shape(batch),
+      jax.ShapeDtypeStruct((batch, padded), jnp.int32),
+      jax.ShapeDtypeStruct((batch, padded), jnp.int32),
+      jax.ShapeDtypeStruct((batch, chunks), jnp.int32),
+      jax.ShapeDtypeStruct((batch, topk), jnp.int32),
+    ),
+    grid=(batch, chunks),
+    in_specs=[scores_spec, totals_spec()],
+    out_specs=(totals_spec(), row(padded), row(padded), row(chunks), row(topk)),
+    input_output_aliases={1: 0},
+    compiler_params=params,
+    interpret=interpret,
+    name=f"{name}_write",
   )(scores, totals)
   return outputs[-1]

@@ -37,12 +37,12 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from pallas_kernels.shared import common
-import jax.numpy as jnp
 
+from pallas_kernels.shared import common
 from pallas_kernels.shared.common import cdiv, next_pow2, resolve_interpret
 from pallas_kernels.shared.config_rules import DOT_BLOCK, NUM_STAGES, NUM_WARPS, KernelConfig, field, multiple_of, pow2
 from pallas_kernels.shared.online_softmax import lse_natural, normalize
@@ -55,6 +55,7 @@ class SplitStage(KernelConfig):
   (the rows of both dots), walked `block_k` slots per step. What a slot is
   belongs to the kernel (a gathered token, or a block of tokens); each kernel
   fits `block_k` up to what its dots need."""
+
   block_h: int = field(16, DOT_BLOCK)
   block_k: int = field(32, pow2())
   keys_per_split: int = field(64, pow2(), multiple_of("block_k"))
@@ -67,6 +68,7 @@ class CombineStage(KernelConfig):
   """The combine: a program merges the splits of `block_h` heads x `block_d`
   output columns of one row, `block_s` splits a step. No dot: any power of
   two of heads works."""
+
   block_h: int = field(16, pow2())
   block_d: int = field(64, pow2(16))
   num_warps: int = field(4, NUM_WARPS)
@@ -79,8 +81,9 @@ def fit_combine(stage: CombineStage, heads: int, head_dim: int, num_splits: int 
   two dividing H (resp. D), so no program needs a mask; with `num_splits`,
   no more splits a step than the smallest power of two covering them."""
   block_s = stage.block_s if num_splits is None else min(stage.block_s, next_pow2(num_splits))
-  return dataclasses.replace(stage, block_h=min(stage.block_h, heads & -heads),
-                             block_d=min(stage.block_d, head_dim & -head_dim), block_s=block_s)
+  return dataclasses.replace(
+    stage, block_h=min(stage.block_h, heads & -heads), block_d=min(stage.block_d, head_dim & -head_dim), block_s=block_s
+  )
 
 
 def combine_programs(stage: CombineStage, rows: int, heads: int, head_dim: int) -> int:
@@ -108,8 +111,7 @@ def choose_combine(rows: int, heads: int, head_dim: int, num_splits: int, target
       break
   per_split = stage.block_h * stage.block_d // (32 * stage.num_warps)
   block_s = max(1, min(4, _COMBINE_VALUES_PER_THREAD // max(per_split, 1)))
-  return fit_combine(dataclasses.replace(stage, block_s=1 << (block_s.bit_length() - 1)), heads, head_dim,
-                     num_splits)
+  return fit_combine(dataclasses.replace(stage, block_s=1 << (block_s.bit_length() - 1)), heads, head_dim, num_splits)
 
 
 def merge_splits(o_part_ref, lse_part_ref, *, num_splits: int, block_s: int):
@@ -139,8 +141,11 @@ def merge_splits(o_part_ref, lse_part_ref, *, num_splits: int, block_s: int):
     correction = jnp.exp2(m - m_safe)
     return correction[:, None] * acc + jnp.sum(weighted, axis=0), m_next, correction * l + jnp.sum(w, axis=0)
 
-  init = (jnp.zeros((block_h, block_d), jnp.float32), jnp.full((block_h,), -jnp.inf, jnp.float32),
-          jnp.zeros((block_h,), jnp.float32))
+  init = (
+    jnp.zeros((block_h, block_d), jnp.float32),
+    jnp.full((block_h,), -jnp.inf, jnp.float32),
+    jnp.zeros((block_h,), jnp.float32),
+  )
   acc, m, l = lax.fori_loop(0, cdiv(num_splits, block_s), body, init)
   return acc, jnp.where(m == -jnp.inf, 0.0, m), l
 
@@ -162,9 +167,17 @@ def _combine_kernel(*refs, num_splits: int, block_s: int, has_sink: bool, with_l
       lse_ref[...] = lse_natural(m_safe, l)
 
 
-def combine_splits(o_part: jax.Array, lse_part: jax.Array, sink: jax.Array | None = None, *,
-                   stage: CombineStage, out_dtype, with_lse: bool = False, name: str,
-                   interpret: bool | None = None):
+def combine_splits(
+  o_part: jax.Array,
+  lse_part: jax.Array,
+  sink: jax.Array | None = None,
+  *,
+  stage: CombineStage,
+  out_dtype,
+  with_lse: bool = False,
+  name: str,
+  interpret: bool | None = None,
+):
   """Merges the partial results of S splits (module docstring).
 
   Args:
@@ -183,8 +196,9 @@ def combine_splits(o_part: jax.Array, lse_part: jax.Array, sink: jax.Array | Non
   """
   rows, num_splits, heads, head_dim = o_part.shape
   if lse_part.shape != (rows, num_splits, heads):
-    raise ValueError(f"lse_part {lse_part.shape} does not match o_part {o_part.shape}: "
-                     f"expected {(rows, num_splits, heads)}")
+    raise ValueError(
+      f"lse_part {lse_part.shape} does not match o_part {o_part.shape}: expected {(rows, num_splits, heads)}"
+    )
   if sink is not None and sink.shape != (heads,):
     raise ValueError(f"sink {sink.shape} must be [{heads}]")
   stage = fit_combine(stage, heads, head_dim, num_splits)
@@ -193,8 +207,10 @@ def combine_splits(o_part: jax.Array, lse_part: jax.Array, sink: jax.Array | Non
   # compiles to the fewest registers on sm_90a for both callers' shapes
   # (docs/perf/kernel_notes.md).
   operands = [o_part, lse_part]
-  in_specs = [pl.BlockSpec((None, num_splits, block_h, block_d), lambda h, r, d: (r, 0, h, d)),
-              pl.BlockSpec((None, num_splits, block_h), lambda h, r, d: (r, 0, h))]
+  in_specs = [
+    pl.BlockSpec((None, num_splits, block_h, block_d), lambda h, r, d: (r, 0, h, d)),
+    pl.BlockSpec((None, num_splits, block_h), lambda h, r, d: (r, 0, h)),
+  ]
   if sink is not None:
     operands.append(sink.astype(jnp.float32))
     in_specs.append(pl.BlockSpec((block_h,), lambda h, r, d: (h,)))
@@ -204,14 +220,15 @@ def combine_splits(o_part: jax.Array, lse_part: jax.Array, sink: jax.Array | Non
     out_shape.append(jax.ShapeDtypeStruct((rows, heads), jnp.float32))
     out_specs.append(pl.BlockSpec((None, block_h), lambda h, r, d: (r, h)))
   outputs = common.pallas_call(
-      functools.partial(_combine_kernel, num_splits=num_splits, block_s=stage.block_s,
-                        has_sink=sink is not None, with_lse=with_lse),
-      out_shape=tuple(out_shape),
-      grid=(heads // block_h, rows, head_dim // block_d),
-      in_specs=in_specs,
-      out_specs=tuple(out_specs),
-      compiler_params=plgpu.CompilerParams(num_warps=stage.num_warps, num_stages=stage.num_stages),
-      interpret=resolve_interpret(interpret),
-      name=name,
+    functools.partial(
+      _combine_kernel, num_splits=num_splits, block_s=stage.block_s, has_sink=sink is not None, with_lse=with_lse
+    ),
+    out_shape=tuple(out_shape),
+    grid=(heads // block_h, rows, head_dim // block_d),
+    in_specs=in_specs,
+    out_specs=tuple(out_specs),
+    compiler_params=plgpu.CompilerParams(num_warps=stage.num_warps, num_stages=stage.num_stages),
+    interpret=resolve_interpret(interpret),
+    name=name,
   )(*operands)
   return outputs if with_lse else outputs[0]

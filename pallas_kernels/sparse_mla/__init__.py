@@ -7,10 +7,10 @@ block table), `triton.py` the Triton kernel, `mosaic_gpu.py` the
 warp-specialized Hopper kernel (a producer warpgroup gathering rows).
 """
 
-from pallas_kernels.sparse_mla import mosaic_gpu, triton
 from pallas_kernels.shared.kernel import Kernel, kernels
+from pallas_kernels.sparse_mla import mosaic_gpu, triton
 
 KERNELS = kernels(
-    Kernel.of(triton, launch=triton.sparse_mla_prefill),
-    Kernel.of(mosaic_gpu, launch=mosaic_gpu.sparse_mla_prefill),
+  Kernel.of(triton, launch=triton.sparse_mla_prefill),
+  Kernel.of(mosaic_gpu, launch=mosaic_gpu.sparse_mla_prefill),
 )

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.shared.config_rules import DOT_BLOCK, KernelConfig, NUM_STAGES, NUM_WARPS, at_least, field, instance_of, one_of
+from pallas_kernels.shared.config_rules import (
+  DOT_BLOCK,
+  NUM_STAGES,
+  NUM_WARPS,
+  KernelConfig,
+  at_least,
+  field,
+  instance_of,
+  one_of,
+)
 from pallas_kernels.shared.split_kv import CombineStage
 
 
@@ -22,6 +31,7 @@ class SparseMlaPrefillConfig(KernelConfig):
     its gather; False leaves the index loads to Triton's pipeliner (which
     then stages them through shared memory: fewer registers).
   """
+
   block_h: int = field(32, DOT_BLOCK)
   block_k: int = field(64, DOT_BLOCK)
   block_d: int = field(128, DOT_BLOCK)
@@ -43,6 +53,7 @@ class MosaicSparseMlaConfig(KernelConfig):
   producer's copy into the ring moves 64-row chunks (Mosaic GPU's WGMMA
   register layout has 64 rows; 32-row steps would need the copy in pairs
   of steps)."""
+
   block_k: int = field(64, one_of(64))
   stages: int = field(1, at_least(1))
   splits: int = field(1, at_least(1))

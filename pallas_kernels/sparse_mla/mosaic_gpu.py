@@ -86,29 +86,48 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-import jax.numpy as jnp
 
 from pallas_kernels.shared import device
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import cdiv, resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
-from pallas_kernels.shared.mosaic_gpu import (F32_TRANSFORMS, GATHER_FAULTS as FAULTS, NUM_CONSUMERS, TILE_COLS,
-                                              WGMMA_TRANSFORMS, consumer_registers, drain_releases, finish_rows,
-                                              gather_ring_scratch, gather_shared_memory_bytes, num_sms,
-                                              rescale_and_accumulate, softmax_carry, softmax_step, store_rows)
+from pallas_kernels.shared.mosaic_gpu import (
+  F32_TRANSFORMS,
+  NUM_CONSUMERS,
+  TILE_COLS,
+  WGMMA_TRANSFORMS,
+  consumer_registers,
+  drain_releases,
+  finish_rows,
+  gather_ring_scratch,
+  gather_shared_memory_bytes,
+  num_sms,
+  rescale_and_accumulate,
+  softmax_carry,
+  softmax_step,
+  store_rows,
+)
+from pallas_kernels.shared.mosaic_gpu import GATHER_FAULTS as FAULTS
 from pallas_kernels.shared.online_softmax import LOG2_E
 from pallas_kernels.shared.split_kv import combine_splits
 from pallas_kernels.sparse_mla.config import MosaicSparseMlaConfig
-from pallas_kernels.sparse_mla.slots import (SparseMlaSizes, blocks_per_split, check_inputs, slot_block_limits,
-                                             split_runs)
+from pallas_kernels.sparse_mla.slots import (
+  SparseMlaSizes,
+  blocks_per_split,
+  check_inputs,
+  slot_block_limits,
+  split_runs,
+)
 
-BLOCK_H = 64          # heads per CTA: one wgmma row tile
+BLOCK_H = 64  # heads per CTA: one wgmma row tile
 # The TOPK splits the heuristic makes at most: each costs a 128 KiB fp32
 # partial per row and head group (written, then read by the combine), two
 # steps' worth of gathered rows.
@@ -157,8 +176,11 @@ def candidate_configs(shapes: Mapping[str, Any]) -> list[MosaicSparseMlaConfig]:
   sizes = SparseMlaSizes.of(shapes)
   chosen = choose_config(shapes)
   sweep = [chosen, dataclasses.replace(chosen, splits=1), *(dataclasses.replace(chosen, stages=s) for s in (2, 3))]
-  return [c for c in dict.fromkeys(sweep)
-          if shared_memory_bytes(c, sizes.head_dim, sizes.topk) <= device.SHARED_MEMORY_PER_BLOCK]
+  return [
+    c
+    for c in dict.fromkeys(sweep)
+    if shared_memory_bytes(c, sizes.head_dim, sizes.topk) <= device.SHARED_MEMORY_PER_BLOCK
+  ]
 
 
 def check_supported(q: jax.Array) -> None:
@@ -173,9 +195,23 @@ def check_supported(q: jax.Array) -> None:
     raise Unsupported(f"head dim D={head_dim} must be one of {HEAD_DIMS} for the Mosaic GPU sparse MLA prefill")
 
 
-def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale_gmem, o_gmem, lse_gmem, *,
-            config: MosaicSparseMlaConfig, blocks_per_split: int, num_kv: int, interpret: bool,
-            fault: str | None):
+def _kernel(
+  q_gmem,
+  kv_gmem,
+  zeros_gmem,
+  idx_gmem,
+  limits_gmem,
+  sink_gmem,
+  scale_gmem,
+  o_gmem,
+  lse_gmem,
+  *,
+  config: MosaicSparseMlaConfig,
+  blocks_per_split: int,
+  num_kv: int,
+  interpret: bool,
+  fault: str | None,
+):
   bk, stages = config.block_k, config.stages
   half = q_gmem.shape[-1] // NUM_CONSUMERS
   chunks = half // TILE_COLS
@@ -187,8 +223,7 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
   first = jnp.maximum(limits_gmem[row, 0], run)
   steps = jnp.maximum(jnp.minimum(limits_gmem[row, 1], run + blocks_per_split) - first, 0)
 
-  def scoped(buffers, p_smem, idx_smem, sink_smem, scale_smem, lse_smem, start, staged, ring_full,
-             ring_empty, done):
+  def scoped(buffers, p_smem, idx_smem, sink_smem, scale_smem, lse_smem, start, staged, ring_full, ring_empty, done):
     wg = lax.axis_index("wg")
     # The partial output of a split reuses Q, the ring and the staging
     # buffer: it is written after the last step of both consumers.
@@ -211,8 +246,12 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
         for h in range(NUM_CONSUMERS):
           cols = pl.ds(h * half, half)
           dst = staging.at[pl.ds(slot_in_block, 1), cols]
-          pl.when(valid)(lambda: plgpu.copy_gmem_to_smem(kv_gmem.at[pl.ds(index, 1), cols], dst, staged))
-          pl.when(~valid)(lambda: plgpu.copy_gmem_to_smem(zeros_gmem.at[pl.ds(0, 1), cols], dst, staged))
+          pl.when(valid)(
+            lambda cols=cols, dst=dst: plgpu.copy_gmem_to_smem(kv_gmem.at[pl.ds(index, 1), cols], dst, staged)
+          )
+          pl.when(~valid)(
+            lambda cols=cols, dst=dst: plgpu.copy_gmem_to_smem(zeros_gmem.at[pl.ds(0, 1), cols], dst, staged)
+          )
 
       @pl.loop(0, steps)
       def _step(g):
@@ -231,8 +270,9 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
 
         for h in range(NUM_CONSUMERS):
           for c in range(chunks):
-            rows = plgpu.load(staging.at[:, pl.ds(h * half + c * TILE_COLS, TILE_COLS)], layout=plgpu.Layout.WGMMA,
-                              optimized=False)
+            rows = plgpu.load(
+              staging.at[:, pl.ds(h * half + c * TILE_COLS, TILE_COLS)], layout=plgpu.Layout.WGMMA, optimized=False
+            )
             ring.at[slot, h][:, pl.ds(c * TILE_COLS, TILE_COLS)] = plgpu.layout_cast(rows, plgpu.Layout.WGMMA)
         # Makes the stores visible to the consumers' wgmmas, and orders this
         # warpgroup's reads of the staging buffer before the next gather.
@@ -262,6 +302,7 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
           def _(c):
             h, cols = c // chunks, pl.ds(lax.rem(c, chunks) * TILE_COLS, TILE_COLS)
             plgpu.wgmma(s_ref, q_smem.at[h].at[:, cols], ring.at[slot, h].at[:, cols].T)
+
           return s_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC((BLOCK_H, bk), jnp.float32))
@@ -283,26 +324,29 @@ def _kernel(q_gmem, kv_gmem, zeros_gmem, idx_gmem, limits_gmem, sink_gmem, scale
       outs, lse = finish_rows([acc], m, l, sink)
       out = q_smem.at[wg] if config.splits == 1 else partial_smem.at[wg]
       where = (row, heads) if config.splits == 1 else (row, split, heads)
-      store_rows(wg, outs, lse, out, lse_smem, o_gmem.at[*where, pl.ds(wg * half, half)],
-                 lse_gmem.at[*where])
+      store_rows(wg, outs, lse, out, lse_smem, o_gmem.at[*where, pl.ds(wg * half, half)], lse_gmem.at[*where])
 
   dtype = q_gmem.dtype
   head_dim = q_gmem.shape[-1]
   pl.run_scoped(
-      scoped,
-      plgpu.RefUnion(
-          (plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), dtype, transforms=WGMMA_TRANSFORMS),
-           plgpu.SMEM((stages, NUM_CONSUMERS, bk, half), dtype, transforms=WGMMA_TRANSFORMS),
-           plgpu.SMEM((bk, head_dim), dtype)),
-          plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), jnp.float32, transforms=F32_TRANSFORMS)),
-      plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, bk), dtype, transforms=WGMMA_TRANSFORMS),
-      *gather_ring_scratch(idx_gmem.shape[1:], BLOCK_H, bk, stages, fault),
-      collective_axes="wg",
+    scoped,
+    plgpu.RefUnion(
+      (
+        plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), dtype, transforms=WGMMA_TRANSFORMS),
+        plgpu.SMEM((stages, NUM_CONSUMERS, bk, half), dtype, transforms=WGMMA_TRANSFORMS),
+        plgpu.SMEM((bk, head_dim), dtype),
+      ),
+      plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), jnp.float32, transforms=F32_TRANSFORMS),
+    ),
+    plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, bk), dtype, transforms=WGMMA_TRANSFORMS),
+    *gather_ring_scratch(idx_gmem.shape[1:], BLOCK_H, bk, stages, fault),
+    collective_axes="wg",
   )
 
 
-def _forward(q, kv, indices, sm_scale, attn_sink, *, config: MosaicSparseMlaConfig, interpret: bool,
-             fault: str | None = None):
+def _forward(
+  q, kv, indices, sm_scale, attn_sink, *, config: MosaicSparseMlaConfig, interpret: bool, fault: str | None = None
+):
   """(out, lse) of one launch past the checks (at least one row, slot and
   workspace row); `fault` (tests only, one of `FAULTS`) breaks the
   synchronization on purpose."""
@@ -319,31 +363,54 @@ def _forward(q, kv, indices, sm_scale, attn_sink, *, config: MosaicSparseMlaConf
   if splits == 1:
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((m, heads), jnp.float32))
   else:
-    out_type = (jax.ShapeDtypeStruct((m, splits, heads, head_dim), jnp.float32),
-                jax.ShapeDtypeStruct((m, splits, heads), jnp.float32))
+    out_type = (
+      jax.ShapeDtypeStruct((m, splits, heads, head_dim), jnp.float32),
+      jax.ShapeDtypeStruct((m, splits, heads), jnp.float32),
+    )
   kernel = plgpu.kernel(
-      functools.partial(_kernel, config=config, blocks_per_split=blocks_per_split(topk, bk, splits), num_kv=num_kv,
-                        interpret=interpret, fault=fault),
-      out_type=out_type,
-      grid=(heads // BLOCK_H, splits, m),
-      grid_names=("h", "s", "m"),
-      num_threads=NUM_CONSUMERS + 1,
-      thread_name="wg",
-      **compat.interpret_kwargs(interpret),
+    functools.partial(
+      _kernel,
+      config=config,
+      blocks_per_split=blocks_per_split(topk, bk, splits),
+      num_kv=num_kv,
+      interpret=interpret,
+      fault=fault,
+    ),
+    out_type=out_type,
+    grid=(heads // BLOCK_H, splits, m),
+    grid_names=("h", "s", "m"),
+    num_threads=NUM_CONSUMERS + 1,
+    thread_name="wg",
+    **compat.interpret_kwargs(interpret),
   )
-  zeros = jnp.zeros((1, head_dim), q.dtype)   # what an invalid slot gathers
+  zeros = jnp.zeros((1, head_dim), q.dtype)  # what an invalid slot gathers
   sink = attn_sink.astype(jnp.float32)
   out, lse = kernel(q, kv.reshape(num_kv, head_dim), zeros, idx.reshape(m, blocks, bk), limits, sink, qk_scale)
   if splits == 1:
     return out, lse
-  return combine_splits(out, lse, sink, stage=config.combine, out_dtype=q.dtype, with_lse=True,
-                        name="sparse_mla_prefill_combine", interpret=interpret)
+  return combine_splits(
+    out,
+    lse,
+    sink,
+    stage=config.combine,
+    out_dtype=q.dtype,
+    with_lse=True,
+    name="sparse_mla_prefill_combine",
+    interpret=interpret,
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale: jax.Array | float,
-                       attn_sink: jax.Array, *, config: MosaicSparseMlaConfig | None = None,
-                       interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+def sparse_mla_prefill(
+  q: jax.Array,
+  kv: jax.Array,
+  indices: jax.Array,
+  sm_scale: jax.Array | float,
+  attn_sink: jax.Array,
+  *,
+  config: MosaicSparseMlaConfig | None = None,
+  interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA prefill attention with an attention sink: the contract of
   `pallas_kernels.sparse_mla.triton.sparse_mla_prefill` on the inputs this
   kernel takes (`check_supported`), `Unsupported` otherwise.
@@ -360,6 +427,8 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale
   config = fit(config or choose_config({"q": q, "indices": indices}), topk)
   need = shared_memory_bytes(config, head_dim, topk)
   if need > device.SHARED_MEMORY_PER_BLOCK:
-    raise ValueError(f"{config} needs {need} bytes of shared memory at D={head_dim}, TOPK={topk}; the limit is "
-                     f"{device.SHARED_MEMORY_PER_BLOCK} (fewer stages or a smaller block_k)")
+    raise ValueError(
+      f"{config} needs {need} bytes of shared memory at D={head_dim}, TOPK={topk}; the limit is "
+      f"{device.SHARED_MEMORY_PER_BLOCK} (fewer stages or a smaller block_k)"
+    )
   return _forward(q, kv, indices, sm_scale, attn_sink, config=config, interpret=resolve_interpret(interpret))

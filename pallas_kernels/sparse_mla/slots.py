@@ -4,7 +4,8 @@ per-row table of slot blocks holding valid indices."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from pallas_kernels.shared.common import cdiv, check_pow2_dim
 
 class SparseMlaSizes(NamedTuple):
   """Problem sizes of the inputs' shapes (input name -> array or ShapeDtypeStruct)."""
+
   m: int
   heads: int
   head_dim: int

@@ -55,24 +55,34 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from pallas_kernels.shared import common
-import jax.numpy as jnp
 
+from pallas_kernels.shared import common
 from pallas_kernels.shared.common import MIN_DOT_DIM, cdiv, fit_block, resolve_interpret
 from pallas_kernels.shared.device import num_sms
-from pallas_kernels.shared.online_softmax import (LOG2_E, init_carry, lse_base2, lse_natural, normalize,
-                                           online_softmax_step)
+from pallas_kernels.shared.online_softmax import (
+  LOG2_E,
+  init_carry,
+  lse_base2,
+  lse_natural,
+  normalize,
+  online_softmax_step,
+)
 from pallas_kernels.shared.split_kv import combine_splits
 from pallas_kernels.sparse_mla.config import SparseMlaPrefillConfig
-from pallas_kernels.sparse_mla.slots import (SparseMlaSizes, blocks_per_split, check_inputs, slot_block_limits,
-                                             split_runs)
-
+from pallas_kernels.sparse_mla.slots import (
+  SparseMlaSizes,
+  blocks_per_split,
+  check_inputs,
+  slot_block_limits,
+  split_runs,
+)
 
 # The TOPK splits the heuristic makes at most. Each split costs a 128 KiB
 # fp32 partial per row and head group (written, then read by the combine),
@@ -90,12 +100,16 @@ def _fit(config: SparseMlaPrefillConfig, sizes: SparseMlaSizes) -> SparseMlaPref
   to the number of runs the slot blocks actually cut into (no empty split)."""
   block_k = fit_block(config.block_k, sizes.topk)
   splits = split_runs(sizes.topk, block_k, config.splits)
-  return dataclasses.replace(config, block_h=min(config.block_h, sizes.heads), block_k=block_k,
-                             block_d=min(config.block_d, sizes.head_dim), splits=splits)
+  return dataclasses.replace(
+    config,
+    block_h=min(config.block_h, sizes.heads),
+    block_k=block_k,
+    block_d=min(config.block_d, sizes.head_dim),
+    splits=splits,
+  )
 
 
-def split_for(sizes: SparseMlaSizes, config: SparseMlaPrefillConfig,
-              target_programs: int) -> SparseMlaPrefillConfig:
+def split_for(sizes: SparseMlaSizes, config: SparseMlaPrefillConfig, target_programs: int) -> SparseMlaPrefillConfig:
   """`config` fitted, with the fewest TOPK splits (at most `MAX_SPLITS`, and
   as many as the slot blocks allow) that give `target_programs` programs.
   The slot step shrinks from `block_k` (down to 16) only when it cannot cut
@@ -124,15 +138,15 @@ def split_for(sizes: SparseMlaSizes, config: SparseMlaPrefillConfig,
 # machine's), the 32- and 16-head ones are clean with both (figures:
 # docs/perf/sm90a_compile.md, docs/perf/kernel_notes.md).
 _SWEEP_CONFIGS = (
-    SparseMlaPrefillConfig(block_h=64, block_k=64, block_d=128, num_warps=8, num_stages=2, prefetch=True),
-    SparseMlaPrefillConfig(block_h=64, block_k=64, block_d=128, num_warps=8, num_stages=2, prefetch=False),
-    SparseMlaPrefillConfig(block_h=64, block_k=32, block_d=128, num_warps=8, num_stages=3, prefetch=False),
-    SparseMlaPrefillConfig(block_h=64, block_k=32, block_d=128, num_warps=8, num_stages=2, prefetch=False),
-    SparseMlaPrefillConfig(block_h=64, block_k=64, block_d=128, num_warps=8, num_stages=1, prefetch=False),
-    SparseMlaPrefillConfig(block_h=32, block_k=64, block_d=128, num_warps=8, num_stages=2, prefetch=True),
-    SparseMlaPrefillConfig(block_h=32, block_k=64, block_d=128, num_warps=8, num_stages=3, prefetch=False),
-    SparseMlaPrefillConfig(block_h=32, block_k=64, block_d=512, num_warps=8, num_stages=2, prefetch=False),
-    SparseMlaPrefillConfig(block_h=16, block_k=32, block_d=128, num_warps=4, num_stages=2, prefetch=True),
+  SparseMlaPrefillConfig(block_h=64, block_k=64, block_d=128, num_warps=8, num_stages=2, prefetch=True),
+  SparseMlaPrefillConfig(block_h=64, block_k=64, block_d=128, num_warps=8, num_stages=2, prefetch=False),
+  SparseMlaPrefillConfig(block_h=64, block_k=32, block_d=128, num_warps=8, num_stages=3, prefetch=False),
+  SparseMlaPrefillConfig(block_h=64, block_k=32, block_d=128, num_warps=8, num_stages=2, prefetch=False),
+  SparseMlaPrefillConfig(block_h=64, block_k=64, block_d=128, num_warps=8, num_stages=1, prefetch=False),
+  SparseMlaPrefillConfig(block_h=32, block_k=64, block_d=128, num_warps=8, num_stages=2, prefetch=True),
+  SparseMlaPrefillConfig(block_h=32, block_k=64, block_d=128, num_warps=8, num_stages=3, prefetch=False),
+  SparseMlaPrefillConfig(block_h=32, block_k=64, block_d=512, num_warps=8, num_stages=2, prefetch=False),
+  SparseMlaPrefillConfig(block_h=16, block_k=32, block_d=128, num_warps=4, num_stages=2, prefetch=True),
 )
 
 
@@ -155,13 +169,29 @@ def candidate_configs(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> list[Sparse
   sizes = SparseMlaSizes.of(shapes)
   chosen = choose_config(shapes)
   split = lambda c: split_for(sizes, c, 2 * num_sms())
-  return list(dict.fromkeys([chosen, *(split(c) for c in _SWEEP_CONFIGS),
-                             _fit(dataclasses.replace(chosen, splits=1), sizes)]))
+  return list(
+    dict.fromkeys([chosen, *(split(c) for c in _SWEEP_CONFIGS), _fit(dataclasses.replace(chosen, splits=1), sizes)])
+  )
 
 
-def _sparse_mla_prefill_kernel(q_ref, kv_ref, idx_ref, limits_ref, sink_ref, scale_ref, out_ref, lse_ref, *,
-                               num_kv: int, topk: int, block_k: int, block_d: int, blocks_per_split: int,
-                               split: bool, prefetch: bool):
+def _sparse_mla_prefill_kernel(
+  q_ref,
+  kv_ref,
+  idx_ref,
+  limits_ref,
+  sink_ref,
+  scale_ref,
+  out_ref,
+  lse_ref,
+  *,
+  num_kv: int,
+  topk: int,
+  block_k: int,
+  block_d: int,
+  blocks_per_split: int,
+  split: bool,
+  prefetch: bool,
+):
   # q_ref [bh, D]; kv_ref [Nkv, D]; idx_ref [TOPK]; limits_ref [2]; sink_ref,
   # scale_ref [bh] (scale in base 2). Unsplit: out_ref [bh, D] (q dtype),
   # lse_ref [bh] natural; split: out_ref [bh, D] f32 partial, lse_ref [bh]
@@ -199,10 +229,12 @@ def _sparse_mla_prefill_kernel(q_ref, kv_ref, idx_ref, limits_ref, sink_ref, sca
 
   init = init_carry(block_h, block_d, parts=len(chunks))
   if prefetch:  # the carry holds the next block's indices, loaded a step early
+
     def body(block, state):
       carry, idx = state
       next_idx = load_indices(block + 1)
       return step(idx, carry), next_idx
+
     (acc, m, l), _ = lax.fori_loop(first, end, body, (init, load_indices(first)))
   else:
     acc, m, l = lax.fori_loop(first, end, lambda block, carry: step(load_indices(block), carry), init)
@@ -213,9 +245,16 @@ def _sparse_mla_prefill_kernel(q_ref, kv_ref, idx_ref, limits_ref, sink_ref, sca
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale: jax.Array | float,
-                       attn_sink: jax.Array, *, config: SparseMlaPrefillConfig | None = None,
-                       interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+def sparse_mla_prefill(
+  q: jax.Array,
+  kv: jax.Array,
+  indices: jax.Array,
+  sm_scale: jax.Array | float,
+  attn_sink: jax.Array,
+  *,
+  config: SparseMlaPrefillConfig | None = None,
+  interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA prefill attention with an attention sink.
 
   Args:
@@ -238,8 +277,7 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale
   num_kv = kv.shape[0]
   topk = indices.shape[-1]
   sizes = SparseMlaSizes(m, num_heads, head_dim, topk)
-  shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype),
-            "indices": jax.ShapeDtypeStruct(indices.shape, indices.dtype)}
+  shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype), "indices": jax.ShapeDtypeStruct(indices.shape, indices.dtype)}
   config = _fit(config or choose_config(shapes), sizes)
   block_h, block_k, block_d, splits = config.block_h, config.block_k, config.block_d, config.splits
   if num_heads % block_h or head_dim % block_d:
@@ -252,39 +290,60 @@ def sparse_mla_prefill(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale
   sink = attn_sink.astype(jnp.float32)
   qk_scale = jnp.full((num_heads,), jnp.asarray(sm_scale, jnp.float32) * LOG2_E, jnp.float32)
   split = splits > 1
-  kernel = functools.partial(_sparse_mla_prefill_kernel, num_kv=num_kv, topk=topk, block_k=block_k,
-                             block_d=block_d, blocks_per_split=blocks_per_split(topk, block_k, splits),
-                             split=split, prefetch=config.prefetch)
+  kernel = functools.partial(
+    _sparse_mla_prefill_kernel,
+    num_kv=num_kv,
+    topk=topk,
+    block_k=block_k,
+    block_d=block_d,
+    blocks_per_split=blocks_per_split(topk, block_k, splits),
+    split=split,
+    prefetch=config.prefetch,
+  )
   head_spec = pl.BlockSpec((block_h,), lambda g, s, i: (g,))
   if split:
-    out_shape = (jax.ShapeDtypeStruct((m, splits, num_heads, head_dim), jnp.float32),
-                 jax.ShapeDtypeStruct((m, splits, num_heads), jnp.float32))
-    out_specs = (pl.BlockSpec((None, None, block_h, head_dim), lambda g, s, i: (i, s, g, 0)),
-                 pl.BlockSpec((None, None, block_h), lambda g, s, i: (i, s, g)))
+    out_shape = (
+      jax.ShapeDtypeStruct((m, splits, num_heads, head_dim), jnp.float32),
+      jax.ShapeDtypeStruct((m, splits, num_heads), jnp.float32),
+    )
+    out_specs = (
+      pl.BlockSpec((None, None, block_h, head_dim), lambda g, s, i: (i, s, g, 0)),
+      pl.BlockSpec((None, None, block_h), lambda g, s, i: (i, s, g)),
+    )
   else:
     out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((m, num_heads), jnp.float32))
-    out_specs = (pl.BlockSpec((None, block_h, head_dim), lambda g, s, i: (i, g, 0)),
-                 pl.BlockSpec((None, block_h), lambda g, s, i: (i, g)))
+    out_specs = (
+      pl.BlockSpec((None, block_h, head_dim), lambda g, s, i: (i, g, 0)),
+      pl.BlockSpec((None, block_h), lambda g, s, i: (i, g)),
+    )
   interpret = resolve_interpret(interpret)
   out, lse = common.pallas_call(
-      kernel,
-      out_shape=out_shape,
-      grid=(num_heads // block_h, splits, m),
-      in_specs=[
-          pl.BlockSpec((None, block_h, head_dim), lambda g, s, i: (i, g, 0)),
-          # The whole workspace; the kernel gathers rows from it.
-          pl.BlockSpec((num_kv, None, head_dim), lambda g, s, i: (0, 0, 0)),
-          pl.BlockSpec((None, topk), lambda g, s, i: (i, 0)),
-          pl.BlockSpec((None, 2), lambda g, s, i: (i, 0)),
-          head_spec,
-          head_spec,
-      ],
-      out_specs=out_specs,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret,
-      name="sparse_mla_prefill",
+    kernel,
+    out_shape=out_shape,
+    grid=(num_heads // block_h, splits, m),
+    in_specs=[
+      pl.BlockSpec((None, block_h, head_dim), lambda g, s, i: (i, g, 0)),
+      # The whole workspace; the kernel gathers rows from it.
+      pl.BlockSpec((num_kv, None, head_dim), lambda g, s, i: (0, 0, 0)),
+      pl.BlockSpec((None, topk), lambda g, s, i: (i, 0)),
+      pl.BlockSpec((None, 2), lambda g, s, i: (i, 0)),
+      head_spec,
+      head_spec,
+    ],
+    out_specs=out_specs,
+    compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+    interpret=interpret,
+    name="sparse_mla_prefill",
   )(q, kv, idx, limits, sink, qk_scale)
   if not split:
     return out, lse
-  return combine_splits(out, lse, sink, stage=config.combine, out_dtype=q.dtype, with_lse=True,
-                        name="sparse_mla_prefill_combine", interpret=interpret)
+  return combine_splits(
+    out,
+    lse,
+    sink,
+    stage=config.combine,
+    out_dtype=q.dtype,
+    with_lse=True,
+    name="sparse_mla_prefill_combine",
+    interpret=interpret,
+  )

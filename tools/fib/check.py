@@ -44,15 +44,18 @@ def check_reference(ts: TraceSet, name: str) -> str:
     got = runnable(*inputs)
   got = got if isinstance(got, tuple) else (got,)
   op = registry.get(name)
-  arrays = [jnp.asarray(bridge.to_our_array(bridge.torch_to_numpy(x), s))
-            for x, s in zip(inputs, op.definition.inputs.values())]
+  arrays = [
+    jnp.asarray(bridge.to_our_array(bridge.torch_to_numpy(x), s)) for x, s in zip(inputs, op.definition.inputs.values())
+  ]
   want = op.reference(dict(zip(op.definition.inputs, arrays)))
   for (out_name, w), g in zip(want.items(), got):
     g = bridge.to_our_array(bridge.torch_to_numpy(g), op.definition.outputs[out_name])
     if g.shape != w.shape or not np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)):
       raise AssertionError(f"{name}: output {out_name} of FIB's reference build differs from ours")
-  return (f"reference builder: {name} at {workload.axes} (uuid {workload.uuid}): outputs "
-          f"{[f'{n} {tuple(w.shape)} {w.dtype}' for n, w in want.items()]} equal ours bit for bit")
+  return (
+    f"reference builder: {name} at {workload.axes} (uuid {workload.uuid}): outputs "
+    f"{[f'{n} {tuple(w.shape)} {w.dtype}' for n, w in want.items()]} equal ours bit for bit"
+  )
 
 
 def main() -> int:
@@ -73,8 +76,9 @@ def main() -> int:
   print(f"TraceSet.summary(): {ts.summary()}")
 
   cli = pathlib.Path(sys.executable).with_name("flashinfer-bench")
-  run = subprocess.run([str(cli), "report", "summary", "--local", args.dir], capture_output=True, text=True,
-                       check=False)
+  run = subprocess.run(
+    [str(cli), "report", "summary", "--local", args.dir], capture_output=True, text=True, check=False
+  )
   print(f"flashinfer-bench report summary: exit {run.returncode}: {(run.stdout + run.stderr).strip()[-400:]}")
   assert run.returncode == 0, "report summary failed"
 

@@ -39,11 +39,16 @@ def _status_rules() -> list[dict]:
         props[name] = _PRESENT
       else:
         props[name] = {"type": "null"}
-    return {"if": {"properties": {"status": {"enum": statuses}}, "required": ["status"]},
-            "then": {"required": required, "properties": props}}
+    return {
+      "if": {"properties": {"status": {"enum": statuses}}, "required": ["status"]},
+      "then": {"required": required, "properties": props},
+    }
 
-  others = [s.value for s in data.EvaluationStatus
-            if s not in (data.EvaluationStatus.PASSED, data.EvaluationStatus.INCORRECT_NUMERICAL)]
+  others = [
+    s.value
+    for s in data.EvaluationStatus
+    if s not in (data.EvaluationStatus.PASSED, data.EvaluationStatus.INCORRECT_NUMERICAL)
+  ]
   return [rule(["PASSED"], True, True), rule(["INCORRECT_NUMERICAL"], True, False), rule(others, False, False)]
 
 
@@ -53,14 +58,18 @@ def main() -> None:
   trace = data.Trace.model_json_schema()
   trace["$defs"]["Evaluation"]["allOf"] = _status_rules()
   trace["$defs"]["Evaluation"]["$comment"] = (
-      "allOf: Evaluation._validate_status_correctness_performance of flashinfer-bench "
-      f"{VERSION}, transliterated by tools/fib/make_schemas.py")
-  schemas = {"definition": data.Definition.model_json_schema(), "trace": trace,
-             "solution": data.Solution.model_json_schema()}
+    "allOf: Evaluation._validate_status_correctness_performance of flashinfer-bench "
+    f"{VERSION}, transliterated by tools/fib/make_schemas.py"
+  )
+  schemas = {
+    "definition": data.Definition.model_json_schema(),
+    "trace": trace,
+    "solution": data.Solution.model_json_schema(),
+  }
   for name, schema in schemas.items():
     schema["$comment"] = (
-        f"flashinfer-bench {VERSION} flashinfer_bench.data model_json_schema(); "
-        "written by tools/fib/make_schemas.py")
+      f"flashinfer-bench {VERSION} flashinfer_bench.data model_json_schema(); written by tools/fib/make_schemas.py"
+    )
     (OUT / f"{name}.schema.json").write_text(json.dumps(schema, indent=1, sort_keys=True) + "\n")
     print(f"wrote {OUT / f'{name}.schema.json'}")
 

@@ -11,18 +11,17 @@ rows on Hopper").
 
 from __future__ import annotations
 
-
 import jax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.lowering import lower_for_h100
 from pallas_kernels.shared.mosaic_gpu import WGMMA_TRANSFORMS
 
-ROWS, WIDTH, HALF = 64, 512, 256   # one gathered step of latent rows; TMA boxes hold <= 256 per dim
+ROWS, WIDTH, HALF = 64, 512, 256  # one gathered step of latent rows; TMA boxes hold <= 256 per dim
 BF16 = jnp.bfloat16
 
 
@@ -31,6 +30,7 @@ def _gather_kernel(tiled_ring: bool, relayout: bool):
   half) into a ring slot, either straight into a wgmma-tiled slot or into an
   untiled staging buffer that the warpgroup then copies into a tiled slot
   through registers (WGMMA layout, 64 x 64 chunks); stores the slot."""
+
   def kernel(kv_gmem, idx_gmem, o_gmem):
     def scoped(stage, ring, idx_smem, rows_landed, idx_landed):
       plgpu.copy_gmem_to_smem(idx_gmem, idx_smem, idx_landed)
@@ -54,9 +54,15 @@ def _gather_kernel(tiled_ring: bool, relayout: bool):
       plgpu.copy_smem_to_gmem(ring if (tiled_ring or relayout) else stage, o_gmem)
       plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(scoped, plgpu.SMEM((ROWS, WIDTH), BF16), plgpu.SMEM((ROWS, WIDTH), BF16, transforms=WGMMA_TRANSFORMS),
-                  plgpu.SMEM((ROWS,), jnp.int32), plgpu.Barrier(num_arrivals=ROWS * WIDTH // HALF),
-                  plgpu.Barrier(num_arrivals=1))
+    pl.run_scoped(
+      scoped,
+      plgpu.SMEM((ROWS, WIDTH), BF16),
+      plgpu.SMEM((ROWS, WIDTH), BF16, transforms=WGMMA_TRANSFORMS),
+      plgpu.SMEM((ROWS,), jnp.int32),
+      plgpu.Barrier(num_arrivals=ROWS * WIDTH // HALF),
+      plgpu.Barrier(num_arrivals=1),
+    )
+
   return kernel
 
 
@@ -64,6 +70,7 @@ def _accumulate_in_place_kernel(a_gmem, b_gmem, o_gmem):
   """Three `acc = acc * 0.5 + a @ b` steps on one wgmma accumulator ref,
   rescaled in place (what a 64 x 256 fp32 output half needs to stay at 128
   registers a thread)."""
+
   def scoped(a_smem, b_smem, o_smem, landed):
     plgpu.copy_gmem_to_smem(a_gmem, a_smem, landed)
     plgpu.copy_gmem_to_smem(b_gmem, b_smem, landed)
@@ -74,6 +81,7 @@ def _accumulate_in_place_kernel(a_gmem, b_gmem, o_gmem):
       def _(g):
         acc_ref[...] = acc_ref[...] * 0.5
         plgpu.wgmma(acc_ref, a_smem, b_smem)
+
       return acc_ref[...]
 
     o_smem[...] = pl.run_scoped(steps, plgpu.ACC((64, HALF), jnp.float32)).astype(BF16)
@@ -81,9 +89,13 @@ def _accumulate_in_place_kernel(a_gmem, b_gmem, o_gmem):
     plgpu.copy_smem_to_gmem(o_smem, o_gmem)
     plgpu.wait_smem_to_gmem(0)
 
-  pl.run_scoped(scoped, plgpu.SMEM((64, 64), BF16, transforms=WGMMA_TRANSFORMS),
-                plgpu.SMEM((64, HALF), BF16, transforms=WGMMA_TRANSFORMS),
-                plgpu.SMEM((64, HALF), BF16, transforms=WGMMA_TRANSFORMS), plgpu.Barrier(num_arrivals=2))
+  pl.run_scoped(
+    scoped,
+    plgpu.SMEM((64, 64), BF16, transforms=WGMMA_TRANSFORMS),
+    plgpu.SMEM((64, HALF), BF16, transforms=WGMMA_TRANSFORMS),
+    plgpu.SMEM((64, HALF), BF16, transforms=WGMMA_TRANSFORMS),
+    plgpu.Barrier(num_arrivals=2),
+  )
 
 
 def _run(kernel, out_shape, args, expected, interpret: bool) -> str:
@@ -107,12 +119,20 @@ def main() -> None:
   b = jax.random.normal(jax.random.key(2), (64, HALF), BF16)
   product = np.asarray(a.astype(jnp.float32) @ b.astype(jnp.float32))
   cases = {
-      "1-row TMA into a wgmma-tiled slot": (_gather_kernel(True, False), (ROWS, WIDTH), (kv, idx), gathered),
-      "1-row TMA into untiled staging": (_gather_kernel(False, False), (ROWS, WIDTH), (kv, idx), gathered),
-      "staging -> tiled slot via WGMMA-layout registers": (_gather_kernel(False, True), (ROWS, WIDTH), (kv, idx),
-                                                           gathered),
-      "in-place rescale of a wgmma accumulator": (_accumulate_in_place_kernel, (64, HALF), (a, b),
-                                                  product * (0.25 + 0.5 + 1.0)),
+    "1-row TMA into a wgmma-tiled slot": (_gather_kernel(True, False), (ROWS, WIDTH), (kv, idx), gathered),
+    "1-row TMA into untiled staging": (_gather_kernel(False, False), (ROWS, WIDTH), (kv, idx), gathered),
+    "staging -> tiled slot via WGMMA-layout registers": (
+      _gather_kernel(False, True),
+      (ROWS, WIDTH),
+      (kv, idx),
+      gathered,
+    ),
+    "in-place rescale of a wgmma accumulator": (
+      _accumulate_in_place_kernel,
+      (64, HALF),
+      (a, b),
+      product * (0.25 + 0.5 + 1.0),
+    ),
   }
   print(f"jax {jax.__version__}")
   for name, (kernel, shape, args, expected) in cases.items():
