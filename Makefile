@@ -43,7 +43,7 @@ $(KIT_STAMP): scripts/device_kit.py constraints.txt constraints-device.txt | $(S
 	$(VENV)/bin/python scripts/device_kit.py --out .whl
 	touch $(KIT_STAMP)
 
-.PHONY: install replay test test-main test-device device-kit aot test-aot gpu-run gpu-run-dry bazel fib-venv fib-check
+.PHONY: install replay test lint test-main test-device device-kit aot test-aot gpu-run gpu-run-dry bazel fib-venv fib-check
 install: $(STAMP)
 
 replay: $(STAMP)
@@ -52,9 +52,17 @@ replay: $(STAMP)
 # The Bazel check and the device-stack lane run first, so that the main
 # suite's pytest summary closes the output.
 test: $(STAMP)
+	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory bazel
 	$(MAKE) --no-print-directory test-device
 	$(MAKE) --no-print-directory test-main
+
+# ruff (lint and format) and pyright (basic, jaxkern/ and pallas_kernels/), as
+# configured in pyproject.toml: zero findings.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pyright
 
 test-main: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2 --durations=15 tests
