@@ -12,6 +12,9 @@
 #   1b. the same workloads of every definition that has a second kernel
 #      backend (Mosaic GPU: dense GEMM, the attention definitions, sparse MLA) on that
 #      backend, same timer, into replay_mosaic_gpu.jsonl, until 6/8;
+#   1c. peers (jaxkern.peers: XLA's dot, cuDNN attention, tokamax where it
+#      imports) on phase 1's workloads they cover, same timer, into
+#      peers.jsonl, until 13/16;
 #   2. the remaining records, resuming phase 1's results file, until 7/8;
 #   3. config sweeps at the largest recorded axes, worst SOL fraction first,
 #      only with the time left;
@@ -69,12 +72,14 @@ if [ "$DRY" = 1 ]; then
   PHASE2=(--config.max_workloads_per_variant=0 --config.max_workloads_per_definition=2
           --config.definitions="${DEFS:-gdn_decode,qsa_index}")
   SWEEP=(--lower_only --max_configs=2)
+  PEERS=(--scale=smoke --warmup=1 --iters=1 --no-cold_l2)
   SWEEP_DEFS=${GPU_RUN_SWEEP_DEFINITIONS:-${DEFS:-dense_gemm_bf16_nt_n4096_k4096,moe_router}}
 else
   COMMON=(--config configs/full.py --config.warmup=3 --config.iters=10 --config.cold_l2=True)
   PHASE1=(--config.max_workloads_per_variant=1 --config.timeout_s=45)
   PHASE2=(--config.max_workloads_per_variant=0 --config.timeout_s=60)
   SWEEP=(--warmup=3 --iters=10 --max_configs=8)
+  PEERS=(--scale=full --warmup=3 --iters=10 --cold_l2)
   SWEEP_DEFS=${GPU_RUN_SWEEP_DEFINITIONS:-$DEFS}
 fi
 COMMON+=(--config.order=interleave --config.progress=False --config.output="$OUT/replay.jsonl")
@@ -140,6 +145,17 @@ fi
 if [ -n "$MOSAIC_DEFS" ]; then
   phase 1b "the same workloads on mosaic_gpu" $(( BUDGET * 6 / 8 )) "${PHASE1[@]}" --config.backend=mosaic_gpu \
     --config.definitions="$MOSAIC_DEFS" --config.output="$OUT/replay_mosaic_gpu.jsonl"
+fi
+left=$(left_until $(( BUDGET * 13 / 16 )))
+if [ "$left" -gt 10 ]; then
+  say "== phase 1c (peers on phase 1's workloads): start at $(elapsed) s, budget $left s"
+  t0=$(date +%s)
+  timeout -s INT -k 15 "$left" $PY -m jaxkern.peers --results "$OUT/replay.jsonl" --out "$OUT/peers.jsonl" \
+    "${PEERS[@]}" 2>&1 | tee -a "$LOG"
+  code=${PIPESTATUS[0]}
+  say "== phase 1c (peers): end after $(( $(date +%s) - t0 )) s, exit $code; $(wc -l < "$OUT/peers.jsonl" 2>/dev/null || echo 0) peer results"
+else
+  say "== phase 1c (peers): skipped, no time left ($(elapsed) s elapsed)"
 fi
 phase 2 "the remaining records" $(( BUDGET * 7 / 8 )) "${PHASE2[@]}" --config.resume=True
 

@@ -21,7 +21,7 @@ import zipfile
 import jax
 import pytest
 
-from jaxkern import registry
+from jaxkern import peers, registry
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -77,6 +77,12 @@ def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
   assert mosaic["definition"] == "noncausal_dense_attention_h32_d64" and mosaic["evaluation"]["backend"] == "mosaic_gpu"
   assert mosaic["workload"]["uuid"] in {l["workload"]["uuid"] for l in phase1}
   assert mosaic["evaluation"]["status"] == "passed" and "== phase 1b (the same workloads on mosaic_gpu): end" in log
+  # Phase 1c: each peer on phase 1's workloads it covers (XLA's dot, jax.nn's attention), checked and timed.
+  peer_rows = peers.read_peer_results(out / "peers.jsonl")
+  covered = {n for n in names if n.startswith(("dense_gemm", "noncausal_dense_attention", "prefix_cached"))}
+  assert {r.definition for r in peer_rows} == covered and len(covered) == 7
+  assert all(r.status == "passed" and r.latency_ms is not None for r in peer_rows), peer_rows
+  assert "== phase 1c (peers): end after" in log and "7 peer results" in log
   # Phase 2 resumed phase 1's file and added the second workload of two definitions.
   assert "resume: 21 workloads already in" in log and len(lines) == 23
   assert {l["definition"] for l in lines[21:]} == {
