@@ -2,7 +2,8 @@
 #   make replay   install, then run the replay (ARGS='--config.definitions=...' to narrow it)
 #   make test     install, then run the whole test suite (the Bazel build and its test subset, then pytest)
 #   make aot      install, then compile every kernel for sm_90a (ARGS='--definition=...')
-#   make device-kit   put the wheels the GPU machine lacks into .whl/ (see README "The prepared device run")
+#   make docs     the API reference (pdoc) into build/docs/ (part of make test)
+#   make device-kit   put the wheels the GPU machine lacks into .whl/ (see docs/device_run.md)
 #   make fib-check  export the dataset as a FlashInfer-Bench TraceSet and check it with the real client (.venv-fib)
 # The interpreter is `python` as resolved by pyenv through .python-version (3.12).
 
@@ -43,7 +44,7 @@ $(KIT_STAMP): scripts/device_kit.py constraints.txt constraints-device.txt | $(S
 	$(VENV)/bin/python scripts/device_kit.py --out .whl
 	touch $(KIT_STAMP)
 
-.PHONY: install replay test lint test-main test-device device-kit aot test-aot gpu-run gpu-run-dry bazel fib-venv fib-check
+.PHONY: install replay test lint docs test-main test-device device-kit aot test-aot gpu-run gpu-run-dry bazel fib-venv fib-check
 install: $(STAMP)
 
 replay: $(STAMP)
@@ -53,6 +54,7 @@ replay: $(STAMP)
 # suite's pytest summary closes the output.
 test: $(STAMP)
 	$(MAKE) --no-print-directory lint
+	$(MAKE) --no-print-directory docs
 	$(MAKE) --no-print-directory bazel
 	$(MAKE) --no-print-directory test-device
 	$(MAKE) --no-print-directory test-main
@@ -63,6 +65,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pyright
+
+# The API reference (pdoc, from the docstrings of jaxkern's public modules and
+# the pallas_kernels configs) into build/docs/ (tools/docs.py). Fails on any
+# pdoc warning, on a `jaxkern.`/`pallas_kernels.` name in a docstring that does
+# not resolve, and on a test-only package imported on the way.
+docs: $(STAMP)
+	$(VENV)/bin/python tools/docs.py --out build/docs
 
 test-main: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2 --durations=15 tests

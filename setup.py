@@ -27,8 +27,14 @@ setuptools.setup(
   extras_require={
     # jsonschema: tests/test_fib.py validates exports against FlashInfer-Bench's schemas.
     # ruff, pyright, pdoc: `make lint` and `make docs` (both part of `make test`).
-    "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "jsonschema>=4.20,<5",
-             "ruff>=0.17,<0.18", "pyright[nodejs]>=1.1.400,<1.2", "pdoc>=16,<17"],
+    "test": [
+      "pytest>=8,<10",
+      "pytest-xdist>=3.5,<4",
+      "jsonschema>=4.20,<5",
+      "ruff>=0.17,<0.18",
+      "pyright[nodejs]>=1.1.400,<1.2",
+      "pdoc>=16,<17",
+    ],
     # examples/video_train.py: the optimizer of the training example (its test runs in `make test`).
     "examples": ["optax>=0.2.8,<0.3"],
     # `python -m jaxkern.aot`: compile for sm_90a without a GPU (README): the

@@ -1,4 +1,4 @@
-"""The comparison policy (SPEC section 5), implemented once.
+"""The comparison policy (docs/replay.md, Comparison), implemented once.
 
 * Floating outputs: an element fails only if |x-y| > atol AND |x-y| > rtol*|y|
   (the FlashInfer-Bench rule); a NaN/Inf where the reference is finite fails; a
@@ -39,7 +39,7 @@ DEFAULT_TOLERANCES: dict[str, Any] = {
 
 
 class Status(str, enum.Enum):  # noqa: UP042  (StrEnum would change str(status), which logs print)
-  """Every workload outcome (SPEC 7); the first four come from comparison.
+  """Every workload outcome; the first four come from comparison.
   A `str` enum: it compares equal to, and serializes as, its value."""
 
   PASSED = "passed"
@@ -313,7 +313,7 @@ class Exact(Policy):
 @dataclasses.dataclass(frozen=True)
 class TopK(Policy):
   """A top-k selection of candidate ids (-1 = padding). `scores(inputs)` gives
-  what the selection ranks, `[rows, candidates]` f32. Tie-aware (SPEC 5) when
+  what the selection ranks, `[rows, candidates]` f32. Tie-aware (module docstring) when
   the inputs are known, exact otherwise."""
 
   scores: Callable[[Mapping[str, jax.Array]], jax.Array]

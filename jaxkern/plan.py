@@ -3,7 +3,7 @@ config one recorded workload runs.
 
 Run sizes: `auto` runs the recorded axes on a GPU and the family's
 `cpu_axes` without one; `full` always the recorded axes; `smoke` always the
-`cpu_axes`. (The replay's config field for it keeps the SPEC's name,
+`cpu_axes`. (The replay's config field for it keeps its original name,
 `--config.scale`.)
 """
 

@@ -1,4 +1,4 @@
-"""Quantizers and dequantizers for the low-precision formats of SPEC 4.
+"""Quantizers and dequantizers for the low-precision formats of the definitions.
 
 * MXFP4-style e2m1: two 4-bit codes per byte (**low nibble = even element**),
   one UE8M0 scale byte per `block_size` consecutive values.
@@ -142,7 +142,7 @@ def dequantize_fp8_e4m3(values: jax.Array, scales: jax.Array, block_size: int = 
 
 
 # ---------------------------------------------------------------------------
-# DeepSeek MLA KV-cache token records (SPEC 4.10).
+# DeepSeek MLA KV-cache token records (the mixed MLA decode's caches).
 #
 # FP8 token, D + 4 * (D/128) bytes (528 at D=512): D float8_e4m3fn bytes, then
 # D/128 little-endian float32 scales, scale j multiplying dims 128j..128j+127.
@@ -173,7 +173,7 @@ def quantize_mla_fp8_tokens(x: jax.Array, *, pow2_scales: bool = True) -> jax.Ar
   """Tokens `[..., D]` -> FP8 token records uint8 `[..., D + 4 * D/128]`.
 
   One scale per 128 dims, stored as float32: a power of two rounded up
-  (`pow2_scales=True`, the synthesis default, SPEC 6) or `amax / 448`."""
+  (`pow2_scales=True`, the synthesis default) or `amax / 448`."""
   values, scales = quantize_fp8_e4m3(x, MLA_FP8_GROUP, "ue8m0" if pow2_scales else "f32")
   if pow2_scales:
     scales = ue8m0_to_f32(scales)

@@ -260,7 +260,7 @@ class Op:
     inputs: Mapping[str, jax.Array] | None = None,
     tolerances: Mapping[str, Any] | None = None,
   ) -> compare_lib.Comparison:
-    """SPEC section 5 with the family's per-output policies. Top-k outputs are
+    """The comparison rule (`jaxkern.compare`) with the family's per-output policies. Top-k outputs are
     tie-aware only when `inputs` is given; otherwise exact."""
     return compare_lib.compare(
       self.definition.outputs,

@@ -1,5 +1,5 @@
 """Replay results: one JSON line per workload, in a shape modelled on
-FlashInfer-Bench's Trace / Evaluation (SPEC 7; `jaxkern.fib.export` writes
+FlashInfer-Bench's Trace / Evaluation (`jaxkern.fib.export` writes
 them as FIB traces), typed here with a JSON round trip.
 
   {"definition", "workload": {"uuid", "variant", "axes", "axes_run", "scaled",

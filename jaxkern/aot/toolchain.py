@@ -2,7 +2,7 @@
 the GPU targets, and `Compiler`, which lowers a function on a compile-only
 device and compiles it with XLA's GPU pipeline.
 
-How (SPEC section 2): the CUDA 13 PJRT plugin of the installed jax
+How: the CUDA 13 PJRT plugin of the installed jax
 (`jax-cuda13-plugin`, `jax-cuda13-pjrt`) takes a GPU target description
 (`GpuTargetConfigProto` text: the plugin's own where it embeds one, else the
 shipped H100/H200 texts of `jaxkern.aot.targets`);

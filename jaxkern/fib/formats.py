@@ -2,7 +2,7 @@
 names, statuses, the folder layout of a TraceSet and the names we give
 solutions.
 
-Dtypes (SPEC 3 lists ours). FIB 0.1.2 has no `uint8`. Our uint8 tensors
+Dtypes (ours: the definitions' `dtype` fields). FIB 0.1.2 has no `uint8`. Our uint8 tensors
 are bytes of three kinds (`byte_kind`, from the tensor's description):
 packed e2m1 (two FP4 codes per byte, low nibble = even element), UE8M0
 scales (one byte `s` meaning 2**(s-127)) and byte records (a paged cache

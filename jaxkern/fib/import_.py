@@ -12,7 +12,7 @@ becomes a record in `workloads/<name>.jsonl`:
   they are: `scalar` values are used by the replay, `safetensors` paths are
   read from `--config.blob_root` (give the TraceSet folder: FIB's paths are
   relative to it) when every tensor input is recorded, `random` inputs are
-  synthesized by the family (structurally valid data, SPEC 6).
+  synthesized by the family (structurally valid data, docs/replay.md).
 Records are validated against the written definitions; a bad one is
 reported and left out. `traces/` (FIB's results) is not imported.
 """

@@ -2,7 +2,7 @@
 with its worst error against tolerance and the timer its times came from.
 
 Error against tolerance, per output: max abs error / atol of the output's
-dtype (bf16 0.005, f32 2e-5; SPEC 5), or for an output compared by a
+dtype (bf16 0.005, f32 2e-5; `jaxkern.compare`), or for an output compared by a
 relative metric (GDN prefill state) its relative max error / that metric's
 threshold. Integer outputs (exact or top-k) have none. A ratio above 1 can
 still pass: an element fails only beyond both atol and rtol*|reference|.
