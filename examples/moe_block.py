@@ -113,7 +113,12 @@ def moe(params: dict, x: jax.Array, cfg: BlockConfig, backend) -> jax.Array:
   b, n, d = x.shape
   tokens = rms_norm(x).reshape(b * n, d)
   ids, weights = ops.moe_router(
-    tokens, params["router"], params["router_bias"], cfg.routed_scaling_factor, top_k=cfg.top_k, backend=backend
+    tokens,
+    params["router"],
+    params["router_bias"],
+    routed_scaling_factor=cfg.routed_scaling_factor,
+    top_k=cfg.top_k,
+    backend=backend,
   )
   row_token, row_expert = dispatch(ids)
   a, a_scale = quantize_rows(tokens[row_token])

@@ -123,7 +123,12 @@ def moe(params: dict, x: jax.Array, cfg: BlockConfig, backend, devices: int) -> 
   local_tokens = b * n // devices
   tokens = lax.dynamic_slice_in_dim(rms_norm(x).reshape(b * n, d), lax.axis_index(AXIS) * local_tokens, local_tokens)
   ids, weights = ops.moe_router(
-    tokens, params["router"], params["router_bias"], cfg.routed_scaling_factor, top_k=cfg.top_k, backend=backend
+    tokens,
+    params["router"],
+    params["router_bias"],
+    routed_scaling_factor=cfg.routed_scaling_factor,
+    top_k=cfg.top_k,
+    backend=backend,
   )  # [t, k], experts ascending per token
   local_experts = cfg.num_experts // devices
   rows = ids.size  # t * k, also the buffer room

@@ -19,10 +19,15 @@ Configs: the caller's (its class names the backend), else the tuned
 table's entry for (kernel, backend, shape bucket), else the backend's
 heuristic for these shapes: each computed at most once per call, from the
 call's own shapes and constant axes (no dataset is read).
+
+The default backend of `jaxkern.ops` (what `backend=None` means) can be set
+for a scope: `with jaxkern.backend("mosaic_gpu"): ...` (`scope`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -49,6 +54,40 @@ def check_name(backend: str | None) -> None:
   """Raises ValueError unless `backend` is None or one of `NAMES`."""
   if backend is not None and backend not in NAMES:
     raise ValueError(f"backend must be None or one of {', '.join(map(repr, NAMES))}, got {backend!r}")
+
+
+_SCOPED: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxkern_backend", default=None)
+
+
+@contextlib.contextmanager
+def scope(backend: str | None) -> Iterator[str | None]:
+  """`with jaxkern.backend(name):` every `jaxkern.ops` call in the block that
+  passes no `backend=` (or `backend=None`) runs on `name` (one of `NAMES`;
+  None restores the automatic default: `"pallas"` on a GPU, `"xla"`
+  without). A call's own `backend=` wins over the scope.
+
+  Scopes nest (the innermost holds; leaving it restores the outer one, also
+  on an exception) and are per thread and per asyncio task: the setting is
+  a `contextvars.ContextVar`. A thread started inside a scope does not
+  inherit it (Python starts threads in an empty context): it sees the
+  automatic default unless it enters its own scope, or runs in a copy of
+  the starting context (`contextvars.copy_context().run`).
+
+  The backend is chosen when an op is traced: a `jax.jit` function traced
+  inside one scope keeps that choice for its cached trace (jit again, or
+  pass `backend=` explicitly, to change it). Raises ValueError for an
+  unknown name."""
+  check_name(backend)
+  token = _SCOPED.set(backend)
+  try:
+    yield backend
+  finally:
+    _SCOPED.reset(token)
+
+
+def scoped() -> str | None:
+  """The backend of the innermost `scope` around this call (None outside any)."""
+  return _SCOPED.get()
 
 
 def _matching(kernels: Mapping[str, Kernel], config: Any, op: str) -> list[str]:
@@ -125,12 +164,18 @@ def select(
 
 
 def first_supported(
-  choices: Iterator[Choice], call: Callable[[Choice], Any], *, op: str, kernels: Mapping[str, Kernel]
+  choices: Iterator[Choice],
+  call: Callable[[Choice], Any],
+  *,
+  op: str,
+  kernels: Mapping[str, Kernel],
+  refused: list[str] | None = None,
 ) -> tuple[Choice, Any]:
   """(choice, `call(choice)`) for the first choice whose kernel takes the
   inputs; raises `Unsupported` naming the op's backends and each refusal
-  when none does."""
-  refused = []
+  when none does. `refused` (optional) collects `"<backend>: <why>"` of
+  each kernel that refused before the one that ran."""
+  refused = [] if refused is None else refused
   for choice in choices:
     try:
       return choice, call(choice)

@@ -8,7 +8,10 @@ public op functions (re-exported by `jaxkern.ops`, dispatched by
 `jaxkern.dispatch`). The registry pairs a definition with the `OpImpl` whose
 `reference` is the function it names, so another shape of an existing family
 (another GEMM N/K, another head count) is a definition JSON and its records,
-no code.
+no code. Each public op is wrapped by `jaxkern.contract.public_op(validate)`:
+its `validate` checks the arguments against the op's contract before
+dispatch, the same on every backend (tensors positional, everything else
+keyword-only).
 
 Conventions:
 * `reference(**inputs)` and each kernel's launcher `launch(**inputs, config=,

@@ -11,19 +11,34 @@ Each op takes a `backend`:
                  ValueError naming the backends it has
   "xla"          the plain-jnp path (the definitions' references): correct
                  everywhere, fast on CPU
-and a `config` (see `pallas_kernels.<family>.config`; its class names the
+`backend=None` (or no `backend=`) takes the default of the innermost
+`with jaxkern.backend(name):` scope around the call (`jaxkern.backends.scope`),
+else the automatic default above; `jaxkern.explain(op, *args, **kwargs)`
+says which backend, kernel and config a call would run, and why.
+Each op also takes a `config` (see `pallas_kernels.<family>.config`; its class names the
 backend). Without one, the tuned table of the current device kind is
 consulted for the kernel and the call's shape bucket (`jaxkern.tuning`),
 else the backend's heuristic decides; no dataset file is read.
 `checks=True` validates the op's index and length inputs (checked mode,
 `jaxkern.dispatch`); under jit, wrap the jitted function in `checked`.
 Each op's docstring states its contract: shapes, dtypes, the valid range of
-every index input and what happens outside it.
+every index input and what happens outside it; its last line names the
+backends it has (`xla` always; `triton` for every op; `mosaic_gpu` for
+`dense_gemm`, the three attentions, `sparse_mla_prefill` and
+`mixed_mla_decode`) and the inputs a Mosaic GPU kernel takes.
+
+Every op validates its arguments before dispatch, the same on every backend
+(`jaxkern.contract`): a rank, shape or dtype outside its contract raises
+`InputError` (a ValueError and a TypeError) whose message names the
+argument, what the contract expects and what the call passed. Tensors are
+positional, everything else keyword-only; the softmax scale is `sm_scale`
+(None: D**-0.5, D the head dim of q) in every op that has one.
 
 This module is the stable import path; each function lives with its family
 (`jaxkern/families/<name>.py`) and runs through `jaxkern.dispatch`.
 """
 
+from jaxkern.contract import InputError
 from jaxkern.dispatch import Backend, checked
 from jaxkern.families.dense_gemm import dense_gemm
 from jaxkern.families.flash_attention import attention, block_causal_attention, prefix_cached_attention
@@ -39,6 +54,7 @@ from jaxkern.families.sparse_mla import sparse_mla_prefill
 
 __all__ = [
   "Backend",
+  "InputError",
   "attention",
   "block_causal_attention",
   "checked",

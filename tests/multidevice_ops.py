@@ -85,7 +85,12 @@ def gdn_decode_over_batch():
   x = synthesized("gdn_decode_qk4_v8_d128_k_last", {"batch_size": 4})
   args = tuple(x[n] for n in ("q", "k", "v", "state", "A_log", "a", "dt_bias", "b", "scale"))
   specs = (P("x"), P("x"), P("x"), P("x"), P(), P("x"), P(), P("x"), P())
-  return ops.gdn_decode, args, {}, specs, (P("x"), P("x"))
+  return gdn_decode_scaled, args, {}, specs, (P("x"), P("x"))
+
+
+def gdn_decode_scaled(*args, **kwargs):
+  """`ops.gdn_decode` with its scale as a ninth (shardable) argument."""
+  return ops.gdn_decode(*args[:8], sm_scale=args[8], **kwargs)
 
 
 def natten_over_batch():
@@ -232,7 +237,7 @@ def test_gdn_prefill_gradients_with_heads_split():
 
   def loss(backend):
     def f(*args):
-      out, new_state = ops.gdn_prefill(*args[:8], x["cu_seqlens"], args[8], backend=backend)
+      out, new_state = ops.gdn_prefill(*args[:8], x["cu_seqlens"], sm_scale=args[8], backend=backend)
       return jnp.sum(out.astype(jnp.float32) * weights[0]) + jnp.sum(new_state * weights[1])
 
     return jax.jit(jax.grad(f, tuple(range(len(names)))))

@@ -138,7 +138,7 @@ DIFFERENTIABLE = ("q", "k", "v", "state", "A_log", "a", "dt_bias", "b")
 
 def decode_loss(backend, weights):
   def f(*args):
-    out, new_state = ops.gdn_decode(*args, 1.0, backend=backend)
+    out, new_state = ops.gdn_decode(*args, sm_scale=1.0, backend=backend)
     return jnp.sum(out.astype(jnp.float32) * weights[0]) + jnp.sum(new_state * weights[1])
 
   return f

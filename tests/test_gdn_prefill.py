@@ -321,7 +321,7 @@ def output_weights(x):
 
 def op_loss(backend, cu_seqlens, weights):
   """Weighted sum of both outputs of the public op on `backend`."""
-  return weighted_loss(lambda *args: ops.gdn_prefill(*args, cu_seqlens, 1.0, backend=backend), weights)
+  return weighted_loss(lambda *args: ops.gdn_prefill(*args, cu_seqlens, sm_scale=1.0, backend=backend), weights)
 
 
 def test_gradients_of_both_paths_agree_under_jit():
@@ -354,7 +354,7 @@ def test_nan_in_tokens_of_no_sequence_reaches_no_gradient():
   cu = jnp.array([3, 36], jnp.int32)
   weights = output_weights(x)
   args = tuple(x[n] for n in DIFFERENTIABLE)
-  out, _ = ops.gdn_prefill(*args, cu, 1.0, backend="xla")
+  out, _ = ops.gdn_prefill(*args, cu, sm_scale=1.0, backend="xla")
   assert np.all(np.asarray(out[:3], np.float32) == 0) and np.all(np.isfinite(np.asarray(out, np.float32)))
   grads = jax.jit(jax.grad(op_loss("xla", cu, weights), tuple(range(len(args)))))(*args)
   for name, g in zip(DIFFERENTIABLE, grads):

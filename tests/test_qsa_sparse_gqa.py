@@ -170,8 +170,11 @@ def test_gqa_reference_matches_float64():
 
 def both_paths(inputs, config=GQA_SMALL):
   """(kernel in interpret mode, reference) through the public op."""
-  args = [inputs[k] for k in ("q", "k_cache", "v_cache", "page_table", "seq_lens", "topk_ids", "sm_scale")]
-  return [ops.qsa_sparse_gqa_decode(*args, config=config, backend=backend) for backend in ("pallas", "xla")]
+  args = [inputs[k] for k in ("q", "k_cache", "v_cache", "page_table", "seq_lens", "topk_ids")]
+  return [
+    ops.qsa_sparse_gqa_decode(*args, sm_scale=inputs["sm_scale"], config=config, backend=backend)
+    for backend in ("pallas", "xla")
+  ]
 
 
 def assert_contract(inputs, config=GQA_SMALL):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkern import dispatch, roofline
+from jaxkern.contract import Checks, public_op
 from jaxkern.family import OpImpl, cdiv, shrink_rows, shrink_until
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.dense_gemm import KERNELS
@@ -116,17 +117,32 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
+def validate(a, b, **_) -> None:
+  """The contract of `dense_gemm` (`jaxkern.contract`): a [..., K], b [N, K], one float dtype."""
+  c = Checks("dense_gemm")
+  c.rank("a", a, "[..., K]", at_least=1)
+  c.rank("b", b, "[N, K]", 2)
+  c.shape("b", b, (None, a.shape[-1]), "[N, K]", "K from a.shape[-1]")
+  c.floating("a", a)
+  c.same_dtype("b", b, "a", a)
+
+
+@public_op(validate)
 def dense_gemm(
   a: jax.Array, b: jax.Array, *, config: Any = None, backend: dispatch.Backend = None, checks: bool = False
 ) -> jax.Array:
   """`a @ b.T`: activations a [..., K], weight b [N, K] (torch Linear layout);
-  fp32 accumulation, output in a's dtype.
+  fp32 accumulation. Returns c [..., N] in a's dtype.
 
   Contract: a and b bf16 (or the same float dtype), any M (rows of a, 0
   included), N, K >= 1; no index inputs (`checks=True` has nothing to
   check); non-finite values reach the outputs that use them.
   Differentiable in a and b (Pallas: dA and dB as launches of the same GEMM
-  kernel)."""
+  kernel).
+
+  Backends: `xla`, `triton`, `mosaic_gpu` (bf16 or f16 with N a multiple
+  of 64 and K of the config's block_k; `backend="pallas"` falls back to
+  Triton for other inputs)."""
   *batch, k = a.shape
   c = dispatch.run(
     IMPL, {"A": a.reshape(-1, k), "B": b}, params={"out_dtype": a.dtype}, config=config, backend=backend, checks=checks

@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 
 from jaxkern import dispatch, roofline
+from jaxkern.contract import Checks, public_op
 from jaxkern.family import OpImpl, Precondition, cdiv
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.flash_attention import KERNELS
@@ -432,12 +433,35 @@ IMPLS = (NONCAUSAL, PREFIX_CACHED, BLOCK_CAUSAL)
 # Public ops (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
+def _check_qkv(c: Checks, q, k, v, *, self_attention: bool) -> None:
+  """q [B, Nq, H, D]; k, v [B, Nk, H, D] (Nk = Nq for self-attention) in q's float dtype."""
+  c.rank("q", q, "[B, Nq, H, D]", 4)
+  batch, q_len, heads, head_dim = q.shape
+  why = "B, N, H, D from q" if self_attention else "B, H, D from q"
+  c.shape("k", k, (batch, q_len if self_attention else None, heads, head_dim), "[B, Nk, H, D]", why)
+  c.shape("v", v, k.shape, "[B, Nk, H, D]", "k's shape")
+  c.floating("q", q)
+  c.same_dtype("k", k, "q", q)
+  c.same_dtype("v", v, "q", q)
+
+
+def validate_attention(q, k, v, key_valid=None, *, sm_scale=None, **_) -> None:
+  """The contract of `attention` (`jaxkern.contract`)."""
+  c = Checks("attention")
+  _check_qkv(c, q, k, v, self_attention=False)
+  if key_valid is not None:
+    c.shape("key_valid", key_valid, k.shape[:2], "[B, Nk]", "B, Nk from k")
+    c.boolean_or_integer("key_valid", key_valid)
+  c.scalar("sm_scale", sm_scale, optional=True)
+
+
+@public_op(validate_attention)
 def attention(
   q: jax.Array,
   k: jax.Array,
   v: jax.Array,
-  *,
   key_valid: jax.Array | None = None,
+  *,
   sm_scale: float | None = None,
   config: Any = None,
   backend: dispatch.Backend = None,
@@ -451,7 +475,13 @@ def attention(
   and v are never used, so NaN or Inf there changes nothing. A row with no
   visible key is 0. sm_scale defaults to D**-0.5. Non-finite values of
   visible keys reach the rows that see them. No index inputs (`checks=True`
-  has nothing to check)."""
+  has nothing to check). Returns o [B, Nq, H, D] in q's dtype.
+  Differentiable in q, k, v (Pallas: FlashAttention-2 dQ and dK/dV
+  kernels).
+
+  Backends: `xla`, `triton`, `mosaic_gpu` (the forward, for bf16 with D 64
+  or 128 and `sm_scale` a Python float; its gradient is the Triton
+  backward's; `backend="pallas"` falls back to Triton for other inputs)."""
   return dispatch.run(
     NONCAUSAL,
     {"q": q, "k": k, "v": v, "key_valid": key_valid},
@@ -462,6 +492,19 @@ def attention(
   )
 
 
+def validate_prefix_cached(q, k, v, k_prefix, v_prefix, *, sm_scale=None, **_) -> None:
+  """The contract of `prefix_cached_attention` (`jaxkern.contract`)."""
+  c = Checks("prefix_cached_attention")
+  _check_qkv(c, q, k, v, self_attention=False)
+  batch, _, heads, head_dim = q.shape
+  c.shape("k_prefix", k_prefix, (batch, None, heads, head_dim), "[B, Np, H, D]", "B, H, D from q")
+  c.shape("v_prefix", v_prefix, k_prefix.shape, "[B, Np, H, D]", "k_prefix's shape")
+  c.same_dtype("k_prefix", k_prefix, "q", q)
+  c.same_dtype("v_prefix", v_prefix, "q", q)
+  c.scalar("sm_scale", sm_scale, optional=True)
+
+
+@public_op(validate_prefix_cached)
 def prefix_cached_attention(
   q: jax.Array,
   k: jax.Array,
@@ -478,14 +521,29 @@ def prefix_cached_attention(
   concatenation is never materialized by the kernel.
 
   Contract: q, k, v [B, Nq, H, D], k_prefix, v_prefix [B, Np, H, D] (Np >= 0),
-  one float dtype; no masks and no index inputs (`checks=True` has nothing
-  to check); non-finite values reach every row."""
+  one float dtype (bf16); no masks and no index inputs (`checks=True` has
+  nothing to check); non-finite values reach every row. Returns o
+  [B, Nq, H, D] in q's dtype. Differentiable in q, k, v and the prefix.
+
+  Backends: `xla`, `triton`, `mosaic_gpu` (the forward, for bf16 with D 64
+  or 128 and `sm_scale` a Python float; its gradient is the Triton
+  backward's; `backend="pallas"` falls back to Triton for other inputs)."""
   inputs = {"q": q, "k": k, "v": v, "k_prefix": k_prefix, "v_prefix": v_prefix}
   return dispatch.run(
     PREFIX_CACHED, inputs, params={"sm_scale": sm_scale}, config=config, backend=backend, checks=checks
   )
 
 
+def validate_block_causal(q, k, v, segment_ids, *, sm_scale=None, **_) -> None:
+  """The contract of `block_causal_attention` (`jaxkern.contract`)."""
+  c = Checks("block_causal_attention")
+  _check_qkv(c, q, k, v, self_attention=True)
+  c.shape("segment_ids", segment_ids, q.shape[:2], "[B, N]", "B, N from q")
+  c.integer("segment_ids", segment_ids)
+  c.scalar("sm_scale", sm_scale, optional=True)
+
+
+@public_op(validate_block_causal)
 def block_causal_attention(
   q: jax.Array,
   k: jax.Array,
@@ -500,11 +558,16 @@ def block_causal_attention(
   """Self-attention where token j is visible to token i iff
   segment_ids[b, j] <= segment_ids[b, i].
 
-  Contract: q, k, v [B, N, H, D], segment_ids [B, N] int32, valid:
-  nondecreasing along N (`checks=True` reports the first decrease). The
-  visibility rule is the answer for any ids; a key hidden from a query
-  never reaches it, even when its neighbours see it (a NaN in a later
-  segment leaves earlier rows finite)."""
+  Contract: q, k, v [B, N, H, D], one float dtype (bf16), segment_ids
+  [B, N] int32, valid: nondecreasing along N (`checks=True` reports the
+  first decrease). The visibility rule is the answer for any ids; a key
+  hidden from a query never reaches it, even when its neighbours see it (a
+  NaN in a later segment leaves earlier rows finite). Returns o
+  [B, N, H, D] in q's dtype. Differentiable in q, k, v.
+
+  Backends: `xla`, `triton`, `mosaic_gpu` (the forward, for bf16 with D 64
+  or 128 and `sm_scale` a Python float; its gradient is the Triton
+  backward's; `backend="pallas"` falls back to Triton for other inputs)."""
   return dispatch.run(
     BLOCK_CAUSAL,
     {"q": q, "k": k, "v": v, "segment_ids": segment_ids},

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkern import dispatch, roofline
+from jaxkern.contract import Checks, public_op
 from jaxkern.family import OpImpl
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.gdn_decode import KERNELS
@@ -212,6 +213,43 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
+def check_gdn(c: Checks, q, k, v, state, A_log, a, dt_bias, b, sm_scale, *, lead: str, states: str) -> None:
+  """The tensors both GDN ops share: q, k [*lead, HQ, D], v [*lead, HV, D]
+  (HV a multiple of HQ), a, b [*lead, HV], A_log, dt_bias [HV], k-last
+  states [<states>, HV, D, D], all floating (q, k one dtype); sm_scale None
+  or a scalar. `lead` names the leading axes (`"B, 1"`, `"T"`)."""
+  ndim = len(lead.split(","))
+  c.rank("q", q, f"[{lead}, HQ, D]", ndim + 2)
+  heads, head_dim = q.shape[-2:]
+  lead_shape = tuple(q.shape[:-2])
+  c.shape("k", k, q.shape, f"[{lead}, HQ, D]", "q's shape")
+  c.shape("v", v, (*lead_shape, None, head_dim), f"[{lead}, HV, D]", f"{lead}, D from q")
+  v_heads = v.shape[-2]
+  if heads == 0 or v_heads % heads:
+    c.fail("v", f"[{lead}, HV, D] with HV a multiple of HQ = {heads} (q.shape[-2])", f"shape {tuple(v.shape)}")
+  for name, x in (("a", a), ("b", b)):
+    c.shape(name, x, (*lead_shape, v_heads), f"[{lead}, HV]", f"{lead} from q, HV from v")
+  for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+    c.shape(name, x, (v_heads,), "[HV]", "HV from v")
+  c.rank("state", state, f"[{states}, HV, V, K]", 4)
+  c.shape("state", state, (None, v_heads, head_dim, head_dim), f"[{states}, HV, V, K]", "HV from v, V = K = D from q")
+  c.floating("q", q)
+  c.same_dtype("k", k, "q", q)
+  for name, x in (("v", v), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias), ("state", state)):
+    c.floating(name, x)
+  c.scalar("sm_scale", sm_scale, optional=True)
+
+
+def validate(q, k, v, state, A_log, a, dt_bias, b, *, sm_scale=None, **_) -> None:
+  """The contract of `gdn_decode` (`jaxkern.contract`): one token per sequence."""
+  c = Checks("gdn_decode")
+  c.rank("q", q, "[B, 1, HQ, D]", 4)
+  c.shape("q", q, (None, 1, None, None), "[B, 1, HQ, D]", "one token per sequence")
+  check_gdn(c, q, k, v, state, A_log, a, dt_bias, b, sm_scale, lead="B, 1", states="B")
+  c.shape("state", state, (q.shape[0], *state.shape[1:]), "[B, HV, V, K]", "B from q")
+
+
+@public_op(validate, was_positional=("sm_scale",), renamed={"scale": "sm_scale"})
 def gdn_decode(
   q: jax.Array,
   k: jax.Array,
@@ -221,19 +259,22 @@ def gdn_decode(
   a: jax.Array,
   dt_bias: jax.Array,
   b: jax.Array,
-  scale: float | jax.Array | None = None,
   *,
+  sm_scale: float | jax.Array | None = None,
   config: Any = None,
   backend: dispatch.Backend = None,
   checks: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Gated delta net decode step (Qwen3-Next): q, k [B, 1, HQ, D], v [B, 1, HV, D],
-  k-last state [B, HV, V, K] f32, a, b [B, 1, HV], A_log, dt_bias [HV];
-  scale None/0 -> D**-0.5. Returns (output [B, 1, HV, D] bf16, new_state f32).
+  k-last state [B, HV, V, K] f32, a, b [B, 1, HV], A_log, dt_bias [HV] f32;
+  sm_scale None (or 0) -> D**-0.5. Returns (output [B, 1, HV, D] bf16, new_state
+  [B, HV, V, K] f32).
 
   Contract: any B >= 0; HV a multiple of HQ; q, k, v, a, b bf16. Rows are
   independent and there are no index inputs (`checks=True` has nothing to
-  check); non-finite values reach their own row's output and state."""
+  check); non-finite values reach their own row's output and state.
+
+  Backends: `xla`, `triton`."""
   inputs = dict(
     q=q,
     k=k,
@@ -243,6 +284,6 @@ def gdn_decode(
     a=a,
     dt_bias=dt_bias,
     b=b,
-    scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32),
+    scale=jnp.asarray(0.0 if sm_scale is None else sm_scale, jnp.float32),
   )
   return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

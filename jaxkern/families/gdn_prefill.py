@@ -17,8 +17,10 @@ import numpy as np
 from jax import lax
 
 from jaxkern import compare, dispatch, roofline
+from jaxkern.contract import Checks, public_op
 from jaxkern.families.gdn_decode import (
   STATE_STD,
+  check_gdn,
   delta_step,
   gates,
   gdn_flops,
@@ -233,6 +235,16 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
+def validate(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, *, sm_scale=None, **_) -> None:
+  """The contract of `gdn_prefill` (`jaxkern.contract`): packed tokens, N
+  states and cu_seqlens [N + 1] integers."""
+  c = Checks("gdn_prefill")
+  check_gdn(c, q, k, v, state, A_log, a, dt_bias, b, sm_scale, lead="T", states="N")
+  c.shape("cu_seqlens", cu_seqlens, (state.shape[0] + 1,), "[N + 1]", "N from state.shape[0]")
+  c.integer("cu_seqlens", cu_seqlens)
+
+
+@public_op(validate, was_positional=("sm_scale",), renamed={"scale": "sm_scale"})
 def gdn_prefill(
   q: jax.Array,
   k: jax.Array,
@@ -243,15 +255,16 @@ def gdn_prefill(
   dt_bias: jax.Array,
   b: jax.Array,
   cu_seqlens: jax.Array,
-  scale: float | jax.Array | None = None,
   *,
+  sm_scale: float | jax.Array | None = None,
   config: Any = None,
   backend: dispatch.Backend = None,
   checks: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Gated delta net over packed sequences (chunked on the Pallas path): q, k [T, HQ, D],
-  v [T, HV, D], a, b [T, HV], initial k-last states [N, HV, V, K] f32, cu_seqlens
-  [N + 1]. Returns (output [T, HV, D] bf16, final states f32; empty sequences 0).
+  v [T, HV, D], a, b [T, HV] bf16, A_log, dt_bias [HV] f32, initial k-last states
+  [N, HV, V, K] f32, cu_seqlens [N + 1] int32; sm_scale None (or 0) -> D**-0.5. Returns
+  (output [T, HV, D] bf16, final states [N, HV, V, K] f32; empty sequences 0).
 
   Contract:
   * T, N >= 0; HV a multiple of HQ; sequence n covers tokens
@@ -263,6 +276,10 @@ def gdn_prefill(
     sequence that would end before it starts, or past T, is empty or cut
     at T; a token no sequence covers outputs 0; an empty sequence's
     new_state is 0. Tokens outside every sequence never reach an output.
+  * Differentiable in q, k, v, the initial states, A_log, a, dt_bias, b and
+    sm_scale (Pallas: a chunk-parallel backward).
+
+  Backends: `xla`, `triton`.
   """
   inputs = dict(
     q=q,
@@ -274,6 +291,6 @@ def gdn_prefill(
     dt_bias=dt_bias,
     b=b,
     cu_seqlens=cu_seqlens,
-    scale=jnp.asarray(0.0 if scale is None else scale, jnp.float32),
+    scale=jnp.asarray(0.0 if sm_scale is None else sm_scale, jnp.float32),
   )
   return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

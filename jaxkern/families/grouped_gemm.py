@@ -44,6 +44,7 @@ import numpy as np
 from jax import lax
 
 from jaxkern import dispatch, quant, roofline
+from jaxkern.contract import Checks, public_op
 from jaxkern.family import OpImpl, Precondition, cdiv, in_range, varying_like
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.grouped_gemm import KERNELS
@@ -300,6 +301,27 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
+def validate(a, a_scale, b, b_scale, expert_ids, **_) -> None:
+  """The contract of `grouped_gemm_fp8_fp4` (`jaxkern.contract`): shapes
+  from a [M, K] and b [E, N, K/2], K a multiple of 32, the quantized dtypes."""
+  c = Checks("grouped_gemm_fp8_fp4")
+  c.rank("a", a, "[M, K]", 2)
+  c.rank("b", b, "[E, N, K/2]", 3)
+  m, k = a.shape
+  e, n, _ = b.shape
+  if k % GROUP:
+    c.fail("a", f"[M, K] with K a multiple of {GROUP}", f"shape {tuple(a.shape)}")
+  c.shape("b", b, (None, None, k // 2), "[E, N, K/2]", f"K = {k} from a")
+  c.shape("a_scale", a_scale, (m, k // GROUP), "[M, K/32]", "M, K from a")
+  c.shape("b_scale", b_scale, (e, n, k // GROUP), "[E, N, K/32]", "E, N from b, K from a")
+  c.shape("expert_ids", expert_ids, (m,), "[M]", "M from a")
+  c.dtype("a", a, [jnp.float8_e4m3fn])
+  for name, x in (("a_scale", a_scale), ("b", b), ("b_scale", b_scale)):
+    c.dtype(name, x, [jnp.uint8])
+  c.integer("expert_ids", expert_ids)
+
+
+@public_op(validate)
 def grouped_gemm_fp8_fp4(
   a: jax.Array,
   a_scale: jax.Array,
@@ -311,7 +333,7 @@ def grouped_gemm_fp8_fp4(
   backend: dispatch.Backend = None,
   checks: bool = False,
 ) -> jax.Array:
-  """MoE expert GEMM, FP8 activations x MXFP4 weights (SPEC 4.3).
+  """MoE expert GEMM, FP8 activations x MXFP4 weights.
 
   Contract (both backends):
   * a [M, K] float8_e4m3fn with UE8M0 a_scale [M, K/32] uint8 (2^(s-127));
@@ -328,10 +350,14 @@ def grouped_gemm_fp8_fp4(
   * Scale byte 255 (UE8M0's NaN) and non-finite a are not masked: they reach
     the rows that use them. Scale byte 0 gives 0 on the Pallas path (2^-127
     on the XLA path).
-  * The Pallas path rejects other shapes or dtypes with a ValueError naming
-    the input; both paths give the same answer up to fp32 summation order
+  * Every backend rejects other shapes or dtypes with the same
+    `jaxkern.InputError` naming the input; both paths give the same answer up to fp32 summation order
     (bit-equal on CPU in the tests; on a GPU the fp8 tensor cores'
     accumulation within each 32-k group).
+  * Not differentiable in its quantized inputs a, b (asking raises
+    `jaxkern.autodiff.NotDifferentiableError`).
+
+  Backends: `xla`, `triton`.
   """
   inputs = {"a": a, "a_scale": a_scale, "b": b, "b_scale": b_scale, "expert_ids": expert_ids}
   return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

@@ -40,6 +40,7 @@ import numpy as np
 from jax import lax
 
 from jaxkern import dispatch, quant, roofline
+from jaxkern.contract import Checks, public_op
 from jaxkern.family import OpImpl, Precondition, in_range
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.mixed_mla import KERNELS
@@ -312,6 +313,33 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
+def validate(q, kv_fp8, indices_fp8, kv_fp4, indices_fp4, attn_sink, *, sm_scale=None, **_) -> None:
+  """The contract of `mixed_mla_decode` (`jaxkern.contract`): q [B, H, D]
+  with D a multiple of 128, one-head caches of D's record sizes, index
+  tables [B, K], attn_sink [H]."""
+  c = Checks("mixed_mla_decode")
+  c.rank("q", q, "[B, H, D]", 3)
+  batch, heads, head_dim = q.shape
+  if head_dim % quant.MLA_FP8_GROUP:
+    c.fail("q", f"[B, H, D] with D a multiple of {quant.MLA_FP8_GROUP}", f"shape {tuple(q.shape)}")
+  fp8_bytes = head_dim + 4 * (head_dim // quant.MLA_FP8_GROUP)
+  fp4_bytes = head_dim // 2 + head_dim // quant.MLA_FP4_GROUP
+  why = f"one latent KV head, D = {head_dim} from q"
+  c.shape("kv_fp8", kv_fp8, (None, None, 1, fp8_bytes), "[N8, P8, 1, D + D/32]", why)
+  c.shape("indices_fp8", indices_fp8, (batch, None), "[B, K8]", "B from q")
+  c.shape("kv_fp4", kv_fp4, (None, None, 1, fp4_bytes), "[N4, P4, 1, D/2 + D/16]", why)
+  c.shape("indices_fp4", indices_fp4, (batch, None), "[B, K4]", "B from q")
+  c.shape("attn_sink", attn_sink, (heads,), "[H]", "H from q")
+  c.floating("q", q)
+  c.dtype("kv_fp8", kv_fp8, [jnp.uint8])
+  c.integer("indices_fp8", indices_fp8)
+  c.dtype("kv_fp4", kv_fp4, [jnp.uint8])
+  c.integer("indices_fp4", indices_fp4)
+  c.floating("attn_sink", attn_sink)
+  c.scalar("sm_scale", sm_scale, optional=True)
+
+
+@public_op(validate, was_positional=("sm_scale",))
 def mixed_mla_decode(
   q: jax.Array,
   kv_fp8: jax.Array,
@@ -319,8 +347,8 @@ def mixed_mla_decode(
   kv_fp4: jax.Array,
   indices_fp4: jax.Array,
   attn_sink: jax.Array,
-  sm_scale: float | jax.Array | None = None,
   *,
+  sm_scale: float | jax.Array | None = None,
   config: Any = None,
   backend: dispatch.Backend = None,
   checks: bool = False,
@@ -329,20 +357,23 @@ def mixed_mla_decode(
 
   q [B, H, D] bf16; kv_fp8 [N8, P8, 1, D + D/32] uint8 token records (see
   `jaxkern.quant.quantize_mla_fp8_tokens`) read at flat rows indices_fp8
-  [B, K8]; kv_fp4 [N4, P4, 1, D/2 + D/16] uint8 (`quantize_mla_fp4_tokens`)
-  read at indices_fp4 [B, K4]; attn_sink [H] f32 joins the softmax
+  [B, K8] int32; kv_fp4 [N4, P4, 1, D/2 + D/16] uint8 (`quantize_mla_fp4_tokens`)
+  read at indices_fp4 [B, K4] int32; attn_sink [H] f32 joins the softmax
   denominator only; sm_scale defaults to D**-0.5. Returns (out [B, H, D]
   bf16, lse [B, H] f32 natural log without the sink).
 
   Contract:
   * B >= 0; D a multiple of 128; one latent KV head; N8, N4 >= 1.
-  * indices_fp8 valid: -1 (empty slot) or [0, N8*P8); indices_fp4: -1 or
-    [0, N4*P4) (flat rows page * P + offset). Any other value is an empty
+  * indices_fp8 valid: -1 (empty slot) or `[0, N8*P8)`; indices_fp4: -1 or
+    `[0, N4*P4)` (flat rows `page * P + offset`). Any other value is an empty
     slot like -1: it contributes nothing and its record is never read into
     the output (`checks=True` reports it instead). A row with no valid
     index gives out 0 and lse +inf.
   * Records are not validated: a selected record whose scales decode to
-    Inf or NaN reaches its row."""
+    Inf or NaN reaches its row.
+
+  Backends: `xla`, `triton`, `mosaic_gpu` (q bf16 with H a multiple of 64
+  and D 512; `backend="pallas"` falls back to Triton for other inputs)."""
   sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
   inputs = dict(
     q=q,

@@ -16,9 +16,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxkern import compare, dispatch, roofline
+from jaxkern.contract import Checks, public_op
 from jaxkern.family import OpImpl, shrink_rows
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.moe_router import KERNELS
@@ -136,18 +138,37 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
+def validate(hidden, weight, bias, *, routed_scaling_factor, top_k, **_) -> None:
+  """The contract of `moe_router` (`jaxkern.contract`): hidden [..., D] and
+  weight [E, D] of one float dtype, bias [E], a scalar scaling factor and
+  1 <= top_k <= E."""
+  c = Checks("moe_router")
+  c.rank("hidden", hidden, "[..., D]", at_least=1)
+  c.rank("weight", weight, "[E, D]", 2)
+  c.shape("weight", weight, (None, hidden.shape[-1]), "[E, D]", "D from hidden.shape[-1]")
+  experts = weight.shape[0]
+  c.shape("bias", bias, (experts,), "[E]", "E from weight.shape[0]")
+  c.floating("hidden", hidden)
+  c.same_dtype("weight", weight, "hidden", hidden)
+  c.floating("bias", bias)
+  c.scalar("routed_scaling_factor", routed_scaling_factor)
+  if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
+    c.fail("top_k", f"an int in [1, E] with E = {experts} (weight.shape[0])", repr(top_k))
+
+
+@public_op(validate, was_positional=("routed_scaling_factor",))
 def moe_router(
   hidden: jax.Array,
   weight: jax.Array,
   bias: jax.Array,
-  routed_scaling_factor: float | jax.Array = ROUTED_SCALING_FACTOR,
   *,
+  routed_scaling_factor: float | jax.Array = ROUTED_SCALING_FACTOR,
   top_k: int = 6,
   config: Any = None,
   backend: dispatch.Backend = None,
   checks: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """DeepSeek-V4 sqrtsoftplus router (SPEC 4.2).
+  """DeepSeek-V4 sqrtsoftplus router: logits GEMM, biased top-k, weights.
 
   Contract:
   * hidden [..., D] bf16 (any number of rows, 0 included), weight [E, D]
@@ -159,6 +180,8 @@ def moe_router(
     above every number (`lax.top_k`'s order), so a row of NaN selects
     experts 0..top_k-1. expert_ids are always in [0, E); a row whose
     selected scores are not finite gets non-finite weights.
+
+  Backends: `xla`, `triton`.
   """
   *batch, d = hidden.shape
   inputs = {

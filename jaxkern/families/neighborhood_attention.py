@@ -20,9 +20,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxkern import dispatch, roofline
+from jaxkern.contract import Checks, public_op
 from jaxkern.family import OpImpl, cdiv, varying_like
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.neighborhood_attention import KERNELS
@@ -212,6 +214,36 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
+def window_of(kernel_size: Any) -> tuple[int, int, int] | None:
+  """(KT, KY, KX) of a `kernel_size` (one int, or three); None if it is neither."""
+  sizes = (kernel_size,) * 3 if isinstance(kernel_size, (int, np.integer)) else kernel_size
+  if not isinstance(sizes, (tuple, list)) or len(sizes) != 3:
+    return None
+  if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in sizes):
+    return None
+  return int(sizes[0]), int(sizes[1]), int(sizes[2])
+
+
+def validate(q, k, v, *, kernel_size, **_) -> None:
+  """The contract of `neighborhood_attention_3d` (`jaxkern.contract`): q, k, v
+  one shape [B, T, Y, X, H, D] and float dtype; a window that fits the grid."""
+  c = Checks("neighborhood_attention_3d")
+  c.rank("q", q, "[B, T, Y, X, H, D]", 6)
+  c.shape("k", k, q.shape, "[B, T, Y, X, H, D]", "q's shape")
+  c.shape("v", v, q.shape, "[B, T, Y, X, H, D]", "q's shape")
+  c.floating("q", q)
+  c.same_dtype("k", k, "q", q)
+  c.same_dtype("v", v, "q", q)
+  window = window_of(kernel_size)
+  if window is None:
+    c.fail("kernel_size", "an int or a (KT, KY, KX) tuple of ints", repr(kernel_size))
+    return
+  grid = tuple(q.shape[1:4])
+  if any(w < 1 or n < w for n, w in zip(grid, window)):
+    c.fail("kernel_size", f"a window (KT, KY, KX) with 1 <= each <= the grid (T, Y, X) = {grid}", str(window))
+
+
+@public_op(validate)
 def neighborhood_attention_3d(
   q: jax.Array,
   k: jax.Array,
@@ -228,12 +260,14 @@ def neighborhood_attention_3d(
   inward at the borders. Returns o [B, T, Y, X, H, D] in q's dtype.
 
   Contract: one float dtype (bf16); B, H >= 0; 1 <= KT <= T, KY <= Y,
-  KX <= X (the windows must fit: every query sees exactly KT*KY*KX keys);
+  KX <= X (the windows must fit: every query sees exactly `KT*KY*KX` keys);
   no masks and no index inputs (`checks=True` has nothing to check);
   non-finite values reach the queries whose windows hold them.
   Differentiable in q, k, v (Pallas: dQ and dK/dV kernels over the
-  forward's tiles)."""
-  kt, ky, kx = (kernel_size,) * 3 if isinstance(kernel_size, int) else kernel_size
+  forward's tiles).
+
+  Backends: `xla`, `triton`."""
+  kt, ky, kx = window_of(kernel_size) or (0, 0, 0)  # validated
   return dispatch.run(
     IMPL,
     {"q": q, "k": k, "v": v},

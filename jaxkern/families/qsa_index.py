@@ -34,6 +34,7 @@ import numpy as np
 from jax import lax
 
 from jaxkern import compare, dispatch, roofline
+from jaxkern.contract import Checks, public_op
 from jaxkern.family import OpImpl, Precondition, in_range
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.qsa_index import KERNELS
@@ -359,6 +360,27 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
+def check_paging(c: Checks, batch: int, page_table, seq_lens) -> None:
+  """page_table [B, MP] and seq_lens [B], integers (both QSA ops)."""
+  c.rank("page_table", page_table, "[B, MP]", 2)
+  c.shape("page_table", page_table, (batch, None), "[B, MP]", "B from q")
+  c.shape("seq_lens", seq_lens, (batch,), "[B]", "B from q")
+  c.integer("page_table", page_table)
+  c.integer("seq_lens", seq_lens)
+
+
+def validate(q, index_k, page_table, seq_lens, **_) -> None:
+  """The contract of `qsa_index_topk` (`jaxkern.contract`): q [B, HQ, D],
+  one-head paged keys [NP, P, 1, D] in q's float dtype, integer paging."""
+  c = Checks("qsa_index_topk")
+  c.rank("q", q, "[B, HQ, D]", 3)
+  c.shape("index_k", index_k, (None, None, 1, q.shape[2]), "[NP, P, 1, D]", "one key head, D from q")
+  check_paging(c, q.shape[0], page_table, seq_lens)
+  c.floating("q", q)
+  c.same_dtype("index_k", index_k, "q", q)
+
+
+@public_op(validate)
 def qsa_index_topk(
   q: jax.Array,
   index_k: jax.Array,
@@ -369,24 +391,27 @@ def qsa_index_topk(
   backend: dispatch.Backend = None,
   checks: bool = False,
 ) -> jax.Array:
-  """QSA indexer: q [B, 4, 128], paged compressed keys index_k [NP, 16, 1, 128],
-  page_table [B, MP], seq_lens [B] tokens -> int32 [B, 512] top-512 block ids
-  (block = 4 tokens) by sum_h relu(q_h . k) / sqrt(128), ascending, -1 suffix.
+  """QSA indexer: q [B, 4, 128] bf16, paged compressed keys index_k
+  [NP, 16, 1, 128] bf16, page_table [B, MP] int32, seq_lens [B] int32 tokens
+  -> int32 [B, 512] top-512 block ids (block = 4 tokens) by
+  `sum_h relu(q_h . k) / sqrt(128)`, ascending, -1 suffix.
 
   Contract (P = 16 keys per page, C = 4 tokens per block):
   * B >= 0. Block j < n = seq_lens[b] // C of sequence b is the key
     index_k[page_table[b, j // P], j % P]; blocks are the candidates.
-  * seq_lens valid: [0, (MP*P + 1)*C), i.e. n <= MP*P (the table's blocks;
+  * seq_lens valid: `[0, (MP*P + 1)*C)`, i.e. `n <= MP*P` (the table's blocks;
     a tail of fewer than C tokens has no block). page_table valid: the
     entries the sequence uses (the first ceil(n / P)) in [0, NP); later
     entries are never read.
   * Outside (`checks=True` reports the first offending value instead):
-    a longer sequence is cut to the table (ids beyond MP*P do not exist);
+    a longer sequence is cut to the table (ids beyond `MP*P` do not exist);
     a negative length has no blocks; blocks on an entry outside [0, NP)
     are not candidates. The selection is then the top-512 candidates (ties
     to the lower id), fewer when there are fewer, -1 suffixed.
   * NaN scores (NaN in q or in a candidate's key) rank above every number
     (`lax.top_k`'s order); keys of non-candidates are never read.
-  Cost on the kernel path: none; the checks are selects inside the kernels."""
+  Cost on the kernel path: none; the checks are selects inside the kernels.
+
+  Backends: `xla`, `triton`."""
   inputs = {"q": q, "index_k": index_k, "page_table": page_table, "seq_lens": seq_lens}
   return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)

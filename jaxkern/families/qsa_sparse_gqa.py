@@ -18,10 +18,12 @@ import numpy as np
 from jax import lax
 
 from jaxkern import dispatch, roofline
+from jaxkern.contract import Checks, public_op
 from jaxkern.families.qsa_index import (
   AXIS_PARAMS,
   COMPRESS,
   INDEX_HEADS,
+  check_paging,
   cpu_axes,
   page_table_precondition,
   paged_structure,
@@ -218,6 +220,30 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
+def validate(q, k_cache, v_cache, page_table, seq_lens, topk_ids, *, sm_scale=None, **_) -> None:
+  """The contract of `qsa_sparse_gqa_decode` (`jaxkern.contract`): q
+  [B, HQ, D], paged caches [NP, P, HKV, D] (HQ a multiple of HKV) in q's
+  float dtype, integer paging and topk_ids [B, TOPK >= 1]."""
+  c = Checks("qsa_sparse_gqa_decode")
+  c.rank("q", q, "[B, HQ, D]", 3)
+  batch, heads, head_dim = q.shape
+  c.shape("k_cache", k_cache, (None, None, None, head_dim), "[NP, P, HKV, D]", "D from q")
+  kv_heads = k_cache.shape[2]
+  if kv_heads == 0 or heads % kv_heads:
+    c.fail("k_cache", f"[NP, P, HKV, D] with HQ = {heads} (q.shape[1]) a multiple of HKV", f"shape {k_cache.shape}")
+  c.shape("v_cache", v_cache, k_cache.shape, "[NP, P, HKV, D]", "k_cache's shape")
+  check_paging(c, batch, page_table, seq_lens)
+  c.rank("topk_ids", topk_ids, "[B, TOPK]", 2)
+  if topk_ids.shape[0] != batch or topk_ids.shape[1] < 1:
+    c.fail("topk_ids", f"[B, TOPK] with B = {batch} (from q) and TOPK >= 1", f"shape {topk_ids.shape}")
+  c.floating("q", q)
+  c.same_dtype("k_cache", k_cache, "q", q)
+  c.same_dtype("v_cache", v_cache, "q", q)
+  c.integer("topk_ids", topk_ids)
+  c.scalar("sm_scale", sm_scale, optional=True)
+
+
+@public_op(validate, was_positional=("sm_scale",))
 def qsa_sparse_gqa_decode(
   q: jax.Array,
   k_cache: jax.Array,
@@ -225,32 +251,34 @@ def qsa_sparse_gqa_decode(
   page_table: jax.Array,
   seq_lens: jax.Array,
   topk_ids: jax.Array,
-  sm_scale: float | jax.Array | None = None,
   *,
+  sm_scale: float | jax.Array | None = None,
   config: Any = None,
   backend: dispatch.Backend = None,
   checks: bool = False,
 ) -> jax.Array:
-  """QSA sparse decode: q [B, 24, 256] over the 4-token blocks in topk_ids
-  [B, 512] (-1 = empty) plus the incomplete tail, paged k/v_cache
-  [NP, 64, 2, 256]; GQA (12 q heads per kv head); sm_scale defaults to
+  """QSA sparse decode: q [B, 24, 256] bf16 over the 4-token blocks in topk_ids
+  [B, 512] int32 (-1 = empty) plus the incomplete tail, paged k/v_cache
+  [NP, 64, 2, 256] bf16 (page_table [B, MP] and seq_lens [B] int32); GQA (12 q heads per kv head); sm_scale defaults to
   256**-0.5 (a traced scalar works). Returns [B, 24, 256] in q's dtype.
 
   Contract (P = 64 tokens per page, C = 4 tokens per block):
   * B >= 0; HQ a multiple of HKV. Token t of sequence b is
     k/v_cache[page_table[b, t // P], t % P]; it is visible when t < seq_lens[b]
     and its block t // C is listed in topk_ids[b] or is the incomplete tail.
-  * seq_lens valid: [0, MP*P]; page_table valid: the entries the sequence
+  * seq_lens valid: `[0, MP*P]`; page_table valid: the entries the sequence
     uses (the first ceil(seq_lens[b] / P)) in [0, NP), later entries never
     read; topk_ids valid: -1 (empty slot) or [0, seq_lens[b] // C), in any
     order, a block listed twice counting once.
   * Outside (`checks=True` reports the first offending value instead): a
-    longer sequence is cut to the table's MP*P tokens; listed ids outside
+    longer sequence is cut to the table's `MP*P` tokens; listed ids outside
     the sequence's blocks add nothing; a token on an entry outside
     [0, NP) is not visible. A token that is not visible never reaches the
     output (NaN there changes nothing); no visible token gives 0.
   Cost on the kernel path: one small XLA sort of [B, 513] ids (the
-  dedupe, one launch); the rest are selects inside the kernel."""
+  dedupe, one launch); the rest are selects inside the kernel.
+
+  Backends: `xla`, `triton`."""
   sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
   inputs = {
     "q": q,

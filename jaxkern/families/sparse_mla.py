@@ -50,6 +50,7 @@ import numpy as np
 from jax import lax
 
 from jaxkern import dispatch, roofline
+from jaxkern.contract import Checks, public_op
 from jaxkern.family import OpImpl, Precondition, in_range
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.sparse_mla import KERNELS
@@ -343,6 +344,28 @@ IMPLS = (IMPL,)
 # Public op (`jaxkern.ops`), dispatched by `jaxkern.dispatch`.
 
 
+def validate(q, kv, indices, attn_sink, *, sm_scale=None, **_) -> None:
+  """The contract of `sparse_mla_prefill` (`jaxkern.contract`): q [M, H, D],
+  kv [Nkv, D] or [Nkv, 1, D] in q's float dtype, integer indices [M, TOPK]
+  or [M, 1, TOPK], attn_sink [H]."""
+  c = Checks("sparse_mla_prefill")
+  c.rank("q", q, "[M, H, D]", 3)
+  rows, heads, head_dim = q.shape
+  c.array("kv", kv)
+  kv_layout = (None, head_dim) if kv.ndim == 2 else (None, 1, head_dim)
+  c.shape("kv", kv, kv_layout, "[Nkv, D] or [Nkv, 1, D]", "one latent head, D from q")
+  c.array("indices", indices)
+  index_layout = (rows, None) if indices.ndim == 2 else (rows, 1, None)
+  c.shape("indices", indices, index_layout, "[M, TOPK] or [M, 1, TOPK]", "M from q")
+  c.shape("attn_sink", attn_sink, (heads,), "[H]", "H from q")
+  c.floating("q", q)
+  c.same_dtype("kv", kv, "q", q)
+  c.integer("indices", indices)
+  c.floating("attn_sink", attn_sink)
+  c.scalar("sm_scale", sm_scale, optional=True)
+
+
+@public_op(validate)
 def sparse_mla_prefill(
   q: jax.Array,
   kv: jax.Array,
@@ -356,7 +379,7 @@ def sparse_mla_prefill(
 ) -> tuple[jax.Array, jax.Array]:
   """DeepSeek sparse MLA prefill (FlashMLA sparse semantics): q [M, H, D],
   latent workspace kv [Nkv, D] or [Nkv, 1, D] (key and value), indices
-  [M, TOPK] or [M, 1, TOPK] int32, per-head sink logits attn_sink [H]
+  [M, TOPK] or [M, 1, TOPK] int32, per-head sink logits attn_sink [H] f32
   (denominator only); sm_scale defaults to D**-0.5. Returns (out [M, H, D]
   in q's dtype, lse [M, H] f32, natural log, sink excluded).
 
@@ -367,7 +390,10 @@ def sparse_mla_prefill(
     row behind it is never read into the output (`checks=True` reports
     such a value instead). A row repeated in several slots counts once
     per slot. A row with no valid slot gives out 0 and lse +inf.
-  * Non-finite values in rows a slot selects reach that query row."""
+  * Non-finite values in rows a slot selects reach that query row.
+
+  Backends: `xla`, `triton`, `mosaic_gpu` (bf16 with H a multiple of 64 and
+  D 256 or 512; `backend="pallas"` falls back to Triton for other inputs)."""
   m, _, d = q.shape
   inputs = dict(
     q=q,

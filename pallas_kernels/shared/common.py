@@ -14,6 +14,8 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.shared.kernel import Unsupported
+
 # jax >= 0.11 warns that the Triton lowering is deprecated in favour of Mosaic
 # GPU. We target Triton deliberately (SPEC section 2), so the warning is noise.
 _TRITON_DEPRECATION = r".*[Tt]riton.*"
@@ -163,10 +165,12 @@ def is_pow2(n: int) -> bool:
 
 
 def check_pow2_dim(name: str, value: int, minimum: int = MIN_DOT_DIM) -> None:
-  """Raises unless an input dimension is a power of two >= minimum (a head
-  dim that becomes a dot dimension, by default)."""
+  """Raises `Unsupported` (a ValueError: the kernel's limit, not the op's
+  contract, so the dispatch names the backend or falls back) unless an
+  input dimension is a power of two >= minimum (a head dim that becomes a
+  dot dimension, by default)."""
   if value < minimum or not is_pow2(value):
-    raise ValueError(f"{name}={value} must be a power of two >= {minimum}")
+    raise Unsupported(f"{name}={value} must be a power of two >= {minimum}")
 
 
 def fitted_candidates(chosen: Any, sweep: Iterable[Any], fit: Callable[[Any], Any]) -> list[Any]:
