@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _SUBMODULES = ("compare", "dataset", "ops", "registry", "replay")
-__all__ = [*_SUBMODULES, "InputError", "backend", "explain", "__version__"]
+__all__ = [*_SUBMODULES, "InputError", "backend", "explain", "__version__"]  # pyright: ignore[reportUnsupportedDunderAll] (it reads only literals)
 
 
 def backend(name: str | None) -> AbstractContextManager[str | None]:

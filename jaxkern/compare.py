@@ -68,7 +68,7 @@ INCORRECT_DTYPE = Status.INCORRECT_DTYPE
 @dataclasses.dataclass
 class OutputComparison:
   name: str
-  status: str
+  status: Status
   max_abs_error: float = 0.0
   max_rel_error: float = 0.0
   matched_ratio: float = 1.0
@@ -81,7 +81,7 @@ class OutputComparison:
 
 @dataclasses.dataclass
 class Comparison:
-  status: str
+  status: Status
   outputs: dict[str, OutputComparison]
 
   @property

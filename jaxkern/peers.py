@@ -92,7 +92,7 @@ def _nn_attention(on_gpu: bool) -> PeerFn:
 
 
 def _tokamax_attention(_: bool) -> PeerFn:
-  import tokamax
+  import tokamax  # pyright: ignore[reportMissingImports] (optional: a peer only where it imports)
 
   def run(x):
     q, k, v, mask = _attention_arguments(x)
@@ -236,7 +236,7 @@ def run(
 def main(argv: Sequence[str] | None = None) -> int:
   import argparse
 
-  parser = argparse.ArgumentParser(prog="python -m jaxkern.peers", description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m jaxkern.peers", description=(__doc__ or "").split("\n\n")[0])
   parser.add_argument("--results", required=True, help="replay results (JSONL) whose workloads the peers run")
   parser.add_argument("--out", required=True, help="peer results (JSONL), appended a line per result")
   parser.add_argument("--scale", default="auto", choices=plan.RUN_SIZES, help="the replay's run size (default: auto)")

@@ -199,9 +199,7 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
             traces.append(t)
             bar.set_description(w.definition[:40])
             bar.update(1)
-            bar.set_postfix(
-              passed=sum(x.status == Status.PASSED for x in traces), failed=sum(x.status.failed for x in traces)
-            )
+            bar.set_postfix(passed=sum(x.status == Status.PASSED for x in traces), failed=sum(x.failed for x in traces))
             if not cfg.progress:
               log(progress_line(len(traces), len(workloads), t))
       finally:
@@ -210,9 +208,9 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
     shares = shards.split_round_robin(workloads, n_devices)
     interrupted = run_workers(work, shares, list(range(n_devices)), stop)
   log(tabulate.tabulate(results_lib.summarize(traces), headers=results_lib.SUMMARY_HEADERS))
-  failed = [t for t in traces if t.status.failed]
+  failed = [t for t in traces if t.failed]
   for t in failed[:20]:
-    log(f"FAILED {t.definition} {t.workload.uuid}: {t.status.value}: {t.evaluation.log[:300]}")
+    log(f"FAILED {t.definition} {t.workload.uuid}: {t.status}: {t.evaluation.log[:300]}")
   log(
     f"{sum(t.status == Status.PASSED for t in traces)} passed, {len(failed)} failed, "
     f"{sum(t.status == Status.SKIPPED for t in traces)} skipped, {len(errors)} bad records; results in {out_path}"
@@ -227,7 +225,7 @@ def progress_line(i: int, n: int, t: results_lib.Trace) -> str:
   """One workload's line in the log (when there is no progress bar)."""
   perf = t.evaluation.performance or {}
   timed = f" {perf['latency_ms']:.4g} ms ({perf.get('timer')})" if perf.get("latency_ms") is not None else ""
-  return f"[{i}/{n}] {t.definition} {t.workload.uuid}: {t.status.value}{timed}"
+  return f"[{i}/{n}] {t.definition} {t.workload.uuid}: {t.status}{timed}"
 
 
 def run_workers(

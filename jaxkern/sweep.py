@@ -30,6 +30,7 @@ import functools
 import json
 import sys
 import time
+from typing import Any
 
 import jax
 from absl import app, flags
@@ -103,7 +104,7 @@ def sweep(
   order. With `compiler` (a `jaxkern.aot.Compiler`), each candidate is
   compiled for sm_90a first; rejected ones are not run."""
   # Lowering needs shapes only: no inputs are synthesized for it.
-  inputs = op.input_shapes(axes) if lower_only else op.make_inputs(axes, seed=seed)
+  inputs: dict[str, Any] = op.input_shapes(axes) if lower_only else op.make_inputs(axes, seed=seed)
   current = op.config_for(inputs)  # what replay and ops use today (tuned or heuristic)
   candidates = []
   for name in sweep_backends(op, backend):
@@ -158,6 +159,7 @@ def sweep(
       else:
         fn = jax.jit(functools.partial(launch, interpret=interpret))
         out = jax.block_until_ready(fn(inputs))
+        assert ref is not None  # computed above unless lower_only
         cmp = op.compare(out, ref, inputs=inputs)
         row["status"] = cmp.status
         names = () if interpret else bench.pallas_call_names(fn.lower(inputs).as_text())

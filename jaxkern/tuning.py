@@ -52,8 +52,8 @@ def config_to_json(config: Any) -> dict[str, Any] | None:
   """A config dataclass (nested ones included) as a JSON-ready dict."""
   if config is None:
     return None
-  if not dataclasses.is_dataclass(config):
-    raise TypeError(f"a config must be a dataclass, got {type(config).__name__}")
+  if not dataclasses.is_dataclass(config) or isinstance(config, type):
+    raise TypeError(f"a config must be a dataclass instance, got {type(config).__name__}")
   return dataclasses.asdict(config)
 
 

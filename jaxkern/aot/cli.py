@@ -182,6 +182,7 @@ def define_flags() -> Flags:
 
 def _write_targets() -> None:
   library = plugin_library()
+  assert library is not None  # main checked available()
   source = f"jax-cuda13-pjrt {plugin_version()} ({PLUGIN_MODULE.replace('.', '/')}/{pathlib.Path(library).name})"
   for path in targets.write_shipped(library, source):
     print(f"wrote {path}", file=sys.stderr)

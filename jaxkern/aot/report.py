@@ -159,7 +159,7 @@ def _mosaic_gpu_report(
     # in ptxas's static figure; its lowering refuses a kernel over the
     # per-CTA limit, so a compiled one fits.
     k.stack_frame, k.ptxas_ms, k.smem_bytes = stats.stack_frame, stats.ptxas_ms, None
-    if entry in ptx:
+    if entry and entry in ptx:  # (stats implies an entry)
       k.matrix_ops, k.instruction_mix = ptx[entry].matrix_ops, ptx[entry].to_json()
   k.status = kernel_status(k, limits)
   return k

@@ -95,6 +95,8 @@ def libdevice_dir() -> str | None:
 def ptxas_version(binary: str | None = None) -> str:
   """`ptxas 13.5.37` (the release line of `ptxas --version`), or `ptxas ?`."""
   binary = binary or ptxas_binary()
+  if binary is None:
+    return "ptxas ?"
   try:
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
   except (OSError, TypeError, subprocess.SubprocessError):
@@ -209,10 +211,10 @@ class Compiler:
 
     self.target, text = resolve_target(target)
     self.limits = Limits.from_target_config(text)
-    self.workdir = workdir
     if workdir is None:
-      self.workdir = tempfile.mkdtemp(prefix="jaxkern_aot_")
-      atexit.register(shutil.rmtree, self.workdir, True)
+      workdir = tempfile.mkdtemp(prefix="jaxkern_aot_")
+      atexit.register(shutil.rmtree, workdir, True)
+    self.workdir = workdir
     self._cuda_root = os.path.join(self.workdir, "cuda")
     self._logs = os.path.join(self.workdir, "ptxas")
     self._mosaic_dump = os.path.join(self.workdir, "mosaic_gpu")
@@ -221,6 +223,7 @@ class Compiler:
     os.makedirs(self._mosaic_dump, exist_ok=True)
     os.environ.update(MOSAIC_GPU_DUMP_TO=self._mosaic_dump, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
     real = ptxas_binary()
+    assert real is not None  # available() found it
     nvvm = libdevice_dir()
     if nvvm and not os.path.exists(os.path.join(self._cuda_root, "nvvm")):
       os.symlink(nvvm, os.path.join(self._cuda_root, "nvvm"))  # libdevice for XLA's own fusions
@@ -235,7 +238,7 @@ class Compiler:
 
   def _use_mesh(self):
     jax = self._jax
-    return jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(self.mesh)
+    return jax.set_mesh(self.mesh)  # a context manager on every jax we support (>= 0.11.2)
 
   def compile(self, fn: Callable[..., Any], *args: Any) -> CompileReport:
     jax = self._jax

@@ -80,6 +80,8 @@ def attention_reference(
   q_segments = jnp.zeros((batch, q_len), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
   k_segments = q_segments if segment_ids is not None else jnp.zeros((batch, kv_len), jnp.int32)
   if k_prefix is not None and k_prefix.shape[1]:
+    if v_prefix is None:
+      raise ValueError("attention_reference: k_prefix needs v_prefix")
     prefix_len = k_prefix.shape[1]
     k = jnp.concatenate([k_prefix, k], axis=1)
     v = jnp.concatenate([v_prefix, v], axis=1)

@@ -166,7 +166,7 @@ def build(
   failed = [r for r in rows if r.failed]
   fail_items = "".join(
     f"<li><code>{html.escape(r.definition)} {html.escape(r.uuid)}</code>: "
-    f"{html.escape(r.status.value)}{': ' + html.escape(r.log[:300]) if r.log else ''}</li>"
+    f"{html.escape(str(r.status))}{': ' + html.escape(r.log[:300]) if r.log else ''}</li>"
     for r in failed[:100]
   )
   interp = any(r.interpret for r in rows)

@@ -244,7 +244,7 @@ def sol_figure(rows: list[Row]):
   by = by_definition(shown)
   fig, ax = plt.subplots(figsize=(10, _height(len(by))))
   if shown:
-    top = max([1.05] + [r.sol_fraction * 1.05 for r in measured])
+    top = max([1.05] + [r.sol_fraction * 1.05 for r in rows if r.sol_fraction is not None])
     error_x = top * 1.12
     points = {
       n: [

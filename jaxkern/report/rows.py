@@ -133,7 +133,7 @@ def rows_of(traces: Iterable[results_lib.Trace], dataset_dir: str = "") -> list[
   rows, timers = [], []
   for t in traces:
     ratios = error_ratios(t, tol_table.get(t.definition, {}))
-    worst = max(ratios, key=ratios.get) if ratios else None
+    worst = max(ratios, key=ratios.__getitem__) if ratios else None
     perf = t.evaluation.performance or {}
     rows.append(
       Row(

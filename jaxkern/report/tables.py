@@ -108,10 +108,9 @@ def compare_runs(rows: list[Row], base: list[Row]) -> tuple[list[Change], list[R
     if b is None:
       continue
     same = r.axes_run == b.axes_run
-    comparable = same and r.timer == b.timer and r.backend == b.backend and r.latency_ms is not None and b.latency_ms
-    changes.append(
-      Change(r.uuid, r.definition, b.status, r.status, r.latency_ms / b.latency_ms if comparable else None, same)
-    )
+    comparable = same and r.timer == b.timer and r.backend == b.backend
+    ratio = r.latency_ms / b.latency_ms if comparable and r.latency_ms is not None and b.latency_ms else None
+    changes.append(Change(r.uuid, r.definition, b.status, r.status, ratio, same))
   return changes, [r for r in rows if r.uuid not in base_by], [b for b in base if b.uuid not in here]
 
 
@@ -189,10 +188,13 @@ def sol_by_timer(lines: list[SummaryLine]) -> dict[str, tuple[float, int, list[S
   furthest from their speed of light (lowest fraction first)."""
   out = {}
   for timer in sorted({l.timer for l in lines}):
-    measured = [l for l in lines if l.timer == timer and l.sol_fraction is not None and l.sol_fraction > 0]
+    measured = [
+      (l.sol_fraction, l) for l in lines if l.timer == timer and l.sol_fraction is not None and l.sol_fraction > 0
+    ]
     if measured:
-      geomean = math.exp(sum(math.log(l.sol_fraction) for l in measured) / len(measured))
-      out[timer] = (geomean, len(measured), sorted(measured, key=lambda l: l.sol_fraction)[:FURTHEST])
+      geomean = math.exp(sum(math.log(f) for f, _ in measured) / len(measured))
+      furthest = sorted(measured, key=lambda fl: fl[0])[:FURTHEST]
+      out[timer] = (geomean, len(measured), [l for _, l in furthest])
   return out
 
 

@@ -233,7 +233,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, *, config: MosaicGemmConfig, m: int, n: int,
           release(j * k_steps + k_steps - 1)
           return acc_ref[...]
 
-        acc = pl.run_scoped(accumulate, plgpu.ACC((rows, cols), jnp.float32))
+        acc = pl.run_scoped(accumulate, plgpu.ACC((rows, cols), jnp.float32))  # pyright: ignore[reportPrivateImportUsage] (public Pallas alias)
         c_tile = acc.astype(c_gmem.dtype)
         row0 = tile_m * bm + (wg * rows if config.split == "m" else 0)
         col0 = tile_n * bn + (0 if config.split == "m" else wg * cols)

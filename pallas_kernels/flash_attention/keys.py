@@ -43,7 +43,7 @@ def check_attention_inputs(q, k, v, key_valid=None, k_prefix=None, v_prefix=None
     raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
   if (k_prefix is None) != (v_prefix is None):
     raise ValueError("k_prefix and v_prefix go together")
-  if k_prefix is not None:
+  if k_prefix is not None and v_prefix is not None:  # both or neither, as checked above
     expected = (batch, k_prefix.shape[1], num_heads, head_dim)
     if k_prefix.shape != expected or v_prefix.shape != expected:
       raise ValueError(f"prefix shapes {k_prefix.shape}/{v_prefix.shape} != {expected}")
@@ -56,11 +56,13 @@ def check_attention_inputs(q, k, v, key_valid=None, k_prefix=None, v_prefix=None
       raise ValueError(f"segment_ids {segment_ids.shape} need Nk == Nq == {q_len}")
 
 
-def key_sources(k, v, k_prefix, v_prefix, key_valid):
+def key_sources(
+  k: jax.Array, v: jax.Array, k_prefix: jax.Array | None, v_prefix: jax.Array | None, key_valid: jax.Array | None
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
   """`(k, v, k_prefix, v_prefix, key_valid)` with an empty prefix dropped
-  (None) and, when there are no keys but a prefix, the prefix as the keys."""
-  prefix_len = 0 if k_prefix is None else k_prefix.shape[1]
-  if not prefix_len:
+  (None) and, when there are no keys but a prefix, the prefix as the keys
+  (the prefix pair is both or neither: `check_attention_inputs`)."""
+  if k_prefix is None or v_prefix is None or not k_prefix.shape[1]:
     return k, v, None, None, key_valid
   if not k.shape[1]:
     return k_prefix, v_prefix, None, None, None

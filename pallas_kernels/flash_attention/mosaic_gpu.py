@@ -264,7 +264,7 @@ def _kernel(
           meet()  # the other consumer's softmax runs under this wgmma
           return s_ref[...]
 
-        s = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32)) * qk_scale
+        s = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32)) * qk_scale  # pyright: ignore[reportPrivateImportUsage] (public Pallas alias)
         key_ids = plgpu.load(kid_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
         plgpu.barrier_arrive(k_empty.at[slot])
         visible = lax.broadcast_in_dim(key_ids, s.shape, [1]) <= lax.broadcast_in_dim(query_ids, s.shape, [0])
@@ -284,7 +284,7 @@ def _kernel(
           plgpu.wgmma(pv_ref, p_smem.at[wg], v_smem.at[slot])
           return pv_ref[...]
 
-        pv = pl.run_scoped(values, plgpu.ACC((bq, head_dim), jnp.float32))
+        pv = pl.run_scoped(values, plgpu.ACC((bq, head_dim), jnp.float32))  # pyright: ignore[reportPrivateImportUsage] (public Pallas alias)
         plgpu.barrier_arrive(v_empty.at[slot])
         return acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv, m_next, l_next
 
@@ -539,10 +539,16 @@ def _attention_bwd(static: _Static, residuals, do):
   # The Triton backward recomputes each probability as exp2(s - lse) from
   # this kernel's lse: both are base 2 at the scale sm_scale * LOG2_E, +inf
   # for a row that sees no key (`flash_attention_forward`).
-  *args, o, lse = residuals
+  q, k, v, k_prefix, v_prefix, key_valid, segment_ids, o, lse = residuals
   scale = jnp.full((1,), static.sm_scale, jnp.float32)
   g = attention_backward(
-    *args,
+    q,
+    k,
+    v,
+    k_prefix,
+    v_prefix,
+    key_valid,
+    segment_ids,
     scale,
     o,
     lse,
@@ -551,7 +557,7 @@ def _attention_bwd(static: _Static, residuals, do):
     interpret=resolve_interpret(static.interpret),
     need_dq=True,
     need_dkv=True,
-    need_dprefix=args[3] is not None,
+    need_dprefix=k_prefix is not None,
     need_dscale=False,
   )
   return g.dq, g.dk, g.dv, g.dk_prefix, g.dv_prefix, None, None

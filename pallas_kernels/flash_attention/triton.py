@@ -365,11 +365,18 @@ def _attention_fwd(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, s
 
 
 def _attention_bwd(static: _Static, residuals, do):
-  *args, o, lse, needed = residuals
+  q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, o, lse, needed = residuals
   if isinstance(do, SymbolicZero):
     do = jnp.zeros(o.shape, o.dtype)
   g = attention_backward(
-    *args,
+    q,
+    k,
+    v,
+    k_prefix,
+    v_prefix,
+    key_valid,
+    segment_ids,
+    scale,
     o,
     lse,
     do,

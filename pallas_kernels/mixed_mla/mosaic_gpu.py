@@ -144,9 +144,9 @@ CONSUMER_REGISTERS = consumer_registers(PRODUCER_REGISTERS)
 # (a 528- or 288-byte row is not a multiple of its default 64 columns).
 FP8_WORDS = (HEAD_DIM + 4 * (HEAD_DIM // CHUNK)) // 2
 FP4_BYTES = HEAD_DIM // 2 + HEAD_DIM // FP4_GROUP
-STAGING8_TRANSFORMS = (plgpu.TilingTransform((1, 8)),)
+STAGING8_TRANSFORMS = (plgpu.TilingTransform((1, 8)),)  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
 FP4_SCALE_TILE = 16
-STAGING4_TRANSFORMS = (plgpu.TilingTransform((1, FP4_SCALE_TILE)),)
+STAGING4_TRANSFORMS = (plgpu.TilingTransform((1, FP4_SCALE_TILE)),)  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
 PAIR = TILE_COLS // 2  # bytes (FP4) or words (FP8) behind one 64-dim chunk
 
 
@@ -236,7 +236,7 @@ def check_supported(q: jax.Array) -> None:
 # The producer's dequantization (registers in the WGMMA layout).
 
 
-def _column(tile, k: int):
+def _column(tile, k: int | jax.Array):
   """Column `k` of an int32 tile of non-negative values, one value a row
   (`Layout.WGMMA.reduce(1)`): the tile masked to it, reduced over columns."""
   cols = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, tile.shape, 1), plgpu.Layout.WGMMA)
@@ -466,7 +466,7 @@ def _kernel(
 
             return s_ref[...]
 
-          return s + pl.run_scoped(product, plgpu.ACC((BLOCK_H, bk), jnp.float32)) * key_scales(slot, c)
+          return s + pl.run_scoped(product, plgpu.ACC((BLOCK_H, bk), jnp.float32)) * key_scales(slot, c)  # pyright: ignore[reportPrivateImportUsage] (public Pallas alias)
 
         s = lax.fori_loop(
           0,

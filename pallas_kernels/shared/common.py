@@ -143,7 +143,8 @@ def compiler_params(stage: Any) -> plgpu.CompilerParams:
   return plgpu.CompilerParams(num_warps=stage.num_warps, num_stages=stage.num_stages)
 
 
-def cdiv(a: int, b: int) -> int:
+def cdiv[T: (int, jax.Array)](a: T, b: int) -> T:
+  """`a / b` rounded up, for `a >= 0`: an int, or an int array in a kernel."""
   return -(-a // b)
 
 

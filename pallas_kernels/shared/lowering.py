@@ -82,7 +82,7 @@ def triton_calls(stablehlo: str) -> list[TritonCall]:
     calls.append(
       TritonCall(
         name=_triton_name(line),
-        grid=tuple(_int_field(fields, f"grid_{axis}") for axis in "xyz"),
+        grid=(_int_field(fields, "grid_x"), _int_field(fields, "grid_y"), _int_field(fields, "grid_z")),
         num_warps=_int_field(fields, "num_warps"),
         num_stages=_int_field(fields, "num_stages"),
       )

@@ -41,12 +41,12 @@ def consumer_registers(producer_registers: int) -> int:
 # 128-byte swizzle.
 SWIZZLE_BYTES = 128
 TILE_COLS = SWIZZLE_BYTES // 2
-WGMMA_TRANSFORMS = (plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+WGMMA_TRANSFORMS = (plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE_BYTES))  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
 # An fp32 tile stored by TMA: (8, 32)-element tiles, the 128-byte swizzle.
-F32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+F32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(SWIZZLE_BYTES))  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
 # The same swizzle in 1-row tiles: a TMA store from such a buffer views the
 # destination row by row, so it needs no 8-row alignment.
-ROW_TRANSFORMS = (plgpu.TilingTransform((1, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+ROW_TRANSFORMS = (plgpu.TilingTransform((1, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE_BYTES))  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
 # Mosaic GPU's TMA views a copied array in the tiles of its shared-memory
 # side: an array copied to or from a WGMMA_TRANSFORMS buffer needs a
 # multiple of this many rows.
@@ -175,13 +175,13 @@ def rescale_and_accumulate(acc, correction, products, interpret: bool):
         plgpu.wgmma(pv_ref, p_ref, v_ref)
       return pv_ref[...]
 
-    return rescaled + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+    return rescaled + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))  # pyright: ignore[reportPrivateImportUsage] (public Pallas alias)
 
   def accumulate(acc_ref):
     for p_ref, v_ref in products:
       plgpu.wgmma(acc_ref, p_ref, v_ref)
 
-  return pl.run_state(accumulate)(plgpu.ACC.init(rescaled))
+  return pl.run_state(accumulate)(plgpu.ACC.init(rescaled))  # pyright: ignore[reportPrivateImportUsage] (public Pallas alias)
 
 
 def finish_rows(accs, m, l, sink=None):

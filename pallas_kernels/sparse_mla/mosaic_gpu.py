@@ -305,7 +305,7 @@ def _kernel(
 
           return s_ref[...]
 
-        s = pl.run_scoped(scores, plgpu.ACC((BLOCK_H, bk), jnp.float32))
+        s = pl.run_scoped(scores, plgpu.ACC((BLOCK_H, bk), jnp.float32))  # pyright: ignore[reportPrivateImportUsage] (public Pallas alias)
         s = s * lax.broadcast_in_dim(qk_scale, s.shape, [0])
         index = plgpu.load(idx_smem.at[first + g], layout=plgpu.Layout.WGMMA.reduce(0))
         valid = lax.broadcast_in_dim((index >= 0) & (index < num_kv), s.shape, [1])
