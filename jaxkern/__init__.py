@@ -11,7 +11,9 @@ jaxkern.InputError what every backend of every op raises for inputs outside its 
 
 from __future__ import annotations
 
+import glob
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 # contract imports numpy only: `import jaxkern` still imports no jax.
@@ -24,6 +26,16 @@ if TYPE_CHECKING:
   from jaxkern.dispatch import Explanation
 
 __version__ = "0.1.0"
+
+# jax's CUDA plugin (the `cuda` or `aot` extra) checks for a CUDA runtime and
+# cuDNN when jax first initializes its backends, and on a host without an
+# NVIDIA GPU prints that failure as a traceback (twice) before falling back to
+# the CPU. With no NVIDIA device node there is nothing to check, so the check
+# is skipped, unless the caller chose a value; on a GPU host it still runs.
+# It takes effect only if jaxkern is imported before jax initializes its
+# backends (jaxkern.aot skips it on every host: it compiles, never runs).
+if not glob.glob("/dev/nvidia[0-9]*"):
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 _SUBMODULES = ("compare", "dataset", "ops", "registry", "replay")
 __all__ = [*_SUBMODULES, "InputError", "backend", "explain", "__version__"]  # pyright: ignore[reportUnsupportedDunderAll] (it reads only literals)

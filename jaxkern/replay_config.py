@@ -25,12 +25,16 @@ def default_config() -> config_dict.ConfigDict:
   c.scale = "auto"  # auto: recorded sizes on a GPU, CPU budget without one | full | smoke
   c.interpret = config_dict.placeholder(bool)  # None: interpret mode when no GPU is present
   c.blob_root = ""  # directory holding the records' blob/... safetensors, if any
-  c.output = "results/replay.jsonl"  # an existing non-empty file is only ever appended to (resume)
+  # The results file. {time}: the run's start (20261205-143012), a new file
+  # per run. A fixed name is only ever appended to (resume), never replaced.
+  c.output = "results/replay-{time}.jsonl"
   c.tuned = True  # consult configs/tuned/<device kind>.json before the heuristic
   c.backend = (
     "pallas"  # kernel backend: pallas (the best available: tuned, else the family's order) | triton | mosaic_gpu
   )
-  c.resume = False  # append to `output`, skipping uuids already in it; without it a non-empty `output` is an error
+  # Append to `output` (a fixed name), skipping uuids already in it; without
+  # it a non-empty `output` is an error.
+  c.resume = False
   c.order = "dataset"  # dataset | interleave (round robin over definitions: a time-capped run covers all early)
   c.warmup = 1
   c.iters = 3  # timed calls (device timer: calls in one trace)

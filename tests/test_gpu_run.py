@@ -34,7 +34,9 @@ TEST_TOOLS = {"pytest", "pytest-xdist", "execnet", "iniconfig", "pluggy", "nvidi
 
 def tree_as_on_the_gpu_machine(to: pathlib.Path) -> pathlib.Path:
   """The working tree and the kit (.whl/), without .git or environments."""
-  skip = shutil.ignore_patterns(".git", ".venv*", "*.egg-info", "results", "__pycache__", ".pytest_cache", "bazel-*")
+  skip = shutil.ignore_patterns(
+    ".git", ".venv*", ".aot-toolchain", "*.egg-info", "results", "__pycache__", ".pytest_cache", "bazel-*"
+  )
   shutil.copytree(REPO, to, ignore=skip)
   return to
 
