@@ -12,6 +12,7 @@ from typing import Any
 
 from jaxkern.aot.parsing import Launch, PtxasStats
 from jaxkern.aot.ptx import ALU_CLASSES, KernelPtx
+from pallas_kernels.shared.device import SHARED_MEMORY_PER_BLOCK
 from pallas_kernels.shared.lowering import MosaicGpuCall, TritonCall
 
 OK, SPILLS, SMEM_OVERFLOW, ERROR = "ok", "spills", "smem_overflow", "error"
@@ -24,7 +25,7 @@ class Limits:
   threads_per_sm: int = 2048
   registers_per_sm: int = 65536
   smem_per_sm: int = 233472  # 228 KiB
-  smem_per_block: int = 232448  # 227 KiB opt-in maximum per CTA
+  smem_per_block: int = SHARED_MEMORY_PER_BLOCK  # 227 KiB opt-in maximum per CTA
   max_ctas_per_sm: int = 32
   smem_reserved_per_cta: int = 1024  # the driver's per-CTA reservation
   register_granularity: int = 256  # registers are allocated per warp in these units

@@ -196,7 +196,7 @@ def choose_config(shapes: Mapping[str, Any]) -> MosaicMixedMlaConfig:
   """64 slots a step through one ring slot; a sequence's slot blocks split
   over as many CTAs as keep one wave (at most `MAX_SPLITS`, one block
   each): the recorded B = 1-3 take 10 splits of one block (10-30 CTAs, the
-  latency of one step each); B >= 132 none."""
+  latency of one step each); B >= `num_sms()` none."""
   sizes = MixedMlaSizes.of(shapes)
   ctas = max(sizes.batch, 1) * max(sizes.heads // BLOCK_H, 1)
   splits = min(MAX_SPLITS, max(1, num_sms() // ctas))

@@ -13,18 +13,19 @@ from typing import Any
 
 import jax
 
-# The abstract device's SM count: Mosaic GPU's lowering reads it (Triton's does not).
-H100_NUM_SMS = 132
+from pallas_kernels.shared.device import DEFAULT_NUM_SMS
 
 
 def abstract_h100_mesh():
+  """A one-device mesh of an abstract H100 with its SM count (Mosaic GPU's
+  lowering reads it; Triton's does not)."""
   from jax._src import mesh as mesh_lib
 
   return mesh_lib.AbstractMesh(
     (1,),
     ("x",),
     (mesh_lib.AxisType.Explicit,),
-    abstract_device=mesh_lib.AbstractDevice("NVIDIA H100", H100_NUM_SMS, "cuda"),
+    abstract_device=mesh_lib.AbstractDevice("NVIDIA H100", DEFAULT_NUM_SMS, "cuda"),
   )
 
 
