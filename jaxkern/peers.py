@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxkern import bench, dataset, plan, registry, results
+from jaxkern import bench, command_line, dataset, plan, registry, results
 from jaxkern.compare import Status
 from pallas_kernels.shared.common import has_gpu
 
@@ -243,10 +243,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--warmup", type=int, default=1, help="untimed calls before timing (default: 1)")
   parser.add_argument("--iters", type=int, default=3, help="timed calls (default: 3)")
   parser.add_argument(
-    "--cold_l2", default=True, action=argparse.BooleanOptionalAction, help="flush the L2 before each timed call"
+    "--cold_l2",
+    default=True,
+    action=argparse.BooleanOptionalAction,
+    help="flush the L2 before each timed call (default: on)",
   )
   parser.add_argument("--dataset_dir", default="", help="dataset folder (default: the packaged dataset)")
   args = parser.parse_args(argv)
+  command_line.quiet_cuda_probe()
   try:
     run(
       args.results,
