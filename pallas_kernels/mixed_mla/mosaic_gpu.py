@@ -112,6 +112,7 @@ from pallas_kernels.shared.mosaic_gpu import (
   WGMMA_TRANSFORMS,
   consumer_registers,
   drain_releases,
+  fill_ring_slot,
   finish_rows,
   gather_ring_scratch,
   gather_shared_memory_bytes,
@@ -420,19 +421,11 @@ def _kernel(
             )
           )
 
-        plgpu.barrier_wait(staged)
-        slot = lax.rem(g, stages)
+        def dequantize(slot):
+          pl.when(is_fp8)(lambda: dequantize_fp8(slot))
+          pl.when(~is_fp8)(lambda: dequantize_fp4(slot))
 
-        @pl.when(g >= stages)
-        def _():
-          plgpu.barrier_wait(ring_empty.at[slot])
-
-        pl.when(is_fp8)(lambda: dequantize_fp8(slot))
-        pl.when(~is_fp8)(lambda: dequantize_fp4(slot))
-        # Makes the stores visible to the consumers' wgmmas, and orders this
-        # warpgroup's reads of the staging buffer before the next gather.
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ring_full.at[slot])
+        fill_ring_slot(g, stages, staged, ring_empty, ring_full, dequantize)
 
       drain_releases(steps, stages, ring_empty)
 
