@@ -38,6 +38,8 @@ import numpy as np
 from jaxkern import bench, ops, quant
 
 GROUP = 32  # k values per UE8M0 scale (activations and weights)
+# The examples' --backend flag.
+BACKEND_HELP = "the ops' backend: pallas (the kernels) | xla (the references) (default: pallas on a GPU, xla on a CPU)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,16 +239,16 @@ def make_inputs(seed: int, tokens: int, cfg: BlockConfig, batch: int = 1):
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--tokens", type=int, default=64)
-  parser.add_argument("--batch", type=int, default=1)
-  parser.add_argument("--backend", choices=("pallas", "xla"), default=None)
-  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence (default: 64)")
+  parser.add_argument("--batch", type=int, default=1, help="sequences (default: 1)")
+  parser.add_argument("--backend", choices=("pallas", "xla"), default=None, help=BACKEND_HELP)
+  parser.add_argument("--iters", type=int, default=10, help="timed calls of the block (default: 10)")
   parser.add_argument(
     "--devices",
     type=int,
     default=0,
     help="run the expert-parallel block (examples/moe_sharded.py) on this many devices "
-    "(CPU devices are created as needed) and compare it with one device",
+    "(CPU devices are created as needed) and compare it with one device (default: 0, one device only)",
   )
   args = parser.parse_args(argv)
   cfg = BlockConfig()

@@ -11,12 +11,11 @@ jaxkern.InputError what every backend of every op raises for inputs outside its 
 
 from __future__ import annotations
 
-import glob
 import importlib
-import os
 from typing import TYPE_CHECKING, Any
 
-# contract imports numpy only: `import jaxkern` still imports no jax.
+# command_line and contract import no jax: `import jaxkern` imports no jax.
+from jaxkern import command_line
 from jaxkern.contract import InputError
 
 if TYPE_CHECKING:
@@ -27,15 +26,11 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# jax's CUDA plugin (the `cuda` or `aot` extra) checks for a CUDA runtime and
-# cuDNN when jax first initializes its backends, and on a host without an
-# NVIDIA GPU prints that failure as a traceback (twice) before falling back to
-# the CPU. With no NVIDIA device node there is nothing to check, so the check
-# is skipped, unless the caller chose a value; on a GPU host it still runs.
-# It takes effect only if jaxkern is imported before jax initializes its
-# backends (jaxkern.aot skips it on every host: it compiles, never runs).
-if not glob.glob("/dev/nvidia[0-9]*"):
-  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+# A quiet start: skip the CUDA plugin's runtime check on a host with no
+# NVIDIA device (`jaxkern.command_line.quiet_cuda_probe`: on a GPU host it
+# still runs). It takes effect when jaxkern is imported before jax
+# initializes its backends.
+command_line.quiet_cuda_probe()
 
 _SUBMODULES = ("compare", "dataset", "ops", "registry", "replay")
 __all__ = [*_SUBMODULES, "InputError", "backend", "explain", "__version__"]  # pyright: ignore[reportUnsupportedDunderAll] (it reads only literals)

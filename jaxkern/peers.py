@@ -243,7 +243,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--warmup", type=int, default=1, help="untimed calls before timing (default: 1)")
   parser.add_argument("--iters", type=int, default=3, help="timed calls (default: 3)")
   parser.add_argument(
-    "--cold_l2", default=True, action=argparse.BooleanOptionalAction, help="flush the L2 before each timed call"
+    "--cold_l2",
+    default=True,
+    action=argparse.BooleanOptionalAction,
+    help="flush the L2 before each timed call (default: on)",
   )
   parser.add_argument("--dataset_dir", default="", help="dataset folder (default: the packaged dataset)")
   args = parser.parse_args(argv)

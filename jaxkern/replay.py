@@ -29,15 +29,15 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from absl import app, flags, logging
+from absl import app
 from ml_collections import config_dict, config_flags
 
-from jaxkern import _data, backends, dataset, evaluate, selection, shards
+from jaxkern import _data, backends, command_line, dataset, evaluate, selection, shards
 from jaxkern import plan as plan_lib
 from jaxkern import results as results_lib
 from jaxkern import workers as workers_lib
 from jaxkern.compare import Status
-from jaxkern.replay_config import default_config
+from jaxkern.replay_config import default_config, fields_help
 from pallas_kernels.shared.common import has_gpu, resolve_interpret
 
 # Defined by `run()`, not at import: worker processes import this module
@@ -302,8 +302,7 @@ def run_workers(
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # jax's backend probing is noise here
+  command_line.quiet_absl_logging()
   try:
     cfg = _CONFIG.value if _CONFIG.value is not None else default_config()
   except Exception as e:  # ml_collections raises OSError, or the file's own error
@@ -354,14 +353,27 @@ def missing_config_file(argv: list[str]) -> str | None:
   return None if os.path.isfile(path) else path
 
 
+def usage() -> str:
+  """What `--help` prints before the flags: this module's doc, then every
+  config field with its default and meaning (`jaxkern.replay_config`)."""
+  return (
+    f"{__doc__}\nConfig fields, each overridable as --config.FIELD=VALUE (FIELD=DEFAULT, then its meaning):\n"
+    f"{fields_help()}\n"
+  )
+
+
 def run() -> None:
   """Entry point: a missing config file or a misspelt `--config.FIELD` is
   one message (exit 2; the latter names the valid fields), not a
   traceback."""
   global _CONFIG
+  sys.modules["__main__"].__doc__ = usage()  # absl's --help prints the main module's doc
   if _CONFIG is None:
     _CONFIG = config_flags.DEFINE_config_file(
-      "config", None, f"Replay config: a file, or a packaged config's name ({', '.join(_data.config_names())})."
+      "config",
+      None,
+      f"Replay config: a file, or a packaged config's name ({', '.join(_data.config_names())}); "
+      "its fields are listed above, with their defaults.",
     )
   sys.argv[1:] = with_packaged_config(sys.argv[1:])
   missing = missing_config_file(sys.argv[1:])

@@ -71,14 +71,16 @@ if [ "$DRY" = 1 ]; then
   PHASE1=(--config.max_workloads_per_definition=1)
   PHASE2=(--config.max_workloads_per_variant=0 --config.max_workloads_per_definition=2
           --config.definitions="${DEFS:-gdn_decode,qsa_index}")
-  SWEEP=(--lower_only --max_configs=2)
+  SWEEP=(--lower_only)
+  SWEEP_PER_BACKEND=2  # candidates per kernel backend (--max_configs caps them all)
   PEERS=(--scale=smoke --warmup=1 --iters=1 --no-cold_l2)
   SWEEP_DEFS=${GPU_RUN_SWEEP_DEFINITIONS:-${DEFS:-dense_gemm_bf16_nt_n4096_k4096,moe_router}}
 else
   COMMON=(--config configs/full.py --config.warmup=3 --config.iters=10 --config.cold_l2=True)
   PHASE1=(--config.max_workloads_per_variant=1 --config.timeout_s=45)
   PHASE2=(--config.max_workloads_per_variant=0 --config.timeout_s=60)
-  SWEEP=(--warmup=3 --iters=10 --max_configs=8)
+  SWEEP=(--warmup=3 --iters=10)
+  SWEEP_PER_BACKEND=8
   PEERS=(--scale=full --warmup=3 --iters=10 --cold_l2)
   SWEEP_DEFS=${GPU_RUN_SWEEP_DEFINITIONS:-$DEFS}
 fi
@@ -170,19 +172,21 @@ for t in results.read_traces(sys.argv[1]):
   f = (t.evaluation.performance or {}).get("sol_fraction")
   if f is not None and results.timer_of(t) == "device (profiler)":
     frac.setdefault(t.definition, []).append(f)
-print(" ".join(sorted(names, key=lambda n: statistics.median(frac[n]) if n in frac else float("inf"))))
+ordered = sorted(names, key=lambda n: statistics.median(frac[n]) if n in frac else float("inf"))
+print(" ".join(f"{n}:{len(registry.get(n).backends)}" for n in ordered))  # name:kernel backends
 EOF
 )
 say "== phase 3 (sweeps, worst SOL fraction first): start at $(elapsed) s, budget $(left_until "$BUDGET") s"
 t0=$(date +%s)
 swept=0
-for name in $sweep_names; do
+for entry in $sweep_names; do
+  name=${entry%:*}
   left=$(left_until "$BUDGET")
   [ "$left" -le 10 ] && { say "sweep budget spent before $name"; break; }
   [ "$left" -gt 120 ] && left=120
   say "sweep $name at its largest recorded axes (up to $left s)"
   timeout -s INT -k 15 "$left" $PY -m jaxkern.sweep --definition="$name" "${SWEEP[@]}" \
-    --output="$OUT/sweep_$name.jsonl" 2>&1 | tail -n 4 | tee -a "$LOG"
+    --max_configs=$(( SWEEP_PER_BACKEND * ${entry##*:} )) --output="$OUT/sweep_$name.jsonl" 2>&1 | tail -n 4 | tee -a "$LOG"
   swept=$(( swept + 1 ))
 done
 say "== phase 3 (sweeps): end after $(( $(date +%s) - t0 )) s, $swept definitions swept"

@@ -717,6 +717,42 @@ def test_command_line_misspelt_field_names_the_valid_ones(tmp_path):
   assert "Traceback" not in p.stderr
 
 
+@pytest.mark.slow  # a subprocess
+def test_command_line_help_lists_every_config_field_with_its_default(tmp_path):
+  """Plain `--help` (not `--helpfull`) shows each field of
+  `jaxkern.replay_config` with its default and meaning."""
+  from jaxkern import replay_config
+
+  p = subprocess.run(
+    [sys.executable, "-m", "jaxkern.replay", "--help"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=tmp_path,
+    env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+  )
+  assert "Config fields" in p.stdout, p.stderr  # (absl's --help exits 1)
+  fields = p.stdout.split("Config fields")[1]
+  assert len(replay_config.FIELDS) == len(replay_config.default_config()) == 25
+  for f in replay_config.FIELDS:
+    line = next((l for l in fields.splitlines() if l.split() and l.split()[0].startswith(f.name + "=")), None)
+    assert line is not None, f.name
+    assert line.split()[0] == f"{f.name}={f.default!r}", line
+    assert " ".join(line.split()[1:]) and " ".join(line.split()[1:]) in " ".join(f.meaning.split()), line
+  assert "timeout_s=600.0" in fields and "scale='auto'" in fields and "max_workloads_per_variant=None" in fields
+  assert "--config:" in p.stdout and "Traceback" not in p.stderr
+
+
+def test_fields_help_wraps_and_keeps_every_meaning():
+  from jaxkern import replay_config
+
+  text = replay_config.fields_help(width=80)
+  assert all(len(line) <= 80 for line in text.splitlines())
+  flat = " ".join(text.split())
+  for f in replay_config.FIELDS:
+    assert f"{f.name}={f.default!r} {' '.join(f.meaning.split())}" in flat, f.name
+
+
 # --- several processes ------------------------------------------------------
 
 

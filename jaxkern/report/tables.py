@@ -19,13 +19,21 @@ HEADERS = [
   "passed",
   "failed",
   "skipped",
-  "worst err/tol",
+  "worst err/bound",
+  "worst err/atol",
   "kernel ms",
   "ref ms",
   "SOL ms",
   "SOL frac",
 ]
 FAILED_COLUMN = HEADERS.index("failed")
+# What the two error columns mean: printed under the table, on the page and in the plot.
+ERROR_RULE = (
+  "An element fails only beyond both atol and rtol*|reference|. worst err/bound: the worst element's "
+  "|kernel - reference| / max(atol, rtol*|reference|) (GDN prefill state: worst metric / threshold), "
+  "<= 1 on every passed workload. worst err/atol: max abs error / atol alone, which a passed workload "
+  "can exceed where rtol*|reference| allows more."
+)
 BASELINE_HEADERS = [
   "definition",
   "matched",
@@ -63,23 +71,31 @@ def definition_table(rows: list[Row]) -> list[list[Any]]:
   """One line per definition, backend and timer (HEADERS), then a total line."""
   table = []
   for (name, backend, timer), rs in by_definition_backend_and_timer(rows).items():
-    ratios = [(r.worst_ratio, r.worst_output) for r in rs if r.worst_ratio is not None]
-    worst = max(ratios, key=lambda x: x[0]) if ratios else None
     table.append(
       [
         name,
         backend,
         timer,
         *_counts(rs),
-        f"{fmt(worst[0])} ({worst[1]})" if worst else "-",
+        _worst([(r.bound_ratio, r.bound_output) for r in rs]),
+        _worst([(r.worst_ratio, r.worst_output) for r in rs]),
         fmt(median(r.latency_ms for r in rs)),
         fmt(median(r.reference_ms for r in rs)),
         fmt(median(r.sol_ms for r in rs)),
         fmt(median(r.sol_fraction for r in rs)),
       ]
     )
-  table.append(["total", "", "", *_counts(rows), "", "", "", "", ""])
+  table.append(["total", "", "", *_counts(rows), "", "", "", "", "", ""])
   return table
+
+
+def _worst(ratios: list[tuple[float | None, str | None]]) -> str:
+  """The largest ratio and its output, `0.5 (C)`; "-" when there is none."""
+  known = [(v, output) for v, output in ratios if v is not None]
+  if not known:
+    return "-"
+  value, output = max(known, key=lambda x: x[0])
+  return f"{fmt(value)} ({output})"
 
 
 # --------------------------------------------------------------------------

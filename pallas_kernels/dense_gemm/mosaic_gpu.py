@@ -140,7 +140,7 @@ def choose_config(shapes: Mapping[str, Any]) -> MosaicGemmConfig:
   """The heuristic: `DEFAULT_CONFIG`, with block_n 128 where N is a multiple
   of 128 but not of 256 (a narrower tile instead of a half-empty last one).
   At the recorded shapes (N and K multiples of 256, M >= 4096) the default
-  gives >= 3.9 tiles per CTA on 132 SMs. Short M keeps it too: a consumer
+  gives >= 3.9 tiles per CTA on an H100/H200. Short M keeps it too: a consumer
   cannot own fewer than 64 rows (wgmma's M), and such a product is bound by
   reading B, which the tile shape does not change."""
   _, n, _ = DenseGemmSizes.of(shapes)

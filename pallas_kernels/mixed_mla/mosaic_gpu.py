@@ -112,6 +112,7 @@ from pallas_kernels.shared.mosaic_gpu import (
   WGMMA_TRANSFORMS,
   consumer_registers,
   drain_releases,
+  fill_ring_slot,
   finish_rows,
   gather_ring_scratch,
   gather_shared_memory_bytes,
@@ -196,7 +197,7 @@ def choose_config(shapes: Mapping[str, Any]) -> MosaicMixedMlaConfig:
   """64 slots a step through one ring slot; a sequence's slot blocks split
   over as many CTAs as keep one wave (at most `MAX_SPLITS`, one block
   each): the recorded B = 1-3 take 10 splits of one block (10-30 CTAs, the
-  latency of one step each); B >= 132 none."""
+  latency of one step each); B >= `num_sms()` none."""
   sizes = MixedMlaSizes.of(shapes)
   ctas = max(sizes.batch, 1) * max(sizes.heads // BLOCK_H, 1)
   splits = min(MAX_SPLITS, max(1, num_sms() // ctas))
@@ -420,19 +421,11 @@ def _kernel(
             )
           )
 
-        plgpu.barrier_wait(staged)
-        slot = lax.rem(g, stages)
+        def dequantize(slot):
+          pl.when(is_fp8)(lambda: dequantize_fp8(slot))
+          pl.when(~is_fp8)(lambda: dequantize_fp4(slot))
 
-        @pl.when(g >= stages)
-        def _():
-          plgpu.barrier_wait(ring_empty.at[slot])
-
-        pl.when(is_fp8)(lambda: dequantize_fp8(slot))
-        pl.when(~is_fp8)(lambda: dequantize_fp4(slot))
-        # Makes the stores visible to the consumers' wgmmas, and orders this
-        # warpgroup's reads of the staging buffer before the next gather.
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ring_full.at[slot])
+        fill_ring_slot(g, stages, staged, ring_empty, ring_full, dequantize)
 
       drain_releases(steps, stages, ring_empty)
 

@@ -5,7 +5,6 @@ Triton deprecation filter, the `pallas_call` every kernel launches through
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -14,6 +13,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.shared.device import has_gpu
 from pallas_kernels.shared.kernel import Unsupported
 
 # jax >= 0.11 warns that the Triton lowering is deprecated in favour of Mosaic
@@ -27,14 +27,6 @@ def filter_triton_deprecation() -> None:
 
 
 filter_triton_deprecation()
-
-
-@functools.cache
-def has_gpu() -> bool:
-  try:
-    return bool(jax.devices("gpu"))
-  except RuntimeError:
-    return False
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

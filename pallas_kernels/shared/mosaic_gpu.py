@@ -11,6 +11,9 @@ through its registers) takes them from the consumers: `consumer_registers`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -111,6 +114,26 @@ def num_sms() -> int:
   abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
   cores = getattr(abstract, "num_cores", None)
   return int(cores) if isinstance(cores, int) and cores > 0 else device.num_sms()
+
+
+def fill_ring_slot(g, stages: int, staged, ring_empty, ring_full, fill: Callable[[Any], None]) -> None:
+  """One step g of a gathering producer, after it issued the step's
+  gathers: waits for them (`staged`) and for ring slot g % stages to be
+  released by its previous use (step g - stages; the first `stages` uses
+  have none), has `fill(slot)` move the staging buffer into the slot, then
+  publishes it (`ring_full`). The commit makes the stores visible to the
+  consumers' wgmmas and orders this warpgroup's reads of the staging
+  buffer before the next gather."""
+  plgpu.barrier_wait(staged)
+  slot = lax.rem(g, stages)
+
+  @pl.when(g >= stages)
+  def _():
+    plgpu.barrier_wait(ring_empty.at[slot])
+
+  fill(slot)
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(ring_full.at[slot])
 
 
 def drain_releases(steps, stages: int, *empty) -> None:

@@ -106,6 +106,7 @@ from pallas_kernels.shared.mosaic_gpu import (
   WGMMA_TRANSFORMS,
   consumer_registers,
   drain_releases,
+  fill_ring_slot,
   finish_rows,
   gather_ring_scratch,
   gather_shared_memory_bytes,
@@ -253,6 +254,16 @@ def _kernel(
             lambda cols=cols, dst=dst: plgpu.copy_gmem_to_smem(zeros_gmem.at[pl.ds(0, 1), cols], dst, staged)
           )
 
+      def to_ring(slot):
+        """The staged rows into ring slot `slot`, each consumer's half of D
+        in its wgmma layout."""
+        for h in range(NUM_CONSUMERS):
+          for c in range(chunks):
+            rows = plgpu.load(
+              staging.at[:, pl.ds(h * half + c * TILE_COLS, TILE_COLS)], layout=plgpu.Layout.WGMMA, optimized=False
+            )
+            ring.at[slot, h][:, pl.ds(c * TILE_COLS, TILE_COLS)] = plgpu.layout_cast(rows, plgpu.Layout.WGMMA)
+
       @pl.loop(0, steps)
       def _step(g):
         block = first + g
@@ -261,23 +272,7 @@ def _kernel(
         def _slot(t):
           gather(t, idx_smem[block, t])
 
-        plgpu.barrier_wait(staged)
-        slot = lax.rem(g, stages)
-
-        @pl.when(g >= stages)
-        def _():
-          plgpu.barrier_wait(ring_empty.at[slot])
-
-        for h in range(NUM_CONSUMERS):
-          for c in range(chunks):
-            rows = plgpu.load(
-              staging.at[:, pl.ds(h * half + c * TILE_COLS, TILE_COLS)], layout=plgpu.Layout.WGMMA, optimized=False
-            )
-            ring.at[slot, h][:, pl.ds(c * TILE_COLS, TILE_COLS)] = plgpu.layout_cast(rows, plgpu.Layout.WGMMA)
-        # Makes the stores visible to the consumers' wgmmas, and orders this
-        # warpgroup's reads of the staging buffer before the next gather.
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ring_full.at[slot])
+        fill_ring_slot(g, stages, staged, ring_empty, ring_full, to_ring)
 
       drain_releases(steps, stages, ring_empty)
 
