@@ -107,7 +107,12 @@ def default_config() -> config_dict.ConfigDict:
   """Every replay config field, with its default."""
   c = config_dict.ConfigDict()
   for f in FIELDS:
-    c[f.name] = config_dict.placeholder(f.placeholder) if f.default is None else f.default
+    if f.default is not None:
+      c[f.name] = f.default
+    elif f.placeholder is not None:
+      c[f.name] = config_dict.placeholder(f.placeholder)
+    else:
+      raise TypeError(f"replay config field {f.name}: a None default needs a placeholder type")
   return c
 
 
