@@ -185,7 +185,9 @@ def shared_memory_bytes(config: MosaicGroupedGemmConfig, interpret: bool = False
   slot = [bn * PAIRS * 2 * 2, 2 * bn, 4 * bn, ACT_ROWS * STEP_K, 2 * ACT_ROWS, 4 * ACT_ROWS, 2 * ACT_ROWS * GROUP * 2]
   epilogue = [ACT_ROWS * bn * 2, ACT_ROWS * bn * 2]
   staged_weights = [NUM_CONSUMERS * _halves(config) * 2 * HALF * GROUP * 2] if interpret else []
-  return config.stages * sum(map(align_kib, slot)) + sum(map(align_kib, epilogue + staged_weights)) + 8 * 3 * config.stages
+  return (
+    config.stages * sum(map(align_kib, slot)) + sum(map(align_kib, epilogue + staged_weights)) + 8 * 3 * config.stages
+  )
 
 
 def _halves(config: MosaicGroupedGemmConfig) -> int:
@@ -234,10 +236,17 @@ def check_problem(n: int) -> None:
     raise Unsupported(f"N={n} must be a multiple of {TILE_COLS} for the Mosaic GPU grouped GEMM")
 
 
-def grid_size(config: MosaicGroupedGemmConfig, units: int) -> int:
-  """The persistent CTA count: `config.grid` (or the SM count), at most the
-  units' bound."""
-  return max(1, min(config.grid or num_sms(), units))
+# CTAs of `grid=None` in interpret mode: the interpreter runs every CTA's
+# warpgroups as threads, and the work list's size is only known at run time,
+# so an SM count of CTAs would mostly find no unit and only cost time there.
+INTERPRET_GRID = 4
+
+
+def grid_size(config: MosaicGroupedGemmConfig, units: int, interpret: bool = False) -> int:
+  """The persistent CTA count: `config.grid` (or the SM count;
+  `INTERPRET_GRID` in interpret mode), at most the units' bound."""
+  default = INTERPRET_GRID if interpret else num_sms()
+  return max(1, min(config.grid or default, units))
 
 
 # ---------------------------------------------------------------------------
@@ -438,7 +447,9 @@ def _kernel(
 
             bar = loaded.at[slot]
             groups = pl.ds(2 * kk, 2)
-            plgpu.copy_gmem_to_smem(b_gmem.at[key, pl.ds(n0, bn), pl.ds(kk * 2 * PAIRS, 2 * PAIRS)], w_smem.at[slot], bar)
+            plgpu.copy_gmem_to_smem(
+              b_gmem.at[key, pl.ds(n0, bn), pl.ds(kk * 2 * PAIRS, 2 * PAIRS)], w_smem.at[slot], bar
+            )
             plgpu.copy_gmem_to_smem(b_scale_gmem.at[used, groups, pl.ds(n0, bn)], w_scale_smem.at[slot], bar)
             plgpu.copy_gmem_to_smem(b_fold_gmem.at[used, pl.ds(n0, bn)], w_fold_smem.at[slot], bar)
             rows = pl.ds(first, ACT_ROWS)
@@ -661,7 +672,7 @@ def _launch(a, a_scale, b, b_scale, expert_ids, config: MosaicGroupedGemmConfig,
   m, k = a.shape
   num_experts, n, _ = b.shape
   operands = _operands(a, a_scale, b, b_scale, expert_ids, config)
-  grid = grid_size(config, m * cdiv(n, config.block_n))
+  grid = grid_size(config, m * cdiv(n, config.block_n), interpret)
   kernel = plgpu.kernel(
     functools.partial(
       _kernel, config=config, n=n, k=k, experts=num_experts, grid=grid, interpret=interpret, fault=fault
