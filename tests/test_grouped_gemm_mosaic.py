@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_grouped_gemm import E2M1, grouped, operands, reference_float64
+from test_grouped_gemm import E2M1, grouped, operands, reference_float64, run_ptx
 
 from jaxkern.families import grouped_gemm as fam
 from pallas_kernels.grouped_gemm import mosaic_gpu as mg
@@ -75,6 +75,22 @@ def test_decodes_are_the_values_in_the_permuted_k_order():
   got = np.asarray(mg.activations_to_f16(words, jnp.ones((512,), jnp.float16)), np.float64)
   e4m3 = np.asarray(words).view(np.uint8).reshape(512, 32).view(jnp.float8_e4m3fn).astype(np.float64)
   np.testing.assert_array_equal(got, np.asarray(mg.permute_group(jnp.asarray(e4m3))))
+
+
+def test_ptx_decode_text_matches_jnp_on_every_pair():
+  """The compiled kernel's weight decode (`E2M1_PAIRS_TO_F16_PTX`, run by
+  the test emulator of `test_grouped_gemm`) on a register of two byte
+  pairs gives, in result i, code i of each lane's pair as the jnp form
+  does: every 16-bit pair value in either lane, the other lane varied."""
+  values = np.arange(1 << 16, dtype=np.uint32)
+  for lane in range(2):
+    other = np.roll(values, 12345)
+    words = values << (16 * lane) | other << (16 * (1 - lane))
+    regs = run_ptx(mg.E2M1_PAIRS_TO_F16_PTX, {"$4": words})
+    want = [np.asarray(x) for x in mg._codes_to_f16(jnp.asarray(values, jnp.uint16))]
+    for i in range(4):
+      got = (regs[f"${i}"] >> (16 * lane) & 0xFFFF).astype(np.uint16).view(np.float16)
+      np.testing.assert_array_equal(got.view(np.uint16), want[i].view(np.uint16))
 
 
 def test_permuted_order_leaves_a_dot_unchanged():

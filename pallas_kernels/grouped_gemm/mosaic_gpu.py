@@ -112,6 +112,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -345,29 +346,118 @@ def _concat_positions(parts):
   return jnp.concatenate(parts, axis=1)
 
 
-def activations_to_f16(words, mult):
-  """One group of activations: words uint32 [rows, 8] (4 e4m3 bytes each,
-  k 4j..4j+3) -> f16 [rows, 32] in the permuted k order (column 8i + j:
-  byte i of word j) times the rows' multipliers `mult` f16 [rows]."""
+# The activations' decode of one register of two words (lane p: word p, 4
+# e4m3 bytes) into its four f16x2 registers, one per byte position i
+# (lane p: byte i of word p): two `prmt`s pair the words' bytes, then one
+# `cvt.rn.f16x2.e4m3x2` per half.
+E4M3_WORDS_TO_F16_PTX = """{
+.reg .b32 a, b, p, q;
+.reg .b16 pl, ph, ql, qh;
+mov.b64 {a, b}, $4;
+prmt.b32 p, a, b, 0x5140;
+prmt.b32 q, a, b, 0x7362;
+mov.b32 {pl, ph}, p;
+mov.b32 {ql, qh}, q;
+cvt.rn.f16x2.e4m3x2 $0, pl;
+cvt.rn.f16x2.e4m3x2 $1, ph;
+cvt.rn.f16x2.e4m3x2 $2, ql;
+cvt.rn.f16x2.e4m3x2 $3, qh;
+}"""
+
+
+def _bytes_to_f16(words):
+  """The four byte positions of e4m3 words uint32 [rows, 8] as f16 arrays
+  [rows, 8] (byte i of each word), in jnp."""
   parts = []
   for i in range(4):
     byte = ((words >> (8 * i)) & 0xFF).astype(jnp.uint8)
     parts.append(lax.bitcast_convert_type(byte, jnp.float8_e4m3fn).astype(jnp.float16))
+  return parts
+
+
+def _register_asm(array, ptx: str, register_type: str, constraint: str):
+  """Four f16 arrays of `array`'s shape and wgmma layout from inline PTX
+  run on each of its registers (`ptx`: outputs $0..$3, f16x2 each; input
+  $4, the register as `register_type`, an LLVM integer type): register r
+  of result i is the asm's result i on register r, lane for lane."""
+  from jax._src.lib.mlir import ir  # noqa: PLC0415 (Mosaic GPU's MLIR: only at lowering)
+  from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
+  from jax.experimental import mosaic  # noqa: PLC0415
+
+  mgpu = mosaic.gpu
+  shape = plgpu.ShapeDtypeStruct(array.shape, jnp.float16, layout=plgpu.Layout.WGMMA)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(shape,) * 4)
+  def decode(_, array):
+    i32, f16 = ir.IntegerType.get_signless(32), ir.F16Type.get()
+    struct = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
+    outs = [np.empty_like(array.registers) for _ in range(4)]
+    for index, reg in np.ndenumerate(array.registers):
+      word = mgpu.utils.bitcast(reg, ir.Type.parse(register_type))
+      result = llvm.inline_asm(struct, [word], ptx, f"=r,=r,=r,=r,{constraint}")
+      for i in range(4):
+        outs[i][index] = mgpu.utils.bitcast(llvm.extractvalue(i32, result, [i]), ir.VectorType.get((2,), f16))
+    return tuple(mgpu.FragmentedArray(_registers=o, _layout=array.layout, _is_signed=None) for o in outs)
+
+  return list(decode(array))
+
+
+def activations_to_f16(words, mult, ptx: bool = False):
+  """One group of activations: words uint32 [rows, 8] (4 e4m3 bytes each,
+  k 4j..4j+3) -> f16 [rows, 32] in the permuted k order (column 8i + j:
+  byte i of word j) times the rows' multipliers `mult` f16 [rows]. `ptx`:
+  the compiled kernel's form (`E4M3_WORDS_TO_F16_PTX`), the same values."""
+  parts = _register_asm(words, E4M3_WORDS_TO_F16_PTX, "i64", "l") if ptx else _bytes_to_f16(words)
   values = _concat_positions(parts)
   return values * lax.broadcast_in_dim(mult, values.shape, [0])
 
 
-def weights_to_f16(pairs, mult):
-  """One group of weights: byte pairs uint16 [rows, 8] (4 e2m1 codes each,
-  k 4j..4j+3, the low nibble first) -> f16 [rows, 32] in the permuted k
-  order (column 8i + j: code i of pair j), each the e2m1 value times 2^-6
-  (the e4m3 decode, `fp_formats.e2m1_to_e4m3_bits`) times the rows'
-  multipliers `mult` f16 [rows]."""
+# The weights' decode of one 32-bit register (two byte pairs: pair p in
+# bytes 2p, 2p + 1) into its four f16x2 registers, one per code position i
+# (lane p: code i of pair p): the bytes reordered (b0, b2, b1, b3), the
+# e4m3 bytes of the low and high nibbles (`fp_formats.e2m1_to_e4m3_bits`
+# on all four bytes at once), then one `cvt.rn.f16x2.e4m3x2` per half.
+E2M1_PAIRS_TO_F16_PTX = """{
+.reg .b32 w, t, u, e, o;
+.reg .b16 el, eh, ol, oh;
+prmt.b32 w, $4, $4, 0x3120;
+shl.b32 t, w, 2;
+and.b32 t, t, 0x1C1C1C1C;
+shl.b32 u, w, 4;
+and.b32 u, u, 0x80808080;
+or.b32 e, t, u;
+shr.b32 t, w, 2;
+and.b32 t, t, 0x1C1C1C1C;
+and.b32 u, w, 0x80808080;
+or.b32 o, t, u;
+mov.b32 {el, eh}, e;
+mov.b32 {ol, oh}, o;
+cvt.rn.f16x2.e4m3x2 $0, el;
+cvt.rn.f16x2.e4m3x2 $1, ol;
+cvt.rn.f16x2.e4m3x2 $2, eh;
+cvt.rn.f16x2.e4m3x2 $3, oh;
+}"""
+
+
+def _codes_to_f16(pairs):
+  """The four code positions of byte pairs uint16 [rows, 8] as f16 arrays
+  [rows, 8] (code i of each pair: the e2m1 value times 2^-6), in jnp."""
   parts = []
   for i in range(4):
     code = (pairs >> (4 * i)) & 0xF
     bits = ((code & 0x7) << 2) | ((code & 0x8) << 4)
     parts.append(lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float16))
+  return parts
+
+
+def weights_to_f16(pairs, mult, ptx: bool = False):
+  """One group of weights: byte pairs uint16 [rows, 8] (4 e2m1 codes each,
+  k 4j..4j+3, the low nibble first) -> f16 [rows, 32] in the permuted k
+  order (column 8i + j: code i of pair j), each the e2m1 value times 2^-6
+  (the e4m3 decode, `fp_formats.e2m1_to_e4m3_bits`) times the rows'
+  multipliers `mult` f16 [rows]. `ptx`: the compiled kernel's form
+  (`E2M1_PAIRS_TO_F16_PTX`), the same values."""
+  parts = _register_asm(pairs, E2M1_PAIRS_TO_F16_PTX, "i32", "r") if ptx else _codes_to_f16(pairs)
   values = _concat_positions(parts)
   return values * lax.broadcast_in_dim(mult, values.shape, [0])
 
@@ -484,7 +574,7 @@ def _kernel(
         else:
           mult = plgpu.layout_cast(jnp.ones((ACT_ROWS,), jnp.float16), row_layout)
         words = load(a_smem.at[slot, :, pl.ds(wg * PAIRS, PAIRS)])
-        act_smem[slot, wg] = activations_to_f16(words, mult)
+        act_smem[slot, wg] = activations_to_f16(words, mult, ptx=not interpret)
         plgpu.commit_smem()
         plgpu.barrier_arrive(act_ready.at[slot])
 
@@ -497,7 +587,7 @@ def _kernel(
         else:
           mult = plgpu.layout_cast(jnp.ones((HALF,), jnp.float16), row_layout)
         pairs = load(w_smem.at[slot, rows, pl.ds(group * PAIRS, PAIRS)])
-        return weights_to_f16(pairs, mult)
+        return weights_to_f16(pairs, mult, ptx=not interpret)
 
       def operand(h, group, value):
         """The wgmma's A operand: the value itself when compiled; in
