@@ -93,6 +93,25 @@ def test_ptx_decode_text_matches_jnp_on_every_pair():
       np.testing.assert_array_equal(got.view(np.uint16), want[i].view(np.uint16))
 
 
+def test_ptx_activation_decode_text_matches_jnp_on_every_byte():
+  """The compiled kernel's activation decode (`E4M3_WORDS_TO_F16_PTX`) on a
+  register of two words (lane p: word p, the 64-bit register's low half
+  first) gives, in result i, byte i of each lane's word as f16, as the jnp
+  form does: every byte value in every position of either word. (The
+  emulator takes the two words as the unpacked halves.)"""
+  byte_values = np.arange(256, dtype=np.uint32)
+  text = mg.E4M3_WORDS_TO_F16_PTX.replace("mov.b64 {a, b}, $4;\n", "")
+  for position in range(4):
+    words = [np.roll(byte_values, 17 * lane + 3) * 0x01010101 for lane in range(2)]
+    words = [w & ~np.uint32(0xFF << (8 * position)) | byte_values << (8 * position) for w in words]
+    regs = run_ptx(text, {"a": words[0], "b": words[1]})
+    for lane in range(2):
+      want = [np.asarray(x) for x in mg._bytes_to_f16(jnp.asarray(words[lane]))]
+      for i in range(4):
+        got = (regs[f"${i}"] >> (16 * lane) & 0xFFFF).astype(np.uint16)
+        np.testing.assert_array_equal(got, want[i].view(np.uint16))
+
+
 def test_permuted_order_leaves_a_dot_unchanged():
   a, b = (jax.random.randint(jax.random.key(i), (8, 96), -8, 8).astype(jnp.float32) for i in (0, 1))
   np.testing.assert_array_equal(np.asarray(mg.permute_group(a) @ mg.permute_group(b).T), np.asarray(a @ b.T))

@@ -115,7 +115,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import llvm
 
 from pallas_kernels.grouped_gemm import triton
 from pallas_kernels.grouped_gemm.config import MosaicGroupedGemmConfig
@@ -380,14 +383,8 @@ def _register_asm(array, ptx: str, register_type: str, constraint: str):
   run on each of its registers (`ptx`: outputs $0..$3, f16x2 each; input
   $4, the register as `register_type`, an LLVM integer type): register r
   of result i is the asm's result i on register r, lane for lane."""
-  from jax._src.lib.mlir import ir  # noqa: PLC0415 (Mosaic GPU's MLIR: only at lowering)
-  from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
-  from jax.experimental import mosaic  # noqa: PLC0415
+  shape = plgpu.ShapeDtypeStruct(array.shape, jnp.dtype(jnp.float16), layout=plgpu.Layout.WGMMA)
 
-  mgpu = mosaic.gpu
-  shape = plgpu.ShapeDtypeStruct(array.shape, jnp.float16, layout=plgpu.Layout.WGMMA)
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(shape,) * 4)
   def decode(_, array):
     i32, f16 = ir.IntegerType.get_signless(32), ir.F16Type.get()
     struct = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
@@ -399,7 +396,7 @@ def _register_asm(array, ptx: str, register_type: str, constraint: str):
         outs[i][index] = mgpu.utils.bitcast(llvm.extractvalue(i32, result, [i]), ir.VectorType.get((2,), f16))
     return tuple(mgpu.FragmentedArray(_registers=o, _layout=array.layout, _is_signed=None) for o in outs)
 
-  return list(decode(array))
+  return list(plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(shape,) * 4)(decode)(array))
 
 
 def activations_to_f16(words, mult, ptx: bool = False):
