@@ -267,7 +267,7 @@ LOWERING_CASES += [
   Case(name, {"M": m}, id=f"mosaic_m{m}", backend="mosaic_gpu")
   for name, m in ((DEFINITIONS[0], 6), (DEFINITIONS[0], 2688), (DEFINITIONS[1], 18))
 ]
-SWEEP_CASE_MOSAIC_GPU = Case(DEFINITIONS[0], {"M": 12, "E": 16, "N": 64, "K": 64, "K_groups": 2, "K_packed": 32})
+SWEEP_CASE_MOSAIC_GPU = Case(DEFINITIONS[0], {"M": 6, "E": 16, "N": 64, "K": 32, "K_groups": 1, "K_packed": 16})
 SWEEP_CASE = Case(DEFINITIONS[0], {"M": 18, "E": 16, "N": 64, "K": 128, "K_groups": 4, "K_packed": 64})
 
 

@@ -1,10 +1,11 @@
 """What is the Mosaic GPU grouped GEMM's own (`pallas_kernels.grouped_gemm.mosaic_gpu`):
 the work list of item runs, the decodes into the permuted k order, the fold
 and its fallback (promoted groups) against float64 NumPy, the inputs it
-refuses, the heuristic, the H100 lowering of the shipped configs, and the
-synchronization faults the interpret run must catch. Its interpret-mode
+refuses, the heuristic, and the synchronization faults the interpret run
+must catch. Its H100 lowering and interpret-mode
 runs on the kit's edge cases (decode, rows in any order with invalid ids,
-ragged items over two N tiles) are kit cases in `test_grouped_gemm.py`.
+ragged items over two N tiles) are kit cases in `test_grouped_gemm.py`;
+its sm_90a compile is `test_aot.py`'s.
 Mosaic GPU's interpreter is slow (seconds a launch): shapes are tiny."""
 
 import jax
@@ -19,7 +20,6 @@ from pallas_kernels.grouped_gemm import triton as gg
 from pallas_kernels.shared import fp_formats
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.kernel import Unsupported
-from pallas_kernels.shared.lowering import lower_for_h100
 
 RECORDED_NK = ((4608, 5120), (5120, 2304))
 
@@ -181,16 +181,6 @@ def test_heuristic_items_follow_the_rows_per_expert_and_fit():
       candidates = mg.candidate_configs(shapes(m, n, k))
       assert candidates[0] == mg.choose_config(shapes(m, n, k))
       assert all(mg.fits(c) for c in candidates) and len(candidates) >= 4
-
-
-@pytest.mark.parametrize("m", [6, 24576])
-def test_heuristic_lowers_for_h100_at_the_recorded_sizes(m):
-  """Layout inference and the shared-memory limit run at lowering."""
-  for n, k in RECORDED_NK:
-    config = mg.choose_config(shapes(m, n, k))
-    assert "mosaic_gpu_v2" in lower_for_h100(
-      lambda x, config=config: mg.grouped_gemm_fp8_fp4(**x, config=config, interpret=False), shapes(m, n, k)
-    )
 
 
 def test_reference_agrees_on_the_decode_case():
