@@ -646,8 +646,8 @@ def test_shipped_heuristic_configs_compile_clean(compiler, name, axes, backend):
   if name.startswith("dense_gemm"):  # a pipelined k-loop of bf16 wgmma
     assert set(row["kernels"][0]["instruction_mix"]["k_step"]["mma"]) == {"wgmma.m64n256k16.bf16"}
   if name.startswith("grouped_gemm") and backend == "mosaic_gpu":  # f16 wgmma, the decoded weights from registers
-    rows = (axes or {}).get("M", 64)
-    assert set(row["kernels"][0]["instruction_mix"]["k_step"]["mma"]) == {f"wgmma.m64n{min(rows, 64)}k16.f16"}
+    wgmma = f"wgmma.m64n{row['config']['block_m']}k16.f16"
+    assert set(row["kernels"][0]["instruction_mix"]["k_step"]["mma"]) == {wgmma}
   if backend == "mosaic_gpu":
     # The register split the kernel's module names (40/232 unless its
     # producer needs more), in its Mosaic GPU kernels (a split-keys launch

@@ -203,12 +203,14 @@ def fault_operands():
   return operands([0, 1, 2], 64, 256, e=3, seed=2)
 
 
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
 def test_correct_protocol_on_the_fault_problem():
   x = fault_operands()
   out = np.asarray(mg._launch(**x, config=FAULT_CONFIG, interpret=True), np.float64)
   np.testing.assert_allclose(out, reference_float64(**x), rtol=2**-7, atol=1e-6)
 
 
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
 @pytest.mark.parametrize("fault", mg.FAULTS)
 def test_broken_barriers_are_caught(fault):
   """`release_once`: `empty` counting one arrival instead of one per
