@@ -678,6 +678,7 @@ def _shipped():
   out = [(n, None, b) for n in registry.names() if registry.get(n).implemented for b in registry.get(n).backends]
   router = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"
   out += [(router, {"M": m}, "triton") for m in (1, 3, 128, 8192)]
+  out += [("grouped_gemm_fp8_fp4_e384_n4608_k5120_g32", {"M": 6}, "mosaic_gpu")]  # its decode config (8-row items)
   return out
 
 
@@ -708,6 +709,9 @@ def test_shipped_heuristic_configs_compile_clean(compiler, name, axes, backend):
     assert mix is not None and (mix["kernel"]["mma_total"] > 0) == (k["matrix_ops"] != "none"), k
   if name.startswith("dense_gemm"):  # a pipelined k-loop of bf16 wgmma
     assert set(row["kernels"][0]["instruction_mix"]["k_step"]["mma"]) == {"wgmma.m64n256k16.bf16"}
+  if name.startswith("grouped_gemm") and backend == "mosaic_gpu":  # f16 wgmma, the decoded weights from registers
+    wgmma = f"wgmma.m64n{row['config']['block_m']}k16.f16"
+    assert set(row["kernels"][0]["instruction_mix"]["k_step"]["mma"]) == {wgmma}
   if backend == "mosaic_gpu":
     # The register split the kernel's module names (40/232 unless its
     # producer needs more), in its Mosaic GPU kernels (a split-keys launch

@@ -357,7 +357,7 @@ def grouped_gemm_fp8_fp4(
   * Not differentiable in its quantized inputs a, b (asking raises
     `jaxkern.autodiff.NotDifferentiableError`).
 
-  Backends: `xla`, `triton`.
+  Backends: `xla`, `triton`, `mosaic_gpu` (N a multiple of 64).
   """
   inputs = {"a": a, "a_scale": a_scale, "b": b, "b_scale": b_scale, "expert_ids": expert_ids}
   return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)
