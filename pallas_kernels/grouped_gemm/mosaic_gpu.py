@@ -145,9 +145,9 @@ HALF = 64  # weight rows of one wgmma (its M)
 PAIRS = GROUP // 4  # byte pairs (weights) or words (activations) of one row and group
 # The staged words and byte pairs: 1-row tiles keep Mosaic GPU from tiling
 # them for its register loads.
-STAGING_TRANSFORMS = (plgpu.TilingTransform((1, 8)),)
+STAGING_TRANSFORMS = (plgpu.TilingTransform((1, 8)),)  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
 # The f16 operands in shared memory: 32-column (64-byte) tiles, one per scale group.
-GROUP_TRANSFORMS = (plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(2 * GROUP))
+GROUP_TRANSFORMS = (plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(2 * GROUP))  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
 # The producer only issues copies; the consumers decode and hold the
 # accumulators (docs/perf/moe_kernels.md, the compile).
 PRODUCER_REGISTERS = 40
@@ -647,7 +647,7 @@ def _kernel(
                 plgpu.wgmma(part, a_op, activations(slot, grp))
                 return part[...]
 
-              part = pl.run_scoped(product, plgpu.ACC((HALF, bm), jnp.float32))
+              part = pl.run_scoped(product, plgpu.ACC((HALF, bm), jnp.float32))  # pyright: ignore[reportPrivateImportUsage] (public Pallas alias)
               b_scale = ue8m0_to_f32(plgpu.load(w_scale_smem.at[slot, grp, weight_rows(h)], layout=row_layout))
               a_scale = ue8m0_to_f32(plgpu.load(a_scale_smem.at[slot, grp, pl.ds(0, bm)], layout=col_layout))
               scale = lax.broadcast_in_dim(b_scale, part.shape, [0]) * lax.broadcast_in_dim(a_scale, part.shape, [1])
@@ -713,7 +713,7 @@ def _kernel(
 
         @pl.when((key < experts) & fold)
         def _folded():
-          accs = pl.run_scoped(lambda *accs: folded(g, list(accs)), *[plgpu.ACC((HALF, bm), jnp.float32)] * halves)
+          accs = pl.run_scoped(lambda *accs: folded(g, list(accs)), *[plgpu.ACC((HALF, bm), jnp.float32)] * halves)  # pyright: ignore[reportPrivateImportUsage] (public Pallas alias)
           epilogue(accs, last, first, rows, n0, True)
 
         @pl.when((key < experts) & ~fold)
