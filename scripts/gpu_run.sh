@@ -12,13 +12,13 @@
 #   1b. the same workloads of every definition that has a second kernel
 #      backend (Mosaic GPU: dense GEMM, the attention definitions, sparse MLA) on that
 #      backend, same timer, into replay_mosaic_gpu.jsonl, until 6/8;
-#   1c. peers (jaxkern.peers: XLA's dot, cuDNN attention, tokamax where it
-#      imports) on phase 1's workloads they cover, same timer, into
-#      peers.jsonl, until 13/16;
+#   1c. peers (jaxkern.peers: XLA's dot, cuDNN attention, tokamax's attention
+#      and ragged_dot from the kit) on phase 1's workloads they cover, same
+#      timer, into peers.jsonl, until 13/16;
 #   2. the remaining records, resuming phase 1's results file, until 7/8;
 #   3. config sweeps at the largest recorded axes, worst SOL fraction first,
 #      only with the time left;
-# then the report, the environment, and OUT.tar.gz holding everything. A
+# then the report (with the peers beside our kernels), the environment, and OUT.tar.gz holding everything. A
 # phase past its time stops with SIGINT and keeps what it finished (results
 # are written as they come); a stuck workload is killed at its timeout.
 #
@@ -28,10 +28,11 @@
 #   GPU_RUN_DEFINITIONS=dense_gemm,moe  # only these definitions (name prefixes)
 #
 # The GPU machine has jax, absl-py, chex, tqdm, tabulate, safetensors and
-# matplotlib but no ml_collections and no network: `make device-kit` puts the
-# missing pure-Python wheels in .whl/, which this script puts on PYTHONPATH
-# (a wheel is a zip that Python imports from; no pip needed). Without .git,
-# GIT_COMMIT names the commit.
+# matplotlib but no ml_collections, no tokamax and no network: `make
+# device-kit` puts the missing wheels in .whl/, which this script unpacks
+# (stdlib zipfile, no pip) into one temporary folder on PYTHONPATH: two are
+# compiled and qwix has a namespace package, which Python cannot import from
+# a wheel. Without .git, GIT_COMMIT names the commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results/gpu_run}
@@ -42,9 +43,12 @@ if [ "$DRY" = 1 ]; then BUDGET=${GPU_RUN_BUDGET_S:-1200}; else BUDGET=${GPU_RUN_
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
 : > "$LOG"
+KIT=$(mktemp -d "${TMPDIR:-/tmp}/jaxkern-kit.XXXXXX")
+trap 'rm -rf "$KIT"' EXIT
 for wheel in .whl/*.whl; do
-  [ -f "$wheel" ] && export PYTHONPATH=$PWD/$wheel${PYTHONPATH:+:$PYTHONPATH}
+  [ -f "$wheel" ] && $PY -m zipfile -e "$wheel" "$KIT"
 done
+[ -n "$(ls -A "$KIT")" ] && export PYTHONPATH=$KIT${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
 say() { echo "$*" | tee -a "$LOG"; }
@@ -97,14 +101,15 @@ say "== environment"
   else
     echo "git commit: ${GIT_COMMIT:-unknown (no .git here and no GIT_COMMIT)}"
   fi
-  echo "kit wheels on PYTHONPATH: $(ls .whl/*.whl 2>/dev/null | xargs -r -n1 basename | tr '\n' ' ')"
+  echo "kit wheels unpacked onto PYTHONPATH: $(ls .whl/*.whl 2>/dev/null | xargs -r -n1 basename | tr '\n' ' ')"
   echo "dry run: $DRY; budget: $BUDGET s; definitions: ${DEFS:-all}"
   $PY -c 'import sys, jax, jaxlib; print("python", sys.version.split()[0]); print("jax", jax.__version__, "jaxlib", jaxlib.__version__); print("devices", jax.devices())' 2>&1
   $PY - <<'EOF' 2>&1
 from importlib import metadata
 names = sorted({d.metadata["Name"] for d in metadata.distributions()}, key=str.lower)
 print("packages:", " ".join(f"{n}=={metadata.version(n)}" for n in names
-                            if n.lower().startswith(("jax", "ml_collections", "ml-collections", "nvidia", "numpy"))))
+                            if n.lower().startswith(("jax", "ml_collections", "ml-collections", "nvidia", "numpy",
+                                                     "tokamax", "qwix"))))
 EOF
   if command -v nvidia-smi >/dev/null; then nvidia-smi 2>&1; else echo "nvidia-smi: not available"; fi
 } > "$OUT/env.txt"
@@ -195,6 +200,7 @@ say "== report"
 # summary.md is the table that replaces docs/perf/<device>.md (docs/perf/README.md).
 REPORTED=("$OUT/replay.jsonl")
 [ -s "$OUT/replay_mosaic_gpu.jsonl" ] && REPORTED+=("$OUT/replay_mosaic_gpu.jsonl")
+[ -s "$OUT/peers.jsonl" ] && REPORTED+=(--peers "$OUT/peers.jsonl")  # the peer columns: best peer, peer/ours
 $PY -m jaxkern.report "${REPORTED[@]}" --out "$OUT/report" --markdown "$OUT/summary.md" 2>&1 | tee "$OUT/summary.txt" | tee -a "$LOG"
 say "done after $(elapsed) s: $OUT ($(count "$OUT/replay.jsonl"))"
 tar -czf "$OUT.tar.gz" -C "$(dirname "$OUT")" "$(basename "$OUT")"

@@ -326,6 +326,12 @@ def timed(uuid, definition, status, latency, timer=None, interpret=False, frac=N
   return t
 
 
+def on(backend, t):
+  """`t` run by the kernel backend `backend`."""
+  t.evaluation.backend = backend
+  return t
+
+
 def test_tables_never_mix_timers(tmp_path):
   path = write(
     tmp_path / "mixed.jsonl",
@@ -357,10 +363,6 @@ def test_tables_never_mix_timers(tmp_path):
 
 
 def test_tables_keep_backends_apart(tmp_path):
-  def on(backend, t):
-    t.evaluation.backend = backend
-    return t
-
   path = write(
     tmp_path / "backends.jsonl",
     [
@@ -406,6 +408,86 @@ def test_markdown_summary(tmp_path, capsys):
   assert furthest == [f"1. `{ROUTER}`: 0.04", f"2. `{GEMM}`: 0.3", f"3. `{ATTN}`: 0.8"]
   assert "wall)" not in text.split("Geomean")[1]  # the wall-clock line has no SOL fraction to mix in
   assert report.main([str(path), "--markdown", str(tmp_path / "no" / "such" / "dir.md")]) == 2
+
+
+# -- peers beside our kernels ---------------------------------------
+
+
+def peer_line(uuid, definition, peer, latency: float | None, timer: str | None = "device (profiler)", status="passed"):
+  return {"definition": definition, "uuid": uuid, "peer": peer, "status": status, "timer": timer, "latency_ms": latency}
+
+
+def test_peer_columns_ratio_timer_mismatch_and_missing_peer(tmp_path, capsys):
+  path = write(
+    tmp_path / "gpu.jsonl",
+    [
+      on("triton", timed("g1", GEMM, Status.PASSED, 1.0, "device (profiler)")),
+      on("triton", timed("g2", GEMM, Status.PASSED, 2.0, "device (profiler)")),
+      on("mosaic_gpu", timed("g1", GEMM, Status.PASSED, 0.5, "device (profiler)")),
+      on("triton", timed("a1", ATTN, Status.PASSED, 1.0, "device (profiler)")),
+      on("triton", timed("m1", MLA, Status.PASSED, 1.0, "device (profiler)")),
+      on("triton", timed("r1", ROUTER, Status.PASSED, 0.2, "device (profiler)")),
+    ],
+  )
+  peers = tmp_path / "peers.jsonl"
+  peers.write_text(
+    "".join(
+      json.dumps(p) + "\n"
+      for p in [
+        peer_line("g1", GEMM, "xla dot (cuBLAS)", 1.5),
+        peer_line("g2", GEMM, "xla dot (cuBLAS)", 4.0),
+        peer_line("g1", GEMM, "slow dot", 3.0),
+        peer_line("g2", GEMM, "wrong dot", 0.1, status="incorrect_numerical"),
+        peer_line("a1", ATTN, "jax.nn.dot_product_attention[xla]", 0.7, timer="wall"),  # another timer
+        peer_line("m1", MLA, "broken", None, timer=None, status="runtime_error"),
+      ]
+    )
+  )
+  md = tmp_path / "summary.md"
+  assert report.main([str(path), "--peers", str(peers), "--out", str(tmp_path / "rep"), "--markdown", str(md)]) == 0
+  printed = capsys.readouterr().out
+  rep = report.build(path, out_dir=tmp_path / "rep2", peers=peers)
+  lines = {(r[0], r[1]): r[len(report.HEADERS) :] for r in rep.table}
+  # Triton GEMM: xla dot's ratios 1.5 / 1 and 4 / 2 (median 1.75) beat the slow dot's 3; the wrong dot failed.
+  assert lines[(GEMM, "triton")] == ["xla dot (cuBLAS)", "2.75", "1.75"]
+  assert lines[(GEMM, "mosaic_gpu")] == ["xla dot (cuBLAS)", "1.5", "3"]  # the same peer run, against 0.5 ms
+  assert lines[(ATTN, "triton")] == ["jax.nn.dot_product_attention[xla]", "n/c", "n/c"]  # wall vs device: n/c
+  assert lines[(MLA, "triton")] == ["none passed", "-", "-"]
+  assert lines[(ROUTER, "triton")] == ["-", "-", "-"]  # no peer covers it
+  assert lines[("total", "")] == ["", "", ""]
+  # The peers table: every peer of every row, failures counted, the peer's own timer named.
+  ptable = {(r[0], r[1], r[3]): r[4:] for r in rep.peers_table or []}
+  assert ptable[(GEMM, "triton", "wrong dot")] == [1, "0 (incorrect_numerical 1)", 0, "-", "-", "-", "-"]
+  assert ptable[(GEMM, "triton", "slow dot")] == [1, "1", 1, "device (profiler)", "3", "1", "3"]
+  assert ptable[(ATTN, "triton", "jax.nn.dot_product_attention[xla]")] == [1, "1", 0, "wall", "0.7", "-", "n/c"]
+  # Markdown: the columns, the direction of the ratio, the geomean over rows with a comparable peer.
+  text = md.read_text()
+  assert "| best peer | peer ms | peer/ours (>1: ours faster) |" in text
+  assert f"| `{GEMM}` | triton | device (profiler) | 2 / 2 | 1.5 | 3 | - | xla dot (cuBLAS) | 2.75 | 1.75 |" in text
+  assert f"| `{ROUTER}` | triton | device (profiler) | 1 / 1 | 0.2 | 0.4 | - | - | - | - |" in text
+  geomean = (1.75 * 3) ** 0.5
+  assert (
+    f"Against the best peer (device (profiler)): geomean peer/ours {geomean:.3g} over 2 rows; ours faster in 2" in text
+  )
+  assert "Peers of 1 rows were timed by another timer" in text
+  assert "peer/ours (>1: ours faster)" in printed and "xla dot (cuBLAS)" in printed
+  page = (tmp_path / "rep" / "index.html").read_text()
+  assert "<h2>Peers</h2>" in page and "wrong dot" in page and "n/c" in page
+
+
+def test_peer_file_errors(runs, tmp_path, capsys):
+  current, _ = runs
+  assert report.main([str(current), "--peers", str(tmp_path / "none.jsonl")]) == 2
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps(peer_line("g1", GEMM, "p", 1.0)) + "\n{not json\n")
+  assert report.main([str(current), "--peers", str(bad), "--out", str(tmp_path / "r")]) == 2
+  assert f"{bad}:2: not a peer result" in capsys.readouterr().err
+  # A peers file that matches no workload: the columns say so, nothing is made up.
+  other = tmp_path / "other.jsonl"
+  other.write_text(json.dumps(peer_line("elsewhere", GEMM, "p", 1.0)) + "\n")
+  rep = report.build(current, out_dir=tmp_path / "r2", peers=other)
+  assert {tuple(r[len(report.HEADERS) :]) for r in rep.table[:-1]} == {("-", "-", "-")}
+  assert "Peers: none ran on these workloads." in rep.summary_markdown
 
 
 def test_module_entry_point_and_sizes(runs):

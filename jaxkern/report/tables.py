@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxkern.compare import Status
+from jaxkern.report.peer_table import NOTE, PEER_HEADERS, Group, PeerStat, against_peers, peer_cells
 from jaxkern.report.rows import Row, by_definition_backend_and_timer, failed, fmt, median
 
 HEADERS = [
@@ -67,8 +68,9 @@ def _counts(rows: Sequence[Row]) -> list[int]:
   ]
 
 
-def definition_table(rows: list[Row]) -> list[list[Any]]:
-  """One line per definition, backend and timer (HEADERS), then a total line."""
+def definition_table(rows: list[Row], peers: dict[Group, list[PeerStat]] | None = None) -> list[list[Any]]:
+  """One line per definition, backend and timer (HEADERS, and with `peers`
+  PEER_HEADERS: `jaxkern.report.peer_table`), then a total line."""
   table = []
   for (name, backend, timer), rs in by_definition_backend_and_timer(rows).items():
     table.append(
@@ -85,7 +87,11 @@ def definition_table(rows: list[Row]) -> list[list[Any]]:
         fmt(median(r.sol_fraction for r in rs)),
       ]
     )
-  table.append(["total", "", "", *_counts(rows), "", "", "", "", "", ""])
+    if peers is not None:
+      table[-1] += peer_cells(peers.get((name, backend, timer)))
+  table.append(
+    ["total", "", "", *_counts(rows), "", "", "", "", "", ""] + [""] * len(PEER_HEADERS) * (peers is not None)
+  )
   return table
 
 
@@ -218,12 +224,17 @@ def _md_row(cells: Sequence[Any]) -> str:
   return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
-def summary_markdown(rows: list[Row], *, title: str, source: str, environment: str) -> str:
+def summary_markdown(
+  rows: list[Row], *, title: str, source: str, environment: str, peers: dict[Group, list[PeerStat]] | None = None
+) -> str:
   """The summary table as a markdown page: per definition (and timer)
-  passed / total and median kernel, reference and SOL fraction; then per
-  timer the geomean SOL fraction and the definitions furthest from their
-  speed of light. Different timers are never mixed in one figure."""
+  passed / total and median kernel, reference and SOL fraction (with
+  `peers`: the best peer, its time and peer/ours); then per timer the
+  geomean SOL fraction and the definitions furthest from their speed of
+  light (and the geomean peer/ours). Different timers are never mixed in one
+  figure."""
   lines = summary_lines(rows)
+  headers = SUMMARY_HEADERS + (PEER_HEADERS if peers is not None else [])
   out = [
     f"# {title}",
     "",
@@ -233,8 +244,8 @@ def summary_markdown(rows: list[Row], *, title: str, source: str, environment: s
     "device from jax's profiler; `wall`: wall clock around calls; `interpret`: CPU interpret mode, which "
     "checks plumbing, not speed). SOL fraction: the roofline's speed of light / kernel time.",
     "",
-    _md_row(SUMMARY_HEADERS),
-    "|" + " --- |" * len(SUMMARY_HEADERS),
+    _md_row(headers),
+    "|" + " --- |" * len(headers),
   ]
   for l in lines:
     out.append(
@@ -247,6 +258,7 @@ def summary_markdown(rows: list[Row], *, title: str, source: str, environment: s
           fmt(l.kernel_ms),
           fmt(l.reference_ms),
           fmt(l.sol_fraction),
+          *(peer_cells(peers.get((l.definition, l.backend, l.timer))) if peers is not None else []),
         ]
       )
     )
@@ -262,4 +274,6 @@ def summary_markdown(rows: list[Row], *, title: str, source: str, environment: s
     ]
     out += [f"{i}. `{l.definition}`: {fmt(l.sol_fraction)}" for i, l in enumerate(furthest, 1)]
     out.append("")
+  if peers is not None:
+    out += ["", NOTE, "", *against_peers(peers)] if peers else ["", "Peers: none ran on these workloads."]
   return "\n".join(out).rstrip() + "\n"
