@@ -19,7 +19,7 @@ $(STAMP): setup.py constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), "jaxkern needs Python >= 3.12 (see .python-version), got " + sys.version'
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,examples]'
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,examples,nn]'
 	$(VENV)/bin/python -m pip install -q --no-deps -c constraints.txt $(AOT_PACKAGES)
 	touch $(STAMP)
 

@@ -37,6 +37,8 @@ setuptools.setup(
     ],
     # examples/video_train.py: the optimizer of the training example (its test runs in `make test`).
     "examples": ["optax>=0.2.8,<0.3"],
+    # jaxkern.nn: the Flax NNX layers (the GPU machine's stack pins flax 0.12.12).
+    "nn": ["flax>=0.12,<0.13"],
     # `python -m jaxkern.aot`: compile for sm_90a without a GPU (README): the
     # CUDA 13 plugin of jax's own version (without its `with-cuda` extra it
     # pulls no CUDA libraries), ptxas and libdevice. `make install` installs
