@@ -358,7 +358,8 @@ def grouped_gemm_fp8_fp4(
     (bit-equal on CPU in the tests; on a GPU the fp8 tensor cores'
     accumulation within each 32-k group).
   * Not differentiable in its quantized inputs a, b (asking raises
-    `jaxkern.autodiff.NotDifferentiableError`).
+    `jaxkern.autodiff.NotDifferentiableError`); to train through it, use
+    `grouped_gemm_mxfp4_ste` (a straight-through estimator).
 
   Backends: `xla`, `triton`.
   """
