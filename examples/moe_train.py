@@ -91,7 +91,7 @@ def train(
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--tokens", type=int, default=32)
   parser.add_argument("--batch", type=int, default=2)
