@@ -33,9 +33,10 @@ class Attention(nnx.Module):
 
   `backend` goes to every op call (`jaxkern.ops`: None, "xla", "pallas",
   "triton", "mosaic_gpu"). `heads_axis`: the mesh axis the heads are split
-  over (tensor parallelism): the q, k and v projections' output features
+  over (tensor parallelism: the q, k and v projections' output features
   (head-major) are split over it, the output projection is replicated and
-  its input's heads gathered; every parameter then carries its sharding
+  its input's heads gathered; num_heads and num_kv_heads each divisible by
+  the axis size); every parameter then carries its sharding
   (`nnx.with_partitioning`), so the layer is created under
   `jax.set_mesh(mesh)`. The batch splits however x is split (data
   parallelism); the output has x's sharding.
