@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), "jaxkern needs Python >= 3.12 (see .python-version), got " + sys.version'
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,examples]'
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,examples,nn]'
 	$(VENV)/bin/python -m pip uninstall -qq -y $(AOT_PACKAGES)  # where an older make install put them
 	touch $(STAMP)
 

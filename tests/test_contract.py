@@ -66,6 +66,10 @@ def bases():
     "gdn_decode": (_gdn((2, 1)), {}),
     "gdn_prefill": ({**_gdn((5,)), "cu_seqlens": jnp.asarray([0, 2, 5], I32)}, {}),
     "grouped_gemm_fp8_fp4": (_grouped(), {}),
+    "grouped_gemm_mxfp4_ste": (
+      dict(x=arr((4, 64)), w=arr((2, 8, 64), F32, seed=1), expert_ids=jnp.asarray([0, 1, 0, -1], I32)),
+      {},
+    ),
     "mixed_mla_decode": (
       dict(
         q=arr((1, 2, 128)),
@@ -118,6 +122,7 @@ P = "prefix_cached_attention"
 BC = "block_causal_attention"
 NA = "neighborhood_attention_3d"
 GG = "grouped_gemm_fp8_fp4"
+STE = "grouped_gemm_mxfp4_ste"
 MLA = "mixed_mla_decode"
 GQA = "qsa_sparse_gqa_decode"
 SMLA = "sparse_mla_prefill"
@@ -292,6 +297,26 @@ BAD = [
     "axis",
     {"a_scale": jnp.zeros((4, 1), jnp.uint8)},
     "grouped_gemm_fp8_fp4: a_scale must be [M, K/32] = [4, 2] (M, K from a), got shape (4, 1)",
+  ),
+  # the straight-through grouped GEMM
+  Bad(STE, "rank", {"w": arr((8, 64), F32)}, "grouped_gemm_mxfp4_ste: w must be [E, N, K] (rank 3), got shape (8, 64)"),
+  Bad(
+    STE,
+    "dtype",
+    {"x": arr((4, 64)).astype(jnp.float8_e4m3fn)},
+    "grouped_gemm_mxfp4_ste: x must be bfloat16 or float16 or float32, got float8_e4m3fn",
+  ),
+  Bad(
+    STE,
+    "axis",
+    {"w": arr((2, 8, 32), F32)},
+    "grouped_gemm_mxfp4_ste: w must be [E, N, K] = [*, *, 64] (K = 64 from x), got shape (2, 8, 32)",
+  ),
+  Bad(
+    STE,
+    "k_groups",
+    {"x": arr((4, 48)), "w": arr((2, 8, 48), F32)},
+    "grouped_gemm_mxfp4_ste: x must be [M, K] with K a multiple of 32, got shape (4, 48)",
   ),
   # mixed MLA decode
   Bad(MLA, "rank", {"q": arr((2, 128))}, "mixed_mla_decode: q must be [B, H, D] (rank 3), got shape (2, 128)"),
