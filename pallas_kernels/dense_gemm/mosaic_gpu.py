@@ -280,14 +280,15 @@ def _gemm(a: jax.Array, b: jax.Array, config: MosaicGemmConfig, interpret: bool,
   # An M that is not a multiple of 8 pads A (`pad_rows`); C keeps its M rows.
   a = pad_rows(a, 0)
   grid = grid_size(config, m, n)
-  kernel = plgpu.kernel(
+  kernel = compat.kernel(
     functools.partial(_kernel, config=config, m=m, n=n, k=k, grid=grid, fault=fault),
     out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
     grid=(grid,),
     grid_names=("cta",),
     num_threads=NUM_CONSUMERS + 1,
     thread_name="wg",
-    **compat.interpret_kwargs(interpret),
+    name=__name__,
+    interpret=interpret,
   )
   return kernel(a, b)
 

@@ -56,7 +56,9 @@ Synchronization (interpret mode does not check asynchrony):
 - `k_empty[s]` and `v_empty[s]` (2 arrivals, one per consumer) guard reuse.
   A consumer releases K and the ids of step g after its S wgmma has
   completed (reading the accumulator waits for it) and the ids are in
-  registers; it releases V after its P V wgmma completed (same). The
+  registers, read through the generic proxy: `commit_smem()` orders that
+  read before the producer's next TMA (async proxy) into the slot; it
+  releases V after its P V wgmma completed (same). The
   producer waits on `k_empty[s]` before refilling K/ids of step g >= stages
   and on `v_empty[s]` before V, and at the end waits for the last release of
   every slot it waited on, so it observes every completion.
@@ -266,6 +268,9 @@ def _kernel(
 
         s = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32)) * qk_scale
         key_ids = plgpu.load(kid_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        # The ids were read through the generic proxy; the producer's next TMA
+        # (async proxy) into the slot must come after: commit_smem's fence.
+        plgpu.commit_smem()
         plgpu.barrier_arrive(k_empty.at[slot])
         visible = lax.broadcast_in_dim(key_ids, s.shape, [1]) <= lax.broadcast_in_dim(query_ids, s.shape, [0])
         p, correction, m_next, l_next = softmax_step(s, visible, m, l)
@@ -377,7 +382,7 @@ def _forward(
   # O is stored from the (8, 64)-tiled Q tile, so O (and lse, whose rows
   # TMA needs 16-byte aligned) get a multiple of 8 rows, sliced after.
   rows = -(-q_len // ROW_ALIGN) * ROW_ALIGN
-  kernel = plgpu.kernel(
+  kernel = compat.kernel(
     functools.partial(
       _kernel, config=config, qk_scale=float(sm_scale) * LOG2_E, prefix_steps=prefix_steps, fault=fault
     ),
@@ -389,7 +394,8 @@ def _forward(
     grid_names=("h", "q", "b"),
     num_threads=NUM_CONSUMERS + 1,
     thread_name="wg",
-    **compat.interpret_kwargs(interpret),
+    name=__name__,
+    interpret=interpret,
   )
   k, v = pad_rows(k, 1), pad_rows(v, 1)
   # Without prefix keys the prefix operands are k and v again, never read.

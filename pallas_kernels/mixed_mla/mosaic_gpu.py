@@ -84,6 +84,7 @@ sparse MLA prefill kernel (`pallas_kernels.sparse_mla.mosaic_gpu`):
 - `done` (2 arrivals): the consumers' rendezvous before the epilogue
   overwrites Q. P tiles (hi, lo) of consumer w are written by w only, after
   the wgmmas that read them completed, and made visible by `commit_smem()`.
+  Consumer 0 alone writes the lse tile (`store_rows`).
 """
 
 from __future__ import annotations
@@ -568,7 +569,7 @@ def _forward(
       jax.ShapeDtypeStruct((batch, splits, heads, head_dim), jnp.float32),
       jax.ShapeDtypeStruct((batch, splits, heads), jnp.float32),
     )
-  kernel = plgpu.kernel(
+  kernel = compat.kernel(
     functools.partial(
       _kernel,
       config=config,
@@ -582,7 +583,8 @@ def _forward(
     grid_names=("h", "s", "b"),
     num_threads=NUM_CONSUMERS + 1,
     thread_name="wg",
-    **compat.interpret_kwargs(interpret),
+    name=__name__,
+    interpret=interpret,
   )
   sink = attn_sink.astype(jnp.float32)
   out, lse = kernel(

@@ -208,12 +208,17 @@ def store_rows(wg, outs, lse, out_smem, lse_smem, o_gmem, lse_gmem):
   """A consumer warpgroup's epilogue: `outs` (its `[rows, width]` tiles, in
   column order) into `out_smem`, the rows' `lse` into `lse_smem`, then both to
   global memory by TMA: `out_smem` to `o_gmem` (already indexed down to this
-  warpgroup's rows and column half), `lse_smem` to `lse_gmem` by warpgroup 0
-  only (both consumers hold the same rows' lse)."""
+  warpgroup's rows and column half), `lse_smem` to `lse_gmem`. Both consumers
+  hold the same rows' lse; warpgroup 0 alone writes and stores it (two
+  writers of one buffer would race, the race detector's finding)."""
   width = out_smem.shape[-1] // len(outs)
   for i, value in enumerate(outs):
     out_smem[:, pl.ds(i * width, width)] = value.astype(out_smem.dtype)
-  lse_smem[...] = lse
+
+  @pl.when(wg == 0)
+  def _():
+    lse_smem[...] = lse
+
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem, o_gmem)
   pl.when(wg == 0)(lambda: plgpu.copy_smem_to_gmem(lse_smem, lse_gmem))

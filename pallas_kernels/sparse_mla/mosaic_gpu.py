@@ -79,7 +79,8 @@ Synchronization (interpret mode does not check asynchrony):
   sinks are written once, before `start` completes, and never again.
 - `done` (2 arrivals) is the consumers' rendezvous before the epilogue
   overwrites Q; P tile w is written by consumer w only, after its previous
-  P V wgmmas completed, and made visible by `commit_smem()`.
+  P V wgmmas completed, and made visible by `commit_smem()`. Consumer 0
+  alone writes the lse tile (`store_rows`).
 """
 
 from __future__ import annotations
@@ -367,7 +368,7 @@ def _forward(
       jax.ShapeDtypeStruct((m, splits, heads, head_dim), jnp.float32),
       jax.ShapeDtypeStruct((m, splits, heads), jnp.float32),
     )
-  kernel = plgpu.kernel(
+  kernel = compat.kernel(
     functools.partial(
       _kernel,
       config=config,
@@ -381,7 +382,8 @@ def _forward(
     grid_names=("h", "s", "m"),
     num_threads=NUM_CONSUMERS + 1,
     thread_name="wg",
-    **compat.interpret_kwargs(interpret),
+    name=__name__,
+    interpret=interpret,
   )
   zeros = jnp.zeros((1, head_dim), q.dtype)  # what an invalid slot gathers
   sink = attn_sink.astype(jnp.float32)
