@@ -53,9 +53,11 @@ ROW_TRANSFORMS = (plgpu.TilingTransform((1, TILE_COLS)), plgpu.SwizzleTransform(
 ROW_ALIGN = 8
 
 
-# Gathering kernels (sparse and mixed MLA): faults a test may ask for, each
-# taking one arrival from a barrier so that the interpreter must catch it.
-GATHER_FAULTS = ("release_once", "staged_short")
+# Gathering kernels (sparse and mixed MLA): faults a test may ask for. The
+# first two take one arrival from a barrier (`gather_ring_scratch`);
+# "staged_late" moves the producer's wait on `staged` after its copy of the
+# staging buffer into the ring (the kernels' producer loops).
+GATHER_FAULTS = ("release_once", "staged_short", "staged_late")
 
 
 def gather_ring_scratch(slot_table: tuple[int, ...], heads: int, block_k: int, stages: int, fault: str | None) -> tuple:
