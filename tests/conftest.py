@@ -15,6 +15,12 @@ from jaxkern.aot.toolchain import skip_cuda_checks
 # CPU's. Without the extra this changes nothing.
 skip_cuda_checks()
 
+# Every Mosaic GPU kernel run in interpret mode here runs the interpreter's
+# race detector (`mosaic_gpu_compat.kernel`): a race fails the call with
+# `RaceDetected` naming the kernel. Set here, before any kernel is traced;
+# subprocesses inherit it. JAXKERN_DETECT_RACES=0 turns it off.
+os.environ.setdefault("JAXKERN_DETECT_RACES", "1")
+
 
 def pytest_collection_modifyitems(config, items):
   """Slow tests first; tests marked `lane_only` run in the device-stack lane (`make

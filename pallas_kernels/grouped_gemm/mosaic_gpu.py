@@ -760,7 +760,7 @@ def _launch(a, a_scale, b, b_scale, expert_ids, config: MosaicGroupedGemmConfig,
   num_experts, n, _ = b.shape
   operands = _operands(a, a_scale, b, b_scale, expert_ids, config)
   grid = grid_size(config, m * cdiv(n, config.block_n), interpret)
-  kernel = plgpu.kernel(
+  kernel = compat.kernel(
     functools.partial(
       _kernel, config=config, n=n, k=k, experts=num_experts, grid=grid, interpret=interpret, fault=fault
     ),
@@ -769,7 +769,8 @@ def _launch(a, a_scale, b, b_scale, expert_ids, config: MosaicGroupedGemmConfig,
     grid_names=("cta",),
     num_threads=NUM_CONSUMERS + 1,
     thread_name="wg",
-    **compat.interpret_kwargs(interpret),
+    name=__name__,
+    interpret=interpret,
   )
   return kernel(*operands)
 

@@ -84,6 +84,16 @@ sparse MLA prefill kernel (`pallas_kernels.sparse_mla.mosaic_gpu`):
 - `done` (2 arrivals): the consumers' rendezvous before the epilogue
   overwrites Q. P tiles (hi, lo) of consumer w are written by w only, after
   the wgmmas that read them completed, and made visible by `commit_smem()`.
+  Consumer 0 alone writes the lse tile (`store_rows`).
+
+What the CPU interpreter checks of this (docs/perf/mosaic_gpu.md, "Race
+detector"; `tests/test_mixed_mla_mosaic.py` breaks the rules it sees): its
+race detector, on in every test run, the rules it sees in the sparse MLA
+kernel (`staged_late` among them) and, on the ring, the slot's scale
+table (stored by the producer, loaded by the consumers); its barrier
+checks, the arrival counts (`release_once`, `staged_short`). The keys in
+the ring are read by wgmma only, which the detector does not order, and
+wgmma asynchrony is not modelled: those rest on this argument.
 """
 
 from __future__ import annotations
@@ -425,7 +435,7 @@ def _kernel(
           pl.when(is_fp8)(lambda: dequantize_fp8(slot))
           pl.when(~is_fp8)(lambda: dequantize_fp4(slot))
 
-        fill_ring_slot(g, stages, staged, ring_empty, ring_full, dequantize)
+        fill_ring_slot(g, stages, staged, ring_empty, ring_full, dequantize, staged_late=fault == "staged_late")
 
       drain_releases(steps, stages, ring_empty)
 
@@ -561,7 +571,7 @@ def _forward(
       jax.ShapeDtypeStruct((batch, splits, heads, head_dim), jnp.float32),
       jax.ShapeDtypeStruct((batch, splits, heads), jnp.float32),
     )
-  kernel = plgpu.kernel(
+  kernel = compat.kernel(
     functools.partial(
       _kernel,
       config=config,
@@ -575,7 +585,8 @@ def _forward(
     grid_names=("h", "s", "b"),
     num_threads=NUM_CONSUMERS + 1,
     thread_name="wg",
-    **compat.interpret_kwargs(interpret),
+    name=__name__,
+    interpret=interpret,
   )
   sink = attn_sink.astype(jnp.float32)
   out, lse = kernel(

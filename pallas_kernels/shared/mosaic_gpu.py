@@ -56,9 +56,11 @@ ROW_TRANSFORMS = (plgpu.TilingTransform((1, TILE_COLS)), plgpu.SwizzleTransform(
 ROW_ALIGN = 8
 
 
-# Gathering kernels (sparse and mixed MLA): faults a test may ask for, each
-# taking one arrival from a barrier so that the interpreter must catch it.
-GATHER_FAULTS = ("release_once", "staged_short")
+# Gathering kernels (sparse and mixed MLA): faults a test may ask for. The
+# first two take one arrival from a barrier (`gather_ring_scratch`);
+# "staged_late" moves the producer's wait on `staged` after its copy of the
+# staging buffer into the ring (the kernels' producer loops).
+GATHER_FAULTS = ("release_once", "staged_short", "staged_late")
 
 
 def gather_ring_scratch(slot_table: tuple[int, ...], heads: int, block_k: int, stages: int, fault: str | None) -> tuple:
@@ -116,15 +118,20 @@ def num_sms() -> int:
   return int(cores) if isinstance(cores, int) and cores > 0 else device.num_sms()
 
 
-def fill_ring_slot(g, stages: int, staged, ring_empty, ring_full, fill: Callable[[Any], None]) -> None:
+def fill_ring_slot(
+  g, stages: int, staged, ring_empty, ring_full, fill: Callable[[Any], None], *, staged_late: bool = False
+) -> None:
   """One step g of a gathering producer, after it issued the step's
   gathers: waits for them (`staged`) and for ring slot g % stages to be
   released by its previous use (step g - stages; the first `stages` uses
   have none), has `fill(slot)` move the staging buffer into the slot, then
   publishes it (`ring_full`). The commit makes the stores visible to the
   consumers' wgmmas and orders this warpgroup's reads of the staging
-  buffer before the next gather."""
-  plgpu.barrier_wait(staged)
+  buffer before the next gather. `staged_late` (a test-only fault, the
+  kernels' `staged_late`) waits for the gathers only after the fill, so the
+  staged rows are read before they land: a race the detector reports."""
+  if not staged_late:
+    plgpu.barrier_wait(staged)
   slot = lax.rem(g, stages)
 
   @pl.when(g >= stages)
@@ -132,6 +139,8 @@ def fill_ring_slot(g, stages: int, staged, ring_empty, ring_full, fill: Callable
     plgpu.barrier_wait(ring_empty.at[slot])
 
   fill(slot)
+  if staged_late:
+    plgpu.barrier_wait(staged)
   plgpu.commit_smem()
   plgpu.barrier_arrive(ring_full.at[slot])
 
@@ -231,12 +240,17 @@ def store_rows(wg, outs, lse, out_smem, lse_smem, o_gmem, lse_gmem):
   """A consumer warpgroup's epilogue: `outs` (its `[rows, width]` tiles, in
   column order) into `out_smem`, the rows' `lse` into `lse_smem`, then both to
   global memory by TMA: `out_smem` to `o_gmem` (already indexed down to this
-  warpgroup's rows and column half), `lse_smem` to `lse_gmem` by warpgroup 0
-  only (both consumers hold the same rows' lse)."""
+  warpgroup's rows and column half), `lse_smem` to `lse_gmem`. Both consumers
+  hold the same rows' lse; warpgroup 0 alone writes and stores it (two
+  writers of one buffer would race, the race detector's finding)."""
   width = out_smem.shape[-1] // len(outs)
   for i, value in enumerate(outs):
     out_smem[:, pl.ds(i * width, width)] = value.astype(out_smem.dtype)
-  lse_smem[...] = lse
+
+  @pl.when(wg == 0)
+  def _():
+    lse_smem[...] = lse
+
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem, o_gmem)
   pl.when(wg == 0)(lambda: plgpu.copy_smem_to_gmem(lse_smem, lse_gmem))

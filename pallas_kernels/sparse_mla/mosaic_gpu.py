@@ -79,7 +79,18 @@ Synchronization (interpret mode does not check asynchrony):
   sinks are written once, before `start` completes, and never again.
 - `done` (2 arrivals) is the consumers' rendezvous before the epilogue
   overwrites Q; P tile w is written by consumer w only, after its previous
-  P V wgmmas completed, and made visible by `commit_smem()`.
+  P V wgmmas completed, and made visible by `commit_smem()`. Consumer 0
+  alone writes the lse tile (`store_rows`).
+
+What the CPU interpreter checks of this (docs/perf/mosaic_gpu.md, "Race
+detector"; `tests/test_sparse_mla_mosaic.py` breaks the rules it sees):
+its race detector, on in every test run, `start` for what the consumers
+load, `staged` before the producer reads the staging buffer (`staged_late`:
+only it sees that), the `commit_smem()` before the next gather, the
+epilogue and the partial buffer's aliasing; its barrier checks, the
+arrival counts (`release_once`, `staged_short`). The ring is read by
+wgmma only, which the detector does not order, and wgmma asynchrony is not
+modelled: `ring_full`/`ring_empty` rest on this argument.
 """
 
 from __future__ import annotations
@@ -272,7 +283,7 @@ def _kernel(
         def _slot(t):
           gather(t, idx_smem[block, t])
 
-        fill_ring_slot(g, stages, staged, ring_empty, ring_full, to_ring)
+        fill_ring_slot(g, stages, staged, ring_empty, ring_full, to_ring, staged_late=fault == "staged_late")
 
       drain_releases(steps, stages, ring_empty)
 
@@ -362,7 +373,7 @@ def _forward(
       jax.ShapeDtypeStruct((m, splits, heads, head_dim), jnp.float32),
       jax.ShapeDtypeStruct((m, splits, heads), jnp.float32),
     )
-  kernel = plgpu.kernel(
+  kernel = compat.kernel(
     functools.partial(
       _kernel,
       config=config,
@@ -376,7 +387,8 @@ def _forward(
     grid_names=("h", "s", "m"),
     num_threads=NUM_CONSUMERS + 1,
     thread_name="wg",
-    **compat.interpret_kwargs(interpret),
+    name=__name__,
+    interpret=interpret,
   )
   zeros = jnp.zeros((1, head_dim), q.dtype)  # what an invalid slot gathers
   sink = attn_sink.astype(jnp.float32)
