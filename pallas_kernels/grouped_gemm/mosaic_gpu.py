@@ -94,7 +94,9 @@ is what makes the kernel correct on the GPU):
   have completed (`wgmma_wait` with the next step's wgmmas in flight, or
   0 at the unit's end) and it has read the slot's staged weights, scales
   and references (before issuing those wgmmas; the epilogue's references
-  before the last release). The producer waits on `empty[s]` before
+  before the last release, then `commit_smem()`: the generic-proxy reads
+  ordered before the producer's next TMA into the slot, a race the
+  interpreter's detector reported without it). The producer waits on `empty[s]` before
   reusing slot s for g >= stages, and at the end drains the last release
   of every slot it waited on (`drain_releases`).
 - Epilogue tiles are each consumer's own (its columns): before writing
@@ -690,6 +692,9 @@ def _kernel(
             for h, acc in enumerate(accs):
               b_hi = plgpu.load(w_fold_smem.at[slot, weight_rows(h)], layout=row_layout)
               outs.append(acc * lax.broadcast_in_dim(triton.f32_pow2(b_hi - FOLD_UNSHIFT), acc.shape, [0]) * a_unit)
+          # The references were read through the generic proxy; the
+          # producer's next TMA (async proxy) into the slot must come after.
+          plgpu.commit_smem()
           plgpu.barrier_arrive(empty.at[slot])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's stores have read the tiles
         if accs is None:
