@@ -7,11 +7,12 @@
 # GPU_RUN_BUDGET_S (default 480 s) of running, in phases:
 #   1. one workload per recorded variant of every definition (111), recorded
 #      sizes, device timer (jax.profiler), cold L2, definitions interleaved so
-#      that all are reached early, a per-workload timeout; stopped at 5/8 of
+#      that all are reached early, a per-workload timeout; stopped at 9/16 of
 #      the budget if not done;
 #   1b. the same workloads of every definition that has a second kernel
-#      backend (Mosaic GPU: dense GEMM, the attention definitions, sparse MLA) on that
-#      backend, same timer, into replay_mosaic_gpu.jsonl, until 6/8;
+#      backend (Mosaic GPU: dense GEMM, the grouped GEMM, the attention definitions,
+#      sparse and mixed MLA) on that
+#      backend, same timer, into replay_mosaic_gpu.jsonl, until 11/16;
 #   1c. peers (jaxkern.peers: XLA's dot, cuDNN attention, tokamax's attention
 #      and ragged_dot from the kit) on phase 1's workloads they cover, same
 #      timer, into peers.jsonl, until 13/16;
@@ -134,7 +135,7 @@ phase() {
   say "== phase $n ($name): end after $(( $(date +%s) - t0 )) s, $([ "$code" = 124 ] && echo "stopped at its budget" || echo "exit $code"); file: $(count "$file")"
 }
 
-phase 1 "one workload per recorded variant" $(( BUDGET * 5 / 8 )) "${PHASE1[@]}"
+phase 1 "one workload per recorded variant" $(( BUDGET * 9 / 16 )) "${PHASE1[@]}"
 if [ "$DRY" = 1 ]; then
   # One definition of each Mosaic GPU kernel (its interpret mode is slow).
   MOSAIC_DEFS=${GPU_RUN_MOSAIC_DEFINITIONS:-dense_gemm_bf16_nt_n4096_k4096,noncausal_dense_attention_h32_d64}
@@ -150,7 +151,7 @@ EOF
 )
 fi
 if [ -n "$MOSAIC_DEFS" ]; then
-  phase 1b "the same workloads on mosaic_gpu" $(( BUDGET * 6 / 8 )) "${PHASE1[@]}" --config.backend=mosaic_gpu \
+  phase 1b "the same workloads on mosaic_gpu" $(( BUDGET * 11 / 16 )) "${PHASE1[@]}" --config.backend=mosaic_gpu \
     --config.definitions="$MOSAIC_DEFS" --config.output="$OUT/replay_mosaic_gpu.jsonl"
 fi
 left=$(left_until $(( BUDGET * 13 / 16 )))
