@@ -119,15 +119,16 @@ def test_permuted_order_leaves_a_dot_unchanged():
 
 
 def spread_operands():
-  """E = 4, N = 64, K = 128, 9 rows an expert: expert 1 has an activation
-  row and expert 3 a weight row whose scales spread one byte beyond the
-  fold's limits (the only nonzero products far below the row's largest
-  scale), so their units take the promoted fallback; experts 0 and 2 fold."""
-  x = operands(grouped([(e, 9) for e in range(4)]), 64, 128, e=4, seed=11)
+  """E = 4, N = 64, K = 64 (two scale groups), 9 rows an expert: expert 1
+  has an activation row and expert 3 a weight row whose scales spread one
+  byte beyond the fold's limits (the only nonzero products far below the
+  row's largest scale), so their units take the promoted fallback;
+  experts 0 and 2 fold."""
+  x = operands(grouped([(e, 9) for e in range(4)]), 64, 64, e=4, seed=11)
   a, a_scale = np.asarray(x["a"]).view(np.uint8).copy(), np.asarray(x["a_scale"]).copy()
   b, b_scale = np.asarray(x["b"]).copy(), np.asarray(x["b_scale"]).copy()
-  a[9 + 4, :32], a_scale[9 + 4] = 0, [140] + [140 - gg.FOLD_A_MAX_SHIFT - 1] * 3
-  b[3, 5, :16], b_scale[3, 5] = 0, [140] + [140 - gg.FOLD_B_MAX_SHIFT - 1] * 3
+  a[9 + 4, :32], a_scale[9 + 4] = 0, [140, 140 - gg.FOLD_A_MAX_SHIFT - 1]
+  b[3, 5, :16], b_scale[3, 5] = 0, [140, 140 - gg.FOLD_B_MAX_SHIFT - 1]
   return {
     **x,
     "a": jnp.asarray(a).view(jnp.float8_e4m3fn),
@@ -144,8 +145,7 @@ def test_fold_and_its_promoted_fallback_match_float64():
   own size); the fallback's units are the ones `_operands` flags."""
   x = spread_operands()
   config = mg.MosaicGroupedGemmConfig(block_m=16, block_n=128, stages=2)
-  fold = np.asarray(mg._operands(**x, config=config)[2])
-  items = np.asarray(mg._operands(**x, config=config)[0])
+  items, _, fold = (np.asarray(v) for v in mg._operands(**x, config=config)[:3])
   assert list(fold[:4, 0]) == [1, 0, 1, 0] and list(items[0, :4]) == [0, 1, 2, 3]
   out = np.asarray(mg.grouped_gemm_fp8_fp4(**x, config=config, interpret=True), np.float64)
   np.testing.assert_allclose(out, reference_float64(**x), rtol=2**-7, atol=0)
