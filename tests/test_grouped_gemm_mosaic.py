@@ -1,5 +1,6 @@
 """What is the Mosaic GPU grouped GEMM's own (`pallas_kernels.grouped_gemm.mosaic_gpu`):
-the work list of item runs, the decodes into the permuted k order, the fold
+the work list of item runs, the weights' decode and the activation operand
+in the permuted k order, the fold
 and its fallback (promoted groups) against float64 NumPy, the inputs it
 refuses, the heuristic, and the synchronization faults the interpret run
 must catch. Its H100 lowering and interpret-mode
