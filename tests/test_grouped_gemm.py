@@ -145,10 +145,10 @@ def launches(config, axes):
 
 def launches_mosaic_gpu(config, axes):
   """One Mosaic GPU call: the work list (items [4, M], count, unit fold
-  flags [M, N tiles]), the activations as words, their scale bytes
-  transposed and fold references (M padded to 16), the weights as byte
-  pairs, the used experts' scale bytes transposed and references (N padded
-  to 16; min(E, M) experts); C out."""
+  flags [M, N tiles]), the activations as f16 by scale group, their
+  promotion scale bytes and fold references (M padded to 16), the weights
+  as byte pairs, the used experts' scale bytes transposed and references
+  (N padded to 16; min(E, M) experts); C out."""
   m, n, k, e = axes["M"], axes["N"], axes["K"], axes["E"]
   if not m:
     return []
@@ -158,7 +158,7 @@ def launches_mosaic_gpu(config, axes):
     f"tensor<4x{m}xi32>",
     "tensor<1xi32>",
     f"tensor<{m}x{-(-n // config.block_n)}xi32>",
-    f"tensor<{m}x{k // 4}xui32>",
+    f"tensor<{k // 32}x{m}x32xf16>",
     f"tensor<{groups}x{pad(m)}xui8>",
     f"tensor<{pad(m)}xi32>",
     f"tensor<{e}x{n}x{k // 4}xui16>",

@@ -1,5 +1,6 @@
 """What is the Mosaic GPU grouped GEMM's own (`pallas_kernels.grouped_gemm.mosaic_gpu`):
-the work list of item runs, the decodes into the permuted k order, the fold
+the work list of item runs, the weights' decode and the activation operand
+in the permuted k order, the fold
 and its fallback (promoted groups) against float64 NumPy, the inputs it
 refuses, the heuristic, and the synchronization faults the interpret run
 must catch. Its H100 lowering and interpret-mode
@@ -60,10 +61,9 @@ def test_work_list_covers_every_row_once_in_runs(seed):
   assert np.all(items[2, count:] == 0)
 
 
-def test_decodes_are_the_values_in_the_permuted_k_order():
-  """Every byte pair (weights: four e2m1 codes, low nibble first) and every
-  e4m3 byte (activations) decode to f16 in the kernel's k order: in each
-  32-k group, column 8i + j holds k = 4j + i."""
+def test_weight_decode_gives_the_values_in_the_permuted_k_order():
+  """Every byte pair (four e2m1 codes, low nibble first) decodes to f16 in
+  the kernel's k order: in each 32-k group, column 8i + j holds k = 4j + i."""
   pairs = jnp.arange(1 << 16, dtype=jnp.uint32).astype(jnp.uint16).reshape(-1, 8)
   mult = jnp.full((pairs.shape[0],), 2.0**-3, jnp.float16)
   got = np.asarray(mg.weights_to_f16(pairs, mult), np.float64)
@@ -71,10 +71,31 @@ def test_decodes_are_the_values_in_the_permuted_k_order():
   low, high = (np.asarray(x) for x in fp_formats.unpack_e2m1(jnp.asarray(packed)))
   values = np.stack([E2M1[low], E2M1[high]], -1).reshape(-1, 32) * 2.0**-6 * 2.0**-3
   np.testing.assert_array_equal(got, np.asarray(mg.permute_group(jnp.asarray(values))))
-  words = jax.random.bits(jax.random.key(0), (512, 8), jnp.uint32)
-  got = np.asarray(mg.activations_to_f16(words, jnp.ones((512,), jnp.float16)), np.float64)
-  e4m3 = np.asarray(words).view(np.uint8).reshape(512, 32).view(jnp.float8_e4m3fn).astype(np.float64)
-  np.testing.assert_array_equal(got, np.asarray(mg.permute_group(jnp.asarray(e4m3))))
+
+
+def test_activation_operand_keeps_every_value_exactly():
+  """The activations converted before the launch: every e4m3 byte value in
+  rows that fold (each group d bytes below the row's largest scale is
+  `e4m3 x 2^(7 - d)`, d up to the fold's limit) and rows that do not (a
+  spread one byte beyond it; a byte 0), in the permuted k order by scale
+  group; and each f16 value times 2^(promotion byte - 127) is the
+  activation times its own scale, exactly (what the promoted fallback
+  multiplies by)."""
+  rows, k = 4, 256
+  a_bytes = np.arange(rows * k, dtype=np.uint32).reshape(rows, k).astype(np.uint8)
+  a = jnp.asarray(a_bytes).view(jnp.float8_e4m3fn)
+  hi = 150
+  spread = np.arange(k // 32) * gg.FOLD_A_MAX_SHIFT // (k // 32 - 1)  # 0 .. the limit
+  a_scale = np.stack([hi - spread, hi - spread[::-1], hi - spread - (spread == spread.max()), hi - 0 * spread])
+  a_scale[3, 2] = 0  # a byte 0 does not fold
+  a16, promote, a_fold = (np.asarray(x) for x in mg.activation_operand(a, jnp.asarray(a_scale, jnp.uint8)))
+  assert list(a_fold) == [hi, hi, -1, -1] and a16.shape == (k // 32, rows, 32) and a16.dtype == np.float16
+  values = np.asarray(a.astype(jnp.float32), np.float64) * 2.0 ** (np.repeat(a_scale, 32, axis=1) - 127.0)
+  got = np.swapaxes(a16, 0, 1).astype(np.float64) * 2.0 ** (promote.T[:, :, None] - 127.0)
+  np.testing.assert_array_equal(got.reshape(rows, k), np.asarray(mg.permute_group(jnp.asarray(values))))
+  np.testing.assert_array_equal(promote.T[2:], a_scale[2:])  # rows that do not fold: their own bytes
+  finite = np.isfinite(values)
+  assert (np.asarray(a.astype(jnp.float32))[finite] != 0).sum() > 0.9 * finite.size
 
 
 def test_ptx_decode_text_matches_jnp_on_every_pair():
@@ -93,40 +114,22 @@ def test_ptx_decode_text_matches_jnp_on_every_pair():
       np.testing.assert_array_equal(got.view(np.uint16), want[i].view(np.uint16))
 
 
-def test_ptx_activation_decode_text_matches_jnp_on_every_byte():
-  """The compiled kernel's activation decode (`E4M3_WORDS_TO_F16_PTX`) on a
-  register of two words (lane p: word p, the 64-bit register's low half
-  first) gives, in result i, byte i of each lane's word as f16, as the jnp
-  form does: every byte value in every position of either word. (The
-  emulator takes the two words as the unpacked halves.)"""
-  byte_values = np.arange(256, dtype=np.uint32)
-  text = mg.E4M3_WORDS_TO_F16_PTX.replace("mov.b64 {a, b}, $4;\n", "")
-  for position in range(4):
-    words = [np.roll(byte_values, 17 * lane + 3) * 0x01010101 for lane in range(2)]
-    words = [w & ~np.uint32(0xFF << (8 * position)) | byte_values << (8 * position) for w in words]
-    regs = run_ptx(text, {"a": words[0], "b": words[1]})
-    for lane in range(2):
-      want = [np.asarray(x) for x in mg._bytes_to_f16(jnp.asarray(words[lane]))]
-      for i in range(4):
-        got = (regs[f"${i}"] >> (16 * lane) & 0xFFFF).astype(np.uint16)
-        np.testing.assert_array_equal(got, want[i].view(np.uint16))
-
-
 def test_permuted_order_leaves_a_dot_unchanged():
   a, b = (jax.random.randint(jax.random.key(i), (8, 96), -8, 8).astype(jnp.float32) for i in (0, 1))
   np.testing.assert_array_equal(np.asarray(mg.permute_group(a) @ mg.permute_group(b).T), np.asarray(a @ b.T))
 
 
 def spread_operands():
-  """E = 4, N = 64, K = 128, 9 rows an expert: expert 1 has an activation
-  row and expert 3 a weight row whose scales spread one byte beyond the
-  fold's limits (the only nonzero products far below the row's largest
-  scale), so their units take the promoted fallback; experts 0 and 2 fold."""
-  x = operands(grouped([(e, 9) for e in range(4)]), 64, 128, e=4, seed=11)
+  """E = 4, N = 64, K = 64 (two scale groups), 9 rows an expert: expert 1
+  has an activation row and expert 3 a weight row whose scales spread one
+  byte beyond the fold's limits (the only nonzero products far below the
+  row's largest scale), so their units take the promoted fallback;
+  experts 0 and 2 fold."""
+  x = operands(grouped([(e, 9) for e in range(4)]), 64, 64, e=4, seed=11)
   a, a_scale = np.asarray(x["a"]).view(np.uint8).copy(), np.asarray(x["a_scale"]).copy()
   b, b_scale = np.asarray(x["b"]).copy(), np.asarray(x["b_scale"]).copy()
-  a[9 + 4, :32], a_scale[9 + 4] = 0, [140] + [140 - gg.FOLD_A_MAX_SHIFT - 1] * 3
-  b[3, 5, :16], b_scale[3, 5] = 0, [140] + [140 - gg.FOLD_B_MAX_SHIFT - 1] * 3
+  a[9 + 4, :32], a_scale[9 + 4] = 0, [140, 140 - gg.FOLD_A_MAX_SHIFT - 1]
+  b[3, 5, :16], b_scale[3, 5] = 0, [140, 140 - gg.FOLD_B_MAX_SHIFT - 1]
   return {
     **x,
     "a": jnp.asarray(a).view(jnp.float8_e4m3fn),
@@ -143,8 +146,7 @@ def test_fold_and_its_promoted_fallback_match_float64():
   own size); the fallback's units are the ones `_operands` flags."""
   x = spread_operands()
   config = mg.MosaicGroupedGemmConfig(block_m=16, block_n=128, stages=2)
-  fold = np.asarray(mg._operands(**x, config=config)[2])
-  items = np.asarray(mg._operands(**x, config=config)[0])
+  items, _, fold = (np.asarray(v) for v in mg._operands(**x, config=config)[:3])
   assert list(fold[:4, 0]) == [1, 0, 1, 0] and list(items[0, :4]) == [0, 1, 2, 3]
   out = np.asarray(mg.grouped_gemm_fp8_fp4(**x, config=config, interpret=True), np.float64)
   np.testing.assert_allclose(out, reference_float64(**x), rtol=2**-7, atol=0)

@@ -17,11 +17,13 @@ weight group `e2m1 x 2^(9 - d)`; every such product is exact in fp32, so
 one f16 wgmma accumulation runs over all of K and the result is scaled
 once by `2^(a_hi - 135) 2^(b_hi - 135)`. A unit whose rows do not all fold
 (a row with a wider spread, a byte 0 or 255; `hi = -1`) runs the same
-operands without the fold (activations as e4m3 values, weights as e2m1
-values times 2^-6) one 32-k scale group per wgmma, each group's product
-promoted into an fp32 accumulator times its two scales (`ue8m0_to_f32`:
-byte 0 gives 0, byte 255 inf, as the Triton kernel's fp8 path), and the
-2^6 restored at the end.
+activations and the weights without their fold (e2m1 values times 2^-6)
+one 32-k scale group per wgmma, each group's product promoted into an
+fp32 accumulator times its two scales (`ue8m0_to_f32`: byte 0 gives 0,
+byte 255 inf, as the Triton kernel's fp8 path; an activation row that
+folds has the scale that undoes its fold in every group, one that does
+not its own bytes, `activation_operand`), and the 2^6 restored at the
+end.
 
 Work list (XLA, before the launch; `work_list`): the rows are taken in
 their own order and cut into items: runs of consecutive rows with one
@@ -32,9 +34,12 @@ in more, smaller items. Items of invalid rows write zeros. The weights'
 scale bytes of the experts the rows use are gathered and transposed to
 [experts, K/32, N] (`expert_scales`; TMA cannot read a weight row's
 scale bytes at K = 2304, whose rows are 72 bytes apart, and the kernel
-wants each group's bytes of 64 rows as one vector), the activations' to
-[K/32, M]; the fold references are those of `triton.fold_operands`'
-rule, and each (item, N tile) unit gets one flag: fold or not.
+wants each group's bytes of 64 rows as one vector); the fold references
+are those of `triton.fold_operands`' rule, and each (item, N tile) unit
+gets one flag: fold or not. The activations are converted once, to the
+wgmma's f16 operand (`activation_operand`: folded, in the permuted k
+order, [K/32, M, 32] by scale group; a pass over M x K bytes, which every
+N tile's units read again): the kernel only decodes weights.
 
 Structure: a persistent grid of `config.grid` CTAs (the SM count); CTA p
 takes the units p, p + grid, ... of the (item, N tile) list, item-major
@@ -44,21 +49,27 @@ weights in L2). Three warpgroups:
 - warpgroup 2, the producer (`setmaxnreg` down to `PRODUCER_REGISTERS`):
   per 64-k step of a unit, six TMA copies into ring slot `g % stages`:
   the packed weights `[block_n, 16]` byte pairs, their scale bytes
-  `[2, block_n]` and fold references `[block_n]`, the activation bytes
-  `[64, 16]` words (64 rows from the item's first: the rows past the item
-  are computed and never stored), their scale bytes `[2, 64]` and fold
-  references `[64]`.
-- warpgroups 0 and 1, the consumers: consumer w decodes scale group w of
-  the step's activations (e4m3 -> f16 times its multiplier) into the
-  slot's f16 tile (the wgmma's B operand, `[64, 32]` per group), and its
-  `block_n / 2` weight rows, 64 at a time, e2m1 -> e4m3 -> f16 times the
-  multiplier, in registers in the wgmma layout: the A operand of
+  `[2, block_n]` and fold references `[block_n]`, the f16 activations
+  `[2, block_m, 32]` (the wgmma's B operand, one tile per scale group;
+  `block_m` rows from the item's first: the rows past the item are
+  computed and never stored), their promotion scale bytes and fold
+  references.
+- warpgroups 0 and 1, the consumers: each decodes its `block_n / 2`
+  weight rows, 64 at a time, e2m1 -> e4m3 -> f16 times the multiplier,
+  in registers in the wgmma layout: the A operand of
   `wgmma m64n{block_m}k16` (register A needs no shared-memory round trip
-  for the weights, which are four times the activations' bytes of a unit
-  step). Compiled, the wgmmas of a step run while the next step decodes.
-  The CPU interpreter's wgmma reads shared memory only, so in interpret
-  mode the decoded weights go through a per-consumer tile first (the
-  only difference between the two).
+  for the weights). Compiled, the wgmmas of a step run while the next
+  step decodes. The CPU interpreter's wgmma reads shared memory only, so
+  in interpret mode the decoded weights go through a per-consumer tile
+  first; and it keeps a `RefUnion`'s views apart, so there the activation
+  tiles are one view (below).
+- the activation tiles: TMA writes them through a 1-row-tiled view
+  (`ACT_ROW_TRANSFORMS`), since Mosaic GPU tiles a copy's rows by its
+  shared-memory tiling and an item may start at any row; the wgmmas read
+  them through the 8-row view (`GROUP_TRANSFORMS`) of the same bytes (a
+  `RefUnion`: each view starts at its union's first byte; with 32-column
+  tiles both views lay a group out as rows of 64 bytes under the same
+  64-byte swizzle).
 - epilogue: the accumulator is C^T (`[64 weight rows, block_m rows]`):
   each consumer stores it transposed into a `(8, 64)`-tiled tile, reads
   it back in C's orientation into a 1-row-tiled tile, and TMA-stores the
@@ -68,9 +79,9 @@ weights in L2). Three warpgroups:
 The k order inside a 32-k group is permuted, the same on both operands
 (a dot does not depend on the order of k): column `8i + j` holds k = 4j + i
 (`permute_group`). A thread of the wgmma register layout holds columns
-(2c, 2c + 1) of each 8-column tile: the byte pairs (weights) and words
-(activations) it loads hold k 4j..4j+3, so each nibble or byte position i
-becomes one 8-column tile without moving data between threads.
+(2c, 2c + 1) of each 8-column tile: the byte pairs it loads hold k
+4j..4j+3, so each nibble position i becomes one 8-column tile without
+moving data between threads.
 
 Synchronization (interpret mode does not check asynchrony; this argument
 is what makes the kernel correct on the GPU):
@@ -81,14 +92,8 @@ is what makes the kernel correct on the GPU):
   slot g % stages, use u = g // stages.
 - `loaded[s]` (6 arrivals, one per TMA copy of a step) completes phase u
   once use u's data has landed; both consumers wait on it before reading
-  the slot.
-- `act_ready[s]` (2 arrivals, one per consumer) guards the slot's f16
-  activation tile: each consumer writes its group, `commit_smem()` (its
-  stores visible to the async proxy the wgmma reads through), arrives,
-  then waits on it before its wgmmas read both groups. A consumer can
-  arrive for use u + 1 only after `loaded[s]` of use u + 1, which needs
-  both consumers' release of use u, which each gives after waiting phase u:
-  so no arrival of phase u + 1 precedes a wait on phase u.
+  the slot (the TMA writes and the wgmma reads of the activation tiles
+  are both in the async proxy).
 - `empty[s]` (2 arrivals, one per consumer) guards the slot's reuse: a
   consumer arrives once the wgmmas that read the slot's activation tile
   have completed (`wgmma_wait` with the next step's wgmmas in flight, or
@@ -142,14 +147,21 @@ from pallas_kernels.shared.mosaic_gpu import (
 
 GROUP = triton.GROUP  # k values per UE8M0 scale byte (both operands)
 STEP_K = 2 * GROUP  # k values a ring slot holds: two scale groups, one per consumer's activation share
-ACT_ROWS = 64  # activation rows a step stages and decodes (a wgmma layout tile); `block_m` of them are used
+TILE_ROWS = 64  # rows of the epilogue's tiles (a wgmma layout tile); `block_m` of them are used
 HALF = 64  # weight rows of one wgmma (its M)
-PAIRS = GROUP // 4  # byte pairs (weights) or words (activations) of one row and group
-# The staged words and byte pairs: 1-row tiles keep Mosaic GPU from tiling
-# them for its register loads.
+PAIRS = GROUP // 4  # byte pairs of one weight row and group
+# Activation scale bytes a step stages per group: TMA boxes are at least 16 bytes wide.
+MIN_SCALE_ROWS = 16
+# The staged byte pairs: 1-row tiles keep Mosaic GPU from tiling them for
+# its register loads.
 STAGING_TRANSFORMS = (plgpu.TilingTransform((1, 8)),)  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
 # The f16 operands in shared memory: 32-column (64-byte) tiles, one per scale group.
 GROUP_TRANSFORMS = (plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(2 * GROUP))  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
+# The same bytes in 1-row tiles: a group's rows are one 64-byte tile row
+# either way, so this view and GROUP_TRANSFORMS' lay out a [rows, 32] tile
+# alike; a TMA copy into this view may start at any row (Mosaic GPU asks an
+# 8-row tiling for starts that are multiples of 8).
+ACT_ROW_TRANSFORMS = (plgpu.TilingTransform((1, GROUP)), plgpu.SwizzleTransform(2 * GROUP))  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
 # The producer only issues copies; the consumers decode and hold the
 # accumulators (docs/perf/moe_kernels.md, the compile).
 PRODUCER_REGISTERS = 40
@@ -183,17 +195,22 @@ class Sizes:
 
 def shared_memory_bytes(config: MosaicGroupedGemmConfig, interpret: bool = False) -> int:
   """The scratch the kernel allocates, each buffer aligned to 1 KiB: per
-  ring slot the weights' byte pairs, scale bytes and references, the
-  activations' words, scale bytes and references, and the f16 activation
-  tile; the two epilogue tiles; in interpret mode the decoded weights'
-  tiles (`interpret`); and the barriers."""
-  bn = config.block_n
-  slot = [bn * PAIRS * 2 * 2, 2 * bn, 4 * bn, ACT_ROWS * STEP_K, 2 * ACT_ROWS, 4 * ACT_ROWS, 2 * ACT_ROWS * GROUP * 2]
-  epilogue = [ACT_ROWS * bn * 2, ACT_ROWS * bn * 2]
+  ring slot the weights' byte pairs, scale bytes and references, and the
+  activations' f16 tile, promotion scale bytes and references; the two
+  epilogue tiles; in interpret mode the decoded weights' tiles
+  (`interpret`); and the barriers."""
+  bm, bn = config.block_m, config.block_n
+  slot = [bn * PAIRS * 2 * 2, 2 * bn, 4 * bn, 2 * bm * GROUP * 2, 2 * _scale_rows(config), 4 * bm]
+  epilogue = [TILE_ROWS * bn * 2, TILE_ROWS * bn * 2]
   staged_weights = [NUM_CONSUMERS * _halves(config) * 2 * HALF * GROUP * 2] if interpret else []
   return (
-    config.stages * sum(map(align_kib, slot)) + sum(map(align_kib, epilogue + staged_weights)) + 8 * 3 * config.stages
+    config.stages * sum(map(align_kib, slot)) + sum(map(align_kib, epilogue + staged_weights)) + 8 * 2 * config.stages
   )
+
+
+def _scale_rows(config: MosaicGroupedGemmConfig) -> int:
+  """Activation rows whose scale bytes a step stages (`block_m` of them used)."""
+  return max(config.block_m, MIN_SCALE_ROWS)
 
 
 def _halves(config: MosaicGroupedGemmConfig) -> int:
@@ -321,21 +338,40 @@ def _operands(a, a_scale, b, b_scale, expert_ids, config: MosaicGroupedGemmConfi
   num_experts, n, _ = b.shape
   items, count, experts, item_of_row = work_list(expert_ids, num_experts, config.block_m)
   scales_t, b_fold, tile_fold = expert_scales(b_scale, experts, config.block_n)
-  a_fold = triton._fold_reference(a_scale, triton.FOLD_A_MAX_SHIFT)  # [M]
+  a16, a_promote, a_fold = activation_operand(a, a_scale)
   item_fold = jax.ops.segment_min(a_fold, item_of_row, num_segments=m) >= 0
   unit_fold = (item_fold[:, None] & tile_fold[items[3]]).astype(jnp.int32)  # [M item slots, N tiles]
-  words = lax.bitcast_convert_type(lax.bitcast_convert_type(a, jnp.uint8).reshape(m, k // 4, 4), jnp.uint32)
   return (
     items,
     count,
     unit_fold,
-    words,
-    _pad_to(a_scale.T, 1, 16),
+    a16,
+    _pad_to(a_promote, 1, 16),
     _pad_to(a_fold, 0, 16, 127),
     triton.byte_pairs(b),
     scales_t,
     b_fold,
   )
+
+
+def activation_operand(a: jax.Array, a_scale: jax.Array):
+  """The activations as the kernel's wgmma operand, converted once before
+  the launch (a pass over M x K bytes; each of the N tiles' units reads its
+  rows again): f16 [K/32, M, 32] by scale group, in the permuted k order
+  (`permute_group`), each row folded against its reference
+  (`e4m3 x 2^(7 - d)`, exact) or, where it does not fold, the e4m3 values
+  themselves; uint8 [K/32, M], the scale bytes the promoted fallback
+  multiplies each group's product by: a folded row's 2^(hi - 134) for every
+  group (what undoes its fold), another row's own bytes; and the rows'
+  fold references, int32 [M] (-1: does not fold)."""
+  m, k = a.shape
+  a_fold = triton._fold_reference(a_scale, triton.FOLD_A_MAX_SHIFT)  # [M]
+  folds = a_fold[:, None] >= 0
+  shift = jnp.where(folds, FOLD_A_EXPONENT - (a_fold[:, None] - a_scale.astype(jnp.int32)), 0)  # [M, K/32]
+  values = a.astype(jnp.float32).reshape(m, k // GROUP, GROUP) * triton.f32_pow2(shift)[:, :, None]
+  a16 = jnp.swapaxes(permute_group(values.reshape(m, k)).reshape(m, k // GROUP, GROUP), 0, 1).astype(jnp.float16)
+  promote = jnp.where(folds, a_fold[:, None] - FOLD_A_EXPONENT, a_scale.astype(jnp.int32)).astype(jnp.uint8)
+  return a16, promote.T, a_fold
 
 
 # ---------------------------------------------------------------------------
@@ -347,44 +383,11 @@ def f16_pow2(e):
   return triton.f32_pow2(e).astype(jnp.float16)
 
 
-def _concat_positions(parts):
-  return jnp.concatenate(parts, axis=1)
-
-
-# The activations' decode of one register of two words (lane p: word p, 4
-# e4m3 bytes) into its four f16x2 registers, one per byte position i
-# (lane p: byte i of word p): two `prmt`s pair the words' bytes, then one
-# `cvt.rn.f16x2.e4m3x2` per half.
-E4M3_WORDS_TO_F16_PTX = """{
-.reg .b32 a, b, p, q;
-.reg .b16 pl, ph, ql, qh;
-mov.b64 {a, b}, $4;
-prmt.b32 p, a, b, 0x5140;
-prmt.b32 q, a, b, 0x7362;
-mov.b32 {pl, ph}, p;
-mov.b32 {ql, qh}, q;
-cvt.rn.f16x2.e4m3x2 $0, pl;
-cvt.rn.f16x2.e4m3x2 $1, ph;
-cvt.rn.f16x2.e4m3x2 $2, ql;
-cvt.rn.f16x2.e4m3x2 $3, qh;
-}"""
-
-
-def _bytes_to_f16(words):
-  """The four byte positions of e4m3 words uint32 [rows, 8] as f16 arrays
-  [rows, 8] (byte i of each word), in jnp."""
-  parts = []
-  for i in range(4):
-    byte = ((words >> (8 * i)) & 0xFF).astype(jnp.uint8)
-    parts.append(lax.bitcast_convert_type(byte, jnp.float8_e4m3fn).astype(jnp.float16))
-  return parts
-
-
-def _register_asm(array, ptx: str, register_type: str, constraint: str):
+def _register_asm(array, ptx: str):
   """Four f16 arrays of `array`'s shape and wgmma layout from inline PTX
-  run on each of its registers (`ptx`: outputs $0..$3, f16x2 each; input
-  $4, the register as `register_type`, an LLVM integer type): register r
-  of result i is the asm's result i on register r, lane for lane."""
+  run on each of its 32-bit registers (`ptx`: outputs $0..$3, f16x2 each;
+  input $4): register r of result i is the asm's result i on register r,
+  lane for lane."""
   shape = plgpu.ShapeDtypeStruct(array.shape, jnp.dtype(jnp.float16), layout=plgpu.Layout.WGMMA)
 
   def decode(_, array):
@@ -392,23 +395,13 @@ def _register_asm(array, ptx: str, register_type: str, constraint: str):
     struct = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
     outs = [np.empty_like(array.registers) for _ in range(4)]
     for index, reg in np.ndenumerate(array.registers):
-      word = mgpu.utils.bitcast(reg, ir.Type.parse(register_type))
-      result = llvm.inline_asm(struct, [word], ptx, f"=r,=r,=r,=r,{constraint}")
+      word = mgpu.utils.bitcast(reg, i32)
+      result = llvm.inline_asm(struct, [word], ptx, "=r,=r,=r,=r,r")
       for i in range(4):
         outs[i][index] = mgpu.utils.bitcast(llvm.extractvalue(i32, result, [i]), ir.VectorType.get((2,), f16))
     return tuple(mgpu.FragmentedArray(_registers=o, _layout=array.layout, _is_signed=None) for o in outs)
 
   return list(plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(shape,) * 4)(decode)(array))
-
-
-def activations_to_f16(words, mult, ptx: bool = False):
-  """One group of activations: words uint32 [rows, 8] (4 e4m3 bytes each,
-  k 4j..4j+3) -> f16 [rows, 32] in the permuted k order (column 8i + j:
-  byte i of word j) times the rows' multipliers `mult` f16 [rows]. `ptx`:
-  the compiled kernel's form (`E4M3_WORDS_TO_F16_PTX`), the same values."""
-  parts = _register_asm(words, E4M3_WORDS_TO_F16_PTX, "i64", "l") if ptx else _bytes_to_f16(words)
-  values = _concat_positions(parts)
-  return values * lax.broadcast_in_dim(mult, values.shape, [0])
 
 
 # The weights' decode of one 32-bit register (two byte pairs: pair p in
@@ -456,8 +449,8 @@ def weights_to_f16(pairs, mult, ptx: bool = False):
   (the e4m3 decode, `fp_formats.e2m1_to_e4m3_bits`) times the rows'
   multipliers `mult` f16 [rows]. `ptx`: the compiled kernel's form
   (`E2M1_PAIRS_TO_F16_PTX`), the same values."""
-  parts = _register_asm(pairs, E2M1_PAIRS_TO_F16_PTX, "i32", "r") if ptx else _codes_to_f16(pairs)
-  values = _concat_positions(parts)
+  parts = _register_asm(pairs, E2M1_PAIRS_TO_F16_PTX) if ptx else _codes_to_f16(pairs)
+  values = jnp.concatenate(parts, axis=1)
   return values * lax.broadcast_in_dim(mult, values.shape, [0])
 
 
@@ -478,7 +471,7 @@ def _kernel(
   count_gmem,
   fold_gmem,
   a_gmem,
-  a_scale_gmem,
+  a_promote_gmem,
   a_fold_gmem,
   b_gmem,
   b_scale_gmem,
@@ -495,6 +488,7 @@ def _kernel(
 ):
   bm, bn, stages = config.block_m, config.block_n, config.stages
   halves = _halves(config)
+  scale_rows = _scale_rows(config)
   cols = bn // NUM_CONSUMERS  # output columns of one consumer
   n_tiles = cdiv(n, bn)
   k_steps = cdiv(k, STEP_K)
@@ -510,9 +504,10 @@ def _kernel(
     return (*fields, tile, fold_gmem[item, tile])
 
   def scoped(*refs):
-    (w_smem, w_scale_smem, w_fold_smem, a_smem, a_scale_smem, a_fold_smem, act_smem, t_smem, o_smem) = refs[:9]
-    a_regs_smem = refs[9] if interpret else None
-    loaded, act_ready, empty = refs[-3:]
+    (w_smem, w_scale_smem, w_fold_smem, act, a_promote_smem, a_fold_smem, t_smem, o_smem) = refs[:8]
+    act_rows_smem, act_smem = (act, act) if interpret else act
+    a_regs_smem = refs[8] if interpret else None
+    loaded, empty = refs[-2:]
     wg = lax.axis_index("wg")
 
     @pl.when(wg == NUM_CONSUMERS)
@@ -541,10 +536,9 @@ def _kernel(
             )
             plgpu.copy_gmem_to_smem(b_scale_gmem.at[used, groups, pl.ds(n0, bn)], w_scale_smem.at[slot], bar)
             plgpu.copy_gmem_to_smem(b_fold_gmem.at[used, pl.ds(n0, bn)], w_fold_smem.at[slot], bar)
-            rows = pl.ds(first, ACT_ROWS)
-            plgpu.copy_gmem_to_smem(a_gmem.at[rows, pl.ds(kk * 2 * PAIRS, 2 * PAIRS)], a_smem.at[slot], bar)
-            plgpu.copy_gmem_to_smem(a_scale_gmem.at[groups, rows], a_scale_smem.at[slot], bar)
-            plgpu.copy_gmem_to_smem(a_fold_gmem.at[rows], a_fold_smem.at[slot], bar)
+            plgpu.copy_gmem_to_smem(a_gmem.at[groups, pl.ds(first, bm)], act_rows_smem.at[slot], bar)
+            plgpu.copy_gmem_to_smem(a_promote_gmem.at[groups, pl.ds(first, scale_rows)], a_promote_smem.at[slot], bar)
+            plgpu.copy_gmem_to_smem(a_fold_gmem.at[pl.ds(first, bm)], a_fold_smem.at[slot], bar)
 
         return g + jnp.where(key < experts, k_steps, 0)
 
@@ -562,20 +556,6 @@ def _kernel(
 
       def load(ref, layout=plgpu.Layout.WGMMA):
         return plgpu.load(ref, layout=layout, optimized=False)
-
-      def decode_activations(slot, fold):
-        """This consumer's group (w) of the step's activations, f16, into
-        the slot's tile."""
-        if fold:
-          a_hi = plgpu.load(a_fold_smem.at[slot], layout=row_layout)
-          byte = plgpu.load(a_scale_smem.at[slot, wg], layout=row_layout).astype(jnp.int32)
-          mult = f16_pow2(FOLD_A_EXPONENT - (a_hi - byte))
-        else:
-          mult = plgpu.layout_cast(jnp.ones((ACT_ROWS,), jnp.float16), row_layout)
-        words = load(a_smem.at[slot, :, pl.ds(wg * PAIRS, PAIRS)])
-        act_smem[slot, wg] = activations_to_f16(words, mult, ptx=not interpret)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(act_ready.at[slot])
 
       def decode_weights(slot, h, group, fold):
         rows = weight_rows(h)
@@ -601,7 +581,7 @@ def _kernel(
         return ref
 
       def activations(slot, group):
-        return act_smem.at[slot, group, pl.ds(0, bm)].T
+        return act_smem.at[slot, group].T
 
       def release(step):
         plgpu.barrier_arrive(empty.at[lax.rem(step, stages)])
@@ -613,9 +593,7 @@ def _kernel(
           step = g + kk
           slot = lax.rem(step, stages)
           plgpu.barrier_wait(loaded.at[slot])
-          decode_activations(slot, True)
           ops = [[operand(h, grp, decode_weights(slot, h, grp, True)) for grp in range(2)] for h in range(halves)]
-          plgpu.barrier_wait(act_ready.at[slot])
           for h in range(halves):
             for grp in range(2):
               plgpu.wgmma(accs[h], ops[h][grp], activations(slot, grp))
@@ -637,8 +615,6 @@ def _kernel(
           step = g + kk
           slot = lax.rem(step, stages)
           plgpu.barrier_wait(loaded.at[slot])
-          decode_activations(slot, False)
-          plgpu.barrier_wait(act_ready.at[slot])
           out = []
           for h in range(halves):
             acc = accs[h]
@@ -651,7 +627,7 @@ def _kernel(
 
               part = pl.run_scoped(product, plgpu.ACC((HALF, bm), jnp.float32))  # pyright: ignore[reportPrivateImportUsage] (public Pallas alias)
               b_scale = ue8m0_to_f32(plgpu.load(w_scale_smem.at[slot, grp, weight_rows(h)], layout=row_layout))
-              a_scale = ue8m0_to_f32(plgpu.load(a_scale_smem.at[slot, grp, pl.ds(0, bm)], layout=col_layout))
+              a_scale = ue8m0_to_f32(plgpu.load(a_promote_smem.at[slot, grp, pl.ds(0, bm)], layout=col_layout))
               scale = lax.broadcast_in_dim(b_scale, part.shape, [0]) * lax.broadcast_in_dim(a_scale, part.shape, [1])
               acc = acc + part * scale
             out.append(acc)
@@ -686,7 +662,7 @@ def _kernel(
         if accs is not None:
           outs = accs
           if fold:
-            a_hi = plgpu.load(a_fold_smem.at[slot, pl.ds(0, bm)], layout=col_layout)
+            a_hi = plgpu.load(a_fold_smem.at[slot], layout=col_layout)
             a_unit = lax.broadcast_in_dim(triton.f32_pow2(a_hi - FOLD_UNSHIFT), accs[0].shape, [1])
             outs = []
             for h, acc in enumerate(accs):
@@ -698,7 +674,7 @@ def _kernel(
           plgpu.barrier_arrive(empty.at[slot])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous unit's stores have read the tiles
         if accs is None:
-          o_smem[wg] = plgpu.layout_cast(jnp.zeros((ACT_ROWS, cols), c_gmem.dtype), plgpu.Layout.WGMMA)
+          o_smem[wg] = plgpu.layout_cast(jnp.zeros((TILE_ROWS, cols), c_gmem.dtype), plgpu.Layout.WGMMA)
         else:
           for h, out in enumerate(outs):
             t_smem.at[wg, pl.ds(0, bm), pl.ds(h * HALF, HALF)].T[...] = out.astype(c_gmem.dtype)
@@ -730,18 +706,24 @@ def _kernel(
       lax.fori_loop(0, my_units, unit, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
+  # The activation tiles: TMA writes them through the 1-row view, the wgmmas
+  # read them through the 8-row one (the same bytes). The interpreter keeps
+  # a union's views apart and copies to any row of the 8-row view itself.
+  act_tiles = plgpu.SMEM((stages, 2, bm, GROUP), jnp.float16, transforms=GROUP_TRANSFORMS)
+  if not interpret:
+    act_rows = plgpu.SMEM((stages, 2, bm, GROUP), jnp.float16, transforms=ACT_ROW_TRANSFORMS)
+    act_tiles = plgpu.RefUnion(act_rows, act_tiles)
   slot_buffers = [
     plgpu.SMEM((stages, bn, 2 * PAIRS), jnp.uint16, transforms=STAGING_TRANSFORMS),
     plgpu.SMEM((stages, 2, bn), jnp.uint8),
     plgpu.SMEM((stages, bn), jnp.int32),
-    plgpu.SMEM((stages, ACT_ROWS, 2 * PAIRS), jnp.uint32, transforms=STAGING_TRANSFORMS),
-    plgpu.SMEM((stages, 2, ACT_ROWS), jnp.uint8),
-    plgpu.SMEM((stages, ACT_ROWS), jnp.int32),
-    plgpu.SMEM((stages, 2, ACT_ROWS, GROUP), jnp.float16, transforms=GROUP_TRANSFORMS),
+    act_tiles,
+    plgpu.SMEM((stages, 2, scale_rows), jnp.uint8),
+    plgpu.SMEM((stages, bm), jnp.int32),
   ]
   epilogue_buffers = [
-    plgpu.SMEM((NUM_CONSUMERS, ACT_ROWS, bn // NUM_CONSUMERS), c_gmem.dtype, transforms=WGMMA_TRANSFORMS),
-    plgpu.SMEM((NUM_CONSUMERS, ACT_ROWS, bn // NUM_CONSUMERS), c_gmem.dtype, transforms=ROW_TRANSFORMS),
+    plgpu.SMEM((NUM_CONSUMERS, TILE_ROWS, bn // NUM_CONSUMERS), c_gmem.dtype, transforms=WGMMA_TRANSFORMS),
+    plgpu.SMEM((NUM_CONSUMERS, TILE_ROWS, bn // NUM_CONSUMERS), c_gmem.dtype, transforms=ROW_TRANSFORMS),
   ]
   staged_weights = [plgpu.SMEM((NUM_CONSUMERS, halves, 2, HALF, GROUP), jnp.float16, transforms=GROUP_TRANSFORMS)]
   pl.run_scoped(
@@ -750,7 +732,6 @@ def _kernel(
     *epilogue_buffers,
     *(staged_weights if interpret else []),
     plgpu.Barrier(num_arrivals=COPIES_PER_STEP - (fault == "staged_short"), num_barriers=stages),
-    plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
     plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
     collective_axes="wg",
   )
