@@ -1,0 +1,265 @@
+"""The attention features of issue 51 in `jaxkern.ops.attention` and the flash
+attention family: causal (bottom-right aligned), grouped-query and
+multi-query heads, sliding windows, the logit soft cap, the returned lse and
+packed (varlen) sequences.
+
+Every path is checked against a float64 oracle written from the definitions
+(a dense masked softmax per sequence, `oracle`): the plain-jnp reference on
+the full product of the features (its cheapest path), the Triton forward
+and backward in interpret mode on a pairwise covering design (`PAIRWISE`:
+each pair of feature levels in some row; ragged and unequal lengths, empty
+sequences, rows a band leaves without keys), the Mosaic GPU forward on a
+few tiny cases, and the public op on both paths (dispatch, checked mode,
+fallback, block skipping, lowering for an H100)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkern.families import flash_attention as fam
+from pallas_kernels.flash_attention.config import FlashAttentionBwdConfig, FlashAttentionConfig, MosaicAttentionConfig
+
+# Small tiles: several query and key blocks at these sizes.
+SMALL = FlashAttentionConfig(block_q=32, block_k=16, num_warps=4, num_stages=2)
+SMALL_BWD = FlashAttentionBwdConfig(32, 16, 16, 32, num_warps=4, num_stages=2)
+MOSAIC = MosaicAttentionConfig(block_k=64)
+HEAD_DIM = 32
+HEADS = {"mha": (2, 2), "gqa": (4, 2), "mqa": (4, 1)}  # (H, Hkv)
+# None; a two-sided band; left-bounded only (with causal: a causal sliding window).
+WINDOWS = {"none": None, "both": (5, 3), "left": (3, None)}
+SOFTCAP = 2.0
+
+
+# ---------------------------------------------------------------------------
+# The float64 oracle.
+
+
+def visible_keys(q_len, kv_len, i, *, causal, window):
+  """Keys of a sequence of `kv_len` keys that its query i (of `q_len`) sees:
+  aligned bottom-right, query i on key i + kv_len - q_len."""
+  aligned = i + kv_len - q_len
+  j = np.arange(kv_len)
+  left, right = window if window is not None else (None, None)
+  seen = np.ones(kv_len, bool)
+  if causal:
+    seen &= j <= aligned
+  if left is not None:
+    seen &= j >= aligned - left
+  if right is not None:
+    seen &= j <= aligned + right
+  return seen
+
+
+def oracle(q, k, v, seqs, *, causal=False, window=None, softcap=None, scale=None, key_valid=None, cotangents=None):
+  """Dense masked softmax attention in float64 over packed tokens: q [T, H, D],
+  k, v [Tk, Hkv, D], `seqs` the sequences' (query start, query count, key
+  start, key count). Returns o [T, H, D] (0 for a row that sees no key and
+  for tokens of no sequence) and lse [H, T] (natural log, +inf there); with
+  `cotangents` (do like o, dlse like lse) also the gradients (dq, dk, dv)
+  of `sum(o * do) + sum(lse * dlse)` over the rows that see a key, by the
+  textbook backward (`test_oracle_gradients_match_finite_differences`)."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  heads, head_dim = q.shape[1:]
+  group = heads // k.shape[1]
+  scale = head_dim**-0.5 if scale is None else scale
+  o, lse = np.zeros(q.shape), np.full((heads, q.shape[0]), np.inf)
+  dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+  for q_start, q_len, k_start, kv_len in seqs:
+    rows, cols = slice(q_start, q_start + q_len), slice(k_start, k_start + kv_len)
+    seen = np.array([visible_keys(q_len, kv_len, i, causal=causal, window=window) for i in range(q_len)], bool)
+    seen = seen.reshape(q_len, kv_len)
+    if key_valid is not None:
+      seen &= np.asarray(key_valid[cols], bool)[None, :]
+    sees = seen.any(1)
+    for h in range(heads):
+      qh, kh, vh = q[rows, h], k[cols, h // group], v[cols, h // group]
+      raw = qh @ kh.T * scale
+      s = softcap * np.tanh(raw / softcap) if softcap is not None else raw
+      m = np.where(sees, np.max(np.where(seen, s, -np.inf), axis=1, initial=-np.inf), 0.0)
+      e = np.where(seen, np.exp(s - m[:, None]), 0.0)
+      total = e.sum(1)
+      p = e / np.where(sees, total, 1.0)[:, None]
+      o[rows, h] = p @ vh
+      lse[h, rows] = np.where(sees, m + np.log(np.where(sees, total, 1.0)), np.inf)
+      if cotangents is not None:
+        do, dlse = np.asarray(cotangents[0], np.float64)[rows, h], np.asarray(cotangents[1], np.float64)[h, rows]
+        dv[cols, h // group] += p.T @ do
+        ds = p * (do @ vh.T - np.sum(do * o[rows, h], 1, keepdims=True) + np.where(sees, dlse, 0.0)[:, None])
+        if softcap is not None:
+          ds *= 1.0 - np.tanh(raw / softcap) ** 2
+        dq[rows, h] += scale * ds @ kh
+        dk[cols, h // group] += scale * ds.T @ qh
+  return (o, lse) if cotangents is None else (o, lse, (dq, dk, dv))
+
+
+def batch_oracle(q, k, v, *, key_valid=None, cotangents=None, **kw):
+  """`oracle` of batched q [B, Nq, H, D], k, v [B, Nk, Hkv, D]: o like q,
+  lse [B, H, Nq] (cotangents and gradients in the same layouts)."""
+  batch, q_len, heads, _ = q.shape
+  kv_len = k.shape[1]
+  seqs = [(b * q_len, q_len, b * kv_len, kv_len) for b in range(batch)]
+  key_valid = None if key_valid is None else np.asarray(key_valid).reshape(-1)
+  flat = lambda x: np.asarray(x, np.float64).reshape(-1, *x.shape[2:])  # noqa: E731
+  to_heads = lambda lse: lse.reshape(heads, batch, q_len).transpose(1, 0, 2)  # noqa: E731
+  if cotangents is not None:
+    cotangents = (flat(cotangents[0]), np.asarray(cotangents[1], np.float64).transpose(1, 0, 2).reshape(heads, -1))
+  out = oracle(flat(q), flat(k), flat(v), seqs, key_valid=key_valid, cotangents=cotangents, **kw)
+  o, lse = out[0].reshape(q.shape), to_heads(out[1])
+  if cotangents is None:
+    return o, lse
+  return o, lse, tuple(g.reshape(x.shape) for g, x in zip(out[2], (q, k, v)))
+
+
+def cu_seqlens(lengths):
+  return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+
+
+def packed_seqs(q_lengths, kv_lengths):
+  cq, ck = np.asarray(cu_seqlens(q_lengths)), np.asarray(cu_seqlens(kv_lengths))
+  return [(cq[s], q_lengths[s], ck[s], kv_lengths[s]) for s in range(len(q_lengths))]
+
+
+def normal(seed, shape, dtype=jnp.float32):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32), dtype)
+
+
+def assert_lse_close(got, want, atol=2e-5):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))  # lonely rows: +inf exactly
+  finite = np.isfinite(want)
+  np.testing.assert_allclose(got[finite], want[finite], rtol=2e-5, atol=atol)
+
+
+# ---------------------------------------------------------------------------
+# Problems: batched or packed inputs with the oracle's answer.
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One attention call's inputs: batched (`lengths` None: B=2, Nq, Nk) or
+  packed (`lengths`: per-sequence query and key counts)."""
+
+  heads: str = "mha"
+  window: str = "none"
+  causal: bool = False
+  softcap: bool = False
+  lse: bool = False
+  packed: bool = False
+  q_len: int = 37
+  kv_len: int = 50
+  q_lengths: tuple[int, ...] = (5, 0, 23, 13)  # a sequence without queries ...
+  kv_lengths: tuple[int, ...] = (7, 3, 20, 0)  # ... and one without keys: its queries see nothing
+  seed: int = 0
+  head_dim: int = HEAD_DIM
+
+  @property
+  def features(self) -> dict:
+    return dict(causal=self.causal, window=WINDOWS[self.window], softcap=SOFTCAP if self.softcap else None)
+
+  def inputs(self, dtype=jnp.float32):
+    heads, kv_heads = HEADS[self.heads]
+    if self.packed:
+      q_shape, kv_shape = (sum(self.q_lengths), heads, self.head_dim), (sum(self.kv_lengths), kv_heads, self.head_dim)
+    else:
+      q_shape, kv_shape = (2, self.q_len, heads, self.head_dim), (2, self.kv_len, kv_heads, self.head_dim)
+    q, k, v = (normal(self.seed + i, shape, dtype) for i, shape in enumerate((q_shape, kv_shape, kv_shape)))
+    return q, k, v
+
+  @property
+  def packing(self) -> dict:
+    if not self.packed:
+      return {}
+    return dict(cu_seqlens_q=cu_seqlens(self.q_lengths), cu_seqlens_k=cu_seqlens(self.kv_lengths))
+
+  def expected(self, q, k, v, **extra):
+    if self.packed:
+      return oracle(q, k, v, packed_seqs(self.q_lengths, self.kv_lengths), **self.features, **extra)
+    return batch_oracle(q, k, v, **self.features, **extra)
+
+  def cotangents(self, q):
+    """Fixed random cotangents of o and lse, distinct per element (a
+    gradient routed to the wrong row, key or head shows)."""
+    lse_shape = (q.shape[1], q.shape[0]) if self.packed else (q.shape[0], q.shape[2], q.shape[1])
+    return normal(90, q.shape), normal(91, lse_shape)
+
+
+# The full product of the features, each on or off (the reference's test;
+# lse is always returned and checked): a window with both sides bounded
+# (with causal: a causal sliding window).
+PRODUCT = [
+  Problem(heads=h, window=w, causal=c, softcap=s, packed=p, lse=True)
+  for h, w, c, s, p in itertools.product(["mha", "gqa"], ["none", "both"], [False, True], [False, True], [False, True])
+]
+
+# (heads, window, causal, softcap, lse, packed): every pair of two factors'
+# levels in some row (`test_pairwise_design_covers_every_pair`).
+PAIRWISE_ROWS = [
+  ("mha", "none", False, True, True, True),
+  ("mha", "both", False, False, False, False),
+  ("mha", "left", True, False, True, True),
+  ("gqa", "none", True, True, False, False),
+  ("gqa", "both", False, False, False, True),
+  ("gqa", "left", False, False, True, True),
+  ("mqa", "none", False, False, False, True),
+  ("mqa", "both", True, True, True, False),
+  ("mqa", "left", True, True, False, False),
+]
+# Unpacked rows' lengths in turn: Nq < Nk, Nq > Nk (causal leaves the first
+# 29 rows of a query block without keys), Nq == Nk; none a block multiple.
+BATCH_LENGTHS = [(37, 50), (50, 21), (45, 45)]
+PACKED_LENGTHS = [((5, 0, 23, 13), (7, 3, 20, 0)), ((17, 30, 1), (40, 9, 0))]
+PAIRWISE = []
+for n, (h, w, c, s, lse, p) in enumerate(PAIRWISE_ROWS):
+  q_lengths, kv_lengths = PACKED_LENGTHS[n % 2]
+  q_len, kv_len = BATCH_LENGTHS[n % 3]
+  PAIRWISE.append(Problem(h, w, c, s, lse, p, q_len, kv_len, q_lengths, kv_lengths, seed=n))
+
+
+def test_pairwise_design_covers_every_pair():
+  levels = [list(HEADS), list(WINDOWS), [False, True], [False, True], [False, True], [False, True]]
+  for a, b in itertools.combinations(range(len(levels)), 2):
+    seen = {(row[a], row[b]) for row in PAIRWISE_ROWS}
+    assert seen == set(itertools.product(levels[a], levels[b])), (a, b)
+
+
+def label(p: Problem) -> str:
+  parts = [p.heads, f"window_{p.window}", "causal" * p.causal, "softcap" * p.softcap, "lse" * p.lse]
+  return "-".join(x for x in parts + ["packed" if p.packed else f"{p.q_len}x{p.kv_len}"] if x)
+
+
+# ---------------------------------------------------------------------------
+# The reference: every feature combination against the oracle.
+
+
+@pytest.mark.parametrize("problem", PRODUCT, ids=label)
+def test_reference_matches_float64_oracle(problem):
+  q, k, v = problem.inputs()
+  # Small chunks: several query chunks and an online softmax over key chunks.
+  reference = functools.partial(fam.attention_reference, **problem.features, sm_scale=0.3, q_chunk=16, k_chunk=8)
+  o, lse = jax.jit(functools.partial(reference, return_lse=True))(q, k, v, **problem.packing)
+  want_o, want_lse = problem.expected(q, k, v, scale=0.3)
+  np.testing.assert_allclose(np.asarray(o), want_o, atol=2e-5, rtol=1e-4)
+  assert_lse_close(lse, want_lse)
+
+
+def test_reference_without_lse_is_its_output():
+  problem = PRODUCT[-1]
+  q, k, v = problem.inputs()
+  o, _ = fam.attention_reference(q, k, v, **problem.features, **problem.packing, return_lse=True)
+  np.testing.assert_array_equal(np.asarray(fam.attention_reference(q, k, v, **problem.features, **problem.packing)), o)
+
+
+def test_reference_key_valid_with_a_band():
+  q, k, v = Problem().inputs()
+  key_valid = np.random.default_rng(5).random((2, 50)) < 0.6
+  o, lse = fam.attention_reference(q, k, v, key_valid=jnp.asarray(key_valid), causal=True, return_lse=True, k_chunk=16)
+  want_o, want_lse = batch_oracle(q, k, v, causal=True, key_valid=key_valid)
+  np.testing.assert_allclose(np.asarray(o), want_o, atol=2e-5, rtol=1e-4)
+  assert_lse_close(lse, want_lse)
