@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 
 from jaxkern.families import flash_attention as fam
+from pallas_kernels.flash_attention import keys as keys_lib
+from pallas_kernels.flash_attention import triton as fa
 from pallas_kernels.flash_attention.config import FlashAttentionBwdConfig, FlashAttentionConfig, MosaicAttentionConfig
 
 # Small tiles: several query and key blocks at these sizes.
@@ -263,3 +265,131 @@ def test_reference_key_valid_with_a_band():
   want_o, want_lse = batch_oracle(q, k, v, causal=True, key_valid=key_valid)
   np.testing.assert_allclose(np.asarray(o), want_o, atol=2e-5, rtol=1e-4)
   assert_lse_close(lse, want_lse)
+
+
+# ---------------------------------------------------------------------------
+# The Triton kernels (interpret mode): forward and gradients, pairwise.
+
+
+def triton_attention(problem: Problem):
+  def f(q, k, v):
+    return fa.flash_attention(
+      q,
+      k,
+      v,
+      **problem.features,
+      **problem.packing,
+      return_lse=problem.lse,
+      config=SMALL,
+      backward_config=SMALL_BWD,
+      interpret=True,
+    )
+
+  return f
+
+
+def with_gradients(fn, with_lse: bool):
+  """`(outputs, (dq, dk, dv))` of `fn(q, k, v)` for cotangents `do` (and
+  `dlse`), one jitted function: the forward that saves its residuals and
+  the backward kernels, as training compiles them."""
+
+  def run(q, k, v, do, dlse):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp((do, dlse) if with_lse else do)
+
+  return jax.jit(run)
+
+
+@pytest.mark.parametrize("problem", PAIRWISE, ids=label)
+def test_triton_forward_and_gradients(problem):
+  q, k, v = problem.inputs()
+  do, dlse = problem.cotangents(q)
+  out, grads = with_gradients(triton_attention(problem), problem.lse)(q, k, v, do, dlse)
+  used_dlse = dlse if problem.lse else jnp.zeros_like(dlse)
+  want_o, want_lse, want_grads = problem.expected(q, k, v, cotangents=(do, used_dlse))
+  np.testing.assert_allclose(np.asarray(out[0] if problem.lse else out), want_o, atol=2e-5, rtol=1e-4)
+  if problem.lse:
+    assert_lse_close(out[1], want_lse)
+  for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+    np.testing.assert_allclose(np.asarray(g), w, atol=2e-5 * max(1.0, np.abs(w).max()), rtol=1e-4, err_msg=name)
+
+
+def test_oracle_gradients_match_finite_differences():
+  """The oracle's gradients (every feature at once: a causal window, the soft
+  cap, grouped heads, an lse cotangent, packed sequences with one that has
+  no keys) against central differences of its own float64 forward."""
+  rng = np.random.default_rng(7)
+  q, k, v = rng.standard_normal((7, 2, 4)), rng.standard_normal((6, 1, 4)), rng.standard_normal((6, 1, 4))
+  do, dlse = rng.standard_normal(q.shape), rng.standard_normal((2, 7))
+  seqs = packed_seqs((4, 2, 1), (3, 3, 0))
+  features = dict(causal=True, window=(1, None), softcap=1.5, scale=0.7)
+
+  def loss(q, k, v):
+    o, lse = oracle(q, k, v, seqs, **features)
+    return np.sum(o * do) + np.sum(np.where(np.isinf(lse), 0.0, lse) * dlse)
+
+  _, _, grads = oracle(q, k, v, seqs, cotangents=(do, dlse), **features)
+  args, eps = [q, k, v], 1e-6
+  for n, g in enumerate(grads):
+    want = np.zeros(g.shape)
+    for index in np.ndindex(g.shape):
+      up, down = [x.copy() for x in args], [x.copy() for x in args]
+      up[n][index] += eps
+      down[n][index] -= eps
+      want[index] = (loss(*up) - loss(*down)) / (2 * eps)
+    np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-7)
+
+
+def test_key_blocks_outside_the_band_are_not_visited():
+  """NaN values in keys no row of a query block sees, and whole blocks away
+  from it, cannot reach it: the blocks are neither loaded nor computed (a
+  visited block would give 0 x NaN in the value product). Causal, Nq = Nk =
+  64, 32-row query blocks over 16-key blocks: the first query block sees
+  blocks 0 and 1 only; with a window (left 3) the second sees blocks 1-3."""
+  q, k, v = Problem(q_len=64, kv_len=64).inputs()
+  v_nan = v.at[:, 32:].set(jnp.nan)
+  out = fa.flash_attention(q, k, v_nan, causal=True, config=SMALL, interpret=True)
+  want, _ = batch_oracle(q, k, v, causal=True)
+  np.testing.assert_allclose(np.asarray(out[:, :32]), want[:, :32], atol=2e-5, rtol=1e-4)
+  assert np.isnan(np.asarray(out[:, 32:])).all()
+  v_nan = v.at[:, :16].set(jnp.nan)
+  out = fa.flash_attention(q, k, v_nan, causal=True, window=(3, None), config=SMALL, interpret=True)
+  want, _ = batch_oracle(q, k, v, causal=True, window=(3, None))
+  np.testing.assert_allclose(np.asarray(out[:, 32:]), want[:, 32:], atol=2e-5, rtol=1e-4)
+
+
+def test_band_limits_match_brute_force():
+  """Per query block the forward's key blocks hold every key a row sees and
+  the unmasked ones only keys every row sees; per key block the dK/dV
+  walk's query blocks hold every query that sees one of its keys: for
+  unpacked windows (from program ids) and packed intervals (tables)."""
+  q_len, kv_len, bq, bk = 45, 70, 16, 8
+  starts = jnp.arange(0, q_len, bq)
+  key_starts = jnp.arange(0, kv_len, bk)
+  windows = [keys_lib.Window(None, 0), keys_lib.Window(3, 5), keys_lib.Window(0, None), keys_lib.Window(10, 0)]
+  packed = keys_lib.Window(4, 0, packed=True)
+  cq, ck = cu_seqlens([10, 0, 30, 5]), cu_seqlens([20, 8, 30, 12])
+  for window in [*windows, packed]:
+    band = keys_lib.Band(window, q_len, kv_len)
+    if window.packed:  # the kernel loads each block's rows (padding rows see nothing), the tables come from XLA
+      lo, hi = keys_lib.packed_intervals(cq, ck, window, q_len=q_len, kv_len=kv_len)
+      pad = len(starts) * bq - q_len
+      blocks = [jnp.pad(x, (0, pad), constant_values=c).reshape(-1, bq) for x, c in ((lo, kv_len), (hi, -1))]
+      of = functools.partial(keys_lib.RowBand.of, q_len=q_len, kv_len=kv_len, block_k=bk)
+      row_bands = jax.vmap(of)(*blocks, starts)
+      query_limits = keys_lib.band_query_block_limits(lo, hi, kv_len=kv_len, block_q=bq, block_k=bk)
+    else:
+      lo, hi = keys_lib.window_intervals(jnp.arange(q_len), window, q_len=q_len, kv_len=kv_len)
+      row_bands = jax.vmap(lambda start, band=band: band.rows(start, bq, bk))(starts)
+      query_limits = jnp.stack(jax.vmap(lambda j, band=band: band.query_blocks(j, bk, bq))(key_starts), axis=1)
+    limits = np.stack(jax.vmap(lambda r: r.blocks(kv_len // bk, -(-kv_len // bk)))(row_bands), axis=1)
+    lo, hi = np.asarray(lo), np.asarray(hi)
+    sees = (np.arange(kv_len)[None] >= lo[:, None]) & (np.arange(kv_len)[None] <= hi[:, None])  # [query, key]
+    for n, (first, full_first, full_end, end) in enumerate(limits):
+      block_rows = sees[n * bq : (n + 1) * bq]
+      visible = np.flatnonzero(block_rows.any(0))
+      assert visible.size == 0 or (first * bk <= visible[0] and visible[-1] < end * bk), (window, n)
+      assert block_rows[:, full_first * bk : full_end * bk].all(), (window, n)
+    for j, (first, end) in enumerate(np.asarray(query_limits)):
+      queries = np.flatnonzero(sees[:, j * bk : (j + 1) * bk].any(1))
+      assert queries.size == 0 or (first * bq <= queries[0] and queries[-1] < end * bq), (window, j)

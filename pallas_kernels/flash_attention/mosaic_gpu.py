@@ -543,6 +543,8 @@ def _attention_bwd(static: _Static, residuals, do):
   scale = jnp.full((1,), static.sm_scale, jnp.float32)
   g = attention_backward(
     *args,
+    None,
+    None,
     scale,
     o,
     lse,
