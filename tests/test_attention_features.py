@@ -18,15 +18,23 @@ import dataclasses
 import functools
 import itertools
 
+import gradients
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
+from numerics import assert_bf16_close
 
+import jaxkern
+from jaxkern import ops
 from jaxkern.families import flash_attention as fam
 from pallas_kernels.flash_attention import keys as keys_lib
+from pallas_kernels.flash_attention import mosaic_gpu as fa_mosaic
 from pallas_kernels.flash_attention import triton as fa
 from pallas_kernels.flash_attention.config import FlashAttentionBwdConfig, FlashAttentionConfig, MosaicAttentionConfig
+from pallas_kernels.shared.kernel import Unsupported
+from pallas_kernels.shared.lowering import lower_for_h100, mosaic_gpu_calls, triton_calls
 
 # Small tiles: several query and key blocks at these sizes.
 SMALL = FlashAttentionConfig(block_q=32, block_k=16, num_warps=4, num_stages=2)
@@ -393,3 +401,145 @@ def test_band_limits_match_brute_force():
     for j, (first, end) in enumerate(np.asarray(query_limits)):
       queries = np.flatnonzero(sees[:, j * bk : (j + 1) * bk].any(1))
       assert queries.size == 0 or (first * bq <= queries[0] and queries[-1] < end * bq), (window, j)
+
+
+# ---------------------------------------------------------------------------
+# The Mosaic GPU forward (interpret mode: few, tiny cases).
+
+
+MOSAIC_CASES = [
+  # One CTA of 128 rows over 2 key steps; grouped heads, causal with Nq > Nk (20 rows without keys).
+  Problem(heads="gqa", causal=True, lse=True, q_len=100, kv_len=80, head_dim=64),
+  # Packed: a sequence without queries, one without keys; a two-sided window, the soft cap.
+  Problem(
+    heads="mqa",
+    window="both",
+    softcap=True,
+    lse=True,
+    packed=True,
+    q_lengths=(30, 0, 50),
+    kv_lengths=(70, 5, 0),
+    head_dim=64,
+  ),
+]
+
+
+@pytest.mark.parametrize("problem", MOSAIC_CASES, ids=label)
+def test_mosaic_gpu_forward(problem):
+  q, k, v = problem.inputs(jnp.bfloat16)
+  kw = dict(**problem.features, **problem.packing, config=MOSAIC, interpret=True)
+  o, lse = fa_mosaic.flash_attention(q, k, v, return_lse=True, **kw)
+  want_o, want_lse = problem.expected(q, k, v)
+  assert_bf16_close(o, want_o)
+  assert_lse_close(lse, want_lse, atol=1e-4)
+  base2_o, base2_lse = fa_mosaic.flash_attention_forward(q, k, v, **kw)  # lse in base 2, o the same
+  np.testing.assert_array_equal(np.asarray(base2_o, np.float32), np.asarray(o, np.float32))
+  assert_lse_close(base2_lse * np.log(2.0), want_lse, atol=1e-4)
+
+
+def test_mosaic_gpu_forward_with_triton_backward():
+  """The Mosaic GPU forward's gradient is the Triton backward's, from its lse."""
+  problem = MOSAIC_CASES[0]
+  q, k, v = problem.inputs(jnp.bfloat16)
+  do, dlse = problem.cotangents(q)
+
+  def mosaic(q, k, v):
+    return fa_mosaic.flash_attention(
+      q, k, v, **problem.features, return_lse=True, config=MOSAIC, backward_config=SMALL_BWD, interpret=True
+    )
+
+  _, grads = with_gradients(mosaic, True)(q, k, v, do.astype(jnp.bfloat16), dlse)
+  gradients.assert_grads_close(grads, problem.expected(q, k, v, cotangents=(do, dlse))[2], ("dq", "dk", "dv"))
+
+
+# ---------------------------------------------------------------------------
+# The public op: both paths, checked mode, explain, lowering.
+
+
+def test_op_paths_agree():
+  """`ops.attention` with every feature: the XLA path (the reference, plain
+  autodiff) and the Pallas path (Triton first) agree with the oracle,
+  outputs and gradients (the lse's too), under jit."""
+  problem = Problem(heads="gqa", window="left", causal=True, softcap=True, lse=True, packed=True)
+  q, k, v = problem.inputs(jnp.bfloat16)
+  do, dlse = problem.cotangents(q)
+  want_o, want_lse, want_grads = problem.expected(q, k, v, cotangents=(do, dlse))
+  for backend in ("xla", "pallas"):
+
+    def op(q, k, v, backend=backend):
+      return ops.attention(q, k, v, **problem.features, **problem.packing, return_lse=True, backend=backend)
+
+    (o, lse), grads = with_gradients(op, True)(q, k, v, do.astype(jnp.bfloat16), dlse)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (4, q.shape[0]) and lse.dtype == jnp.float32
+    assert_bf16_close(o, want_o)
+    assert_lse_close(lse, want_lse, atol=1e-4)
+    gradients.assert_grads_close(grads, want_grads, ("dq", "dk", "dv"))
+
+
+def test_op_without_features_is_the_recorded_path():
+  """No feature: the call runs the non-causal definition's op, as before."""
+  q, k, v = Problem(q_len=8, kv_len=8).inputs(jnp.bfloat16)
+  assert jaxkern.explain(ops.attention, q, k, v, backend="triton").op == "noncausal_attention"
+  assert jaxkern.explain(ops.attention, q, k, v, causal=True, backend="triton").op == "attention"
+  grouped = jaxkern.explain(ops.attention, q, k[:, :, :1], v[:, :, :1], backend="pallas")
+  assert grouped.backend == "triton" and grouped.op == "attention"
+
+
+def test_mosaic_gpu_refuses_what_it_does_not_take():
+  """f32 inputs and a traced scale: the Mosaic GPU kernel refuses with
+  `Unsupported` (so that `pallas` would run Triton)."""
+  q, k, v = Problem(q_len=8, kv_len=8, head_dim=64).inputs()
+  with pytest.raises(Unsupported, match="bfloat16"):
+    ops.attention(q, k, v, causal=True, backend="mosaic_gpu")
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  with pytest.raises(Unsupported, match="sm_scale"):
+    jax.jit(lambda s: ops.attention(q, k, v, causal=True, sm_scale=s, backend="mosaic_gpu"))(0.5)
+
+
+def test_checked_mode_reports_bad_cu_seqlens():
+  q, k, v = Problem(packed=True).inputs(jnp.bfloat16)
+  good = cu_seqlens((5, 0, 23, 13))
+  bad = good.at[2].set(3)  # decreasing
+  f = jaxkern.ops.checked(
+    jax.jit(lambda cq: ops.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=cu_seqlens((7, 3, 20, 0)), checks=True))
+  )
+  f(good)
+  with pytest.raises(checkify.JaxRuntimeError, match=r"cu_seqlens_q\[2\] = 3 is outside its valid range"):
+    f(bad)
+  with pytest.raises(checkify.JaxRuntimeError, match=r"cu_seqlens_k\[4\] = 29 is outside its valid range"):
+    ops.attention(q, k, v, cu_seqlens_q=good, cu_seqlens_k=cu_seqlens((7, 3, 19, 0)), checks=True)
+
+
+def test_invalid_cu_seqlens_give_the_same_answer_on_both_paths():
+  """Outside the contract both paths read cu_seqlens by the same rule."""
+  q, k, v = Problem(packed=True).inputs(jnp.bfloat16)
+  for cq, ck in [([0, 30, 20, 41], [0, 12, 40, 30]), ([3, 10, 10, 50], [-5, 10, 20, 25])]:
+    kw = dict(cu_seqlens_q=jnp.asarray(cq, jnp.int32), cu_seqlens_k=jnp.asarray(ck, jnp.int32), causal=True)
+    o, lse = ops.attention(q, k, v, return_lse=True, backend="triton", **kw)
+    o_xla, lse_xla = ops.attention(q, k, v, return_lse=True, backend="xla", **kw)
+    assert_bf16_close(o, o_xla)
+    assert_lse_close(lse, lse_xla, atol=1e-4)
+
+
+def test_features_lower_for_h100():
+  """The Triton forward and its backward with every feature, and the Mosaic
+  GPU forward with a band, lower for an H100 (their sm_90a compile:
+  docs/perf/attention_features.md)."""
+  q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 200, 2, 128), jnp.bfloat16)
+  features = dict(causal=True, window=(64, None), softcap=30.0)
+
+  def loss(q, k, v):
+    o, lse = fa.flash_attention(q, k, v, return_lse=True, interpret=False, **features)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
+
+  names = sorted(c.name for c in triton_calls(lower_for_h100(jax.grad(loss, (0, 1, 2)), q, kv, kv)))
+  assert names == ["flash_attention", "flash_attention_bwd_dkdv", "flash_attention_bwd_dq"]
+  packed_q = jax.ShapeDtypeStruct((500, 8, 128), jnp.bfloat16)
+  packed_kv = jax.ShapeDtypeStruct((400, 2, 128), jnp.bfloat16)
+  cu = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+  def mosaic(q, k, v, cq, ck):
+    return fa_mosaic.flash_attention_forward(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, interpret=False, **features)
+
+  assert len(mosaic_gpu_calls(lower_for_h100(mosaic, packed_q, packed_kv, packed_kv, cu, cu))) == 1
