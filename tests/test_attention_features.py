@@ -496,6 +496,43 @@ def test_mosaic_gpu_refuses_what_it_does_not_take():
     jax.jit(lambda s: ops.attention(q, k, v, causal=True, sm_scale=s, backend="mosaic_gpu"))(0.5)
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_empty_sizes(backend):
+  """No batch row, no token, no key: the shapes, zeros and lse +inf."""
+  kw = dict(return_lse=True, backend=backend)
+  q = jnp.zeros((0, 8, 2, 64), jnp.bfloat16)
+  o, lse = ops.attention(q, q[:, :, :1], q[:, :, :1], causal=True, **kw)
+  assert o.shape == (0, 8, 2, 64) and lse.shape == (0, 2, 8)
+  none = jnp.zeros((1,), jnp.int32)  # zero sequences
+  tokens = jnp.zeros((0, 2, 64), jnp.bfloat16)
+  o, lse = ops.attention(tokens, tokens, tokens, cu_seqlens_q=none, cu_seqlens_k=none, **kw)
+  assert o.shape == (0, 2, 64) and lse.shape == (2, 0)
+  q, k = jnp.ones((5, 2, 64), jnp.bfloat16), jnp.zeros((0, 1, 64), jnp.bfloat16)
+  five, empty = jnp.asarray([0, 5], jnp.int32), jnp.asarray([0, 0], jnp.int32)
+  o, lse = ops.attention(q, k, k, cu_seqlens_q=five, cu_seqlens_k=empty, causal=True, **kw)
+  np.testing.assert_array_equal(np.asarray(o, np.float32), 0.0)
+  assert o.shape == q.shape and np.isposinf(np.asarray(lse)).all()
+
+
+def test_features_inside_shard_map():
+  """Causal grouped heads with the lse, split over heads inside
+  `jax.shard_map` (its vma checks on), on both paths."""
+  mesh = jax.make_mesh((1,), ("x",))
+  heads, lse_heads = jax.P(None, None, "x"), jax.P(None, "x", None)
+  problem = Problem(heads="gqa", causal=True, q_len=20, kv_len=24, head_dim=64)
+  q, k, v = problem.inputs(jnp.bfloat16)
+  want_o, want_lse = problem.expected(q, k, v)
+  q, k, v = (jax.device_put(x, jax.NamedSharding(mesh, heads)) for x in (q, k, v))
+  for backend in ("xla", "pallas"):
+
+    def op(q, k, v, backend=backend):
+      return ops.attention(q, k, v, causal=True, return_lse=True, backend=backend)
+
+    o, lse = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=(heads,) * 3, out_specs=(heads, lse_heads)))(q, k, v)
+    assert_bf16_close(o, want_o)
+    assert_lse_close(lse, want_lse, atol=1e-4)
+
+
 def test_checked_mode_reports_bad_cu_seqlens():
   q, k, v = Problem(packed=True).inputs(jnp.bfloat16)
   good = cu_seqlens((5, 0, 23, 13))

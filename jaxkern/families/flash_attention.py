@@ -30,7 +30,7 @@ from jax import lax
 
 from jaxkern import dispatch, roofline
 from jaxkern.contract import Checks, public_op
-from jaxkern.family import OpImpl, Precondition, cdiv
+from jaxkern.family import OpImpl, Precondition, cdiv, varying_like
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.flash_attention import KERNELS
 
@@ -208,6 +208,7 @@ def attention_reference(
         jnp.zeros((batch, chunk, 1), jnp.float32),
         jnp.zeros((batch, chunk, head_dim), jnp.float32),
       )
+      start = varying_like(start, q_c, k_h, v_h)  # inside a shard_map: the body's types
       (m, l, acc), _ = lax.scan(one_key_chunk, start, (k_h, v_h, key_rows))
       seen = l > 0
       o = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0).astype(q.dtype)
@@ -219,7 +220,8 @@ def attention_reference(
   o, lse = lax.map(one_kv_head, (q_chunks, k_by_head, v_by_head))
   o = o.reshape(num_heads, num_chunks, batch, chunk, head_dim).transpose(2, 1, 3, 0, 4)
   o = o.reshape(batch, num_chunks * chunk, num_heads, head_dim)[:, :q_len]
-  lse = lse.reshape(num_heads, num_chunks, batch, chunk).transpose(2, 0, 1, 3).reshape(batch, num_heads, -1)
+  lse = lse.reshape(num_heads, num_chunks, batch, chunk).transpose(2, 0, 1, 3)
+  lse = lse.reshape(batch, num_heads, num_chunks * chunk)
   return finish(o, lse[..., :q_len])
 
 

@@ -59,6 +59,12 @@ def check_attention_inputs(q, k, v, key_valid=None, k_prefix=None, v_prefix=None
       raise ValueError(f"segment_ids {segment_ids.shape} need Nk == Nq == {q_len}")
 
 
+def kv_head_map(group: int):
+  """Query head -> its key/value head (grouped heads: `group` query heads
+  share one, `h // group`); the identity without groups."""
+  return (lambda h: h) if group == 1 else (lambda h: h // group)
+
+
 def unpack_sequences(q, k, v, key_valid, cu_seqlens_q, cu_seqlens_k):
   """Packed (varlen) operands as one batch row: q `[T, H, D]`, k and v
   `[Tk, Hkv, D]`, key_valid `[Tk]` become `[1, ...]`; raises unless the
@@ -107,6 +113,22 @@ def packed_outputs(o, lse, *, packed: bool, return_lse: bool, natural: bool = Tr
     return o
   assert lse is not None
   return o, (lse * LN_2 if natural else lse)
+
+
+def checked_operands(
+  q, k, v, *, key_valid, k_prefix, v_prefix, segment_ids, causal, window, softcap, cu_seqlens_q, cu_seqlens_k
+):
+  """A launcher's start, the same on every backend: packed sequences as one
+  batch row (`unpack_sequences`), the operands and the band arguments
+  checked, the key sources resolved (`key_sources`). Returns `(q, k, v,
+  k_prefix, v_prefix, key_valid, packed)`."""
+  packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+  q, k, v, key_valid = unpack_sequences(q, k, v, key_valid, cu_seqlens_q, cu_seqlens_k)
+  check_attention_inputs(q, k, v, key_valid, k_prefix, v_prefix, segment_ids)
+  has_prefix = k_prefix is not None and k_prefix.shape[1] > 0
+  check_band_arguments(causal, window, softcap, has_prefix=has_prefix, packed=packed)
+  k, v, k_prefix, v_prefix, key_valid = key_sources(k, v, k_prefix, v_prefix, key_valid)
+  return q, k, v, k_prefix, v_prefix, key_valid, packed
 
 
 def band_window(causal: bool, window: tuple[int | None, int | None] | None, packed: bool) -> Window | None:

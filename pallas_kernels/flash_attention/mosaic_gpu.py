@@ -6,7 +6,11 @@ D 64 or 128; optional `key_valid [B, Nk]` (False hides key j of batch row b:
 whatever it holds reaches no output), prefix keys `k_prefix`, `v_prefix`
 `[B, Np, H, D]` (the keys are `concat(k_prefix, k)`, every prefix key
 visible to every query) and block-causal `segment_ids [B, Nq]` (Nk == Nq;
-key j visible to query i iff `segment_ids[j] <= segment_ids[i]`).
+key j visible to query i iff `segment_ids[j] <= segment_ids[i]`); and the
+features of `jaxkern.ops.attention`: grouped K/V heads (read by `h //
+group`), causal and sliding-window bands and packed sequences (each query
+row's key interval, tested against the step's key positions; only the
+band's key blocks are walked), the logit soft cap.
 `softmax(q k^T * sm_scale) v` with the online softmax of
 `pallas_kernels.shared.online_softmax` in base 2 (scores scaled by
 `sm_scale * LOG2_E`, hidden keys selected away to -inf, a row that has seen
@@ -61,8 +65,10 @@ Synchronization (interpret mode does not check asynchrony):
   and on `v_empty[s]` before V, and at the end waits for the last release of
   every slot it waited on, so it observes every completion.
 - Ring position: step g (the prefix's steps first) is in slot g % stages;
-  producer and consumers loop over the same step count, read from the same
-  table entry of their query block, so they agree on every slot and phase.
+  under a band the walk starts at the query block's first step f and step g
+  is its use g - f, in slot (g - f) % stages; producer and consumers loop
+  over the same steps, read from the same table entries of their query
+  block, so they agree on every slot and phase.
 - Parity: use u of slot s completes phase u of each of the four barriers;
   every waiter waits on every phase in order (the consumers on all of
   `k_full`/`v_full`, the producer on all of `k_empty`/`v_empty` but each
@@ -79,7 +85,8 @@ Synchronization (interpret mode does not check asynchrony):
   every phase (the parity rule above); the rendezvous never waits on the
   producer, which waits only on the consumers' releases of earlier steps,
   so no cycle of waits exists.
-- `q_barrier[w]` (2 arrivals: Q and the query ids) guards consumer w's Q
+- `q_barrier[w]` (2 arrivals: Q and the query ids; 4 under a band, with
+  the rows' lo and hi) guards consumer w's Q
   tile (one wait); the epilogue overwrites it with O after the last S wgmma
   that read it has completed. P tile w is written by consumer w only, after
   its previous P V wgmma completed, and `commit_smem()` makes the writes
@@ -107,12 +114,10 @@ from pallas_kernels.flash_attention.keys import (
   Window,
   band_intervals,
   band_window,
-  check_attention_inputs,
-  check_band_arguments,
+  checked_operands,
   key_block_limits,
-  key_sources,
+  kv_head_map,
   packed_outputs,
-  unpack_sequences,
 )
 from pallas_kernels.flash_attention.triton_bwd import attention_backward, backward_config_for
 from pallas_kernels.shared import device
@@ -203,7 +208,7 @@ def _kernel(
   bq, bk, stages = config.block_q, config.block_k, config.stages
   head_dim = q_gmem.shape[-1]
   head, q_block, batch = lax.axis_index("h"), lax.axis_index("q"), lax.axis_index("b")
-  kv_head = head if group == 1 else head // group  # grouped heads share their K/V
+  kv_head = kv_head_map(group)(head)  # grouped heads share their K/V
 
   # Key steps of this query block (the prefix's and the keys' up to the last
   # one some row sees; with a band from its first): producer and consumers
@@ -376,6 +381,15 @@ def _key_ids(batch, kv_len, steps, block, key_valid, segment_ids):
   return jnp.pad(ids, ((0, 0), (0, steps * block - kv_len)), constant_values=_HIDDEN)
 
 
+def _band_rows(band: Window | None, cu_seqlens_q, cu_seqlens_k, *, batch: int, q_len: int, kv_len: int):
+  """`(rows_lo, rows_hi)` `[B, Nq]` int32: each query row's key interval
+  under `band` (`keys.band_intervals`), or `(None, None)` without one."""
+  if band is None:
+    return None, None
+  lo, hi = band_intervals(band, cu_seqlens_q, cu_seqlens_k, q_len=q_len, kv_len=kv_len)
+  return jnp.broadcast_to(lo, (batch, q_len)), jnp.broadcast_to(hi, (batch, q_len))
+
+
 def _band_steps(rows_lo, rows_hi, *, kv_len: int, cta_rows: int, block_k: int):
   """`(first, end)` `[B, q blocks]` key steps of each query block of
   `cta_rows` rows under a band (`rows_lo`, `rows_hi` `[B, q blocks *
@@ -513,26 +527,28 @@ def flash_attention_forward(
   `[T, H, D]` and lse `[H, T]`. Any B, Nq, Nk, Np >= 0 (no query: empty;
   no key: zeros and +inf).
   """
-  packed = cu_seqlens_q is not None or cu_seqlens_k is not None
-  q, k, v, key_valid = unpack_sequences(q, k, v, key_valid, cu_seqlens_q, cu_seqlens_k)
-  check_attention_inputs(q, k, v, key_valid, k_prefix, v_prefix, segment_ids)
-  check_band_arguments(
-    causal, window, softcap, has_prefix=k_prefix is not None and k_prefix.shape[1] > 0, packed=packed
+  q, k, v, k_prefix, v_prefix, key_valid, packed = checked_operands(
+    q,
+    k,
+    v,
+    key_valid=key_valid,
+    k_prefix=k_prefix,
+    v_prefix=v_prefix,
+    segment_ids=segment_ids,
+    causal=causal,
+    window=window,
+    softcap=softcap,
+    cu_seqlens_q=cu_seqlens_q,
+    cu_seqlens_k=cu_seqlens_k,
   )
-  batch, q_len, heads, head_dim = q.shape
   check_supported(q, sm_scale)
-  k, v, k_prefix, v_prefix, key_valid = key_sources(k, v, k_prefix, v_prefix, key_valid)
+  batch, q_len, heads, head_dim = q.shape
   kv_len = k.shape[1]
-
   repack = functools.partial(packed_outputs, packed=packed, return_lse=True, natural=False)
-
   if not (batch and q_len and heads and kv_len):
     return repack(jnp.zeros(q.shape, q.dtype), jnp.full((batch, heads, q_len), jnp.inf, jnp.float32))
   band = band_window(causal, window, packed)
-  rows_lo = rows_hi = None
-  if band is not None:
-    lo, hi = band_intervals(band, cu_seqlens_q, cu_seqlens_k, q_len=q_len, kv_len=kv_len)
-    rows_lo, rows_hi = (jnp.broadcast_to(x, (batch, q_len)) for x in (lo, hi))
+  rows_lo, rows_hi = _band_rows(band, cu_seqlens_q, cu_seqlens_k, batch=batch, q_len=q_len, kv_len=kv_len)
   return repack(
     *_checked_forward(
       q,
@@ -722,19 +738,24 @@ def flash_attention(
   tiled by `backward_config`, None = its heuristic) from this kernel's o
   and lse; the scale is static, so it has no gradient. Hidden keys get
   exactly zero gradients."""
-  packed = cu_seqlens_q is not None or cu_seqlens_k is not None
-  q, k, v, key_valid = unpack_sequences(q, k, v, key_valid, cu_seqlens_q, cu_seqlens_k)
-  check_attention_inputs(q, k, v, key_valid, k_prefix, v_prefix, segment_ids)
-  check_band_arguments(
-    causal, window, softcap, has_prefix=k_prefix is not None and k_prefix.shape[1] > 0, packed=packed
+  q, k, v, k_prefix, v_prefix, key_valid, packed = checked_operands(
+    q,
+    k,
+    v,
+    key_valid=key_valid,
+    k_prefix=k_prefix,
+    v_prefix=v_prefix,
+    segment_ids=segment_ids,
+    causal=causal,
+    window=window,
+    softcap=softcap,
+    cu_seqlens_q=cu_seqlens_q,
+    cu_seqlens_k=cu_seqlens_k,
   )
   check_supported(q, sm_scale)
-  k, v, k_prefix, v_prefix, key_valid = key_sources(k, v, k_prefix, v_prefix, key_valid)
   batch, q_len, heads, head_dim = q.shape
   kv_len = k.shape[1]
-
   finish = functools.partial(packed_outputs, packed=packed, return_lse=return_lse)
-
   if not (batch and q_len and heads and kv_len):
     return finish(jnp.zeros(q.shape, q.dtype), jnp.full((batch, heads, q_len), jnp.inf, jnp.float32))
   longest = max(kv_len, 0 if k_prefix is None else k_prefix.shape[1])
@@ -742,10 +763,7 @@ def flash_attention(
     backward_config, batch=batch, heads=heads, q_len=q_len, kv_len=longest, head_dim=head_dim
   )
   band = band_window(causal, window, packed)
-  rows_lo = rows_hi = None
-  if band is not None:
-    lo, hi = band_intervals(band, cu_seqlens_q, cu_seqlens_k, q_len=q_len, kv_len=kv_len)
-    rows_lo, rows_hi = (jnp.broadcast_to(x, (batch, q_len)) for x in (lo, hi))
+  rows_lo, rows_hi = _band_rows(band, cu_seqlens_q, cu_seqlens_k, batch=batch, q_len=q_len, kv_len=kv_len)
   static = _Static(
     head_dim**-0.5 if sm_scale is None else float(sm_scale),
     config,

@@ -10,6 +10,12 @@ One kernel serves three attention shapes through masks and key sources:
   both the queries and the keys; key j is visible to query i iff
   `segment_ids[j] <= segment_ids[i]`.
 
+Static flags add the rest of `jaxkern.ops.attention`: a band (`keys.Window`:
+causal, a sliding window or packed sequences; each query row sees a key
+interval, `keys.Band`), grouped K/V heads (query head h reads K/V head
+`h // group` through the index maps), the logit soft cap (`keys.Logits`) and
+the lse output. Without them the kernel traces exactly as before.
+
 Layout is `[B, N, H, D]` (heads not transposed in HBM). A program owns
 `block_q` query rows of one (batch row, head) and walks the keys in `block_k`
 steps with the online softmax of FlashAttention-2, in fp32 and base 2 (the
@@ -20,7 +26,9 @@ the output is rounded once at the end.
 Key blocks are visited in two loops: the leading blocks every query row of the
 program sees are processed without any mask; the remaining blocks, up to the
 last one some row sees, apply bounds, `key_valid` and segment masks. Blocks
-past that are skipped. With masks present, the two limits come from a small
+past that are skipped. Under a band, three: masked blocks at its left edge,
+unmasked blocks every row sees whole, masked blocks at its right edge; the
+blocks outside it are neither loaded nor computed (`keys.RowBand`). With masks present, the two limits come from a small
 per-(batch row, query block) table computed by XLA before the launch; for
 nondecreasing segment ids (the recorded case) the skipped blocks are exactly
 the later segments' keys.
@@ -50,15 +58,13 @@ from pallas_kernels.flash_attention.keys import (
   Logits,
   Window,
   band_window,
-  check_attention_inputs,
-  check_band_arguments,
+  checked_operands,
   key_block_limits,
-  key_sources,
+  kv_head_map,
   load_rows,
   packed_intervals,
   packed_outputs,
   store_rows,
-  unpack_sequences,
   walk_keys,
 )
 from pallas_kernels.flash_attention.triton_bwd import (
@@ -261,12 +267,6 @@ def _flash_attention_kernel(
   store_rows(o_ref, o.astype(o_ref.dtype), q_len - q_start, ragged)
   if with_lse:  # What the backward recomputes the probabilities from.
     store_rows(lse_ref, lse_for_backward(m, l), q_len - q_start, ragged)
-
-
-def kv_head_map(group: int):
-  """Query head -> its key/value head (grouped heads: `group` query heads
-  share one, `h // group`); the identity without groups."""
-  return (lambda h: h) if group == 1 else (lambda h: h // group)
 
 
 def _forward(
@@ -509,19 +509,25 @@ def flash_attention(
     `[B, Nq, H, D]` in `q.dtype` (packed: `[T, H, D]`); rows that see no
     key are 0. With `return_lse`, `(o, lse)`.
   """
-  packed = cu_seqlens_q is not None or cu_seqlens_k is not None
-  q, k, v, key_valid = unpack_sequences(q, k, v, key_valid, cu_seqlens_q, cu_seqlens_k)
-  check_attention_inputs(q, k, v, key_valid, k_prefix, v_prefix, segment_ids)
-  check_band_arguments(
-    causal, window, softcap, has_prefix=k_prefix is not None and k_prefix.shape[1] > 0, packed=packed
+  q, k, v, k_prefix, v_prefix, key_valid, packed = checked_operands(
+    q,
+    k,
+    v,
+    key_valid=key_valid,
+    k_prefix=k_prefix,
+    v_prefix=v_prefix,
+    segment_ids=segment_ids,
+    causal=causal,
+    window=window,
+    softcap=softcap,
+    cu_seqlens_q=cu_seqlens_q,
+    cu_seqlens_k=cu_seqlens_k,
   )
   batch, q_len, num_heads, head_dim = q.shape
   check_pow2_dim("head dim D", head_dim)
   if sm_scale is not None and jnp.ndim(sm_scale) != 0:
     raise ValueError(f"sm_scale must be a scalar, got shape {jnp.shape(sm_scale)}")
-
   finish = functools.partial(packed_outputs, packed=packed, return_lse=return_lse)
-  k, v, k_prefix, v_prefix, key_valid = key_sources(k, v, k_prefix, v_prefix, key_valid)
   kv_len = k.shape[1]
   prefix_len = 0 if k_prefix is None else k_prefix.shape[1]
   if not (batch and q_len and kv_len):

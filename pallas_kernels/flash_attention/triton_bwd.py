@@ -24,6 +24,14 @@ gradient needs it:
   (`query_block_limits`); prefix keys, which every query sees, have their
   own launch `flash_attention_bwd_dkdv_prefix`.
 
+The forward's features: under a band the dQ walk is the forward's and the
+dK/dV walk visits the query blocks whose rows' intervals touch its keys
+(`keys.Band.query_blocks`, `keys.band_query_block_limits` when packed);
+with a soft cap `ds` is multiplied by `1 - tanh**2` of the capped score
+(`keys.Logits`); with grouped heads the dK/dV grid runs over the K/V heads
+and each program sums the group's query heads; a cotangent of the returned
+lse enters as `delta_i - dlse_i` (natural log).
+
 Hidden keys get exactly zero dk and dv, and a NaN or Inf in them reaches no
 gradient: their probabilities are selected to 0 and their rows of k and v to
 0 before any dot. A row that sees no key has `lse = +inf`, so every `p` of
@@ -51,6 +59,7 @@ from pallas_kernels.flash_attention.keys import (
   band_query_block_limits,
   in_interval,
   key_block_limits,
+  kv_head_map,
   load_rows,
   query_block_limits,
   store_rows,
@@ -345,7 +354,7 @@ def attention_backward(
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
   group = num_heads // kv_heads
-  kv_head = (lambda h: h) if group == 1 else (lambda h: h // group)
+  kv_head = kv_head_map(group)
   prefix_len = 0 if k_prefix is None else k_prefix.shape[1]
   do = do.astype(q.dtype)
   delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
