@@ -16,6 +16,7 @@ from jaxkern import ops
 from jaxkern.families import sparse_mla as fam
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.kernel import Unsupported
+from pallas_kernels.shared.lowering import lower_for_h100
 from pallas_kernels.sparse_mla import mosaic_gpu as mg
 
 INT32 = np.iinfo(np.int32)
@@ -144,6 +145,22 @@ def test_shared_memory_of_one_ring_slot_fits_at_the_largest_topk_and_two_do_not(
     <= 232448
     < mg.shared_memory_bytes(mg.MosaicSparseMlaConfig(stages=2), 512, 128)
   )
+
+
+@pytest.mark.parametrize("half_slots", [True, False])
+def test_shared_memory_bytes_is_what_mosaic_gpu_allocates(half_slots):
+  """Two ring slots do not fit: the H100 lowering refuses them, naming the
+  bytes it would allocate, which `shared_memory_bytes` predicts exactly."""
+  config = mg.MosaicSparseMlaConfig(stages=2, half_slots=half_slots)
+  avals = (
+    jax.ShapeDtypeStruct((2, 64, 512), jnp.bfloat16),
+    jax.ShapeDtypeStruct((300, 1, 512), jnp.bfloat16),
+    jax.ShapeDtypeStruct((2, 1, 640), jnp.int32),
+    jax.ShapeDtypeStruct((), jnp.float32),
+    jax.ShapeDtypeStruct((64,), jnp.float32),
+  )
+  with pytest.raises(Exception, match=rf"smem_bytes={mg.shared_memory_bytes(config, 512, 640)} >"):
+    lower_for_h100(mg._forward, *avals, config=config, interpret=False)
 
 
 @pytest.mark.parametrize(

@@ -186,8 +186,9 @@ FAULTS = (*GATHER_FAULTS, "exchange_once")
 
 def shared_memory_bytes(config: MosaicSparseMlaConfig, head_dim: int, topk: int) -> int:
   """The scratch the kernel allocates: Q (then O), the ring, the staging
-  buffer, both P tiles (bf16), the row's indices, sinks, scales and lse
-  (4 bytes each), each aligned to 1 KiB (the 128-byte swizzle's period),
+  buffer, the P tiles (bf16: one per consumer, or with `half_slots` one
+  shared tile and both consumers' row maxima, fp32), the row's indices,
+  sinks, scales and lse (4 bytes each), each aligned to 1 KiB (the 128-byte swizzle's period),
   the barriers, and the 2 KiB more Mosaic GPU reports at lowering."""
   bk, stages = config.block_k, config.stages
   buffers = [BLOCK_H * head_dim * 2, stages * bk * head_dim * 2, bk * head_dim * 2]
