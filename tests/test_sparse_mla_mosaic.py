@@ -1,10 +1,11 @@
 """The Mosaic GPU sparse MLA prefill (`pallas_kernels.sparse_mla.mosaic_gpu`)
 beyond the kit's cases (test_sparse_mla.py: ragged slot blocks, edge rows,
 records, every candidate): what invalid slots hold never reaches an output
-and is never read, a traced scale and dominant sinks, the public op with
-`backend="mosaic_gpu"`, the refusals, and synchronization faults the
-interpreter catches (its barrier checks, its race detector, on for every
-run here)."""
+and is never read, the half-slot consumers' exchange of row maxima and
+sums (and the consumers that score every slot on the same inputs), a
+traced scale and dominant sinks, the public op with `backend="mosaic_gpu"`,
+the refusals, and synchronization faults the interpreter catches (its
+barrier checks, its race detector, on for every run here)."""
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from numerics import assert_bf16_close, assert_f32_close
 from jaxkern import ops
 from jaxkern.families import sparse_mla as fam
 from pallas_kernels.shared.kernel import Unsupported
+from pallas_kernels.shared.lowering import lower_for_h100
 from pallas_kernels.sparse_mla import mosaic_gpu as mg
 
 INT32 = np.iinfo(np.int32)
@@ -59,6 +61,28 @@ def test_unselected_rows_and_extreme_invalid_indices_reach_nothing():
   assert np.isfinite(np.asarray(out, np.float32)).all()
   np.testing.assert_array_equal(np.asarray(out[3], np.float32), 0.0)
   assert np.isposinf(np.asarray(lse[3])).all() and np.isfinite(np.asarray(lse[:3])).all()
+
+
+@pytest.mark.parametrize("half_slots", [True, False])
+def test_each_consumer_half_alone_and_maxima_from_the_other_half(half_slots):
+  """Half-slot consumers (and, the same inputs, both scoring every slot):
+  a row whose valid slots are all in the first half of every step, one
+  with all in the second, one alternating halves from step to step (each
+  consumer sees steps with nothing of its own), and a lonely row. Peaked
+  scores (scale 0.25) put a row's maximum in one half at a time, so a
+  consumer scaling its P by its own half's maximum would overflow or lose
+  the other half; the row sums of the two halves are added once, at the
+  end."""
+  q, kv, idx, _, sink = problem(4, 300, 192, seed=7)
+  idx = np.clip(idx, 0, 299)
+  slot = np.arange(192)
+  first_half = slot % 64 < 32
+  idx[0, 0, ~first_half] = -1
+  idx[1, 0, first_half] = 300
+  idx[2, 0, first_half == ((slot // 64) % 2 == 0)] = INT32.min
+  idx[3] = -1
+  out, lse = check(q, kv, idx, 0.25, sink, config=mg.MosaicSparseMlaConfig(half_slots=half_slots))
+  assert np.isfinite(np.asarray(lse[:3])).all() and np.isposinf(np.asarray(lse[3])).all()
 
 
 def test_traced_scale_dominant_sinks_and_two_head_groups():
@@ -122,6 +146,22 @@ def test_shared_memory_of_one_ring_slot_fits_at_the_largest_topk_and_two_do_not(
     <= 232448
     < mg.shared_memory_bytes(mg.MosaicSparseMlaConfig(stages=2), 512, 128)
   )
+
+
+@pytest.mark.parametrize("half_slots", [True, False])
+def test_shared_memory_bytes_is_what_mosaic_gpu_allocates(half_slots):
+  """Two ring slots do not fit: the H100 lowering refuses them, naming the
+  bytes it would allocate, which `shared_memory_bytes` predicts exactly."""
+  config = mg.MosaicSparseMlaConfig(stages=2, half_slots=half_slots)
+  avals = (
+    jax.ShapeDtypeStruct((2, 64, 512), jnp.bfloat16),
+    jax.ShapeDtypeStruct((300, 1, 512), jnp.bfloat16),
+    jax.ShapeDtypeStruct((2, 1, 640), jnp.int32),
+    jax.ShapeDtypeStruct((), jnp.float32),
+    jax.ShapeDtypeStruct((64,), jnp.float32),
+  )
+  with pytest.raises(Exception, match=rf"smem_bytes={mg.shared_memory_bytes(config, 512, 640)} >"):
+    lower_for_h100(mg._forward, *avals, config=config, interpret=False)
 
 
 @pytest.mark.parametrize(
@@ -192,6 +232,10 @@ def test_correct_protocol_on_the_fault_problem():
     # (Nor this: the interpreter copies when a TMA is issued, and the wait
     # joins every arrival made by then, the late one's too.)
     ("staged_short", "arrivals pending"),
+    # The half-slot consumers' row-maxima rendezvous completing on one
+    # arrival: a consumer would read the other's maxima before they are
+    # written; the other then waits on a phase already past.
+    ("exchange_once", "phase"),
   ],
 )
 def test_broken_synchronization_is_caught(fault, match):

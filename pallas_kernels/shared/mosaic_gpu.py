@@ -172,15 +172,17 @@ def softmax_carry(rows: int, width: int):
   )
 
 
-def softmax_step(s, visible, m, l):
+def softmax_step(s, visible, m, l, step_max=None):
   """One step of `online_softmax.online_softmax_step` on a wgmma score tile
   (`s [rows, keys]` fp32, base 2, already scaled): hidden scores (`visible`
   False) become -inf, a row that has seen nothing subtracts 0. Returns
   `(p, correction, m_next, l_next)`: the probabilities, the factor the
   output accumulator is rescaled by before `p V` is added, and the next
-  row maxima and sums."""
+  row maxima and sums. `step_max`: the step's row maxima when `s` is only
+  part of the step's scores (default: `s`'s own, hidden ones excluded);
+  `l_next` then sums `s`'s part only."""
   s = jnp.where(visible, s, -jnp.inf)
-  m_next = jnp.maximum(m, s.max(axis=1))
+  m_next = jnp.maximum(m, s.max(axis=1) if step_max is None else step_max)
   m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
   correction = jnp.exp2(m - m_safe)
   p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
