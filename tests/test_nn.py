@@ -1,6 +1,8 @@
 """The Flax NNX layers (`jaxkern.nn`): a two-layer model (causal
-grouped-query attention + MoE) takes one optax step (`nnx.Optimizer`) on the
-Pallas kernels (interpret mode here) as on the XLA path; attention and MoE
+sliding-window grouped-query attention with a soft cap + MoE) takes one
+optax step (`nnx.Optimizer`) on the Pallas kernels (interpret mode here) as
+on the XLA path; attention (self and cross, key masks, causal bottom-right,
+grouped and multi-query heads, windows, soft cap, packed sequences) and MoE
 on the XLA path equal plain-jnp versions of themselves; every layer passes
 `backend=` to its ops (the kernels in its gradient's jaxpr) and its
 Pallas path matches its XLA path; sharding metadata; jaxkern imports no
@@ -107,46 +109,111 @@ def assert_close_up_to_fp8_steps(name, got, want):
   assert off.mean() <= 0.002 and err.max() <= 0.05 * scale, (name, int(off.sum()), off.size, err.max(), scale)
 
 
-def attention_reference(layer, x, context=None, key_valid=None):
-  """The layer in plain jnp: bf16 projections, fp32 softmax attention with
-  k/v heads repeated (jnp.repeat), causal or key mask, rounded once to bf16."""
+def visible_pairs(layer, q_len, kv_len, cu_seqlens=None, context_cu_seqlens=None):
+  """[Nq, Nk] bool from the layer's contract: each sequence's queries over
+  its own keys (one sequence without packing), query i aligned to key
+  i + (keys - queries) of its sequence, causal and window around it."""
+  if cu_seqlens is None:
+    cu_q, cu_k = [0, q_len], [0, kv_len]
+  else:
+    cu_q = [int(c) for c in cu_seqlens]
+    cu_k = cu_q if context_cu_seqlens is None else [int(c) for c in context_cu_seqlens]
+  left, right = layer.window if layer.window is not None else (None, None)
+  seen = np.zeros((q_len, kv_len), bool)
+  for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+    aligned = np.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+    j = np.arange(k1 - k0)[None, :]
+    band = np.ones((q1 - q0, k1 - k0), bool)
+    if layer.causal:
+      band &= j <= aligned
+    if left is not None:
+      band &= j >= aligned - left
+    if right is not None:
+      band &= j <= aligned + right
+    seen[q0:q1, k0:k1] = band
+  return seen
+
+
+def attention_reference(layer, x, context=None, key_valid=None, cu_seqlens=None, context_cu_seqlens=None):
+  """The layer in plain jnp: bf16 projections, fp32 softmax attention over
+  a dense mask (`visible_pairs` and the key mask) with k/v heads repeated
+  (jnp.repeat) and scores soft-capped, a row without keys 0, rounded once
+  to bf16. Packed inputs are one batch row."""
 
   def project(t, w):
     return jnp.einsum(
       "...k,nk->...n", t.astype(jnp.bfloat16), w[...].astype(jnp.bfloat16), preferred_element_type=jnp.float32
     ).astype(jnp.bfloat16)
 
+  packed = cu_seqlens is not None
   source = x if context is None else context
+  if packed:
+    x, source = x[None], source[None]
+    key_valid = None if key_valid is None else key_valid[None]
   h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
   q = project(x, layer.w_q).reshape(*x.shape[:2], h, d).astype(jnp.float32)
   k, v = (
     jnp.repeat(project(source, w).reshape(*source.shape[:2], hkv, d), h // hkv, axis=2) for w in (layer.w_k, layer.w_v)
   )
   s = jnp.einsum("bqhd,bkhd->bhqk", q, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * d**-0.5
-  visible = jnp.ones(s.shape, bool)
-  if layer.causal:
-    visible = jnp.tril(visible)
+  if layer.softcap is not None:
+    s = layer.softcap * jnp.tanh(s / layer.softcap)
+  visible = jnp.asarray(visible_pairs(layer, x.shape[1], source.shape[1], cu_seqlens, context_cu_seqlens))
+  visible = jnp.broadcast_to(visible, s.shape)
   if key_valid is not None:
     visible = visible & key_valid[:, None, None, :]
   p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
+  p = jnp.where(visible.any(-1, keepdims=True), p, 0.0)  # a row without keys: 0 (softmax gives NaN)
   o = jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-  return project(o.astype(jnp.bfloat16).reshape(*x.shape[:2], h * d), layer.w_o).astype(x.dtype)
+  out = project(o.astype(jnp.bfloat16).reshape(*x.shape[:2], h * d), layer.w_o).astype(x.dtype)
+  return out[0] if packed else out
 
 
-@pytest.mark.parametrize("kind", ["causal_gqa", "cross_masked"])
-def test_attention_on_the_xla_path_is_plain_attention(kind):
+def attention_case(kind):
+  """(layer on the XLA path, its positional and keyword inputs)."""
   rngs = nnx.Rngs(3)
   x = jax.random.normal(jax.random.key(4), (2, 10, 64))
+  context = jax.random.normal(jax.random.key(5), (2, 7, 32))
+  key_valid = jnp.arange(7)[None, :] < jnp.array([[7], [4]])
   if kind == "causal_gqa":
-    layer = nn.Attention(64, 4, num_kv_heads=2, causal=True, backend="xla", rngs=rngs)
-    args, kwargs = (x,), {}
-  else:
+    return nn.Attention(64, 4, num_kv_heads=2, causal=True, backend="xla", rngs=rngs), (x,), {}
+  if kind == "cross_masked":
     layer = nn.Attention(64, 2, head_dim=16, context_dim=32, backend="xla", rngs=rngs)
-    context = jax.random.normal(jax.random.key(5), (2, 7, 32))
-    key_valid = jnp.arange(7)[None, :] < jnp.array([[7], [4]])
-    args, kwargs = (x, context), {"key_valid": key_valid}
+    return layer, (x, context), {"key_valid": key_valid}
+  if kind == "cross_causal_masked_mqa":  # Nq > Nk: the first 3 rows see no key
+    layer = nn.Attention(64, 4, num_kv_heads=1, context_dim=32, causal=True, backend="xla", rngs=rngs)
+    return layer, (x, context), {"key_valid": key_valid}
+  if kind == "window_softcap_gqa":
+    layer = nn.Attention(64, 4, num_kv_heads=2, window=(3, 1), softcap=1.0, backend="xla", rngs=rngs)
+    return layer, (x,), {}
+  if kind == "packed_causal_window_softcap":  # sequences of 4, 0 and 6 tokens
+    layer = nn.Attention(64, 4, num_kv_heads=2, causal=True, window=(2, None), softcap=1.0, backend="xla", rngs=rngs)
+    return layer, (x[0],), {"cu_seqlens": jnp.asarray([0, 4, 4, 10], jnp.int32)}
+  assert kind == "packed_cross_masked"  # 3 queries over 2 keys, 0 over 1, 7 over 4 (one hidden)
+  layer = nn.Attention(64, 4, num_kv_heads=2, context_dim=32, causal=True, backend="xla", rngs=rngs)
+  kwargs = {
+    "cu_seqlens": jnp.asarray([0, 3, 3, 10], jnp.int32),
+    "context_cu_seqlens": jnp.asarray([0, 2, 3, 7], jnp.int32),
+    "key_valid": jnp.arange(7) != 5,
+  }
+  return layer, (x[0], context[0]), kwargs
+
+
+ATTENTION_KINDS = [
+  "causal_gqa",
+  "cross_masked",
+  "cross_causal_masked_mqa",
+  "window_softcap_gqa",
+  "packed_causal_window_softcap",
+  "packed_cross_masked",
+]
+
+
+@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+def test_attention_on_the_xla_path_is_plain_attention(kind):
+  layer, args, kwargs = attention_case(kind)
   out = nnx.jit(lambda m, *a, **k: m(*a, **k))(layer, *args, **kwargs)
-  assert out.shape == x.shape and out.dtype == x.dtype
+  assert out.shape == args[0].shape and out.dtype == args[0].dtype
   numerics.assert_bf16_close(out, attention_reference(layer, *args, **kwargs))
 
 
@@ -269,12 +336,20 @@ def test_bad_configurations_are_clear_errors():
     nn.Attention(64, 4, num_kv_heads=3, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="d_expert=48 must be a multiple of 32"):
     nn.MoE(64, 48, 4, 2, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"attention: window must be None or a \(left, right\) pair"):
+    nn.Attention(64, 4, window=4, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="attention: softcap must be None or a positive finite"):
+    nn.Attention(64, 4, softcap=0.0, rngs=nnx.Rngs(0))
   layer = nn.Attention(64, 4, causal=True, rngs=nnx.Rngs(0))
-  x = jnp.zeros((1, 4, 64))
-  with pytest.raises(ValueError, match="takes no key_valid"):
-    layer(x, key_valid=jnp.ones((1, 4), bool))
-  with pytest.raises(ValueError, match="pass no context"):
-    layer(x, x)
+  x, cu_seqlens = jnp.zeros((1, 4, 64)), jnp.asarray([0, 4], jnp.int32)
+  with pytest.raises(
+    ValueError, match=r"x must be \[T, features\] \(packed: cu_seqlens given\), got shape \(1, 4, 64\)"
+  ):
+    layer(x, cu_seqlens=cu_seqlens)
+  with pytest.raises(ValueError, match="packed cross-attention .* needs context_cu_seqlens"):
+    layer(x[0], x[0], cu_seqlens=cu_seqlens)
+  with pytest.raises(ValueError, match="context_cu_seqlens is for packed cross-attention"):
+    layer(x, x, context_cu_seqlens=cu_seqlens)
 
 
 @pytest.mark.slow  # a subprocess

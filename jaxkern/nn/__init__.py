@@ -2,14 +2,15 @@
 
 | layer | what it runs |
 | --- | --- |
-| `Attention` | projections on `ops.dense_gemm`; `ops.attention` or `ops.block_causal_attention` |
+| `Attention` | projections on `ops.dense_gemm`; `ops.attention` |
 | `MoE` | `ops.moe_router`; FP8 x FP4 experts (`ops.grouped_gemm_mxfp4_ste`) |
 | `GatedDeltaNet` | `ops.gdn_prefill` over packed sequences |
 | `NeighborhoodAttention3D` | `ops.neighborhood_attention_3d` |
 | `SparseMLA` | `ops.sparse_mla_prefill` (absorbed MLA, per-head sinks) |
 
-`Attention` does self- and cross-attention, key masks, `causal=True` and
-grouped-query heads (`num_kv_heads`); `MoE` trains its MXFP4 experts
+`Attention` does self- and cross-attention, key masks, `causal=True`,
+sliding windows, the logit soft cap, grouped-query heads (`num_kv_heads`)
+and packed sequences (`cu_seqlens`); `MoE` trains its MXFP4 experts
 through the straight-through estimator.
 
 Each layer is an `nnx.Module`: its parameters are `nnx.Param`s of float32

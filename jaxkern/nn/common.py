@@ -72,17 +72,6 @@ def split_heads(x: jax.Array, heads: int) -> jax.Array:
   return x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads)
 
 
-def repeat_heads(x: jax.Array, times: int) -> jax.Array:
-  """[..., Hkv, D] -> [..., Hkv * times, D], each head repeated `times` times in
-  place (head h of the result is head h // times of x: grouped-query
-  attention's sharing). A broadcast and a merge of the head dims, so a
-  split of Hkv over devices stays a split of the result's heads."""
-  if times == 1:
-    return x
-  *lead, heads, dim = x.shape
-  return jnp.broadcast_to(x[..., None, :], (*lead, heads, times, dim)).reshape(*lead, heads * times, dim)
-
-
 def _explicit_mesh(x: jax.Array):
   mesh = jax.typeof(x).sharding.mesh
   return mesh if not mesh.empty and AxisType.Explicit in mesh.axis_types else None
