@@ -567,7 +567,7 @@ def test_folded_scales_are_exact_over_their_whole_range():
 
   scales = jnp.asarray([[130, 130 - 22], [130, 130 - 23], [140, 140], [0, 1], [255, 254], [8, 8], [9, 9]], jnp.uint8)
   np.testing.assert_array_equal(
-    np.asarray(gg._fold_reference(scales, gg.FOLD_A_MAX_SHIFT)), [130, -1, 140, -1, -1, -1, 9]
+    np.asarray(gg.fold_exponent(scales, gg.FOLD_A_MAX_SHIFT)), [130, -1, 140, -1, -1, -1, 9]
   )
 
 

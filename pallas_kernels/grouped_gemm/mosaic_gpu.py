@@ -325,7 +325,7 @@ def expert_scales(b_scale: jax.Array, experts: jax.Array, block_n: int):
   and whether each (expert, N tile) folds, bool [U, N tiles]."""
   num_experts, n, _ = b_scale.shape
   scales = b_scale[jnp.minimum(experts, num_experts - 1)]  # [U, N, G]
-  b_fold = triton._fold_reference(scales, triton.FOLD_B_MAX_SHIFT)  # [U, N]
+  b_fold = triton.fold_exponent(scales, triton.FOLD_B_MAX_SHIFT)  # [U, N]
   tiles = cdiv(n, block_n)
   tile_fold = jnp.min(_pad_to(b_fold, 1, block_n, 127).reshape(b_fold.shape[0], tiles, block_n), axis=2) >= 0
   scales_t = _pad_to(jnp.swapaxes(scales, 1, 2), 2, 16)
@@ -365,7 +365,7 @@ def activation_operand(a: jax.Array, a_scale: jax.Array):
   group (what undoes its fold), another row's own bytes; and the rows'
   fold references, int32 [M] (-1: does not fold)."""
   m, k = a.shape
-  a_fold = triton._fold_reference(a_scale, triton.FOLD_A_MAX_SHIFT)  # [M]
+  a_fold = triton.fold_exponent(a_scale, triton.FOLD_A_MAX_SHIFT)  # [M]
   folds = a_fold[:, None] >= 0
   shift = jnp.where(folds, FOLD_A_EXPONENT - (a_fold[:, None] - a_scale.astype(jnp.int32)), 0)  # [M, K/32]
   values = a.astype(jnp.float32).reshape(m, k // GROUP, GROUP) * triton.f32_pow2(shift)[:, :, None]

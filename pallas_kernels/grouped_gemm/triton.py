@@ -282,9 +282,9 @@ def scale_byte(words, g: int):
   return (words >> (8 * g)).astype(jnp.int32) & 0xFF
 
 
-def _fold_reference(scales: jax.Array, max_shift: int) -> jax.Array:
+def fold_exponent(scales: jax.Array, max_shift: int) -> jax.Array:
   """UE8M0 bytes [..., K/32] -> int32 [...]: each row's largest byte, the
-  reference its scales fold against, or -1 where they do not fold exactly
+  exponent its scales fold against, or -1 where they do not fold exactly
   (a byte 0 or 255, a unit factor 2^(hi - 135) below fp32's normal range,
   or a byte more than `max_shift` below the largest)."""
   hi = jnp.max(scales, axis=-1).astype(jnp.int32)
@@ -300,11 +300,11 @@ def fold_operands(a: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> tuple
   group's f16 multiplier 2^(7 - (hi - s)) [M, K/32] (rows that do not fold:
   1); the rows' references, int32 [M] and [E, N] (-1: does not fold)."""
   m, k = a.shape
-  a_fold = _fold_reference(a_scale, FOLD_A_MAX_SHIFT)
+  a_fold = fold_exponent(a_scale, FOLD_A_MAX_SHIFT)
   shift = jnp.where(a_fold[:, None] >= 0, FOLD_A_EXPONENT - (a_fold[:, None] - a_scale.astype(jnp.int32)), 0)
   a_mult = f32_pow2(shift).astype(jnp.float16)
   a_pairs = lax.bitcast_convert_type(lax.bitcast_convert_type(a, jnp.uint8).reshape(m, k // 2, 2), jnp.uint16)
-  return a_pairs, a_mult, a_fold, _fold_reference(b_scale, FOLD_B_MAX_SHIFT)
+  return a_pairs, a_mult, a_fold, fold_exponent(b_scale, FOLD_B_MAX_SHIFT)
 
 
 def dot_operand_dtype(config: Any = None):

@@ -69,7 +69,9 @@ def fp8_dot_nt(a: jax.Array, b: jax.Array, acc: jax.Array | None = None) -> jax.
   return fp8_dot_nt_p.bind(a, b, acc)
 
 
-def _dot_reference(a, b, acc=None):
+def _dot_on_xla(a, b, acc=None):
+  """The primitive outside a Triton kernel (eager, and XLA's lowering): an fp32
+  NT dot_general."""
   out = lax.dot_general(a, b, NT_DIMS, preferred_element_type=jnp.float32)
   return out if acc is None else acc + out
 
@@ -79,8 +81,8 @@ def _abstract_eval(a, b, acc=None):
   return jax_core.ShapedArray((a.shape[0], b.shape[0]), jnp.float32)
 
 
-fp8_dot_nt_p.def_impl(_dot_reference)
-mlir.register_lowering(fp8_dot_nt_p, mlir.lower_fun(_dot_reference, multiple_results=False))
+fp8_dot_nt_p.def_impl(_dot_on_xla)
+mlir.register_lowering(fp8_dot_nt_p, mlir.lower_fun(_dot_on_xla, multiple_results=False))
 
 
 @triton_lowering.register_lowering(fp8_dot_nt_p)
