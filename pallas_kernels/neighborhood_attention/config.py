@@ -14,6 +14,8 @@ from pallas_kernels.shared.config_rules import (
   at_least,
   field,
   instance_of,
+  multiple_in,
+  one_of,
   pow2,
 )
 
@@ -49,3 +51,29 @@ class NeighborhoodAttentionBwdConfig(KernelConfig):
 
   dq: NeighborhoodAttentionConfig = field(NeighborhoodAttentionConfig(), instance_of(NeighborhoodAttentionConfig))
   dkdv: NeighborhoodAttentionConfig = field(NeighborhoodAttentionConfig(), instance_of(NeighborhoodAttentionConfig))
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicNeighborhoodConfig(KernelConfig):
+  """Tiling of the Mosaic GPU forward: each of a CTA's two consumer
+  warpgroups owns a query tile of `block_t x block_y x block_x` = 64 grid
+  points (the two stacked along y); the key box is walked in chunks of whole
+  box lines, at most `max_chunk_keys` keys each, through a ring of `stages`
+  slots; `ping_pong`: the consumers take turns on the tensor cores
+  (FlashAttention-3's schedule) instead of running freely."""
+
+  _derived_rules = {"block_queries": (one_of(64),)}
+  block_t: int = field(4, pow2())
+  block_y: int = field(4, pow2())
+  block_x: int = field(4, pow2(4))
+  max_chunk_keys: int = field(256, multiple_in(64, 64, 256))
+  stages: int = field(3, at_least(2))
+  ping_pong: bool = field(True, instance_of(bool))
+
+  @property
+  def tile(self) -> tuple[int, int, int]:
+    return (self.block_t, self.block_y, self.block_x)
+
+  @property
+  def block_queries(self) -> int:
+    return self.block_t * self.block_y * self.block_x

@@ -341,6 +341,22 @@ def _attention_bwd(static: _Static, residuals, do):
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
+def check_inputs(q, k, v, KT: int, KY: int, KX: int) -> tuple[int, int, int]:
+  """The window `(KT, KY, KX)` of inputs every backend takes (a ValueError
+  otherwise): q, k, v `[B, T, Y, X, H, D]` of one shape and dtype, D a
+  power of two >= 16, `1 <= k <= extent` on each axis."""
+  if k.shape != q.shape or v.shape != q.shape:
+    raise ValueError(f"k {k.shape} / v {v.shape} do not match q {q.shape}")
+  if not (k.dtype == v.dtype == q.dtype):
+    raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+  check_pow2_dim("head dim D", q.shape[-1])
+  window = (int(KT), int(KY), int(KX))
+  dims = tuple(q.shape[1:4])
+  if any(w < 1 or n < w for n, w in zip(dims, window)):
+    raise ValueError(f"window {window} does not fit the grid {dims} (need 1 <= k <= extent)")
+  return window
+
+
 @functools.partial(jax.jit, static_argnames=("KT", "KY", "KX", "config", "backward_config", "interpret"))
 def neighborhood_attention_3d(
   q: jax.Array,
@@ -372,16 +388,8 @@ def neighborhood_attention_3d(
   Returns:
     `o [B, T, Y, X, H, D]` in `q.dtype`.
   """
-  batch, t_len, y_len, x_len, num_heads, head_dim = q.shape
-  if k.shape != q.shape or v.shape != q.shape:
-    raise ValueError(f"k {k.shape} / v {v.shape} do not match q {q.shape}")
-  if not (k.dtype == v.dtype == q.dtype):
-    raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-  check_pow2_dim("head dim D", head_dim)
-  window = (int(KT), int(KY), int(KX))
-  dims = (t_len, y_len, x_len)
-  if any(w < 1 or n < w for n, w in zip(dims, window)):
-    raise ValueError(f"window {window} does not fit the grid {dims} (need 1 <= k <= extent)")
+  window = check_inputs(q, k, v, KT, KY, KX)
+  batch, *_, num_heads, _ = q.shape
   if not (batch and num_heads):
     return jnp.zeros(q.shape, q.dtype)
   shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype)}

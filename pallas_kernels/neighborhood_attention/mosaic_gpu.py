@@ -1,0 +1,579 @@
+"""3-D neighborhood attention forward on Mosaic GPU (Hopper-native),
+FlashAttention-3 style, K and V halos by multi-dimensional TMA.
+
+Contract: `triton.neighborhood_attention_3d`'s (NATTEN semantics, stride 1,
+dilation 1, non-causal, q already scaled) for q, k, v `[B, T, Y, X, H, D]`
+bf16 with D = 64; other inputs raise `Unsupported` (so `backend="pallas"`
+falls back to Triton). The gradient is the Triton backward
+(`triton_bwd.attention_backward`) from this kernel's o and its lse
+`[B, H, T, Y, X]` (base 2, the Triton forward's semantics).
+
+Structure: grid (CTA tiles, H, B), tiles in C order (x fastest, so that the
+CTAs running together share their key boxes in L2); three warpgroups per
+CTA. The geometry is static (`boxes.py`, its docstring): a CTA owns two
+consumer query tiles of `block_t x block_y x block_x` = 64 points stacked
+along y, and a key box that covers both tiles' windows, walked plane by
+plane in chunks of whole box lines.
+
+- warpgroup 2, the producer (`setmaxnreg` 40), copies each chunk of K and
+  of V with one TMA box `[lines, extent_x, D]` straight from the
+  `[B, T, Y, X, H, D]` layout into a ring of `stages` slots. The box never
+  leaves the grid on t and y (its origin is clamped, windows shift inward);
+  on x a grid shorter than the box reads zeros past its end (TMA's
+  out-of-bounds fill), which no window reaches.
+- warpgroups 0 and 1, the consumers (`setmaxnreg` 232), each own a query
+  tile: Q (one 4-D TMA box, copied through registers into a wgmma operand
+  tile) and the queries' window probes once, then per chunk of their run
+  (`boxes.BoxPlan.runs`: the chunks of a plane their windows reach) S =
+  Q K^T (wgmma), the window test (`(key bits & probe) == probe`, the key
+  bits a static table per chunk OR the plane's t bits), the online softmax
+  in registers (base 2), and O += P V (wgmma, P from registers when
+  compiled); the chunks outside their run they release unread. The
+  epilogue divides by the row sums and stores O and lse by TMA (4-D and
+  3-D boxes, clipped at the grid's edges). With `config.ping_pong` the two
+  consumers alternate FlashAttention-3's way: one's softmax runs while the
+  other's S or P V wgmma does.
+
+Interpret mode (Mosaic GPU's CPU interpreter) runs the same TMA copies,
+barriers and ring; it cannot view a `[lines, extent_x, D]` slot as the
+`[keys, D]` operand a wgmma reads (its wgmma takes no reshaped refs) nor take
+a register operand, so there each consumer copies the chunk's K and V and
+its P into scratch tiles of the operand's shape first. Compiled, the slot is
+reshaped (a TMA box of `lines` rows of `extent_x` keys, each line a whole
+number of (8, 64) tiles, lands in the bytes of `lines * extent_x` rows of
+the operand's tiling and swizzle) and P stays in registers.
+
+Synchronization (interpret mode does not check asynchrony):
+
+- Ring position: chunk g (plane g // chunks, chunk g % chunks of the plane)
+  is in slot g % stages; producer and consumers walk every chunk of every
+  plane in the same order (a consumer whether it scores the chunk or not).
+- `k_full[s]` and `v_full[s]` (1 arrival: the chunk's TMA box) guard slot
+  s's K and V; both consumers wait on them for every chunk, scored or not.
+- `k_empty[s]` and `v_empty[s]` (2 arrivals, one per consumer) guard reuse.
+  A consumer releases K of a scored chunk after its S wgmma completed
+  (reading the accumulator waits for it), V after its P V wgmma completed
+  (same); a chunk it does not score it releases right after its full
+  barrier completed. Releasing an unscored chunk only after waiting for it
+  matters: the wait proves the producer filled it, so the other consumer
+  released the slot's previous chunk, and the arrival cannot count toward
+  that earlier phase. The producer waits on `k_empty[s]` before refilling K
+  of chunk g >= stages and on `v_empty[s]` before V, and at the end waits
+  for the last release of every slot it waited on, so it observes every
+  completion (`drain_releases`).
+- Parity: use u of slot s completes phase u of each of the four barriers;
+  every waiter waits on every phase in order.
+- Ping-pong (`config.ping_pong`): `turn` (2 arrivals) is a rendezvous;
+  per scored chunk a consumer meets the other twice, after issuing its S
+  wgmma and after its softmax (before its P V wgmma); consumer 1 meets once
+  more before its first chunk and consumer 0 once more after its last, so
+  consumer 1 is one rendezvous behind. Both consumers of a CTA score as
+  many chunks (`runs`: equal counts), so they make as many meets, and pair
+  their i-th scored chunks. No cycle of waits: a consumer at a meet has
+  released every chunk before its current one, and the other consumer's
+  current chunk is at most `lead` (`BoxPlan.lead`, < stages) chunks away,
+  so the producer can have filled everything that consumer waits for
+  (both full barriers of a chunk are filled in order, K then V, and the
+  producer waits only on releases of chunks `stages` behind).
+- `q_barrier[w]` (3 arrivals: Q, the probes, the chunk bit table) guards
+  consumer w's inputs (one wait). Consumer w's Q operand tile is written by
+  it only, before its first wgmma, with `commit_smem()`; its staging tile
+  takes O only after the loop. P scratch (interpret mode) is written after
+  the previous P V wgmma completed. Epilogue: each consumer writes its own O
+  and lse staging, `commit_smem()`, TMA stores, and waits for them before
+  exiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.neighborhood_attention import boxes
+from pallas_kernels.neighborhood_attention.config import MosaicNeighborhoodConfig, NeighborhoodAttentionBwdConfig
+from pallas_kernels.neighborhood_attention.triton import (
+  NeighborhoodAttentionSizes,
+  check_inputs,
+  choose_backward_config,
+)
+from pallas_kernels.neighborhood_attention.triton_bwd import attention_backward
+from pallas_kernels.shared import device
+from pallas_kernels.shared import mosaic_gpu_compat as compat
+from pallas_kernels.shared.common import cdiv, resolve_interpret
+from pallas_kernels.shared.kernel import Unsupported
+from pallas_kernels.shared.mosaic_gpu import (
+  CONSUMER_REGISTERS,
+  NUM_CONSUMERS,
+  PRODUCER_REGISTERS,
+  WGMMA_TRANSFORMS,
+  align_kib,
+  drain_releases,
+  rescale_and_accumulate,
+)
+from pallas_kernels.shared.online_softmax import LOG2_E
+
+HEAD_DIM = 64
+QUERIES = 64  # a consumer tile: one wgmma row block
+# K and V planes as TMA writes them: `[lines, extent_x, D]` boxes in 1-row
+# tiles, 128-byte swizzle.
+BOX_TRANSFORMS = (
+  plgpu.TilingTransform((1, 1, HEAD_DIM)),  # pyright: ignore[reportAbstractUsage]
+  plgpu.SwizzleTransform(128),  # pyright: ignore[reportAbstractUsage]
+)
+# Q in and O out: `[block_t, block_y, block_x, D]` boxes in 1-row tiles
+# (any block_x), 128-byte swizzle.
+STAGE_TRANSFORMS = (
+  plgpu.TilingTransform((1, 1, 1, HEAD_DIM)),  # pyright: ignore[reportAbstractUsage]
+  plgpu.SwizzleTransform(128),  # pyright: ignore[reportAbstractUsage]
+)
+# lse rows are stored with a multiple of 4 along x (TMA strides are
+# multiples of 16 bytes) and sliced back.
+LSE_ALIGN = 4
+
+# A probe no key's window bits satisfy (bit 31: keys use bits 0-30): the
+# probe of a row that does not see a plane.
+UNSEEN = jnp.iinfo(jnp.int32).min
+
+# The online softmax's first row maximum: finite also times LOG2_E.
+START_MAX = float(jnp.finfo(jnp.float32).min) / 2
+
+# Test-only sync faults (`_forward(fault=...)`).
+FAULTS = ("release_once", "turn_once")
+
+
+def box_plan(dims, window, config: MosaicNeighborhoodConfig) -> boxes.BoxPlan:
+  """The static geometry of a problem under `config` (ValueError when the
+  tiling does not fit it)."""
+  return boxes.plan(tuple(dims), tuple(window), config.tile, config.max_chunk_keys)
+
+
+def shared_memory_bytes(plan: boxes.BoxPlan, config: MosaicNeighborhoodConfig) -> int:
+  """The scratch Mosaic GPU allocates (compiled): per consumer a Q operand
+  tile, a Q/O staging tile, lse staging, probes and the row bit table; the
+  K and V rings (a plane a slot); each aligned to 1 KiB; the barriers; and
+  the 2 KiB more Mosaic GPU reports at lowering."""
+  buffers = [
+    NUM_CONSUMERS * QUERIES * HEAD_DIM * 2,
+    NUM_CONSUMERS * QUERIES * HEAD_DIM * 2,
+    NUM_CONSUMERS * QUERIES * 4,
+    NUM_CONSUMERS * QUERIES * 4,
+    NUM_CONSUMERS * plan.plane_rows * 4,
+    2 * config.stages * plan.plane_rows * HEAD_DIM * 2,
+  ]
+  barriers = 8 * (NUM_CONSUMERS + 4 * config.stages + 1)
+  return sum(map(align_kib, buffers)) + barriers + 2048
+
+
+# ---------------------------------------------------------------------------
+# Heuristic and candidates.
+
+
+def _tiles() -> list[tuple[int, int, int]]:
+  """Consumer tiles of 64 points with at least 4 along x (the lse store's
+  16-byte rows), powers of two."""
+  sides = [1, 2, 4, 8, 16]
+  return [
+    (t, y, QUERIES // (t * y)) for t in sides for y in sides if QUERIES % (t * y) == 0 and QUERIES // (t * y) >= 4
+  ]
+
+
+def _fitting(dims, window, configs) -> list[MosaicNeighborhoodConfig]:
+  out = []
+  for c in configs:
+    try:
+      plan = box_plan(dims, window, c)
+    except ValueError:
+      continue
+    if shared_memory_bytes(plan, c) <= device.SHARED_MEMORY_PER_BLOCK:
+      out.append(c)
+  return out
+
+
+def choose_config(shapes: Mapping[str, Any], *, KT: int, KY: int, KX: int) -> MosaicNeighborhoodConfig:
+  """The consumer tile that scores the fewest (query, key) pairs over the
+  grid (`BoxPlan.scored_pairs`), chunks of up to 256 keys (a run a chunk), 3 ring stages
+  (2 where 3 do not fit)."""
+  dims, window = NeighborhoodAttentionSizes.of(shapes).grid, (KT, KY, KX)
+  configs = [MosaicNeighborhoodConfig(*tile, max_chunk_keys=256, stages=s) for s in (3, 2) for tile in _tiles()]
+  fits = _fitting(dims, window, configs)
+  if not fits:
+    return MosaicNeighborhoodConfig()
+  # Fewest scored pairs; among equals, more stages, then the flattest tile in t.
+  return min(fits, key=lambda c: (box_plan(dims, window, c).scored_pairs(), -c.stages, c.block_t, -c.block_x))
+
+
+def candidate_configs(shapes: Mapping[str, Any], *, KT: int, KY: int, KX: int) -> list[MosaicNeighborhoodConfig]:
+  """The heuristic's first, then its tile with other chunk sizes and
+  stages and without ping-pong, and the next best tiles."""
+  dims, window = NeighborhoodAttentionSizes.of(shapes).grid, (KT, KY, KX)
+  chosen = choose_config(shapes, KT=KT, KY=KY, KX=KX)
+  same_tile = [dataclasses.replace(chosen, max_chunk_keys=keys, stages=s) for keys in (256, 128, 64) for s in (2, 3, 4)]
+  others = sorted(
+    _fitting(dims, window, [MosaicNeighborhoodConfig(*tile, max_chunk_keys=256, stages=2) for tile in _tiles()]),
+    key=lambda c: box_plan(dims, window, c).scored_pairs(),
+  )[:3]
+  return list(
+    dict.fromkeys([chosen, *_fitting(dims, window, same_tile), dataclasses.replace(chosen, ping_pong=False), *others])
+  )
+
+
+# ---------------------------------------------------------------------------
+# Kernel.
+
+
+def _softmax_carry():
+  """The online softmax's start in the wgmma layouts: an fp32 `[64, D]`
+  output of zeros, row maxima at `START_MAX` (finite, so that a chunk
+  hiding all of a row's keys needs no guard: `exp2(-inf - m) = 0`, its
+  correction `exp2(0) = 1`), row sums 0."""
+  rows = plgpu.Layout.WGMMA.reduce(1)
+  return (
+    plgpu.layout_cast(jnp.zeros((QUERIES, HEAD_DIM), jnp.float32), plgpu.Layout.WGMMA),
+    plgpu.layout_cast(jnp.full((QUERIES,), START_MAX, jnp.float32), rows),
+    plgpu.layout_cast(jnp.zeros((QUERIES,), jnp.float32), rows),
+  )
+
+
+def _softmax_step(s, visible, m, l):
+  """One step of the online softmax (`online_softmax.online_softmax_step`
+  with `score_scale`, `finite_max`) on a wgmma score tile of raw scores
+  (q is pre-scaled): hidden scores become -inf, the row maxima `m` stay in
+  score units and the `LOG2_E` scale folds into one fma a score
+  (`exp2(s log2 e - m log2 e)`; a positive scale commutes with max).
+  Returns `(p, correction, m_next, l_next)`."""
+  s = jnp.where(visible, s, -jnp.inf)
+  m_next = jnp.maximum(m, s.max(axis=1))
+  m_scaled = m_next * LOG2_E
+  correction = jnp.exp2(m * LOG2_E - m_scaled)
+  p = jnp.exp2(s * LOG2_E - lax.broadcast_in_dim(m_scaled, s.shape, [0]))
+  return p, correction, m_next, correction * l + p.sum(axis=1)
+
+
+def _kernel(
+  q_gmem,
+  k_gmem,
+  v_gmem,
+  probes_gmem,
+  bits_gmem,
+  o_gmem,
+  lse_gmem,
+  *,
+  plan: boxes.BoxPlan,
+  config: MosaicNeighborhoodConfig,
+  interpret: bool,
+  fault: str | None,
+):
+  (t_len, y_len, x_len), (kt, ky, kx) = plan.dims, plan.window
+  (bt, by, bx), (et, ey, ex) = plan.tile, plan.extents
+  stages = config.stages
+  tile, head, batch = lax.axis_index("tile"), lax.axis_index("h"), lax.axis_index("b")
+  _, tiles_y, tiles_x = plan.tiles
+  tile_t, tile_y, tile_x = tile // (tiles_y * tiles_x), (tile // tiles_x) % tiles_y, tile % tiles_x
+  t0, y0, x0 = tile_t * bt, tile_y * (NUM_CONSUMERS * by), tile_x * bx
+
+  def origin(first, length, k, extent):
+    """`boxes.box_origin` of a traced first query."""
+    return jnp.minimum(jnp.clip(first - k // 2, 0, length - k), max(length - extent, 0))
+
+  box_t, box_y, box_x = origin(t0, t_len, kt, et), origin(y0, y_len, ky, ey), origin(x0, x_len, kx, ex)
+
+  def scoped(
+    q_op, stage, lse_stage, probe_smem, bits_smem, rings, scratch, q_barrier, k_full, v_full, k_empty, v_empty, turn
+  ):
+    wg = lax.axis_index("wg")
+    # The rings as TMA writes them (`[plane, lines, extent_x, D]` in 1-row
+    # tiles: a box may start at any x) and as wgmma reads them (`[plane,
+    # rows, D]` in (8, 64) tiles): the same bytes (module docstring).
+    (k_boxes, v_boxes), (k_rows, v_rows) = rings
+
+    def meet():
+      """A rendezvous of the two consumers (ping-pong only)."""
+      if config.ping_pong:
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+      @pl.loop(0, et)
+      def _plane(p):
+        slot = lax.rem(p, stages)
+        plane = (batch, box_t + p, pl.ds(box_y, ey), pl.ds(box_x, ex), head)
+        for gmem, ring, full, empty in ((k_gmem, k_boxes, k_full, k_empty), (v_gmem, v_boxes, v_full, v_empty)):
+          pl.when(p >= stages)(functools.partial(plgpu.barrier_wait, empty.at[slot]))
+          plgpu.copy_gmem_to_smem(gmem.at[plane], ring.at[slot], full.at[slot])
+
+      drain_releases(et, stages, k_empty, v_empty)
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+      plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+      queries = (batch, pl.ds(t0, bt), pl.ds(y0 + wg * by, by), pl.ds(x0, bx), head)
+      plgpu.copy_gmem_to_smem(q_gmem.at[queries], stage.at[wg], q_barrier.at[wg])
+      plgpu.copy_gmem_to_smem(probes_gmem.at[tile, wg], probe_smem.at[wg], q_barrier.at[wg])
+      plgpu.copy_gmem_to_smem(bits_gmem, bits_smem.at[wg], q_barrier.at[wg])
+      plgpu.barrier_wait(q_barrier.at[wg])
+      # The Q tile into the wgmma operand's layout (through registers).
+      if interpret:
+        q_op[wg] = stage[wg].reshape(QUERIES, HEAD_DIM)
+      else:
+        q_op[wg] = plgpu.load(stage.at[wg].reshape(QUERIES, HEAD_DIM), layout=plgpu.Layout.WGMMA)
+      plgpu.commit_smem()
+      probe = plgpu.load(probe_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+      t_field = (1 << plan.widths[0]) - 1
+      probe_yx = probe & ~t_field
+      # This consumer's run of plane rows (a multiple of 8: whole tiles).
+      run = pl.multiple_of(plan.run_start(jnp.minimum(y0 + wg * by, y_len - 1), box_y), boxes.ROW_TILE)
+      if interpret:
+        row_bits = lax.dynamic_slice_in_dim(bits_smem[wg].reshape(plan.plane_rows), run, plan.run)
+
+      def operand(ring_boxes, ring_rows, slot, which):
+        """The run's `[keys, D]` K or V of slot `slot` as a wgmma operand:
+        the rows view of the slot (compiled), or a scratch copy (interpret
+        mode: its wgmma reads neither reshaped nor aliased refs)."""
+        if not interpret:
+          return ring_rows.at[slot, pl.ds(run, plan.run)]
+        rows = ring_boxes[slot].reshape(plan.plane_rows, HEAD_DIM)
+        scratch[which][wg] = lax.dynamic_slice_in_dim(rows, run, plan.run)
+        return scratch[which].at[wg]
+
+      def plane(p, carry):
+        slot = lax.rem(p, stages)
+        # The t test is per row (a row sees the whole plane or none of it):
+        # rows that do not see it probe for a bit no key has.
+        sees_plane = (probe & boxes.plane_bits(p, kt, plan.widths[0])) != 0
+        want = jnp.where(sees_plane, probe_yx, UNSEEN)
+        plgpu.barrier_wait(k_full.at[slot])
+        k_run = operand(k_boxes, k_rows, slot, 0)
+        v_run = None
+        for i, (offset, keys) in enumerate(plan.chunks):
+          acc, m, l = carry
+
+          def scores(s_ref, offset=offset, keys=keys):
+            plgpu.wgmma(s_ref, q_op.at[wg], k_run.at[pl.ds(offset, keys)].T)
+            meet()  # the other consumer's softmax runs under this wgmma
+            return s_ref[...]
+
+          accumulator = plgpu.ACC((QUERIES, keys), jnp.float32)  # pyright: ignore[reportPrivateImportUsage]
+          s = pl.run_scoped(scores, accumulator)
+          if i == len(plan.chunks) - 1:
+            plgpu.barrier_arrive(k_empty.at[slot])  # every S wgmma of the plane has completed
+          if interpret:
+            bits = row_bits[offset : offset + keys]
+          else:
+            bits = plgpu.load(
+              bits_smem.at[wg].reshape(plan.plane_rows).at[pl.ds(run + offset, keys)],
+              layout=plgpu.Layout.WGMMA.reduce(0),
+            )
+          bits = lax.broadcast_in_dim(bits, s.shape, [1])
+          want_tile = lax.broadcast_in_dim(want, s.shape, [0])
+          p_, correction, m_next, l_next = _softmax_step(s, (bits & want_tile) == want_tile, m, l)
+          if config.ping_pong:  # done with the softmax; the tensor cores are free once the other arrives
+            plgpu.barrier_arrive(turn)
+          if i == 0:
+            plgpu.barrier_wait(v_full.at[slot])
+          if config.ping_pong:
+            plgpu.barrier_wait(turn)
+          if v_run is None:
+            v_run = operand(v_boxes, v_rows, slot, 1)
+          p_ = p_.astype(q_op.dtype)
+          if interpret:
+            p_ref = scratch[2].at[wg, :, pl.ds(0, keys)]
+            p_ref[...] = p_
+            plgpu.commit_smem()
+            p_ = p_ref
+          acc = rescale_and_accumulate(acc, correction, [(p_, v_run.at[pl.ds(offset, keys)])], interpret)
+          carry = acc, m_next, l_next
+        plgpu.barrier_arrive(v_empty.at[slot])  # every P V wgmma of the plane has completed
+        return carry
+
+      pl.when(wg == 1)(meet)  # consumer 1 starts one rendezvous behind
+      acc, m, l = lax.fori_loop(0, et, plane, _softmax_carry())
+      pl.when(wg == 0)(meet)  # ... and consumer 0 makes up for it at the end
+      seen = l > 0.0
+      inverse = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+      out = (acc * lax.broadcast_in_dim(inverse, acc.shape, [0])).astype(stage.dtype)
+      lse = jnp.where(seen, m * LOG2_E + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
+      # O reuses the Q staging tile (its copy into q_op was read long ago).
+      if interpret:
+        stage[wg] = out.reshape(bt, by, bx, HEAD_DIM)
+        lse_stage[wg] = lse.reshape(bt, by, bx)
+      else:
+        stage.at[wg].reshape(QUERIES, HEAD_DIM)[...] = out
+        lse_stage.at[wg].reshape(QUERIES)[...] = lse
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(stage.at[wg], o_gmem.at[queries])
+      plgpu.copy_smem_to_gmem(
+        lse_stage.at[wg], lse_gmem.at[batch, head, pl.ds(t0, bt), pl.ds(y0 + wg * by, by), pl.ds(x0, bx)]
+      )
+      plgpu.wait_smem_to_gmem(0)
+
+  dtype = q_gmem.dtype
+  ring = (stages, ey, ex, HEAD_DIM)
+  rows = (stages, plan.plane_rows, HEAD_DIM)
+  # Interpret mode's operand copies: the run's K and V, P tiles.
+  scratch = (
+    [
+      plgpu.SMEM((NUM_CONSUMERS, plan.run, HEAD_DIM), dtype),
+      plgpu.SMEM((NUM_CONSUMERS, plan.run, HEAD_DIM), dtype),
+      plgpu.SMEM((NUM_CONSUMERS, QUERIES, plan.max_chunk_keys), dtype),
+    ]
+    if interpret
+    else None
+  )
+  pl.run_scoped(
+    scoped,
+    plgpu.SMEM((NUM_CONSUMERS, QUERIES, HEAD_DIM), dtype, transforms=WGMMA_TRANSFORMS),
+    plgpu.SMEM((NUM_CONSUMERS, bt, by, bx, HEAD_DIM), dtype, transforms=STAGE_TRANSFORMS),
+    plgpu.SMEM((NUM_CONSUMERS, bt, by, bx), jnp.float32),
+    plgpu.SMEM((NUM_CONSUMERS, QUERIES), jnp.int32),
+    plgpu.SMEM((NUM_CONSUMERS, ey, ex), jnp.int32),
+    plgpu.RefUnion(
+      tuple(plgpu.SMEM(ring, dtype, transforms=BOX_TRANSFORMS) for _ in range(2)),
+      tuple(plgpu.SMEM(rows, dtype, transforms=WGMMA_TRANSFORMS) for _ in range(2)),
+    ),
+    scratch,
+    plgpu.Barrier(num_arrivals=3, num_barriers=NUM_CONSUMERS),
+    plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+    plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+    plgpu.Barrier(num_arrivals=1 if fault == "release_once" else NUM_CONSUMERS, num_barriers=stages),
+    plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
+    plgpu.Barrier(num_arrivals=1 if fault == "turn_once" else NUM_CONSUMERS),
+    collective_axes="wg",
+  )
+
+
+def _forward(q, k, v, *, window, config: MosaicNeighborhoodConfig, interpret: bool, fault: str | None = None):
+  """(o, lse `[B, H, T, Y, X]`) of one launch; `fault` (tests only, one of
+  `FAULTS`) breaks the synchronization on purpose."""
+  if fault is not None and fault not in FAULTS:
+    raise ValueError(f"fault must be None or one of {FAULTS}, got {fault!r}")
+  batch, *dims, heads, _ = q.shape
+  plan = box_plan(dims, window, config)
+  if shared_memory_bytes(plan, config) > device.SHARED_MEMORY_PER_BLOCK:
+    raise ValueError(
+      f"{config} needs {shared_memory_bytes(plan, config)} bytes of shared memory for window {window}; the limit "
+      f"is {device.SHARED_MEMORY_PER_BLOCK} (fewer stages or a smaller tile)"
+    )
+  x_lse = cdiv(dims[2], LSE_ALIGN) * LSE_ALIGN
+  kernel = plgpu.kernel(
+    functools.partial(_kernel, plan=plan, config=config, interpret=interpret, fault=fault),
+    out_type=(
+      jax.ShapeDtypeStruct(q.shape, q.dtype),
+      jax.ShapeDtypeStruct((batch, heads, *dims[:2], x_lse), jnp.float32),
+    ),
+    grid=(math.prod(plan.tiles), heads, batch),
+    grid_names=("tile", "h", "b"),
+    num_threads=NUM_CONSUMERS + 1,
+    thread_name="wg",
+    **compat.interpret_kwargs(interpret),
+  )
+  row_bits = jnp.asarray(plan.row_bits().reshape(plan.extents[1:]))
+  o, lse = kernel(q, k, v, boxes.probes(plan), row_bits)
+  return o, lse[..., : dims[2]]
+
+
+def check_supported(q: jax.Array) -> None:
+  """Raises `Unsupported` for inputs this kernel does not take: q (and k, v)
+  not bf16, or a head dim other than 64."""
+  if q.dtype != jnp.bfloat16:
+    raise Unsupported(f"q, k, v must be bfloat16 for the Mosaic GPU neighborhood attention, got {q.dtype}")
+  if q.shape[-1] != HEAD_DIM:
+    raise Unsupported(f"head dim D={q.shape[-1]} must be {HEAD_DIM} for the Mosaic GPU neighborhood attention")
+
+
+class _Static(NamedTuple):
+  window: tuple[int, int, int]
+  config: MosaicNeighborhoodConfig
+  backward_config: NeighborhoodAttentionBwdConfig
+  interpret: bool
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Needed:
+  """Which gradients the backward pass makes (residual metadata, no leaves)."""
+
+  dq: bool
+  dkv: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, static: _Static):
+  return _forward(q, k, v, window=static.window, config=static.config, interpret=static.interpret)[0]
+
+
+def _attention_fwd(q, k, v, static: _Static):
+  # symbolic_zeros: `.perturbed` tells which gradients are needed.
+  needed = _Needed(dq=q.perturbed, dkv=k.perturbed or v.perturbed)
+  q, k, v = q.value, k.value, v.value
+  o, lse = _forward(q, k, v, window=static.window, config=static.config, interpret=static.interpret)
+  return o, (q, k, v, o, lse, needed)
+
+
+def _attention_bwd(static: _Static, residuals, do):
+  q, k, v, o, lse, needed = residuals
+  if isinstance(do, SymbolicZero):
+    do = jnp.zeros(o.shape, o.dtype)
+  return attention_backward(
+    q,
+    k,
+    v,
+    o,
+    lse,
+    do,
+    window=static.window,
+    dq_config=static.backward_config.dq,
+    dkdv_config=static.backward_config.dkdv,
+    interpret=static.interpret,
+    need_dq=needed.dq,
+    need_dkv=needed.dkv,
+  )
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+@functools.partial(jax.jit, static_argnames=("KT", "KY", "KX", "config", "backward_config", "interpret"))
+def neighborhood_attention_3d(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  KT: int,
+  KY: int,
+  KX: int,
+  config: MosaicNeighborhoodConfig | None = None,
+  backward_config: NeighborhoodAttentionBwdConfig | None = None,
+  interpret: bool | None = None,
+) -> jax.Array:
+  """3-D neighborhood attention, NATTEN semantics, no extra scale: the
+  contract of `triton.neighborhood_attention_3d` on the inputs this kernel
+  takes (`check_supported`: bf16, D = 64), `Unsupported` otherwise.
+
+  `config`: tiling (None = `choose_config`); `backward_config`: the Triton
+  backward's tilings (None = its heuristic). Differentiable (`jax.custom_vjp`)
+  in q, k and v through the Triton dQ and dK/dV kernels."""
+  window = check_inputs(q, k, v, KT, KY, KX)
+  check_supported(q)
+  if not (q.shape[0] and q.shape[-2]):
+    return jnp.zeros(q.shape, q.dtype)
+  shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype)}
+  static = _Static(
+    window,
+    config or choose_config(shapes, KT=KT, KY=KY, KX=KX),
+    backward_config or choose_backward_config(shapes, KT=KT, KY=KY, KX=KX),
+    resolve_interpret(interpret),
+  )
+  return _attention(q, k, v, static)
