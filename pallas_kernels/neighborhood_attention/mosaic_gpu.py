@@ -12,75 +12,79 @@ Structure: grid (CTA tiles, H, B), tiles in C order (x fastest, so that the
 CTAs running together share their key boxes in L2); three warpgroups per
 CTA. The geometry is static (`boxes.py`, its docstring): a CTA owns two
 consumer query tiles of `block_t x block_y x block_x` = 64 points stacked
-along y, and a key box that covers both tiles' windows, walked plane by
-plane in chunks of whole box lines.
+along y and a key box covering both tiles' windows; the box is walked plane
+by plane (t), and each consumer scores only its run of a plane's rows (the
+lines its own windows reach).
 
-- warpgroup 2, the producer (`setmaxnreg` 40), copies each chunk of K and
-  of V with one TMA box `[lines, extent_x, D]` straight from the
-  `[B, T, Y, X, H, D]` layout into a ring of `stages` slots. The box never
-  leaves the grid on t and y (its origin is clamped, windows shift inward);
-  on x a grid shorter than the box reads zeros past its end (TMA's
-  out-of-bounds fill), which no window reaches.
+- warpgroup 2, the producer (`setmaxnreg` 40), copies each plane of K and
+  of V as one 3-D TMA box `[extent_y, extent_x, D]` straight from the
+  `[B, T, Y, X, H, D]` layout into a ring of `stages` slots. The box's
+  origin is clamped into the grid (windows shift inward, so it still holds
+  them); where the grid is shorter than the box, TMA fills the keys past
+  its end with zeros and no window reaches them.
 - warpgroups 0 and 1, the consumers (`setmaxnreg` 232), each own a query
   tile: Q (one 4-D TMA box, copied through registers into a wgmma operand
-  tile) and the queries' window probes once, then per chunk of their run
-  (`boxes.BoxPlan.runs`: the chunks of a plane their windows reach) S =
-  Q K^T (wgmma), the window test (`(key bits & probe) == probe`, the key
-  bits a static table per chunk OR the plane's t bits), the online softmax
-  in registers (base 2), and O += P V (wgmma, P from registers when
-  compiled); the chunks outside their run they release unread. The
-  epilogue divides by the row sums and stores O and lse by TMA (4-D and
-  3-D boxes, clipped at the grid's edges). With `config.ping_pong` the two
-  consumers alternate FlashAttention-3's way: one's softmax runs while the
-  other's S or P V wgmma does.
+  tile), the queries' window probes and the plane's row bits once; then
+  per plane, in chunks of their run: S = Q K^T (wgmma), the window test
+  (`(row bits & probe) == probe`; the t test is per row: a row that does
+  not see the plane probes for a bit no key has), the online softmax in
+  registers (base 2, the `log2 e` scale in one fma a score), and
+  O = O c + P V (wgmma, P from registers when compiled). The epilogue
+  divides by the row sums and stores O and lse by TMA (4-D and 3-D boxes,
+  clipped at the grid's edges). With `config.ping_pong` the two consumers
+  alternate FlashAttention-3's way: one's softmax runs while the other's
+  S or P V wgmma does.
 
+Two views of each ring: TMA writes `[plane, lines, extent_x, D]` in 1-row
+tiles (Mosaic GPU's TMA asks a box's offset along a tiled dimension to be a
+multiple of the tile, and the box's x origin is any column), wgmma reads
+`[plane, rows, D]` in (8, 64) tiles (`plgpu.RefUnion`, one allocation).
+Both are rows of 128 bytes in C order with the 128-byte swizzle keyed to
+the address, so row r of a plane is the same bytes in both; a run starts
+at a multiple of 8 rows (`extent_x` is a multiple of 8), a whole tile.
 Interpret mode (Mosaic GPU's CPU interpreter) runs the same TMA copies,
-barriers and ring; it cannot view a `[lines, extent_x, D]` slot as the
-`[keys, D]` operand a wgmma reads (its wgmma takes no reshaped refs) nor take
-a register operand, so there each consumer copies the chunk's K and V and
-its P into scratch tiles of the operand's shape first. Compiled, the slot is
-reshaped (a TMA box of `lines` rows of `extent_x` keys, each line a whole
-number of (8, 64) tiles, lands in the bytes of `lines * extent_x` rows of
-the operand's tiling and swizzle) and P stays in registers.
+barriers, ring and rendezvous, but its wgmma reads neither an aliased nor a
+reshaped ref, nor a register operand: there each consumer loads its run of
+K and V from the ring (plain shared-memory reads, after the same waits and
+before the same releases) and forms the two products as jnp dots of those
+values (bf16 operands, fp32 accumulation: what the interpreter's wgmma
+computes). The compiled wgmma operands (the rows view, its dynamic run
+offset, P from registers) are checked by the H100 lowering and the sm_90a
+compile, not by the interpreter.
 
 Synchronization (interpret mode does not check asynchrony):
 
-- Ring position: chunk g (plane g // chunks, chunk g % chunks of the plane)
-  is in slot g % stages; producer and consumers walk every chunk of every
-  plane in the same order (a consumer whether it scores the chunk or not).
-- `k_full[s]` and `v_full[s]` (1 arrival: the chunk's TMA box) guard slot
-  s's K and V; both consumers wait on them for every chunk, scored or not.
+- Ring position: plane p is in slot p % stages; producer and both
+  consumers walk every plane in the same order.
+- `k_full[s]` and `v_full[s]` (1 arrival: the plane's TMA box) guard slot
+  s's K and V; both consumers wait on them for every plane (a consumer
+  waits on `v_full` before its first P V wgmma of the plane).
 - `k_empty[s]` and `v_empty[s]` (2 arrivals, one per consumer) guard reuse.
-  A consumer releases K of a scored chunk after its S wgmma completed
-  (reading the accumulator waits for it), V after its P V wgmma completed
-  (same); a chunk it does not score it releases right after its full
-  barrier completed. Releasing an unscored chunk only after waiting for it
-  matters: the wait proves the producer filled it, so the other consumer
-  released the slot's previous chunk, and the arrival cannot count toward
-  that earlier phase. The producer waits on `k_empty[s]` before refilling K
-  of chunk g >= stages and on `v_empty[s]` before V, and at the end waits
-  for the last release of every slot it waited on, so it observes every
-  completion (`drain_releases`).
+  A consumer releases K of a plane after the last S wgmma of its run has
+  completed (reading the accumulator waits for it), V after the last P V
+  wgmma (same; `rescale_and_accumulate` returns once its wgmmas completed).
+  The producer waits on `k_empty[s]` before refilling K of plane p >=
+  stages and on `v_empty[s]` before V, and at the end waits for the last
+  release of every slot it waited on, so it observes every completion
+  (`drain_releases`).
 - Parity: use u of slot s completes phase u of each of the four barriers;
   every waiter waits on every phase in order.
-- Ping-pong (`config.ping_pong`): `turn` (2 arrivals) is a rendezvous;
-  per scored chunk a consumer meets the other twice, after issuing its S
-  wgmma and after its softmax (before its P V wgmma); consumer 1 meets once
-  more before its first chunk and consumer 0 once more after its last, so
-  consumer 1 is one rendezvous behind. Both consumers of a CTA score as
-  many chunks (`runs`: equal counts), so they make as many meets, and pair
-  their i-th scored chunks. No cycle of waits: a consumer at a meet has
-  released every chunk before its current one, and the other consumer's
-  current chunk is at most `lead` (`BoxPlan.lead`, < stages) chunks away,
-  so the producer can have filled everything that consumer waits for
-  (both full barriers of a chunk are filled in order, K then V, and the
-  producer waits only on releases of chunks `stages` behind).
-- `q_barrier[w]` (3 arrivals: Q, the probes, the chunk bit table) guards
-  consumer w's inputs (one wait). Consumer w's Q operand tile is written by
-  it only, before its first wgmma, with `commit_smem()`; its staging tile
-  takes O only after the loop. P scratch (interpret mode) is written after
-  the previous P V wgmma completed. Epilogue: each consumer writes its own O
-  and lse staging, `commit_smem()`, TMA stores, and waits for them before
+- Ping-pong (`config.ping_pong`): `turn` (2 arrivals) is a rendezvous; per
+  chunk a consumer meets the other twice, after issuing its S wgmma and
+  after its softmax (before its P V wgmma); consumer 1 meets once more
+  before its first chunk and consumer 0 once more after its last, so
+  consumer 1 is one rendezvous behind. Both consumers walk the same planes
+  in the same chunks (a run's chunking is static), so each makes
+  `2 * planes * chunks + 1` meets and waits, in the same order. No cycle of
+  waits: both consumers are on the same plane or one apart at any meet,
+  and the producer waits only on the releases of planes `stages` >= 2
+  behind the one it fills, which both consumers made before they reached
+  the plane either of them waits on.
+- `q_barrier[w]` (3 arrivals: Q, the probes, the row bits) guards consumer
+  w's inputs (one wait). Consumer w's Q operand tile is written by it only,
+  before its first wgmma, with `commit_smem()`; its staging tile takes O
+  only after its last wgmma. Epilogue: each consumer writes its own O and
+  lse staging, `commit_smem()`, TMA stores, and waits for them before
   exiting.
 """
 
@@ -204,7 +208,7 @@ def choose_config(shapes: Mapping[str, Any], *, KT: int, KY: int, KX: int) -> Mo
   grid (`BoxPlan.scored_pairs`), chunks of up to 256 keys (a run a chunk), 3 ring stages
   (2 where 3 do not fit)."""
   dims, window = NeighborhoodAttentionSizes.of(shapes).grid, (KT, KY, KX)
-  configs = [MosaicNeighborhoodConfig(*tile, max_chunk_keys=256, stages=s) for s in (3, 2) for tile in _tiles()]
+  configs = [MosaicNeighborhoodConfig(*tile, stages=s) for s in (3, 2) for tile in _tiles()]
   fits = _fitting(dims, window, configs)
   if not fits:
     return MosaicNeighborhoodConfig()
@@ -213,18 +217,26 @@ def choose_config(shapes: Mapping[str, Any], *, KT: int, KY: int, KX: int) -> Mo
 
 
 def candidate_configs(shapes: Mapping[str, Any], *, KT: int, KY: int, KX: int) -> list[MosaicNeighborhoodConfig]:
-  """The heuristic's first, then its tile with other chunk sizes and
-  stages and without ping-pong, and the next best tiles."""
+  """The heuristic's first; its tile with the other stage count, with
+  128-key chunks and without ping-pong; then the next two tiles by scored
+  pairs (those that fit), one config per distinct kernel."""
   dims, window = NeighborhoodAttentionSizes.of(shapes).grid, (KT, KY, KX)
   chosen = choose_config(shapes, KT=KT, KY=KY, KX=KX)
-  same_tile = [dataclasses.replace(chosen, max_chunk_keys=keys, stages=s) for keys in (256, 128, 64) for s in (2, 3, 4)]
+  variants = [
+    dataclasses.replace(chosen, stages=5 - chosen.stages) if chosen.stages in (2, 3) else chosen,
+    dataclasses.replace(chosen, max_chunk_keys=128),
+    dataclasses.replace(chosen, ping_pong=False),
+  ]
   others = sorted(
-    _fitting(dims, window, [MosaicNeighborhoodConfig(*tile, max_chunk_keys=256, stages=2) for tile in _tiles()]),
+    _fitting(dims, window, [MosaicNeighborhoodConfig(*tile, stages=2) for tile in _tiles() if tile != chosen.tile]),
     key=lambda c: box_plan(dims, window, c).scored_pairs(),
-  )[:3]
-  return list(
-    dict.fromkeys([chosen, *_fitting(dims, window, same_tile), dataclasses.replace(chosen, ping_pong=False), *others])
-  )
+  )[:2]
+  # One config per distinct kernel (a chunk bound at or above the run's
+  # length changes nothing).
+  kernels = {}
+  for c in [chosen, *_fitting(dims, window, variants), *others]:
+    kernels.setdefault((box_plan(dims, window, c), c.stages, c.ping_pong), c)
+  return list(kernels.values())
 
 
 # ---------------------------------------------------------------------------
@@ -287,9 +299,7 @@ def _kernel(
 
   box_t, box_y, box_x = origin(t0, t_len, kt, et), origin(y0, y_len, ky, ey), origin(x0, x_len, kx, ex)
 
-  def scoped(
-    q_op, stage, lse_stage, probe_smem, bits_smem, rings, scratch, q_barrier, k_full, v_full, k_empty, v_empty, turn
-  ):
+  def scoped(q_op, stage, lse_stage, probe_smem, bits_smem, rings, q_barrier, k_full, v_full, k_empty, v_empty, turn):
     wg = lax.axis_index("wg")
     # The rings as TMA writes them (`[plane, lines, extent_x, D]` in 1-row
     # tiles: a box may start at any x) and as wgmma reads them (`[plane,
@@ -326,10 +336,10 @@ def _kernel(
       plgpu.barrier_wait(q_barrier.at[wg])
       # The Q tile into the wgmma operand's layout (through registers).
       if interpret:
-        q_op[wg] = stage[wg].reshape(QUERIES, HEAD_DIM)
+        q_tile = stage[wg].reshape(QUERIES, HEAD_DIM)
       else:
         q_op[wg] = plgpu.load(stage.at[wg].reshape(QUERIES, HEAD_DIM), layout=plgpu.Layout.WGMMA)
-      plgpu.commit_smem()
+        plgpu.commit_smem()
       probe = plgpu.load(probe_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
       t_field = (1 << plan.widths[0]) - 1
       probe_yx = probe & ~t_field
@@ -338,15 +348,32 @@ def _kernel(
       if interpret:
         row_bits = lax.dynamic_slice_in_dim(bits_smem[wg].reshape(plan.plane_rows), run, plan.run)
 
-      def operand(ring_boxes, ring_rows, slot, which):
-        """The run's `[keys, D]` K or V of slot `slot` as a wgmma operand:
-        the rows view of the slot (compiled), or a scratch copy (interpret
-        mode: its wgmma reads neither reshaped nor aliased refs)."""
+      def operand(ring_boxes, ring_rows, slot):
+        """The run's `[keys, D]` K or V of slot `slot`: the rows view of the
+        slot (compiled, a wgmma operand), or its value (interpret mode)."""
         if not interpret:
           return ring_rows.at[slot, pl.ds(run, plan.run)]
-        rows = ring_boxes[slot].reshape(plan.plane_rows, HEAD_DIM)
-        scratch[which][wg] = lax.dynamic_slice_in_dim(rows, run, plan.run)
-        return scratch[which].at[wg]
+        return lax.dynamic_slice_in_dim(ring_boxes[slot].reshape(plan.plane_rows, HEAD_DIM), run, plan.run)
+
+      def scores(k_run, offset, keys):
+        """S = Q K^T of one chunk (fp32), the first rendezvous under it."""
+        if interpret:
+          meet()
+          return jnp.dot(q_tile, k_run[offset : offset + keys].T, preferred_element_type=jnp.float32)
+
+        def wgmma(s_ref):
+          plgpu.wgmma(s_ref, q_op.at[wg], k_run.at[pl.ds(offset, keys)].T)
+          meet()  # the other consumer's softmax runs under this wgmma
+          return s_ref[...]
+
+        return pl.run_scoped(wgmma, plgpu.ACC((QUERIES, keys), jnp.float32))  # pyright: ignore[reportPrivateImportUsage]
+
+      def accumulate(acc, correction, p, v_run, offset, keys):
+        """O c + P V of one chunk (returns once the wgmma completed)."""
+        if interpret:
+          pv = jnp.dot(p, v_run[offset : offset + keys], preferred_element_type=jnp.float32)
+          return acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
+        return rescale_and_accumulate(acc, correction, [(p, v_run.at[pl.ds(offset, keys)])], interpret=False)
 
       def plane(p, carry):
         slot = lax.rem(p, stages)
@@ -355,18 +382,11 @@ def _kernel(
         sees_plane = (probe & boxes.plane_bits(p, kt, plan.widths[0])) != 0
         want = jnp.where(sees_plane, probe_yx, UNSEEN)
         plgpu.barrier_wait(k_full.at[slot])
-        k_run = operand(k_boxes, k_rows, slot, 0)
+        k_run = operand(k_boxes, k_rows, slot)
         v_run = None
         for i, (offset, keys) in enumerate(plan.chunks):
           acc, m, l = carry
-
-          def scores(s_ref, offset=offset, keys=keys):
-            plgpu.wgmma(s_ref, q_op.at[wg], k_run.at[pl.ds(offset, keys)].T)
-            meet()  # the other consumer's softmax runs under this wgmma
-            return s_ref[...]
-
-          accumulator = plgpu.ACC((QUERIES, keys), jnp.float32)  # pyright: ignore[reportPrivateImportUsage]
-          s = pl.run_scoped(scores, accumulator)
+          s = scores(k_run, offset, keys)
           if i == len(plan.chunks) - 1:
             plgpu.barrier_arrive(k_empty.at[slot])  # every S wgmma of the plane has completed
           if interpret:
@@ -386,14 +406,8 @@ def _kernel(
           if config.ping_pong:
             plgpu.barrier_wait(turn)
           if v_run is None:
-            v_run = operand(v_boxes, v_rows, slot, 1)
-          p_ = p_.astype(q_op.dtype)
-          if interpret:
-            p_ref = scratch[2].at[wg, :, pl.ds(0, keys)]
-            p_ref[...] = p_
-            plgpu.commit_smem()
-            p_ = p_ref
-          acc = rescale_and_accumulate(acc, correction, [(p_, v_run.at[pl.ds(offset, keys)])], interpret)
+            v_run = operand(v_boxes, v_rows, slot)
+          acc = accumulate(acc, correction, p_.astype(q_gmem.dtype), v_run, offset, keys)
           carry = acc, m_next, l_next
         plgpu.barrier_arrive(v_empty.at[slot])  # every P V wgmma of the plane has completed
         return carry
@@ -422,16 +436,6 @@ def _kernel(
   dtype = q_gmem.dtype
   ring = (stages, ey, ex, HEAD_DIM)
   rows = (stages, plan.plane_rows, HEAD_DIM)
-  # Interpret mode's operand copies: the run's K and V, P tiles.
-  scratch = (
-    [
-      plgpu.SMEM((NUM_CONSUMERS, plan.run, HEAD_DIM), dtype),
-      plgpu.SMEM((NUM_CONSUMERS, plan.run, HEAD_DIM), dtype),
-      plgpu.SMEM((NUM_CONSUMERS, QUERIES, plan.max_chunk_keys), dtype),
-    ]
-    if interpret
-    else None
-  )
   pl.run_scoped(
     scoped,
     plgpu.SMEM((NUM_CONSUMERS, QUERIES, HEAD_DIM), dtype, transforms=WGMMA_TRANSFORMS),
@@ -443,7 +447,6 @@ def _kernel(
       tuple(plgpu.SMEM(ring, dtype, transforms=BOX_TRANSFORMS) for _ in range(2)),
       tuple(plgpu.SMEM(rows, dtype, transforms=WGMMA_TRANSFORMS) for _ in range(2)),
     ),
-    scratch,
     plgpu.Barrier(num_arrivals=3, num_barriers=NUM_CONSUMERS),
     plgpu.Barrier(num_arrivals=1, num_barriers=stages),
     plgpu.Barrier(num_arrivals=1, num_barriers=stages),
