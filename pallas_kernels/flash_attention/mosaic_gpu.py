@@ -115,6 +115,7 @@ from pallas_kernels.shared.mosaic_gpu import (
   WGMMA_TRANSFORMS,
   drain_releases,
   pad_rows,
+  rendezvous,
   softmax_carry,
   softmax_step,
 )
@@ -204,8 +205,7 @@ def _kernel(
     def meet():
       """A rendezvous of the two consumers (ping-pong only)."""
       if config.ping_pong:
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
+        rendezvous(turn)
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():

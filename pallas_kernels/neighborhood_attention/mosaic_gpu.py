@@ -94,12 +94,11 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -110,7 +109,7 @@ from pallas_kernels.neighborhood_attention.triton import (
   check_inputs,
   choose_backward_config,
 )
-from pallas_kernels.neighborhood_attention.triton_bwd import attention_backward
+from pallas_kernels.neighborhood_attention.triton_bwd import Static, with_backward
 from pallas_kernels.shared import device
 from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.common import cdiv, resolve_interpret
@@ -122,6 +121,7 @@ from pallas_kernels.shared.mosaic_gpu import (
   WGMMA_TRANSFORMS,
   align_kib,
   drain_releases,
+  rendezvous,
   rescale_and_accumulate,
 )
 from pallas_kernels.shared.online_softmax import LOG2_E
@@ -309,8 +309,7 @@ def _kernel(
     def meet():
       """A rendezvous of the two consumers (ping-pong only)."""
       if config.ping_pong:
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
+        rendezvous(turn)
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
@@ -496,56 +495,14 @@ def check_supported(q: jax.Array) -> None:
     raise Unsupported(f"head dim D={q.shape[-1]} must be {HEAD_DIM} for the Mosaic GPU neighborhood attention")
 
 
-class _Static(NamedTuple):
-  window: tuple[int, int, int]
-  config: MosaicNeighborhoodConfig
-  backward_config: NeighborhoodAttentionBwdConfig
-  interpret: bool
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class _Needed:
-  """Which gradients the backward pass makes (residual metadata, no leaves)."""
-
-  dq: bool
-  dkv: bool
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, static: _Static):
-  return _forward(q, k, v, window=static.window, config=static.config, interpret=static.interpret)[0]
-
-
-def _attention_fwd(q, k, v, static: _Static):
-  # symbolic_zeros: `.perturbed` tells which gradients are needed.
-  needed = _Needed(dq=q.perturbed, dkv=k.perturbed or v.perturbed)
-  q, k, v = q.value, k.value, v.value
+def _differentiated_forward(q, k, v, static: Static, with_lse: bool):
+  """`o`, or `(o, lse)`: `triton_bwd.with_backward`'s forward (the kernel
+  always writes lse)."""
   o, lse = _forward(q, k, v, window=static.window, config=static.config, interpret=static.interpret)
-  return o, (q, k, v, o, lse, needed)
+  return (o, lse) if with_lse else o
 
 
-def _attention_bwd(static: _Static, residuals, do):
-  q, k, v, o, lse, needed = residuals
-  if isinstance(do, SymbolicZero):
-    do = jnp.zeros(o.shape, o.dtype)
-  return attention_backward(
-    q,
-    k,
-    v,
-    o,
-    lse,
-    do,
-    window=static.window,
-    dq_config=static.backward_config.dq,
-    dkdv_config=static.backward_config.dkdv,
-    interpret=static.interpret,
-    need_dq=needed.dq,
-    need_dkv=needed.dkv,
-  )
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+_attention = with_backward(_differentiated_forward)
 
 
 @functools.partial(jax.jit, static_argnames=("KT", "KY", "KX", "config", "backward_config", "interpret"))
@@ -573,7 +530,7 @@ def neighborhood_attention_3d(
   if not (q.shape[0] and q.shape[-2]):
     return jnp.zeros(q.shape, q.dtype)
   shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype)}
-  static = _Static(
+  static = Static(
     window,
     config or choose_config(shapes, KT=KT, KY=KY, KX=KX),
     backward_config or choose_backward_config(shapes, KT=KT, KY=KY, KX=KX),

@@ -58,7 +58,6 @@ chunks through `cp.async`, without spills (docs/perf/sm90a_compile.md).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Mapping
@@ -66,7 +65,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -82,7 +80,7 @@ from pallas_kernels.neighborhood_attention.tiles import (
   tile_spec,
   walk_halo,
 )
-from pallas_kernels.neighborhood_attention.triton_bwd import attention_backward
+from pallas_kernels.neighborhood_attention.triton_bwd import Static, with_backward
 from pallas_kernels.shared import common
 from pallas_kernels.shared.common import cdiv, check_pow2_dim, next_pow2, resolve_interpret
 from pallas_kernels.shared.online_softmax import (
@@ -289,56 +287,11 @@ def _forward(q, k, v, *, window, config: NeighborhoodAttentionConfig, interpret:
   return tuple(outs) if with_lse else outs[0]
 
 
-class _Static(NamedTuple):
-  window: tuple[int, int, int]
-  config: NeighborhoodAttentionConfig
-  backward_config: NeighborhoodAttentionBwdConfig
-  interpret: bool
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class _Needed:
-  """Which gradients the backward pass makes (residual metadata, no leaves)."""
-
-  dq: bool
-  dkv: bool
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, static: _Static):
-  return _forward(q, k, v, window=static.window, config=static.config, interpret=static.interpret, with_lse=False)
-
-
-def _attention_fwd(q, k, v, static: _Static):
-  # symbolic_zeros: `.perturbed` tells which gradients are needed.
-  needed = _Needed(dq=q.perturbed, dkv=k.perturbed or v.perturbed)
-  q, k, v = q.value, k.value, v.value
-  o, lse = _forward(q, k, v, window=static.window, config=static.config, interpret=static.interpret, with_lse=True)
-  return o, (q, k, v, o, lse, needed)
-
-
-def _attention_bwd(static: _Static, residuals, do):
-  q, k, v, o, lse, needed = residuals
-  if isinstance(do, SymbolicZero):
-    do = jnp.zeros(o.shape, o.dtype)
-  return attention_backward(
-    q,
-    k,
-    v,
-    o,
-    lse,
-    do,
-    window=static.window,
-    dq_config=static.backward_config.dq,
-    dkdv_config=static.backward_config.dkdv,
-    interpret=static.interpret,
-    need_dq=needed.dq,
-    need_dkv=needed.dkv,
+_attention = with_backward(
+  lambda q, k, v, static, with_lse: _forward(
+    q, k, v, window=static.window, config=static.config, interpret=static.interpret, with_lse=with_lse
   )
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+)
 
 
 def check_inputs(q, k, v, KT: int, KY: int, KX: int) -> tuple[int, int, int]:
@@ -393,7 +346,7 @@ def neighborhood_attention_3d(
   if not (batch and num_heads):
     return jnp.zeros(q.shape, q.dtype)
   shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype)}
-  static = _Static(
+  static = Static(
     window,
     config or choose_config(shapes, KT=KT, KY=KY, KX=KX),
     backward_config or choose_backward_config(shapes, KT=KT, KY=KY, KX=KX),
