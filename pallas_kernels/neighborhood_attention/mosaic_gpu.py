@@ -63,7 +63,11 @@ Synchronization (interpret mode does not check asynchrony):
   A consumer releases K of a plane after the last S wgmma of its run has
   completed (reading the accumulator waits for it), V after the last P V
   wgmma (same; `rescale_and_accumulate` returns once its wgmmas completed).
-  The producer waits on `k_empty[s]` before refilling K of plane p >=
+  Compiled, only wgmma (the async proxy, as TMA) reads the ring; in
+  interpret mode the run is read through the generic proxy and
+  `commit_smem()` (a proxy fence) follows the read, so the producer's next
+  TMA into the slot, which the release allows, is ordered after it (the
+  race detector checks this). The producer waits on `k_empty[s]` before refilling K of plane p >=
   stages and on `v_empty[s]` before V, and at the end waits for the last
   release of every slot it waited on, so it observes every completion
   (`drain_releases`).
@@ -349,10 +353,14 @@ def _kernel(
 
       def operand(ring_boxes, ring_rows, slot):
         """The run's `[keys, D]` K or V of slot `slot`: the rows view of the
-        slot (compiled, a wgmma operand), or its value (interpret mode)."""
+        slot (compiled, a wgmma operand), or its value (interpret mode, read
+        through the generic proxy: `commit_smem()` orders the read before
+        the producer's next TMA into the slot, which the release allows)."""
         if not interpret:
           return ring_rows.at[slot, pl.ds(run, plan.run)]
-        return lax.dynamic_slice_in_dim(ring_boxes[slot].reshape(plan.plane_rows, HEAD_DIM), run, plan.run)
+        rows = lax.dynamic_slice_in_dim(ring_boxes[slot].reshape(plan.plane_rows, HEAD_DIM), run, plan.run)
+        plgpu.commit_smem()
+        return rows
 
       def scores(k_run, offset, keys):
         """S = Q K^T of one chunk (fp32), the first rendezvous under it."""
