@@ -1,7 +1,7 @@
 # Two commands do everything on a fresh machine (see README):
 #   make replay   install, then run the replay (ARGS='--config.definitions=...' to narrow it)
 #   make test     install, then run the whole test suite (the Bazel build and its test subset, then pytest)
-#   make aot      install, then compile every kernel for sm_90a (ARGS='--definition=...')
+#   make aot      install (the compile toolchain into .aot-toolchain/), then compile every kernel for sm_90a (ARGS='--definition=...')
 #   make docs     the API reference (pdoc) into build/docs/ (part of make test)
 #   make device-kit   put the wheels the GPU machine lacks into .whl/ (see docs/device_run.md)
 #   make fib-check  export the dataset as a FlashInfer-Bench TraceSet and check it with the real client (.venv-fib)
@@ -10,18 +10,30 @@
 PYTHON ?= python
 VENV := .venv
 STAMP := $(VENV)/.installed-stamp
-# The aot extra (setup.py: the CUDA 13 plugin of jax's version, ptxas, libdevice)
-# for jaxkern.aot and its tests; --no-deps: nvidia-cuda-nvcc would also pull a
-# CUDA runtime, which a compile-only target does not use.
+# The aot extra's packages (pyproject.toml): the compile toolchain, kept out of .venv (below).
 AOT_PACKAGES := jax-cuda13-plugin jax-cuda13-pjrt nvidia-cuda-nvcc nvidia-nvvm
 
-$(STAMP): setup.py constraints.txt
+$(STAMP): pyproject.toml setup.py constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), "jaxkern needs Python >= 3.12 (see .python-version), got " + sys.version'
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,examples]'
-	$(VENV)/bin/python -m pip install -q --no-deps -c constraints.txt $(AOT_PACKAGES)
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,examples,nn]'
+	$(VENV)/bin/python -m pip uninstall -qq -y $(AOT_PACKAGES)  # where an older make install put them
 	touch $(STAMP)
+
+# The sm_90a compile toolchain (the aot extra: the CUDA 13 plugin of jax's
+# version, ptxas, libdevice) for jaxkern.aot and its tests, in a folder of its
+# own that those commands put on PYTHONPATH, not in .venv: there the plugin
+# would probe for a CUDA runtime in every process. --no-deps: nvidia-cuda-nvcc
+# would also pull a CUDA runtime, which a compile-only target does not use.
+AOT_DIR := .aot-toolchain
+AOT_STAMP := $(AOT_DIR)/.installed-stamp
+WITH_AOT := PYTHONPATH="$(CURDIR)/$(AOT_DIR)$${PYTHONPATH:+:$$PYTHONPATH}"
+
+$(AOT_STAMP): constraints.txt | $(STAMP)
+	rm -rf $(AOT_DIR)
+	$(VENV)/bin/python -m pip install -q --no-deps --target $(AOT_DIR) -c constraints.txt $(AOT_PACKAGES)
+	touch $(AOT_STAMP)
 
 # The device-stack lane: a second environment with exactly the GPU machine's
 # packages (constraints-device.txt: jax 0.11.2 + the CUDA 13 plugin, no
@@ -44,9 +56,13 @@ $(KIT_STAMP): scripts/device_kit.py constraints.txt constraints-device.txt | $(S
 	$(VENV)/bin/python scripts/device_kit.py --out .whl
 	touch $(KIT_STAMP)
 
-.PHONY: install replay test lint docs test-main test-device device-kit aot test-aot gpu-run gpu-run-dry bazel fib-venv fib-check
+.PHONY: install aot-toolchain replay test lint docs test-main test-device device-kit aot test-aot gpu-run gpu-run-dry bazel fib-venv fib-check
 install: $(STAMP)
 
+aot-toolchain: $(AOT_STAMP)
+
+# Each run writes a new results file (results/replay-<time>.jsonl, named on
+# its last line).
 replay: $(STAMP)
 	$(VENV)/bin/python -m jaxkern.replay --config configs/replay.py $(ARGS)
 
@@ -73,8 +89,9 @@ lint: $(STAMP)
 docs: $(STAMP)
 	$(VENV)/bin/python tools/docs.py --out build/docs
 
-test-main: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n 2 --durations=15 tests
+# With the compile toolchain on the path: tests/test_aot.py compiles for sm_90a.
+test-main: $(STAMP) $(AOT_STAMP)
+	$(WITH_AOT) $(VENV)/bin/python -m pytest -q -n 2 --durations=15 tests
 
 # What the first GPU run depends on, on the GPU machine's stack (tests marked
 # device_stack: the device run's dry mode with its smoke replay of every
@@ -87,11 +104,11 @@ test-device: $(DEVICE_STAMP) $(KIT_STAMP)
 
 device-kit: $(KIT_STAMP)
 
-aot: $(STAMP)
-	$(VENV)/bin/python -m jaxkern.aot $(ARGS)
+aot: $(STAMP) $(AOT_STAMP)
+	$(WITH_AOT) $(VENV)/bin/python -m jaxkern.aot $(ARGS)
 
-test-aot: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n 0 tests/test_aot.py
+test-aot: $(STAMP) $(AOT_STAMP)
+	$(WITH_AOT) $(VENV)/bin/python -m pytest -q -n 0 tests/test_aot.py
 
 # The one prepared device run (see scripts/gpu_run.sh); -dry checks it on a CPU.
 gpu-run: $(STAMP)
@@ -124,7 +141,7 @@ FIB_STAMP := $(FIB_VENV)/.installed-stamp
 FIB_OUT ?= results/fib_check
 FIB_REPLAY_CONFIG ?= configs/replay.py
 
-$(FIB_STAMP): setup.py constraints.txt tools/fib/requirements.txt
+$(FIB_STAMP): pyproject.toml setup.py constraints.txt tools/fib/requirements.txt
 	$(PYTHON) -m venv $(FIB_VENV)
 	$(FIB_VENV)/bin/python -m pip install -q --upgrade pip
 	$(FIB_VENV)/bin/python -m pip install -q -c constraints.txt -r tools/fib/requirements.txt -e .

@@ -1,52 +1,31 @@
-"""jaxkern: Pallas GPU kernels for recorded serving workloads, and their replay."""
+"""The package list, the one part of the packaging pyproject.toml cannot state.
+
+The repository keeps the dataset (`datasets/`) and the replay configs
+(`configs/`) at its top level; the wheel carries them inside jaxkern, as
+`jaxkern/_data/datasets` and `jaxkern/_data/configs` (never as top-level
+packages: `datasets` is another project's name on PyPI). That takes a
+package-dir mapping plus the packages found on disk, which pyproject.toml's
+`packages.find` cannot combine. Data folders are listed as (namespace)
+packages too, as setuptools wants for the files they ship. Everything else
+(metadata, dependencies, extras, which files ship) is in pyproject.toml.
+"""
 
 import setuptools
 
+DATA_ROOTS = {"jaxkern._data.datasets": "datasets", "jaxkern._data.configs": "configs"}
+
+
+def packages(*roots: str) -> list[str]:
+  """Every folder under `roots` (dotted, from the repository root), caches left out."""
+  return setuptools.find_namespace_packages(
+    include=[pattern for root in roots for pattern in (root, f"{root}.*")], exclude=["*__pycache__"]
+  )
+
+
 setuptools.setup(
-  name="jaxkern",
-  version="0.1.0",
-  description="JAX/Pallas kernels replaying recorded serving workloads against jnp references",
-  packages=setuptools.find_packages(include=["jaxkern", "jaxkern.*", "pallas_kernels", "pallas_kernels.*"]),
-  # The shipped GPU target texts of jaxkern.aot (jaxkern/aot/targets.py); FlashInfer-Bench 0.1.2's JSON
-  # Schemas (tests/test_fib.py validates exports against them).
-  package_data={"jaxkern.aot": ["gpu_targets/*.txtpb"], "jaxkern.fib": ["schemas/*.json"]},
-  python_requires=">=3.12",
-  install_requires=[
-    "jax>=0.11.2,<0.13",
-    "jaxlib>=0.11.2,<0.13",
-    "chex>=0.1.90,<0.2",
-    "absl-py>=2.1,<3",
-    "ml_collections>=1.0,<2",
-    "safetensors>=0.4,<1",
-    "numpy>=2.0,<3",
-    "ml_dtypes>=0.5,<1",
-    "tqdm>=4.66,<5",
-    "tabulate>=0.9,<1",
-    "matplotlib>=3.8,<4",
+  packages=[
+    *packages("jaxkern", "pallas_kernels"),
+    *(package + found[len(folder) :] for package, folder in DATA_ROOTS.items() for found in packages(folder)),
   ],
-  extras_require={
-    # jsonschema: tests/test_fib.py validates exports against FlashInfer-Bench's schemas.
-    # ruff, pyright, pdoc: `make lint` and `make docs` (both part of `make test`).
-    "test": [
-      "pytest>=8,<10",
-      "pytest-xdist>=3.5,<4",
-      "jsonschema>=4.20,<5",
-      "ruff>=0.17,<0.18",
-      "pyright[nodejs]>=1.1.400,<1.2",
-      "pdoc>=16,<17",
-    ],
-    # examples/video_train.py: the optimizer of the training example (its test runs in `make test`).
-    "examples": ["optax>=0.2.8,<0.3"],
-    # `python -m jaxkern.aot`: compile for sm_90a without a GPU (README): the
-    # CUDA 13 plugin of jax's own version (without its `with-cuda` extra it
-    # pulls no CUDA libraries), ptxas and libdevice. `make install` installs
-    # these with --no-deps: nvidia-cuda-nvcc would pull a CUDA runtime that a
-    # compile-only target does not use.
-    "aot": [
-      "jax-cuda13-plugin>=0.11.2,<0.13",
-      "jax-cuda13-pjrt>=0.11.2,<0.13",
-      "nvidia-cuda-nvcc>=13.0,<14",
-      "nvidia-nvvm>=13.0,<14",
-    ],
-  },
+  package_dir=DATA_ROOTS,
 )

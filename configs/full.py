@@ -10,5 +10,5 @@ def get_config():
   c.interpret = False
   c.warmup = 3
   c.iters = 10
-  c.output = "results/full.jsonl"
+  c.output = "results/full-{time}.jsonl"  # a new file per run, under the working directory
   return c

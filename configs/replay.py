@@ -10,5 +10,5 @@ def get_config():
   # max_workloads_per_variant stays None: every record on a GPU (minutes
   # there); one per recorded variant on a CPU (records sharing a variant
   # differ mostly in step and seed), which fits interpret mode in minutes.
-  c.output = "results/replay.jsonl"
+  c.output = "results/replay-{time}.jsonl"  # a new file per run, under the working directory
   return c

@@ -10,5 +10,5 @@ def get_config():
   c.warmup = 0
   c.iters = 1
   c.timeout_s = 300.0
-  c.output = "results/smoke.jsonl"
+  c.output = "results/smoke-{time}.jsonl"  # a new file per run, under the working directory
   return c

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from examples import training
-from examples.moe_block import rms_norm
+from examples.moe_block import BACKEND_HELP, rms_norm
 from jaxkern import ops
 
 
@@ -142,9 +142,9 @@ def train(
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--steps", type=int, default=20)
-  parser.add_argument("--learning-rate", type=float, default=1e-2)
-  parser.add_argument("--backend", choices=("pallas", "xla"), default=None)
+  parser.add_argument("--steps", type=int, default=20, help="training steps (default: 20)")
+  parser.add_argument("--learning-rate", type=float, default=1e-2, help="Adam's learning rate (default: 0.01)")
+  parser.add_argument("--backend", choices=("pallas", "xla"), default=None, help=BACKEND_HELP)
   args = parser.parse_args(argv)
   cfg = GdnConfig()
   print(

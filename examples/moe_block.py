@@ -11,6 +11,11 @@ created in their quantized serving formats.
   GEMMs (`ops.grouped_gemm_fp8_fp4`) over MXFP4 weights; a SwiGLU in between;
   the expert outputs are combined with the router weights.
 
+`master_params` are fp32 weights, `serving_params` their serving formats;
+`examples/moe_train.py` trains the block from the master weights through
+the FP8 x FP4 GEMMs (`ops.grouped_gemm_mxfp4_ste`, a straight-through
+estimator).
+
 `attention_reference` / `moe_reference` are the same sublayers in plain jnp
 (dequantized weights, every expert on every token, no dispatch), for testing;
 `compare_with_reference` checks each and the whole block.
@@ -38,6 +43,8 @@ import numpy as np
 from jaxkern import bench, ops, quant
 
 GROUP = 32  # k values per UE8M0 scale (activations and weights)
+# The examples' --backend flag.
+BACKEND_HELP = "the ops' backend: pallas (the kernels) | xla (the references) (default: pallas on a GPU, xla on a CPU)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,26 +57,47 @@ class BlockConfig:
   routed_scaling_factor: float = 1.5
 
 
-def init_params(key: jax.Array, cfg: BlockConfig) -> dict:
-  """Random weights at trained-model scales; expert weights as MXFP4."""
+def master_params(key: jax.Array, cfg: BlockConfig) -> dict[str, jax.Array]:
+  """Random fp32 weights at trained-model scales (N(0, 1/fan-in)), in the
+  layouts the ops take: `[out, in]`, experts `[E, out, in]`."""
   k_qkv, k_o, k_router, k_bias, k_up, k_down = jax.random.split(key, 6)
   d, e, f = cfg.d_model, cfg.num_experts, cfg.d_expert
 
-  def linear(k, out_dim, in_dim):
-    return jax.random.normal(k, (out_dim, in_dim), jnp.float32) * in_dim**-0.5
+  def normal(k, shape):
+    return jax.random.normal(k, shape, jnp.float32) * shape[-1] ** -0.5
 
-  def mxfp4(k, shape):  # [E, out, in] weights, quantized along `in`
-    packed, scales = quant.quantize_e2m1(jax.random.normal(k, shape, jnp.float32) * shape[-1] ** -0.5, GROUP)
+  return {
+    "w_qkv": normal(k_qkv, (3 * d, d)),
+    "w_o": normal(k_o, (d, d)),
+    "router": normal(k_router, (e, d)),
+    "router_bias": 0.05 * jax.random.normal(k_bias, (e,), jnp.float32),
+    "w_gate_up": normal(k_up, (e, 2 * f, d)),
+    "w_down": normal(k_down, (e, d, f)),
+  }
+
+
+def serving_params(master: dict[str, jax.Array]) -> dict:
+  """The weights in their serving formats: bf16 projections and router, the
+  experts' weights as MXFP4 (packed e2m1 [E, out, in/2], UE8M0 scales
+  [E, out, in/32], quantized along `in`)."""
+
+  def mxfp4(w):
+    packed, scales = quant.quantize_e2m1(w, GROUP)
     return {"packed": packed, "scales": scales}
 
   return {
-    "w_qkv": linear(k_qkv, 3 * d, d).astype(jnp.bfloat16),
-    "w_o": linear(k_o, d, d).astype(jnp.bfloat16),
-    "router": linear(k_router, e, d).astype(jnp.bfloat16),
-    "router_bias": 0.05 * jax.random.normal(k_bias, (e,), jnp.float32),
-    "w_gate_up": mxfp4(k_up, (e, 2 * f, d)),  # [E, 2F, D/2] packed, [E, 2F, D/32] scales
-    "w_down": mxfp4(k_down, (e, d, f)),  # [E, D, F/2], [E, D, F/32]
+    "w_qkv": master["w_qkv"].astype(jnp.bfloat16),
+    "w_o": master["w_o"].astype(jnp.bfloat16),
+    "router": master["router"].astype(jnp.bfloat16),
+    "router_bias": master["router_bias"],
+    "w_gate_up": mxfp4(master["w_gate_up"]),
+    "w_down": mxfp4(master["w_down"]),
   }
+
+
+def init_params(key: jax.Array, cfg: BlockConfig) -> dict:
+  """Random weights at trained-model scales; expert weights as MXFP4."""
+  return serving_params(master_params(key, cfg))
 
 
 def bf16_stream(x: jax.Array) -> jax.Array:
@@ -109,7 +137,22 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return quant.quantize_fp8_e4m3(x, GROUP, "ue8m0")
 
 
-def moe(params: dict, x: jax.Array, cfg: BlockConfig, backend) -> jax.Array:
+def experts(params: dict, rows: jax.Array, row_expert: jax.Array, backend) -> jax.Array:
+  """The routed rows [R, D] (bf16) through their experts' SwiGLU on the
+  MXFP4 weights: FP8 x FP4 grouped GEMMs, activations quantized to FP8 on
+  the way. -> [R, D] bf16."""
+  a, a_scale = quantize_rows(rows)
+  up = params["w_gate_up"]
+  h = ops.grouped_gemm_fp8_fp4(a, a_scale, up["packed"], up["scales"], row_expert, backend=backend)
+  gate, lin = jnp.split(h.astype(jnp.float32), 2, axis=-1)
+  act, act_scale = quantize_rows(jax.nn.silu(gate) * lin)
+  down = params["w_down"]
+  return ops.grouped_gemm_fp8_fp4(act, act_scale, down["packed"], down["scales"], row_expert, backend=backend)
+
+
+def moe(params: dict, x: jax.Array, cfg: BlockConfig, backend, expert_layer=experts) -> jax.Array:
+  """Route, dispatch, `expert_layer(params, rows, row_expert, backend)`,
+  combine (`examples/moe_train.py` passes its straight-through experts)."""
   b, n, d = x.shape
   tokens = rms_norm(x).reshape(b * n, d)
   ids, weights = ops.moe_router(
@@ -121,13 +164,7 @@ def moe(params: dict, x: jax.Array, cfg: BlockConfig, backend) -> jax.Array:
     backend=backend,
   )
   row_token, row_expert = dispatch(ids)
-  a, a_scale = quantize_rows(tokens[row_token])
-  up = params["w_gate_up"]
-  h = ops.grouped_gemm_fp8_fp4(a, a_scale, up["packed"], up["scales"], row_expert, backend=backend)
-  gate, lin = jnp.split(h.astype(jnp.float32), 2, axis=-1)
-  act, act_scale = quantize_rows(jax.nn.silu(gate) * lin)
-  down = params["w_down"]
-  y = ops.grouped_gemm_fp8_fp4(act, act_scale, down["packed"], down["scales"], row_expert, backend=backend)
+  y = expert_layer(params, tokens[row_token], row_expert, backend)
   row_weight = weights.reshape(-1)[jnp.argsort(ids.reshape(-1), stable=True)]
   out = jnp.zeros((b * n, d), jnp.float32).at[row_token].add(y.astype(jnp.float32) * row_weight[:, None])
   return out.astype(x.dtype).reshape(b, n, d)
@@ -237,16 +274,16 @@ def make_inputs(seed: int, tokens: int, cfg: BlockConfig, batch: int = 1):
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--tokens", type=int, default=64)
-  parser.add_argument("--batch", type=int, default=1)
-  parser.add_argument("--backend", choices=("pallas", "xla"), default=None)
-  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence (default: 64)")
+  parser.add_argument("--batch", type=int, default=1, help="sequences (default: 1)")
+  parser.add_argument("--backend", choices=("pallas", "xla"), default=None, help=BACKEND_HELP)
+  parser.add_argument("--iters", type=int, default=10, help="timed calls of the block (default: 10)")
   parser.add_argument(
     "--devices",
     type=int,
     default=0,
     help="run the expert-parallel block (examples/moe_sharded.py) on this many devices "
-    "(CPU devices are created as needed) and compare it with one device",
+    "(CPU devices are created as needed) and compare it with one device (default: 0, one device only)",
   )
   args = parser.parse_args(argv)
   cfg = BlockConfig()

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from examples import training
-from examples.moe_block import rms_norm
+from examples.moe_block import BACKEND_HELP, rms_norm
 from jaxkern import ops
 
 
@@ -155,10 +155,10 @@ def train(
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--steps", type=int, default=20)
-  parser.add_argument("--batch", type=int, default=2)
-  parser.add_argument("--learning-rate", type=float, default=3e-3)
-  parser.add_argument("--backend", choices=("pallas", "xla"), default=None)
+  parser.add_argument("--steps", type=int, default=20, help="training steps (default: 20)")
+  parser.add_argument("--batch", type=int, default=2, help="clips per step (default: 2)")
+  parser.add_argument("--learning-rate", type=float, default=3e-3, help="Adam's learning rate (default: 0.003)")
+  parser.add_argument("--backend", choices=("pallas", "xla"), default=None, help=BACKEND_HELP)
   args = parser.parse_args(argv)
   print(f"training on {jax.default_backend()} (backend={args.backend or 'auto'}), batch {args.batch}")
   return training.report(

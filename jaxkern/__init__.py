@@ -14,7 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# contract imports numpy only: `import jaxkern` still imports no jax.
+# command_line and contract import no jax: `import jaxkern` imports no jax.
+from jaxkern import command_line
 from jaxkern.contract import InputError
 
 if TYPE_CHECKING:
@@ -25,8 +26,14 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+# A quiet start: skip the CUDA plugin's runtime check on a host with no
+# NVIDIA device (`jaxkern.command_line.quiet_cuda_probe`: on a GPU host it
+# still runs). It takes effect when jaxkern is imported before jax
+# initializes its backends.
+command_line.quiet_cuda_probe()
+
 _SUBMODULES = ("compare", "dataset", "ops", "registry", "replay")
-__all__ = [*_SUBMODULES, "InputError", "backend", "explain", "__version__"]
+__all__ = [*_SUBMODULES, "InputError", "backend", "explain", "__version__"]  # pyright: ignore[reportUnsupportedDunderAll] (it reads only literals)
 
 
 def backend(name: str | None) -> AbstractContextManager[str | None]:

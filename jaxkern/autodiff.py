@@ -62,7 +62,8 @@ def check_perturbed(name: str, arrays: Mapping[str, Any], perturbed: Mapping[str
       raise NotDifferentiableError(
         f"{name} is not differentiable with respect to {key!r} ({jnp.dtype(value.dtype).name}): it is a "
         "quantized input, and rounding to it has no useful gradient; differentiate the unquantized "
-        "computation instead (e.g. a straight-through estimator around the quantization)"
+        "computation instead (for the FP8 x FP4 grouped GEMM: jaxkern.ops.grouped_gemm_mxfp4_ste, a "
+        "straight-through estimator)"
       )
 
 

@@ -114,8 +114,9 @@ def order(
   candidates = list(kernels) if backend == PALLAS else [backend]
   if config is not None:
     return _matching({b: kernels[b] for b in candidates}, config, op)
+  tuned = tuned or {}
   fastest = sorted(
-    (b for b in (tuned or {}) if b in candidates),
+    (b for b in tuned if b in candidates),
     key=lambda b: (tuned[b].get("latency_ms") is None, tuned[b].get("latency_ms") or 0.0),
   )
   return list(dict.fromkeys([*fastest[:1], *candidates]))

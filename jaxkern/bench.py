@@ -99,7 +99,7 @@ def capture(run: Callable[[], None], *, in_memory: bool | None = None) -> Any:
     in_memory = hasattr(jax.profiler, "ProfileSession")
   with _PROFILE_LOCK, tempfile.TemporaryDirectory(prefix="jaxkern_trace_") as log_dir:
     if in_memory:
-      session = jax.profiler.ProfileSession()
+      session = jax.profiler.ProfileSession()  # pyright: ignore[reportAttributeAccessIssue] (jax >= 0.12, checked above)
       session.start()
       try:
         run()

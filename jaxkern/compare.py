@@ -16,6 +16,12 @@
   head) relative RMS error against thresholds.
 * A shape or dtype mismatch fails outright.
 
+Each floating output also reports `max_bound_ratio`: the worst element's
+error against what the rule allows it, `|x-y| / max(atol, rtol*|y|)` (for the
+state metric: the worst metric / its threshold), so an output passes exactly
+when it is <= 1 (a non-finite mismatch is inf). Integer and top-k outputs
+have none.
+
 Error statistics are reduced on device so that full-size outputs never copy to
 the host; top-k rows (small) are checked on the host.
 """
@@ -68,20 +74,21 @@ INCORRECT_DTYPE = Status.INCORRECT_DTYPE
 @dataclasses.dataclass
 class OutputComparison:
   name: str
-  status: str
+  status: Status
   max_abs_error: float = 0.0
   max_rel_error: float = 0.0
   matched_ratio: float = 1.0
   tie_accepted_rows: int = 0
   message: str = ""
+  max_bound_ratio: float | None = None  # worst |x-y| / max(atol, rtol*|y|): <= 1 when passed (module doc)
 
   def to_json(self) -> dict[str, Any]:
-    return {k: _json_float(v) for k, v in dataclasses.asdict(self).items() if k != "name"}
+    return {k: _json_float(v) for k, v in dataclasses.asdict(self).items() if k != "name" and v is not None}
 
 
 @dataclasses.dataclass
 class Comparison:
-  status: str
+  status: Status
   outputs: dict[str, OutputComparison]
 
   @property
@@ -102,9 +109,17 @@ def _json_float(v: Any) -> Any:
   return v
 
 
+def _bound_ratio(xp, diff, y, atol, rtol):
+  """`diff / max(atol, rtol*|y|)` elementwise (`xp`: jnp or np): <= 1 exactly
+  where the rule passes a finite pair (a zero bound: 0 or inf)."""
+  bound = xp.maximum(atol, rtol * xp.abs(y))
+  return xp.where(bound > 0, diff / xp.where(bound > 0, bound, 1.0), xp.where(diff > 0, xp.inf, 0.0))
+
+
 @jax.jit
 def _float_stats(x, y, atol, rtol):
-  """(max_abs, max_rel, matched) under the FIB rule with non-finite handling."""
+  """(max_abs, max_rel, max_bound_ratio, matched) under the FIB rule with
+  non-finite handling."""
   x = x.astype(jnp.float32)
   y = y.astype(jnp.float32)
   both_finite = jnp.isfinite(x) & jnp.isfinite(y)
@@ -116,18 +131,21 @@ def _float_stats(x, y, atol, rtol):
   err = jnp.where(ok | both_finite, diff, jnp.inf)
   rel = jnp.where(both_finite & (y != 0), diff / jnp.abs(jnp.where(y == 0, 1.0, y)), 0.0)
   rel = jnp.where(ok | both_finite, rel, jnp.inf)
-  return jnp.max(err, initial=0.0), jnp.max(rel, initial=0.0), jnp.sum(ok)
+  bound = jnp.where(both_finite, _bound_ratio(jnp, diff, y, atol, rtol), jnp.where(ok, 0.0, jnp.inf))
+  return jnp.max(err, initial=0.0), jnp.max(rel, initial=0.0), jnp.max(bound, initial=0.0), jnp.sum(ok)
 
 
 def compare_float(name: str, x: jax.Array, y: jax.Array, atol: float, rtol: float) -> OutputComparison:
   size = int(np.prod(np.shape(y)))
   if size == 0:
-    return OutputComparison(name, PASSED)
-  max_abs, max_rel, matched = jax.device_get(_float_stats(x, y, atol, rtol))
+    return OutputComparison(name, PASSED, max_bound_ratio=0.0)
+  max_abs, max_rel, max_bound, matched = jax.device_get(_float_stats(x, y, atol, rtol))
   ratio = float(matched) / size
   status = PASSED if int(matched) == size else INCORRECT_NUMERICAL
   msg = "" if status == PASSED else f"{size - int(matched)} of {size} elements outside atol={atol}, rtol={rtol}"
-  return OutputComparison(name, status, float(max_abs), float(max_rel), ratio, message=msg)
+  return OutputComparison(
+    name, status, float(max_abs), float(max_rel), ratio, message=msg, max_bound_ratio=float(max_bound)
+  )
 
 
 def compare_exact(name: str, x: jax.Array, y: jax.Array) -> OutputComparison:
@@ -223,8 +241,15 @@ def compare_paired(
   counted = common | positional | ~ids_ok[:, None]
   ok_elem = _close(xv, y_aligned, atol, rtol) & (common | positional)
   row_ok = (ok_elem | ~counted).all(-1)
-  diff = np.where(counted & np.isfinite(xv) & np.isfinite(y_aligned), np.abs(xv - y_aligned), 0.0)
+  both_finite = np.isfinite(xv) & np.isfinite(y_aligned)
+  diff = np.where(counted & both_finite, np.abs(xv - y_aligned), 0.0)
   rel = np.where(y_aligned != 0, diff / np.abs(np.where(y_aligned == 0, 1, y_aligned)), 0.0)
+  # Against the rule's bound, over the counted elements: a failing one that
+  # has no finite pair to measure (a non-finite mismatch, an id only the
+  # kernel selected) is inf.
+  measured = both_finite & (common | positional)
+  bound = np.where(measured, _bound_ratio(np, diff, y_aligned, atol, rtol), np.where(ok_elem, 0.0, np.inf))
+  bound = np.where(counted, bound, 0.0)
   status = PASSED if row_ok.all() else INCORRECT_NUMERICAL
   return OutputComparison(
     name,
@@ -233,6 +258,7 @@ def compare_paired(
     float(rel.max(initial=0.0)),
     float(row_ok.mean()) if row_ok.size else 1.0,
     message="" if status == PASSED else f"{int((~row_ok).sum())} rows differ",
+    max_bound_ratio=float(bound.max(initial=0.0)),
   )
 
 
@@ -241,9 +267,10 @@ def compare_state(name: str, x: jax.Array, y: jax.Array, tol: Mapping[str, float
   x = jnp.asarray(x, jnp.float32)
   y = jnp.asarray(y, jnp.float32)
   if x.size == 0:
-    return OutputComparison(name, PASSED)
+    return OutputComparison(name, PASSED, max_bound_ratio=0.0)
   if not bool(jnp.all(jnp.isfinite(x))):
-    return OutputComparison(name, INCORRECT_NUMERICAL, float("inf"), float("inf"), 0.0, message="non-finite state")
+    inf = float("inf")
+    return OutputComparison(name, INCORRECT_NUMERICAL, inf, inf, 0.0, message="non-finite state", max_bound_ratio=inf)
   d = x - y
   tiny = jnp.finfo(jnp.float32).tiny
   rel_rms = float(jnp.linalg.norm(d) / jnp.maximum(jnp.linalg.norm(y), tiny))
@@ -257,7 +284,9 @@ def compare_state(name: str, x: jax.Array, y: jax.Array, tol: Mapping[str, float
   ok = rel_rms <= tol["relative_rms"] and rel_max <= tol["relative_max"] and worst_head <= tol["max_head_relative_rms"]
   ratio = float(jnp.mean(head_rel <= tol["max_head_relative_rms"]))
   msg = f"relative_rms={rel_rms:.3g} relative_max={rel_max:.3g} max_head_relative_rms={worst_head:.3g}"
-  return OutputComparison(name, PASSED if ok else INCORRECT_NUMERICAL, max_abs, rel_max, ratio, message=msg)
+  worst = max(rel_rms / tol["relative_rms"], rel_max / tol["relative_max"], worst_head / tol["max_head_relative_rms"])
+  status = PASSED if ok else INCORRECT_NUMERICAL
+  return OutputComparison(name, status, max_abs, rel_max, ratio, message=msg, max_bound_ratio=worst)
 
 
 # ---------------------------------------------------------------------------

@@ -37,7 +37,8 @@ def environment(interpret: bool) -> dict[str, Any]:
   return {
     "hardware": getattr(dev, "device_kind", str(dev)),
     "backend": jax.default_backend(),
-    "libs": {"jax": jax.__version__, "jaxlib": jaxlib.__version__},
+    # jaxlib re-exports its documented __version__ without `as`, which pyright reads as private.
+    "libs": {"jax": jax.__version__, "jaxlib": jaxlib.__version__},  # pyright: ignore[reportPrivateImportUsage]
     "interpret": interpret,
   }
 

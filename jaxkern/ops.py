@@ -44,7 +44,7 @@ from jaxkern.families.dense_gemm import dense_gemm
 from jaxkern.families.flash_attention import attention, block_causal_attention, prefix_cached_attention
 from jaxkern.families.gdn_decode import gdn_decode
 from jaxkern.families.gdn_prefill import gdn_prefill
-from jaxkern.families.grouped_gemm import grouped_gemm_fp8_fp4
+from jaxkern.families.grouped_gemm import grouped_gemm_fp8_fp4, grouped_gemm_mxfp4_ste
 from jaxkern.families.mixed_mla import mixed_mla_decode
 from jaxkern.families.moe_router import moe_router
 from jaxkern.families.neighborhood_attention import neighborhood_attention_3d
@@ -62,6 +62,7 @@ __all__ = [
   "gdn_decode",
   "gdn_prefill",
   "grouped_gemm_fp8_fp4",
+  "grouped_gemm_mxfp4_ste",
   "mixed_mla_decode",
   "moe_router",
   "neighborhood_attention_3d",

@@ -44,6 +44,13 @@ def run_axes(op: registry.Op, recorded_axes: Mapping[str, int], size: str, on_gp
   return op.cpu_axes(recorded_axes, validated=True)
 
 
+def axes_run(op: registry.Op, axes: Mapping[str, int]) -> dict[str, int]:
+  """What a result records of a run's axes: the var axes, and the const axes
+  that differ from the definition."""
+  const = op.definition.const_axes
+  return {k: v for k, v in axes.items() if k not in const or v != const[k]}
+
+
 def plan(
   op: registry.Op,
   w: dataset.Workload,
@@ -75,11 +82,9 @@ def plan(
       }
     )
   scaled = axes != recorded_axes
-  const = op.definition.const_axes
-  axes_run = {k: v for k, v in axes.items() if k not in const or v != const[k]}
   return RunPlan(
     axes=axes,
-    axes_run=axes_run,
+    axes_run=axes_run(op, axes),
     scaled=scaled,
     inputs=inputs,
     inputs_source=source,

@@ -2,17 +2,20 @@
 config), run kernel and reference, compare, time, and write one result line
 per workload as it finishes.
 
-  python -m jaxkern.replay --config configs/replay.py [--config.FIELD=VALUE ...]
+  python -m jaxkern.replay --config smoke|replay|full|PATH.py [--config.FIELD=VALUE ...]
 
-Fields: `jaxkern.replay_config`. Results: `jaxkern.results` (modelled on
-FlashInfer-Bench's Trace / Evaluation; `evaluation.performance.timer` names the timer,
-see `jaxkern.bench`). Workloads run in worker processes (`jaxkern.workers`):
-one stuck past `timeout_s` is killed, never left behind. The run ends with a
-summary table per definition and timer; the exit code is 1 when any workload
-failed or any record was malformed (`skipped` workloads are listed, not
-failures), 2 for a bad or missing config, an output that would overwrite
-results (without `resume`) or cannot be written, a missing dataset or an
-empty selection, 130 after Ctrl-C.
+`--config` takes a config file, or the name of one that ships with the
+package (`configs/` of the repository). Fields: `jaxkern.replay_config`.
+Results: `jaxkern.results` (modelled on FlashInfer-Bench's Trace /
+Evaluation; `evaluation.performance.timer` names the timer, see
+`jaxkern.bench`); `{time}` in `output` makes each run a new file.
+Workloads run in worker processes (`jaxkern.workers`): one stuck past
+`timeout_s` is killed, never left behind. The run ends with a summary table
+per definition and timer; the exit code is 1 when any workload failed or
+any record was malformed (`skipped` workloads are listed, not failures), 2
+for a bad or missing config, an output that would overwrite results
+(without `resume`) or cannot be written, a missing dataset or an empty
+selection, 130 after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -21,24 +24,28 @@ import os
 import pathlib
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
-from absl import app, flags, logging
+from absl import app
 from ml_collections import config_dict, config_flags
 
-from jaxkern import backends, dataset, evaluate, selection, shards
+from jaxkern import _data, backends, command_line, dataset, evaluate, selection, shards
 from jaxkern import plan as plan_lib
 from jaxkern import results as results_lib
 from jaxkern import workers as workers_lib
 from jaxkern.compare import Status
-from jaxkern.replay_config import default_config
+from jaxkern.replay_config import default_config, fields_help
 from pallas_kernels.shared.common import has_gpu, resolve_interpret
 
 # Defined by `run()`, not at import: worker processes import this module
 # (under two names when it is the parent's __main__) and need no flags.
 _CONFIG: Any = None
+
+# In `output`, the run's start time: a new results file per run.
+TIME_FIELD = "{time}"
 
 
 def check_config(cfg: config_dict.ConfigDict) -> str | None:
@@ -61,6 +68,16 @@ def check_config(cfg: config_dict.ConfigDict) -> str | None:
   kernel_backends = [b for b in backends.NAMES if b != backends.XLA]
   if cfg.backend not in kernel_backends:
     return f"--config.backend must be one of {', '.join(kernel_backends)}, got {cfg.backend!r}"
+  if new_file_per_run(cfg) and cfg.resume:
+    return (
+      f"--config.resume continues one results file: name it with --config.output=PATH "
+      f"(this output, {cfg.output}, is a new file per run)"
+    )
+  if new_file_per_run(cfg) and (cfg.coordinator_address or cfg.num_processes not in (0, 1)):
+    return (
+      f"the processes of one run share its results file's name: name it with --config.output=PATH "
+      f"({cfg.output} names a new file per process)"
+    )
   return None
 
 
@@ -75,6 +92,27 @@ def process_shard(cfg: config_dict.ConfigDict) -> shards.Shard:
     )
     return shards.Shard(jax.process_index(), jax.process_count())
   return shards.Shard(max(cfg.process_id, 0), max(cfg.num_processes, 1))
+
+
+def new_file_per_run(cfg: config_dict.ConfigDict) -> bool:
+  """Whether `output` holds `{time}`: each run writes a file of its own."""
+  return TIME_FIELD in str(cfg.output)
+
+
+def new_results_file(template: str, now: float | None = None) -> pathlib.Path:
+  """`template` with `{time}` made the run's start (local time,
+  `20261205-143012`; `-2`, `-3`... after it when a run in the same second
+  took that name). Creates the file, empty, and its folder."""
+  stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+  n = 1
+  while True:
+    path = pathlib.Path(template.replace(TIME_FIELD, stamp if n == 1 else f"{stamp}-{n}"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+      with open(path, "x", encoding="utf-8"):
+        return path
+    except FileExistsError:
+      n += 1
 
 
 def output_problem(path: pathlib.Path, resume: bool) -> str | None:
@@ -146,7 +184,14 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
   # Shard the whole selection before skipping finished work, so a resumed
   # shard is assigned exactly what it was assigned before.
   assigned = shard.take(selected)
-  out_path = shard.output(cfg.output)
+  if new_file_per_run(cfg):
+    try:
+      out_path = new_results_file(str(cfg.output))
+    except OSError as e:
+      log(f"error: cannot write --config.output {cfg.output}: {e.strerror or e}")
+      return 2
+  else:
+    out_path = shard.output(cfg.output)
   problem = output_problem(out_path, cfg.resume)
   if problem:
     log(f"error: {problem}")
@@ -199,9 +244,7 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
             traces.append(t)
             bar.set_description(w.definition[:40])
             bar.update(1)
-            bar.set_postfix(
-              passed=sum(x.status == Status.PASSED for x in traces), failed=sum(x.status.failed for x in traces)
-            )
+            bar.set_postfix(passed=sum(x.status == Status.PASSED for x in traces), failed=sum(x.failed for x in traces))
             if not cfg.progress:
               log(progress_line(len(traces), len(workloads), t))
       finally:
@@ -210,15 +253,16 @@ def replay(cfg: config_dict.ConfigDict, *, log: Callable[[str], None] = print) -
     shares = shards.split_round_robin(workloads, n_devices)
     interrupted = run_workers(work, shares, list(range(n_devices)), stop)
   log(tabulate.tabulate(results_lib.summarize(traces), headers=results_lib.SUMMARY_HEADERS))
-  failed = [t for t in traces if t.status.failed]
+  failed = [t for t in traces if t.failed]
   for t in failed[:20]:
-    log(f"FAILED {t.definition} {t.workload.uuid}: {t.status.value}: {t.evaluation.log[:300]}")
+    log(f"FAILED {t.definition} {t.workload.uuid}: {t.status}: {t.evaluation.log[:300]}")
   log(
     f"{sum(t.status == Status.PASSED for t in traces)} passed, {len(failed)} failed, "
     f"{sum(t.status == Status.SKIPPED for t in traces)} skipped, {len(errors)} bad records; results in {out_path}"
   )
   if interrupted:
-    log("interrupted: results so far are on disk; rerun with --config.resume=True to continue")
+    fixed = out_path if new_file_per_run(cfg) else cfg.output  # a shard resumes under the run's name
+    log(f"interrupted: results so far are in {out_path}; --config.output={fixed} --config.resume=True continues it")
     return 130
   return 1 if failed or errors else 0
 
@@ -227,7 +271,7 @@ def progress_line(i: int, n: int, t: results_lib.Trace) -> str:
   """One workload's line in the log (when there is no progress bar)."""
   perf = t.evaluation.performance or {}
   timed = f" {perf['latency_ms']:.4g} ms ({perf.get('timer')})" if perf.get("latency_ms") is not None else ""
-  return f"[{i}/{n}] {t.definition} {t.workload.uuid}: {t.status.value}{timed}"
+  return f"[{i}/{n}] {t.definition} {t.workload.uuid}: {t.status}{timed}"
 
 
 def run_workers(
@@ -258,8 +302,7 @@ def run_workers(
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # jax's backend probing is noise here
+  command_line.quiet_absl_logging()
   try:
     cfg = _CONFIG.value if _CONFIG.value is not None else default_config()
   except Exception as e:  # ml_collections raises OSError, or the file's own error
@@ -275,19 +318,48 @@ def unknown_config_fields(argv: list[str]) -> list[str]:
   return [f for f in fields if f not in known]
 
 
+def _config_value(argv: list[str]) -> tuple[int, str] | None:
+  """(index in argv, value) of `--config=VALUE` or `--config VALUE`."""
+  for i, a in enumerate(argv):
+    if a.startswith("--config="):
+      return i, a[len("--config=") :]
+    if a == "--config" and i + 1 < len(argv):
+      return i + 1, argv[i + 1]
+  return None
+
+
+def with_packaged_config(argv: list[str]) -> list[str]:
+  """`argv` with `--config NAME`, the name of a config that ships with the
+  package (`smoke`, `replay`, `full`), made that file's path, unless a file
+  NAME exists here (ml_collections' `:arg` suffix is kept)."""
+  found = _config_value(argv)
+  if found is None:
+    return argv
+  i, value = found
+  name, sep, arg = value.partition(":")
+  if os.path.isfile(name) or name not in _data.config_names():
+    return argv
+  path = f"{_data.folder('configs') / name}.py{sep}{arg}"
+  return [*argv[:i], "--config=" + path if argv[i].startswith("--config=") else path, *argv[i + 1 :]]
+
+
 def missing_config_file(argv: list[str]) -> str | None:
   """The `--config` path when it names no file (`--config=PATH` or
   `--config PATH`), else None."""
-  for i, a in enumerate(argv):
-    path = (
-      a[len("--config=") :]
-      if a.startswith("--config=")
-      else (argv[i + 1] if a == "--config" and i + 1 < len(argv) else None)
-    )
-    if path is not None:
-      path = path.split(":", 1)[0]  # ml_collections' `file.py:arg` form
-      return None if os.path.isfile(path) else path
-  return None
+  found = _config_value(argv)
+  if found is None:
+    return None
+  path = found[1].split(":", 1)[0]  # ml_collections' `file.py:arg` form
+  return None if os.path.isfile(path) else path
+
+
+def usage() -> str:
+  """What `--help` prints before the flags: this module's doc, then every
+  config field with its default and meaning (`jaxkern.replay_config`)."""
+  return (
+    f"{__doc__}\nConfig fields, each overridable as --config.FIELD=VALUE (FIELD=DEFAULT, then its meaning):\n"
+    f"{fields_help()}\n"
+  )
 
 
 def run() -> None:
@@ -295,11 +367,21 @@ def run() -> None:
   one message (exit 2; the latter names the valid fields), not a
   traceback."""
   global _CONFIG
+  sys.modules["__main__"].__doc__ = usage()  # absl's --help prints the main module's doc
   if _CONFIG is None:
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "Replay config file (configs/replay.py).")
+    _CONFIG = config_flags.DEFINE_config_file(
+      "config",
+      None,
+      f"Replay config: a file, or a packaged config's name ({', '.join(_data.config_names())}); "
+      "its fields are listed above, with their defaults.",
+    )
+  sys.argv[1:] = with_packaged_config(sys.argv[1:])
   missing = missing_config_file(sys.argv[1:])
   if missing:
-    print(f"error: --config file {missing} does not exist", file=sys.stderr)
+    print(
+      f"error: --config file {missing} does not exist (packaged configs by name: {', '.join(_data.config_names())})",
+      file=sys.stderr,
+    )
     sys.exit(2)
   unknown = unknown_config_fields(sys.argv[1:])
   if unknown:

@@ -69,6 +69,11 @@ class Trace:
   def status(self) -> Status | None:
     return self.evaluation.status
 
+  @property
+  def failed(self) -> bool:
+    """Evaluated, and not passed or skipped."""
+    return self.status is not None and self.status.failed
+
   def to_json(self) -> dict[str, Any]:
     out = dataclasses.asdict(self)
     out["evaluation"]["status"] = None if self.status is None else Status(self.status).value

@@ -112,9 +112,10 @@ def main(argv: list[str] | None = None) -> int:
 
   parser = argparse.ArgumentParser(prog="python -m jaxkern.shards")
   sub = parser.add_subparsers(dest="command", required=True)
-  command = sub.add_parser("merge", help="join the result files of a sharded replay (checks every uuid once)")
-  command.add_argument("--output", required=True)
-  command.add_argument("inputs", nargs="+")
+  what = "join the result files of a sharded replay (checks every uuid once)"
+  command = sub.add_parser("merge", help=what, description=what)
+  command.add_argument("--output", required=True, help="the merged results file to write (required)")
+  command.add_argument("inputs", nargs="+", help="every shard's results file (<output stem>.<i>-of-<n>.jsonl)")
   args = parser.parse_args(argv)
   try:
     n = merge(args.inputs, args.output)

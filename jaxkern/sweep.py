@@ -8,6 +8,13 @@ the table ends with the fastest correct (backend, config).
   python -m jaxkern.sweep --definition=noncausal_dense_attention_h32_d64 \
       --axes=B=1,Nq=2352,Nk=51 --max_configs=8 --output=/tmp/sweep.jsonl
 
+`--max_configs=N` runs N candidates in all, taken in turn from each
+backend's list (each list starts with that backend's heuristic config), so
+`--max_configs=2` on a family with two backends runs both heuristics.
+A candidate that fails to compile or run is reported with the definition,
+the backend's kernel, the config and the first lines of the compiler's (or
+runtime's) own message.
+
 Without a GPU the kernels run in interpret mode: correctness holds, timings
 do not predict GPU performance. Each row names its timer (`jaxkern.bench`:
 on a GPU the device time per call from a profiler trace, L2 flushed before
@@ -27,15 +34,20 @@ the backend whose entry is the fastest).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import sys
+import textwrap
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from absl import app, flags
 
 from jaxkern import aot as aot_lib
-from jaxkern import backends, bench, registry, selection, tuning
+from jaxkern import backends, bench, command_line, registry, selection, tuning
+from jaxkern.aot.report import first_lines
 from pallas_kernels.shared.common import resolve_interpret
 from pallas_kernels.shared.lowering import lower_for_h100
 
@@ -46,7 +58,12 @@ _AXES = flags.DEFINE_string(
 _SEED = flags.DEFINE_integer("seed", 0, "Input synthesis seed.")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed runs per config.")
 _ITERS = flags.DEFINE_integer("iters", 5, "Timed runs per config (median reported).")
-_MAX_CONFIGS = flags.DEFINE_integer("max_configs", 0, "Try at most this many candidates (0 = all).")
+_MAX_CONFIGS = flags.DEFINE_integer(
+  "max_configs",
+  0,
+  "Run at most this many candidates in total, over all backends (taken in turn from each backend's list, "
+  "heuristic first; 0 = every candidate).",
+)
 _INTERPRET = flags.DEFINE_bool("interpret", None, "Interpret mode (default: when no GPU is present).")
 _LOWER_ONLY = flags.DEFINE_bool("lower_only", False, "Only check deviceless H100 lowering of each candidate.")
 _OUTPUT = flags.DEFINE_string("output", "", "Optional JSONL file, one line per config.")
@@ -86,6 +103,25 @@ def sweep_backends(op: registry.Op, backend: str) -> tuple[str, ...]:
   return (op.kernel_of(backend).backend,)
 
 
+def take_candidates(per_backend: dict[str, list], limit: int) -> list[tuple[str, Any]]:
+  """(backend, candidate) pairs: `limit` in all (0: every one), taken in turn
+  from each backend's list, in the lists' order."""
+  turns = [[(name, c) for c in configs] for name, configs in per_backend.items()]
+  merged = [pair for turn in itertools.zip_longest(*turns) for pair in turn if pair is not None]
+  return merged[:limit] if limit else merged
+
+
+def failure_log(
+  op: registry.Op, backend: str, config: Any, what: str, message: str, kernels: Sequence[str] = ()
+) -> str:
+  """A candidate's failure, for the log and the results line: the
+  definition, the backend's kernel (with its Pallas kernels' names where
+  known), the config, what failed, then the first lines of the message."""
+  kernel = op.kernel_of(backend).name + (f" ({', '.join(kernels)})" if kernels else "")
+  lines = first_lines(message) or "(no message)"
+  return f"{op.name}: {backend} kernel {kernel}, {config}: {what}:\n" + textwrap.indent(lines, "    ")
+
+
 def sweep(
   op: registry.Op,
   axes: dict[str, int],
@@ -99,17 +135,17 @@ def sweep(
   compiler: aot_lib.Compiler | None = None,
   backend: str = backends.PALLAS,
 ) -> list[dict]:
-  """One row per (backend, candidate config), the backends in the family's
-  order. With `compiler` (a `jaxkern.aot.Compiler`), each candidate is
-  compiled for sm_90a first; rejected ones are not run."""
+  """One row per (backend, candidate config): `max_configs` in all (0: every
+  candidate), taken in turn from each backend's list (`take_candidates`).
+  With `compiler` (a `jaxkern.aot.Compiler`), each candidate is compiled for
+  sm_90a first; rejected ones are not run."""
   # Lowering needs shapes only: no inputs are synthesized for it.
-  inputs = op.input_shapes(axes) if lower_only else op.make_inputs(axes, seed=seed)
+  inputs: dict[str, Any] = op.input_shapes(axes) if lower_only else op.make_inputs(axes, seed=seed)
   current = op.config_for(inputs)  # what replay and ops use today (tuned or heuristic)
-  candidates = []
-  for name in sweep_backends(op, backend):
-    configs = op.candidate_configs(inputs, backend=name)
-    heuristic = op.choose_config(inputs, backend=name)
-    candidates += [(name, c, c == heuristic) for c in (configs[:max_configs] if max_configs else configs)]
+  names = sweep_backends(op, backend)
+  heuristics = {name: op.choose_config(inputs, backend=name) for name in names}
+  per_backend = {name: op.candidate_configs(inputs, backend=name) for name in names}
+  candidates = [(name, c, c == heuristics[name]) for name, c in take_candidates(per_backend, max_configs)]
   ref = None if lower_only else jax.block_until_ready(jax.jit(op.reference)(inputs))
   rows = []
   for i, (name, config, is_heuristic) in enumerate(candidates, 1):
@@ -144,12 +180,16 @@ def sweep(
         ],
       }
       if not rep.ok:
-        row["status"], row["log"] = AOT_REJECTED.get(rep.status, "aot_error"), rep.summary()
+        row["status"] = AOT_REJECTED.get(rep.status, "aot_error")
+        row["log"] = (
+          failure_log(op, name, config, "sm_90a compile: " + rep.status, rep.message, [k.name for k in rep.kernels])
+          if rep.message
+          else rep.summary()  # spills or shared memory: the figures say it
+        )
         row["seconds"], row["_config"] = time.perf_counter() - t0, config
         rows.append(row)
-        print(
-          f"[{i}/{len(candidates)}] {name} {config} -> {row['status']} (sm_90a: {rep.summary()}); skipped", flush=True
-        )
+        shown = row["log"] if rep.message else f"{name} {config} (sm_90a: {rep.summary()})"
+        print(f"[{i}/{len(candidates)}] {row['status']}, skipped: {shown}", flush=True)
         continue
     try:
       if lower_only:
@@ -158,6 +198,7 @@ def sweep(
       else:
         fn = jax.jit(functools.partial(launch, interpret=interpret))
         out = jax.block_until_ready(fn(inputs))
+        assert ref is not None  # computed above unless lower_only
         cmp = op.compare(out, ref, inputs=inputs)
         row["status"] = cmp.status
         names = () if interpret else bench.pallas_call_names(fn.lower(inputs).as_text())
@@ -173,10 +214,14 @@ def sweep(
         row["latency_ms"], row["timer"] = t["median_ms"], t["timer"]
         row["kernel_latency_ms"] = t.get("kernel_median_ms")
     except Exception as e:
-      row["status"], row["log"] = "error", bench.short_error(e)
+      what = "lowering for an abstract H100" if lower_only else "compile or run"
+      row["status"], row["log"] = "error", failure_log(op, name, config, what, bench.short_error(e))
     row["seconds"] = time.perf_counter() - t0
     row["_config"] = config
     rows.append(row)
+    if row["status"] == "error":
+      print(f"[{i}/{len(candidates)}] error: {row['log']}", flush=True)
+      continue
     print(
       f"[{i}/{len(candidates)}] {name} {config} -> {row['status']}"
       + (f" {row['latency_ms']:.3f} ms" if row["latency_ms"] is not None else ""),
@@ -199,6 +244,7 @@ def main(argv: list[str]) -> None:
 
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  command_line.quiet_absl_logging()
   op = registry.get(_DEFINITION.value)
   axes = op.validated_axes(parse_axes(_AXES.value) or selection.largest_recorded_axes(op.definition))
   compiler = None

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxkern import _data
 from pallas_kernels.shared.common import next_pow2
 
 EXPLICIT, TUNED, HEURISTIC = "explicit", "tuned", "heuristic"
@@ -52,8 +53,8 @@ def config_to_json(config: Any) -> dict[str, Any] | None:
   """A config dataclass (nested ones included) as a JSON-ready dict."""
   if config is None:
     return None
-  if not dataclasses.is_dataclass(config):
-    raise TypeError(f"a config must be a dataclass, got {type(config).__name__}")
+  if not dataclasses.is_dataclass(config) or isinstance(config, type):
+    raise TypeError(f"a config must be a dataclass instance, got {type(config).__name__}")
   return dataclasses.asdict(config)
 
 
@@ -82,10 +83,11 @@ def current_device_kind() -> str:
 
 
 def tuned_dir() -> pathlib.Path:
+  """`JAXKERN_TUNED_DIR`, else `configs/tuned` of the shipped configs (`jaxkern._data.folder`)."""
   env = os.environ.get("JAXKERN_TUNED_DIR")
   if env:
     return pathlib.Path(env)
-  return pathlib.Path(__file__).resolve().parent.parent / "configs" / "tuned"
+  return _data.folder("configs") / "tuned"
 
 
 def table_path(device_kind: str | None = None) -> pathlib.Path:

@@ -158,19 +158,21 @@ class ChildProcess:
     except (EOFError, OSError):
       ready = False
     if not ready:
-      self._proc.join(5.0)
-      code = self._proc.exitcode
+      proc.join(5.0)
+      code = proc.exitcode
       self.kill()
       raise RuntimeError(f"replay worker process {self.setup.device_index} did not start (exit code {code})")
 
   def _wait(self, seconds: float, stop: threading.Event) -> Any:
     """The child's next message; None past `seconds` or after `stop`;
     EOFError when the child died."""
+    conn = self._conn
+    assert conn is not None, "_wait runs only while a child is started"
     end = time.monotonic() + seconds
-    while not self._conn.poll(min(_POLL_S, max(end - time.monotonic(), 0.0))):
+    while not conn.poll(min(_POLL_S, max(end - time.monotonic(), 0.0))):
       if stop.is_set() or time.monotonic() >= end:
         return None
-    return self._conn.recv()
+    return conn.recv()
 
   def run(self, w: dataset.Workload, stop: threading.Event) -> results_lib.Trace | None:
     """The workload's result; None when `stop` was set first (the child is
@@ -180,16 +182,18 @@ class ChildProcess:
         self._start(stop)
       except RuntimeError as e:
         return None if stop.is_set() else self.make_trace(w, Status.RUNTIME_ERROR, str(e))
+    proc, conn = self._proc, self._conn
+    assert proc is not None and conn is not None, "_start sets both or raises"
     timeout_s = float(self.setup.cfg.timeout_s)
     self._busy = True
-    self._conn.send(w)
+    conn.send(w)
     try:
       # The grace lets a workload that checks its own deadline report first.
       msg = self._wait(timeout_s * 1.1 + 5.0, stop)
       self._busy = False
     except (EOFError, OSError):
-      self._proc.join(5.0)
-      code = self._proc.exitcode
+      proc.join(5.0)
+      code = proc.exitcode
       self.kill()
       return self.make_trace(
         w, Status.RUNTIME_ERROR, f"the worker process died during this workload (exit code {code}); a new one goes on"
@@ -212,6 +216,7 @@ class ChildProcess:
       if self._proc.is_alive():
         self._proc.kill()
       self._proc.join(10.0)
+    if self._conn is not None:
       self._conn.close()
     self._proc = self._conn = None
     self._busy = False
@@ -219,7 +224,7 @@ class ChildProcess:
   def close(self) -> None:
     """Asks an idle child to finish (a busy one, after Ctrl-C, or one that
     does not finish within 10 s is killed)."""
-    if self._proc is not None and self._proc.is_alive() and not self._busy:
+    if self._proc is not None and self._conn is not None and self._proc.is_alive() and not self._busy:
       try:
         self._conn.send(None)
         self._proc.join(10.0)

@@ -15,3 +15,11 @@ import os
 # pool from NPROC when set; it takes effect only if set before JAX creates its
 # CPU client, so it is set here, on import, unless the caller chose a value.
 os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 8)))
+
+# The first trace of a Pallas call imports Pallas's fuser, which registers a
+# config flag (`pallas_fuser_disable_nested_fuse`) that is part of jit's cache
+# key: the first jitted function of a process would change its own key between
+# its first and second call and compile twice (measured: a jitted dense GEMM
+# held 2 cache entries after two calls, 1 with this import). Importing the
+# fuser here registers the flag before anything is jitted.
+import jax.experimental.pallas.fuser  # noqa: E402, F401

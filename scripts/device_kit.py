@@ -1,11 +1,16 @@
 """Builds the device kit: the wheels the GPU machine lacks, in `.whl/`.
 
 The GPU machine has no network and no ml_collections; its packages are the
-ones pinned in `constraints-device.txt`. This puts the wheel of every package
-jaxkern imports that is not among them (ml_collections, then whatever it
-requires that the machine also lacks), at the versions `constraints.txt` pins,
-into `.whl/`, and checks that each is pure Python, so that
-`scripts/gpu_run.sh` can import it straight from the wheel on PYTHONPATH.
+ones pinned in `constraints-device.txt`. This puts into `.whl/`, at the
+versions `constraints.txt` pins, the wheel of every package jaxkern imports
+that is not among them (`NEEDED`: ml_collections), of the peer libraries the
+device run times beside the kernels (`PEERS`: tokamax, `jaxkern.peers`), and
+of whatever those require that the machine also lacks (less `NOT_CARRIED`),
+built for the machine (CPython 3.12, manylinux x86_64), and checks that the
+kit stays under `MAX_BYTES`. Two of them are compiled (pydantic-core, xprof)
+and qwix has a namespace package: Python imports neither from a wheel on
+PYTHONPATH, so `scripts/gpu_run.sh` unpacks every wheel of the kit into one
+folder (stdlib `zipfile`, no pip) and puts that on PYTHONPATH.
 
   python scripts/device_kit.py [--out .whl]      (make device-kit)
 """
@@ -23,6 +28,20 @@ from packaging.utils import canonicalize_name
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # What jaxkern imports at run time that the GPU machine does not have.
 NEEDED = ("ml_collections",)
+# Peer libraries for the device run's peers phase (optional: jaxkern runs without).
+PEERS = ("tokamax",)
+# Requirements left out of the kit, measured with tokamax 0.0.17 / xprof 2.24.2 on
+# jax 0.11.2: `import tokamax` imports one pure-Python module of xprof (its
+# kernel-stats CLI tool, which imports fire, termcolor and six), never its
+# profiler server's packages. These and theirs (duckdb, grpcio, cryptography,
+# google-cloud-*, ...) are 44 MB of wheels the 64 MiB device call cannot carry.
+NOT_CARRIED = {"xprof": ("cheroot", "duckdb", "google-cloud-storage", "gviz-api", "urllib3", "werkzeug")}
+# The kit travels with the tree (about 8 MB) in the device call, 64 MiB in all.
+MAX_BYTES = 48 * 2**20
+# The GPU machine's interpreter and platforms (glibc >= 2.27, as its jaxlib 0.11.2
+# wheel needs; pip does not widen manylinux_2_27 to the older manylinux2014 itself).
+TARGET = ("--python-version", "3.12", "--implementation", "cp", "--abi", "cp312")
+TARGET += ("--platform", "manylinux_2_27_x86_64", "--platform", "manylinux2014_x86_64")
 
 
 def pins(path: pathlib.Path) -> dict[str, str]:
@@ -37,7 +56,7 @@ def pins(path: pathlib.Path) -> dict[str, str]:
 
 
 def download(name: str, version: str, into: pathlib.Path) -> pathlib.Path:
-  """One wheel, no dependencies, from the package index."""
+  """One wheel for the GPU machine (`TARGET`), no dependencies, from the package index."""
   with tempfile.TemporaryDirectory() as tmp:
     subprocess.run(
       [
@@ -48,6 +67,7 @@ def download(name: str, version: str, into: pathlib.Path) -> pathlib.Path:
         "-q",
         "--no-deps",
         "--only-binary=:all:",
+        *TARGET,
         "-d",
         tmp,
         f"{name}=={version}",
@@ -76,7 +96,7 @@ def build(out: pathlib.Path) -> list[pathlib.Path]:
   out.mkdir(exist_ok=True)
   for old in out.glob("*.whl"):
     old.unlink()
-  todo, done, wheels = list(NEEDED), set(), []
+  todo, done, wheels, compiled = [*NEEDED, *PEERS], set(), [], []
   while todo:
     name = canonicalize_name(todo.pop())
     if name in done or name in machine:
@@ -86,10 +106,18 @@ def build(out: pathlib.Path) -> list[pathlib.Path]:
       sys.exit(f"device kit: {name} is needed on the GPU machine but constraints.txt pins no version of it")
     wheel = download(name, pinned[name], out)
     pure, reqs = metadata(wheel)
-    if not pure:
-      sys.exit(f"device kit: {wheel.name} is not pure Python, so it cannot be imported from PYTHONPATH")
     wheels.append(wheel)
-    todo.extend(r.name for r in reqs)
+    if not pure:
+      compiled.append(name)
+    skipped = {canonicalize_name(n) for n in NOT_CARRIED.get(name, ())}
+    todo.extend(r.name for r in reqs if canonicalize_name(r.name) not in skipped)
+  total = sum(w.stat().st_size for w in wheels)
+  if total > MAX_BYTES:
+    sizes = ", ".join(
+      f"{w.name} {w.stat().st_size / 2**20:.1f}" for w in sorted(wheels, key=lambda w: -w.stat().st_size)
+    )
+    sys.exit(f"device kit: {total / 2**20:.1f} MiB, over {MAX_BYTES / 2**20:.0f} MiB (MiB: {sizes})")
+  print(f"device kit: compiled for CPython 3.12 manylinux x86_64: {', '.join(compiled) or 'none'}")
   return wheels
 
 
@@ -97,7 +125,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", type=pathlib.Path, default=REPO / ".whl")
   wheels = build(parser.parse_args().out)
-  print("device kit:", " ".join(w.name for w in wheels))
+  total = sum(w.stat().st_size for w in wheels) / 2**20
+  print(f"device kit: {len(wheels)} wheels, {total:.1f} MiB:", " ".join(w.name for w in wheels))
 
 
 if __name__ == "__main__":

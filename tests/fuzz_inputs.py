@@ -212,6 +212,42 @@ GROUPED_CASES = (
 )
 
 
+def ste(rng, m=10, e=4, n=32, k=64, ids=None):
+  """The straight-through GEMM's unquantized operands: x bf16, master weights f32."""
+  x = bf16(rng, (m, k))
+  w = f32(rng.standard_normal((e, n, k)) / np.sqrt(k))
+  ids = np.sort(rng.integers(0, e, m)) if ids is None else np.asarray(ids)
+  return {"x": x, "w": w, "expert_ids": i32(ids)}
+
+
+def ste_poisoned(rng):
+  """-1 and out-of-range rows whose activations are NaN (their scales too, once quantized)."""
+  x = ste(rng)
+  rows = some(rng, 10, 4)
+  ids = i32(set_at(x["expert_ids"], rows, [-1, -1, 4, -3]))
+  clean = put(x, expert_ids=ids)
+  return {**clean, "x": poison_rows(x["x"], rows)}, clean
+
+
+STE_CASES = (
+  Case("sorted", ste),
+  Case(
+    "unsorted_with_padding",
+    lambda r: put(x := ste(r), expert_ids=i32(set_at(r.permutation(x["expert_ids"]), [1, 6], -1))),
+  ),
+  Case("m0", lambda r: ste(r, m=0)),
+  Case("m1_e1", lambda r: ste(r, m=1, e=1)),
+  Case(
+    "id_past_e",
+    lambda r: put(x := ste(r), expert_ids=i32(set_at(x["expert_ids"], some(r, 10, 2), [4, 9]))),
+    "invalid",
+    "expert_ids",
+    lambda x: only_valid(x, "expert_ids", 4),
+  ),
+  Case("nan_in_padding_rows", ste_poisoned, "masked", "expert_ids"),
+)
+
+
 # ---------------------------------------------------------------------------
 # Attention (three ops, one kernel) and 3-D neighborhood attention.
 
@@ -650,6 +686,7 @@ TARGETS = (
   Target("dense_gemm", "grad", dense_gemm.IMPL, _kw("a", "b")(ops.dense_gemm), GEMM_CASES),
   Target("moe_router", "grouped", moe_router.IMPL, _kw("hidden", "weight", "bias")(ops.moe_router), ROUTER_CASES),
   Target("grouped_gemm_fp8_fp4", "grouped", grouped_gemm.IMPL, _kw()(ops.grouped_gemm_fp8_fp4), GROUPED_CASES),
+  Target("grouped_gemm_mxfp4_ste", "moenn", grouped_gemm.IMPL, _kw()(ops.grouped_gemm_mxfp4_ste), STE_CASES),
   Target("attention", "grad", flash_attention.NONCAUSAL, _kw("q", "k", "v")(ops.attention), ATTENTION_CASES),
   Target(
     "prefix_cached_attention", "grad", flash_attention.PREFIX_CACHED, _kw()(ops.prefix_cached_attention), PREFIX_CASES

@@ -27,7 +27,10 @@ SMALL = moe_block.BlockConfig(d_model=128, num_heads=8, num_experts=16, d_expert
 def test_expert_parallel_block_equals_one_device(devices, backend):
   params, x = moe_block.make_inputs(0, tokens=16, cfg=SMALL, batch=2)
   report = moe_sharded.compare_with_single_device(params, x, SMALL, moe_sharded.make_mesh(devices), backend)
-  assert report == {"attention": (0, 0.0), "moe": (0, 0.0), "block": (0, 0.0)}, report
+  # No element outside the bf16 tolerance; not bit-equality, which depends on
+  # the fp32 summation order XLA picks per host (the MoE part differed by
+  # 6.1e-5 on a loaded 2-core host, 2026-12-06, at code that gave 0 before).
+  assert {part: outside for part, (outside, _) in report.items()} == {"attention": 0, "moe": 0, "block": 0}, report
 
 
 def test_expert_parallel_dispatch_moves_rows_to_their_experts_devices():

@@ -249,6 +249,34 @@ def test_gdn_prefill_gradients_with_heads_split():
     gradients.assert_grads_close(got, want, names)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_straight_through_gemm_gradients_with_rows_and_columns_split(backend):
+  """`ops.grouped_gemm_mxfp4_ste` with rows split over "x" and the weights'
+  columns N over "y" (Explicit 2 x 2 mesh, under jit): its shard_map sums
+  the weights' gradient over the row shards and the rows' over the column
+  shards; both equal one device's."""
+  m, e, n, k = 24, 4, 64, 64
+  x, w = normal(0, (m, k)), normal(1, (e, n, k), jnp.float32) * k**-0.5
+  ids = jnp.asarray(np.random.default_rng(0).integers(-1, e + 1, m), jnp.int32)
+  weights = normal(2, (m, n), jnp.float32)
+
+  def grads(x, w, ids, weights):
+    def loss(x, w):
+      return jnp.sum(ops.grouped_gemm_mxfp4_ste(x, w, ids, backend=backend).astype(jnp.float32) * weights)
+
+    return jax.grad(loss, (0, 1))(x, w)
+
+  want = jax.jit(grads)(x, w, ids, weights)
+  mesh = mesh_2d()
+  with jax.set_mesh(mesh):
+    got = jax.jit(grads)(
+      place(x, mesh, P("x")), place(w, mesh, P(None, "y")), place(ids, mesh, P("x")), place(weights, mesh, P("x", "y"))
+    )
+  assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, P("x")), 2), got[0].sharding
+  assert got[1].sharding.is_equivalent_to(NamedSharding(mesh, P(None, "y")), 3), got[1].sharding
+  gradients.assert_grads_close(got, want, ("x", "w"))
+
+
 # ---------------------------------------------------------------------------
 # Every op, every setting.
 

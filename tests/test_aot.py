@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from jaxkern import aot, selection
+from jaxkern.aot.cli import not_clean_line
 from pallas_kernels.shared.lowering import MosaicGpuCall
 
 # Captured from the tool's ptxas wrapper (ptxas 12.9, XLA's Triton, jax
@@ -396,19 +397,82 @@ def test_markdown_page_keeps_other_versions_sections():
 
 def test_command_line_defines_its_flags_only_when_run():
   """`python -m jaxkern.aot` parses its flags (importing the package defines
-  none, so tools with flags of the same name can import it)."""
+  none, so tools with flags of the same name can import it), and its plain
+  `--help` lists every one with its default."""
   from absl import flags
 
   assert "markdown" not in flags.FLAGS
   out = subprocess.run(
-    [sys.executable, "-m", "jaxkern.aot", "--helpfull"],
+    [sys.executable, "-m", "jaxkern.aot", "--help"],
     capture_output=True,
     text=True,
     timeout=120,
     check=False,
     cwd=pathlib.Path(__file__).parent.parent,
   )
-  assert "--markdown" in out.stdout and "--[no]all_candidates" in out.stdout, out.stderr[-2000:]
+  help_text = out.stdout
+  for flag in ("--definition", "--axes", "--[no]all_candidates", "--target", "--[no]json", "--markdown"):
+    assert flag in help_text, (flag, out.stderr[-2000:])
+  for flag in ("--[no]backward", "--backend", "--[no]write_targets"):
+    assert flag in help_text, flag
+  assert "(default: 'NVIDIA H200 141GB HBM3e')" in help_text and "(default: 'pallas')" in help_text
+  assert "--helpfull" in help_text and "--xla_" not in help_text  # the tool's own flags, not every module's
+
+
+def test_compile_report_names_the_failure():
+  """A failed compile's summary ends with its status and the compiler's
+  message (first line), `message` keeps its first lines, and the command
+  line's listing names definition, backend, kernel and config."""
+  message = "ValueError: Mosaic GPU lowering failed\n  line two\n  line three\n  line four"
+  k = aot.KernelReport("mosaic_gpu(...)", status=aot.ERROR, error=message)
+  rep = aot.CompileReport([k], 0.5)
+  assert rep.summary() == "mosaic_gpu(...): error [error]: ValueError: Mosaic GPU lowering failed"
+  assert rep.message == "ValueError: Mosaic GPU lowering failed\n  line two\n  line three"
+  assert aot.CompileReport([], 0.5, "Unsupported: no kernel takes these inputs").summary() == (
+    "[error]: Unsupported: no kernel takes these inputs"
+  )
+  clean = aot.KernelReport("k", registers=32, spill_stores=0, spill_loads=0, matrix_ops="wgmma")
+  assert aot.CompileReport([clean], 0.5).summary() == "k: 32 regs, - smem, spills 0/0 B, wgmma, - CTA/SM"
+  assert aot.CompileReport([clean], 0.5).message == ""
+  row = {
+    "definition": "dense_gemm_bf16_nt_n4096_k4096",
+    "backend": "mosaic_gpu",
+    "config": {"block_m": 128},
+    "status": "error",
+    "error": rep.message,
+    "kernels": [{"name": "anonymous_mosaic_gpu_kernel"}],
+  }
+  line = not_clean_line(row)
+  assert line.startswith(
+    'dense_gemm_bf16_nt_n4096_k4096 mosaic_gpu kernel anonymous_mosaic_gpu_kernel, config {"block_m": 128}: error'
+  )
+  assert "\n      ValueError: Mosaic GPU lowering failed\n        line two" in line and "line four" not in line
+
+
+def test_mosaic_gpu_calls_carry_their_kernel_hash():
+  """Calls of one kernel share a hash (the plugin compiles it once); the hash
+  takes no part in equality."""
+  from pallas_kernels.shared.lowering import mosaic_gpu_calls
+
+  call = (
+    '%0 = stablehlo.custom_call @mosaic_gpu_v2(%arg0) {backend_config = "", mhlo.backend_config = '
+    '{kernel_hash = "\\D3\\A56", module = "ML\\EFR kernel_hash = x", use_custom_barrier = false}} : '
+    "(tensor<16x128xbf16>) -> tensor<16x128xbf16>"
+  )
+  [a] = mosaic_gpu_calls(call)
+  assert a.kernel_hash == "\\D3\\A56" and a.operands == ("tensor<16x128xbf16>",)
+  assert a == MosaicGpuCall(("tensor<16x128xbf16>",), ("tensor<16x128xbf16>",))
+
+
+def test_build_reports_takes_each_mosaic_gpu_calls_dump():
+  """With the dumps matched per call, a repeated kernel (one dump, two
+  calls) reports twice and a call without a dump is an error."""
+  limits = aot.Limits()
+  mosaic = MosaicGpuCall(("tensor<128xf32>",), ("tensor<16x128xf32>",))
+  dump = aot.MosaicDump("mosaic_gpu_kernel", aot.PtxasStats(registers=168))
+  first, second, missing = aot.build_reports([mosaic] * 3, [], {}, {}, limits, mosaic=[dump, dump, None])
+  assert (first.name, first.registers, first.status) == (second.name, second.registers, second.status)
+  assert first.status == aot.OK and missing.status == aot.ERROR and "MOSAIC_GPU_DUMP_TO" in missing.error
 
 
 def test_module_sizes():
@@ -516,7 +580,7 @@ def test_build_reports_reads_a_mosaic_gpu_call_from_the_plugins_dump():
   # XLA's own fusions go through ptxas too: the plugin's dump decides.
   xla_fusion = {"input_reduce_fusion": aot.PtxasStats(registers=32)}
   [mgpu] = aot.build_reports(
-    [mosaic], [], xla_fusion, {}, limits, mosaic_ptxas={"mosaic_gpu_kernel": aot.PtxasStats(registers=168)}
+    [mosaic], [], xla_fusion, {}, limits, mosaic=[aot.MosaicDump("mosaic_gpu_kernel", aot.PtxasStats(registers=168))]
   )
   assert (mgpu.name, mgpu.registers) == ("mosaic_gpu_kernel", 168)
 
@@ -614,6 +678,7 @@ def _shipped():
   out = [(n, None, b) for n in registry.names() if registry.get(n).implemented for b in registry.get(n).backends]
   router = "moe_router_gemm_topk_deepseek41_d5120_e384_topk6"
   out += [(router, {"M": m}, "triton") for m in (1, 3, 128, 8192)]
+  out += [("grouped_gemm_fp8_fp4_e384_n4608_k5120_g32", {"M": 6}, "mosaic_gpu")]  # its decode config (8-row items)
   return out
 
 
@@ -644,6 +709,9 @@ def test_shipped_heuristic_configs_compile_clean(compiler, name, axes, backend):
     assert mix is not None and (mix["kernel"]["mma_total"] > 0) == (k["matrix_ops"] != "none"), k
   if name.startswith("dense_gemm"):  # a pipelined k-loop of bf16 wgmma
     assert set(row["kernels"][0]["instruction_mix"]["k_step"]["mma"]) == {"wgmma.m64n256k16.bf16"}
+  if name.startswith("grouped_gemm") and backend == "mosaic_gpu":  # f16 wgmma, the decoded weights from registers
+    wgmma = f"wgmma.m64n{row['config']['block_m']}k16.f16"
+    assert set(row["kernels"][0]["instruction_mix"]["k_step"]["mma"]) == {wgmma}
   if backend == "mosaic_gpu":
     # The register split the kernel's module names (40/232 unless its
     # producer needs more), in its Mosaic GPU kernels (a split-keys launch
@@ -656,6 +724,23 @@ def test_shipped_heuristic_configs_compile_clean(compiler, name, axes, backend):
       hopper = k["instruction_mix"]["hopper"]
       assert hopper["setmaxnreg"] == budgets and hopper["tma_loads"] > 0, hopper
       assert hopper["mbarrier"].get("try_wait", 0) > 0 and hopper["mbarrier"].get("arrive.expect_tx", 0) > 0, hopper
+
+
+def test_configs_lowering_to_one_mosaic_gpu_kernel_both_report_it(compiler, capfd):
+  """At M=16 the dense GEMM's group_m changes nothing in its Mosaic GPU
+  kernel: the plugin compiles it once and dumps nothing the second time; the
+  second config still gets the kernel's figures (not a false error). The
+  plugin's SASS dump runs no missing nvdisasm (no noise on stderr)."""
+  from jaxkern import registry
+  from pallas_kernels.dense_gemm.config import MosaicGemmConfig
+
+  op = registry.get("dense_gemm_bf16_nt_n4096_k4096")
+  first = MosaicGemmConfig(block_m=128, block_n=256, block_k=64, stages=4, group_m=8, split="m", epilogue_n=64)
+  configs = [first, dataclasses.replace(first, group_m=16)]
+  rows = aot.check_op(compiler, op, {"M": 16}, configs, backend="mosaic_gpu")
+  assert [r["status"] for r in rows] == [aot.OK, aot.OK], [r["error"] for r in rows]
+  assert rows[0]["kernels"][0]["registers"] == rows[1]["kernels"][0]["registers"] > 0
+  assert "nvdisasm" not in capfd.readouterr().err
 
 
 def test_markdown_page_from_a_run(compiler, tmp_path):

@@ -157,6 +157,52 @@ def test_gdn_state_metric():
   assert not run(specs, {"new_state": jnp.asarray(z2)}, {"new_state": jnp.asarray(z)}, policies=pol).passed
 
 
+def test_bound_ratio_is_at_most_one_exactly_when_passed():
+  """max_bound_ratio = worst |x-y| / max(atol, rtol*|y|): <= 1 on every
+  passing output (whatever its max abs error / atol), > 1 on every failing
+  one; a non-finite mismatch is inf; equal non-finite values count 0."""
+  rng = np.random.default_rng(1)
+  outcomes = set()
+  for trial in range(40):
+    y = (rng.standard_normal((8, 16)) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
+    scale = 10.0 ** rng.uniform(-5, -3)
+    x = (y + scale * rng.standard_normal(y.shape) * (np.abs(y) + 1e-3)).astype(np.float32)
+    o = run(spec("o", "float32"), {"o": jnp.asarray(x)}, {"o": jnp.asarray(y)}).outputs["o"]
+    assert o.max_bound_ratio is not None and (o.status == "passed") == (o.max_bound_ratio <= 1.0), (trial, o)
+    outcomes.add(o.status)
+  assert outcomes == {"passed", "incorrect_numerical"}
+  # bf16's tolerances: passing although max abs error / atol is 10, as rtol*|y| allows more.
+  y = jnp.array([2.0, -4.0, 0.001], jnp.float32)
+  o = compare.compare_float("o", y + jnp.array([0.025, -0.05, 0.004]), y, atol=0.005, rtol=0.016)
+  assert o.status == "passed" and o.max_abs_error / 0.005 == pytest.approx(10.0, rel=1e-4)
+  assert o.max_bound_ratio == pytest.approx(0.8, rel=1e-4)  # 0.004 / atol; 0.05 / (0.016 * 4) = 0.78
+  failing = compare.compare_float("o", y.at[1].set(jnp.nan), y, atol=0.005, rtol=0.016)
+  assert failing.status == "incorrect_numerical" and failing.max_bound_ratio == float("inf")
+  beyond = compare.compare_float("o", y.at[0].add(0.04), y, atol=0.005, rtol=0.016)  # 0.04 / 0.032
+  assert beyond.status == "incorrect_numerical" and beyond.max_bound_ratio == pytest.approx(1.25, rel=1e-4)
+  lse = jnp.array([[1.0, jnp.inf]], jnp.float32)
+  assert run(spec("lse", "float32"), {"lse": lse}, {"lse": lse}).outputs["lse"].max_bound_ratio == 0.0
+  assert compare.compare_float("o", y[:0], y[:0], atol=0.005, rtol=0.016).max_bound_ratio == 0.0
+  # Integer outputs have none (and the results line leaves it out).
+  ints = run(spec("i", "int32"), {"i": jnp.zeros((1, 2), jnp.int32)}, {"i": jnp.zeros((1, 2), jnp.int32)})
+  assert ints.outputs["i"].max_bound_ratio is None and "max_bound_ratio" not in ints.to_json()["i"]
+
+
+def test_bound_ratio_of_paired_and_state_outputs():
+  """Paired weights: over the ids both selected; the state metric: its worst
+  metric / threshold. Both <= 1 exactly when passed."""
+  ok = topk([2, 4], [1, 2], out_w=[0.4, 0.6], ref_w=[0.6, 0.4]).outputs["w"]
+  bad = topk([2, 4], [1, 2], out_w=[0.5, 0.6], ref_w=[0.6, 0.4]).outputs["w"]
+  assert ok.max_bound_ratio == 0.0 and bad.max_bound_ratio == pytest.approx(0.1 / (1e-4 * 0.4), rel=1e-3)
+  rng = np.random.default_rng(0)
+  y = rng.standard_normal((2, 8, 16, 16)).astype(np.float32)
+  specs, pol = spec("new_state", "float32", ("N", "H", "K", "V")), {"new_state": compare.StateMetric()}
+  for noise in (0.002, 0.004, 0.02):
+    x = y * (1 + noise * rng.standard_normal(y.shape).astype(np.float32))
+    o = run(specs, {"new_state": jnp.asarray(x)}, {"new_state": jnp.asarray(y)}, policies=pol).outputs["new_state"]
+    assert o.max_bound_ratio is not None and (o.status == "passed") == (o.max_bound_ratio <= 1.0), (noise, o)
+
+
 def test_first_failing_output_sets_status_and_json():
   specs = {**spec("a", "bfloat16"), **spec("b", "int32")}
   y = {"a": jnp.zeros((1, 2), jnp.bfloat16), "b": jnp.zeros((1, 2), jnp.int32)}

@@ -66,6 +66,10 @@ def bases():
     "gdn_decode": (_gdn((2, 1)), {}),
     "gdn_prefill": ({**_gdn((5,)), "cu_seqlens": jnp.asarray([0, 2, 5], I32)}, {}),
     "grouped_gemm_fp8_fp4": (_grouped(), {}),
+    "grouped_gemm_mxfp4_ste": (
+      dict(x=arr((4, 64)), w=arr((2, 8, 64), F32, seed=1), expert_ids=jnp.asarray([0, 1, 0, -1], I32)),
+      {},
+    ),
     "mixed_mla_decode": (
       dict(
         q=arr((1, 2, 128)),
@@ -118,6 +122,7 @@ P = "prefix_cached_attention"
 BC = "block_causal_attention"
 NA = "neighborhood_attention_3d"
 GG = "grouped_gemm_fp8_fp4"
+STE = "grouped_gemm_mxfp4_ste"
 MLA = "mixed_mla_decode"
 GQA = "qsa_sparse_gqa_decode"
 SMLA = "sparse_mla_prefill"
@@ -153,8 +158,64 @@ BAD = [
   Bad(
     "attention",
     "axis",
-    {"k": arr((1, 4, 1, 16)), "v": arr((1, 4, 1, 16))},
-    "attention: k must be [B, Nk, H, D] = [1, *, 2, 16] (B, H, D from q), got shape (1, 4, 1, 16)",
+    {"k": arr((1, 4, 2, 8)), "v": arr((1, 4, 2, 8))},
+    "attention: k must be [B, Nk, Hkv, D] = [1, *, *, 16] (B, D from q), got shape (1, 4, 2, 8)",
+  ),
+  Bad(
+    "attention",
+    "grouped_heads",
+    {"k": arr((1, 4, 3, 16)), "v": arr((1, 4, 3, 16))},
+    "attention: k must be [B, Nk, Hkv, D] with Hkv dividing H = 2 (q's heads), got shape (1, 4, 3, 16)",
+  ),
+  Bad(
+    "attention",
+    "window",
+    {},
+    "attention: window must be None or a (left, right) pair, each None (unbounded) or an int >= 0, got (-1, 2)",
+    {"window": (-1, 2)},
+  ),
+  Bad(
+    "attention",
+    "softcap",
+    {},
+    "attention: softcap must be None or a positive finite Python number (compiled into the kernel), got 0.0",
+    {"softcap": 0.0},
+  ),
+  Bad("attention", "causal", {}, "attention: causal must be a Python bool, got 1", {"causal": 1}),
+  Bad(
+    "attention",
+    "cu_seqlens_alone",
+    {},
+    "attention: cu_seqlens_k must be an int32 array [S + 1] (cu_seqlens_q and cu_seqlens_k go together), got None",
+    {"cu_seqlens_q": jnp.asarray([0, 4], I32)},
+  ),
+  Bad(
+    "attention",
+    "cu_seqlens_dtype",
+    {},
+    "attention: cu_seqlens_q must be int32, got float32",
+    {"cu_seqlens_q": jnp.asarray([0, 4], F32), "cu_seqlens_k": jnp.asarray([0, 4], I32)},
+  ),
+  Bad(
+    "attention",
+    "cu_seqlens_axis",
+    {},
+    "attention: cu_seqlens_k must be [S + 1] = [2] (cu_seqlens_q's shape), got shape (3,)",
+    {"cu_seqlens_q": jnp.asarray([0, 4], I32), "cu_seqlens_k": jnp.asarray([0, 2, 4], I32)},
+  ),
+  Bad(
+    "attention",
+    "packed_rank",
+    {},
+    "attention: q must be [T, H, D] (packed sequences: cu_seqlens given) (rank 3), got shape (1, 4, 2, 16)",
+    {"cu_seqlens_q": jnp.asarray([0, 4], I32), "cu_seqlens_k": jnp.asarray([0, 4], I32)},
+  ),
+  Bad(
+    "attention",
+    "packed_key_valid",
+    {"q": arr((4, 2, 16)), "k": arr((4, 2, 16)), "v": arr((4, 2, 16))},
+    "attention: key_valid must be [Tk] = [4] (Tk from k), got shape (1, 4)",
+    {"cu_seqlens_q": jnp.asarray([0, 4], I32), "cu_seqlens_k": jnp.asarray([0, 4], I32)},
   ),
   Bad(
     "attention",
@@ -292,6 +353,26 @@ BAD = [
     "axis",
     {"a_scale": jnp.zeros((4, 1), jnp.uint8)},
     "grouped_gemm_fp8_fp4: a_scale must be [M, K/32] = [4, 2] (M, K from a), got shape (4, 1)",
+  ),
+  # the straight-through grouped GEMM
+  Bad(STE, "rank", {"w": arr((8, 64), F32)}, "grouped_gemm_mxfp4_ste: w must be [E, N, K] (rank 3), got shape (8, 64)"),
+  Bad(
+    STE,
+    "dtype",
+    {"x": arr((4, 64)).astype(jnp.float8_e4m3fn)},
+    "grouped_gemm_mxfp4_ste: x must be bfloat16 or float16 or float32, got float8_e4m3fn",
+  ),
+  Bad(
+    STE,
+    "axis",
+    {"w": arr((2, 8, 32), F32)},
+    "grouped_gemm_mxfp4_ste: w must be [E, N, K] = [*, *, 64] (K = 64 from x), got shape (2, 8, 32)",
+  ),
+  Bad(
+    STE,
+    "k_groups",
+    {"x": arr((4, 48)), "w": arr((2, 8, 48), F32)},
+    "grouped_gemm_mxfp4_ste: x must be [M, K] with K a multiple of 32, got shape (4, 48)",
   ),
   # mixed MLA decode
   Bad(MLA, "rank", {"q": arr((2, 128))}, "mixed_mla_decode: q must be [B, H, D] (rank 3), got shape (2, 128)"),

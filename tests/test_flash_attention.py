@@ -25,6 +25,7 @@ from jaxkern.families import flash_attention as fam
 from pallas_kernels.flash_attention import keys as keys_lib
 from pallas_kernels.flash_attention import mosaic_gpu as fa_mosaic
 from pallas_kernels.flash_attention import triton as fa
+from pallas_kernels.flash_attention import triton_bwd as fa_bwd
 from pallas_kernels.flash_attention.config import MosaicAttentionConfig
 from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
 
@@ -850,7 +851,7 @@ def backward_launches(name, axes):
   a = {**axes, **CONST_AXES[name]}
   kv_len, prefix_len = a.get("Nk", a["Nq"]), a.get("Np", 0)
   config = registry.get(name).choose_config(input_avals(name, axes))
-  bwd = fa.choose_backward_config(
+  bwd = fa_bwd.choose_backward_config(
     batch=a["B"], heads=a["H"], q_len=a["Nq"], kv_len=max(kv_len, prefix_len), head_dim=a["D"]
   )
   call = lambda kernel, n, block, c=bwd: TritonCall(

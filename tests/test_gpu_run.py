@@ -1,7 +1,8 @@
 """scripts/gpu_run.sh in its dry mode (CPU, smoke scale, interpret mode):
-phase 1 covers every definition, phase 2 resumes its file, phase 3 sweeps
-(lowering only here), then the report, the environment and one tarball; and
-the device kit it imports ml_collections from on the GPU machine.
+phase 1 covers every definition, phase 1c runs the peers (tokamax's from
+the kit), phase 2 resumes its file, phase 3 sweeps (lowering only here),
+then the report with the peer columns, the environment and one tarball; and
+the device kit it imports ml_collections and tokamax from on the GPU machine.
 
 The dry run is what the first GPU run depends on, so it runs in the
 device-stack lane (`make test-device`: the GPU machine's packages, jax
@@ -34,7 +35,9 @@ TEST_TOOLS = {"pytest", "pytest-xdist", "execnet", "iniconfig", "pluggy", "nvidi
 
 def tree_as_on_the_gpu_machine(to: pathlib.Path) -> pathlib.Path:
   """The working tree and the kit (.whl/), without .git or environments."""
-  skip = shutil.ignore_patterns(".git", ".venv*", "*.egg-info", "results", "__pycache__", ".pytest_cache", "bazel-*")
+  skip = shutil.ignore_patterns(
+    ".git", ".venv*", ".aot-toolchain", "*.egg-info", "results", "__pycache__", ".pytest_cache", "bazel-*"
+  )
   shutil.copytree(REPO, to, ignore=skip)
   return to
 
@@ -77,12 +80,19 @@ def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
   assert mosaic["definition"] == "noncausal_dense_attention_h32_d64" and mosaic["evaluation"]["backend"] == "mosaic_gpu"
   assert mosaic["workload"]["uuid"] in {l["workload"]["uuid"] for l in phase1}
   assert mosaic["evaluation"]["status"] == "passed" and "== phase 1b (the same workloads on mosaic_gpu): end" in log
-  # Phase 1c: each peer on phase 1's workloads it covers (XLA's dot, jax.nn's attention), checked and timed.
+  # Phase 1c: each peer on phase 1's workloads it covers (XLA's dot, jax.nn's and tokamax's attention from the
+  # kit, tokamax's ragged dot on the grouped GEMM), checked and timed.
   peer_rows = peers.read_peer_results(out / "peers.jsonl")
-  covered = {n for n in names if n.startswith(("dense_gemm", "noncausal_dense_attention", "prefix_cached"))}
-  assert {r.definition for r in peer_rows} == covered and len(covered) == 7
+  attention = {n for n in names if n.startswith(("noncausal_dense_attention", "prefix_cached"))}
+  gemm, grouped = {n for n in names if n.startswith("dense_gemm")}, {n for n in names if n.startswith("grouped_gemm")}
+  assert len(attention) == 4 and len(gemm) == 3 and len(grouped) == 2
+  assert sorted((r.definition, r.peer) for r in peer_rows) == sorted(
+    [(n, "xla dot") for n in gemm]
+    + [(n, p) for n in attention for p in ("jax.nn.dot_product_attention[xla]", "tokamax.dot_product_attention[xla]")]
+    + [(n, "tokamax.ragged_dot_general[xla]") for n in grouped]
+  )
   assert all(r.status == "passed" and r.latency_ms is not None for r in peer_rows), peer_rows
-  assert "== phase 1c (peers): end after" in log and "7 peer results" in log
+  assert "== phase 1c (peers): end after" in log and "13 peer results" in log
   # Phase 2 resumed phase 1's file and added the second workload of two definitions.
   assert "resume: 21 workloads already in" in log and len(lines) == 23
   assert {l["definition"] for l in lines[21:]} == {
@@ -106,9 +116,18 @@ def test_dry_run_covers_every_definition_in_phase_1(tmp_path):
   summary = (out / "summary.md").read_text()  # the page docs/perf/<device>.md takes
   assert "dense_gemm_bf16_nt_n4096_k4096" in summary and "interpret" in summary
   assert "| `noncausal_dense_attention_h32_d64` | mosaic_gpu | interpret | 1 / 1 |" in summary  # both backends
+  # The peer columns: peers timed by wall clock, ours in interpret mode: named, not compared.
+  assert "| best peer | peer ms | peer/ours (>1: ours faster) |" in summary
+  for name in gemm | grouped:
+    [line] = [l for l in summary.splitlines() if l.startswith(f"| `{name}` | triton |")]
+    assert line.endswith(f"| {'xla dot' if name in gemm else 'tokamax.ragged_dot_general[xla]'} | n/c | n/c |")
+  assert "Peers of 10 rows were timed by another timer than our kernels" in summary  # 9 triton rows, 1 mosaic_gpu
+  printed = (out / "summary.txt").read_text()
+  assert "tokamax.dot_product_attention[xla]" in printed and "peer/ours (>1: ours faster)" in printed
   env_txt = (out / "env.txt").read_text()
   assert f"jax {jax.__version__}" in env_txt and "git commit: 0123abc" in env_txt and "nvidia-smi" in env_txt
-  assert "kit wheels on PYTHONPATH: ml_collections-" in env_txt and "ml_collections==" in env_txt
+  assert "kit wheels unpacked onto PYTHONPATH:" in env_txt and "ml_collections==" in env_txt
+  assert "tokamax==0.0.17" in env_txt and "tokamax-0.0.17-py3-none-any.whl" in env_txt
   with tarfile.open(f"{out}.tar.gz") as tar:
     assert {"run/replay.jsonl", "run/env.txt", "run/run.log", "run/summary.md", "run/report/index.html"} <= set(
       tar.getnames()
@@ -147,6 +166,38 @@ def test_kit_reads_pins_and_wheel_metadata(tmp_path):
     )
   pure, reqs = device_kit.metadata(wheel)
   assert pure and [r.name for r in reqs] == ["absl-py", "PyYAML"]
+
+
+def test_kit_follows_requirements_less_the_ones_not_carried_and_checks_its_size(tmp_path, monkeypatch):
+  """A fake index: tokamax needs xprof and qwix (flax on the machine); xprof
+  needs fire and duckdb, which is not carried; nothing is installed."""
+  index = {
+    "ml-collections": ["absl-py"],
+    "tokamax": ["xprof", "qwix"],
+    "xprof": ["fire", "duckdb"],
+    "qwix": ["flax"],
+    "fire": [],
+    "duckdb": [],
+  }
+  sizes = {"xprof": 30 * 2**20}
+
+  def download(name, version, into):
+    wheel = into / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+      z.writestr(f"{name}-{version}.dist-info/WHEEL", "Root-Is-Purelib: true\n")
+      z.writestr(f"{name}-{version}.dist-info/METADATA", "".join(f"Requires-Dist: {r}\n" for r in index[name]))
+      z.writestr("padding", os.urandom(sizes.get(name, 0)))
+    return wheel
+
+  (tmp_path / "constraints-device.txt").write_text("absl-py==2.5.1\nflax==0.12.12\n")
+  (tmp_path / "constraints.txt").write_text("".join(f"{n}==1.0\n" for n in index))
+  monkeypatch.setattr(device_kit, "REPO", tmp_path)
+  monkeypatch.setattr(device_kit, "download", download)
+  wheels = device_kit.build(tmp_path / "kit")
+  assert sorted(w.name.split("-")[0] for w in wheels) == ["fire", "ml_collections", "qwix", "tokamax", "xprof"]
+  monkeypatch.setattr(device_kit, "MAX_BYTES", 20 * 2**20)
+  with pytest.raises(SystemExit, match=r"over 20 MiB \(MiB: xprof-1.0-py3-none-any.whl 30.0"):
+    device_kit.build(tmp_path / "kit")
 
 
 def test_every_package_jaxkern_requires_is_on_the_gpu_machine_or_in_the_kit():

@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kit import EVERY_CANDIDATE, Case, TritonCall
+from kit import EVERY_CANDIDATE, Case, MosaicGpuCall, TritonCall
 from numerics import assert_f32_close
 
 from jaxkern import ops, quant
 from jaxkern.families import grouped_gemm as fam
+from pallas_kernels.grouped_gemm import mosaic_gpu as mg
 from pallas_kernels.grouped_gemm import triton as gg
 from pallas_kernels.shared import fp8_mma, fp_formats
 from pallas_kernels.shared.common import has_gpu
@@ -142,6 +143,31 @@ def launches(config, axes):
   return [TritonCall("grouped_gemm_fp8_fp4", grid, config.num_warps, config.num_stages)]
 
 
+def launches_mosaic_gpu(config, axes):
+  """One Mosaic GPU call: the work list (items [4, M], count, unit fold
+  flags [M, N tiles]), the activations as f16 by scale group, their
+  promotion scale bytes and fold references (M padded to 16), the weights
+  as byte pairs, the used experts' scale bytes transposed and references
+  (N padded to 16; min(E, M) experts); C out."""
+  m, n, k, e = axes["M"], axes["N"], axes["K"], axes["E"]
+  if not m:
+    return []
+  pad = lambda x: -(-x // 16) * 16  # noqa: E731
+  used, groups = min(e, m), k // 32
+  operands = (
+    f"tensor<4x{m}xi32>",
+    "tensor<1xi32>",
+    f"tensor<{m}x{-(-n // config.block_n)}xi32>",
+    f"tensor<{k // 32}x{m}x32xf16>",
+    f"tensor<{groups}x{pad(m)}xui8>",
+    f"tensor<{pad(m)}xi32>",
+    f"tensor<{e}x{n}x{k // 4}xui16>",
+    f"tensor<{used}x{groups}x{pad(n)}xui8>",
+    f"tensor<{used}x{pad(n)}xi32>",
+  )
+  return [MosaicGpuCall(operands, (f"tensor<{m}x{n}xbf16>",))]
+
+
 def invalid_rows_are_zero(ids, e):
   def check(out, ref, inputs):
     invalid = (np.asarray(ids) < 0) | (np.asarray(ids) >= e)
@@ -214,6 +240,34 @@ KERNEL_CASES += [
   + [(label, "items_fold_64", ITEMS_FOLD_64) for label in ("block_m_32", "unsorted_ids")]
 ]
 LOWERING_CASES = [Case(name, {"M": 6}, config=EVERY_CANDIDATE, id="decode_m6") for name in DEFINITIONS]
+# The Mosaic GPU kernel (N a multiple of 64): decode items of one row,
+# rows in any order with invalid ids, ragged items over two N tiles.
+MOSAIC_CASES = {
+  "mosaic_decode_six_experts": ([1, 4, 5, 9, 12, 15], 64, 128, None),
+  "mosaic_unsorted_invalid_one_group": ([3, 0, 2, 0, 1, -1, 7, -5], 64, 32, mg.MosaicGroupedGemmConfig(16, 128, 2)),
+  "mosaic_ragged_items_two_tiles": (
+    grouped([(0, 1), (2, 19), (3, 1), (5, 9)], pad_to=4) + [-1] * 3,
+    192,
+    96,
+    mg.MosaicGroupedGemmConfig(8, 128, 3, grid=2),
+  ),
+}
+KERNEL_CASES += [
+  Case(
+    DEFINITIONS[0],
+    inputs=lambda ids=ids, n=n, k=k: operands(ids, n, k, e=8, seed=len(ids)),
+    config=config,
+    check=invalid_rows_are_zero(ids, 8),
+    id=label,
+    backend="mosaic_gpu",
+  )
+  for label, (ids, n, k, config) in MOSAIC_CASES.items()
+]
+LOWERING_CASES += [
+  Case(name, {"M": m}, id=f"mosaic_m{m}", backend="mosaic_gpu")
+  for name, m in ((DEFINITIONS[0], 6), (DEFINITIONS[0], 2688), (DEFINITIONS[1], 18))
+]
+SWEEP_CASE_MOSAIC_GPU = Case(DEFINITIONS[0], {"M": 6, "E": 16, "N": 64, "K": 32, "K_groups": 1, "K_packed": 16})
 SWEEP_CASE = Case(DEFINITIONS[0], {"M": 18, "E": 16, "N": 64, "K": 128, "K_groups": 4, "K_packed": 64})
 
 

@@ -442,3 +442,26 @@ def test_combine_lowers_for_h100():
     *avals,
   )
   assert txt.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.slow  # a subprocess: the first jit of a fresh process
+def test_the_first_jitted_kernel_of_a_process_compiles_once():
+  """pallas_kernels registers Pallas's fuser flag on import: without it the
+  first jitted Pallas call changed its own jit cache key and compiled twice."""
+  import pathlib
+  import subprocess
+  import sys
+
+  program = (
+    "import jax, jax.numpy as jnp\n"
+    "from pallas_kernels.dense_gemm import triton as dense_gemm\n"
+    "f = jax.jit(lambda a, b: dense_gemm.dense_gemm_nt(a, b, interpret=True))\n"
+    "a = jnp.ones((16, 32), jnp.bfloat16)\n"
+    "f(a, a); f(a, a)\n"
+    "print(f._cache_size())\n"
+  )
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"}
+  p = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert p.stdout.split()[-1] == "1", p.stdout

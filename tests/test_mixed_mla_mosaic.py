@@ -4,19 +4,20 @@ case, lonely and one-sided rows, every candidate): the permuted dim order,
 what unselected rows hold never reaching an output (the FP4 outlier-scale
 precision test runs on both backends in test_mixed_mla.py), a traced scale with dominant sinks over two head groups,
 the public op with `backend="mosaic_gpu"`, empty sizes, the refusals, the
-heuristic's splits, and synchronization faults the interpreter catches."""
+heuristic's splits, and synchronization faults the interpreter catches
+(its barrier checks, its race detector, on for every run here)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mosaic_faults import assert_interpreter_reports, assert_race_detected
 from numerics import assert_bf16_close, assert_f32_close
 from test_mixed_mla import random_inputs
 
 from jaxkern import ops
 from jaxkern.families import mixed_mla as fam
 from pallas_kernels.mixed_mla import mosaic_gpu as mg
-from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.kernel import Unsupported
 
 INT32 = np.iinfo(np.int32)
@@ -170,22 +171,49 @@ def test_heuristic_splits_keys_below_a_wave(batch, k8, k4, splits):
   assert mg.choose_config(shapes).splits == splits
 
 
+def fault_inputs():
+  """The problem the fault tests break: 4 steps through 1 ring slot."""
+  return random_inputs(1, **WIDE, k8=128, k4=128, seed=5, invalid_fraction=0.0)
+
+
+def fault_launch(fault):
+  """The launch with `fault` on the fault problem (a thunk for `mosaic_faults`)."""
+  inputs = fault_inputs()
+  return lambda: mg._forward(**inputs, config=mg.MosaicMixedMlaConfig(), interpret=True, fault=fault)
+
+
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
+def test_correct_protocol_on_the_fault_problem():
+  """The shipped protocol on the problem the faults below break: the
+  reference's output, and nothing for the race detector."""
+  check(fault_inputs(), config=mg.MosaicMixedMlaConfig())
+
+
 @pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
 @pytest.mark.parametrize(
   "fault,match",
   [
     # The ring slot released by one consumer: the producer refills it under
     # the other one's wgmmas; the release phases run ahead of their waiter.
+    # (The race detector sees the consumers' loads of the slot's scale
+    # table, not their wgmma reads of its keys; the phase check fires first.)
     ("release_once", "phase"),
     # The staging barrier completing one copy early: the producer would
     # dequantize a half-gathered step; the late arrivals are left over.
+    # (The race detector cannot see it: the interpreter copies when a TMA
+    # is issued, and the wait joins every arrival made by then.)
     ("staged_short", "arrivals pending"),
   ],
 )
 def test_broken_synchronization_is_caught(fault, match):
-  inputs = random_inputs(1, **WIDE, k8=128, k4=128, seed=5, invalid_fraction=0.0)  # 4 steps through 1 slot
-  try:
-    with pytest.raises(Exception, match=match):
-      jax.block_until_ready(mg._forward(**inputs, config=mg.MosaicMixedMlaConfig(), interpret=True, fault=fault))
-  finally:
-    compat.reset_interpreter()
+  assert_interpreter_reports(fault_launch(fault), match)
+
+
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
+def test_staged_records_read_before_they_land_are_caught_by_the_race_detector():
+  """The producer dequantizing the staging buffer before it waits on
+  `staged`: the records are there in the interpreter (it runs each gather
+  when it is issued) and the phases stay in step, so only the race
+  detector catches it (test_sparse_mla_mosaic.py shows the output right
+  without it, for the same producer loop)."""
+  assert_race_detected(fault_launch("staged_late"), mg.__name__)

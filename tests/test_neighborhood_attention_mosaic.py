@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mosaic_faults import assert_interpreter_reports, assert_race_detected
 from numerics import assert_bf16_close, assert_f32_close
 
 from jaxkern.families.neighborhood_attention import neighborhood_attention_3d_reference
 from pallas_kernels.neighborhood_attention import boxes
 from pallas_kernels.neighborhood_attention import mosaic_gpu as na
 from pallas_kernels.neighborhood_attention.tiles import WINDOW_BITS
-from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.kernel import Unsupported
 from pallas_kernels.shared.lowering import lower_for_h100
 from pallas_kernels.shared.online_softmax import LOG2_E
@@ -257,13 +257,11 @@ def test_heuristic_at_11_cubed():
 # Synchronization faults the interpreter catches.
 
 
-def assert_interpreter_reports_phase(config, fault):
+def faulty_launch(fault):
+  """The launch with `fault` on the fault problem (2 stages, so planes reuse
+  ring slots), a thunk for `mosaic_faults`."""
   q, k, v = qkv((1, 5, 6, 9, 1, 64), seed=3)
-  try:
-    with pytest.raises(Exception, match="phase"):
-      jax.block_until_ready(na._forward(q, k, v, window=(3, 3, 3), config=config, interpret=True, fault=fault))
-  finally:
-    compat.reset_interpreter()
+  return lambda: na._forward(q, k, v, window=(3, 3, 3), config=C(4, 2, 8, stages=2), interpret=True, fault=fault)
 
 
 @pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
@@ -271,11 +269,20 @@ def test_plane_released_by_one_consumer_is_caught():
   """`k_empty` counting one arrival instead of one per consumer lets the
   producer refill a plane before the other consumer scored it; the
   interpreter reports the barrier phases running ahead of their waiters."""
-  assert_interpreter_reports_phase(C(4, 2, 8, stages=2), "release_once")
+  assert_interpreter_reports(faulty_launch("release_once"), "phase")
 
 
 @pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
 def test_ping_pong_rendezvous_counted_once_is_caught():
   """`turn` completing a phase on one arrival instead of both consumers'
   lets a consumer's waits run ahead of the rendezvous they belong to."""
-  assert_interpreter_reports_phase(C(4, 2, 8, stages=2), "turn_once")
+  assert_interpreter_reports(faulty_launch("turn_once"), "phase")
+
+
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
+def test_plane_released_without_commit_smem_only_the_race_detector_catches():
+  """A consumer's read of a plane (the generic proxy, in interpret mode)
+  released with no `commit_smem()` before the producer's next TMA into the
+  slot (the async proxy): the race detector reports the TMA write against
+  the read; the barriers alone see nothing wrong."""
+  assert_race_detected(faulty_launch("uncommitted"), na.__name__)

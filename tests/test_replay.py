@@ -378,6 +378,57 @@ def test_rerun_without_resume_never_replaces_results(toy, tmp_path):
   assert [r["workload"]["uuid"] for r in read(tmp_path / "out.jsonl")] == ["u0", "u1", "u3", "u4"]
 
 
+def test_output_with_time_is_a_new_file_per_run(toy, tmp_path):
+  """`{time}` in `output` (the shipped configs' default): each run writes a
+  file of its own, named on the run's last line, so the same command runs
+  again; resume and several processes need one fixed name."""
+  template = str(tmp_path / "runs" / "toy-{time}.jsonl")
+  ends = []
+  for _ in range(2):
+    logs = []
+    assert replay.replay(make_config(toy, tmp_path, variants="b", output=template), log=logs.append) == 1  # line 3
+    ends.append(logs[-1])
+  files = sorted((tmp_path / "runs").iterdir())
+  assert len(files) == 2 and all(len(read(f)) == 2 for f in files)
+  assert {e.rsplit("results in ", 1)[1] for e in ends} == {str(f) for f in files}
+  for overrides, message in (
+    ({"resume": True}, "--config.resume continues one results file: name it with --config.output=PATH"),
+    ({"num_processes": 2, "process_id": 0}, "name it with --config.output=PATH"),
+    ({"coordinator_address": "localhost:1"}, "name it with --config.output=PATH"),
+  ):
+    logs = []
+    assert replay.replay(make_config(toy, tmp_path, output=template, **overrides), log=logs.append) == 2
+    assert logs[-1].startswith("error: ") and message in logs[-1] and template in logs[-1], logs[-1]
+  assert len(list((tmp_path / "runs").iterdir())) == 2  # a refused run creates no file
+
+
+def test_new_results_file_never_takes_an_existing_name(tmp_path):
+  template = str(tmp_path / "a" / "r-{time}.jsonl")
+  now = 1_800_000_000.0
+  first, second, third = (replay.new_results_file(template, now) for _ in range(3))
+  assert first.name.startswith("r-20") and first.name.endswith(".jsonl") and len(first.stem) == len("r-20270115-080000")
+  assert (second.stem, third.stem) == (f"{first.stem}-2", f"{first.stem}-3")
+  assert all(p.is_file() and p.stat().st_size == 0 for p in (first, second, third))
+
+
+def test_config_by_name_is_the_packaged_file(tmp_path, monkeypatch):
+  from jaxkern import _data
+
+  configs = _data.folder("configs")
+  assert _data.config_names() == ["full", "replay", "smoke"]
+  assert replay.with_packaged_config(["--config", "smoke", "--config.iters=2"]) == [
+    "--config",
+    f"{configs}/smoke.py",
+    "--config.iters=2",
+  ]
+  assert replay.with_packaged_config(["--config=full:x"]) == [f"--config={configs}/full.py:x"]
+  for argv in (["--config=configs/smoke.py"], ["--config", "nosuch"], ["--config.iters=2"]):
+    assert replay.with_packaged_config(argv) == argv
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "smoke").write_text("")  # a file of that name wins
+  assert replay.with_packaged_config(["--config=smoke"]) == ["--config=smoke"]
+
+
 def test_unwritable_output_is_one_message_exit_2(toy, tmp_path):
   (tmp_path / "file").write_text("")
   logs = []
@@ -622,26 +673,32 @@ def test_command_line_ctrl_c_exits_130_with_results_on_disk(toy, tmp_path):
 
 @pytest.mark.slow  # a subprocess
 def test_command_line_from_another_directory_uses_the_package_dataset(tmp_path):
-  """configs/smoke.py run from elsewhere still finds the shipped dataset."""
+  """A packaged config by name, run from elsewhere: the shipped dataset, a
+  results file under the working directory, nothing on stderr (no GPU-plugin
+  probing); the same command again writes a second file."""
+  import os
+
   cmd = [
     sys.executable,
     "-m",
     "jaxkern.replay",
-    f"--config={REPO}/configs/smoke.py",
+    "--config",
+    "smoke",
     "--config.definitions=dense_gemm_bf16_nt_n4096_k4096",
-    f"--config.output={tmp_path}/o.jsonl",
     "--config.progress=False",
   ]
-  p = subprocess.run(
-    cmd,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    cwd=tmp_path,
-    env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
-  )
-  assert p.returncode == 0, p.stdout + p.stderr
-  assert "1 passed, 0 failed" in p.stdout and str(REPO / "datasets") in p.stdout
+  # As a user's shell has it: no JAX_PLATFORMS, no JAX_SKIP_CUDA_CONSTRAINTS_CHECK
+  # (whatever this test process set); the compile toolchain, where make test
+  # puts it on the path, is the CUDA plugin jaxkern must keep quiet.
+  path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+  env = {"PYTHONPATH": path, "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+  for run in (1, 2):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "1 passed, 0 failed" in p.stdout and str(REPO / "datasets") in p.stdout
+    assert p.stderr == ""
+    files = sorted((tmp_path / "results").glob("smoke-*.jsonl"))
+    assert len(files) == run and f"results in results/{files[-1].name}" in p.stdout.splitlines()[-1]
 
 
 @pytest.mark.slow  # a subprocess
@@ -658,6 +715,42 @@ def test_command_line_misspelt_field_names_the_valid_ones(tmp_path):
   assert p.returncode == 2
   assert "nosuchfield" in p.stderr and "valid --config fields" in p.stderr and "dataset_dir" in p.stderr
   assert "Traceback" not in p.stderr
+
+
+@pytest.mark.slow  # a subprocess
+def test_command_line_help_lists_every_config_field_with_its_default(tmp_path):
+  """Plain `--help` (not `--helpfull`) shows each field of
+  `jaxkern.replay_config` with its default and meaning."""
+  from jaxkern import replay_config
+
+  p = subprocess.run(
+    [sys.executable, "-m", "jaxkern.replay", "--help"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=tmp_path,
+    env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+  )
+  assert "Config fields" in p.stdout, p.stderr  # (absl's --help exits 1)
+  fields = p.stdout.split("Config fields")[1]
+  assert len(replay_config.FIELDS) == len(replay_config.default_config()) == 25
+  for f in replay_config.FIELDS:
+    line = next((l for l in fields.splitlines() if l.split() and l.split()[0].startswith(f.name + "=")), None)
+    assert line is not None, f.name
+    assert line.split()[0] == f"{f.name}={f.default!r}", line
+    assert " ".join(line.split()[1:]) and " ".join(line.split()[1:]) in " ".join(f.meaning.split()), line
+  assert "timeout_s=600.0" in fields and "scale='auto'" in fields and "max_workloads_per_variant=None" in fields
+  assert "--config:" in p.stdout and "Traceback" not in p.stderr
+
+
+def test_fields_help_wraps_and_keeps_every_meaning():
+  from jaxkern import replay_config
+
+  text = replay_config.fields_help(width=80)
+  assert all(len(line) <= 80 for line in text.splitlines())
+  flat = " ".join(text.split())
+  for f in replay_config.FIELDS:
+    assert f"{f.name}={f.default!r} {' '.join(f.meaning.split())}" in flat, f.name
 
 
 # --- several processes ------------------------------------------------------

@@ -3,10 +3,12 @@ baseline, the page and its PNGs are written, the page shows every plot, and
 the printed tables count right. With chromium on the machine, the page is
 also rendered headless to a screenshot."""
 
+import html
 import json
 import shutil
 import subprocess
 
+import jax.numpy as jnp
 import pytest
 
 from jaxkern import report, results
@@ -18,8 +20,11 @@ ATTN = "noncausal_dense_attention_h32_d64"  # output o bf16
 MLA = "sparse_mla_prefill_h64_d512_k128"
 
 
-def trace(uuid, definition, status, errors=None, latency=None, ref=None, sol=None, frac=None, log="", axes=None):
-  """A result line; `errors`: output -> max abs error."""
+def trace(
+  uuid, definition, status, errors=None, latency=None, ref=None, sol=None, frac=None, log="", axes=None, bounds=None
+):
+  """A result line; `errors`: output -> max abs error; `bounds`: output ->
+  max_bound_ratio (absent: a result written before that field)."""
   ev = results.Evaluation(
     status=status,
     environment={"hardware": "NVIDIA H200", "backend": "gpu", "libs": {"jax": "0.11.2"}, "interpret": False},
@@ -40,6 +45,8 @@ def trace(uuid, definition, status, errors=None, latency=None, ref=None, sol=Non
         for n, e in errors.items()
       }
     }
+    for n, b in (bounds or {}).items():
+      ev.correctness["outputs"][n]["max_bound_ratio"] = b
   if latency is not None:
     ev.performance = {"latency_ms": latency, "reference_latency_ms": ref, "speed_of_light_ms": sol}
     if frac is not None:
@@ -99,13 +106,14 @@ def test_table_counts_and_error_ratios(runs):
   # runtime error joins its definition's timer; a definition never timed has none.
   assert [rows[n][1] for n in (GEMM, ROUTER, ATTN, MLA)] == ["wall", "wall", "wall", "-"]
   assert rows[GEMM][2:6] == [3, 2, 1, 0]
-  assert rows[GEMM][6] == "100 (C)"  # 0.5 / 0.005
+  # Results without max_bound_ratio (written before it): no err/bound, err/atol as before.
+  assert rows[GEMM][6:8] == ["-", "100 (C)"]  # 0.5 / 0.005
   assert rows[ROUTER][2:6] == [1, 1, 0, 0]
-  assert rows[ROUTER][6] == "0.05 (expert_weights)"  # 1e-6 / 2e-5; the top-k ids have no tolerance
-  assert rows[ATTN][2:6] == [2, 0, 2, 0] and rows[ATTN][6] == "inf (o)"
-  assert rows[MLA][2:6] == [1, 0, 0, 1] and rows[MLA][6] == "-"
+  assert rows[ROUTER][7] == "0.05 (expert_weights)"  # 1e-6 / 2e-5; the top-k ids have no tolerance
+  assert rows[ATTN][2:6] == [2, 0, 2, 0] and rows[ATTN][7] == "inf (o)"
+  assert rows[MLA][2:6] == [1, 0, 0, 1] and rows[MLA][6:8] == ["-", "-"]
   assert rows["total"][2:6] == [7, 3, 3, 1]
-  assert rows[GEMM][7:] == ["1", "2", "0.5", "0.5"]  # medians: kernel, reference, SOL ms, SOL fraction
+  assert rows[GEMM][8:] == ["1", "2", "0.5", "0.5"]  # medians: kernel, reference, SOL ms, SOL fraction
   assert cells(rep.text, GEMM)[1:7] == ["-", "wall", "3", "2", "1", "0"]
   assert cells(rep.text, "total")[1:5] == ["7", "3", "3", "1"]
 
@@ -139,6 +147,45 @@ def test_default_folder_and_errors(runs, tmp_path, capsys):
   (tmp_path / "empty.jsonl").write_text("")
   assert report.main([str(tmp_path / "empty.jsonl")]) == 2
   assert "no result lines" in capsys.readouterr().err
+
+
+def test_passed_rows_never_look_failed(tmp_path):
+  """A passed workload whose max abs error is 10x atol (rtol*|reference|
+  allows it) shows err/bound <= 1 beside err/atol 10, the rule is stated
+  under the table and on the page, and the error plot draws it left of the
+  line at 1; a failing one lands right of it. From real comparisons."""
+  from jaxkern import compare, evaluate
+
+  y = jnp.array([2.0, -4.0, 0.001], jnp.float32)
+  passing = compare.compare_float("C", y + jnp.array([0.025, -0.05, 0.004]), y, atol=0.005, rtol=0.016)
+  failing = compare.compare_float("C", y + jnp.array([0.04, 0.0, 0.0]), y, atol=0.005, rtol=0.016)
+  lines = []
+  for uuid, cmp in (("p1", passing), ("f1", failing)):
+    t = trace(uuid, GEMM, Status(cmp.status), latency=1.0, ref=2.0)
+    t.evaluation.correctness = evaluate.correctness_json(compare.Comparison(cmp.status, {"C": cmp}))
+    lines.append(t)
+  path = write(tmp_path / "bounds.jsonl", lines)
+  rep = report.build(path, out_dir=tmp_path / "rep")
+  rows = {r.uuid: r for r in report.rows_of(results.read_traces(path))}
+  assert rows["p1"].bound_ratio == pytest.approx(0.8, rel=1e-4) and rows["p1"].worst_ratio == pytest.approx(
+    10, rel=1e-4
+  )
+  assert rows["f1"].bound_ratio == pytest.approx(1.25, rel=1e-4)
+  only_passed = report.build(write(tmp_path / "p.jsonl", lines[:1]), out_dir=tmp_path / "p")
+  [line, _] = only_passed.table
+  assert line[7:9] == ["0.8 (C)", "10 (C)"]  # err/bound <= 1 beside err/atol
+  rule = "An element fails only beyond both atol and rtol*|reference|"
+  assert rule in " ".join(rep.text.split()) and html.escape(rule) in rep.html_path.read_text()
+  fig = report.errors_figure(list(rows.values()))
+  (ax,) = fig.axes
+  xs = {face: x for x, _, face, *_ in _points(ax)}
+  assert xs["#2a9d3f"] <= 1.0 < xs["#d62728"]  # passed left of the bound, failed right of it
+  assert "max(atol, rtol*|ref|)" in ax.get_xlabel() and "atol and rtol*|reference|" in ax.get_title()
+  # A result written before max_bound_ratio is drawn by its error / atol, marked so.
+  old = report.rows_of([trace("o1", GEMM, Status.PASSED, {"C": 0.0156})])
+  legend = report.errors_figure(old).axes[0].get_legend()
+  assert legend is not None
+  assert any("error / atol" in t.get_text() and "passes above 1" in t.get_text() for t in legend.get_texts())
 
 
 @pytest.mark.slow  # a subprocess
@@ -279,6 +326,12 @@ def timed(uuid, definition, status, latency, timer=None, interpret=False, frac=N
   return t
 
 
+def on(backend, t):
+  """`t` run by the kernel backend `backend`."""
+  t.evaluation.backend = backend
+  return t
+
+
 def test_tables_never_mix_timers(tmp_path):
   path = write(
     tmp_path / "mixed.jsonl",
@@ -300,8 +353,8 @@ def test_tables_never_mix_timers(tmp_path):
     (ROUTER, "device (profiler)"),
     ("total", ""),
   }
-  assert lines[(GEMM, "device (profiler)")][2:4] == [2, 2] and lines[(GEMM, "device (profiler)")][7] == "2"
-  assert lines[(GEMM, "wall")][7] == "100" and lines[(GEMM, "interpret")][7] == "500"
+  assert lines[(GEMM, "device (profiler)")][2:4] == [2, 2] and lines[(GEMM, "device (profiler)")][8] == "2"
+  assert lines[(GEMM, "wall")][8] == "100" and lines[(GEMM, "interpret")][8] == "500"
   assert lines[(ROUTER, "device (profiler)")][2:5] == [2, 1, 1]
   # A baseline ratio only between the same timer.
   base = report.rows_of([timed("d1", GEMM, Status.PASSED, 2.0, "wall")])
@@ -310,10 +363,6 @@ def test_tables_never_mix_timers(tmp_path):
 
 
 def test_tables_keep_backends_apart(tmp_path):
-  def on(backend, t):
-    t.evaluation.backend = backend
-    return t
-
   path = write(
     tmp_path / "backends.jsonl",
     [
@@ -324,7 +373,7 @@ def test_tables_keep_backends_apart(tmp_path):
   rep = report.build(path, out_dir=tmp_path / "rep")
   lines = {(r[0], r[1]): r for r in rep.table}
   assert set(lines) == {(GEMM, "triton"), (GEMM, "mosaic_gpu"), ("total", "")}
-  assert lines[(GEMM, "triton")][8] == "2" and lines[(GEMM, "mosaic_gpu")][8] == "1"
+  assert lines[(GEMM, "triton")][9] == "2" and lines[(GEMM, "mosaic_gpu")][9] == "1"
   assert [(l.backend, l.kernel_ms) for l in report.summary_lines(report.rows_of(results.read_traces(path)))] == [
     ("mosaic_gpu", 1.0),
     ("triton", 2.0),
@@ -359,6 +408,86 @@ def test_markdown_summary(tmp_path, capsys):
   assert furthest == [f"1. `{ROUTER}`: 0.04", f"2. `{GEMM}`: 0.3", f"3. `{ATTN}`: 0.8"]
   assert "wall)" not in text.split("Geomean")[1]  # the wall-clock line has no SOL fraction to mix in
   assert report.main([str(path), "--markdown", str(tmp_path / "no" / "such" / "dir.md")]) == 2
+
+
+# -- peers beside our kernels ---------------------------------------
+
+
+def peer_line(uuid, definition, peer, latency: float | None, timer: str | None = "device (profiler)", status="passed"):
+  return {"definition": definition, "uuid": uuid, "peer": peer, "status": status, "timer": timer, "latency_ms": latency}
+
+
+def test_peer_columns_ratio_timer_mismatch_and_missing_peer(tmp_path, capsys):
+  path = write(
+    tmp_path / "gpu.jsonl",
+    [
+      on("triton", timed("g1", GEMM, Status.PASSED, 1.0, "device (profiler)")),
+      on("triton", timed("g2", GEMM, Status.PASSED, 2.0, "device (profiler)")),
+      on("mosaic_gpu", timed("g1", GEMM, Status.PASSED, 0.5, "device (profiler)")),
+      on("triton", timed("a1", ATTN, Status.PASSED, 1.0, "device (profiler)")),
+      on("triton", timed("m1", MLA, Status.PASSED, 1.0, "device (profiler)")),
+      on("triton", timed("r1", ROUTER, Status.PASSED, 0.2, "device (profiler)")),
+    ],
+  )
+  peers = tmp_path / "peers.jsonl"
+  peers.write_text(
+    "".join(
+      json.dumps(p) + "\n"
+      for p in [
+        peer_line("g1", GEMM, "xla dot (cuBLAS)", 1.5),
+        peer_line("g2", GEMM, "xla dot (cuBLAS)", 4.0),
+        peer_line("g1", GEMM, "slow dot", 3.0),
+        peer_line("g2", GEMM, "wrong dot", 0.1, status="incorrect_numerical"),
+        peer_line("a1", ATTN, "jax.nn.dot_product_attention[xla]", 0.7, timer="wall"),  # another timer
+        peer_line("m1", MLA, "broken", None, timer=None, status="runtime_error"),
+      ]
+    )
+  )
+  md = tmp_path / "summary.md"
+  assert report.main([str(path), "--peers", str(peers), "--out", str(tmp_path / "rep"), "--markdown", str(md)]) == 0
+  printed = capsys.readouterr().out
+  rep = report.build(path, out_dir=tmp_path / "rep2", peers=peers)
+  lines = {(r[0], r[1]): r[len(report.HEADERS) :] for r in rep.table}
+  # Triton GEMM: xla dot's ratios 1.5 / 1 and 4 / 2 (median 1.75) beat the slow dot's 3; the wrong dot failed.
+  assert lines[(GEMM, "triton")] == ["xla dot (cuBLAS)", "2.75", "1.75"]
+  assert lines[(GEMM, "mosaic_gpu")] == ["xla dot (cuBLAS)", "1.5", "3"]  # the same peer run, against 0.5 ms
+  assert lines[(ATTN, "triton")] == ["jax.nn.dot_product_attention[xla]", "n/c", "n/c"]  # wall vs device: n/c
+  assert lines[(MLA, "triton")] == ["none passed", "-", "-"]
+  assert lines[(ROUTER, "triton")] == ["-", "-", "-"]  # no peer covers it
+  assert lines[("total", "")] == ["", "", ""]
+  # The peers table: every peer of every row, failures counted, the peer's own timer named.
+  ptable = {(r[0], r[1], r[3]): r[4:] for r in rep.peers_table or []}
+  assert ptable[(GEMM, "triton", "wrong dot")] == [1, "0 (incorrect_numerical 1)", 0, "-", "-", "-", "-"]
+  assert ptable[(GEMM, "triton", "slow dot")] == [1, "1", 1, "device (profiler)", "3", "1", "3"]
+  assert ptable[(ATTN, "triton", "jax.nn.dot_product_attention[xla]")] == [1, "1", 0, "wall", "0.7", "-", "n/c"]
+  # Markdown: the columns, the direction of the ratio, the geomean over rows with a comparable peer.
+  text = md.read_text()
+  assert "| best peer | peer ms | peer/ours (>1: ours faster) |" in text
+  assert f"| `{GEMM}` | triton | device (profiler) | 2 / 2 | 1.5 | 3 | - | xla dot (cuBLAS) | 2.75 | 1.75 |" in text
+  assert f"| `{ROUTER}` | triton | device (profiler) | 1 / 1 | 0.2 | 0.4 | - | - | - | - |" in text
+  geomean = (1.75 * 3) ** 0.5
+  assert (
+    f"Against the best peer (device (profiler)): geomean peer/ours {geomean:.3g} over 2 rows; ours faster in 2" in text
+  )
+  assert "Peers of 1 rows were timed by another timer" in text
+  assert "peer/ours (>1: ours faster)" in printed and "xla dot (cuBLAS)" in printed
+  page = (tmp_path / "rep" / "index.html").read_text()
+  assert "<h2>Peers</h2>" in page and "wrong dot" in page and "n/c" in page
+
+
+def test_peer_file_errors(runs, tmp_path, capsys):
+  current, _ = runs
+  assert report.main([str(current), "--peers", str(tmp_path / "none.jsonl")]) == 2
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps(peer_line("g1", GEMM, "p", 1.0)) + "\n{not json\n")
+  assert report.main([str(current), "--peers", str(bad), "--out", str(tmp_path / "r")]) == 2
+  assert f"{bad}:2: not a peer result" in capsys.readouterr().err
+  # A peers file that matches no workload: the columns say so, nothing is made up.
+  other = tmp_path / "other.jsonl"
+  other.write_text(json.dumps(peer_line("elsewhere", GEMM, "p", 1.0)) + "\n")
+  rep = report.build(current, out_dir=tmp_path / "r2", peers=other)
+  assert {tuple(r[len(report.HEADERS) :]) for r in rep.table[:-1]} == {("-", "-", "-")}
+  assert "Peers: none ran on these workloads." in rep.summary_markdown
 
 
 def test_module_entry_point_and_sizes(runs):

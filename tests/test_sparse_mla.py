@@ -36,6 +36,8 @@ SMALL = sm.SparseMlaPrefillConfig(block_h=32, block_k=32, block_d=512, prefetch=
 CHUNKED = sm.SparseMlaPrefillConfig(block_h=16, block_k=16, block_d=128, prefetch=True, num_warps=4)
 SPLIT = sm.SparseMlaPrefillConfig(block_h=16, block_k=16, block_d=128, splits=3, prefetch=False, num_warps=4)
 MOSAIC_UNSPLIT = sm_mosaic.MosaicSparseMlaConfig()
+# Both consumers scoring every slot (the heuristic's consumers each score half).
+MOSAIC_FULL_SCORES = sm_mosaic.MosaicSparseMlaConfig(half_slots=False)
 
 
 def records(name):
@@ -261,7 +263,7 @@ KERNEL_CASES = [
       id=f"mosaic_edge_rows_{tag}",
       backend="mosaic_gpu",
     )
-    for config, tag in [(None, "heuristic"), (MOSAIC_UNSPLIT, "unsplit")]
+    for config, tag in [(None, "heuristic"), (MOSAIC_UNSPLIT, "unsplit"), (MOSAIC_FULL_SCORES, "full_scores")]
   ),
   # Records at CPU scale: k128's two (a k640 record takes 20-45 s in the
   # Mosaic GPU interpreter; the replay with --config.backend=mosaic_gpu

@@ -1,20 +1,23 @@
 """The Mosaic GPU sparse MLA prefill (`pallas_kernels.sparse_mla.mosaic_gpu`)
 beyond the kit's cases (test_sparse_mla.py: ragged slot blocks, edge rows,
 records, every candidate): what invalid slots hold never reaches an output
-and is never read, a traced scale and dominant sinks, the public op with
-`backend="mosaic_gpu"`, the refusals, and synchronization faults the
-interpreter catches."""
+and is never read, the half-slot consumers' exchange of row maxima and
+sums (and the consumers that score every slot on the same inputs), a
+traced scale and dominant sinks, the public op with `backend="mosaic_gpu"`,
+the refusals, and synchronization faults the interpreter catches (its
+barrier checks, its race detector, on for every run here)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mosaic_faults import assert_interpreter_reports, assert_race_detected, results_without_race_detection
 from numerics import assert_bf16_close, assert_f32_close
 
 from jaxkern import ops
 from jaxkern.families import sparse_mla as fam
-from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.kernel import Unsupported
+from pallas_kernels.shared.lowering import lower_for_h100
 from pallas_kernels.sparse_mla import mosaic_gpu as mg
 
 INT32 = np.iinfo(np.int32)
@@ -58,6 +61,28 @@ def test_unselected_rows_and_extreme_invalid_indices_reach_nothing():
   assert np.isfinite(np.asarray(out, np.float32)).all()
   np.testing.assert_array_equal(np.asarray(out[3], np.float32), 0.0)
   assert np.isposinf(np.asarray(lse[3])).all() and np.isfinite(np.asarray(lse[:3])).all()
+
+
+@pytest.mark.parametrize("half_slots", [True, False])
+def test_each_consumer_half_alone_and_maxima_from_the_other_half(half_slots):
+  """Half-slot consumers (and, the same inputs, both scoring every slot):
+  a row whose valid slots are all in the first half of every step, one
+  with all in the second, one alternating halves from step to step (each
+  consumer sees steps with nothing of its own), and a lonely row. Peaked
+  scores (scale 0.25) put a row's maximum in one half at a time, so a
+  consumer scaling its P by its own half's maximum would overflow or lose
+  the other half; the row sums of the two halves are added once, at the
+  end."""
+  q, kv, idx, _, sink = problem(4, 300, 192, seed=7)
+  idx = np.clip(idx, 0, 299)
+  slot = np.arange(192)
+  first_half = slot % 64 < 32
+  idx[0, 0, ~first_half] = -1
+  idx[1, 0, first_half] = 300
+  idx[2, 0, first_half == ((slot // 64) % 2 == 0)] = INT32.min
+  idx[3] = -1
+  out, lse = check(q, kv, idx, 0.25, sink, config=mg.MosaicSparseMlaConfig(half_slots=half_slots))
+  assert np.isfinite(np.asarray(lse[:3])).all() and np.isposinf(np.asarray(lse[3])).all()
 
 
 def test_traced_scale_dominant_sinks_and_two_head_groups():
@@ -123,6 +148,22 @@ def test_shared_memory_of_one_ring_slot_fits_at_the_largest_topk_and_two_do_not(
   )
 
 
+@pytest.mark.parametrize("half_slots", [True, False])
+def test_shared_memory_bytes_is_what_mosaic_gpu_allocates(half_slots):
+  """Two ring slots do not fit: the H100 lowering refuses them, naming the
+  bytes it would allocate, which `shared_memory_bytes` predicts exactly."""
+  config = mg.MosaicSparseMlaConfig(stages=2, half_slots=half_slots)
+  avals = (
+    jax.ShapeDtypeStruct((2, 64, 512), jnp.bfloat16),
+    jax.ShapeDtypeStruct((300, 1, 512), jnp.bfloat16),
+    jax.ShapeDtypeStruct((2, 1, 640), jnp.int32),
+    jax.ShapeDtypeStruct((), jnp.float32),
+    jax.ShapeDtypeStruct((64,), jnp.float32),
+  )
+  with pytest.raises(Exception, match=rf"smem_bytes={mg.shared_memory_bytes(config, 512, 640)} >"):
+    lower_for_h100(mg._forward, *avals, config=config, interpret=False)
+
+
 @pytest.mark.parametrize(
   "m,topk,splits",
   [(4096, 640, 1), (128, 128, 1), (66, 640, 2), (40, 640, 3), (16, 640, 4), (1, 128, 2), (1, 64, 1), (3, 300, 3)],
@@ -152,27 +193,65 @@ def test_split_rows_with_empty_runs_and_lonely_rows():
   assert np.isposinf(np.asarray(lse[1])).all()
 
 
+FAULT_PROBLEM = dict(m=1, nkv=300, topk=256, seed=4)  # 4 steps through 1 ring slot
+
+
+def fault_launch(fault):
+  """The launch with `fault` on the fault problem (a thunk for
+  `mosaic_faults`), and the problem's inputs."""
+  q, kv, idx, scale, sink = problem(**FAULT_PROBLEM)
+  idx = jnp.asarray(np.clip(idx, 0, FAULT_PROBLEM["nkv"] - 1))
+
+  def launch():
+    return mg._forward(q, kv, idx, scale, sink, config=mg.MosaicSparseMlaConfig(), interpret=True, fault=fault)
+
+  return launch, (q, kv, idx, scale, sink)
+
+
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
+def test_correct_protocol_on_the_fault_problem():
+  """The shipped protocol on the problem the faults below break: the
+  reference's output, and nothing for the race detector."""
+  launch, args = fault_launch(None)
+  out, lse = launch()
+  ref_out, ref_lse = fam.sparse_mla_prefill_reference(*args)
+  assert_bf16_close(out, ref_out)
+  assert_f32_close(lse, ref_lse)
+
+
 @pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
 @pytest.mark.parametrize(
   "fault,match",
   [
     # The ring slot released by one consumer: the producer refills it under
     # the other one's wgmmas; the release phases run ahead of their waiter.
+    # (The race detector cannot see it: the consumers read the ring by wgmma.)
     ("release_once", "phase"),
     # The staging barrier completing one copy early: the producer would copy
     # a half-gathered step into the ring; the late arrivals are left over.
+    # (Nor this: the interpreter copies when a TMA is issued, and the wait
+    # joins every arrival made by then, the late one's too.)
     ("staged_short", "arrivals pending"),
+    # The half-slot consumers' row-maxima rendezvous completing on one
+    # arrival: a consumer would read the other's maxima before they are
+    # written; the other then waits on a phase already past.
+    ("exchange_once", "phase"),
   ],
 )
 def test_broken_synchronization_is_caught(fault, match):
-  q, kv, idx, scale, sink = problem(1, 300, 256, seed=4)  # 4 steps through 1 slot
-  idx = np.clip(idx, 0, 299)
-  try:
-    with pytest.raises(Exception, match=match):
-      jax.block_until_ready(
-        mg._forward(
-          q, kv, jnp.asarray(idx), scale, sink, config=mg.MosaicSparseMlaConfig(), interpret=True, fault=fault
-        )
-      )
-  finally:
-    compat.reset_interpreter()
+  assert_interpreter_reports(fault_launch(fault)[0], match)
+
+
+@pytest.mark.device_stack  # the GPU machine's Mosaic GPU too
+def test_staged_rows_read_before_they_land_only_the_race_detector_catches():
+  """The producer copying the staging buffer into the ring before it waits
+  on `staged` (after it instead): the interpreter runs each gather when it
+  is issued, so the rows are there and the output is right, and the phases
+  stay in step; the race detector reports the reads against the gathers'
+  writes."""
+  launch, args = fault_launch("staged_late")
+  out, lse = results_without_race_detection(launch)
+  ref_out, ref_lse = fam.sparse_mla_prefill_reference(*args)
+  assert_bf16_close(out, ref_out)
+  assert_f32_close(lse, ref_lse)
+  assert_race_detected(launch, mg.__name__)

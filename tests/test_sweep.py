@@ -4,6 +4,7 @@ import json
 import pathlib
 import subprocess
 import sys
+from typing import Any, cast
 
 import pytest
 from absl import app
@@ -170,3 +171,89 @@ def test_sweep_skips_configs_the_sm90a_compile_rejects():
   assert rows[0]["status"] == "spills" and rows[0]["latency_ms"] is None and "200/200" in rows[0]["log"]
   assert rows[0]["aot"]["kernels"][0]["spill_stores"] == 200
   assert rows[1]["status"] == "passed" and rows[1]["aot"]["status"] == "ok"
+
+
+def test_max_configs_caps_the_total_taking_backends_in_turn():
+  """`--max_configs=N` is N candidates in all, not per backend: taken in
+  turn from each backend's list, so each backend's heuristic comes first."""
+  assert sweep.take_candidates({"triton": [1, 2, 3], "mosaic_gpu": [7, 8]}, 3) == [
+    ("triton", 1),
+    ("mosaic_gpu", 7),
+    ("triton", 2),
+  ]
+  assert sweep.take_candidates({"triton": [1, 2, 3], "mosaic_gpu": [7]}, 0) == [
+    ("triton", 1),
+    ("mosaic_gpu", 7),
+    ("triton", 2),
+    ("triton", 3),
+  ]
+  op = registry.get("dense_gemm_bf16_nt_n4096_k4096")
+  rows = sweep.sweep(
+    op, op.validated_axes({"M": 16}), seed=0, warmup=0, iters=1, interpret=True, max_configs=3, lower_only=True
+  )
+  assert [(r["backend"], r["heuristic"]) for r in rows] == [
+    ("triton", True),
+    ("mosaic_gpu", True),
+    ("triton", False),
+  ]
+  assert all(r["status"] == "lowered" for r in rows)
+
+
+class _FailingCompiler:
+  """Stands in for `jaxkern.aot.Compiler`: every compile fails the way a
+  Mosaic GPU lowering does, with a message of several lines."""
+
+  MESSAGE = "ValueError: shared memory exceeded\n  requested 262144 bytes\n  the limit is 232448 bytes\n  fourth line"
+
+  def compile(self, fn, shapes):
+    from jaxkern import aot
+
+    k = aot.KernelReport("mosaic_gpu('tensor<16x4096xbf16>') -> ('tensor<16x4096xbf16>',)", error=self.MESSAGE)
+    k.status = aot.ERROR
+    return aot.CompileReport([k], 0.1, self.MESSAGE)
+
+
+def test_a_failing_candidate_names_kernel_config_and_message(capsys, monkeypatch):
+  """An sm_90a compile failure and a lowering failure each name the
+  definition, the backend's kernel, the config and the first lines of the
+  compiler's own message, in the row's log and in the printed line."""
+  op = registry.get("moe_router_gemm_topk_deepseek41_d5120_e384_topk6")
+  axes = op.validated_axes({"M": 3})
+  compiler = cast(Any, _FailingCompiler())  # a stand-in for jaxkern.aot.Compiler
+  [row] = sweep.sweep(
+    op, axes, seed=0, warmup=0, iters=1, interpret=True, max_configs=1, lower_only=True, compiler=compiler
+  )
+  printed = capsys.readouterr().out
+  config = op.choose_config(op.input_shapes(axes), backend="triton")
+  assert row["status"] == "aot_error" and row["aot"]["status"] == "error"
+  for text in (row["log"], printed):
+    assert op.name in text and "triton kernel moe_router" in text and str(config) in text, text
+    assert "shared memory exceeded" in text and "the limit is 232448 bytes" in text, text
+    assert "fourth line" not in text  # the first lines only
+
+  def fail_to_lower(fn, inputs):
+    raise ValueError("Mosaic says no\nbecause of this\nand that\nand more")
+
+  monkeypatch.setattr(sweep, "lower_for_h100", fail_to_lower)
+  [row] = sweep.sweep(op, axes, seed=0, warmup=0, iters=1, interpret=True, max_configs=1, lower_only=True)
+  printed = capsys.readouterr().out
+  for text in (row["log"], printed):
+    assert op.name in text and "triton kernel moe_router" in text and str(config) in text, text
+    assert "ValueError: Mosaic says no" in text and "and that" in text and "and more" not in text, text
+
+
+@pytest.mark.slow  # a subprocess
+def test_command_line_help_lists_every_flag_with_its_default():
+  p = subprocess.run(
+    [sys.executable, "-m", "jaxkern.sweep", "--help"], capture_output=True, text=True, timeout=300, cwd=REPO
+  )
+  text = " ".join(p.stdout.split())
+  for flag, default in (
+    ("--max_configs", "(default: '0')"),
+    ("--warmup", "(default: '2')"),
+    ("--iters", "(default: '5')"),
+    ("--backend", "(default: 'pallas')"),
+    ("--[no]write_tuned", "(default: 'false')"),
+  ):
+    assert f"{flag}:" in text and default in text.split(f"{flag}:")[1].split(" --")[0], (flag, p.stderr[-2000:])
+  assert "in total, over all backends" in text and "--definition:" in text and "--axes:" in text

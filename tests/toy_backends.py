@@ -17,10 +17,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern.family import OpImpl
 from pallas_kernels.shared import common
+from pallas_kernels.shared import mosaic_gpu_compat as compat
 from pallas_kernels.shared.kernel import MOSAIC_GPU, TRITON, Kernel, Unsupported, kernels
 
 NAME = "toy_scale_rows"
@@ -100,9 +100,13 @@ def mosaic_gpu_kernel(
     block = pl.ds(i * rows, rows)
     y_ref[block, :] = x_ref[block, :] * s_ref[...]
 
-  params = {"interpret": plgpu.InterpretGPUParams()} if common.resolve_interpret(interpret) else {}
-  launch = plgpu.kernel(
-    body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(x.shape[0] // rows,), grid_names=("rows",), **params
+  launch = compat.kernel(
+    body,
+    name="toy_scale_rows",
+    interpret=common.resolve_interpret(interpret),
+    out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    grid=(x.shape[0] // rows,),
+    grid_names=("rows",),
   )
   return launch(jnp.broadcast_to(s.astype(x.dtype), (x.shape[1],)), x)
 

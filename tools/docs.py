@@ -11,7 +11,8 @@ Exits 1, after writing what it could, when anything is wrong:
   documented docstring that does not resolve to a module or attribute (pdoc
   links the names it finds and leaves the others as plain text, silently);
 - a test-only or example-only package imported along the way (the reference
-  builds from the base install, on a CPU, in a few seconds).
+  builds from the base install with the nn extra, on a CPU, in a few
+  seconds).
 """
 
 import argparse
@@ -47,14 +48,16 @@ JAXKERN_MODULES = (
   "jaxkern.peers",
   "jaxkern.aot",
   "jaxkern.fib",
+  "jaxkern.nn",
 )
 PALLAS_SPECS = (
   "pallas_kernels",
   r"!pallas_kernels\.(?!(\w+|\w+\.config|shared\.kernel|shared\.config_rules)$)",
 )
-# Not in the base install: pytest and its plugins, jsonschema (the test
-# extra), optax (the examples extra), torch (the FlashInfer-Bench client).
-FORBIDDEN_IMPORTS = ("pytest", "xdist", "jsonschema", "optax", "torch", "flashinfer_bench")
+# Not in the base install or the nn extra (flax, and the optax flax brings:
+# jaxkern.nn is documented): pytest and its plugins, jsonschema (the test
+# extra), torch (the FlashInfer-Bench client).
+FORBIDDEN_IMPORTS = ("pytest", "xdist", "jsonschema", "torch", "flashinfer_bench")
 
 _SPAN = re.compile(r"`([^`\n]+)`")
 _NAME = re.compile(r"(?:jaxkern|pallas_kernels)(?:\.\w+)+")

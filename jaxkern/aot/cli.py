@@ -10,7 +10,8 @@ print (or write) what the toolchain made of them.
   python -m jaxkern.aot --write_targets   # rewrites the shipped H100/H200 target texts (jax 0.12 plugin)
 
 The exit code is 1 unless every kernel is `ok`; 2 when the `aot` extra is
-missing.
+missing. A config that fails to compile is listed with its definition,
+backend, kernel, config and the first lines of the compiler's message.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def check_op(
       "target": compiler.target,
       "status": rep.status,
       "compile_seconds": round(rep.compile_seconds, 2),
-      "error": rep.error,
+      "error": rep.message,  # the compiler's own message, first lines ("" when clean)
       "kernels": [dataclasses.asdict(k) for k in rep.kernels],
     }
     rows.append(row)
@@ -182,6 +183,7 @@ def define_flags() -> Flags:
 
 def _write_targets() -> None:
   library = plugin_library()
+  assert library is not None  # main checked available()
   source = f"jax-cuda13-pjrt {plugin_version()} ({PLUGIN_MODULE.replace('.', '/')}/{pathlib.Path(library).name})"
   for path in targets.write_shipped(library, source):
     print(f"wrote {path}", file=sys.stderr)
@@ -215,20 +217,28 @@ def _write_markdown(path: pathlib.Path, rows: list[dict], compiler: Compiler) ->
   print(f"wrote {path} (section jax {jax.__version__})", file=sys.stderr)
 
 
+def not_clean_line(row: Mapping[str, Any]) -> str:
+  """A config that did not compile clean: definition, backend, kernels,
+  config, status, then the compiler's message (first lines, indented)."""
+  kernels = ", ".join(k["name"] for k in row["kernels"]) or "-"
+  head = f"{row['definition']} {row['backend']} kernel {kernels}, config {json.dumps(row['config'])}: {row['status']}"
+  return head + "".join(f"\n      {line}" for line in row["error"].splitlines())
+
+
 def _command(argv: Sequence[str]) -> str:
   return " ".join(["python -m jaxkern.aot", *argv[1:]])
 
 
 def main(argv: list[str]) -> None:
   """The command line (run through absl's `app.run` after `define_flags`)."""
-  from absl import app, logging
+  from absl import app
 
-  from jaxkern import selection
+  from jaxkern import command_line, selection
 
   if _FLAGS is None:
     raise RuntimeError("jaxkern.aot.main runs as `python -m jaxkern.aot` (its flags are defined there)")
   f = _FLAGS
-  logging.set_verbosity(logging.WARNING)  # jax's backend probing is noise here
+  command_line.quiet_absl_logging()
   skip_cuda_checks()
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -271,7 +281,8 @@ def main(argv: list[str]) -> None:
       backward=f.backward.value,
       backend=backend,
       progress=lambda r: print(
-        f"{r['definition']} {r['backend']} {r['config']}: {r['status']} ({r['compile_seconds']:.1f} s)",
+        f"{r['definition']} {r['backend']} {r['config']}: {r['status']} ({r['compile_seconds']:.1f} s)"
+        + (f": {r['error'].splitlines()[0]}" if r["error"] else ""),
         file=sys.stderr,
         flush=True,
       ),
@@ -289,7 +300,6 @@ def main(argv: list[str]) -> None:
 
     print(
       f"{len(rows) - len(bad)}/{len(rows)} configs compile clean for {compiler.target} (jax {jax.__version__}, "
-      f"{toolchain_line(compiler)})"
-      + "".join(f"\n  {r['definition']} {r['config']}: {r['status']} {r['error'][:300]}" for r in bad)
+      f"{toolchain_line(compiler)})" + "".join("\n  " + not_clean_line(r) for r in bad)
     )
   sys.exit(0 if all(r["status"] == OK for r in rows) else 1)

@@ -173,6 +173,7 @@ class InstructionMix:
       kind = classify(ins.opcode)
       if kind == "mma":
         k = mma_kind(ins.opcode)
+        assert k is not None  # classify says "mma" only for an MMA kind
         mix.mma[k] = mix.mma.get(k, 0) + 1
       elif kind in ALU_CLASSES:
         mix.alu[kind] = mix.alu.get(kind, 0) + 1

@@ -12,6 +12,7 @@ from typing import Any
 
 from jaxkern.aot.parsing import Launch, PtxasStats
 from jaxkern.aot.ptx import ALU_CLASSES, KernelPtx
+from pallas_kernels.shared.device import SHARED_MEMORY_PER_BLOCK
 from pallas_kernels.shared.lowering import MosaicGpuCall, TritonCall
 
 OK, SPILLS, SMEM_OVERFLOW, ERROR = "ok", "spills", "smem_overflow", "error"
@@ -24,7 +25,7 @@ class Limits:
   threads_per_sm: int = 2048
   registers_per_sm: int = 65536
   smem_per_sm: int = 233472  # 228 KiB
-  smem_per_block: int = 232448  # 227 KiB opt-in maximum per CTA
+  smem_per_block: int = SHARED_MEMORY_PER_BLOCK  # 227 KiB opt-in maximum per CTA
   max_ctas_per_sm: int = 32
   smem_reserved_per_cta: int = 1024  # the driver's per-CTA reservation
   register_granularity: int = 256  # registers are allocated per warp in these units
@@ -113,8 +114,16 @@ class CompileReport:
       found.add(ERROR)
     return next((s for s in order if s in found), OK)
 
+  @property
+  def message(self) -> str:
+    """The compiler's own message when the compile failed (its first lines:
+    the one no kernel accounts for, else the first kernel's), or ""."""
+    text = self.error or next((k.error for k in self.kernels if k.error), "")
+    return first_lines(text)
+
   def summary(self) -> str:
-    """One line: each kernel's registers / smem / spills."""
+    """One line: each kernel's registers / smem / spills, then the status and
+    the compiler's message (first line) unless it compiled clean."""
     parts = []
     for k in self.kernels:
       if k.registers is None:
@@ -122,9 +131,19 @@ class CompileReport:
       else:
         parts.append(
           f"{k.name}: {k.registers} regs, {_kib(k.smem_bytes)} smem, "
-          f"spills {k.spill_stores}/{k.spill_loads} B, {k.matrix_ops}, {k.ctas_per_sm} CTA/SM"
+          f"spills {k.spill_stores}/{k.spill_loads} B, {k.matrix_ops}, {_n(k.ctas_per_sm)} CTA/SM"
         )
-    return "; ".join(parts) + (f" [{self.status}]" if not self.ok else "")
+    if self.ok:
+      return "; ".join(parts)
+    first = self.message.split("\n", 1)[0]
+    verdict = f"[{self.status}]" + (f": {first}" if first else "")
+    return " ".join(["; ".join(parts), verdict]) if parts else verdict
+
+
+def first_lines(text: str, lines: int = 3, width: int = 300) -> str:
+  """The first `lines` non-blank lines of a message, each cut at `width`."""
+  kept = [line.rstrip() for line in text.strip().splitlines() if line.strip()][:lines]
+  return "\n".join(line if len(line) <= width else line[:width] + " ..." for line in kept)
 
 
 def kernel_status(k: KernelReport, limits: Limits) -> str:
@@ -139,28 +158,32 @@ def kernel_status(k: KernelReport, limits: Limits) -> str:
   return OK
 
 
-def _mosaic_gpu_report(
-  call: MosaicGpuCall,
-  entry: str | None,
-  ptxas: Mapping[str, PtxasStats],
-  ptx: Mapping[str, KernelPtx],
-  limits: Limits,
-  error: str,
-) -> KernelReport:
-  """A Mosaic GPU call's report from the plugin's dump: its kernel entry's
-  ptxas statistics and PTX (the lowering names no kernel, grid or warps)."""
-  k = KernelReport(name=entry or f"mosaic_gpu{call.operands} -> {call.results}")
-  stats = ptxas.get(entry) if entry else None
-  if stats is None:
+@dataclasses.dataclass(frozen=True)
+class MosaicDump:
+  """What the CUDA plugin's dump (`MOSAIC_GPU_DUMP_TO`) holds for one Mosaic
+  GPU kernel it compiled: the kernel entry's name, its ptxas statistics and
+  its PTX."""
+
+  entry: str
+  stats: PtxasStats
+  ptx: KernelPtx | None = None
+
+
+def _mosaic_gpu_report(call: MosaicGpuCall, dump: MosaicDump | None, limits: Limits, error: str) -> KernelReport:
+  """A Mosaic GPU call's report from the plugin's dump of its kernel (the
+  lowering names no kernel, grid or warps)."""
+  k = KernelReport(name=dump.entry if dump else f"mosaic_gpu{call.operands} -> {call.results}")
+  if dump is None:
     k.error = error or "no ptxas record for this Mosaic GPU kernel (MOSAIC_GPU_DUMP_TO)"
   else:
+    stats = dump.stats
     k.registers, k.spill_stores, k.spill_loads = stats.registers, stats.spill_stores, stats.spill_loads
     # Mosaic GPU's scratch is dynamic shared memory, sized at launch and not
     # in ptxas's static figure; its lowering refuses a kernel over the
     # per-CTA limit, so a compiled one fits.
     k.stack_frame, k.ptxas_ms, k.smem_bytes = stats.stack_frame, stats.ptxas_ms, None
-    if entry in ptx:
-      k.matrix_ops, k.instruction_mix = ptx[entry].matrix_ops, ptx[entry].to_json()
+    if dump.ptx is not None:
+      k.matrix_ops, k.instruction_mix = dump.ptx.matrix_ops, dump.ptx.to_json()
   k.status = kernel_status(k, limits)
   return k
 
@@ -172,13 +195,12 @@ def build_reports(
   ptx: Mapping[str, KernelPtx],
   limits: Limits,
   error: str = "",
-  mosaic_ptxas: Mapping[str, PtxasStats] | None = None,
+  mosaic: Sequence[MosaicDump | None] | None = None,
 ) -> list[KernelReport]:
   """Joins what the lowering (names, warps, stages), XLA's thunks (launch),
-  ptxas and the PTX said about each Pallas kernel, by name and in order. A
-  Mosaic GPU call takes the next entry of `mosaic_ptxas` (the plugin's
-  dump, which holds Mosaic GPU kernels only), or without it the next
-  `ptxas` entry no Triton call claims.
+  ptxas and the PTX said about each Pallas kernel, by name and in order. The
+  i-th Mosaic GPU call takes `mosaic[i]` (the plugin's dump of its kernel),
+  or without `mosaic` the next `ptxas` entry no Triton call claims.
 
   A call XLA compiled without launching it (when the compile succeeded and
   other kernels launched: one whose result is unused, or a repeat of an
@@ -189,15 +211,13 @@ def build_reports(
   unused = list(launches)
   launched: set[str] = set()
   triton_names = [c.name for c in calls if isinstance(c, TritonCall)]
-  if mosaic_ptxas is None:
-    mosaic_ptxas = {e: s for e, s in ptxas.items() if not any(e.startswith(n) for n in triton_names)}
-  mosaic_entries = list(mosaic_ptxas)
+  if mosaic is None:
+    mosaic = [MosaicDump(e, s, ptx.get(e)) for e, s in ptxas.items() if not any(e.startswith(n) for n in triton_names)]
+  dumps = iter(mosaic)
   reports = []
   for call in calls:
     if isinstance(call, MosaicGpuCall):
-      reports.append(
-        _mosaic_gpu_report(call, mosaic_entries.pop(0) if mosaic_entries else None, mosaic_ptxas, ptx, limits, error)
-      )
+      reports.append(_mosaic_gpu_report(call, next(dumps, None), limits, error))
       continue
     name, num_stages, num_warps = call.name, call.num_stages, call.num_warps
     launch = next((l for l in unused if l.name == name), None) or next(

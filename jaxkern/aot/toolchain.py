@@ -16,7 +16,12 @@ runs the real ptxas with `-v` (registers, spills, stack). XLA's thunk dump
 gives each kernel's launch: grid, threads and (dynamic) shared memory. A Mosaic GPU
 kernel (`mosaic_gpu_v2` call) is compiled by the plugin with its own ptxas,
 which the wrapper never sees: its PTX and `ptxas -v` report come from the
-plugin's dump (`MOSAIC_GPU_DUMP_TO`, set for every compile).
+plugin's dump (`MOSAIC_GPU_DUMP_TO`, set for every compile). The plugin
+compiles each distinct kernel once per process (by the call's
+`kernel_hash`): a later call of the same kernel finds what its first
+compile dumped. The dump also disassembles each kernel with nvdisasm, which
+the report does not read and the extra does not hold: where jax's CUDA
+folder has none, a silent stand-in answers for it.
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ from typing import Any
 from jaxkern.aot import targets
 from jaxkern.aot.parsing import PtxasStats, parse_ptxas_verbose, parse_thunk_sequence
 from jaxkern.aot.ptx import KernelPtx, parse_ptx
-from jaxkern.aot.report import CompileReport, Limits, build_reports
-from pallas_kernels.shared.lowering import mosaic_gpu_calls, triton_calls
+from jaxkern.aot.report import CompileReport, Limits, MosaicDump, build_reports
+from pallas_kernels.shared.lowering import MosaicGpuCall, mosaic_gpu_calls, triton_calls
 
 DEFAULT_TARGET = "NVIDIA H200 141GB HBM3e"
 
@@ -95,6 +100,8 @@ def libdevice_dir() -> str | None:
 def ptxas_version(binary: str | None = None) -> str:
   """`ptxas 13.5.37` (the release line of `ptxas --version`), or `ptxas ?`."""
   binary = binary or ptxas_binary()
+  if binary is None:
+    return "ptxas ?"
   try:
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
   except (OSError, TypeError, subprocess.SubprocessError):
@@ -190,6 +197,77 @@ exit $rc
 """
 
 
+_NVDISASM_STAND_IN = """#!/bin/sh
+# jaxkern.aot: the CUDA plugin's Mosaic GPU dump disassembles each kernel; the
+# report reads PTX and ptxas -v only, and nvdisasm is not part of the aot extra.
+echo "// no SASS: nvdisasm is not installed (jaxkern.aot reads the PTX and ptxas -v)"
+"""
+
+
+def _mosaic_cuda_root(workdir: str) -> str | None:
+  """A CUDA folder for the plugin's Mosaic GPU compiles: jax's own
+  (`MOSAIC_GPU_CUDA_ROOT`: ptxas, libdevice) entry by entry, plus the
+  nvdisasm stand-in; None when jax's folder has an nvdisasm (or none is known)."""
+  try:
+    import jax.experimental.mosaic.gpu  # noqa: F401  (sets MOSAIC_GPU_CUDA_ROOT at import)
+  except ImportError:
+    return None
+  real = os.environ.get("MOSAIC_GPU_CUDA_ROOT", "")
+  if not os.path.isdir(os.path.join(real, "bin")) or os.path.exists(os.path.join(real, "bin", "nvdisasm")):
+    return None
+  root = os.path.join(workdir, "mosaic_cuda")
+  os.makedirs(os.path.join(root, "bin"), exist_ok=True)
+  for folder in (real, os.path.join(real, "bin")):
+    for name in os.listdir(folder):
+      link = os.path.join(root, os.path.relpath(os.path.join(folder, name), real))
+      if name != "bin" and not os.path.lexists(link):
+        os.symlink(os.path.join(folder, name), link)
+  stand_in = os.path.join(root, "bin", "nvdisasm")
+  with open(stand_in, "w", encoding="utf-8") as f:
+    f.write(_NVDISASM_STAND_IN)
+  os.chmod(stand_in, 0o755)
+  return root
+
+
+# Kernel hash -> what the plugin's dump held when it compiled that Mosaic GPU
+# kernel: the plugin compiles each kernel once per process, so a later call of
+# the same kernel (another config that lowers to it, a repeat) dumps nothing.
+_MOSAIC_COMPILED: dict[str, MosaicDump] = {}
+
+
+def _mosaic_dumps(folder: str) -> list[MosaicDump]:
+  """The kernels the plugin dumped into `folder` (`<module>_<n>.ptx`,
+  `.ptxas`), in the order it compiled them (n)."""
+  stems: dict[str, dict[str, str]] = {}
+  for path in glob.glob(os.path.join(folder, "**", "*"), recursive=True):
+    stem, ext = os.path.splitext(path)
+    if ext in (".ptx", ".ptxas") and os.path.isfile(path):
+      with open(path, encoding="utf-8", errors="replace") as f:
+        stems.setdefault(stem, {})[ext] = f.read()
+  order = lambda stem: (int(m.group(1)) if (m := re.search(r"_(\d+)$", stem)) else -1, stem)  # noqa: E731
+  dumps = []
+  for stem in sorted(stems, key=order):
+    ptx = parse_ptx(stems[stem].get(".ptx", ""))
+    for entry, stats in parse_ptxas_verbose(stems[stem].get(".ptxas", "")).items():
+      dumps.append(MosaicDump(entry, stats, ptx.get(entry)))
+  return dumps
+
+
+def _match_mosaic(calls: list[MosaicGpuCall], dumps: list[MosaicDump]) -> list[MosaicDump | None]:
+  """Each Mosaic GPU call's dump: a kernel compiled before (by hash) has
+  its first dump; each new one takes the next of `dumps`."""
+  fresh = iter(dumps)
+  matched = []
+  for call in calls:
+    dump = _MOSAIC_COMPILED.get(call.kernel_hash) if call.kernel_hash else None
+    if dump is None:
+      dump = next(fresh, None)
+      if dump is not None and call.kernel_hash:
+        _MOSAIC_COMPILED[call.kernel_hash] = dump
+    matched.append(dump)
+  return matched
+
+
 class Compiler:
   """Compile-only sm_90a toolchain for one GPU target.
 
@@ -209,18 +287,22 @@ class Compiler:
 
     self.target, text = resolve_target(target)
     self.limits = Limits.from_target_config(text)
-    self.workdir = workdir
     if workdir is None:
-      self.workdir = tempfile.mkdtemp(prefix="jaxkern_aot_")
-      atexit.register(shutil.rmtree, self.workdir, True)
+      workdir = tempfile.mkdtemp(prefix="jaxkern_aot_")
+      atexit.register(shutil.rmtree, workdir, True)
+    self.workdir = workdir
     self._cuda_root = os.path.join(self.workdir, "cuda")
     self._logs = os.path.join(self.workdir, "ptxas")
     self._mosaic_dump = os.path.join(self.workdir, "mosaic_gpu")
     os.makedirs(os.path.join(self._cuda_root, "bin"), exist_ok=True)
     os.makedirs(self._logs, exist_ok=True)
     os.makedirs(self._mosaic_dump, exist_ok=True)
-    os.environ.update(MOSAIC_GPU_DUMP_TO=self._mosaic_dump, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
+    os.environ.update(MOSAIC_GPU_DUMP_TO=self._mosaic_dump)
+    mosaic_root = _mosaic_cuda_root(self.workdir)
+    if mosaic_root:
+      os.environ["MOSAIC_GPU_CUDA_ROOT"] = mosaic_root
     real = ptxas_binary()
+    assert real is not None  # available() found it
     nvvm = libdevice_dir()
     if nvvm and not os.path.exists(os.path.join(self._cuda_root, "nvvm")):
       os.symlink(nvvm, os.path.join(self._cuda_root, "nvvm"))  # libdevice for XLA's own fusions
@@ -235,7 +317,7 @@ class Compiler:
 
   def _use_mesh(self):
     jax = self._jax
-    return jax.sharding.use_mesh(self.mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(self.mesh)
+    return jax.set_mesh(self.mesh)  # a context manager on every jax we support (>= 0.11.2)
 
   def compile(self, fn: Callable[..., Any], *args: Any) -> CompileReport:
     jax = self._jax
@@ -249,12 +331,13 @@ class Compiler:
     sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
     t0 = time.perf_counter()
-    error, calls = "", []
+    error, calls, mosaic_calls = "", [], []
     try:
       with self._use_mesh():
         lowered = jax.jit(fn).trace(*avals).lower()
       text = lowered.as_text()
-      calls = [*triton_calls(text), *mosaic_gpu_calls(text)]
+      mosaic_calls = mosaic_gpu_calls(text)
+      calls = [*triton_calls(text), *mosaic_calls]
       # jax sets xla_gpu_cuda_data_dir from CUDA_ROOT (read at import);
       # an explicit option overrides it. A fresh dump folder per compile
       # also keeps jax from reusing a cached executable.
@@ -267,7 +350,6 @@ class Compiler:
       with open(path, encoding="utf-8") as f:
         launches += parse_thunk_sequence(f.read())
     stats: dict[str, PtxasStats] = {}
-    mosaic_stats: dict[str, PtxasStats] = {}  # the plugin's dump: Mosaic GPU kernels only
     kernels: dict[str, KernelPtx] = {}
     for path in sorted(glob.glob(os.path.join(self._logs, "*.log"))):
       with open(path, encoding="utf-8", errors="replace") as f:
@@ -276,20 +358,12 @@ class Compiler:
       if os.path.exists(ptx):
         with open(ptx, encoding="utf-8", errors="replace") as f:
           kernels.update(parse_ptx(f.read()))
-    for path in sorted(glob.glob(os.path.join(self._mosaic_dump, "**", "*"), recursive=True)):
-      if not os.path.isfile(path):
-        continue
-      with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-      if path.endswith(".ptx"):
-        kernels.update(parse_ptx(text))
-      elif "ptxas" in os.path.basename(path):
-        mosaic_stats.update(parse_ptxas_verbose(text))
+    mosaic = _match_mosaic(mosaic_calls, _mosaic_dumps(self._mosaic_dump))
     shutil.rmtree(dump, ignore_errors=True)
     if not calls and not error:
       error = "no Pallas kernel (Triton or Mosaic GPU call) in the lowered function"
     return CompileReport(
-      build_reports(calls, launches, stats, kernels, self.limits, error, mosaic_ptxas=mosaic_stats), seconds, error
+      build_reports(calls, launches, stats, kernels, self.limits, error, mosaic=mosaic), seconds, error
     )
 
 

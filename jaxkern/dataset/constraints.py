@@ -74,6 +74,7 @@ def _evaluate(node: ast.AST, axes: Mapping[str, int]) -> Any:
   if isinstance(node, ast.BoolOp):
     values = (_evaluate(v, axes) for v in node.values)
     return all(values) if isinstance(node.op, ast.And) else any(values)
+  assert isinstance(node, ast.Compare), node  # the last construct parse_constraint admits
   left = _evaluate(node.left, axes)
   for op, right_node in zip(node.ops, node.comparators):
     right = _evaluate(right_node, axes)

@@ -96,16 +96,22 @@ def main(argv: list[str] | None = None) -> int:
     prog="python -m jaxkern.dataset", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter
   )
   sub = parser.add_subparsers(dest="cmd", required=True)
-  p = sub.add_parser("convert", help="import seed records or FIB traces")
-  p.add_argument("--input", required=True)
-  p.add_argument("--output", required=True)
+  what = "import seed records or FIB traces"
+  p = sub.add_parser("convert", help=what, description=what)
+  p.add_argument("--input", required=True, help="seed records or FIB trace JSONL to import (required)")
+  p.add_argument("--output", required=True, help="the dataset folder to write workloads/ into (required)")
   p.add_argument(
     "--definitions",
     default=None,
     help="dataset dir whose definitions/ validates the input (default: the output, else the repo's)",
   )
-  for name in ("validate", "stats"):
-    sub.add_parser(name).add_argument("--dataset", default=None)
+  for name, what in (
+    ("validate", "check every record; one line per error"),
+    ("stats", "counts per definition, variant, axis range"),
+  ):
+    sub.add_parser(name, help=what, description=what).add_argument(
+      "--dataset", default=None, help="dataset folder (default: the shipped one)"
+    )
   args = parser.parse_args(argv)
 
   errors: list[DatasetError] = []

@@ -10,6 +10,7 @@ import pathlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from jaxkern import _data
 from jaxkern.dataset import constraints
 from jaxkern.dataset.records import (
   CORE_FIELDS,
@@ -26,11 +27,12 @@ ErrorSink = Callable[[DatasetError], None]
 
 
 def default_dataset_dir() -> pathlib.Path:
-  """`JAXKERN_DATASET_DIR`, else the repository's `datasets/`."""
+  """`JAXKERN_DATASET_DIR`, else the dataset shipped with the package (the
+  repository's `datasets/` in a checkout; `jaxkern._data.folder`)."""
   env = os.environ.get("JAXKERN_DATASET_DIR")
   if env:
     return pathlib.Path(env)
-  return pathlib.Path(__file__).resolve().parents[2] / "datasets"
+  return _data.folder("datasets")
 
 
 def close_matches(name: str, names: Iterable[str]) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, dataclass_transform
 
 import chex
 import ml_dtypes
@@ -56,12 +56,20 @@ class DatasetError(ValueError):
     super().__init__(" ".join(parts))
 
 
+@dataclass_transform(frozen_default=True)
+def _record[T](cls: type[T]) -> type[T]:
+  """A frozen chex dataclass (a JAX pytree, not a Mapping). The wrapper only
+  types it: pyright honours chex's `dataclass_transform` on the bare
+  decorator, not on the call with arguments."""
+  return chex.dataclass(frozen=True, mappable_dataclass=False)(cls)
+
+
 def is_count(v: Any) -> bool:
   """A non-negative int (bools are not counts)."""
   return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-@chex.dataclass(frozen=True, mappable_dataclass=False)
+@_record
 class AxisSpec:
   name: str
   type: str  # "var" or "const"
@@ -73,7 +81,7 @@ class AxisSpec:
     return self.type == "const"
 
 
-@chex.dataclass(frozen=True, mappable_dataclass=False)
+@_record
 class TensorSpec:
   name: str
   shape: tuple[str, ...] | None  # None: a Python scalar
@@ -88,7 +96,7 @@ class TensorSpec:
     return () if self.shape is None else tuple(int(axes[a]) for a in self.shape)
 
 
-@chex.dataclass(frozen=True, mappable_dataclass=False)
+@_record
 class Definition:
   name: str
   op_type: str
@@ -103,7 +111,8 @@ class Definition:
 
   @property
   def const_axes(self) -> dict[str, int]:
-    return {n: a.value for n, a in self.axes.items() if a.is_const}
+    # parse_definition gives every const axis a value.
+    return {n: a.value for n, a in self.axes.items() if a.is_const and a.value is not None}
 
   @property
   def var_axes(self) -> tuple[str, ...]:
@@ -119,7 +128,7 @@ class Definition:
     return [c for c in self.constraints if not constraints.holds(c, axes)]
 
 
-@chex.dataclass(frozen=True, mappable_dataclass=False)
+@_record
 class Workload:
   uuid: str
   definition: str

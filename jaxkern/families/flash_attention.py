@@ -19,6 +19,7 @@ gradient 0 (a NaN or Inf in them reaches no gradient either).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +30,7 @@ from jax import lax
 
 from jaxkern import dispatch, roofline
 from jaxkern.contract import Checks, public_op
-from jaxkern.family import OpImpl, Precondition, cdiv
+from jaxkern.family import OpImpl, Precondition, cdiv, varying_like
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.flash_attention import KERNELS
 
@@ -50,36 +51,82 @@ _CPU_KEEP_LEN = 64
 
 
 def attention_reference(
-  q, k, v, *, key_valid=None, k_prefix=None, v_prefix=None, segment_ids=None, sm_scale=None, q_chunk: int = 1024
-) -> jax.Array:
-  """Attention of q [B, Nq, H, D] over the visible keys of k, v [B, Nk, H, D]
-  (after the prefix k_prefix, v_prefix [B, Np, H, D], every prefix key
-  visible): key j visible unless `key_valid[b, j]` is False or, with
-  `segment_ids` (Nk == Nq), `segment_ids[j] > segment_ids[i]`; scale
-  `sm_scale` (default D**-0.5).
+  q,
+  k,
+  v,
+  *,
+  key_valid=None,
+  k_prefix=None,
+  v_prefix=None,
+  segment_ids=None,
+  sm_scale=None,
+  causal: bool = False,
+  window: tuple[int | None, int | None] | None = None,
+  softcap: float | None = None,
+  cu_seqlens_q=None,
+  cu_seqlens_k=None,
+  return_lse: bool = False,
+  q_chunk: int = 1024,
+  k_chunk: int = 4096,
+) -> Any:
+  """Attention of q [B, Nq, H, D] over the visible keys of k, v
+  [B, Nk, Hkv, D] (Hkv divides H: query head h reads key/value head
+  h // (H / Hkv)), after the prefix k_prefix, v_prefix [B, Np, Hkv, D],
+  every prefix key visible: key j visible to query i unless
+  `key_valid[b, j]` is False, with `segment_ids` (Nk == Nq) unless
+  `segment_ids[j] > segment_ids[i]`, and with a band unless j lies outside
+  query i's key interval (`_key_intervals`: `causal`, `window=(left,
+  right)`, bottom-right aligned; packed sequences `cu_seqlens_q`,
+  `cu_seqlens_k`, q [T, H, D] and k, v [Tk, Hkv, D], each sequence on its
+  own keys). Scores `q.k * sm_scale` (default D**-0.5), with `softcap` c
+  `c * tanh(score / c)`, before masks.
 
   fp32 scores and softmax at HIGHEST matmul precision, one rounding at the
-  end, lonely rows 0. Memory stays bounded: one head and `q_chunk` query rows
-  at a time, i.e. `[B, q_chunk, Np + Nk]` fp32 scores (42 MiB at B=1,
-  Np+Nk=10269), via `lax.map` over heads and over query chunks.
+  end, lonely rows 0. Returns o like q, and with `return_lse` also lse
+  [B, H, Nq] (packed: [H, T]) f32, the natural log of each row's softmax
+  denominator, +inf for a lonely row. Memory stays bounded: one query head
+  and `q_chunk` query rows at a time (`lax.map` over key/value heads, their
+  query heads and query chunks), and the keys in `k_chunk` steps of an
+  online softmax (`lax.scan`): `[B, q_chunk, k_chunk]` fp32 scores (64 MiB
+  at B=4); with Nk <= k_chunk one step, the plain softmax.
 
   Hidden keys are selected away, never multiplied by zero: their keys and
-  values by `where` (key_valid), their scores by `where`, and under segments
-  each query's sum takes only its visible values (`_visible_values_sum`): a
-  NaN or Inf a query cannot see reaches neither its output nor a gradient,
-  and gradients of hidden keys are exactly 0. Differentiable (plain JAX
-  autodiff; the softmax max is a constant of the gradient, as it is
-  mathematically).
+  values by `where` (key_valid), their scores by `where`, and under
+  segments or a band each query's sum takes only its visible values
+  (`_visible_values_sum`): a NaN or Inf a query cannot see reaches neither
+  its output nor a gradient, and gradients of hidden keys are exactly 0.
+  Differentiable (plain JAX autodiff; the softmax max is a constant of the
+  gradient, as it is mathematically).
   """
+  packed = cu_seqlens_q is not None
+  if packed:
+    q, k, v = q[None], k[None], v[None]
+    key_valid = None if key_valid is None else key_valid[None]
   batch, q_len, num_heads, head_dim = q.shape
-  if q_len == 0:
-    return jnp.zeros(q.shape, q.dtype)
+  kv_heads = k.shape[2]
+  group = num_heads // kv_heads
   kv_len = k.shape[1]
+  banded = causal or window is not None or packed
+  if banded and k_prefix is not None and k_prefix.shape[1]:
+    raise ValueError("attention_reference: causal, window and packed sequences take no prefix keys")
+
+  def finish(o, lse):  # packed: back to [T, H, D] and [H, T]
+    o, lse = (o[0], lse[0]) if packed else (o, lse)
+    return (o, lse) if return_lse else o
+
+  if q_len == 0:
+    return finish(jnp.zeros(q.shape, q.dtype), jnp.zeros((batch, num_heads, 0), jnp.float32))
   sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
   key_visible = jnp.ones((batch, kv_len), bool) if key_valid is None else key_valid.astype(bool)
   q_segments = jnp.zeros((batch, q_len), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
   k_segments = q_segments if segment_ids is not None else jnp.zeros((batch, kv_len), jnp.int32)
+  # Each query row's key interval [first, end) and band around `aligned`.
+  first, end, aligned = _key_intervals(q_len, kv_len, cu_seqlens_q, cu_seqlens_k)
+  left, right = window if window is not None else (None, None)
+  right = 0 if causal else right
   if k_prefix is not None and k_prefix.shape[1]:
+    if v_prefix is None:
+      raise ValueError("attention_reference: k_prefix needs v_prefix")
     prefix_len = k_prefix.shape[1]
     k = jnp.concatenate([k_prefix, k], axis=1)
     v = jnp.concatenate([v_prefix, v], axis=1)
@@ -88,42 +135,121 @@ def attention_reference(
     k_segments = jnp.concatenate(
       [jnp.full((batch, prefix_len), jnp.iinfo(jnp.int32).min, jnp.int32), k_segments], axis=1
     )
-  if not k.shape[1]:  # no key: every row lonely
-    return jnp.zeros(q.shape, q.dtype)
+  num_keys = k.shape[1]
+  if not num_keys:  # no key: every row lonely
+    return finish(jnp.zeros(q.shape, q.dtype), jnp.full((batch, num_heads, q_len), jnp.inf, jnp.float32))
   hidden = ~key_visible[:, :, None, None]
   k, v = jnp.where(hidden, jnp.zeros_like(k), k), jnp.where(hidden, jnp.zeros_like(v), v)
+
+  # Query chunks: [Hkv, G, chunks, B, chunk, D] queries, [chunks, ...] row data.
   chunk = min(q_chunk, q_len)
   num_chunks = cdiv(q_len, chunk)
   pad = num_chunks * chunk - q_len
-  # [H, chunks, B, chunk, D] queries, [chunks, B, chunk] segment ids.
-  q_chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
-  q_chunks = q_chunks.reshape(batch, num_chunks, chunk, num_heads, head_dim).transpose(3, 1, 0, 2, 4)
-  q_segment_chunks = jnp.pad(q_segments, ((0, 0), (0, pad))).reshape(batch, num_chunks, chunk).transpose(1, 0, 2)
-  visible_keys = key_visible[:, None, :]  # [B, 1, Nk]
 
-  def one_head(args):
-    q_h, k_h, v_h = args  # [chunks, B, c, D], [B, Nk, D] x2
+  def by_chunk(x):  # [B, Nq] -> [chunks, B, chunk] (padding rows: any values, sliced off)
+    return jnp.pad(x, ((0, 0), (0, pad))).reshape(x.shape[0], num_chunks, chunk).transpose(1, 0, 2)
+
+  q_chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  q_chunks = q_chunks.reshape(batch, num_chunks, chunk, kv_heads, group, head_dim).transpose(3, 4, 1, 0, 2, 5)
+  rows = (by_chunk(q_segments), *(by_chunk(jnp.broadcast_to(x, (batch, q_len))) for x in (first, end, aligned)))
+
+  # Key chunks: [key chunks, B, k_chunk] positions, visibility, segments (padding keys hidden).
+  key_step = min(k_chunk, num_keys)
+  num_key_chunks = cdiv(num_keys, key_step)
+  key_pad = num_key_chunks * key_step - num_keys
+
+  def by_key_chunk(x, fill):  # [B, Nk, ...] -> [key chunks, B, key_step, ...]
+    x = jnp.pad(x, [(0, 0), (0, key_pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    return x.reshape(batch, num_key_chunks, key_step, *x.shape[2:]).swapaxes(0, 1)
+
+  positions = jnp.broadcast_to(jnp.arange(num_keys, dtype=jnp.int32), (batch, num_keys))  # (a band has no prefix)
+  key_rows = (
+    by_key_chunk(positions, 0),
+    by_key_chunk(key_visible, False),
+    by_key_chunk(k_segments, 0),
+  )
+  k_by_head = by_key_chunk(k, 0).transpose(3, 0, 1, 2, 4)  # [Hkv, key chunks, B, key_step, D]
+  v_by_head = by_key_chunk(v, 0).transpose(3, 0, 1, 2, 4)
+
+  def one_kv_head(args):
+    q_h, k_h, v_h = args  # [G, chunks, B, c, D], [key chunks, B, key_step, D] x2
     k_h, v_h = k_h.astype(jnp.float32), v_h.astype(jnp.float32)
 
     def one_chunk(args):
-      q_c, seg_c = args  # [B, c, D], [B, c]
-      s = jnp.einsum("bqd,bkd->bqk", q_c.astype(jnp.float32), k_h, precision=lax.Precision.HIGHEST) * sm_scale
-      visible = visible_keys & (k_segments[:, None, :] <= seg_c[:, :, None])
-      s = jnp.where(visible, s, -jnp.inf)
-      m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf))
-      p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))  # 0 where not visible
-      l = jnp.sum(p, axis=-1, keepdims=True)
-      if segment_ids is None:  # hidden values are already 0
-        o = jnp.einsum("bqk,bkd->bqd", p, v_h, precision=lax.Precision.HIGHEST)
-      else:
-        o = _visible_values_sum(p, visible, v_h)
-      return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(q.dtype)
+      q_c, (seg_c, first_c, end_c, aligned_c) = args  # [B, c, D], [B, c] x4
+      q_c = q_c.astype(jnp.float32)
 
-    return lax.map(one_chunk, (q_h, q_segment_chunks))  # [chunks, B, c, D]
+      def one_key_chunk(carry, args):
+        m, l, acc = carry  # [B, c, 1], [B, c, 1], [B, c, D]
+        k_c, v_c, (pos, key_vis, key_seg) = args  # [B, key_step, D] x2, [B, key_step] x3
+        s = jnp.einsum("bqd,bkd->bqk", q_c, k_c, precision=lax.Precision.HIGHEST) * sm_scale
+        if softcap is not None:
+          s = softcap * jnp.tanh(s / softcap)
+        visible = key_vis[:, None, :] & (key_seg[:, None, :] <= seg_c[:, :, None])
+        if banded:
+          j, a = pos[:, None, :], aligned_c[:, :, None]
+          in_band = (j >= first_c[:, :, None]) & (j < end_c[:, :, None])
+          if left is not None:
+            in_band &= j >= a - left
+          if right is not None:
+            in_band &= j <= a + right
+          visible &= in_band
+        s = jnp.where(visible, s, -jnp.inf)
+        m_next = lax.stop_gradient(jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        p = jnp.exp(s - m_safe)  # 0 where not visible
+        correction = jnp.exp(m - m_safe)
+        if segment_ids is None and not banded:  # hidden values are already 0
+          pv = jnp.einsum("bqk,bkd->bqd", p, v_c, precision=lax.Precision.HIGHEST)
+        else:
+          pv = _visible_values_sum(p, visible, v_c)
+        return (m_next, correction * l + jnp.sum(p, axis=-1, keepdims=True), correction * acc + pv), None
 
-  o = lax.map(one_head, (q_chunks, k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)))
-  o = o.transpose(2, 1, 3, 0, 4).reshape(batch, num_chunks * chunk, num_heads, head_dim)
-  return o[:, :q_len]
+      start = (
+        jnp.full((batch, chunk, 1), -jnp.inf, jnp.float32),
+        jnp.zeros((batch, chunk, 1), jnp.float32),
+        jnp.zeros((batch, chunk, head_dim), jnp.float32),
+      )
+      start = varying_like(start, q_c, k_h, v_h)  # inside a shard_map: the body's types
+      (m, l, acc), _ = lax.scan(one_key_chunk, start, (k_h, v_h, key_rows))
+      seen = l > 0
+      o = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0).astype(q.dtype)
+      lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)[..., 0]
+      return o, lse
+
+    return lax.map(lambda q_g: lax.map(one_chunk, (q_g, rows)), q_h)  # [G, chunks, B, c, D], [G, chunks, B, c]
+
+  o, lse = lax.map(one_kv_head, (q_chunks, k_by_head, v_by_head))
+  o = o.reshape(num_heads, num_chunks, batch, chunk, head_dim).transpose(2, 1, 3, 0, 4)
+  o = o.reshape(batch, num_chunks * chunk, num_heads, head_dim)[:, :q_len]
+  lse = lse.reshape(num_heads, num_chunks, batch, chunk).transpose(2, 0, 1, 3)
+  lse = lse.reshape(batch, num_heads, num_chunks * chunk)
+  return finish(o, lse[..., :q_len])
+
+
+def _key_intervals(q_len: int, kv_len: int, cu_seqlens_q=None, cu_seqlens_k=None):
+  """`(first, end, aligned)` `[1, Nq]` int32: query i sees only keys
+  `first <= j < end` and is aligned to key `aligned` (the band's centre:
+  bottom-right, the last query of a sequence on its last key).
+
+  Unpacked: every key, `aligned = i + Nk - Nq`. Packed: query token t is in
+  sequence s when `cu_seqlens_q[s] <= t < cu_seqlens_q[s + 1]` (the last
+  such s; tokens before `cu_seqlens_q[0]` or from `cu_seqlens_q[S]` on are
+  in none and see nothing), sees the keys `[cu_seqlens_k[s],
+  cu_seqlens_k[s + 1])` and is aligned to `t + cu_seqlens_k[s + 1] -
+  cu_seqlens_q[s + 1]`."""
+  t = jnp.arange(q_len, dtype=jnp.int32)
+  if cu_seqlens_q is None or cu_seqlens_k is None:
+    return (jnp.zeros((1, q_len), jnp.int32), jnp.full((1, q_len), kv_len, jnp.int32), (t + kv_len - q_len)[None])
+  cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
+  num_seqs = cu_q.shape[0] - 1
+  if num_seqs < 1:
+    return jnp.zeros((1, q_len), jnp.int32), jnp.zeros((1, q_len), jnp.int32), t[None]
+  seq = jnp.sum(cu_q[None, 1:num_seqs] <= t[:, None], axis=1)  # the later sequences started by t
+  in_seq = (t >= cu_q[0]) & (t < cu_q[num_seqs])
+  first = jnp.where(in_seq, cu_k[seq], 0)
+  end = jnp.where(in_seq, cu_k[seq + 1], 0)
+  return first[None], end[None], (t + cu_k[seq + 1] - cu_q[seq + 1])[None]
 
 
 def _visible_values_sum(p: jax.Array, visible: jax.Array, v: jax.Array) -> jax.Array:
@@ -445,13 +571,78 @@ def _check_qkv(c: Checks, q, k, v, *, self_attention: bool) -> None:
   c.same_dtype("v", v, "q", q)
 
 
-def validate_attention(q, k, v, key_valid=None, *, sm_scale=None, **_) -> None:
+def _check_grouped_kv(c: Checks, q, k, v, *, packed: bool) -> None:
+  """k, v [B, Nk, Hkv, D] (packed: [Tk, Hkv, D]) in q's dtype, Hkv dividing q's H."""
+  layout = "[Tk, Hkv, D]" if packed else "[B, Nk, Hkv, D]"
+  c.rank("k", k, layout, 3 if packed else 4)
+  heads, head_dim = q.shape[-2:]
+  expected = (None, None, head_dim) if packed else (q.shape[0], None, None, head_dim)
+  c.shape("k", k, expected, layout, "D from q" if packed else "B, D from q")
+  kv_heads = k.shape[-2]
+  if not kv_heads or heads % kv_heads:
+    c.fail("k", f"{layout} with Hkv dividing H = {heads} (q's heads)", f"shape {tuple(k.shape)}")
+  c.shape("v", v, k.shape, layout, "k's shape")
+  c.floating("q", q)
+  c.same_dtype("k", k, "q", q)
+  c.same_dtype("v", v, "q", q)
+
+
+def _check_flag(c: Checks, name: str, value: Any) -> None:
+  if not isinstance(value, (bool, np.bool_)):
+    c.fail(name, "a Python bool", repr(value))
+
+
+def validate_attention(
+  q,
+  k,
+  v,
+  key_valid=None,
+  *,
+  causal=False,
+  window=None,
+  softcap=None,
+  sm_scale=None,
+  return_lse=False,
+  cu_seqlens_q=None,
+  cu_seqlens_k=None,
+  **_,
+) -> None:
   """The contract of `attention` (`jaxkern.contract`)."""
   c = Checks("attention")
-  _check_qkv(c, q, k, v, self_attention=False)
+  packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+  if packed:
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+      missing = "cu_seqlens_q" if cu_seqlens_q is None else "cu_seqlens_k"
+      return c.fail(missing, "an int32 array [S + 1] (cu_seqlens_q and cu_seqlens_k go together)", "None")
+    c.rank("cu_seqlens_q", cu_seqlens_q, "[S + 1]", 1)
+    c.shape("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape, "[S + 1]", "cu_seqlens_q's shape")
+    if not cu_seqlens_q.shape[0]:
+      c.fail("cu_seqlens_q", "[S + 1] with S >= 0 (at least the leading 0)", "shape (0,)")
+    c.dtype("cu_seqlens_q", cu_seqlens_q, [np.int32])
+    c.dtype("cu_seqlens_k", cu_seqlens_k, [np.int32])
+    c.rank("q", q, "[T, H, D] (packed sequences: cu_seqlens given)", 3)
+  else:
+    c.rank("q", q, "[B, Nq, H, D]", 4)
+  _check_grouped_kv(c, q, k, v, packed=packed)
   if key_valid is not None:
-    c.shape("key_valid", key_valid, k.shape[:2], "[B, Nk]", "B, Nk from k")
+    if packed:
+      c.shape("key_valid", key_valid, k.shape[:1], "[Tk]", "Tk from k")
+    else:
+      c.shape("key_valid", key_valid, k.shape[:2], "[B, Nk]", "B, Nk from k")
     c.boolean_or_integer("key_valid", key_valid)
+  _check_flag(c, "causal", causal)
+  if window is not None:
+    pair = isinstance(window, (tuple, list)) and len(window) == 2
+    if not pair or any(
+      side is not None and (isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)) or side < 0)
+      for side in window
+    ):
+      c.fail("window", "None or a (left, right) pair, each None (unbounded) or an int >= 0", repr(window))
+  if softcap is not None and (
+    isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float)) or not 0 < softcap < float("inf")
+  ):
+    c.fail("softcap", "None or a positive finite Python number (compiled into the kernel)", repr(softcap))
+  _check_flag(c, "return_lse", return_lse)
   c.scalar("sm_scale", sm_scale, optional=True)
 
 
@@ -462,33 +653,152 @@ def attention(
   v: jax.Array,
   key_valid: jax.Array | None = None,
   *,
-  sm_scale: float | None = None,
+  causal: bool = False,
+  window: tuple[int | None, int | None] | None = None,
+  softcap: float | None = None,
+  sm_scale: float | jax.Array | None = None,
+  return_lse: bool = False,
+  cu_seqlens_q: jax.Array | None = None,
+  cu_seqlens_k: jax.Array | None = None,
   config: Any = None,
   backend: dispatch.Backend = None,
   checks: bool = False,
-) -> jax.Array:
-  """Non-causal attention, [B, N, H, D] layout.
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Softmax attention `softmax(q k^T * sm_scale) v` over the visible keys,
+  [B, N, H, D] layout or packed sequences.
 
-  Contract: q [B, Nq, H, D], k, v [B, Nk, H, D], one float dtype (bf16);
-  any B, Nq, Nk >= 0. key_valid [B, Nk] bool (optional, all visible
-  without) hides keys from every query of its batch row: a hidden key's k
-  and v are never used, so NaN or Inf there changes nothing. A row with no
-  visible key is 0. sm_scale defaults to D**-0.5. Non-finite values of
-  visible keys reach the rows that see them. No index inputs (`checks=True`
-  has nothing to check). Returns o [B, Nq, H, D] in q's dtype.
-  Differentiable in q, k, v (Pallas: FlashAttention-2 dQ and dK/dV
-  kernels).
+  Contract:
 
-  Backends: `xla`, `triton`, `mosaic_gpu` (the forward, for bf16 with D 64
-  or 128 and `sm_scale` a Python float; its gradient is the Triton
-  backward's; `backend="pallas"` falls back to Triton for other inputs)."""
+  * q [B, Nq, H, D]; k, v [B, Nk, Hkv, D], one float dtype (bf16), any B,
+    Nq, Nk >= 0. Hkv divides H (grouped-query and multi-query attention):
+    query head h reads key/value head `h // (H / Hkv)`; the kernels share
+    the group's K/V, never copying it per head.
+  * key_valid [B, Nk] bool (optional, all visible without) hides keys from
+    every query of its batch row: a hidden key's k and v are never used,
+    so NaN or Inf there changes nothing.
+  * causal: query i sees keys `j <= i + Nk - Nq`, aligned bottom-right (the
+    last query on the last key, as FlashAttention-2 and cuDNN align it for
+    Nq != Nk; Nq > Nk leaves the first Nq - Nk rows without keys).
+  * window=(left, right): query i sees keys `i' - left <= j <= i' + right`
+    with `i' = i + Nk - Nq` (the same alignment); None on a side leaves it
+    unbounded, sides are ints >= 0; with `causal` the right side is 0
+    (`window=(left, None), causal=True` is a causal sliding window, as
+    FlashAttention-2's `window_size=(left, 0)`). Key blocks outside every
+    query's band are neither loaded nor computed.
+  * softcap c (optional, a positive Python number): each score becomes
+    `c * tanh(s / c)` with `s = q.k * sm_scale`, before masks and softmax
+    (Gemma 2's logit soft cap, FlashAttention-2's `softcap`).
+  * sm_scale: a float or a traced scalar, default D**-0.5.
+  * Packed sequences (varlen): with `cu_seqlens_q`, `cu_seqlens_k` (int32
+    [S + 1] each), q is [T, H, D], k and v [Tk, Hkv, D] and key_valid [Tk]
+    (no batch axis, no padding): sequence s is the queries
+    `[cu_seqlens_q[s], cu_seqlens_q[s+1])` over the keys
+    `[cu_seqlens_k[s], cu_seqlens_k[s+1])`, each sequence attending only
+    within itself, causal and window aligned per sequence. Valid:
+    nondecreasing, first 0, last T (resp. Tk); `checks=True` reports the
+    first entry that is not. Outside that, a token sees the keys of the
+    sequence its index falls in by the same formulas (tokens before
+    `cu_seqlens_q[0]` or from `cu_seqlens_q[S]` on see nothing), the same
+    on every backend.
+  * A row with no visible key (a lonely row: all keys hidden, Nq > Nk under
+    causal, a window that holds none, a sequence without keys) is 0, its
+    lse +inf. Non-finite values of visible keys reach the rows that see
+    them. On the Pallas path a NaN or Inf value of a key that a band hides
+    from one row but not from another row of the same kernel tile also
+    reaches the first (0 x NaN in the tile's value product; the XLA path
+    selects per row; docs/ops.md).
+  * return_lse: also return lse [B, H, Nq] (packed: [H, T]) float32, the
+    natural log of each row's softmax denominator `log sum_j exp(s_ij)`
+    over its visible (soft-capped) scores, FlashAttention-2's layout.
+
+  Returns o [B, Nq, H, D] (packed: [T, H, D]) in q's dtype, or `(o, lse)`.
+  Differentiable in q, k, v, sm_scale and (with return_lse) through the
+  lse (Pallas: FlashAttention-2 dQ and dK/dV kernels; grouped K/V get the
+  sum over their query heads). `checks=True` validates cu_seqlens.
+
+  Backends: `xla` (every feature), `triton` (every feature), `mosaic_gpu`
+  (the forward, for bf16 with D 64 or 128 and `sm_scale` a Python float:
+  causal, window, softcap, grouped heads, lse and packed sequences; its
+  gradient is the Triton backward's); `backend="pallas"` falls back to
+  Triton for other inputs."""
+  packed = cu_seqlens_q is not None
+  banded = causal or window is not None
+  grouped = k.shape[-2] != q.shape[-2]
+  if not (packed or banded or grouped or softcap is not None or return_lse):
+    return dispatch.run(
+      NONCAUSAL,
+      {"q": q, "k": k, "v": v, "key_valid": key_valid},
+      params={"sm_scale": sm_scale},
+      config=config,
+      backend=backend,
+      checks=checks,
+    )
+  inputs = {"q": q, "k": k, "v": v, "key_valid": key_valid, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+  params = {
+    "sm_scale": sm_scale,
+    "causal": bool(causal),
+    "window": None if window is None else tuple(None if w is None else int(w) for w in window),
+    "softcap": None if softcap is None else float(softcap),
+    "return_lse": bool(return_lse),
+  }
   return dispatch.run(
-    NONCAUSAL,
-    {"q": q, "k": k, "v": v, "key_valid": key_valid},
-    params={"sm_scale": sm_scale},
+    attention_impl(packed=packed, lse=bool(return_lse), banded=banded),
+    inputs,
+    params=params,
     config=config,
     backend=backend,
     checks=checks,
+  )
+
+
+def packed_preconditions(inputs: Mapping[str, jax.Array]) -> list[Precondition]:
+  """Checked mode of packed attention: each cu_seqlens nondecreasing from 0
+  to its token count."""
+  rules = []
+  for name, tokens in (("cu_seqlens_q", "q"), ("cu_seqlens_k", "k")):
+    if name not in inputs:
+      continue
+    cu, total = inputs[name], inputs[tokens].shape[0]
+    valid = jnp.concatenate([cu[:1] == 0, cu[1:] >= cu[:-1]])
+    valid = valid.at[-1].set(valid[-1] & (cu[-1] == total))
+    rules.append(
+      Precondition(name, valid, f"nondecreasing from {name}[0] = 0 to {name}[S] = {total} ({tokens}.shape[0])")
+    )
+  return rules
+
+
+_PACKED_TOKENS = "packed sequences: a token's sequence and keys come from cu_seqlens over all tokens"
+_ALIGNED = "causal and window alignment (i + Nk - Nq) depend on a query's place in the whole sequence"
+
+
+@functools.cache
+def attention_impl(*, packed: bool, lse: bool, banded: bool) -> OpImpl:
+  """The `OpImpl` of an `attention` call with the features of issue 51
+  (causal, window, softcap, grouped heads, lse, packed sequences): the
+  general reference `attention_reference` and the same kernels; one per
+  layout (`packed`), output count (`lse`) and whether queries may split
+  across devices (not under a band: their alignment is global)."""
+  if packed:
+    split = Split(
+      inputs={"q": "t h d", "k": "u h d", "v": "u h d", "key_valid": "u", "cu_seqlens_q": "n", "cu_seqlens_k": "n"},
+      outputs=("t h d", "h t") if lse else ("t h d",),
+      independent="h",
+      reasons={"t": _PACKED_TOKENS, "u": _PACKED_TOKENS, "n": _PACKED_TOKENS, "d": CONTRACTION},
+    )
+  else:
+    split = Split(
+      inputs={**_QKV, "key_valid": "b t"},
+      outputs=("b s h d", "b h s") if lse else ("b s h d",),
+      independent="b h" if banded else "b s h",
+      reasons={**_REASONS, "s": _ALIGNED} if banded else _REASONS,
+    )
+  return OpImpl(
+    reference=attention_reference,
+    kernels=KERNELS,
+    make_inputs=make_noncausal_inputs,
+    cpu_axes=cpu_axes,
+    split=split,
+    preconditions=packed_preconditions if packed else None,
   )
 
 

@@ -123,27 +123,35 @@ def token_inputs(key, lead: tuple[int, ...], hq: int, hv: int, d: int):
   }
 
 
+def gdn_inputs(keys, lead: tuple[int, ...], num_states: int, hq: int, hv: int, d: int) -> dict[str, jax.Array]:
+  """The inputs both GDN definitions share, in their order (q, k, v, state,
+  A_log, a, dt_bias, b), from three keys (tokens, heads, states): tokens
+  `[*lead, H, D]` as `token_inputs`, gates as `head_params`, `num_states`
+  k-last states N(0, STATE_STD^2)."""
+  k_tok, k_head, k_state = keys
+  tokens = token_inputs(k_tok, lead, hq, hv, d)
+  A_log, dt_bias = head_params(k_head, hv)
+  state = STATE_STD * jax.random.normal(k_state, (num_states, hv, d, d), jnp.float32)
+  return {
+    "q": tokens["q"],
+    "k": tokens["k"],
+    "v": tokens["v"],
+    "state": state,
+    "A_log": A_log,
+    "a": tokens["a"],
+    "dt_bias": dt_bias,
+    "b": tokens["b"],
+  }
+
+
 def make_decode_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | None = None):
   """Unit-norm q, k per head; v ~ N(0, 1); gates as `head_params`; state
   N(0, 0.5^2); scale 0 (the default 1/sqrt(128), as the contest records).
   Decode rows are independent: the record adds no structure."""
   del record
   batch, hq, hv, d = (int(axes[n]) for n in ("batch_size", "num_q_heads", "num_v_heads", "head_size"))
-  k_tok, k_head, k_state = jax.random.split(key, 3)
-  inputs = token_inputs(k_tok, (batch, int(axes["seq_len"])), hq, hv, d)
-  A_log, dt_bias = head_params(k_head, hv)
-  state = STATE_STD * jax.random.normal(k_state, (batch, hv, d, d), jnp.float32)
-  return {
-    "q": inputs["q"],
-    "k": inputs["k"],
-    "v": inputs["v"],
-    "state": state,
-    "A_log": A_log,
-    "a": inputs["a"],
-    "dt_bias": dt_bias,
-    "b": inputs["b"],
-    "scale": jnp.zeros((), jnp.float32),
-  }
+  inputs = gdn_inputs(jax.random.split(key, 3), (batch, int(axes["seq_len"])), batch, hq, hv, d)
+  return {**inputs, "scale": jnp.zeros((), jnp.float32)}
 
 
 # --------------------------------------------------------------- CPU budgets

@@ -19,15 +19,13 @@ from jax import lax
 from jaxkern import compare, dispatch, roofline
 from jaxkern.contract import Checks, public_op
 from jaxkern.families.gdn_decode import (
-  STATE_STD,
   check_gdn,
   delta_step,
   gates,
   gdn_flops,
-  head_params,
+  gdn_inputs,
   per_v_head,
   resolve_scale,
-  token_inputs,
 )
 from jaxkern.family import OpImpl, Precondition, varying_like
 from jaxkern.spmd import CONTRACTION, Split
@@ -144,24 +142,11 @@ def make_prefill_inputs(axes: Mapping[str, int], key: jax.Array, record: dict | 
   total, num_seqs = int(axes["total_seq_len"]), int(axes["num_seqs"])
   hq, hv, d = (int(axes[n]) for n in ("num_q_heads", "num_v_heads", "head_size"))
   k_tok, k_head, k_state, k_split = jax.random.split(key, 4)
-  inputs = token_inputs(k_tok, (total,), hq, hv, d)
-  A_log, dt_bias = head_params(k_head, hv)
-  state = STATE_STD * jax.random.normal(k_state, (num_seqs, hv, d, d), jnp.float32)
+  inputs = gdn_inputs((k_tok, k_head, k_state), (total,), num_seqs, hq, hv, d)
   seed = int(jax.random.randint(k_split, (), 0, np.iinfo(np.int32).max))
   lengths = split_lengths(total, num_seqs, seed)
   cu_seqlens = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-  return {
-    "q": inputs["q"],
-    "k": inputs["k"],
-    "v": inputs["v"],
-    "state": state,
-    "A_log": A_log,
-    "a": inputs["a"],
-    "dt_bias": dt_bias,
-    "b": inputs["b"],
-    "cu_seqlens": cu_seqlens,
-    "scale": jnp.zeros((), jnp.float32),
-  }
+  return {**inputs, "cu_seqlens": cu_seqlens, "scale": jnp.zeros((), jnp.float32)}
 
 
 def prefill_cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:

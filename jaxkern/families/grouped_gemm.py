@@ -42,13 +42,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxkern import dispatch, quant, roofline
+from jaxkern import dispatch, quant, roofline, spmd
 from jaxkern.contract import Checks, public_op
 from jaxkern.family import OpImpl, Precondition, cdiv, in_range, varying_like
 from jaxkern.spmd import CONTRACTION, Split
 from pallas_kernels.grouped_gemm import KERNELS
 from pallas_kernels.grouped_gemm import triton as kernel_lib
+from pallas_kernels.shared.common import varying_axes
 
 TOP_K = 6  # routed experts per token (DeepSeek-V4.1-Flash)
 GROUP = 32  # k values per scale byte
@@ -355,9 +358,199 @@ def grouped_gemm_fp8_fp4(
     (bit-equal on CPU in the tests; on a GPU the fp8 tensor cores'
     accumulation within each 32-k group).
   * Not differentiable in its quantized inputs a, b (asking raises
-    `jaxkern.autodiff.NotDifferentiableError`).
+    `jaxkern.autodiff.NotDifferentiableError`); to train through it, use
+    `grouped_gemm_mxfp4_ste` (a straight-through estimator).
 
-  Backends: `xla`, `triton`.
+  Backends: `xla`, `triton`, `mosaic_gpu` (N a multiple of 64).
   """
   inputs = {"a": a, "a_scale": a_scale, "b": b, "b_scale": b_scale, "expert_ids": expert_ids}
   return dispatch.run(IMPL, inputs, config=config, backend=backend, checks=checks)
+
+
+# ---------------------------------------------------------------------------
+# Training through the quantized GEMM: a straight-through estimator.
+
+
+def _rows_by_expert(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(order, group_sizes, valid): the row order that groups rows by expert
+  (stable; rows with an id outside [0, E) last), each expert's row count,
+  and which rows have a valid id: what `lax.ragged_dot` takes."""
+  ids = expert_ids.astype(jnp.int32)
+  valid = (ids >= 0) & (ids < num_experts)
+  key = jnp.where(valid, ids, num_experts)
+  order = jnp.argsort(key, stable=True)
+  sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  return order, sizes, valid
+
+
+def _replicated_out(x: jax.Array) -> NamedSharding | None:
+  """The `out_sharding` `lax.ragged_dot` needs on an Explicit mesh (it has no
+  sharding rule of its own): replicated, as every operand is there (sharded
+  operands reach it per shard, inside `grouped_gemm_mxfp4_ste`'s shard_map)."""
+  mesh = jax.typeof(x).sharding.mesh
+  return NamedSharding(mesh, P()) if not mesh.empty and AxisType.Explicit in mesh.axis_types else None
+
+
+def grouped_gemm_bf16_vjp(
+  dy: jax.Array, x: jax.Array, w: jax.Array, expert_ids: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """The VJP of the bf16 grouped GEMM y[m] = x[m] @ w[expert_ids[m]]^T (rows
+  with an id outside [0, E) are 0): dy [M, N], x [M, K], w [E, N, K] ->
+  (dx [M, K] = dy[m] @ w[expert_ids[m]], dw [E, N, K] = the sum over expert
+  e's rows of dy[m]^T x[m]), both float32: bf16 operands, fp32 accumulation,
+  rows in any order (grouped by expert with a stable sort, then two
+  `lax.ragged_dot`s on XLA). Rows with an invalid id get dx 0 and add
+  nothing to dw.
+
+  Inside `jax.shard_map` (check_vma=True) the partial sums are reduced where
+  the operands vary over more mesh axes than the input the gradient is for:
+  dw over the axes the rows are split along, dx over those the weights'
+  columns N are split along."""
+  num_experts = w.shape[0]
+  order, sizes, valid = _rows_by_expert(expert_ids, num_experts)
+  operands = (dy, x, w, order, sizes, valid)
+  dy, x, w, order, sizes, valid = varying_like(operands, *operands)
+  dy_rows = jnp.where(valid[:, None], dy, 0).astype(jnp.bfloat16)[order]
+  dx_rows = lax.ragged_dot(
+    dy_rows, w.astype(jnp.bfloat16), sizes, preferred_element_type=jnp.float32, out_sharding=_replicated_out(dy)
+  )
+  dx = jnp.where(valid[:, None], jnp.zeros_like(dx_rows).at[order].set(dx_rows), 0)
+  contract_rows = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+  )
+  dw = lax.ragged_dot_general(
+    dy_rows,
+    x.astype(jnp.bfloat16)[order],
+    sizes,
+    contract_rows,
+    preferred_element_type=jnp.float32,
+    out_sharding=_replicated_out(dy),
+  )
+  return dx, dw
+
+
+def _reduce_to(grad: jax.Array, like: jax.Array) -> jax.Array:
+  """`grad` summed over the manual mesh axes it varies over and `like` (the
+  primal input) does not: the cotangent's type must be its input's."""
+  extra = tuple(sorted(varying_axes(grad) - varying_axes(like)))
+  return lax.psum(grad, extra) if extra else grad
+
+
+def _quantize_operands(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """(a, a_scale, b, b_scale): x to FP8 e4m3 and w to MXFP4 e2m1, UE8M0
+  scales per 32 k (`jaxkern.quant`, rounded to nearest, scales rounded up)."""
+  a, a_scale = quant.quantize_fp8_e4m3(x, GROUP, "ue8m0")
+  b, b_scale = quant.quantize_e2m1(w, GROUP)
+  return a, a_scale, b, b_scale
+
+
+def _straight_through(x: jax.Array, w: jax.Array, expert_ids: jax.Array, **op_kwargs: Any) -> jax.Array:
+  """`grouped_gemm_mxfp4_ste` on one device's arrays (or one shard's)."""
+
+  def forward(x, w, expert_ids):
+    return grouped_gemm_fp8_fp4(*_quantize_operands(x, w), expert_ids, **op_kwargs)
+
+  def forward_and_residuals(x, w, expert_ids):
+    operands = _quantize_operands(x, w)
+    # The quantized operands are the residuals: a quarter (w) and half (x) of bf16's bytes.
+    return grouped_gemm_fp8_fp4(*operands, expert_ids, **op_kwargs), (operands, expert_ids, x, w)
+
+  def backward(residuals, dy):
+    (a, a_scale, b, b_scale), expert_ids, x, w = residuals
+    x_deq = _dequantize_a(a, a_scale)
+    w_deq = quant.dequantize_e2m1(b, b_scale, GROUP).astype(jnp.bfloat16)
+    dx, dw = grouped_gemm_bf16_vjp(dy, x_deq, w_deq, expert_ids)
+    return _reduce_to(dx, x).astype(x.dtype), _reduce_to(dw, w).astype(w.dtype), None
+
+  ste = jax.custom_vjp(forward)
+  ste.defvjp(forward_and_residuals, backward)
+  return ste(x, w, expert_ids)
+
+
+# How the STE splits across devices: rows and output columns, as the op.
+STE_SPLIT = Split(
+  inputs={"x": "m k", "w": "e n k", "expert_ids": "m"},
+  outputs=("m n",),
+  independent="m n",
+  reasons={"k": CONTRACTION, "e": SPLIT.reasons["e"]},
+)
+
+
+def validate_ste(x, w, expert_ids, **_) -> None:
+  """The contract of `grouped_gemm_mxfp4_ste` (`jaxkern.contract`): x [M, K]
+  and w [E, N, K] unquantized floats, K a multiple of 32, expert_ids [M]."""
+  c = Checks("grouped_gemm_mxfp4_ste")
+  c.rank("x", x, "[M, K]", 2)
+  c.rank("w", w, "[E, N, K]", 3)
+  m, k = x.shape
+  if k % GROUP:
+    c.fail("x", f"[M, K] with K a multiple of {GROUP}", f"shape {tuple(x.shape)}")
+  c.shape("w", w, (None, None, k), "[E, N, K]", f"K = {k} from x")
+  c.shape("expert_ids", expert_ids, (m,), "[M]", "M from x")
+  for name, t in (("x", x), ("w", w)):
+    c.dtype(name, t, [jnp.bfloat16, jnp.float16, jnp.float32])
+  c.integer("expert_ids", expert_ids)
+
+
+@public_op(validate_ste)
+def grouped_gemm_mxfp4_ste(
+  x: jax.Array,
+  w: jax.Array,
+  expert_ids: jax.Array,
+  *,
+  config: Any = None,
+  backend: dispatch.Backend = None,
+  checks: bool = False,
+) -> jax.Array:
+  """MoE expert GEMM for training: unquantized activations and (master)
+  weights in, quantized on the way, gradients by a straight-through
+  estimator (STE).
+
+  Forward: x [M, K] (bf16, f16 or f32) is quantized to FP8 e4m3 and w
+  [E, N, K] (bf16, f16 or f32; the master weights) to MXFP4 e2m1, both with
+  UE8M0 scales per 32 k (`jaxkern.quant`), and `grouped_gemm_fp8_fp4` runs
+  on them (its kernel on a kernel backend): returns bf16 [M, N], row m =
+  Q(x)[m] times expert expert_ids[m]'s Q(w), fp32 accumulation. expert_ids
+  [M] int32 as the op takes them: -1 (padding) or [0, E), any order; rows
+  with any other id are 0. K a multiple of 32.
+
+  Backward: the quantizers' derivative is taken to be 1 (the
+  straight-through estimator), so the gradients are those of the bf16
+  grouped GEMM y[m] = x[m] @ w[expert_ids[m]]^T at the quantized operands:
+  * dx[m] = dy[m] @ Q(w)[expert_ids[m]], returned in x's dtype;
+  * dw[e] = sum over the rows m of expert e of dy[m]^T Q(x)[m], in w's
+    dtype (fp32 accumulation);
+  with Q(x), Q(w) the dequantized operands (exact in bf16), bf16 operands
+  and fp32 accumulation (`grouped_gemm_bf16_vjp`: plain XLA,
+  `lax.ragged_dot`, on every backend); rows with an invalid id get dx 0.
+  This is an estimator, not the derivative of the quantized function:
+  rounding is piecewise constant, so that derivative is 0 almost
+  everywhere. Where x and w are exactly representable (Q(x) = x,
+  Q(w) = w) it is the exact gradient of the unquantized bf16 grouped GEMM.
+  expert_ids gets no gradient.
+
+  The residuals kept for the backward pass are the quantized operands (FP8
+  x, MXFP4 w): a quarter to a half of bf16's bytes. The weights are
+  quantized on every call (one elementwise pass over w).
+
+  Sharding: like the op, it splits along rows M and output columns N; on
+  inputs sharded on an Explicit mesh under `jit` it runs per shard (the
+  gradient of weights shared by row shards is summed across them); the
+  experts do not split (expert parallelism: call it inside `jax.shard_map`
+  with local ids, as `examples/moe_sharded.py` calls the op).
+
+  Backends: those of `grouped_gemm_fp8_fp4` (`xla`, `triton`) for the
+  forward; the backward is XLA's.
+  """
+  op_kwargs = {"config": config, "backend": backend, "checks": checks}
+
+  def call(shard: Mapping[str, jax.Array]) -> jax.Array:
+    return _straight_through(shard["x"], shard["w"], shard["expert_ids"], **op_kwargs)
+
+  # No custom_partitioning of this composite on an Auto mesh (pallas=False):
+  # the op inside partitions itself and the backward is jnp XLA partitions.
+  # check_vma=False: the shard_map's transpose sums the shards' partial
+  # gradients (dw over row shards, dx over column shards) itself.
+  return spmd.run(
+    STE_SPLIT, "grouped_gemm_mxfp4_ste", call, {"x": x, "w": w, "expert_ids": expert_ids}, pallas=False, check_vma=False
+  )

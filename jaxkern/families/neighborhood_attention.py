@@ -167,7 +167,7 @@ def cpu_axes(axes: Mapping[str, int]) -> dict[str, int]:
     margins = {n: out[n] - w for n, w in windows.items() if out[n] - w > 1}
     if not margins:
       break
-    longest = max(margins, key=margins.get)
+    longest = max(margins, key=margins.__getitem__)
     out[longest] -= 1
   return out
 

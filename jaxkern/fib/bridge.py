@@ -84,7 +84,7 @@ def _run(op: registry.Op, args: Sequence[Any], fn) -> tuple[np.ndarray, ...]:
 
 
 def torch_to_numpy(t: Any) -> Any:
-  import torch
+  import torch  # pyright: ignore[reportMissingImports] (FIB's side: not a jaxkern dependency)
 
   if not isinstance(t, torch.Tensor):
     return t
@@ -97,7 +97,7 @@ def torch_to_numpy(t: Any) -> Any:
 
 
 def _numpy_to_torch(x: np.ndarray, fib_dtype: str, device: Any) -> Any:
-  import torch
+  import torch  # pyright: ignore[reportMissingImports] (FIB's side: not a jaxkern dependency)
 
   target = torch.float4_e2m1fn_x2 if fib_dtype == "float4_e2m1" else getattr(torch, fib_dtype)
   x = np.ascontiguousarray(x)
@@ -110,7 +110,7 @@ def _numpy_to_torch(x: np.ndarray, fib_dtype: str, device: Any) -> Any:
 
 
 def _torch_call(name: str, args: Sequence[Any], run) -> Any:
-  import torch
+  import torch  # pyright: ignore[reportMissingImports] (FIB's side: not a jaxkern dependency)
 
   op = registry.get(name)
   device = next((a.device for a in args if isinstance(a, torch.Tensor)), "cpu")

@@ -28,14 +28,18 @@ def main(argv: list[str] | None = None) -> int:
     prog="python -m jaxkern.fib", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter
   )
   sub = parser.add_subparsers(dest="cmd", required=True)
-  ex = sub.add_parser("export", help="our dataset and results as a FIB TraceSet folder")
-  ex.add_argument("--out", required=True)
+  what = "our dataset and results as a FIB TraceSet folder"
+  ex = sub.add_parser("export", help=what, description=what)
+  ex.add_argument("--out", required=True, help="the TraceSet folder to write (absent or empty; required)")
   ex.add_argument("--dataset", default=None, help="dataset folder (default: the shipped one)")
-  ex.add_argument("--results", nargs="*", default=[], help="replay result files (JSONL)")
-  ex.add_argument("--definitions", nargs="*", default=None, help="only these definitions")
-  im = sub.add_parser("import", help="a FIB TraceSet folder as a dataset of ours")
-  im.add_argument("dir")
-  im.add_argument("--out", required=True)
+  ex.add_argument(
+    "--results", nargs="*", default=[], help="replay result files (JSONL) to export as traces (default: none)"
+  )
+  ex.add_argument("--definitions", nargs="*", default=None, help="only these definitions (default: every one)")
+  what = "a FIB TraceSet folder as a dataset of ours"
+  im = sub.add_parser("import", help=what, description=what)
+  im.add_argument("dir", help="the TraceSet folder to read (definitions/, workloads/, traces/)")
+  im.add_argument("--out", required=True, help="the dataset folder to write (absent or empty; required)")
   args = parser.parse_args(argv)
   try:
     if args.cmd == "export":

@@ -74,7 +74,9 @@ class ExportSummary:
 
 def workload_inputs(d: dataset.Definition, record: Mapping[str, Any]) -> dict[str, Any]:
   """FIB `inputs` of a record: its recorded entries, `random` for the rest."""
-  recorded = record.get("inputs") if isinstance(record.get("inputs"), dict) else {}
+  recorded = record.get("inputs")
+  if not isinstance(recorded, dict):
+    recorded = {}
   return {name: recorded.get(name, {"type": "random"}) for name in d.inputs}
 
 
@@ -147,6 +149,7 @@ def result_trace(
     }
   if status == "PASSED":
     p = ev.performance
+    assert p is not None  # _skip_reason exports a PASSED result only with its times
     evaluation["performance"] = {k: float(p[k]) for k in ("latency_ms", "reference_latency_ms", "speedup_factor")}
   backend = ev.backend or formats.DEFAULT_BACKEND
   config = ev.config

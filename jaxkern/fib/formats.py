@@ -71,7 +71,7 @@ def fib_dtype(spec: dataset.TensorSpec) -> str:
   return BYTES if spec.dtype == "uint8" else spec.dtype
 
 
-def dtype_matches(fib: str, ours: dataset.TensorSpec) -> bool:
+def dtype_matches(fib: str | None, ours: dataset.TensorSpec) -> bool:
   """Whether a FIB tensor of dtype `fib` can be our tensor `ours`: the dtype
   we export it with, FIB's float4_e2m1 for our packed e2m1 bytes, or FIB's
   int64 for our int32."""

@@ -3,13 +3,15 @@
 
 Modules: `rows` (results flattened per workload: error against tolerance,
 the timer), `tables` (per definition and timer, against a baseline, the
-markdown summary), `plots` (matplotlib PNGs; failures visible in each),
-`page` (the HTML page and `build`), `cli`. The public names are re-exported
+markdown summary), `peer_table` (the peers beside our kernels, `--peers`),
+`plots` (matplotlib PNGs; failures visible in each), `page` (the HTML page
+and `build`), `cli`. The public names are re-exported
 here.
 """
 
 from jaxkern.report.cli import main
 from jaxkern.report.page import BASELINE_PNG, PNGS, Report, build, environments
+from jaxkern.report.peer_table import PEER_HEADERS, PEERS_TABLE_HEADERS, PeerStat, best, peer_stats
 from jaxkern.report.plots import (
   baseline_figure,
   definition_styles,
@@ -55,16 +57,20 @@ __all__ = [
   "HEADERS",
   "INTERPRET",
   "NOT_TIMED",
+  "PEERS_TABLE_HEADERS",
+  "PEER_HEADERS",
   "PNGS",
   "SUMMARY_HEADERS",
   "TIMERS",
   "WALL",
   "Change",
+  "PeerStat",
   "Report",
   "Row",
   "SummaryLine",
   "baseline_figure",
   "baseline_table",
+  "best",
   "build",
   "change_kind",
   "compare_runs",
@@ -76,6 +82,7 @@ __all__ = [
   "latency_figure",
   "main",
   "output_tolerances",
+  "peer_stats",
   "plot_baseline",
   "plot_errors",
   "plot_latency",

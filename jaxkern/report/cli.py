@@ -1,7 +1,7 @@
 """`python -m jaxkern.report`: a report of a replay's results that people can look at.
 
   python -m jaxkern.report RESULTS.jsonl [--baseline OTHER.jsonl] [--out DIR] [--dataset_dir DIR]
-                           [--markdown SUMMARY.md]
+                           [--markdown SUMMARY.md] [--peers PEERS.jsonl]
 
 Prints a table per definition and timer (status counts, worst error against
 tolerance, median kernel / reference / speed-of-light time, median SOL
@@ -18,7 +18,12 @@ Failed workloads appear in every plot (without a value: in a red error
 band). `--markdown` also writes the summary (per definition: timer, passed /
 total, median kernel, reference time and SOL fraction; the geomean SOL
 fraction and the definitions furthest from their speed of light, per timer):
-the page a device run leaves in `docs/perf/<device>.md`.
+the page a device run leaves in `docs/perf/<device>.md`. `--peers` (from
+`python -m jaxkern.peers`) adds to each row the best peer, its median time
+and peer/ours (the median per-workload ratio peer time / our time: > 1, ours
+is faster), only where both were timed by the same timer (else `n/c`: on a
+CPU the kernels run in interpret mode and the peers by wall clock), and a
+peers table with every peer's counts and times.
 Exit code 0, or 2 when a results file is missing or holds no result, or an
 output cannot be written.
 """
@@ -41,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--out", default=None, help="output folder (default: <results>_report beside the results)")
   parser.add_argument("--dataset_dir", default="", help="dataset with the definitions (default: the package's)")
   parser.add_argument("--markdown", default=None, help="also write the summary table as markdown to this file")
+  parser.add_argument("--peers", default=None, help="peer results JSONL (python -m jaxkern.peers) to put beside ours")
   args = parser.parse_args(argv)
-  for path in (*args.results, args.baseline):
+  for path in (*args.results, args.baseline, args.peers):
     if path is not None and not pathlib.Path(path).is_file():
       print(f"error: no results file {path}", file=sys.stderr)
       return 2
@@ -51,7 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   try:
     report = build(
-      args.results, baseline=args.baseline, out_dir=args.out, dataset_dir=args.dataset_dir, markdown=args.markdown
+      args.results,
+      baseline=args.baseline,
+      out_dir=args.out,
+      dataset_dir=args.dataset_dir,
+      markdown=args.markdown,
+      peers=args.peers,
     )
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -149,27 +149,45 @@ def _value_strip(
   _legend(ax, legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 
 
+def error_value(r: Row) -> tuple[float | None, bool]:
+  """What the error plot draws for a row: (its error against the rule's
+  bound, True), or for a result without that figure (error / atol, False)."""
+  if r.bound_ratio is not None:
+    return r.bound_ratio, True
+  return r.worst_ratio, False
+
+
 def errors_figure(rows: list[Row]):
-  """Each workload's worst error / tolerance per definition; failed
+  """Each workload's worst error against the pass bound per definition
+  (error / atol, hollow, for results without the bound figure); failed
   workloads without error values in the error band."""
   plt = pyplot()
   by = by_definition(rows)
   names = list(by)
   fig, ax = plt.subplots(figsize=(10, _height(len(names))))
-  finite = [
-    r.worst_ratio for r in rows if r.worst_ratio is not None and math.isfinite(r.worst_ratio) and r.worst_ratio > 0
-  ]
+  values = {id(r): error_value(r) for r in rows}
+  finite = [v for v, _ in values.values() if v is not None and math.isfinite(v) and v > 0]
   floor = min(min(finite, default=1e-3) / 2, 1e-3)
   ceiling = max(max(finite, default=1.0) * 4, 10.0)
   error_x = ceiling * 6
   points = {}
   for name, rs in by.items():
-    points[name] = [
-      (min(max(r.worst_ratio, floor), ceiling), status_color(r.status), "x" if math.isinf(r.worst_ratio) else "o")
-      for r in rs
-      if r.worst_ratio is not None
-    ]
-    points[name] += [(error_x, FAIL, "X") for r in rs if r.worst_ratio is None and r.failed]
+    points[name] = []
+    for r in rs:
+      v, bound = values[id(r)]
+      if v is None:
+        continue
+      marker = "x" if math.isinf(v) else ("o" if bound else "$\\circ$")
+      points[name].append((min(max(v, floor), ceiling), status_color(r.status), marker))
+    points[name] += [(error_x, FAIL, "X") for r in rs if values[id(r)][0] is None and r.failed]
+  legend = [
+    ("passed", PASS, "o"),
+    ("failed", FAIL, "o"),
+    ("non-finite error", FAIL, "x"),
+    ("failed, no error values (e.g. runtime error)", FAIL, "X"),
+  ]
+  if any(not bound and v is not None for v, bound in values.values()):
+    legend.append(("error / atol (result without the bound: passes above 1 too)", OTHER, "$\\circ$"))
   if any(points.values()):
     _value_strip(
       ax,
@@ -179,18 +197,17 @@ def errors_figure(rows: list[Row]):
       lo=floor / 1.5,
       band=ceiling * 2.5,
       error_x=error_x,
-      xlabel="worst output error / tolerance (max abs err / atol; 1 = at atol; x = non-finite; "
-      f"0 drawn at {floor:.0e}; error band: failed without error values)",
-      legend=[
-        ("passed", PASS, "o"),
-        ("failed", FAIL, "o"),
-        ("non-finite error", FAIL, "x"),
-        ("failed, no error values (e.g. runtime error)", FAIL, "X"),
-      ],
+      xlabel="worst output error / its bound max(atol, rtol*|ref|) (1, dashed: the bound; beyond it an element "
+      f"fails; x = non-finite; 0 drawn at {floor:.0e}; error band: failed without error values)",
+      legend=legend,
     )
   else:
     _no_data(ax, "no floating-point output errors and no failures in these results")
-  ax.set_title("Error vs tolerance per workload", fontsize=10, pad=14)
+  ax.set_title(
+    "Error vs the pass bound per workload (an element fails only beyond both atol and rtol*|reference|)",
+    fontsize=10,
+    pad=14,
+  )
   return fig
 
 
@@ -244,7 +261,7 @@ def sol_figure(rows: list[Row]):
   by = by_definition(shown)
   fig, ax = plt.subplots(figsize=(10, _height(len(by))))
   if shown:
-    top = max([1.05] + [r.sol_fraction * 1.05 for r in measured])
+    top = max([1.05] + [r.sol_fraction * 1.05 for r in rows if r.sol_fraction is not None])
     error_x = top * 1.12
     points = {
       n: [

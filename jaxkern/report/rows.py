@@ -1,11 +1,19 @@
 """A results file flattened for tables and plots: one `Row` per workload,
-with its worst error against tolerance and the timer its times came from.
+with its worst error against the pass rule and the timer its times came from.
 
-Error against tolerance, per output: max abs error / atol of the output's
-dtype (bf16 0.005, f32 2e-5; `jaxkern.compare`), or for an output compared by a
-relative metric (GDN prefill state) its relative max error / that metric's
-threshold. Integer outputs (exact or top-k) have none. A ratio above 1 can
-still pass: an element fails only beyond both atol and rtol*|reference|.
+The pass rule (`jaxkern.compare`): an element fails only beyond both atol
+and rtol*|reference|. Two figures per output:
+
+- error / bound (`bound_ratio`): the worst element's |error| /
+  max(atol, rtol*|reference|) (for the GDN prefill state: the worst of its
+  metrics / threshold), the output's `max_bound_ratio`. It is <= 1 exactly
+  when the output passed; results written before the field have none.
+- error / atol (`worst_ratio`): max abs error / atol of the output's dtype
+  (bf16 0.005, f32 2e-5), or for a relatively compared output (GDN prefill
+  state) relative max error / its threshold. Above 1 can still pass (where
+  rtol*|reference| is larger than atol).
+
+Integer outputs (exact or top-k) have neither.
 
 Timers (`evaluation.performance.timer`): `device (profiler)`, `wall` or
 `interpret`. A result written before the field existed reads as `interpret`
@@ -89,6 +97,14 @@ def error_ratios(trace: results_lib.Trace, tolerances: Mapping[str, tuple[str, f
   return ratios
 
 
+def bound_ratios(trace: results_lib.Trace) -> dict[str, float]:
+  """Per output that records one: its worst error / the rule's bound (see the
+  module doc)."""
+  outs = ((trace.evaluation.correctness or {}).get("outputs")) or {}
+  ratios = {name: number(o.get("max_bound_ratio")) for name, o in outs.items()}
+  return {name: (math.inf if math.isnan(r) else r) for name, r in ratios.items() if r is not None}
+
+
 def recorded_timer(trace: results_lib.Trace) -> str | None:
   """The timer a result names, or the one an older result implies; None
   when the workload was not timed."""
@@ -107,7 +123,7 @@ class Row:
   uuid: str
   definition: str
   status: Status | None
-  worst_ratio: float | None  # max over outputs of error / tolerance
+  worst_ratio: float | None  # max over outputs of error / atol (module doc)
   worst_output: str | None
   latency_ms: float | None
   reference_ms: float | None
@@ -118,6 +134,8 @@ class Row:
   axes_run: dict[str, int] | None = None  # the axes the workload ran at
   timer: str = NOT_TIMED
   backend: str = "-"  # the kernel backend that ran ("-": none recorded)
+  bound_ratio: float | None = None  # max over outputs of error / the rule's bound: <= 1 when passed
+  bound_output: str | None = None
 
   @property
   def failed(self) -> bool:
@@ -133,7 +151,9 @@ def rows_of(traces: Iterable[results_lib.Trace], dataset_dir: str = "") -> list[
   rows, timers = [], []
   for t in traces:
     ratios = error_ratios(t, tol_table.get(t.definition, {}))
-    worst = max(ratios, key=ratios.get) if ratios else None
+    worst = max(ratios, key=ratios.__getitem__) if ratios else None
+    bounds = bound_ratios(t)
+    worst_bound = max(bounds, key=lambda n: bounds[n]) if bounds else None
     perf = t.evaluation.performance or {}
     rows.append(
       Row(
@@ -150,6 +170,8 @@ def rows_of(traces: Iterable[results_lib.Trace], dataset_dir: str = "") -> list[
         log=t.evaluation.log or "",
         axes_run=t.workload.axes_run or t.workload.axes,
         backend=t.evaluation.backend or "-",
+        bound_ratio=bounds[worst_bound] if worst_bound else None,
+        bound_output=worst_bound,
       )
     )
     timers.append(recorded_timer(t))

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxkern.compare import Status
+from jaxkern.report.peer_table import NOTE, PEER_HEADERS, Group, PeerStat, against_peers, peer_cells
 from jaxkern.report.rows import Row, by_definition_backend_and_timer, failed, fmt, median
 
 HEADERS = [
@@ -19,13 +20,21 @@ HEADERS = [
   "passed",
   "failed",
   "skipped",
-  "worst err/tol",
+  "worst err/bound",
+  "worst err/atol",
   "kernel ms",
   "ref ms",
   "SOL ms",
   "SOL frac",
 ]
 FAILED_COLUMN = HEADERS.index("failed")
+# What the two error columns mean: printed under the table, on the page and in the plot.
+ERROR_RULE = (
+  "An element fails only beyond both atol and rtol*|reference|. worst err/bound: the worst element's "
+  "|kernel - reference| / max(atol, rtol*|reference|) (GDN prefill state: worst metric / threshold), "
+  "<= 1 on every passed workload. worst err/atol: max abs error / atol alone, which a passed workload "
+  "can exceed where rtol*|reference| allows more."
+)
 BASELINE_HEADERS = [
   "definition",
   "matched",
@@ -59,27 +68,40 @@ def _counts(rows: Sequence[Row]) -> list[int]:
   ]
 
 
-def definition_table(rows: list[Row]) -> list[list[Any]]:
-  """One line per definition, backend and timer (HEADERS), then a total line."""
+def definition_table(rows: list[Row], peers: dict[Group, list[PeerStat]] | None = None) -> list[list[Any]]:
+  """One line per definition, backend and timer (HEADERS, and with `peers`
+  PEER_HEADERS: `jaxkern.report.peer_table`), then a total line."""
   table = []
   for (name, backend, timer), rs in by_definition_backend_and_timer(rows).items():
-    ratios = [(r.worst_ratio, r.worst_output) for r in rs if r.worst_ratio is not None]
-    worst = max(ratios, key=lambda x: x[0]) if ratios else None
     table.append(
       [
         name,
         backend,
         timer,
         *_counts(rs),
-        f"{fmt(worst[0])} ({worst[1]})" if worst else "-",
+        _worst([(r.bound_ratio, r.bound_output) for r in rs]),
+        _worst([(r.worst_ratio, r.worst_output) for r in rs]),
         fmt(median(r.latency_ms for r in rs)),
         fmt(median(r.reference_ms for r in rs)),
         fmt(median(r.sol_ms for r in rs)),
         fmt(median(r.sol_fraction for r in rs)),
       ]
     )
-  table.append(["total", "", "", *_counts(rows), "", "", "", "", ""])
+    if peers is not None:
+      table[-1] += peer_cells(peers.get((name, backend, timer)))
+  table.append(
+    ["total", "", "", *_counts(rows), "", "", "", "", "", ""] + [""] * len(PEER_HEADERS) * (peers is not None)
+  )
   return table
+
+
+def _worst(ratios: list[tuple[float | None, str | None]]) -> str:
+  """The largest ratio and its output, `0.5 (C)`; "-" when there is none."""
+  known = [(v, output) for v, output in ratios if v is not None]
+  if not known:
+    return "-"
+  value, output = max(known, key=lambda x: x[0])
+  return f"{fmt(value)} ({output})"
 
 
 # --------------------------------------------------------------------------
@@ -108,10 +130,9 @@ def compare_runs(rows: list[Row], base: list[Row]) -> tuple[list[Change], list[R
     if b is None:
       continue
     same = r.axes_run == b.axes_run
-    comparable = same and r.timer == b.timer and r.backend == b.backend and r.latency_ms is not None and b.latency_ms
-    changes.append(
-      Change(r.uuid, r.definition, b.status, r.status, r.latency_ms / b.latency_ms if comparable else None, same)
-    )
+    comparable = same and r.timer == b.timer and r.backend == b.backend
+    ratio = r.latency_ms / b.latency_ms if comparable and r.latency_ms is not None and b.latency_ms else None
+    changes.append(Change(r.uuid, r.definition, b.status, r.status, ratio, same))
   return changes, [r for r in rows if r.uuid not in base_by], [b for b in base if b.uuid not in here]
 
 
@@ -189,10 +210,13 @@ def sol_by_timer(lines: list[SummaryLine]) -> dict[str, tuple[float, int, list[S
   furthest from their speed of light (lowest fraction first)."""
   out = {}
   for timer in sorted({l.timer for l in lines}):
-    measured = [l for l in lines if l.timer == timer and l.sol_fraction is not None and l.sol_fraction > 0]
+    measured = [
+      (l.sol_fraction, l) for l in lines if l.timer == timer and l.sol_fraction is not None and l.sol_fraction > 0
+    ]
     if measured:
-      geomean = math.exp(sum(math.log(l.sol_fraction) for l in measured) / len(measured))
-      out[timer] = (geomean, len(measured), sorted(measured, key=lambda l: l.sol_fraction)[:FURTHEST])
+      geomean = math.exp(sum(math.log(f) for f, _ in measured) / len(measured))
+      furthest = sorted(measured, key=lambda fl: fl[0])[:FURTHEST]
+      out[timer] = (geomean, len(measured), [l for _, l in furthest])
   return out
 
 
@@ -200,12 +224,17 @@ def _md_row(cells: Sequence[Any]) -> str:
   return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
-def summary_markdown(rows: list[Row], *, title: str, source: str, environment: str) -> str:
+def summary_markdown(
+  rows: list[Row], *, title: str, source: str, environment: str, peers: dict[Group, list[PeerStat]] | None = None
+) -> str:
   """The summary table as a markdown page: per definition (and timer)
-  passed / total and median kernel, reference and SOL fraction; then per
-  timer the geomean SOL fraction and the definitions furthest from their
-  speed of light. Different timers are never mixed in one figure."""
+  passed / total and median kernel, reference and SOL fraction (with
+  `peers`: the best peer, its time and peer/ours); then per timer the
+  geomean SOL fraction and the definitions furthest from their speed of
+  light (and the geomean peer/ours). Different timers are never mixed in one
+  figure."""
   lines = summary_lines(rows)
+  headers = SUMMARY_HEADERS + (PEER_HEADERS if peers is not None else [])
   out = [
     f"# {title}",
     "",
@@ -215,8 +244,8 @@ def summary_markdown(rows: list[Row], *, title: str, source: str, environment: s
     "device from jax's profiler; `wall`: wall clock around calls; `interpret`: CPU interpret mode, which "
     "checks plumbing, not speed). SOL fraction: the roofline's speed of light / kernel time.",
     "",
-    _md_row(SUMMARY_HEADERS),
-    "|" + " --- |" * len(SUMMARY_HEADERS),
+    _md_row(headers),
+    "|" + " --- |" * len(headers),
   ]
   for l in lines:
     out.append(
@@ -229,6 +258,7 @@ def summary_markdown(rows: list[Row], *, title: str, source: str, environment: s
           fmt(l.kernel_ms),
           fmt(l.reference_ms),
           fmt(l.sol_fraction),
+          *(peer_cells(peers.get((l.definition, l.backend, l.timer))) if peers is not None else []),
         ]
       )
     )
@@ -244,4 +274,6 @@ def summary_markdown(rows: list[Row], *, title: str, source: str, environment: s
     ]
     out += [f"{i}. `{l.definition}`: {fmt(l.sol_fraction)}" for i, l in enumerate(furthest, 1)]
     out.append("")
+  if peers is not None:
+    out += ["", NOTE, "", *against_peers(peers)] if peers else ["", "Peers: none ran on these workloads."]
   return "\n".join(out).rstrip() + "\n"

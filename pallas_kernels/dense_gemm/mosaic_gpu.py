@@ -71,6 +71,16 @@ this is what makes the kernel correct on the GPU):
   number of pieces cannot reuse a slot under a pending store.
   `commit_smem()` orders its shared-memory writes before the TMA store
   reads them; every consumer waits for all its stores before exiting.
+
+What the CPU interpreter checks of this (docs/perf/mosaic_gpu.md, "Race
+detector"; `tests/test_dense_gemm_mosaic.py` breaks the rules it sees):
+its race detector, on in every test run, the epilogue rules
+(`epilogue_unwaited`, `uncommitted`: only it sees them) and the final
+store wait; its barrier checks, the parity (`release_once`); the
+products, the ring position (`wrong_slot`). The consumers' ring reads are
+wgmma's, which the detector does not order, and wgmma asynchrony
+(`wgmma_wait` before a release) is not modelled: those rest on this
+argument.
 """
 
 from __future__ import annotations
@@ -103,8 +113,9 @@ from pallas_kernels.shared.mosaic_gpu import (
 )
 
 # Test-only sync faults (`_gemm(fault=...)`): each breaks one rule of the
-# synchronization argument so a test can show the interpret run catches it.
-FAULTS = ("release_once", "wrong_slot")
+# synchronization argument so a test can show the interpret run catches it
+# (the last two only the race detector sees).
+FAULTS = ("release_once", "wrong_slot", "epilogue_unwaited", "uncommitted")
 
 
 # The heuristic's tile: 128x256x64, each consumer 64x256 (wgmma m64n256k16,
@@ -140,7 +151,7 @@ def choose_config(shapes: Mapping[str, Any]) -> MosaicGemmConfig:
   """The heuristic: `DEFAULT_CONFIG`, with block_n 128 where N is a multiple
   of 128 but not of 256 (a narrower tile instead of a half-empty last one).
   At the recorded shapes (N and K multiples of 256, M >= 4096) the default
-  gives >= 3.9 tiles per CTA on 132 SMs. Short M keeps it too: a consumer
+  gives >= 3.9 tiles per CTA on an H100/H200. Short M keeps it too: a consumer
   cannot own fewer than 64 rows (wgmma's M), and such a product is bound by
   reading B, which the tile shape does not change."""
   _, n, _ = DenseGemmSizes.of(shapes)
@@ -233,7 +244,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, *, config: MosaicGemmConfig, m: int, n: int,
           release(j * k_steps + k_steps - 1)
           return acc_ref[...]
 
-        acc = pl.run_scoped(accumulate, plgpu.ACC((rows, cols), jnp.float32))
+        acc = pl.run_scoped(accumulate, plgpu.ACC((rows, cols), jnp.float32))  # pyright: ignore[reportPrivateImportUsage] (public Pallas alias)
         c_tile = acc.astype(c_gmem.dtype)
         row0 = tile_m * bm + (wg * rows if config.split == "m" else 0)
         col0 = tile_n * bn + (0 if config.split == "m" else wg * cols)
@@ -241,9 +252,11 @@ def _kernel(a_gmem, b_gmem, c_gmem, *, config: MosaicGemmConfig, m: int, n: int,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         for piece in range(cols // config.epilogue_n):
           out = out_smem.at[wg, piece % 2]
-          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          if fault != "epilogue_unwaited":
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
           out[...] = c_tile[:, piece * config.epilogue_n : (piece + 1) * config.epilogue_n]
-          plgpu.commit_smem()
+          if fault != "uncommitted":
+            plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(
             out, c_gmem.at[pl.ds(row0, rows), pl.ds(col0 + piece * config.epilogue_n, config.epilogue_n)]
           )
@@ -280,14 +293,15 @@ def _gemm(a: jax.Array, b: jax.Array, config: MosaicGemmConfig, interpret: bool,
   # An M that is not a multiple of 8 pads A (`pad_rows`); C keeps its M rows.
   a = pad_rows(a, 0)
   grid = grid_size(config, m, n)
-  kernel = plgpu.kernel(
+  kernel = compat.kernel(
     functools.partial(_kernel, config=config, m=m, n=n, k=k, grid=grid, fault=fault),
     out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
     grid=(grid,),
     grid_names=("cta",),
     num_threads=NUM_CONSUMERS + 1,
     thread_name="wg",
-    **compat.interpret_kwargs(interpret),
+    name=__name__,
+    interpret=interpret,
   )
   return kernel(a, b)
 

@@ -10,6 +10,12 @@ One kernel serves three attention shapes through masks and key sources:
   both the queries and the keys; key j is visible to query i iff
   `segment_ids[j] <= segment_ids[i]`.
 
+Static flags add the rest of `jaxkern.ops.attention`: a band (`keys.Window`:
+causal, a sliding window or packed sequences; each query row sees a key
+interval, `keys.Band`), grouped K/V heads (query head h reads K/V head
+`h // group` through the index maps), the logit soft cap (`keys.Logits`) and
+the lse output. Without them the kernel traces exactly as before.
+
 Layout is `[B, N, H, D]` (heads not transposed in HBM). A program owns
 `block_q` query rows of one (batch row, head) and walks the keys in `block_k`
 steps with the online softmax of FlashAttention-2, in fp32 and base 2 (the
@@ -20,7 +26,9 @@ the output is rounded once at the end.
 Key blocks are visited in two loops: the leading blocks every query row of the
 program sees are processed without any mask; the remaining blocks, up to the
 last one some row sees, apply bounds, `key_valid` and segment masks. Blocks
-past that are skipped. With masks present, the two limits come from a small
+past that are skipped. Under a band, three: masked blocks at its left edge,
+unmasked blocks every row sees whole, masked blocks at its right edge; the
+blocks outside it are neither loaded nor computed (`keys.RowBand`). With masks present, the two limits come from a small
 per-(batch row, query block) table computed by XLA before the launch; for
 nondecreasing segment ids (the recorded case) the skipped blocks are exactly
 the later segments' keys.
@@ -45,11 +53,17 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.flash_attention.config import FlashAttentionConfig
 from pallas_kernels.flash_attention.keys import (
+  Band,
   Keys,
-  check_attention_inputs,
+  Logits,
+  Window,
+  band_window,
+  checked_operands,
   key_block_limits,
-  key_sources,
+  kv_head_map,
   load_rows,
+  packed_intervals,
+  packed_outputs,
   store_rows,
   walk_keys,
 )
@@ -61,7 +75,7 @@ from pallas_kernels.flash_attention.triton_bwd import (
 from pallas_kernels.shared import common
 from pallas_kernels.shared.common import cdiv, check_pow2_dim, fit_block, fitted_candidates, resolve_interpret
 from pallas_kernels.shared.device import SHARED_MEMORY_PER_BLOCK, num_sms
-from pallas_kernels.shared.online_softmax import LOG2_E, init_carry, lse_for_backward, normalize, online_softmax_step
+from pallas_kernels.shared.online_softmax import init_carry, lse_for_backward, normalize, online_softmax_step
 
 
 class FlashAttentionSizes(NamedTuple):
@@ -78,14 +92,18 @@ class FlashAttentionSizes(NamedTuple):
 
   @classmethod
   def of(cls, shapes: Mapping[str, Any]) -> FlashAttentionSizes:
-    batch, q_len, heads, head_dim = shapes["q"].shape
+    """Packed sequences (q `[T, H, D]`, k `[Tk, Hkv, D]`) count as one batch row."""
+    q_shape, k_shape = tuple(shapes["q"].shape), tuple(shapes["k"].shape)
+    if len(q_shape) == 3:
+      q_shape, k_shape = (1, *q_shape), (1, *k_shape)
+    batch, q_len, heads, head_dim = q_shape
     prefix = shapes.get("k_prefix")
     prefix_len = 0 if prefix is None else prefix.shape[1]
     return cls(
       int(batch),
       int(heads),
       int(q_len),
-      int(shapes["k"].shape[1]),
+      int(k_shape[1]),
       int(prefix_len),
       int(head_dim),
       jnp.dtype(shapes["q"].dtype).itemsize,
@@ -198,6 +216,8 @@ def _flash_attention_kernel(
   key_valid_ref,
   segment_ids_ref,
   block_limits_ref,
+  rows_lo_ref,
+  rows_hi_ref,
   o_ref,
   lse_ref,
   block_q: int,
@@ -205,10 +225,13 @@ def _flash_attention_kernel(
   q_len: int,
   kv_len: int,
   prefix_len: int,
+  window: Window | None,
+  softcap: float | None,
 ):
   # scale [1] f32 (sm_scale); q [bq, D]; k, v [Nk, D]; optional: the prefix's
   # k, v [Np, D], key_valid [Nk] int8, segment_ids [Nq] int32, block_limits
-  # [2] int32; out: o [bq, D] and, when asked, lse [bq] f32 (base 2).
+  # [2] int32, a packed band's rows_lo, rows_hi [Nq] int32; out: o [bq, D]
+  # and, when asked, lse [bq] f32 (base 2).
   keys = Keys(
     k_ref,
     v_ref,
@@ -222,7 +245,7 @@ def _flash_attention_kernel(
     block_limits=block_limits_ref,
   )
   has_segments, with_lse = segment_ids_ref is not None, lse_ref is not None
-  qk_scale = scale_ref[0] * LOG2_E
+  logits = Logits.of(scale_ref[0], softcap)
 
   q_start = pl.program_id(0) * block_q
   ragged = q_len % block_q != 0
@@ -230,13 +253,16 @@ def _flash_attention_kernel(
   q_segments = None
   if has_segments:
     q_segments = load_rows(keys.segment_ids, q_start, block_q, q_len, 0, ragged)
+  band = None
+  if window is not None:
+    band = Band(window, q_len, kv_len, rows_lo_ref, rows_hi_ref).rows(q_start, block_q, block_k)
 
   def step(k, v, visible, carry):
     # `visible` None: every row sees the whole block (no mask, no empty rows).
-    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
+    s, _ = logits.scores(jnp.dot(q, k.T, preferred_element_type=jnp.float32))
     return online_softmax_step(s, carry, v, visible=visible)
 
-  o, m, l = walk_keys(step, init_carry(block_q, q_ref.shape[-1]), keys, q_segments)
+  o, m, l = walk_keys(step, init_carry(block_q, q_ref.shape[-1]), keys, q_segments, band)
   o = normalize(o, m, l)  # lonely rows (l == 0) output exactly 0
   store_rows(o_ref, o.astype(o_ref.dtype), q_len - q_start, ragged)
   if with_lse:  # What the backward recomputes the probabilities from.
@@ -251,30 +277,38 @@ def _forward(
   v_prefix,
   key_valid,
   segment_ids,
+  rows_lo,
+  rows_hi,
   scale,
   *,
   config: FlashAttentionConfig,
   interpret: bool,
   with_lse: bool,
+  window: Window | None = None,
+  softcap: float | None = None,
 ):
   """One launch of the forward kernel (`config` fitted, `scale` `[1]` f32):
   `o`, and with `with_lse` also `lse [B, H, Nq]` (base 2, +inf for a
-  lonely row)."""
+  lonely row). `window`: the band (`rows_lo`, `rows_hi` `[B, Nq]` when
+  packed); `softcap`: the logit soft cap (`Logits`)."""
   batch, q_len, num_heads, head_dim = q.shape
   kv_len = k.shape[1]
   prefix_len = 0 if k_prefix is None else k_prefix.shape[1]
   block_q, block_k = config.block_q, config.block_k
+  kv_head = kv_head_map(num_heads // k.shape[2])
 
   q_spec = pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, i, h, 0))
   # K/V blocks span the whole sequence of one (batch row, head); the kernel
   # slices them with masked loads, so their length need not be a power of two.
-  kv_spec = pl.BlockSpec((None, kv_len, None, head_dim), lambda i, b, h: (b, 0, h, 0))
-  prefix_spec = pl.BlockSpec((None, prefix_len, None, head_dim), lambda i, b, h: (b, 0, h, 0))
+  # Grouped query heads read their group's K/V (never copied per head).
+  kv_spec = pl.BlockSpec((None, kv_len, None, head_dim), lambda i, b, h: (b, 0, kv_head(h), 0))
+  prefix_spec = pl.BlockSpec((None, prefix_len, None, head_dim), lambda i, b, h: (b, 0, kv_head(h), 0))
   limits = None
   if key_valid is not None or segment_ids is not None:
     limits = key_block_limits(
       key_valid, segment_ids, batch=batch, q_len=q_len, kv_len=kv_len, block_q=block_q, block_k=block_k
     )
+  rows_spec = pl.BlockSpec((None, q_len), lambda i, b, h: (b, 0))
   inputs = {
     "scale": (scale, pl.BlockSpec((1,), lambda i, b, h: (0,))),
     "q": (q, q_spec),
@@ -286,11 +320,10 @@ def _forward(
       None if key_valid is None else key_valid.astype(jnp.int8),
       pl.BlockSpec((None, kv_len), lambda i, b, h: (b, 0)),
     ),
-    "segment_ids": (
-      None if segment_ids is None else segment_ids.astype(jnp.int32),
-      pl.BlockSpec((None, q_len), lambda i, b, h: (b, 0)),
-    ),
+    "segment_ids": (None if segment_ids is None else segment_ids.astype(jnp.int32), rows_spec),
     "block_limits": (limits, pl.BlockSpec((None, None, 2), lambda i, b, h: (b, i, 0))),
+    "rows_lo": (rows_lo, rows_spec),
+    "rows_hi": (rows_hi, rows_spec),
   }
   outputs = {
     "o": (jax.ShapeDtypeStruct(q.shape, q.dtype), q_spec),
@@ -300,7 +333,14 @@ def _forward(
     ),
   }
   kernel = functools.partial(
-    _flash_attention_kernel, block_q=block_q, block_k=block_k, q_len=q_len, kv_len=kv_len, prefix_len=prefix_len
+    _flash_attention_kernel,
+    block_q=block_q,
+    block_k=block_k,
+    q_len=q_len,
+    kv_len=kv_len,
+    prefix_len=prefix_len,
+    window=window,
+    softcap=softcap,
   )
   outs = common.named_pallas_call(
     kernel,
@@ -318,6 +358,9 @@ class _Static(NamedTuple):
   config: FlashAttentionConfig  # fitted
   backward_config: FlashAttentionBwdConfig  # fitted
   interpret: bool
+  window: Window | None = None
+  softcap: float | None = None
+  with_lse: bool = False  # the primal returns (o, lse) (lse base 2)
 
 
 @jax.tree_util.register_static
@@ -331,27 +374,27 @@ class _Needed:
   dscale: bool
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, static: _Static):
+def _launch_forward(args, static: _Static, with_lse: bool):
   return _forward(
-    q,
-    k,
-    v,
-    k_prefix,
-    v_prefix,
-    key_valid,
-    segment_ids,
-    scale,
+    *args,
     config=static.config,
     interpret=static.interpret,
-    with_lse=False,
+    with_lse=with_lse,
+    window=static.window,
+    softcap=static.softcap,
   )
 
 
-def _attention_fwd(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, static: _Static):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, rows_lo, rows_hi, scale, static: _Static):
+  args = (q, k, v, k_prefix, v_prefix, key_valid, segment_ids, rows_lo, rows_hi, scale)
+  return _launch_forward(args, static, static.with_lse)
+
+
+def _attention_fwd(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, rows_lo, rows_hi, scale, static: _Static):
   # symbolic_zeros: each array arrives with `.perturbed`, so the backward
   # launches only the kernels whose gradients are needed.
-  args = (q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale)
+  args = (q, k, v, k_prefix, v_prefix, key_valid, segment_ids, rows_lo, rows_hi, scale)
   perturbed = lambda x: x is not None and x.perturbed  # noqa: E731
   needed = _Needed(
     dq=perturbed(q),
@@ -360,19 +403,34 @@ def _attention_fwd(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, s
     dscale=perturbed(scale),
   )
   args = [None if x is None else x.value for x in args]
-  o, lse = _forward(*args, config=static.config, interpret=static.interpret, with_lse=True)
-  return o, (*args, o, lse, needed)
+  o, lse = _launch_forward(args, static, True)
+  return ((o, lse) if static.with_lse else o), (*args, o, lse, needed)
 
 
-def _attention_bwd(static: _Static, residuals, do):
-  *args, o, lse, needed = residuals
+def _attention_bwd(static: _Static, residuals, cotangent):
+  q, k, v, k_prefix, v_prefix, key_valid, segment_ids, rows_lo, rows_hi, scale, o, lse, needed = residuals
+  do, dlse = cotangent if static.with_lse else (cotangent, None)
   if isinstance(do, SymbolicZero):
     do = jnp.zeros(o.shape, o.dtype)
+  if isinstance(dlse, SymbolicZero):
+    dlse = None
   g = attention_backward(
-    *args,
+    q,
+    k,
+    v,
+    k_prefix,
+    v_prefix,
+    key_valid,
+    segment_ids,
+    rows_lo,
+    rows_hi,
+    scale,
     o,
     lse,
     do,
+    dlse=dlse,
+    window=static.window,
+    softcap=static.softcap,
     config=static.backward_config,
     interpret=static.interpret,
     need_dq=needed.dq,
@@ -380,13 +438,15 @@ def _attention_bwd(static: _Static, residuals, do):
     need_dprefix=needed.dprefix,
     need_dscale=needed.dscale,
   )
-  return g.dq, g.dk, g.dv, g.dk_prefix, g.dv_prefix, None, None, g.dscale
+  return g.dq, g.dk, g.dv, g.dk_prefix, g.dv_prefix, None, None, None, None, g.dscale
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backward_config", "interpret"))
+@functools.partial(
+  jax.jit, static_argnames=("causal", "window", "softcap", "return_lse", "config", "backward_config", "interpret")
+)
 def flash_attention(
   q: jax.Array,
   k: jax.Array,
@@ -397,27 +457,51 @@ def flash_attention(
   v_prefix: jax.Array | None = None,
   segment_ids: jax.Array | None = None,
   sm_scale: float | jax.Array | None = None,
+  causal: bool = False,
+  window: tuple[int | None, int | None] | None = None,
+  softcap: float | None = None,
+  cu_seqlens_q: jax.Array | None = None,
+  cu_seqlens_k: jax.Array | None = None,
+  return_lse: bool = False,
   config: FlashAttentionConfig | None = None,
   backward_config: FlashAttentionBwdConfig | None = None,
   interpret: bool | None = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Softmax attention `softmax(q k^T * sm_scale) v` over the visible keys.
 
   Args:
     q: `[B, Nq, H, D]`; `D` a power of two >= 16.
-    k, v: `[B, Nk, H, D]`, same dtype as `q`.
+    k, v: `[B, Nk, Hkv, D]`, same dtype as `q`; Hkv divides H, query head
+      h reads key/value head `h // (H / Hkv)` (grouped-query and
+      multi-query attention: the group shares K/V through the index maps,
+      never copied per head).
     key_valid: optional `[B, Nk]` bool; False hides key j of batch row b.
       Whatever a hidden key or value holds (NaN, Inf) reaches neither the
       output nor a gradient.
-    k_prefix, v_prefix: optional `[B, Np, H, D]`; keys become
+    k_prefix, v_prefix: optional `[B, Np, Hkv, D]`; keys become
       `concat(k_prefix, k)`, every prefix key visible to every query.
-      `Np = 0` is the same as no prefix.
+      `Np = 0` is the same as no prefix. Not with `causal` or `window`.
     segment_ids: optional `[B, Nq]` int32 (requires `Nk == Nq`: queries and
       keys are the same tokens); key j visible to query i iff
       `segment_ids[j] <= segment_ids[i]`. Exact for any ids; key blocks are
       skipped when the ids are nondecreasing. (A NaN in a key that some
       query sees reaches every row of its head through the value product.)
     sm_scale: a float or a traced scalar; defaults to `D ** -0.5`.
+    causal: query i sees keys `j <= i + Nk - Nq` (bottom-right aligned, as
+      FlashAttention-2 and cuDNN; per sequence when packed).
+    window: `(left, right)`, None or ints >= 0 (None: unbounded side):
+      query i sees keys `i' - left <= j <= i' + right`, `i' = i + Nk - Nq`;
+      with `causal` the right side is 0. Key blocks outside every row's
+      band are neither loaded nor computed.
+    softcap: scores become `softcap * tanh(s / softcap)` (s the scaled
+      score) before masks and softmax (`keys.Logits`).
+    cu_seqlens_q, cu_seqlens_k: packed sequences (varlen): q `[T, H, D]`,
+      k and v `[Tk, Hkv, D]`, key_valid `[Tk]`, and these `[S + 1]` int32;
+      sequence s is queries `[cu_seqlens_q[s], cu_seqlens_q[s+1])` over keys
+      `[cu_seqlens_k[s], cu_seqlens_k[s+1])` (`keys.packed_intervals`).
+    return_lse: also return lse `[B, H, Nq]` (packed: `[H, T]`) f32, the
+      natural-log sum of exp of each row's visible scores, +inf for a row
+      that sees no key.
     config: tiling; None = `choose_config`. Blocks larger than the problem
       are shrunk to it.
     backward_config: tiling of the backward kernels; None =
@@ -426,29 +510,57 @@ def flash_attention(
 
   Any B, Nq, Nk, Np >= 0 (no query: an empty result; no key: zeros).
   Differentiable (`jax.custom_vjp`, FlashAttention-2 backward kernels,
-  `flash_attention_bwd`) in q, k, v, the prefix and `sm_scale`; hidden keys
-  get exactly zero gradients.
+  `flash_attention_bwd`) in q, k, v, the prefix, `sm_scale` and the lse
+  output; hidden keys get exactly zero gradients, grouped K/V the sum over
+  their query heads.
 
   Returns:
-    `[B, Nq, H, D]` in `q.dtype`; rows that see no key are 0.
+    `[B, Nq, H, D]` in `q.dtype` (packed: `[T, H, D]`); rows that see no
+    key are 0. With `return_lse`, `(o, lse)`.
   """
-  check_attention_inputs(q, k, v, key_valid, k_prefix, v_prefix, segment_ids)
+  q, k, v, k_prefix, v_prefix, key_valid, packed = checked_operands(
+    q,
+    k,
+    v,
+    key_valid=key_valid,
+    k_prefix=k_prefix,
+    v_prefix=v_prefix,
+    segment_ids=segment_ids,
+    causal=causal,
+    window=window,
+    softcap=softcap,
+    cu_seqlens_q=cu_seqlens_q,
+    cu_seqlens_k=cu_seqlens_k,
+  )
   batch, q_len, num_heads, head_dim = q.shape
   check_pow2_dim("head dim D", head_dim)
   if sm_scale is not None and jnp.ndim(sm_scale) != 0:
     raise ValueError(f"sm_scale must be a scalar, got shape {jnp.shape(sm_scale)}")
-
-  k, v, k_prefix, v_prefix, key_valid = key_sources(k, v, k_prefix, v_prefix, key_valid)
+  finish = functools.partial(packed_outputs, packed=packed, return_lse=return_lse)
   kv_len = k.shape[1]
   prefix_len = 0 if k_prefix is None else k_prefix.shape[1]
   if not (batch and q_len and kv_len):
-    return jnp.zeros(q.shape, q.dtype)
+    return finish(jnp.zeros(q.shape, q.dtype), jnp.full((batch, num_heads, q_len), jnp.inf, jnp.float32))
   scale = jnp.asarray(head_dim**-0.5 if sm_scale is None else sm_scale, jnp.float32).reshape(1)
+  band = band_window(causal, window, packed)
+  rows_lo = rows_hi = None
+  if packed:
+    assert band is not None and cu_seqlens_q is not None and cu_seqlens_k is not None
+    lo, hi = packed_intervals(cu_seqlens_q, cu_seqlens_k, band, q_len=q_len, kv_len=kv_len)
+    rows_lo, rows_hi = lo[None], hi[None]
   if config is None:
     config = choose_config({"q": q, "k": k, "k_prefix": k_prefix})
   longest = max(kv_len, prefix_len)
   backward_config = backward_config_for(
     backward_config, batch=batch, heads=num_heads, q_len=q_len, kv_len=longest, head_dim=head_dim
   )
-  static = _Static(_fit(config, q_len, longest), backward_config, resolve_interpret(interpret))
-  return _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, scale, static)
+  static = _Static(
+    _fit(config, q_len, longest),
+    backward_config,
+    resolve_interpret(interpret),
+    band,
+    None if softcap is None else float(softcap),
+    return_lse,
+  )
+  out = _attention(q, k, v, k_prefix, v_prefix, key_valid, segment_ids, rows_lo, rows_hi, scale, static)
+  return finish(*out) if return_lse else finish(out, None)

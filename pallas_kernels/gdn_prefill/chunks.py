@@ -240,3 +240,15 @@ def store_rows(ref, tokens, valid, value, cols=None):
     return
   index = (tokens, slice(None) if cols is None else cols)
   plgpu.store(ref.at[index], value.astype(ref.dtype), mask=valid[:, None])
+
+
+def decayed_scores(q_ref, k_ref, g_ref, tokens, valid, precision: str):
+  """A chunk's `(G, Q, M)`: the cumulative log-decay G [C] (rows past the
+  segment's end continue at its last G, not at 0: exp(0 - G_j) would
+  overflow), its queries Q [C, K], and M = D * (Q K^T) [C, C] with D the
+  `decay_matrix` of G. What the output (forward launch 3) and the dV pass
+  (backward launch 1) both start from."""
+  cum = load_rows(g_ref, tokens, valid)
+  cum = jnp.where(valid, cum, jnp.min(cum))
+  q = load_rows(q_ref, tokens, valid)
+  return cum, q, decay_matrix(cum) * mm(q, load_rows(k_ref, tokens, valid), (1, 1), precision)

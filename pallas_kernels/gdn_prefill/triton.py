@@ -146,11 +146,7 @@ def _output_kernel(
   # [block_v, K]. O = scale (diag(e) Q S + M V'), M recomputed from Q, K, G.
   c = pl.program_id(0)
   tokens, valid = gc.chunk_rows(start_ref[c], end_ref[c], chunk)
-  cum = gc.load_rows(g_ref, tokens, valid)
-  # Rows past the end continue at the last G, not at 0: exp(0 - G_j) would overflow.
-  cum = jnp.where(valid, cum, jnp.min(cum))
-  q = gc.load_rows(q_ref, tokens, valid)
-  m = gc.decay_matrix(cum) * gc.mm(q, gc.load_rows(k_ref, tokens, valid), (1, 1), precision)
+  cum, q, m = gc.decayed_scores(q_ref, k_ref, g_ref, tokens, valid, precision)
   o = jnp.exp(cum)[:, None] * gc.mm(q, h_ref[...], (1, 1), precision) + gc.mm(
     m, gc.load_rows(vn_ref, tokens, valid), (1, 0), precision
   )

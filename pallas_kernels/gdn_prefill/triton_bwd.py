@@ -96,12 +96,7 @@ def _dv_kernel(
   # and (Q^T diag(e) dÔ)^T.
   c = pl.program_id(0)
   tokens, valid = gc.chunk_rows(start_ref[c], end_ref[c], chunk)
-  cum = gc.load_rows(g_ref, tokens, valid)
-  # Rows past the end continue at the last G (as in launch 1 of the forward),
-  # not at 0: exp(0 - G_j) would overflow.
-  cum = jnp.where(valid, cum, jnp.min(cum))
-  q = gc.load_rows(q_ref, tokens, valid)
-  m = gc.decay_matrix(cum) * gc.mm(q, gc.load_rows(k_ref, tokens, valid), (1, 1), precision)
+  cum, q, m = gc.decayed_scores(q_ref, k_ref, g_ref, tokens, valid, precision)
   do = scale_ref[...] * gc.load_rows(do_ref, tokens, valid).astype(jnp.float32)
   gc.store_rows(dvi_ref, tokens, valid, gc.mm(m, do, (0, 0), precision))
   qdo_ref[...] = gc.mm(jnp.exp(cum)[:, None] * do, q, (0, 0), precision)

@@ -10,6 +10,7 @@ from pallas_kernels.shared.config_rules import (
   NUM_STAGES,
   NUM_WARPS,
   KernelConfig,
+  Rule,
   at_least,
   field,
   instance_of,
@@ -39,3 +40,26 @@ class GroupedGemmConfig(KernelConfig):
   fold_scales: bool = field(False, only_with("expert_items", "swap_ab"))
   num_warps: int = field(8, NUM_WARPS)
   num_stages: int = field(3, NUM_STAGES)
+
+
+def _grid_rule() -> Rule:
+  return Rule(
+    "None (the device's SM count) or an int >= 1",
+    lambda v, _: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGroupedGemmConfig(KernelConfig):
+  """Tiling of the Mosaic GPU grouped GEMM (`mosaic_gpu` module docstring).
+
+  `block_m`: the most activation rows of one item (one expert's
+  consecutive rows), the wgmma's N side; `block_n`: weight rows (output
+  columns) of a CTA's unit, split between the two consumer warpgroups in
+  64-row wgmma halves; `stages`: the shared-memory ring depth (64 k a
+  step); `grid`: the persistent CTA count (None: the SM count)."""
+
+  block_m: int = field(64, one_of(8, 16, 32, 64))
+  block_n: int = field(256, one_of(128, 256))
+  stages: int = field(4, at_least(2))
+  grid: int | None = field(None, _grid_rule())

@@ -307,13 +307,16 @@ def fold_operands(a: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> tuple
   return a_pairs, a_mult, a_fold, _fold_reference(b_scale, FOLD_B_MAX_SHIFT)
 
 
-def dot_operand_dtype(config: GroupedGemmConfig | None = None):
+def dot_operand_dtype(config: Any = None):
   """The dtype the kernel's tensor-core dots take (the roofline judges the
   FLOPs against that peak): folded scales (`fold_scales`) run f16 dots;
   every other config decodes the e2m1 weights to e4m3 and runs fp8 x fp8
   dots (`fp8_mma.fp8_dot_nt`), as do folded items whose scales do not
-  fold. No config: fp8 (the higher peak)."""
-  return jnp.float16 if config is not None and config.fold_scales else jnp.float8_e4m3fn
+  fold. The Mosaic GPU kernel's configs (no `fold_scales` field) run f16
+  dots. No config: fp8 (the higher peak)."""
+  if config is None:
+    return jnp.float8_e4m3fn
+  return jnp.float16 if getattr(config, "fold_scales", True) else jnp.float8_e4m3fn
 
 
 def _grouped_gemm_kernel(

@@ -84,6 +84,16 @@ sparse MLA prefill kernel (`pallas_kernels.sparse_mla.mosaic_gpu`):
 - `done` (2 arrivals): the consumers' rendezvous before the epilogue
   overwrites Q. P tiles (hi, lo) of consumer w are written by w only, after
   the wgmmas that read them completed, and made visible by `commit_smem()`.
+  Consumer 0 alone writes the lse tile (`store_rows`).
+
+What the CPU interpreter checks of this (docs/perf/mosaic_gpu.md, "Race
+detector"; `tests/test_mixed_mla_mosaic.py` breaks the rules it sees): its
+race detector, on in every test run, the rules it sees in the sparse MLA
+kernel (`staged_late` among them) and, on the ring, the slot's scale
+table (stored by the producer, loaded by the consumers); its barrier
+checks, the arrival counts (`release_once`, `staged_short`). The keys in
+the ring are read by wgmma only, which the detector does not order, and
+wgmma asynchrony is not modelled: those rest on this argument.
 """
 
 from __future__ import annotations
@@ -112,6 +122,7 @@ from pallas_kernels.shared.mosaic_gpu import (
   WGMMA_TRANSFORMS,
   consumer_registers,
   drain_releases,
+  fill_ring_slot,
   finish_rows,
   gather_ring_scratch,
   gather_shared_memory_bytes,
@@ -144,9 +155,9 @@ CONSUMER_REGISTERS = consumer_registers(PRODUCER_REGISTERS)
 # (a 528- or 288-byte row is not a multiple of its default 64 columns).
 FP8_WORDS = (HEAD_DIM + 4 * (HEAD_DIM // CHUNK)) // 2
 FP4_BYTES = HEAD_DIM // 2 + HEAD_DIM // FP4_GROUP
-STAGING8_TRANSFORMS = (plgpu.TilingTransform((1, 8)),)
+STAGING8_TRANSFORMS = (plgpu.TilingTransform((1, 8)),)  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
 FP4_SCALE_TILE = 16
-STAGING4_TRANSFORMS = (plgpu.TilingTransform((1, FP4_SCALE_TILE)),)
+STAGING4_TRANSFORMS = (plgpu.TilingTransform((1, FP4_SCALE_TILE)),)  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
 PAIR = TILE_COLS // 2  # bytes (FP4) or words (FP8) behind one 64-dim chunk
 
 
@@ -196,7 +207,7 @@ def choose_config(shapes: Mapping[str, Any]) -> MosaicMixedMlaConfig:
   """64 slots a step through one ring slot; a sequence's slot blocks split
   over as many CTAs as keep one wave (at most `MAX_SPLITS`, one block
   each): the recorded B = 1-3 take 10 splits of one block (10-30 CTAs, the
-  latency of one step each); B >= 132 none."""
+  latency of one step each); B >= `num_sms()` none."""
   sizes = MixedMlaSizes.of(shapes)
   ctas = max(sizes.batch, 1) * max(sizes.heads // BLOCK_H, 1)
   splits = min(MAX_SPLITS, max(1, num_sms() // ctas))
@@ -236,7 +247,7 @@ def check_supported(q: jax.Array) -> None:
 # The producer's dequantization (registers in the WGMMA layout).
 
 
-def _column(tile, k: int):
+def _column(tile, k: int | jax.Array):
   """Column `k` of an int32 tile of non-negative values, one value a row
   (`Layout.WGMMA.reduce(1)`): the tile masked to it, reduced over columns."""
   cols = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, tile.shape, 1), plgpu.Layout.WGMMA)
@@ -420,19 +431,11 @@ def _kernel(
             )
           )
 
-        plgpu.barrier_wait(staged)
-        slot = lax.rem(g, stages)
+        def dequantize(slot):
+          pl.when(is_fp8)(lambda: dequantize_fp8(slot))
+          pl.when(~is_fp8)(lambda: dequantize_fp4(slot))
 
-        @pl.when(g >= stages)
-        def _():
-          plgpu.barrier_wait(ring_empty.at[slot])
-
-        pl.when(is_fp8)(lambda: dequantize_fp8(slot))
-        pl.when(~is_fp8)(lambda: dequantize_fp4(slot))
-        # Makes the stores visible to the consumers' wgmmas, and orders this
-        # warpgroup's reads of the staging buffer before the next gather.
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ring_full.at[slot])
+        fill_ring_slot(g, stages, staged, ring_empty, ring_full, dequantize, staged_late=fault == "staged_late")
 
       drain_releases(steps, stages, ring_empty)
 
@@ -466,7 +469,7 @@ def _kernel(
 
             return s_ref[...]
 
-          return s + pl.run_scoped(product, plgpu.ACC((BLOCK_H, bk), jnp.float32)) * key_scales(slot, c)
+          return s + pl.run_scoped(product, plgpu.ACC((BLOCK_H, bk), jnp.float32)) * key_scales(slot, c)  # pyright: ignore[reportPrivateImportUsage] (public Pallas alias)
 
         s = lax.fori_loop(
           0,
@@ -568,7 +571,7 @@ def _forward(
       jax.ShapeDtypeStruct((batch, splits, heads, head_dim), jnp.float32),
       jax.ShapeDtypeStruct((batch, splits, heads), jnp.float32),
     )
-  kernel = plgpu.kernel(
+  kernel = compat.kernel(
     functools.partial(
       _kernel,
       config=config,
@@ -582,7 +585,8 @@ def _forward(
     grid_names=("h", "s", "b"),
     num_threads=NUM_CONSUMERS + 1,
     thread_name="wg",
-    **compat.interpret_kwargs(interpret),
+    name=__name__,
+    interpret=interpret,
   )
   sink = attn_sink.astype(jnp.float32)
   out, lse = kernel(

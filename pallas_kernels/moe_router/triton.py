@@ -14,7 +14,7 @@ Two kernels, or both in one launch:
   its D range and writes it to the partial logits `[splits, M, E]` (real
   tokens and experts only). Splitting E as well as D fills the GPU at
   decode with one pass over the weight: at M = 1, 24 expert blocks x 7 D
-  splits = 168 programs (>= the 132 SMs of an H100/H200), each reading a
+  splits = 168 programs (>= an H100/H200's SMs, `DEFAULT_NUM_SMS`), each reading a
   distinct 16 x 768 slice of the weight, with 10.5 KiB of partials against
   the 3.9 MB weight. Large M takes large tiles and no D split: at M = 4096,
   128 x 128 tiles (32 x 3 programs) read the weight once per 128 rows and
@@ -79,7 +79,7 @@ _MAX_SPLITS = 16
 # the smallest, with D splits.
 _TILES = ((128, 128), (64, 128), (64, 64), (32, 64), (32, 32), (16, 32), (16, 16))
 # "Most of the GPU": a wave at least this fraction of the SMs (96 programs
-# at M = 4096 on 132 SMs: 128 x 128 tiles without partials beat 192 programs
+# at M = 4096 on an H100/H200: 128 x 128 tiles without partials beat 192 programs
 # of 64 x 128 that read the weight twice as often).
 _FILL = 0.7
 # The most rows of the one-launch form: one row block of the decode tiles

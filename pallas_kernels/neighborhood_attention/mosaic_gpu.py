@@ -67,8 +67,9 @@ Synchronization (interpret mode does not check asynchrony):
   interpret mode the run is read through the generic proxy and
   `commit_smem()` (a proxy fence) follows the read, so the producer's next
   TMA into the slot, which the release allows, is ordered after it (the
-  race detector checks this). The producer waits on `k_empty[s]` before refilling K of plane p >=
-  stages and on `v_empty[s]` before V, and at the end waits for the last
+  race detector checks this: the `uncommitted` fault drops the fence). The
+  producer waits on `k_empty[s]` before refilling K of plane p >= stages
+  and on `v_empty[s]` before V, and at the end waits for the last
   release of every slot it waited on, so it observes every completion
   (`drain_releases`).
 - Parity: use u of slot s completes phase u of each of the four barriers;
@@ -156,7 +157,7 @@ UNSEEN = jnp.iinfo(jnp.int32).min
 START_MAX = float(jnp.finfo(jnp.float32).min) / 2
 
 # Test-only sync faults (`_forward(fault=...)`).
-FAULTS = ("release_once", "turn_once")
+FAULTS = ("release_once", "turn_once", "uncommitted")
 
 
 def box_plan(dims, window, config: MosaicNeighborhoodConfig) -> boxes.BoxPlan:
@@ -359,7 +360,8 @@ def _kernel(
         if not interpret:
           return ring_rows.at[slot, pl.ds(run, plan.run)]
         rows = lax.dynamic_slice_in_dim(ring_boxes[slot].reshape(plan.plane_rows, HEAD_DIM), run, plan.run)
-        plgpu.commit_smem()
+        if fault != "uncommitted":
+          plgpu.commit_smem()
         return rows
 
       def scores(k_run, offset, keys):
@@ -477,7 +479,7 @@ def _forward(q, k, v, *, window, config: MosaicNeighborhoodConfig, interpret: bo
       f"is {device.SHARED_MEMORY_PER_BLOCK} (fewer stages or a smaller tile)"
     )
   x_lse = cdiv(dims[2], LSE_ALIGN) * LSE_ALIGN
-  kernel = plgpu.kernel(
+  kernel = compat.kernel(
     functools.partial(_kernel, plan=plan, config=config, interpret=interpret, fault=fault),
     out_type=(
       jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -487,7 +489,8 @@ def _forward(q, k, v, *, window, config: MosaicNeighborhoodConfig, interpret: bo
     grid_names=("tile", "h", "b"),
     num_threads=NUM_CONSUMERS + 1,
     thread_name="wg",
-    **compat.interpret_kwargs(interpret),
+    name=__name__,
+    interpret=interpret,
   )
   row_bits = jnp.asarray(plan.row_bits().reshape(plan.extents[1:]))
   o, lse = kernel(q, k, v, boxes.probes(plan), row_bits)

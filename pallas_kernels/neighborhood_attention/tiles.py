@@ -37,9 +37,10 @@ masked, and never counted.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, cast
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -62,7 +63,7 @@ def first_query(j, k: int):
   return (j >= k) * (j - k + k // 2 + 1)
 
 
-def last_query(j, length: int, k: int, minimum=jnp.minimum):
+def last_query(j, length: int, k: int, minimum: Callable[[Any, Any], Any] = jnp.minimum):
   """The last query whose window holds key `j` (`s(i) <= j`): `L - 1` for
   `j >= L - k`, else `min(j + k // 2, L - 1)` (`np.minimum` for numpy
   arrays: static geometry)."""
@@ -79,12 +80,14 @@ def query_box(dims: Dims, window: Dims, tile: Dims) -> Dims:
     last_keys = np.minimum(first_keys + block, length) - 1
     return int(np.max(last_query(last_keys, length, k, np.minimum) - first_query(first_keys, k))) + 1
 
-  return tuple(extent(n, k, b) for n, k, b in zip(dims, window, tile))
+  t, y, x = (extent(n, k, b) for n, k, b in zip(dims, window, tile))
+  return t, y, x
 
 
 def halo_box(tile: Dims, window: Dims) -> Dims:
   """Extents of the key box of a query tile: `block + k - 1` per axis."""
-  return tuple(b + w - 1 for b, w in zip(tile, window))
+  t, y, x = (b + w - 1 for b, w in zip(tile, window))
+  return t, y, x
 
 
 def as_unsigned(x):
@@ -133,7 +136,8 @@ def tile_points(dims: Dims, tile: Dims) -> TilePoints:
   offsets = unravel(jnp.arange(math.prod(tile), dtype=jnp.int32), tile)
   points = [f + o for f, o in zip(first, offsets)]
   in_grid = (points[0] < dims[0]) & (points[1] < dims[1]) & (points[2] < dims[2])
-  coords = tuple(jnp.minimum(p, n - 1) for p, n in zip(points, dims))
+  t, y, x = (jnp.minimum(p, n - 1) for p, n in zip(points, dims))
+  coords = (t, y, x)
   return TilePoints(first, coords, flat_rows(coords, dims), in_grid)
 
 
@@ -208,14 +212,14 @@ def halo_slots(dims: Dims, window: Dims, tile: Dims, block_k: int) -> SlotTables
   return SlotTables(offsets, bits.astype(np.int32), True, (0, 0, 0))
 
 
-def window_probe(rel, tile: Dims):
+def window_probe(rel: Sequence[jax.Array], tile: Dims) -> jax.Array:
   """Each query's bits for `halo_slots`' window bits: one bit per axis,
   `field(axis) + rel[axis]` (`rel` its window starts into the box)."""
   field, probe = 0, 0
   for r, block in zip(rel, tile):
     probe = probe | (1 << (field + r))
     field += block
-  return probe
+  return cast(jax.Array, probe)  # an array: the 0 it starts from is OR-ed with rel's three
 
 
 def query_box_slots(dims: Dims, window: Dims, tile: Dims, block_q: int) -> SlotTables:

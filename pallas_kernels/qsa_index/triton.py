@@ -101,7 +101,7 @@ def score_width(config: QsaIndexConfig, ids: int) -> int:
   return cdiv(max(ids, 1), chunk) * chunk
 
 
-def choose_config(shapes: Mapping[str, jax.ShapeDtypeStruct]) -> QsaIndexConfig:
+def choose_config(shapes: Mapping[str, Any]) -> QsaIndexConfig:
   """Heuristic: 128-id steps (8 pages, 32 KiB of keys per step, 2 stages in
   flight) and the longest score chunk in [256, 8192] ids that still gives
   about two programs per SM. Recorded extremes: B=1, MP=3895 (n up to 62k

@@ -5,7 +5,6 @@ Triton deprecation filter, the `pallas_call` every kernel launches through
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -14,6 +13,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.shared.device import has_gpu
 from pallas_kernels.shared.kernel import Unsupported
 
 # jax >= 0.11 warns that the Triton lowering is deprecated in favour of Mosaic
@@ -27,14 +27,6 @@ def filter_triton_deprecation() -> None:
 
 
 filter_triton_deprecation()
-
-
-@functools.cache
-def has_gpu() -> bool:
-  try:
-    return bool(jax.devices("gpu"))
-  except RuntimeError:
-    return False
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
@@ -143,7 +135,8 @@ def compiler_params(stage: Any) -> plgpu.CompilerParams:
   return plgpu.CompilerParams(num_warps=stage.num_warps, num_stages=stage.num_stages)
 
 
-def cdiv(a: int, b: int) -> int:
+def cdiv[T: (int, jax.Array)](a: T, b: int) -> T:
+  """`a / b` rounded up, for `a >= 0`: an int, or an int array in a kernel."""
   return -(-a // b)
 
 

@@ -108,6 +108,8 @@ class KernelConfig:
   construction."""
 
   _derived_rules: ClassVar[Mapping[str, tuple[Rule, ...]]] = {}
+  # Set by @dataclasses.dataclass on each subclass; declared for the type checker.
+  __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
   def __post_init__(self):
     for f in dataclasses.fields(self):

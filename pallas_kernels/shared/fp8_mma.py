@@ -37,10 +37,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src import core as jax_core  # a primitive with its own Triton lowering
 from jax._src.interpreters import mlir
-from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import lowering as triton_lowering
 from jax.experimental.pallas import triton as plgpu
+from jax.extend.mlir import ir
 
 from pallas_kernels.shared.common import NT_DIMS
 from pallas_kernels.shared.fp_formats import e2m1_to_e4m3_bits

@@ -1,7 +1,7 @@
 """Deviceless lowering for an abstract H100 and the parsers of the kernel
 launches a lowered module holds, one per backend: Triton calls
 (`__gpu$xla.gpu.triton`, with name, grid, warps and stages) and Mosaic GPU
-calls (`mosaic_gpu_v2`, with operand and result types)."""
+calls (`mosaic_gpu_v2`, with operand and result types and the kernel's hash)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,19 @@ from typing import Any
 
 import jax
 
-# The abstract device's SM count: Mosaic GPU's lowering reads it (Triton's does not).
-H100_NUM_SMS = 132
+from pallas_kernels.shared.device import DEFAULT_NUM_SMS
 
 
 def abstract_h100_mesh():
+  """A one-device mesh of an abstract H100 with its SM count (Mosaic GPU's
+  lowering reads it; Triton's does not)."""
   from jax._src import mesh as mesh_lib
 
   return mesh_lib.AbstractMesh(
     (1,),
     ("x",),
     (mesh_lib.AxisType.Explicit,),
-    abstract_device=mesh_lib.AbstractDevice("NVIDIA H100", H100_NUM_SMS, "cuda"),
+    abstract_device=mesh_lib.AbstractDevice("NVIDIA H100", DEFAULT_NUM_SMS, "cuda"),
   )
 
 
@@ -82,7 +83,7 @@ def triton_calls(stablehlo: str) -> list[TritonCall]:
     calls.append(
       TritonCall(
         name=_triton_name(line),
-        grid=tuple(_int_field(fields, f"grid_{axis}") for axis in "xyz"),
+        grid=(_int_field(fields, "grid_x"), _int_field(fields, "grid_y"), _int_field(fields, "grid_z")),
         num_warps=_int_field(fields, "num_warps"),
         num_stages=_int_field(fields, "num_stages"),
       )
@@ -94,10 +95,14 @@ def triton_calls(stablehlo: str) -> list[TritonCall]:
 class MosaicGpuCall:
   """One `mosaic_gpu_v2` custom call of a lowered module: its operand and
   result tensor types as written (`tensor<2x128xf32>`); the kernel itself
-  is serialized bytecode, so the types are what the text tells."""
+  is serialized bytecode, so the types are what the text tells.
+  `kernel_hash`: the call's `kernel_hash` as written (escaped bytes; equal
+  for calls of the same kernel, which the CUDA plugin compiles once per
+  process); not part of equality."""
 
   operands: tuple[str, ...]
   results: tuple[str, ...]
+  kernel_hash: str = dataclasses.field(default="", compare=False)
 
 
 _MOSAIC_GPU_CALL = re.compile(r'stablehlo\.custom_call @"?mosaic_gpu_v2"?\(')
@@ -105,6 +110,7 @@ _SIGNATURE = re.compile(r"\}\s*:\s*\(([^)]*)\)\s*->\s*(.+)$")
 _TENSOR = re.compile(r"tensor<[^>]*>")
 # Every quoted string (the kernel's bytecode, its hash), dropped before the signature is read.
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
+_KERNEL_HASH = re.compile(r'\bkernel_hash = "((?:[^"\\]|\\.)*)"')
 
 
 def _signature(line: str, kind: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -118,7 +124,13 @@ def _signature(line: str, kind: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 def mosaic_gpu_calls(stablehlo: str) -> list[MosaicGpuCall]:
   """The Mosaic GPU calls of a lowered module's text (`lower_for_h100`), in
   text order."""
-  return [MosaicGpuCall(*_signature(line, "Mosaic GPU")) for line in _call_lines(stablehlo, _MOSAIC_GPU_CALL)]
+  calls = []
+  for line in _call_lines(stablehlo, _MOSAIC_GPU_CALL):
+    kernel_hash = _KERNEL_HASH.search(line)
+    calls.append(
+      MosaicGpuCall(*_signature(line, "Mosaic GPU"), kernel_hash=kernel_hash.group(1) if kernel_hash else "")
+    )
+  return calls
 
 
 _ELEMENT_BYTES = {

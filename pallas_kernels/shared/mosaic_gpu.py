@@ -11,6 +11,9 @@ through its registers) takes them from the consumers: `consumer_registers`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -41,21 +44,23 @@ def consumer_registers(producer_registers: int) -> int:
 # 128-byte swizzle.
 SWIZZLE_BYTES = 128
 TILE_COLS = SWIZZLE_BYTES // 2
-WGMMA_TRANSFORMS = (plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+WGMMA_TRANSFORMS = (plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE_BYTES))  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
 # An fp32 tile stored by TMA: (8, 32)-element tiles, the 128-byte swizzle.
-F32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+F32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(SWIZZLE_BYTES))  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
 # The same swizzle in 1-row tiles: a TMA store from such a buffer views the
 # destination row by row, so it needs no 8-row alignment.
-ROW_TRANSFORMS = (plgpu.TilingTransform((1, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+ROW_TRANSFORMS = (plgpu.TilingTransform((1, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE_BYTES))  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
 # Mosaic GPU's TMA views a copied array in the tiles of its shared-memory
 # side: an array copied to or from a WGMMA_TRANSFORMS buffer needs a
 # multiple of this many rows.
 ROW_ALIGN = 8
 
 
-# Gathering kernels (sparse and mixed MLA): faults a test may ask for, each
-# taking one arrival from a barrier so that the interpreter must catch it.
-GATHER_FAULTS = ("release_once", "staged_short")
+# Gathering kernels (sparse and mixed MLA): faults a test may ask for. The
+# first two take one arrival from a barrier (`gather_ring_scratch`);
+# "staged_late" moves the producer's wait on `staged` after its copy of the
+# staging buffer into the ring (the kernels' producer loops).
+GATHER_FAULTS = ("release_once", "staged_short", "staged_late")
 
 
 def gather_ring_scratch(slot_table: tuple[int, ...], heads: int, block_k: int, stages: int, fault: str | None) -> tuple:
@@ -113,6 +118,33 @@ def num_sms() -> int:
   return int(cores) if isinstance(cores, int) and cores > 0 else device.num_sms()
 
 
+def fill_ring_slot(
+  g, stages: int, staged, ring_empty, ring_full, fill: Callable[[Any], None], *, staged_late: bool = False
+) -> None:
+  """One step g of a gathering producer, after it issued the step's
+  gathers: waits for them (`staged`) and for ring slot g % stages to be
+  released by its previous use (step g - stages; the first `stages` uses
+  have none), has `fill(slot)` move the staging buffer into the slot, then
+  publishes it (`ring_full`). The commit makes the stores visible to the
+  consumers' wgmmas and orders this warpgroup's reads of the staging
+  buffer before the next gather. `staged_late` (a test-only fault, the
+  kernels' `staged_late`) waits for the gathers only after the fill, so the
+  staged rows are read before they land: a race the detector reports."""
+  if not staged_late:
+    plgpu.barrier_wait(staged)
+  slot = lax.rem(g, stages)
+
+  @pl.when(g >= stages)
+  def _():
+    plgpu.barrier_wait(ring_empty.at[slot])
+
+  fill(slot)
+  if staged_late:
+    plgpu.barrier_wait(staged)
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(ring_full.at[slot])
+
+
 def drain_releases(steps, stages: int, *empty) -> None:
   """The producer's last waits: on the release of each of the last
   `stages` steps of a ring of `steps` uses (step g in slot g % stages), for
@@ -148,15 +180,17 @@ def softmax_carry(rows: int, width: int):
   )
 
 
-def softmax_step(s, visible, m, l):
+def softmax_step(s, visible, m, l, step_max=None):
   """One step of `online_softmax.online_softmax_step` on a wgmma score tile
   (`s [rows, keys]` fp32, base 2, already scaled): hidden scores (`visible`
   False) become -inf, a row that has seen nothing subtracts 0. Returns
   `(p, correction, m_next, l_next)`: the probabilities, the factor the
   output accumulator is rescaled by before `p V` is added, and the next
-  row maxima and sums."""
+  row maxima and sums. `step_max`: the step's row maxima when `s` is only
+  part of the step's scores (default: `s`'s own, hidden ones excluded);
+  `l_next` then sums `s`'s part only."""
   s = jnp.where(visible, s, -jnp.inf)
-  m_next = jnp.maximum(m, s.max(axis=1))
+  m_next = jnp.maximum(m, s.max(axis=1) if step_max is None else step_max)
   m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
   correction = jnp.exp2(m - m_safe)
   p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
@@ -183,13 +217,13 @@ def rescale_and_accumulate(acc, correction, products, interpret: bool):
         plgpu.wgmma(pv_ref, p_ref, v_ref)
       return pv_ref[...]
 
-    return rescaled + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+    return rescaled + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))  # pyright: ignore[reportPrivateImportUsage] (public Pallas alias)
 
   def accumulate(acc_ref):
     for p_ref, v_ref in products:
       plgpu.wgmma(acc_ref, p_ref, v_ref)
 
-  return pl.run_state(accumulate)(plgpu.ACC.init(rescaled))
+  return pl.run_state(accumulate)(plgpu.ACC.init(rescaled))  # pyright: ignore[reportPrivateImportUsage] (public Pallas alias)
 
 
 def finish_rows(accs, m, l, sink=None):
@@ -216,12 +250,17 @@ def store_rows(wg, outs, lse, out_smem, lse_smem, o_gmem, lse_gmem):
   """A consumer warpgroup's epilogue: `outs` (its `[rows, width]` tiles, in
   column order) into `out_smem`, the rows' `lse` into `lse_smem`, then both to
   global memory by TMA: `out_smem` to `o_gmem` (already indexed down to this
-  warpgroup's rows and column half), `lse_smem` to `lse_gmem` by warpgroup 0
-  only (both consumers hold the same rows' lse)."""
+  warpgroup's rows and column half), `lse_smem` to `lse_gmem`. Both consumers
+  hold the same rows' lse; warpgroup 0 alone writes and stores it (two
+  writers of one buffer would race, the race detector's finding)."""
   width = out_smem.shape[-1] // len(outs)
   for i, value in enumerate(outs):
     out_smem[:, pl.ds(i * width, width)] = value.astype(out_smem.dtype)
-  lse_smem[...] = lse
+
+  @pl.when(wg == 0)
+  def _():
+    lse_smem[...] = lse
+
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem, o_gmem)
   pl.when(wg == 0)(lambda: plgpu.copy_smem_to_gmem(lse_smem, lse_gmem))

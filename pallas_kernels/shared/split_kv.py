@@ -157,7 +157,7 @@ def _combine_kernel(*refs, num_splits: int, block_s: int, has_sink: bool, with_l
   sink_ref = refs[2] if has_sink else None
   out_ref = refs[3 if has_sink else 2]
   acc, m_safe, l = merge_splits(o_part_ref, lse_part_ref, num_splits=num_splits, block_s=block_s)
-  out = normalize(acc, m_safe, l, sink_ref[...] if has_sink else None)
+  out = normalize(acc, m_safe, l, None if sink_ref is None else sink_ref[...])
   out_ref[...] = out.astype(out_ref.dtype)
   if with_lse:
     lse_ref = refs[-1]

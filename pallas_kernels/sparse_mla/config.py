@@ -52,9 +52,16 @@ class MosaicSparseMlaConfig(KernelConfig):
   `split_kv.combine_splits`, merges). `block_k` is 64 only: the
   producer's copy into the ring moves 64-row chunks (Mosaic GPU's WGMMA
   register layout has 64 rows; 32-row steps would need the copy in pairs
-  of steps)."""
+  of steps).
+
+  half_slots: each consumer scores half of a step's slots and the two
+  swap their row maxima through shared memory (the score wgmma is done
+  once, not by both consumers); False: both score all of them. The
+  operands then use the 64-byte swizzle ((8, 32)-element tiles), which a
+  32-slot probability half fills exactly."""
 
   block_k: int = field(64, one_of(64))
   stages: int = field(1, at_least(1))
   splits: int = field(1, at_least(1))
+  half_slots: bool = field(True, one_of(True, False))
   combine: CombineStage = field(CombineStage(block_h=16, block_d=128, block_s=2), instance_of(CombineStage))

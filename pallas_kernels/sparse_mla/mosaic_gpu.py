@@ -34,16 +34,28 @@ Three warpgroups:
   step's gather runs while the consumers compute on the ring; the copy into
   the ring waits for their release (one ring slot fits beside the staging
   buffer at D = 512).
-- warpgroups 0 and 1, the consumers (`setmaxnreg` 224): each computes the
-  full scores `S = Q K^T` (one wgmma per 64 columns of D; both consumers
-  compute it, so m and l are the same in both), the masked online softmax in
-  base 2, and `O = O * correction + P V` for its own half of the value
-  columns (consumer w: columns `[w D/2, (w+1) D/2)`), one wgmma that
+- warpgroups 0 and 1, the consumers (`setmaxnreg` 224). With
+  `config.half_slots` (the default) consumer w scores its half of the
+  step's slots, `S_w = Q K_w^T` over slots `[w bk/2, (w+1) bk/2)` (a loop
+  of wgmmas over 64-column chunks of D), writes its row maxima to shared
+  memory and, after a rendezvous, takes the step's maxima from both
+  consumers' (the same two values in the same order in both, so m, the P
+  scale and the output correction are bitwise the same in both); its
+  half of P goes into its 32 columns of the shared P tile, and after a
+  second rendezvous `O = O * correction + P V` over the whole tile (all
+  the step's slots) for its own half of the value columns (consumer w:
+  columns `[w D/2, (w+1) D/2)`). Each keeps the row sum of its own slots;
+  the two are added once, after the last step. The score wgmmas are done
+  once a step, not by both consumers (8.4 instead of 12.6 MFLOP of wgmma
+  a step). A wgmma's operands share one swizzle and a 32-slot half of P is
+  32 columns wide, so Q, the ring and P use the 64-byte swizzle ((8,
+  32)-element tiles) there. With `half_slots=False` each consumer computes
+  the full scores (so m and l are the same in both without an exchange)
+  into its own P tile, in the 128-byte swizzle. Either way the P V wgmma
   accumulates onto the rescaled output in its registers
   (`shared.mosaic_gpu.rescale_and_accumulate`; 64 x 256 fp32 is 128
-  registers a thread). P
-  goes through a per-consumer shared-memory tile (the CPU interpreter's
-  wgmma reads both operands from shared memory).
+  registers a thread), and P goes through shared memory (the CPU
+  interpreter's wgmma reads both operands from there).
 - epilogue: once both consumers are past their last step (a rendezvous: the
   other one's last S wgmma reads all of Q), each writes its half of
   `acc / (l + exp(sink) 2**-m)` into its half of the Q buffer and stores it
@@ -78,8 +90,44 @@ Synchronization (interpret mode does not check asynchrony):
 - The indices (consumers load each step's block of them for the mask) and
   sinks are written once, before `start` completes, and never again.
 - `done` (2 arrivals) is the consumers' rendezvous before the epilogue
-  overwrites Q; P tile w is written by consumer w only, after its previous
-  P V wgmmas completed, and made visible by `commit_smem()`.
+  overwrites Q; with `half_slots=False` P tile w is written by consumer w
+  only, after its previous P V wgmmas completed, and made visible by
+  `commit_smem()`. Consumer 0 alone writes the lse tile (`store_rows`).
+- Half-slot consumers: two more rendezvous of the consumers (each arrives,
+  then waits; every one of the 128 threads of a warpgroup arrives with
+  release semantics after its own stores, and waits with acquire), one
+  phase each a step: `maxima_written` after a consumer stored its row
+  maxima of the step to its row of `rows_smem`, and `p_written` after it
+  stored its half of the P tile and `commit_smem()` (the proxy fence that
+  makes the stores visible to the other consumer's wgmma). A consumer
+  reads both rows of `rows_smem` only after `maxima_written`'s phase, and
+  issues the P V wgmma over the whole tile only after `p_written`'s.
+  Reuse: consumer w overwrites its row of `rows_smem` at step g + 1 only
+  after passing `p_written` of step g, which needs the other's arrival
+  there, made after it read that row at step g; it overwrites its half of
+  P at step g + 1 only after passing `maxima_written` of step g + 1, which
+  needs the other's arrival there, made after the other's P V wgmmas of
+  step g completed (it read their result); its own had too. After the
+  last step each stores its row sums to its row of `rows_smem` (after its
+  last `p_written`, so the other has read the maxima there) and arrives
+  on `done`; each reads both rows after `done`'s phase. Both consumers
+  walk the same steps, so each makes one arrival and one wait a step on
+  either barrier, in the same order, waiting every phase (the parity rule
+  above); they wait on no producer barrier between the two rendezvous
+  of a step, and the producer waits only on releases of earlier steps,
+  so no cycle of waits exists.
+
+What the CPU interpreter checks of this (docs/perf/mosaic_gpu.md, "Race
+detector"; `tests/test_sparse_mla_mosaic.py` breaks the rules it sees):
+its race detector, on in every test run, `start` for what the consumers
+load, `staged` before the producer reads the staging buffer (`staged_late`:
+only it sees that), the `commit_smem()` before the next gather, the
+epilogue and the partial buffer's aliasing; its barrier checks, the
+arrival counts (`release_once`, `staged_short`, and `exchange_once` for
+the half-slot rendezvous, whose `rows_smem` reads the detector orders).
+The ring and the P tile are read by wgmma only, which the detector does
+not order, and wgmma asynchrony is not modelled: `ring_full`/`ring_empty`
+and the P V wgmma after `p_written` rest on this argument.
 """
 
 from __future__ import annotations
@@ -101,11 +149,13 @@ from pallas_kernels.shared.common import cdiv, resolve_interpret
 from pallas_kernels.shared.kernel import Unsupported
 from pallas_kernels.shared.mosaic_gpu import (
   F32_TRANSFORMS,
+  GATHER_FAULTS,
   NUM_CONSUMERS,
   TILE_COLS,
   WGMMA_TRANSFORMS,
   consumer_registers,
   drain_releases,
+  fill_ring_slot,
   finish_rows,
   gather_ring_scratch,
   gather_shared_memory_bytes,
@@ -115,7 +165,6 @@ from pallas_kernels.shared.mosaic_gpu import (
   softmax_step,
   store_rows,
 )
-from pallas_kernels.shared.mosaic_gpu import GATHER_FAULTS as FAULTS
 from pallas_kernels.shared.online_softmax import LOG2_E
 from pallas_kernels.shared.split_kv import combine_splits
 from pallas_kernels.sparse_mla.config import MosaicSparseMlaConfig
@@ -138,15 +187,28 @@ HEAD_DIMS = (256, 512)
 # the consumers then get 224 (their 64 x 256 fp32 output half is 128).
 PRODUCER_REGISTERS = 56
 CONSUMER_REGISTERS = consumer_registers(PRODUCER_REGISTERS)
+# Half-slot consumers: their operands in (8, 32)-element tiles with the
+# 64-byte swizzle (a wgmma's operands share one swizzle, and a 32-slot half
+# of the probability tile is one such tile wide).
+HALF_SWIZZLE_BYTES = 64
+HALF_TRANSFORMS = (plgpu.TilingTransform((8, HALF_SWIZZLE_BYTES // 2)), plgpu.SwizzleTransform(HALF_SWIZZLE_BYTES))  # pyright: ignore[reportAbstractUsage] (public API; a jax Protocol reads as abstract)
+# Faults a test may ask for (`_forward`): the gathering kernels' two, and the
+# half-slot consumers' row-maxima rendezvous counting one arrival.
+FAULTS = (*GATHER_FAULTS, "exchange_once")
 
 
 def shared_memory_bytes(config: MosaicSparseMlaConfig, head_dim: int, topk: int) -> int:
   """The scratch the kernel allocates: Q (then O), the ring, the staging
-  buffer, both P tiles (bf16), the row's indices, sinks, scales and lse
-  (4 bytes each), each aligned to 1 KiB (the 128-byte swizzle's period),
+  buffer, the P tiles (bf16: one per consumer, or with `half_slots` one
+  shared tile and both consumers' row maxima, fp32), the row's indices,
+  sinks, scales and lse (4 bytes each), each aligned to 1 KiB (the 128-byte swizzle's period),
   the barriers, and the 2 KiB more Mosaic GPU reports at lowering."""
   bk, stages = config.block_k, config.stages
-  buffers = [BLOCK_H * head_dim * 2, stages * bk * head_dim * 2, bk * head_dim * 2, NUM_CONSUMERS * BLOCK_H * bk * 2]
+  buffers = [BLOCK_H * head_dim * 2, stages * bk * head_dim * 2, bk * head_dim * 2]
+  if config.half_slots:  # one shared P tile, the row maxima of both consumers, two barriers
+    buffers += [BLOCK_H * bk * 2, NUM_CONSUMERS * BLOCK_H * 4]
+    return gather_shared_memory_bytes(buffers, cdiv(max(topk, 1), bk) * bk, BLOCK_H, stages) + 16
+  buffers.append(NUM_CONSUMERS * BLOCK_H * bk * 2)
   return gather_shared_memory_bytes(buffers, cdiv(max(topk, 1), bk) * bk, BLOCK_H, stages)
 
 
@@ -157,9 +219,10 @@ def fit(config: MosaicSparseMlaConfig, topk: int) -> MosaicSparseMlaConfig:
 
 
 def choose_config(shapes: Mapping[str, Any]) -> MosaicSparseMlaConfig:
-  """64 slots a step through one ring slot (216 KiB at D = 512, TOPK =
-  640; two do not fit): the gather of step g + 1 overlaps step g's compute,
-  its copy into the ring does not. A CTA fills an SM, so TOPK is split only
+  """64 slots a step through one ring slot (209 KiB at D = 512, TOPK =
+  640; two do not fit), each consumer scoring half of them (`half_slots`):
+  the gather of step g + 1 overlaps step g's compute, its copy into the
+  ring does not. A CTA fills an SM, so TOPK is split only
   where the unsplit grid leaves at least half the SMs idle, into as many
   splits as still fit one wave (at most `MAX_SPLITS`): M x H / 64 CTAs of
   128 and more (every recorded M) are not split, M = 16 takes 4."""
@@ -170,12 +233,18 @@ def choose_config(shapes: Mapping[str, Any]) -> MosaicSparseMlaConfig:
 
 
 def candidate_configs(shapes: Mapping[str, Any]) -> list[MosaicSparseMlaConfig]:
-  """The heuristic's first, its tiling unsplit, then 2 and 3 ring slots
-  (the copy into the ring overlaps the compute too), those that fit the SM
-  (at D = 512 only one ring slot)."""
+  """The heuristic's first, its tiling unsplit, its consumers each scoring
+  all of a step's slots (`half_slots=False`), then 2 and 3 ring slots (the
+  copy into the ring overlaps the compute too), those that fit the SM (at
+  D = 512 only one ring slot)."""
   sizes = SparseMlaSizes.of(shapes)
   chosen = choose_config(shapes)
-  sweep = [chosen, dataclasses.replace(chosen, splits=1), *(dataclasses.replace(chosen, stages=s) for s in (2, 3))]
+  sweep = [
+    chosen,
+    dataclasses.replace(chosen, splits=1),
+    dataclasses.replace(chosen, half_slots=not chosen.half_slots),
+    *(dataclasses.replace(chosen, stages=s) for s in (2, 3)),
+  ]
   return [
     c
     for c in dict.fromkeys(sweep)
@@ -223,7 +292,25 @@ def _kernel(
   first = jnp.maximum(limits_gmem[row, 0], run)
   steps = jnp.maximum(jnp.minimum(limits_gmem[row, 1], run + blocks_per_split) - first, 0)
 
-  def scoped(buffers, p_smem, idx_smem, sink_smem, scale_smem, lse_smem, start, staged, ring_full, ring_empty, done):
+  def scoped(
+    buffers,
+    p_smem,
+    idx_smem,
+    sink_smem,
+    scale_smem,
+    lse_smem,
+    start,
+    staged,
+    ring_full,
+    ring_empty,
+    done,
+    # Half-slot consumers only: a row of row maxima (after the last step, of
+    # row sums) per consumer, and the rendezvous after writing them and
+    # after writing P.
+    rows_smem: Any = None,
+    maxima_written: Any = None,
+    p_written: Any = None,
+  ):
     wg = lax.axis_index("wg")
     # The partial output of a split reuses Q, the ring and the staging
     # buffer: it is written after the last step of both consumers.
@@ -253,6 +340,16 @@ def _kernel(
             lambda cols=cols, dst=dst: plgpu.copy_gmem_to_smem(zeros_gmem.at[pl.ds(0, 1), cols], dst, staged)
           )
 
+      def to_ring(slot):
+        """The staged rows into ring slot `slot`, each consumer's half of D
+        in its wgmma layout."""
+        for h in range(NUM_CONSUMERS):
+          for c in range(chunks):
+            rows = plgpu.load(
+              staging.at[:, pl.ds(h * half + c * TILE_COLS, TILE_COLS)], layout=plgpu.Layout.WGMMA, optimized=False
+            )
+            ring.at[slot, h][:, pl.ds(c * TILE_COLS, TILE_COLS)] = plgpu.layout_cast(rows, plgpu.Layout.WGMMA)
+
       @pl.loop(0, steps)
       def _step(g):
         block = first + g
@@ -261,23 +358,7 @@ def _kernel(
         def _slot(t):
           gather(t, idx_smem[block, t])
 
-        plgpu.barrier_wait(staged)
-        slot = lax.rem(g, stages)
-
-        @pl.when(g >= stages)
-        def _():
-          plgpu.barrier_wait(ring_empty.at[slot])
-
-        for h in range(NUM_CONSUMERS):
-          for c in range(chunks):
-            rows = plgpu.load(
-              staging.at[:, pl.ds(h * half + c * TILE_COLS, TILE_COLS)], layout=plgpu.Layout.WGMMA, optimized=False
-            )
-            ring.at[slot, h][:, pl.ds(c * TILE_COLS, TILE_COLS)] = plgpu.layout_cast(rows, plgpu.Layout.WGMMA)
-        # Makes the stores visible to the consumers' wgmmas, and orders this
-        # warpgroup's reads of the staging buffer before the next gather.
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ring_full.at[slot])
+        fill_ring_slot(g, stages, staged, ring_empty, ring_full, to_ring, staged_late=fault == "staged_late")
 
       drain_releases(steps, stages, ring_empty)
 
@@ -287,39 +368,67 @@ def _kernel(
       plgpu.barrier_wait(start)
       row_layout = plgpu.Layout.WGMMA.reduce(1)
       qk_scale = plgpu.load(scale_smem, layout=row_layout)
-      acc, m, l = softmax_carry(BLOCK_H, half)
+      # This consumer's slots of a step: all of them, or its half.
+      width = bk // NUM_CONSUMERS if config.half_slots else bk
+      own = pl.ds(wg * width, width) if config.half_slots else pl.ds(0, bk)
+
+      def scores(slot, s_ref):
+        # A loop over the 64-column chunks of D, not unrolled: with the 32
+        # wgmma steps unrolled, jax 0.11.2's Mosaic GPU code spills 440
+        # bytes in the consumers (its operand descriptors stay live).
+        @pl.loop(0, NUM_CONSUMERS * chunks)
+        def _(c):
+          h, cols = c // chunks, pl.ds(lax.rem(c, chunks) * TILE_COLS, TILE_COLS)
+          plgpu.wgmma(s_ref, q_smem.at[h].at[:, cols], ring.at[slot, h].at[own, cols].T)
+
+        return s_ref[...]
+
+      def rendezvous(barrier):
+        plgpu.barrier_arrive(barrier)
+        plgpu.barrier_wait(barrier)
+
+      def swap_rows(values, barrier):
+        """Both consumers' `values` (one per row of the tile), consumer 0's
+        first: this one's go to its row of `rows_smem`, then the two meet at
+        `barrier`. Both consumers combine the same two in the same order, so
+        they get the same bits."""
+        rows_smem[wg] = values
+        rendezvous(barrier)
+        return plgpu.load(rows_smem.at[0], layout=row_layout), plgpu.load(rows_smem.at[1], layout=row_layout)
+
+      # This consumer's P tile (with half slots, the one both write a half of
+      # and read whole).
+      p_tile = p_smem if config.half_slots else p_smem.at[wg]
 
       def step(g, carry):
         acc, m, l = carry
         slot = lax.rem(g, stages)
         plgpu.barrier_wait(ring_full.at[slot])
-
-        def scores(s_ref):
-          # A loop over the 64-column chunks of D, not unrolled: with the 32
-          # wgmma steps unrolled, jax 0.11.2's Mosaic GPU code spills 440
-          # bytes in the consumers (its operand descriptors stay live).
-          @pl.loop(0, NUM_CONSUMERS * chunks)
-          def _(c):
-            h, cols = c // chunks, pl.ds(lax.rem(c, chunks) * TILE_COLS, TILE_COLS)
-            plgpu.wgmma(s_ref, q_smem.at[h].at[:, cols], ring.at[slot, h].at[:, cols].T)
-
-          return s_ref[...]
-
-        s = pl.run_scoped(scores, plgpu.ACC((BLOCK_H, bk), jnp.float32))
+        s = pl.run_scoped(functools.partial(scores, slot), plgpu.ACC((BLOCK_H, width), jnp.float32))  # pyright: ignore[reportPrivateImportUsage] (public Pallas alias)
         s = s * lax.broadcast_in_dim(qk_scale, s.shape, [0])
-        index = plgpu.load(idx_smem.at[first + g], layout=plgpu.Layout.WGMMA.reduce(0))
+        index = plgpu.load(idx_smem.at[first + g, own], layout=plgpu.Layout.WGMMA.reduce(0))
         valid = lax.broadcast_in_dim((index >= 0) & (index < num_kv), s.shape, [1])
-        p, correction, m_next, l_next = softmax_step(s, valid, m, l)
-        # The previous step's P V wgmmas have completed.
-        p_smem[wg] = p.astype(p_smem.dtype)
+        # With half slots l is the sum over this consumer's slots only.
+        step_max = None
+        if config.half_slots:  # the step's maxima: m, the P scale and the correction are the same in both
+          step_max = jnp.maximum(*swap_rows(jnp.where(valid, s, -jnp.inf).max(axis=1), maxima_written))
+        p, correction, m_next, l_next = softmax_step(s, valid, m, l, step_max)
+        # The previous step's P V wgmmas have completed (with half slots also
+        # the other consumer's: it arrived on `maxima_written` after them).
+        p_tile[:, own] = p.astype(p_smem.dtype)
         plgpu.commit_smem()
-        acc = rescale_and_accumulate(acc, correction, [(p_smem.at[wg], ring.at[slot, wg])], interpret)
+        if config.half_slots:
+          rendezvous(p_written)
+        acc = rescale_and_accumulate(acc, correction, [(p_tile, ring.at[slot, wg])], interpret)
         plgpu.barrier_arrive(ring_empty.at[slot])
         return acc, m_next, l_next
 
-      acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
-      plgpu.barrier_arrive(done)
-      plgpu.barrier_wait(done)
+      acc, m, l = lax.fori_loop(0, steps, step, softmax_carry(BLOCK_H, half))
+      if config.half_slots:  # the row sums of both consumers' slots
+        l_first, l_second = swap_rows(l, done)
+        l = l_first + l_second
+      else:
+        rendezvous(done)
       sink = plgpu.load(sink_smem, layout=row_layout) if config.splits == 1 else None
       outs, lse = finish_rows([acc], m, l, sink)
       out = q_smem.at[wg] if config.splits == 1 else partial_smem.at[wg]
@@ -328,18 +437,27 @@ def _kernel(
 
   dtype = q_gmem.dtype
   head_dim = q_gmem.shape[-1]
+  transforms = HALF_TRANSFORMS if config.half_slots else WGMMA_TRANSFORMS
+  halves = ()
+  if config.half_slots:
+    halves = (
+      plgpu.SMEM((NUM_CONSUMERS, BLOCK_H), jnp.float32),
+      plgpu.Barrier(num_arrivals=1 if fault == "exchange_once" else NUM_CONSUMERS),
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+    )
   pl.run_scoped(
     scoped,
     plgpu.RefUnion(
       (
-        plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), dtype, transforms=WGMMA_TRANSFORMS),
-        plgpu.SMEM((stages, NUM_CONSUMERS, bk, half), dtype, transforms=WGMMA_TRANSFORMS),
+        plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), dtype, transforms=transforms),
+        plgpu.SMEM((stages, NUM_CONSUMERS, bk, half), dtype, transforms=transforms),
         plgpu.SMEM((bk, head_dim), dtype),
       ),
       plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, half), jnp.float32, transforms=F32_TRANSFORMS),
     ),
-    plgpu.SMEM((NUM_CONSUMERS, BLOCK_H, bk), dtype, transforms=WGMMA_TRANSFORMS),
+    plgpu.SMEM((BLOCK_H, bk) if config.half_slots else (NUM_CONSUMERS, BLOCK_H, bk), dtype, transforms=transforms),
     *gather_ring_scratch(idx_gmem.shape[1:], BLOCK_H, bk, stages, fault),
+    *halves,
     collective_axes="wg",
   )
 
@@ -352,6 +470,8 @@ def _forward(
   synchronization on purpose."""
   if fault is not None and fault not in FAULTS:
     raise ValueError(f"fault must be None or one of {FAULTS}, got {fault!r}")
+  if fault == "exchange_once" and not config.half_slots:
+    raise ValueError("fault 'exchange_once' breaks the half-slot consumers' exchange: it needs half_slots=True")
   m, heads, head_dim = q.shape
   num_kv, topk, bk = kv.shape[0], indices.shape[-1], config.block_k
   blocks = cdiv(topk, bk)
@@ -367,7 +487,7 @@ def _forward(
       jax.ShapeDtypeStruct((m, splits, heads, head_dim), jnp.float32),
       jax.ShapeDtypeStruct((m, splits, heads), jnp.float32),
     )
-  kernel = plgpu.kernel(
+  kernel = compat.kernel(
     functools.partial(
       _kernel,
       config=config,
@@ -381,7 +501,8 @@ def _forward(
     grid_names=("h", "s", "m"),
     num_threads=NUM_CONSUMERS + 1,
     thread_name="wg",
-    **compat.interpret_kwargs(interpret),
+    name=__name__,
+    interpret=interpret,
   )
   zeros = jnp.zeros((1, head_dim), q.dtype)  # what an invalid slot gathers
   sink = attn_sink.astype(jnp.float32)

@@ -99,7 +99,7 @@ def _accumulate_in_place_kernel(a_gmem, b_gmem, o_gmem):
 
 
 def _run(kernel, out_shape, args, expected, interpret: bool) -> str:
-  call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, BF16), **compat.interpret_kwargs(interpret))
+  call = compat.kernel(kernel, name=__name__, interpret=interpret, out_type=jax.ShapeDtypeStruct(out_shape, BF16))
   try:
     if interpret:
       out = np.asarray(call(*args).astype(jnp.float32))
