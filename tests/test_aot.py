@@ -702,7 +702,7 @@ def test_shipped_heuristic_configs_compile_clean(compiler, name, axes, backend):
   for k in row["kernels"]:
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0, k
     assert backend == "mosaic_gpu" or k["ctas_per_sm"] >= 1, k
-  if name.startswith(("dense_gemm", "noncausal", "prefix")):
+  if name.startswith(("dense_gemm", "noncausal", "prefix", "neighborhood")):
     assert all(k["matrix_ops"] == "wgmma" for k in row["kernels"]), row["kernels"]
   for k in row["kernels"]:
     mix = k["instruction_mix"]

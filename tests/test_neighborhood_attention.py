@@ -21,13 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kit import Case, TritonCall
+from kit import EVERY_CANDIDATE, Case, MosaicGpuCall, TritonCall
 from numerics import assert_bf16_close
 
 from jaxkern import ops
 from jaxkern.families import neighborhood_attention as fam
 from pallas_kernels.neighborhood_attention import tiles
 from pallas_kernels.neighborhood_attention import triton as na
+from pallas_kernels.neighborhood_attention.config import MosaicNeighborhoodConfig
 from pallas_kernels.shared.lowering import lower_for_h100, triton_calls
 
 DEFINITIONS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "definitions")
@@ -107,6 +108,26 @@ def launches(config, axes):
   return [TritonCall("neighborhood_attention_3d", (tiles, axes["B"], axes["H"]), config.num_warps, config.num_stages)]
 
 
+def launches_mosaic_gpu(config, axes):
+  """One Mosaic GPU call, grid (CTA tiles, H, B), two consumer tiles a CTA
+  stacked along y: q, k, v, the queries' window probes `[CTA tiles, 2, 64]`
+  and the window bits of a plane's rows `[box lines, box x]` in (x: the
+  tile plus the window, rounded up to 8, at most the grid rounded up; the
+  lines: the CTA's two tiles plus the window, at most Y, at least a 64-key
+  run of one tile's lines); o and lse `[B, H, T, Y, X]` (x a multiple of 4)
+  out."""
+  b, t, y, x, h, d = (axes[n] for n in ("B", "T", "Y", "X", "H", "D"))
+  (bt, by, bx), (ky, kx) = config.tile, (axes["KY"], axes["KX"])
+  up = lambda n, m: -(-n // m) * m  # noqa: E731
+  box_x = min(up(bx + kx - 1, 8), up(x, 8))
+  run = up((by + ky - 1) * box_x, 64)
+  box_y = max(min(2 * by + ky - 1, y), -(-run // box_x))
+  ctas = -(-t // bt) * -(-y // (2 * by)) * -(-x // bx)
+  qkv_type = f"tensor<{b}x{t}x{y}x{x}x{h}x{d}xbf16>"
+  operands = (qkv_type,) * 3 + (f"tensor<{ctas}x2x64xi32>", f"tensor<{box_y}x{box_x}xi32>")
+  return [MosaicGpuCall(operands, (qkv_type, f"tensor<{b}x{h}x{t}x{y}x{up(x, 4)}xf32>"))]
+
+
 def case_axes(shape, window):
   """Axes of a problem `[B, T, Y, X, H, D]` with its window (the constants a
   case overrides)."""
@@ -152,6 +173,32 @@ KERNEL_CASES.append(
   )
 )
 SWEEP_CASE = Case(NAMES[0], case_axes((1, 4, 9, 11, 1, 64), (3, 7, 7)))
+# The Mosaic GPU kernel through the op path (the rest of its edge cases:
+# test_neighborhood_attention_mosaic.py): a ragged grid with B = 2 and an
+# 11^3 window over a grid of its size, a sweep and lowerings at small grids
+# (x neither a multiple of the tile nor of 8).
+MOSAIC = "mosaic_gpu"
+KERNEL_CASES += [
+  Case(
+    NAMES[2],
+    case_axes((2, 4, 9, 10, 1, 64), (3, 5, 5)),
+    config=MosaicNeighborhoodConfig(2, 4, 8, stages=2),
+    id="mosaic_ragged_b2",
+    backend=MOSAIC,
+  ),
+  Case(
+    NAMES[3],
+    case_axes((1, 11, 11, 11, 1, 64), (11, 11, 11)),
+    config=MosaicNeighborhoodConfig(16, 1, 4, stages=2),
+    id="mosaic_11_cubed_window_is_grid",
+    backend=MOSAIC,
+  ),
+]
+SWEEP_CASE_MOSAIC_GPU = Case(NAMES[2], case_axes((1, 3, 5, 8, 1, 64), (3, 5, 5)))
+LOWERING_CASES += [
+  Case(NAMES[3], case_axes((1, 13, 14, 13, 4, 64), (11, 11, 11)), config=EVERY_CANDIDATE, backend=MOSAIC),
+  Case(NAMES[0], _SMALL_GRID, config=MosaicNeighborhoodConfig(4, 4, 4), id="mosaic_tile_over_grid", backend=MOSAIC),
+]
 
 
 # ---------------------------------------------------------------------------

@@ -264,9 +264,10 @@ def neighborhood_attention_3d(
   no masks and no index inputs (`checks=True` has nothing to check);
   non-finite values reach the queries whose windows hold them.
   Differentiable in q, k, v (Pallas: dQ and dK/dV kernels over the
-  forward's tiles).
+  forward's tiles; `mosaic_gpu` differentiates through the Triton ones).
 
-  Backends: `xla`, `triton`."""
+  Backends: `xla`, `triton`, `mosaic_gpu` (the forward, for bf16 with
+  D = 64; other inputs fall back to Triton under `backend="pallas"`)."""
   kt, ky, kx = window_of(kernel_size) or (0, 0, 0)  # validated
   return dispatch.run(
     IMPL,

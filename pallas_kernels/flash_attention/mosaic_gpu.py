@@ -143,6 +143,7 @@ from pallas_kernels.shared.mosaic_gpu import (
   WGMMA_TRANSFORMS,
   drain_releases,
   pad_rows,
+  rendezvous,
   softmax_carry,
   softmax_step,
 )
@@ -249,8 +250,7 @@ def _kernel(
     def meet():
       """A rendezvous of the two consumers (ping-pong only)."""
       if config.ping_pong:
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
+        rendezvous(turn)
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():

@@ -14,12 +14,30 @@ from pallas_kernels.shared.config_rules import (
   at_least,
   field,
   instance_of,
+  multiple_in,
+  one_of,
   pow2,
 )
 
 
+class _Tile:
+  """The `block_t x block_y x block_x` query tile of a config."""
+
+  block_t: int
+  block_y: int
+  block_x: int
+
+  @property
+  def tile(self) -> tuple[int, int, int]:
+    return (self.block_t, self.block_y, self.block_x)
+
+  @property
+  def block_queries(self) -> int:
+    return self.block_t * self.block_y * self.block_x
+
+
 @dataclasses.dataclass(frozen=True)
-class NeighborhoodAttentionConfig(KernelConfig):
+class NeighborhoodAttentionConfig(_Tile, KernelConfig):
   """Tiling: a query tile of `block_t x block_y x block_x` grid points (each a
   power of two, `block_queries` >= 16 in all: the rows of both dots), key
   chunks of `block_k` halo keys."""
@@ -32,14 +50,6 @@ class NeighborhoodAttentionConfig(KernelConfig):
   num_warps: int = field(4, NUM_WARPS)
   num_stages: int = field(2, NUM_STAGES)
 
-  @property
-  def tile(self) -> tuple[int, int, int]:
-    return (self.block_t, self.block_y, self.block_x)
-
-  @property
-  def block_queries(self) -> int:
-    return self.block_t * self.block_y * self.block_x
-
 
 @dataclasses.dataclass(frozen=True)
 class NeighborhoodAttentionBwdConfig(KernelConfig):
@@ -49,3 +59,23 @@ class NeighborhoodAttentionBwdConfig(KernelConfig):
 
   dq: NeighborhoodAttentionConfig = field(NeighborhoodAttentionConfig(), instance_of(NeighborhoodAttentionConfig))
   dkdv: NeighborhoodAttentionConfig = field(NeighborhoodAttentionConfig(), instance_of(NeighborhoodAttentionConfig))
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicNeighborhoodConfig(_Tile, KernelConfig):
+  """Tiling of the Mosaic GPU forward: each of a CTA's two consumer
+  warpgroups owns a query tile of `block_t x block_y x block_x` = 64 grid
+  points (the two stacked along y, `block_x` >= 4: lse rows of 16 bytes);
+  the key box comes a t-plane at a time through a ring of `stages` slots,
+  and each consumer scores its run of a plane's rows in chunks of at most
+  `max_chunk_keys` keys (multiples of 64); `ping_pong`: the consumers take
+  turns on the tensor cores (FlashAttention-3's schedule) instead of
+  running freely."""
+
+  _derived_rules = {"block_queries": (one_of(64),)}
+  block_t: int = field(4, pow2())
+  block_y: int = field(4, pow2())
+  block_x: int = field(4, pow2(4))
+  max_chunk_keys: int = field(256, multiple_in(64, 64, 256))
+  stages: int = field(3, at_least(2))
+  ping_pong: bool = field(True, instance_of(bool))

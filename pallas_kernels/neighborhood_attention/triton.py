@@ -58,7 +58,6 @@ chunks through `cp.async`, without spills (docs/perf/sm90a_compile.md).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Mapping
@@ -66,7 +65,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -82,7 +80,7 @@ from pallas_kernels.neighborhood_attention.tiles import (
   tile_spec,
   walk_halo,
 )
-from pallas_kernels.neighborhood_attention.triton_bwd import attention_backward
+from pallas_kernels.neighborhood_attention.triton_bwd import Static, with_backward
 from pallas_kernels.shared import common
 from pallas_kernels.shared.common import cdiv, check_pow2_dim, next_pow2, resolve_interpret
 from pallas_kernels.shared.online_softmax import (
@@ -289,56 +287,27 @@ def _forward(q, k, v, *, window, config: NeighborhoodAttentionConfig, interpret:
   return tuple(outs) if with_lse else outs[0]
 
 
-class _Static(NamedTuple):
-  window: tuple[int, int, int]
-  config: NeighborhoodAttentionConfig
-  backward_config: NeighborhoodAttentionBwdConfig
-  interpret: bool
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class _Needed:
-  """Which gradients the backward pass makes (residual metadata, no leaves)."""
-
-  dq: bool
-  dkv: bool
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, static: _Static):
-  return _forward(q, k, v, window=static.window, config=static.config, interpret=static.interpret, with_lse=False)
-
-
-def _attention_fwd(q, k, v, static: _Static):
-  # symbolic_zeros: `.perturbed` tells which gradients are needed.
-  needed = _Needed(dq=q.perturbed, dkv=k.perturbed or v.perturbed)
-  q, k, v = q.value, k.value, v.value
-  o, lse = _forward(q, k, v, window=static.window, config=static.config, interpret=static.interpret, with_lse=True)
-  return o, (q, k, v, o, lse, needed)
-
-
-def _attention_bwd(static: _Static, residuals, do):
-  q, k, v, o, lse, needed = residuals
-  if isinstance(do, SymbolicZero):
-    do = jnp.zeros(o.shape, o.dtype)
-  return attention_backward(
-    q,
-    k,
-    v,
-    o,
-    lse,
-    do,
-    window=static.window,
-    dq_config=static.backward_config.dq,
-    dkdv_config=static.backward_config.dkdv,
-    interpret=static.interpret,
-    need_dq=needed.dq,
-    need_dkv=needed.dkv,
+_attention = with_backward(
+  lambda q, k, v, static, with_lse: _forward(
+    q, k, v, window=static.window, config=static.config, interpret=static.interpret, with_lse=with_lse
   )
+)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+def check_inputs(q, k, v, KT: int, KY: int, KX: int) -> tuple[int, int, int]:
+  """The window `(KT, KY, KX)` of inputs every backend takes (a ValueError
+  otherwise): q, k, v `[B, T, Y, X, H, D]` of one shape and dtype, D a
+  power of two >= 16, `1 <= k <= extent` on each axis."""
+  if k.shape != q.shape or v.shape != q.shape:
+    raise ValueError(f"k {k.shape} / v {v.shape} do not match q {q.shape}")
+  if not (k.dtype == v.dtype == q.dtype):
+    raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+  check_pow2_dim("head dim D", q.shape[-1])
+  window = (int(KT), int(KY), int(KX))
+  dims = tuple(q.shape[1:4])
+  if any(w < 1 or n < w for n, w in zip(dims, window)):
+    raise ValueError(f"window {window} does not fit the grid {dims} (need 1 <= k <= extent)")
+  return window
 
 
 @functools.partial(jax.jit, static_argnames=("KT", "KY", "KX", "config", "backward_config", "interpret"))
@@ -372,20 +341,12 @@ def neighborhood_attention_3d(
   Returns:
     `o [B, T, Y, X, H, D]` in `q.dtype`.
   """
-  batch, t_len, y_len, x_len, num_heads, head_dim = q.shape
-  if k.shape != q.shape or v.shape != q.shape:
-    raise ValueError(f"k {k.shape} / v {v.shape} do not match q {q.shape}")
-  if not (k.dtype == v.dtype == q.dtype):
-    raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-  check_pow2_dim("head dim D", head_dim)
-  window = (int(KT), int(KY), int(KX))
-  dims = (t_len, y_len, x_len)
-  if any(w < 1 or n < w for n, w in zip(dims, window)):
-    raise ValueError(f"window {window} does not fit the grid {dims} (need 1 <= k <= extent)")
+  window = check_inputs(q, k, v, KT, KY, KX)
+  batch, *_, num_heads, _ = q.shape
   if not (batch and num_heads):
     return jnp.zeros(q.shape, q.dtype)
   shapes = {"q": jax.ShapeDtypeStruct(q.shape, q.dtype)}
-  static = _Static(
+  static = Static(
     window,
     config or choose_config(shapes, KT=KT, KY=KY, KX=KX),
     backward_config or choose_backward_config(shapes, KT=KT, KY=KY, KX=KX),

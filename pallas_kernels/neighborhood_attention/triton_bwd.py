@@ -25,15 +25,19 @@ input dtype for their dots:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.neighborhood_attention.config import NeighborhoodAttentionConfig
+from pallas_kernels.neighborhood_attention.config import NeighborhoodAttentionBwdConfig, NeighborhoodAttentionConfig
 from pallas_kernels.neighborhood_attention.tiles import (
   Dims,
   SlotTables,
@@ -194,3 +198,67 @@ def attention_backward(
     tables = query_box_slots(dims, window, dkdv_config.tile, dkdv_config.block_k)
     dk, dv = launch(kernel, dkdv_config, tables, 2, "neighborhood_attention_3d_bwd_dkdv")
   return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------
+# The custom VJP every forward of the family shares.
+
+
+class Static(NamedTuple):
+  """The static arguments of a differentiable forward: the window, the
+  forward's config, the backward kernels' configs, interpret mode."""
+
+  window: tuple[int, int, int]
+  config: Any
+  backward_config: NeighborhoodAttentionBwdConfig
+  interpret: bool
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Needed:
+  """Which gradients the backward pass makes (residual metadata, no leaves)."""
+
+  dq: bool
+  dkv: bool
+
+
+def with_backward(forward: Callable[..., Any]) -> Callable[..., jax.Array]:
+  """`attention(q, k, v, static)`, a `jax.custom_vjp` over `forward(q, k,
+  v, static, with_lse)` (`o`, or `(o, lse)` with `with_lse`: lse `[B, H, T,
+  Y, X]` base 2, the Triton forward's semantics) whose backward is
+  `attention_backward` with `static.backward_config`, launching only the
+  kernels of the gradients asked for."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+  def attention(q, k, v, static: Static):
+    return forward(q, k, v, static, False)
+
+  def attention_fwd(q, k, v, static: Static):
+    # symbolic_zeros: `.perturbed` tells which gradients are needed.
+    needed = _Needed(dq=q.perturbed, dkv=k.perturbed or v.perturbed)
+    q, k, v = q.value, k.value, v.value
+    o, lse = forward(q, k, v, static, True)
+    return o, (q, k, v, o, lse, needed)
+
+  def attention_bwd(static: Static, residuals, do):
+    q, k, v, o, lse, needed = residuals
+    if isinstance(do, SymbolicZero):
+      do = jnp.zeros(o.shape, o.dtype)
+    return attention_backward(
+      q,
+      k,
+      v,
+      o,
+      lse,
+      do,
+      window=static.window,
+      dq_config=static.backward_config.dq,
+      dkdv_config=static.backward_config.dkdv,
+      interpret=static.interpret,
+      need_dq=needed.dq,
+      need_dkv=needed.dkv,
+    )
+
+  attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
+  return attention

@@ -50,6 +50,14 @@ def at_least(minimum: int) -> Rule:
   return Rule(f"an int >= {minimum}", lambda v, _: _is_int(v) and v >= minimum)
 
 
+def multiple_in(step: int, minimum: int, maximum: int) -> Rule:
+  """A multiple of `step` in `[minimum, maximum]`."""
+  return Rule(
+    f"a multiple of {step} in [{minimum}, {maximum}]",
+    lambda v, _: _is_int(v) and minimum <= v <= maximum and v % step == 0,
+  )
+
+
 def one_of(*choices: Any) -> Rule:
   return Rule(f"one of {choices}", lambda v, _: v in choices)
 

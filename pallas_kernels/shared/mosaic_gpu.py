@@ -160,6 +160,14 @@ def drain_releases(steps, stages: int, *empty) -> None:
       plgpu.barrier_wait(barriers.at[lax.rem(g, stages)])
 
 
+def rendezvous(barrier) -> None:
+  """A meeting of the consumers: each arrives on `barrier` (one arrival per
+  consumer) and waits for its phase, which completes once all arrived
+  (FlashAttention-3's ping-pong turns)."""
+  plgpu.barrier_arrive(barrier)
+  plgpu.barrier_wait(barrier)
+
+
 def softmax_carry(rows: int, width: int):
   """The online softmax's start in the wgmma layouts: row maxima -inf and
   row sums 0 (`Layout.WGMMA.reduce(1)`), and a `[rows, width]` fp32 output
